@@ -1,0 +1,71 @@
+"""Developer sessions: ``nox -s tests``, ``lint``, ``typecheck``, ``docs``, ``bench``, ``slow``.
+
+torch is pinned in the same pip command as everything that depends on it, so pip takes the CPU wheel that
+the machine already has instead of pulling a multi-GB CUDA build.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["tests", "lint"]
+nox.options.default_venv_backend = "venv"
+
+TORCH = "torch==2.13.0"
+PYTHON = "3.11"
+
+
+def install(session: nox.Session, *extras: str) -> None:
+    spec = f".[{','.join(extras)}]" if extras else "."
+    session.install(TORCH, "-e", spec)
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """The default suite (the README's test command): asyncio, asyncio+uvloop and trio."""
+    install(session, "test")
+    session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def slow(session: nox.Session) -> None:
+    """Tests marked slow."""
+    install(session, "test")
+    session.run("python", "-m", "pytest", "-m", "slow", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def tensordict014(session: nox.Session) -> None:
+    """The suite against tensordict 0.14.x, the range torchrl 0.14 needs."""
+    session.install(TORCH, "tensordict>=0.14.3,<0.15", "-e", ".[test]")
+    session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """mypy on src/."""
+    install(session, "test")
+    session.install("mypy>=1.10")
+    session.run("mypy")
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """Build the docs with mkdocs --strict (warnings fail)."""
+    install(session, "docs")
+    session.run("mkdocs", "build", "--strict", "--site-dir", "site")
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Benchmarks: ratios measured in one run (see benchmarks/README.md)."""
+    install(session)
+    session.run("python", "benchmarks/run.py", *session.posargs)

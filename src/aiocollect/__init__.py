@@ -1,0 +1,28 @@
+"""aiocollect: asyncio-native reinforcement-learning data collectors.
+
+``async for batch in collector`` yields ``tensordict.TensorDict`` batches with TorchRL's key conventions,
+while the env and the policy run off the event loop.
+"""
+
+from __future__ import annotations
+
+from ._collector import Collector
+from ._envs._gym import GymEnv
+from ._envs._protocol import EnvProtocol
+from ._errors import CollectorClosedError
+from ._policies import RandomPolicy
+from ._stats import CollectorStatistics
+from ._trajectories import split_trajectories
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Collector",
+    "CollectorClosedError",
+    "CollectorStatistics",
+    "EnvProtocol",
+    "GymEnv",
+    "RandomPolicy",
+    "__version__",
+    "split_trajectories",
+]

@@ -1,0 +1,520 @@
+"""``Collector``: one env (possibly batched) and a policy, collected in a worker thread, async on top."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import warnings
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from math import ceil
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import InteractionType
+
+from ._envs._adapter import ArrayEnv, check_env
+from ._errors import CollectorClosedError
+from ._policies import (
+    RandomPolicy,
+    compile_policy,
+    make_runner,
+    parse_exploration_type,
+)
+from ._rollout import Rollout, RolloutConfig, RolloutResult
+from ._stats import CollectorStatistics, StatsTracker
+from ._threads import run_stoppable
+from ._trajectories import split_trajectories
+from ._validation import (
+    Devices,
+    compile_arg,
+    flag,
+    init_random_frames_arg,
+    optional_callable,
+    optional_positive_int,
+    positive_int,
+    replay_buffer_arg,
+    seed_arg,
+    total_frames_arg,
+)
+from ._weights import as_weights, check_compatible, copy_weights, module_weights
+
+
+@dataclass(frozen=True)
+class _Batch:
+    batch: TensorDictBase | None
+    result: RolloutResult
+
+
+class Collector:
+    """Collect batches from one env with a policy; ``async for batch in collector``.
+
+    The rollout of each batch runs in a worker thread (one hand-off per batch), so the event loop stays
+    free for a trainer, a dashboard or other collectors.
+
+    Args:
+        create_env_fn: an env (see :class:`EnvProtocol`, e.g. :class:`GymEnv`) or a callable returning one.
+        policy: a ``TensorDictModule``, an ``nn.Module`` (called on the observations, returns the action),
+            a callable ``td -> td``, or ``None`` for :class:`RandomPolicy`. ``nn.Module`` policies are
+            copied: the collector runs its own weights, changed only by :meth:`update_weights`.
+        frames_per_batch: frames per batch; an env of batch ``[B]`` steps ``ceil(frames_per_batch / B)``
+            times, giving batches ``[B, T]``.
+        total_frames: frames to collect before ``async for`` ends; ``-1`` for endless.
+        max_frames_per_traj: truncate (and reset) episodes after this many steps.
+        init_random_frames: collect this many frames (rounded up to whole batches) with random actions.
+        reset_at_each_iter: reset the env at the start of every batch.
+        split_trajs: yield ``[n_traj, max_len]`` zero-padded trajectories (see :func:`split_trajectories`).
+        postproc: a callable applied to each batch.
+        exploration_type: ``"random"`` (default), ``"deterministic"``, ``"mode"``, ``"mean"``, ``"median"``
+            or a ``tensordict.nn.InteractionType``, set around every policy call.
+        set_truncated: mark the last step of every batch truncated (and done), without resetting.
+        seed: seeds the env, the random policy and the policy's sampling (torch RNG), for reproducible
+            batches.
+        device, env_device, policy_device, storing_device: where things run / are stored.
+        replay_buffer: anything with ``extend(batch)``; batches go there and ``async for`` yields ``None``.
+        track_policy_version: write ``("collector", "policy_version")`` in every frame.
+        compile_policy: ``True`` or a dict of ``torch.compile`` kwargs.
+
+    Example:
+        >>> import anyio
+        >>> from aiocollect import Collector, GymEnv
+        >>> async def main():
+        ...     async with Collector(lambda: GymEnv("CartPole-v1"), frames_per_batch=64,
+        ...                          total_frames=128, seed=0) as collector:
+        ...         async for batch in collector:
+        ...             print(batch.batch_size)
+        >>> anyio.run(main)
+        torch.Size([64])
+        torch.Size([64])
+    """
+
+    def __init__(
+        self,
+        create_env_fn: Any,
+        policy: Any = None,
+        *,
+        frames_per_batch: int,
+        total_frames: int | None = -1,
+        max_frames_per_traj: int | None = None,
+        init_random_frames: int | None = None,
+        reset_at_each_iter: bool = False,
+        split_trajs: bool = False,
+        postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
+        exploration_type: str | InteractionType = "random",
+        set_truncated: bool = False,
+        seed: int | None = None,
+        device: Any = None,
+        env_device: Any = None,
+        policy_device: Any = None,
+        storing_device: Any = None,
+        replay_buffer: Any = None,
+        track_policy_version: bool = False,
+        compile_policy: bool | Mapping[str, Any] = False,
+    ) -> None:
+        # -- every argument is checked before the env is built ----------------------------------
+        self._requested_frames_per_batch = positive_int("frames_per_batch", frames_per_batch)
+        self.total_frames = total_frames_arg(total_frames)
+        max_frames_per_traj = optional_positive_int("max_frames_per_traj", max_frames_per_traj)
+        init_random = init_random_frames_arg(init_random_frames)
+        exploration = parse_exploration_type(exploration_type)
+        self._split_trajs = flag("split_trajs", split_trajs)
+        self._postproc = optional_callable("postproc", postproc)
+        self._seed = seed_arg(seed)
+        self._devices = Devices.from_args(
+            device=device,
+            env_device=env_device,
+            policy_device=policy_device,
+            storing_device=storing_device,
+        )
+        self.replay_buffer = replay_buffer_arg(replay_buffer)
+        compile_option = compile_arg(compile_policy)
+        config_flags = {
+            "reset_at_each_iter": flag("reset_at_each_iter", reset_at_each_iter),
+            "set_truncated": flag("set_truncated", set_truncated),
+            "track_policy_version": flag("track_policy_version", track_policy_version),
+        }
+        if not callable(create_env_fn) and not hasattr(create_env_fn, "step"):
+            raise TypeError(
+                f"create_env_fn must be an env or a callable returning one, got {create_env_fn!r}"
+            )
+        if policy is not None and not callable(policy):
+            raise TypeError(
+                f"policy must be a TensorDictModule, an nn.Module, a callable td -> td or None, got "
+                f"{policy!r}"
+            )
+
+        # -- the env, the policy and the rollout ------------------------------------------------
+        env = create_env_fn if hasattr(create_env_fn, "step") else create_env_fn()
+        check_env(env)
+        try:
+            if config_flags["set_truncated"] and not getattr(env, "has_truncated", True):
+                raise ValueError(
+                    f"set_truncated=True but {type(env).__name__} has no truncation "
+                    "(has_truncated=False); drop set_truncated"
+                )
+            if self._seed is not None:
+                env.set_seed(self._seed)
+            self._env = env
+            self._source_policy = policy
+            self._random_policy = RandomPolicy(env.action_space, seed=self._seed)
+            self._policy = self._own_policy(policy, compile_option)
+            array_env = ArrayEnv(env)
+            obs_keys = list(array_env.obs_specs)
+            runner_kwargs = {
+                "batch_shape": array_env.batch_shape,
+                "obs_keys": obs_keys,
+                "device": self._devices.policy,
+            }
+            self._rollout = Rollout(
+                array_env,
+                make_runner(self._policy, **runner_kwargs),
+                make_runner(self._random_policy, **runner_kwargs),
+                RolloutConfig(
+                    frames_per_batch=self._requested_frames_per_batch,
+                    max_frames_per_traj=max_frames_per_traj,
+                    exploration_type=exploration,
+                    storing_device=self._devices.storing,
+                    **config_flags,
+                ),
+            )
+            self._torch_rng = self._seeded_rng_state(self._seed)
+            self._rollout.output_specs()  # one dry policy call: a broken policy fails here, not later
+        except BaseException:
+            env.close()
+            raise
+        self.frames_per_batch = self._rollout.frames_per_batch
+        if self.frames_per_batch != self._requested_frames_per_batch:
+            warnings.warn(
+                f"frames_per_batch={self._requested_frames_per_batch} is not a multiple of the env batch "
+                f"size {list(env.batch_size)}: each batch has {self.frames_per_batch} frames",
+                UserWarning,
+                stacklevel=2,
+            )
+        if self.total_frames > 0 and self.total_frames % self.frames_per_batch:
+            warnings.warn(
+                f"total_frames={self.total_frames} is not a multiple of the batch size "
+                f"{self.frames_per_batch}: the last batch is not cut, {len(self) * self.frames_per_batch} "
+                "frames will be collected",
+                UserWarning,
+                stacklevel=2,
+            )
+        self._init_random_frames = ceil(init_random / self.frames_per_batch) * self.frames_per_batch
+        if init_random % self.frames_per_batch:
+            warnings.warn(
+                f"init_random_frames={init_random} is rounded up to whole batches: "
+                f"{self._init_random_frames} random frames",
+                UserWarning,
+                stacklevel=2,
+            )
+        self._stats = StatsTracker()
+        self._lock = anyio.Lock()
+        self._paused = 0
+        self._unpaused: anyio.Event | None = None
+        self._closed = False
+        self._closed_reason: str | None = None
+        self._task_group: anyio.abc.TaskGroup | None = None
+        self._background: anyio.CancelScope | None = None
+
+    # -- construction helpers -------------------------------------------------------------------
+    def _own_policy(self, policy: Any, compile_option: bool | Mapping[str, Any]) -> Any:
+        """The collector's own policy: a copy of an ``nn.Module`` (no aliasing with the trainer's)."""
+        if policy is None:
+            return self._random_policy
+        if isinstance(policy, torch.nn.Module):
+            try:
+                own = copy.deepcopy(policy)
+            except Exception as exc:
+                raise TypeError(
+                    f"policy {type(policy).__name__} cannot be copied ({exc}); the collector needs its "
+                    "own copy of the weights"
+                ) from exc
+            if self._devices.policy is not None:
+                own = own.to(self._devices.policy)
+            policy = own
+        return compile_policy(policy, compile_option)
+
+    @staticmethod
+    def _seeded_rng_state(seed: int | None) -> torch.Tensor | None:
+        if seed is None:
+            return None
+        return torch.Generator().manual_seed(seed).get_state()
+
+    # -- the iterator ---------------------------------------------------------------------------
+    def __aiter__(self) -> Collector:
+        return self
+
+    async def __anext__(self) -> TensorDictBase | None:
+        self._check_open()
+        if self._budget_reached():
+            raise StopAsyncIteration
+        batch = await self._next_batch()
+        return batch
+
+    def _budget_reached(self) -> bool:
+        return 0 < self.total_frames <= self._stats.frames
+
+    def __len__(self) -> int:
+        if self.total_frames < 0:
+            raise TypeError("an endless collector (total_frames=-1) has no len()")
+        return ceil(self.total_frames / self.frames_per_batch)
+
+    async def _next_batch(self) -> TensorDictBase | None:
+        while True:
+            if self._unpaused is not None:
+                await self._unpaused.wait()
+            await self._lock.acquire()
+            if not self._paused:
+                break
+            self._lock.release()
+        try:
+            self._check_open()
+            out = await run_stoppable(self._collect_in_thread)
+            result = out.result
+            self._stats.record(result.frames, result.episode_returns, result.episode_lengths)
+            return out.batch
+        except BaseException as exc:
+            if not isinstance(exc, anyio.get_cancelled_exc_class()) and not isinstance(
+                exc, StopAsyncIteration
+            ):
+                self._closed_reason = f"a batch failed with {type(exc).__name__}: {exc}"
+                self._closed = True
+                await self._close_env()
+            raise
+        finally:
+            self._lock.release()
+
+    def _collect_in_thread(self, stop: threading.Event) -> _Batch:
+        random = self._stats.frames < self._init_random_frames
+        if self._torch_rng is None:
+            result = self._rollout.collect(random=random, stop=stop)
+        else:
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self._torch_rng)
+            try:
+                result = self._rollout.collect(random=random, stop=stop)
+            finally:
+                self._torch_rng = torch.get_rng_state()
+                torch.set_rng_state(outer)
+        batch: TensorDictBase = result.batch
+        if stop.is_set():  # cancelled: the caller discards this
+            return _Batch(None, result)
+        if self._split_trajs:
+            batch = split_trajectories(batch)
+        if self._postproc is not None:
+            batch = self._postproc(batch)
+        if self.replay_buffer is not None:
+            self.replay_buffer.extend(batch)
+            return _Batch(None, result)
+        return _Batch(batch, result)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def __aenter__(self) -> Collector:
+        self._check_open()
+        self._task_group = anyio.create_task_group()
+        await self._task_group.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        if self._background is not None:
+            self._background.cancel()
+        try:
+            await self.aclose()
+        finally:
+            tg, self._task_group = self._task_group, None
+            if tg is not None:
+                tg.cancel_scope.cancel()
+                await tg.__aexit__(exc_type, exc, tb)
+        return None
+
+    async def aclose(self) -> None:
+        """Stop background collection, wait for a batch in flight, close the env. Idempotent."""
+        if self._background is not None:
+            self._background.cancel()
+        with anyio.CancelScope(shield=True):
+            async with self._lock:
+                if not self._closed:
+                    self._closed = True
+                    self._closed_reason = "it was closed"
+                await self._close_env()
+
+    async def _close_env(self) -> None:
+        env, self._env = self._env, None
+        if env is not None:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(env.close)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CollectorClosedError(f"the collector is closed: {self._closed_reason}")
+
+    # -- background collection into a replay buffer ---------------------------------------------
+    async def start(self) -> None:
+        """Collect into ``replay_buffer`` in the background until ``aclose()`` (or ``total_frames``).
+
+        Needs ``replay_buffer`` and an entered collector (``async with collector:``), whose task group
+        owns the background task.
+        """
+        self._check_open()
+        if self.replay_buffer is None:
+            raise RuntimeError("start() needs a replay_buffer: Collector(..., replay_buffer=rb)")
+        if self._task_group is None:
+            raise RuntimeError("start() needs an entered collector: `async with collector: await collector.start()`")
+        if self._background is not None:
+            raise RuntimeError("start() was called already")
+        await self._task_group.start(self._run_free)
+
+    async def _run_free(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        with anyio.CancelScope() as scope:
+            self._background = scope
+            task_status.started()
+            async for _ in self:
+                pass
+
+    @asynccontextmanager
+    async def pause(self) -> AsyncIterator[None]:
+        """No new batch starts while this context is open; a batch in flight completes first.
+
+        Example:
+            >>> async def trainer_step(collector):  # doctest: +SKIP
+            ...     async with collector.pause():
+            ...         ...  # e.g. torch.compile the policy while no rollout runs
+        """
+        self._paused += 1
+        if self._unpaused is None:
+            self._unpaused = anyio.Event()
+        try:
+            async with self._lock:  # waits for the batch in flight
+                pass
+            yield
+        finally:
+            self._paused -= 1
+            if not self._paused and self._unpaused is not None:
+                self._unpaused.set()
+                self._unpaused = None
+
+    # -- control --------------------------------------------------------------------------------
+    async def _control(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` in a thread between batches."""
+        self._check_open()
+        async with self._lock:
+            self._check_open()
+            return await anyio.to_thread.run_sync(fn)
+
+    async def set_seed(self, seed: int) -> int:
+        """Seed the env, the random policy and the policy's sampling; resets the env.
+
+        Returns the last seed the env used (seed the next env with ``returned + 1``).
+        """
+        seed = seed_arg(seed)
+        if seed is None:
+            raise TypeError("set_seed needs an int")
+
+        def apply() -> int:
+            assert self._env is not None
+            last = int(self._env.set_seed(seed))
+            self._random_policy.set_seed(seed)
+            self._torch_rng = self._seeded_rng_state(seed)
+            self._rollout.reset()
+            return last
+
+        return int(await self._control(apply))
+
+    async def reset(self) -> None:
+        """Reset the env: the next batch starts new episodes (with new trajectory ids)."""
+        await self._control(self._rollout.reset)
+
+    async def state_dict(self) -> dict[str, Any]:
+        """Counters, trajectory-id counter, policy version and (for ``nn.Module`` policies) weights."""
+
+        def read() -> dict[str, Any]:
+            state: dict[str, Any] = {
+                "frames": self._stats.frames,
+                "batches": self._stats.batches,
+                "episodes": self._stats.episodes,
+                **self._rollout.state_dict(),
+            }
+            if isinstance(self._policy, torch.nn.Module):
+                state["policy"] = module_weights(self._policy).clone().to_dict()
+            return state
+
+        return await self._control(read)
+
+    async def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved; the frame budget continues from the saved count."""
+        missing = {"frames", "batches", "next_traj_id", "policy_version"} - set(state)
+        if missing:
+            raise KeyError(f"state dict lacks {sorted(missing)}")
+        weights = None
+        if "policy" in state and isinstance(self._policy, torch.nn.Module):
+            weights = as_weights(state["policy"])
+            check_compatible(module_weights(self._policy), weights)
+
+        def apply() -> None:
+            self._rollout.load_state_dict(dict(state))
+            self._stats.load(int(state["frames"]), int(state["batches"]), int(state.get("episodes", 0)))
+            if weights is not None:
+                copy_weights(module_weights(self._policy), weights)
+
+        await self._control(apply)
+
+    async def update_weights(self, policy_or_weights: Any = None) -> int:
+        """Copy weights into the collector's policy (between batches) and return the new version.
+
+        Args:
+            policy_or_weights: an ``nn.Module``, a TensorDict of weights or a state dict; ``None`` means
+                the policy the collector was built with (its current weights).
+        """
+        if not isinstance(self._policy, torch.nn.Module):
+            raise TypeError(
+                f"the collector's policy ({type(self._policy).__name__}) has no weights to update; "
+                "update_weights needs an nn.Module policy"
+            )
+        source = self._source_policy if policy_or_weights is None else policy_or_weights
+        weights = as_weights(source)
+        target = module_weights(self._policy)
+        check_compatible(target, weights)
+
+        def apply() -> int:
+            copy_weights(target, weights)
+            self._rollout.policy_version += 1
+            return self._rollout.policy_version
+
+        return int(await self._control(apply))
+
+    @property
+    def policy_version(self) -> int:
+        return self._rollout.policy_version
+
+    @property
+    def policy(self) -> Any:
+        """The collector's own policy (a copy of the ``nn.Module`` it was given)."""
+        return self._policy
+
+    @property
+    def env(self) -> Any:
+        return self._env
+
+    def statistics(self) -> CollectorStatistics:
+        """A frozen record of what the collector has done (see :class:`CollectorStatistics`)."""
+        return self._stats.snapshot(self._rollout.policy_version)
+
+    def __repr__(self) -> str:
+        return (
+            f"Collector(env={self._env!r}, frames_per_batch={self.frames_per_batch}, "
+            f"total_frames={self.total_frames}, closed={self._closed})"
+        )

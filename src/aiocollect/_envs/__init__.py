@@ -1,0 +1,1 @@
+"""Environments: the env protocol, the gymnasium adapter, spaces."""

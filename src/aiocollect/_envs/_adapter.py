@@ -1,0 +1,109 @@
+"""Any env of the protocol seen as numpy arrays, which is what the rollout core steps.
+
+``GymEnv`` already works on arrays, so it is used directly. Other envs go through their ``reset``/``step``
+TensorDicts (one TensorDict per step: the slow path, documented as such).
+"""
+
+from __future__ import annotations
+
+from math import prod
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from ._gym import ArrayStep, GymEnv
+from ._protocol import EnvProtocol
+from ._spaces import LeafSpec, NestedKey, action_spec, observation_specs
+
+_REQUIRED = ("batch_size", "observation_space", "action_space", "reset", "step", "set_seed", "close")
+
+
+def check_env(env: Any, *, argument: str = "create_env_fn") -> None:
+    """Raise a TypeError naming the missing protocol members."""
+    missing = [name for name in _REQUIRED if not hasattr(env, name)]
+    if missing:
+        raise TypeError(
+            f"{argument} gave {type(env).__name__}, which lacks {', '.join(missing)} of the env protocol "
+            "(see aiocollect.EnvProtocol); wrap gymnasium envs with aiocollect.GymEnv"
+        )
+
+
+class ArrayEnv:
+    """The rollout's view of an env: numpy arrays in and out, batch dims first."""
+
+    def __init__(self, env: EnvProtocol) -> None:
+        check_env(env)
+        self.env = env
+        self.batch_shape: tuple[int, ...] = tuple(env.batch_size)
+        self.numel = prod(self.batch_shape)
+        self.action_space = env.action_space
+        self.obs_specs: dict[NestedKey, LeafSpec] = (
+            env.obs_specs if isinstance(env, GymEnv) else observation_specs(env.observation_space)
+        )
+        self.action_spec: LeafSpec = (
+            env.action_spec if isinstance(env, GymEnv) else action_spec(env.action_space)
+        )
+        self.has_truncated = bool(getattr(env, "has_truncated", True))
+        self._gym = env if isinstance(env, GymEnv) else None
+
+    def reset(self, mask: np.ndarray | None = None) -> dict[NestedKey, np.ndarray]:
+        if self._gym is not None:
+            return self._gym._reset_arrays(mask)
+        if mask is None or not self.batch_shape:
+            td = self.env.reset()
+        else:
+            reset_td = TensorDict(
+                {"_reset": torch.as_tensor(mask).reshape(*self.batch_shape, 1)},
+                batch_size=self.batch_shape,
+            )
+            td = self.env.reset(reset_td)
+        return self._obs_arrays(td, "reset()")
+
+    def step(self, action: torch.Tensor) -> ArrayStep:
+        if self._gym is not None:
+            return self._gym._step_arrays(action)
+        out = self.env.step(TensorDict({"action": action}, batch_size=self.batch_shape))
+        nxt = out.get("next", None)
+        if nxt is None:
+            raise KeyError(f"{type(self.env).__name__}.step() returned no 'next' entry: {out}")
+        bs = self.batch_shape
+
+        def flag(name: str, default: np.ndarray | None = None) -> np.ndarray:
+            value = nxt.get(name, None)
+            if value is None:
+                if default is not None:
+                    return default
+                raise KeyError(f"{type(self.env).__name__}.step() returned no ('next', {name!r}) entry")
+            return value.detach().cpu().reshape(bs).numpy().astype(bool, copy=False)
+
+        terminated = flag("terminated", None if "done" not in nxt.keys() else flag("done"))
+        truncated = flag("truncated", np.zeros(bs, dtype=bool))
+        reward = nxt.get("reward").detach().cpu().reshape(bs).numpy().astype(np.float32, copy=False)
+        next_obs = self._obs_arrays(nxt, "step()['next']")
+        done = terminated | truncated
+        root = next_obs
+        if done.any():
+            root = self.reset(done)
+        if not bs:  # one env: python scalars, as GymEnv gives
+            return ArrayStep(next_obs, float(reward), bool(terminated), bool(truncated), root)
+        return ArrayStep(next_obs, reward, terminated, truncated, root)
+
+    def set_seed(self, seed: int) -> int:
+        return int(self.env.set_seed(seed))
+
+    def close(self) -> None:
+        self.env.close()
+
+    def _obs_arrays(self, td: TensorDict, where: str) -> dict[NestedKey, np.ndarray]:
+        out = {}
+        for key in self.obs_specs:
+            value = td.get(key, None)
+            if value is None:
+                raise KeyError(
+                    f"{type(self.env).__name__}.{where} has no {key!r} entry; the observation space "
+                    f"gives the keys {list(self.obs_specs)}"
+                )
+            out[key] = value.detach().cpu().numpy()
+        return out

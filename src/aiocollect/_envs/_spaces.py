@@ -1,0 +1,128 @@
+"""Gymnasium spaces -> flat tensor specs, and sampling from them.
+
+A *spec* here is the shape and dtype of one leaf of a batch for a single (unbatched) env. Observation
+spaces map to one or more keys (a ``Dict`` space gives one key per entry, nested dicts give tuple keys);
+action spaces map to the single key ``"action"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from gymnasium import spaces
+
+NestedKey = str | tuple[str, ...]
+
+_SUPPORTED = "Box, Discrete, MultiDiscrete, MultiBinary (and Dict for observations)"
+
+
+@dataclass(frozen=True)
+class LeafSpec:
+    """Shape and dtype of one entry for a single env (no batch or time dims)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numpy_dtype(self) -> np.dtype[Any]:
+        return torch.empty((), dtype=self.dtype).numpy().dtype
+
+
+def _torch_dtype(np_dtype: Any) -> torch.dtype:
+    return torch.from_numpy(np.empty((), dtype=np_dtype)).dtype
+
+
+def leaf_spec(space: spaces.Space[Any], *, what: str) -> LeafSpec:
+    """The spec of a non-Dict space; ``what`` names the space in error messages."""
+    if isinstance(space, spaces.Box):
+        return LeafSpec(tuple(space.shape), _torch_dtype(space.dtype))
+    if isinstance(space, spaces.Discrete):
+        return LeafSpec((), torch.int64)
+    if isinstance(space, spaces.MultiDiscrete):
+        return LeafSpec(tuple(space.shape), torch.int64)
+    if isinstance(space, spaces.MultiBinary):
+        return LeafSpec(tuple(space.shape), torch.int8)
+    raise TypeError(
+        f"unsupported {what} space {space!r} ({type(space).__name__}); aiocollect supports {_SUPPORTED}. "
+        "Wrap the env with a gymnasium wrapper that flattens it (e.g. gymnasium.wrappers.FlattenObservation)."
+    )
+
+
+def observation_specs(space: spaces.Space[Any]) -> dict[NestedKey, LeafSpec]:
+    """Keys and specs of an observation space: ``{"observation": ...}`` or one key per Dict entry."""
+    if isinstance(space, spaces.Dict):
+        out: dict[NestedKey, LeafSpec] = {}
+        for name, sub in space.spaces.items():
+            if isinstance(sub, spaces.Dict):
+                for key, spec in observation_specs(sub).items():
+                    out[(name, *((key,) if isinstance(key, str) else key))] = spec
+            else:
+                out[name] = leaf_spec(sub, what=f"observation[{name!r}]")
+        if not out:
+            raise TypeError(f"observation space {space!r} is an empty Dict")
+        return out
+    return {"observation": leaf_spec(space, what="observation")}
+
+
+def action_spec(space: spaces.Space[Any]) -> LeafSpec:
+    """Spec of the ``"action"`` entry. Box actions are float32 on the policy side."""
+    if isinstance(space, spaces.Dict):
+        raise TypeError(
+            f"unsupported action space {space!r} (Dict); aiocollect supports {_SUPPORTED} for actions."
+        )
+    spec = leaf_spec(space, what="action")
+    if isinstance(space, spaces.Box) and spec.dtype.is_floating_point:
+        return LeafSpec(spec.shape, torch.float32)
+    return spec
+
+
+def flatten_obs(space: spaces.Space[Any], obs: Any) -> dict[NestedKey, np.ndarray]:
+    """Split a raw gymnasium observation into ``{key: array}`` following :func:`observation_specs`."""
+    if isinstance(space, spaces.Dict):
+        out: dict[NestedKey, np.ndarray] = {}
+        for name, sub in space.spaces.items():
+            if isinstance(sub, spaces.Dict):
+                for key, value in flatten_obs(sub, obs[name]).items():
+                    out[(name, *((key,) if isinstance(key, str) else key))] = value
+            else:
+                out[name] = np.asarray(obs[name])
+        return out
+    return {"observation": np.asarray(obs)}
+
+
+def sample(
+    space: spaces.Space[Any], batch_shape: tuple[int, ...], generator: torch.Generator | None
+) -> torch.Tensor:
+    """Uniform random actions of shape ``batch_shape + spec.shape`` drawn with ``generator``."""
+    spec = action_spec(space)
+    shape = (*batch_shape, *spec.shape)
+    if isinstance(space, spaces.Discrete):
+        return torch.randint(int(space.n), shape, generator=generator) + int(space.start)
+    if isinstance(space, spaces.MultiDiscrete):
+        nvec = torch.as_tensor(space.nvec, dtype=torch.float64)
+        start = torch.as_tensor(space.start, dtype=torch.int64)
+        u = torch.rand(shape, generator=generator, dtype=torch.float64)
+        return (u * nvec).floor().to(torch.int64).clamp_max(nvec.to(torch.int64) - 1) + start
+    if isinstance(space, spaces.MultiBinary):
+        return torch.randint(2, shape, generator=generator, dtype=torch.int8)
+    assert isinstance(space, spaces.Box)
+    low = torch.as_tensor(space.low, dtype=torch.float64)
+    high = torch.as_tensor(space.high, dtype=torch.float64)
+    bounded_below = torch.as_tensor(space.bounded_below)
+    bounded_above = torch.as_tensor(space.bounded_above)
+    u = torch.rand(shape, generator=generator, dtype=torch.float64)
+    n = torch.randn(shape, generator=generator, dtype=torch.float64)
+    both = low + u * (high - low)
+    only_low = low + n.abs()
+    only_high = high - n.abs()
+    out = torch.where(
+        bounded_below & bounded_above,
+        both,
+        torch.where(bounded_below, only_low, torch.where(bounded_above, only_high, n)),
+    )
+    if not spec.dtype.is_floating_point:
+        out = out.floor()
+    return out.to(spec.dtype)

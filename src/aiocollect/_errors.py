@@ -1,0 +1,7 @@
+"""Exceptions raised by the collectors."""
+
+from __future__ import annotations
+
+
+class CollectorClosedError(RuntimeError):
+    """The collector was closed (by ``aclose()``, by leaving ``async with``, or after a failure)."""

@@ -1,0 +1,193 @@
+"""Policies: ``RandomPolicy``, and the runners the rollout core calls once per step.
+
+A runner takes the current observations as ``{key: Tensor}`` (batch dims first) and returns
+``{key: Tensor}`` with ``"action"`` and whatever else the policy writes. Three kinds:
+
+* ``RandomPolicy``: samples from the action space with its own ``torch.Generator``;
+* a plain ``nn.Module``: called as ``module(*observations)``, its output is the action (no TensorDict);
+* a ``TensorDictModule`` or any callable ``td -> td``: called on a TensorDict of the observations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from gymnasium import spaces
+from tensordict import TensorDict, TensorDictBase
+from tensordict.nn import InteractionType, TensorDictModuleBase
+
+from ._envs._spaces import NestedKey, action_spec, sample
+
+Runner = Callable[[Mapping[NestedKey, torch.Tensor]], dict[NestedKey, torch.Tensor]]
+
+_EXPLORATION = {t.value: t for t in InteractionType}
+
+
+def parse_exploration_type(value: str | InteractionType) -> InteractionType:
+    """``"random"``, ``"deterministic"``, ``"mode"``, ``"mean"``, ``"median"`` or an ``InteractionType``."""
+    if isinstance(value, InteractionType):
+        return value
+    if isinstance(value, str) and value.lower() in _EXPLORATION:
+        return _EXPLORATION[value.lower()]
+    raise ValueError(
+        f"exploration_type={value!r} is not one of {sorted(_EXPLORATION)} or a "
+        "tensordict.nn.InteractionType"
+    )
+
+
+class RandomPolicy:
+    """Uniformly random actions from a gymnasium action space; a callable ``td -> td``.
+
+    Args:
+        action_space: the action space of one env.
+        seed: seeds the policy's own generator (the collector reseeds it with ``set_seed``).
+
+    Example:
+        >>> from gymnasium.spaces import Discrete
+        >>> from tensordict import TensorDict
+        >>> policy = RandomPolicy(Discrete(3), seed=0)
+        >>> policy(TensorDict({}, batch_size=[5]))["action"].shape
+        torch.Size([5])
+    """
+
+    def __init__(self, action_space: spaces.Space[Any], *, seed: int | None = None) -> None:
+        action_spec(action_space)  # raises on an unsupported space
+        self.action_space = action_space
+        self.generator = torch.Generator()
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        else:
+            self.generator.seed()
+
+    def set_seed(self, seed: int) -> None:
+        self.generator.manual_seed(seed)
+
+    def sample(self, batch_shape: tuple[int, ...] = ()) -> torch.Tensor:
+        """A tensor of actions of shape ``batch_shape + action shape``."""
+        return sample(self.action_space, tuple(batch_shape), self.generator)
+
+    def __call__(self, td: TensorDictBase) -> TensorDictBase:
+        td.set("action", self.sample(tuple(td.batch_size)))
+        return td
+
+    def __repr__(self) -> str:
+        return f"RandomPolicy({self.action_space!r})"
+
+
+def _is_private(key: NestedKey) -> bool:
+    parts = (key,) if isinstance(key, str) else key
+    return any(part.startswith("_") for part in parts)
+
+
+class _RandomRunner:
+    def __init__(self, policy: RandomPolicy, batch_shape: tuple[int, ...]) -> None:
+        self.policy = policy
+        self.batch_shape = batch_shape
+
+    def __call__(self, obs: Mapping[NestedKey, torch.Tensor]) -> dict[NestedKey, torch.Tensor]:
+        return {"action": self.policy.sample(self.batch_shape)}
+
+
+class _ModuleRunner:
+    """A plain ``nn.Module``: ``action = module(*observations)``."""
+
+    def __init__(self, module: torch.nn.Module, in_keys: list[NestedKey], device: torch.device | None):
+        self.module = module
+        self.in_keys = in_keys
+        self.device = device
+
+    def __call__(self, obs: Mapping[NestedKey, torch.Tensor]) -> dict[NestedKey, torch.Tensor]:
+        if self.device is None:
+            args = [obs[k] for k in self.in_keys]
+        else:
+            args = [obs[k].to(self.device, non_blocking=True) for k in self.in_keys]
+        out = self.module(*args)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(
+                f"policy {type(self.module).__name__} returned {type(out).__name__}; a plain nn.Module "
+                "policy must return the action tensor. Wrap it in a tensordict.nn.TensorDictModule to "
+                "write several outputs"
+            )
+        return {"action": out}
+
+
+class _TensorDictRunner:
+    """A ``TensorDictModule`` or any callable ``td -> td``."""
+
+    def __init__(
+        self,
+        policy: Callable[[TensorDictBase], Any],
+        batch_shape: tuple[int, ...],
+        obs_keys: list[NestedKey],
+        device: torch.device | None,
+    ) -> None:
+        self.policy = policy
+        self.batch_shape = batch_shape
+        self.obs_keys = obs_keys
+        self.device = device
+        self.out_keys: list[NestedKey] | None = None
+
+    def __call__(self, obs: Mapping[NestedKey, torch.Tensor]) -> dict[NestedKey, torch.Tensor]:
+        td = TensorDict(dict(obs), batch_size=self.batch_shape)
+        if self.device is not None:
+            td = td.to(self.device, non_blocking=True)
+        out = self.policy(td)
+        if out is None:
+            out = td
+        if not isinstance(out, TensorDictBase):
+            raise TypeError(
+                f"policy {self.policy!r} returned {type(out).__name__}; a callable policy must return "
+                "a TensorDict (td -> td), and an nn.Module one the action tensor"
+            )
+        if self.out_keys is None:
+            obs_keys = set(self.obs_keys)
+            self.out_keys = [
+                k
+                for k in out.keys(include_nested=True, leaves_only=True)
+                if k not in obs_keys
+                and not _is_private(k)
+                and (k if isinstance(k, str) else k[0]) not in ("next", "collector")
+            ]
+            if "action" not in self.out_keys:
+                raise KeyError(
+                    f"policy {self.policy!r} did not write an 'action' entry; it wrote {self.out_keys}"
+                )
+        return {k: out.get(k) for k in self.out_keys}
+
+
+def make_runner(
+    policy: Any,
+    *,
+    batch_shape: tuple[int, ...],
+    obs_keys: list[NestedKey],
+    device: torch.device | None,
+) -> Runner:
+    """The per-step callable for ``policy`` (see the module docstring)."""
+    if isinstance(policy, RandomPolicy):
+        return _RandomRunner(policy, batch_shape)
+    if isinstance(policy, TensorDictModuleBase):
+        return _TensorDictRunner(policy, batch_shape, obs_keys, device)
+    if isinstance(policy, torch.nn.Module):
+        return _ModuleRunner(policy, obs_keys, device)
+    if callable(policy):
+        return _TensorDictRunner(policy, batch_shape, obs_keys, device)
+    raise TypeError(
+        f"policy must be a TensorDictModule, an nn.Module, a callable td -> td or None, got {policy!r}"
+    )
+
+
+def unwrap_compiled(policy: Any) -> Any:
+    """The module under a ``torch.compile`` wrapper (which shares its parameters)."""
+    return getattr(policy, "_orig_mod", policy)
+
+
+def compile_policy(policy: Any, option: bool | Mapping[str, Any]) -> Any:
+    """``torch.compile`` the policy when ``option`` is True or a dict of compile kwargs."""
+    if option is False or option is None:
+        return policy
+    kwargs = dict(option) if isinstance(option, Mapping) else {}
+    if isinstance(policy, RandomPolicy):
+        return policy
+    return torch.compile(policy, **kwargs)

@@ -1,0 +1,339 @@
+"""The rollout core: the synchronous hot loop that fills one batch.
+
+Plain Python, no async: it runs in a worker thread (``Collector``) or a worker process (multi-process
+collectors). Per step it writes numpy views of preallocated tensors; the TensorDict is built once per
+batch. Nothing here knows about event loops.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from math import ceil
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+from tensordict.nn import InteractionType, set_interaction_type
+
+from ._envs._adapter import ArrayEnv
+from ._envs._spaces import LeafSpec, NestedKey
+from ._policies import Runner
+
+_FLAGS = ("done", "terminated", "truncated")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Per-batch behaviour of the rollout (validated by the collectors)."""
+
+    frames_per_batch: int
+    max_frames_per_traj: int | None = None
+    set_truncated: bool = False
+    reset_at_each_iter: bool = False
+    track_policy_version: bool = False
+    exploration_type: InteractionType = InteractionType.RANDOM
+    storing_device: torch.device | None = None
+    #: trajectory ids are ``traj_id_start + k * traj_id_stride``: workers get disjoint id sets
+    traj_id_start: int = 0
+    traj_id_stride: int = 1
+
+
+@dataclass
+class RolloutResult:
+    """One batch plus what the collector's statistics need."""
+
+    batch: TensorDict
+    #: valid time steps (all of them unless the rollout was stopped early)
+    steps: int
+    frames: int
+    episode_returns: list[float] = field(default_factory=list)
+    episode_lengths: list[int] = field(default_factory=list)
+
+
+def _key_tuple(prefix: str, key: NestedKey) -> tuple[str, ...]:
+    return (prefix, key) if isinstance(key, str) else (prefix, *key)
+
+
+class Rollout:
+    """Collects batches of ``frames_per_batch`` frames from ``env`` with ``policy``.
+
+    ``random_runner`` replaces the policy for random batches (``init_random_frames``).
+    """
+
+    def __init__(
+        self,
+        env: ArrayEnv,
+        policy: Runner,
+        random_runner: Runner,
+        config: RolloutConfig,
+    ) -> None:
+        self.env = env
+        self.policy = policy
+        self.random_runner = random_runner
+        self.config = config
+        self.batch_shape = env.batch_shape
+        self.steps_per_batch = ceil(config.frames_per_batch / max(env.numel, 1))
+        self.frames_per_batch = self.steps_per_batch * max(env.numel, 1)
+        self.policy_version = 0
+        self._next_traj = config.traj_id_start
+        self._root: dict[NestedKey, np.ndarray] = {}
+        self._out_specs: dict[NestedKey, LeafSpec] | None = None
+        self.reset()
+
+    # -- state ------------------------------------------------------------------------------------
+    def _new_ids(self, n: int) -> np.ndarray:
+        stride = self.config.traj_id_stride
+        ids = self._next_traj + stride * np.arange(n, dtype=np.int64)
+        self._next_traj += stride * n
+        return ids
+
+    def reset(self) -> None:
+        """Reset every env and start new trajectories."""
+        self._root = self.env.reset()
+        shape = self.batch_shape
+        self._traj_ids = self._new_ids(max(self.env.numel, 1)).reshape(shape)
+        self._ep_return = np.zeros(shape, dtype=np.float64)
+        self._ep_steps = np.zeros(shape, dtype=np.int64)  # episode lengths for the statistics
+        self._ep_length = np.zeros(shape, dtype=np.int64)  # steps for max_frames_per_traj
+
+    @property
+    def next_traj_id(self) -> int:
+        return self._next_traj
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"next_traj_id": self._next_traj, "policy_version": self.policy_version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._next_traj = int(state["next_traj_id"])
+        self.policy_version = int(state["policy_version"])
+        # the carried trajectories get fresh ids, as after a reset
+        self._traj_ids = self._new_ids(max(self.env.numel, 1)).reshape(self.batch_shape)
+
+    def output_specs(self) -> dict[NestedKey, LeafSpec]:
+        """Keys, shapes and dtypes the policy writes (from one dry call on the current observation)."""
+        if self._out_specs is None:
+            with torch.no_grad(), set_interaction_type(self.config.exploration_type):
+                out = self.policy(self._obs_tensors())
+            nb = len(self.batch_shape)
+            specs = {}
+            for key, value in out.items():
+                value = value.detach()
+                if tuple(value.shape[:nb]) != self.batch_shape:
+                    raise ValueError(
+                        f"policy output {key!r} has shape {tuple(value.shape)}, which does not start with "
+                        f"the env batch shape {self.batch_shape}"
+                    )
+                specs[key] = LeafSpec(tuple(value.shape[nb:]), value.dtype)
+            act = specs["action"]
+            exp = self.env.action_spec
+            if act.shape != exp.shape and not (act.shape == (1,) and exp.shape == ()):
+                raise ValueError(
+                    f"policy action has shape {act.shape} per env, the action space "
+                    f"{self.env.action_space} needs {exp.shape}"
+                )
+            self._out_specs = specs
+        return self._out_specs
+
+    def _obs_tensors(self) -> dict[NestedKey, torch.Tensor]:
+        return {k: torch.from_numpy(v) for k, v in self._root.items()}
+
+    # -- the hot loop -----------------------------------------------------------------------------
+    def _allocate(self) -> tuple[TensorDict, dict[Any, np.ndarray]]:
+        T = self.steps_per_batch
+        bt = (*self.batch_shape, T)
+        tensors: dict[Any, torch.Tensor] = {}
+        for key, spec in self.env.obs_specs.items():
+            tensors[key] = torch.empty((*bt, *spec.shape), dtype=spec.dtype)
+            tensors[_key_tuple("next", key)] = torch.empty((*bt, *spec.shape), dtype=spec.dtype)
+        for key, spec in self.output_specs().items():
+            tensors[key] = torch.empty((*bt, *spec.shape), dtype=spec.dtype)
+        for flag in _FLAGS:
+            tensors[flag] = torch.zeros((*bt, 1), dtype=torch.bool)
+            tensors[("next", flag)] = torch.empty((*bt, 1), dtype=torch.bool)
+        tensors[("next", "reward")] = torch.empty((*bt, 1), dtype=torch.float32)
+        tensors[("collector", "traj_ids")] = torch.empty(bt, dtype=torch.int64)
+        views: dict[Any, np.ndarray] = {}
+        for key, tensor in tensors.items():
+            try:
+                view = tensor.numpy()
+            except TypeError:  # dtypes numpy lacks (bfloat16): written through torch
+                view = tensor  # type: ignore[assignment]
+            if key in _FLAGS or (isinstance(key, tuple) and key[-1] in (*_FLAGS, "reward")):
+                view = view[..., 0]
+            views[key] = view
+        return TensorDict(tensors, batch_size=bt), views
+
+    def collect(self, *, random: bool = False, stop: threading.Event | None = None) -> RolloutResult:
+        """Collect one batch. If ``stop`` is set mid-batch, return early with ``steps`` < T.
+
+        The loop only appends references to per-step lists (cheap); each entry is stacked once into the
+        preallocated batch at the end, and episode statistics are computed there too, vectorised.
+        """
+        cfg = self.config
+        if cfg.reset_at_each_iter:
+            self.reset()
+        batch, views = self._allocate()
+        runner = self.random_runner if random else self.policy
+        env = self.env
+        batched = bool(self.batch_shape)
+        obs_keys = list(env.obs_specs)
+        out_keys = list(self.output_specs())
+        obs_hist: list[dict[NestedKey, np.ndarray]] = []
+        next_hist: list[dict[NestedKey, np.ndarray]] = []
+        out_hist: list[dict[NestedKey, torch.Tensor]] = []
+        rew_hist: list[Any] = []
+        term_hist: list[Any] = []
+        trunc_hist: list[Any] = []
+        ids_hist: list[Any] = []
+        max_steps = cfg.max_frames_per_traj
+        ep_length = self._ep_length
+        traj_ids = self._traj_ids
+        T = self.steps_per_batch
+        steps = T
+        root = self._root
+        with torch.no_grad(), set_interaction_type(cfg.exploration_type):
+            for t in range(T):
+                if stop is not None and stop.is_set():
+                    steps = t
+                    break
+                obs_hist.append(root)
+                out = runner({k: torch.from_numpy(v) for k, v in root.items()})
+                out_hist.append(out)
+                step = env.step(out["action"])
+                next_hist.append(step.next_obs)
+                terminated = step.terminated
+                truncated = step.truncated
+                forced = None
+                if max_steps is not None:
+                    ep_length = ep_length + 1
+                    forced = (ep_length >= max_steps) & ~np.logical_or(terminated, truncated)
+                    if forced.any():
+                        truncated = truncated | forced
+                    else:
+                        forced = None
+                rew_hist.append(step.reward)
+                term_hist.append(terminated)
+                trunc_hist.append(truncated)
+                ids_hist.append(traj_ids)
+                root = step.root_obs
+                if batched:
+                    done = terminated | truncated
+                    if done.any():
+                        traj_ids = traj_ids.copy()
+                        traj_ids[done] = self._new_ids(int(done.sum()))
+                        if max_steps is not None:
+                            ep_length = np.where(done, 0, ep_length)
+                        if forced is not None:
+                            root = env.reset(forced)
+                elif terminated or truncated:
+                    traj_ids = self._new_ids(1).reshape(())
+                    if max_steps is not None:
+                        ep_length = np.zeros_like(ep_length)
+                    if forced is not None:
+                        root = env.reset(forced)
+        self._root = root
+        self._traj_ids = traj_ids
+        self._ep_length = ep_length
+        return self._finish(
+            batch, views, steps, obs_keys, out_keys, obs_hist, next_hist, out_hist,
+            rew_hist, term_hist, trunc_hist, ids_hist,
+        )
+
+    def _finish(
+        self,
+        batch: TensorDict,
+        views: dict[Any, np.ndarray],
+        steps: int,
+        obs_keys: list[NestedKey],
+        out_keys: list[NestedKey],
+        obs_hist: list[dict[NestedKey, np.ndarray]],
+        next_hist: list[dict[NestedKey, np.ndarray]],
+        out_hist: list[dict[NestedKey, torch.Tensor]],
+        rew_hist: list[Any],
+        term_hist: list[Any],
+        trunc_hist: list[Any],
+        ids_hist: list[Any],
+    ) -> RolloutResult:
+        """Stack the per-step lists into the batch (time dim last) and compute episode statistics."""
+        cfg = self.config
+        nb = len(self.batch_shape)
+        lead = (slice(None),) * nb
+        valid = (*lead, slice(0, steps))
+        traj_v = views[("collector", "traj_ids")]
+        if steps:
+            for key in obs_keys:
+                np.stack([o[key] for o in obs_hist], axis=nb, out=views[key][valid])
+                nk = _key_tuple("next", key)
+                np.stack([o[key] for o in next_hist], axis=nb, out=views[nk][valid])
+            for key in out_keys:
+                values = torch.stack([o[key] for o in out_hist], dim=nb).cpu()
+                target = views[key][valid]
+                if isinstance(target, np.ndarray):
+                    target[...] = values.numpy()
+                else:
+                    target.copy_(values)
+            np.stack(rew_hist, axis=nb, out=views[("next", "reward")][valid])
+            np.stack(term_hist, axis=nb, out=views[("next", "terminated")][valid])
+            np.stack(trunc_hist, axis=nb, out=views[("next", "truncated")][valid])
+            np.stack(ids_hist, axis=nb, out=traj_v[valid])
+            done_v = views[("next", "done")]
+            np.logical_or(
+                views[("next", "terminated")][valid], views[("next", "truncated")][valid],
+                out=done_v[valid],
+            )
+        if steps < self.steps_per_batch:
+            # frames never collected: traj id -1 marks them invalid (their other entries are garbage)
+            traj_v[(*lead, slice(steps, None))] = -1
+        returns, lengths = self._episode_stats(
+            views[("next", "reward")][valid], views[("next", "done")][valid]
+        )
+        if cfg.set_truncated and steps > 0:
+            last = (*lead, steps - 1)
+            views[("next", "truncated")][last] = True
+            views[("next", "done")][last] = True
+        if cfg.track_policy_version:
+            batch.set(
+                ("collector", "policy_version"),
+                torch.full(batch.batch_size, self.policy_version, dtype=torch.int64),
+            )
+        batch.names = [None] * nb + ["time"]
+        if cfg.storing_device is not None and cfg.storing_device != torch.device("cpu"):
+            batch = batch.to(cfg.storing_device)
+        return RolloutResult(
+            batch=batch,
+            steps=steps,
+            frames=steps * max(self.env.numel, 1),
+            episode_returns=returns,
+            episode_lengths=lengths,
+        )
+
+    def _episode_stats(self, reward: np.ndarray, done: np.ndarray) -> tuple[list[float], list[int]]:
+        """Returns and lengths of the episodes that ended in this batch (carrying partial ones over)."""
+        n = max(self.env.numel, 1)
+        T = reward.shape[-1]
+        rew = reward.reshape(n, T).astype(np.float64)
+        dn = done.reshape(n, T)
+        carry_ret = self._ep_return.reshape(n)
+        carry_len = self._ep_steps.reshape(n)
+        returns: list[float] = []
+        lengths: list[int] = []
+        csum = np.cumsum(rew, axis=1)
+        for i in np.flatnonzero(dn.any(axis=1)) if T else ():
+            ends = np.flatnonzero(dn[i])
+            seg_ret = np.diff(csum[i, ends], prepend=0.0)
+            seg_ret[0] += carry_ret[i]
+            seg_len = np.diff(ends, prepend=-1)
+            seg_len[0] += carry_len[i]
+            returns.extend(seg_ret.tolist())
+            lengths.extend(seg_len.tolist())
+            carry_ret[i] = csum[i, -1] - csum[i, ends[-1]]
+            carry_len[i] = T - 1 - ends[-1]
+        others = ~dn.any(axis=1) if T else np.ones(n, dtype=bool)
+        if T:
+            carry_ret[others] += csum[others, -1]
+            carry_len[others] += T
+        self._ep_return = carry_ret.reshape(self.batch_shape)
+        self._ep_steps = carry_len.reshape(self.batch_shape)
+        return returns, lengths

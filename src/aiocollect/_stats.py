@@ -1,0 +1,90 @@
+"""Collector statistics: a frozen, JSON-serialisable record, and the tracker that fills it."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class CollectorStatistics:
+    """What a collector has done so far.
+
+    Attributes:
+        frames: frames delivered (valid frames only).
+        batches: batches delivered.
+        episodes: episodes completed.
+        mean_return: mean return of the last ``window`` completed episodes (``None`` before the first).
+        mean_length: mean length of the same episodes.
+        frames_per_second: delivery rate over the last ~10 seconds.
+        policy_version: version of the weights the collector runs.
+
+    Example:
+        >>> CollectorStatistics(0, 0, 0, None, None, 0.0, 0).to_dict()["frames"]
+        0
+    """
+
+    frames: int
+    batches: int
+    episodes: int
+    mean_return: float | None
+    mean_length: float | None
+    frames_per_second: float
+    policy_version: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class StatsTracker:
+    """Accumulates per-batch figures; read with :meth:`snapshot`. Used from the event loop only."""
+
+    def __init__(self, window: int = 100, rate_window_s: float = 10.0) -> None:
+        self.frames = 0
+        self.batches = 0
+        self.episodes = 0
+        self._returns: deque[float] = deque(maxlen=window)
+        self._lengths: deque[int] = deque(maxlen=window)
+        self._deliveries: deque[tuple[float, int]] = deque()
+        self._rate_window_s = rate_window_s
+        self._started = time.monotonic()
+
+    def record(self, frames: int, returns: list[float], lengths: list[int]) -> None:
+        now = time.monotonic()
+        self.frames += frames
+        self.batches += 1
+        self.episodes += len(returns)
+        self._returns.extend(returns)
+        self._lengths.extend(lengths)
+        self._deliveries.append((now, frames))
+        while len(self._deliveries) > 2 and now - self._deliveries[0][0] > self._rate_window_s:
+            self._deliveries.popleft()
+
+    def load(self, frames: int, batches: int, episodes: int) -> None:
+        self.frames, self.batches, self.episodes = frames, batches, episodes
+
+    def frames_per_second(self) -> float:
+        if not self._deliveries:
+            return 0.0
+        now = time.monotonic()
+        first_t = self._deliveries[0][0]
+        if len(self._deliveries) == 1:
+            # one batch so far: rate since the tracker started
+            return self._deliveries[0][1] / max(first_t - self._started, 1e-9)
+        frames = sum(f for _, f in list(self._deliveries)[1:])
+        return frames / max(max(now, self._deliveries[-1][0]) - first_t, 1e-9)
+
+    def snapshot(self, policy_version: int) -> CollectorStatistics:
+        returns = self._returns
+        lengths = self._lengths
+        return CollectorStatistics(
+            frames=self.frames,
+            batches=self.batches,
+            episodes=self.episodes,
+            mean_return=sum(returns) / len(returns) if returns else None,
+            mean_length=sum(lengths) / len(lengths) if lengths else None,
+            frames_per_second=self.frames_per_second(),
+            policy_version=policy_version,
+        )

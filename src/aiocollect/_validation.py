@@ -1,0 +1,108 @@
+"""Argument checks shared by the collectors: each error names the argument and the fix."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+def positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def optional_positive_int(name: str, value: Any, *, fix: str = "use None to disable it") -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int or None ({fix}), got {value!r}")
+    return value
+
+
+def total_frames_arg(value: Any) -> int:
+    """``-1`` or ``None``: endless; otherwise a positive int."""
+    if value is None or value == -1 and not isinstance(value, bool):
+        return -1
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(
+            f"total_frames must be a positive int, or -1 (or None) for an endless collector, got {value!r}"
+        )
+    return value
+
+
+def init_random_frames_arg(value: Any) -> int:
+    if value is None or (value == 0 and not isinstance(value, bool)):
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"init_random_frames must be a non-negative int or None, got {value!r}")
+    return value
+
+
+def flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def optional_callable(name: str, value: Any) -> Any:
+    if value is not None and not callable(value):
+        raise TypeError(f"{name} must be a callable or None, got {value!r}")
+    return value
+
+
+def compile_arg(value: Any) -> bool | Mapping[str, Any]:
+    if isinstance(value, bool) or isinstance(value, Mapping):
+        return value
+    raise TypeError(f"compile_policy must be True, False or a dict of torch.compile kwargs, got {value!r}")
+
+
+def seed_arg(value: Any) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise TypeError(f"seed must be an int or None, got {value!r}")
+    return value
+
+
+def replay_buffer_arg(value: Any) -> Any:
+    if value is not None and not callable(getattr(value, "extend", None)):
+        raise TypeError(
+            f"replay_buffer must have an extend(batch) method (e.g. a torchrl ReplayBuffer), got {value!r}"
+        )
+    return value
+
+
+def device_arg(name: str, value: Any) -> torch.device | None:
+    if value is None:
+        return None
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{name}={value!r} is not a torch device ({exc})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{name}={value!r} but CUDA is not available here; use 'cpu'")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"{name}={value!r} but MPS is not available here; use 'cpu'")
+    return device
+
+
+@dataclass(frozen=True)
+class Devices:
+    """Where the env steps, the policy runs and the batch is stored (``device`` fills the others)."""
+
+    env: torch.device | None = None
+    policy: torch.device | None = None
+    storing: torch.device | None = None
+
+    @classmethod
+    def from_args(
+        cls, *, device: Any, env_device: Any, policy_device: Any, storing_device: Any
+    ) -> Devices:
+        default = device_arg("device", device)
+        return cls(
+            env=device_arg("env_device", env_device) or default,
+            policy=device_arg("policy_device", policy_device) or default,
+            storing=device_arg("storing_device", storing_device) or default,
+        )

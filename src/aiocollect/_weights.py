@@ -1,0 +1,56 @@
+"""Policy weights as TensorDicts (``TensorDict.from_module`` layout): extract, check, copy."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from ._policies import unwrap_compiled
+
+
+def module_weights(module: torch.nn.Module) -> TensorDictBase:
+    """Parameters **and** buffers of ``module``, sharing its storage."""
+    return TensorDict.from_module(unwrap_compiled(module), as_module=False)
+
+
+def as_weights(source: Any) -> TensorDictBase:
+    """An ``nn.Module``, a TensorDict of weights or a state dict -> a TensorDict of weights."""
+    if isinstance(source, torch.nn.Module):
+        return module_weights(source)
+    if isinstance(source, TensorDictBase):
+        return source
+    if isinstance(source, Mapping):
+        return TensorDict(dict(source), batch_size=[]).unflatten_keys(".")
+    raise TypeError(
+        "update_weights takes an nn.Module, a TensorDict of weights (TensorDict.from_module) or a state "
+        f"dict, got {type(source).__name__}"
+    )
+
+
+def check_compatible(target: TensorDictBase, source: TensorDictBase) -> None:
+    """Raise ``ValueError`` naming the first key whose presence or shape differs."""
+    tkeys = {k: v for k, v in target.items(include_nested=True, leaves_only=True)}
+    skeys = {k: v for k, v in source.items(include_nested=True, leaves_only=True)}
+    for key in sorted(set(tkeys) | set(skeys), key=str):
+        if key not in skeys:
+            raise ValueError(f"weights lack the policy's entry {_dotted(key)!r}")
+        if key not in tkeys:
+            raise ValueError(f"weights have an entry {_dotted(key)!r} the policy does not have")
+        if tkeys[key].shape != skeys[key].shape:
+            raise ValueError(
+                f"weight {_dotted(key)!r} has shape {tuple(skeys[key].shape)}, the policy's has "
+                f"{tuple(tkeys[key].shape)}"
+            )
+
+
+def copy_weights(target: TensorDictBase, source: TensorDictBase) -> None:
+    """Copy ``source`` into ``target`` in place (no aliasing is created)."""
+    with torch.no_grad():
+        target.update_(source)
+
+
+def _dotted(key: Any) -> str:
+    return key if isinstance(key, str) else ".".join(key)
