@@ -10,9 +10,18 @@ from ._collector import Collector
 from ._envs._gym import GymEnv
 from ._envs._protocol import EnvProtocol
 from ._errors import CollectorClosedError
+from ._multi import (
+    MultiAsyncCollector,
+    MultiCollector,
+    MultiSyncCollector,
+    ProcessCollector,
+    set_worker_warnings,
+)
 from ._policies import RandomPolicy
 from ._stats import CollectorStatistics
 from ._trajectories import split_trajectories
+from ._workers._pool import WorkerDiedError
+from ._workers._wire import WorkerError
 
 __version__ = "0.1.0"
 
@@ -22,7 +31,14 @@ __all__ = [
     "CollectorStatistics",
     "EnvProtocol",
     "GymEnv",
+    "MultiAsyncCollector",
+    "MultiCollector",
+    "MultiSyncCollector",
+    "ProcessCollector",
     "RandomPolicy",
+    "WorkerDiedError",
+    "WorkerError",
     "__version__",
+    "set_worker_warnings",
     "split_trajectories",
 ]

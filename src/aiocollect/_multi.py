@@ -1,0 +1,715 @@
+"""Multi-process collectors: ``MultiSyncCollector``, ``MultiAsyncCollector``, ``ProcessCollector``.
+
+Each worker (a process, or a thread with ``backend="serial"``) runs the rollout core and writes batches
+into shared-memory slots; the parent's task group merges their notices into one ``async for``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from types import TracebackType
+from typing import Any, Literal
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import cloudpickle
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import InteractionType
+
+from ._errors import CollectorClosedError
+from ._policies import parse_exploration_type
+from ._stats import CollectorStatistics, StatsTracker
+from ._trajectories import split_trajectories
+from ._validation import (
+    Devices,
+    compile_arg,
+    flag,
+    init_random_frames_arg,
+    optional_callable,
+    optional_positive_int,
+    positive_int,
+    replay_buffer_arg,
+    seed_arg,
+    total_frames_arg,
+)
+from ._weights import as_weights, check_compatible, module_weights
+from ._workers._pool import WorkerPool
+from ._workers._sharedweights import SharedWeights
+from ._workers._shm import SharedBlock
+from ._workers._wire import Collect, Release, RunFree
+from ._workers._worker import WorkerSpec
+
+_WORKER_WARNINGS = False
+
+
+def set_worker_warnings(show: bool) -> None:
+    """Show (``True``) or hide (``False``, the default) warnings raised inside worker processes."""
+    global _WORKER_WARNINGS
+    _WORKER_WARNINGS = bool(show)
+
+
+class _MultiCollectorBase:
+    """What the multi-worker collectors share: start-up, shutdown, control, weights, statistics."""
+
+    _sync: bool
+
+    def __init__(
+        self,
+        create_env_fns: Sequence[Any],
+        policy: Any = None,
+        *,
+        frames_per_batch: int | Sequence[int],
+        total_frames: int | None = -1,
+        max_frames_per_traj: int | None = None,
+        init_random_frames: int | None = None,
+        reset_at_each_iter: bool = False,
+        split_trajs: bool = False,
+        postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
+        exploration_type: str | InteractionType = "random",
+        set_truncated: bool = False,
+        seed: int | None = None,
+        device: Any = None,
+        env_device: Any = None,
+        policy_device: Any = None,
+        storing_device: Any = None,
+        replay_buffer: Any = None,
+        track_policy_version: bool = False,
+        compile_policy: bool | Mapping[str, Any] = False,
+        update_at_each_batch: bool = False,
+        num_threads: int | None = None,
+        num_sub_threads: int = 1,
+        backend: Literal["process", "serial"] = "process",
+        start_method: str | None = None,
+    ) -> None:
+        if isinstance(create_env_fns, (str, bytes)) or not isinstance(create_env_fns, Sequence):
+            raise TypeError(
+                f"create_env_fns must be a list of env constructors, one per worker, got {create_env_fns!r}"
+            )
+        if not create_env_fns:
+            raise ValueError("create_env_fns is empty: give one env constructor per worker")
+        for i, fn in enumerate(create_env_fns):
+            if not callable(fn):
+                raise TypeError(f"create_env_fns[{i}] must be a callable returning an env, got {fn!r}")
+        self.num_workers = n = len(create_env_fns)
+        self.total_frames = total_frames_arg(total_frames)
+        self._per_worker_fpb = self._split_frames(frames_per_batch, n)
+        rollout = {
+            "max_frames_per_traj": optional_positive_int("max_frames_per_traj", max_frames_per_traj),
+            "reset_at_each_iter": flag("reset_at_each_iter", reset_at_each_iter),
+            "set_truncated": flag("set_truncated", set_truncated),
+            "track_policy_version": flag("track_policy_version", track_policy_version),
+        }
+        self._init_random = init_random_frames_arg(init_random_frames)
+        exploration = parse_exploration_type(exploration_type).value
+        self._split_trajs = flag("split_trajs", split_trajs)
+        self._postproc = optional_callable("postproc", postproc)
+        self._seed = seed_arg(seed)
+        devices = Devices.from_args(
+            device=device,
+            env_device=env_device,
+            policy_device=policy_device,
+            storing_device=storing_device,
+        )
+        self._storing_device = devices.storing
+        self.replay_buffer = replay_buffer_arg(replay_buffer)
+        compile_option = compile_arg(compile_policy)
+        self._update_at_each_batch = flag("update_at_each_batch", update_at_each_batch)
+        self._num_threads = optional_positive_int("num_threads", num_threads, fix="None leaves it")
+        num_sub_threads = positive_int("num_sub_threads", num_sub_threads)
+        if backend not in ("process", "serial"):
+            raise ValueError(f"backend must be 'process' or 'serial', got {backend!r}")
+        if start_method is None:
+            start_method = "forkserver" if sys.platform.startswith("linux") else "spawn"
+        import multiprocessing as mp
+
+        if start_method not in mp.get_all_start_methods():
+            raise ValueError(
+                f"start_method={start_method!r} is not available here; use one of "
+                f"{mp.get_all_start_methods()}"
+            )
+        if policy is not None and not callable(policy):
+            raise TypeError(
+                f"policy must be a TensorDictModule, an nn.Module, a callable td -> td or None, got "
+                f"{policy!r}"
+            )
+        self._source_policy = policy
+        self._weights: SharedWeights | None = None
+        payloads = []
+        for i, fn in enumerate(create_env_fns):
+            try:
+                payloads.append(cloudpickle.dumps((fn, policy)))
+            except Exception as exc:
+                raise TypeError(
+                    f"create_env_fns[{i}] or the policy cannot be pickled for the worker processes: {exc}"
+                ) from exc
+        self._spec_args = {
+            "payloads": payloads,
+            "rollout": {**rollout, "storing_device": None},
+            "exploration_type": exploration,
+            "policy_device": str(devices.policy) if devices.policy is not None else None,
+            "compile_policy": compile_option,
+            "num_threads": num_sub_threads,
+        }
+        self._backend = backend
+        self._start_method = start_method
+        self._stats = StatsTracker()
+        self._pool: WorkerPool | None = None
+        self._stop: SharedBlock | None = None
+        self._task_group: anyio.abc.TaskGroup | None = None
+        self._lock = anyio.Lock()
+        self._paused = 0
+        self._unpaused: anyio.Event | None = None
+        self._closed = False
+        self._closed_reason = "it was closed"
+        self._entered = False
+        self._background: anyio.CancelScope | None = None
+        self._version = 0
+        self._saved_threads: int | None = None
+        self.frames_per_batch = sum(self._per_worker_fpb) if self._sync else self._per_worker_fpb[0]
+
+    @staticmethod
+    def _split_frames(frames_per_batch: int | Sequence[int], n: int) -> list[int]:
+        raise NotImplementedError  # each subclass says how frames are split  # pragma: no cover
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def __aenter__(self) -> Any:
+        if self._closed:
+            raise CollectorClosedError(f"the collector is closed: {self._closed_reason}")
+        if self._entered:
+            raise RuntimeError("the collector was entered already")
+        self._entered = True
+        self._task_group = anyio.create_task_group()
+        await self._task_group.__aenter__()
+        try:
+            await self._start_workers()
+        except BaseException:
+            await self._shutdown()
+            await self._exit_task_group()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        try:
+            await self._shutdown()
+        finally:
+            await self._exit_task_group()
+        return None
+
+    async def _exit_task_group(self) -> None:
+        # the body's exception propagates by itself: the task group only holds our reader tasks, which
+        # never raise, so it is closed without it (no ExceptionGroup around the user's error)
+        tg, self._task_group = self._task_group, None
+        if tg is not None:
+            tg.cancel_scope.cancel()
+            await tg.__aexit__(None, None, None)
+
+    async def _start_workers(self) -> None:
+        assert self._task_group is not None
+        n = self.num_workers
+        self._stop = SharedBlock([("stop", (n,), torch.int64)], ())
+        self._stop.td["stop"].zero_()
+        if isinstance(self._source_policy, torch.nn.Module):
+            self._weights = await anyio.to_thread.run_sync(SharedWeights, module_weights(self._source_policy))
+        args = self._spec_args
+        specs = [
+            WorkerSpec(
+                index=i,
+                num_workers=n,
+                payload=args["payloads"][i],
+                frames_per_batch=self._per_worker_fpb[i],
+                rollout=args["rollout"],
+                exploration_type=args["exploration_type"],
+                policy_device=args["policy_device"],
+                compile_policy=args["compile_policy"],
+                num_threads=args["num_threads"],
+                stop_name=self._stop.name,
+                weights=self._weights.names() if self._weights is not None else None,
+                in_process=self._backend == "serial",
+                show_warnings=_WORKER_WARNINGS,
+            )
+            for i in range(n)
+        ]
+        if self._num_threads is not None:
+            self._saved_threads = torch.get_num_threads()
+            torch.set_num_threads(self._num_threads)
+        self._pool = WorkerPool(
+            specs,
+            backend=self._backend,
+            start_method=self._start_method,
+            slots_per_worker=1 if self._sync else 2,
+        )
+        await self._pool.start(self._task_group)
+        ready = [w.ready for w in self._pool.workers]
+        self._check_layouts(ready)
+        self._worker_frames = [r.frames_per_batch for r in ready if r is not None]
+        if self._sync:
+            self.frames_per_batch = sum(self._worker_frames)
+        else:
+            self.frames_per_batch = self._worker_frames[0]
+        if self.total_frames > 0 and self.total_frames % self.frames_per_batch:
+            warnings.warn(
+                f"total_frames={self.total_frames} is not a multiple of the batch size "
+                f"{self.frames_per_batch}: the last batch is not cut",
+                UserWarning,
+                stacklevel=3,
+            )
+        if self._seed is not None:
+            await self._seed_chain(self._seed)
+
+    def _check_layouts(self, ready: list[Any]) -> None:
+        """Subclasses check that the workers' batches can be combined."""
+
+    async def _shutdown(self) -> None:
+        with anyio.CancelScope(shield=True):
+            if self._background is not None:
+                self._background.cancel()
+            async with self._lock:
+                self._closed = True
+                pool, self._pool = self._pool, None
+                if pool is not None:
+                    await pool.aclose()
+                for block in (self._stop,):
+                    if block is not None:
+                        block.unlink()
+                        block.close()
+                self._stop = None
+                if self._weights is not None:
+                    self._weights.unlink()
+                    self._weights = None
+                if self._saved_threads is not None:
+                    torch.set_num_threads(self._saved_threads)
+                    self._saved_threads = None
+
+    async def aclose(self) -> None:
+        """Stop and reap every worker and free every shared-memory segment. Idempotent.
+
+        ``async with`` does this on exit; the collector cannot be used afterwards.
+        """
+        await self._shutdown()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _active_pool(self) -> WorkerPool:
+        if self._closed:
+            raise CollectorClosedError(f"the collector is closed: {self._closed_reason}")
+        if self._pool is None:
+            raise RuntimeError(
+                f"{type(self).__name__} starts its workers in `async with`: write "
+                f"`async with {type(self).__name__}(...) as collector: async for batch in collector:`"
+            )
+        return self._pool
+
+    # -- iteration --------------------------------------------------------------------------------
+    def __aiter__(self) -> Any:
+        return self
+
+    async def __anext__(self) -> TensorDictBase | None:
+        self._active_pool()
+        if 0 < self.total_frames <= self._stats.frames:
+            raise StopAsyncIteration
+        while True:
+            if self._unpaused is not None:
+                await self._unpaused.wait()
+            await self._lock.acquire()
+            if not self._paused:
+                break
+            self._lock.release()
+        try:
+            pool = self._active_pool()
+            try:
+                batch, frames, returns, lengths = await self._next_batch(pool)
+            except Exception as exc:
+                if pool.failure is not None:
+                    self._closed_reason = f"a worker failed with {type(exc).__name__}: {exc}"
+                raise
+            self._stats.record(frames, returns, lengths)
+            if self._split_trajs:
+                batch = split_trajectories(batch)
+            if self._postproc is not None:
+                batch = self._postproc(batch)
+            if self._storing_device is not None:
+                batch = batch.to(self._storing_device)
+            if self.replay_buffer is not None:
+                await anyio.to_thread.run_sync(self.replay_buffer.extend, batch)
+                return None
+            return batch
+        finally:
+            self._lock.release()
+
+    async def _next_batch(self, pool: WorkerPool) -> tuple[TensorDictBase, int, list[float], list[int]]:
+        raise NotImplementedError  # pragma: no cover - subclasses
+
+    def __len__(self) -> int:
+        if self.total_frames < 0:
+            raise TypeError("an endless collector (total_frames=-1) has no len()")
+        return math.ceil(self.total_frames / self.frames_per_batch)
+
+    # -- background collection, pause ------------------------------------------------------------
+    async def start(self) -> None:
+        """Collect into ``replay_buffer`` in the background until ``aclose()`` (or ``total_frames``)."""
+        self._active_pool()
+        if self.replay_buffer is None:
+            raise RuntimeError(f"start() needs a replay_buffer: {type(self).__name__}(..., replay_buffer=rb)")
+        if self._background is not None:
+            raise RuntimeError("start() was called already")
+        assert self._task_group is not None
+        await self._task_group.start(self._run_free)
+
+    async def _run_free(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        with anyio.CancelScope() as scope:
+            self._background = scope
+            task_status.started()
+            async for _ in self:
+                pass
+
+    @asynccontextmanager
+    async def pause(self) -> AsyncIterator[None]:
+        """No batch is delivered (nor written to the replay buffer) while this context is open."""
+        self._paused += 1
+        if self._unpaused is None:
+            self._unpaused = anyio.Event()
+        try:
+            async with self._lock:
+                pass
+            yield
+        finally:
+            self._paused -= 1
+            if not self._paused and self._unpaused is not None:
+                self._unpaused.set()
+                self._unpaused = None
+
+    # -- control ----------------------------------------------------------------------------------
+    async def _seed_chain(self, seed: int) -> int:
+        pool = self._active_pool()
+        last = seed - 1
+        for i in range(self.num_workers):
+            last = int(await pool.call(i, "set_seed", last + 1))
+        return last
+
+    async def set_seed(self, seed: int) -> int:
+        """Seed worker ``i`` after worker ``i - 1`` (distinct, reproducible); returns the last seed used."""
+        if seed_arg(seed) is None:
+            raise TypeError("set_seed needs an int")
+        async with self._lock:
+            return await self._seed_chain(seed)
+
+    async def reset(self) -> None:
+        """Reset every worker's env: the next batch starts new episodes."""
+        async with self._lock:
+            await self._active_pool().call_all("reset")
+
+    async def state_dict(self) -> dict[str, Any]:
+        """Per-worker state (trajectory-id counters, policy versions, frames) plus the counters."""
+        async with self._lock:
+            workers = await self._active_pool().call_all("state_dict")
+        state: dict[str, Any] = {f"worker{i}": sd for i, sd in enumerate(workers)}
+        state.update(
+            frames=self._stats.frames,
+            batches=self._stats.batches,
+            episodes=self._stats.episodes,
+            policy_version=self._version,
+        )
+        if isinstance(self._source_policy, torch.nn.Module) and self._weights is not None:
+            state["policy"] = self._weights.block.td.clone().to_dict()
+        return state
+
+    async def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; the frame budget continues from the saved count."""
+        missing = [f"worker{i}" for i in range(self.num_workers) if f"worker{i}" not in state]
+        if missing or "frames" not in state:
+            raise KeyError(f"state dict lacks {missing or ['frames']}")
+        async with self._lock:
+            pool = self._active_pool()
+            for i in range(self.num_workers):
+                await pool.call(i, "load_state_dict", dict(state[f"worker{i}"]))
+            self._stats.load(
+                int(state["frames"]), int(state.get("batches", 0)), int(state.get("episodes", 0))
+            )
+        if "policy" in state and self._weights is not None:
+            await self.update_weights(state["policy"], wait=True)
+
+    async def getattr_policy(self, name: str) -> Any:
+        """An attribute of worker 0's policy."""
+        return await self._active_pool().call(0, "getattr_policy", name)
+
+    async def getattr_env(self, name: str) -> Any:
+        """An attribute of worker 0's env."""
+        return await self._active_pool().call(0, "getattr_env", name)
+
+    async def update_weights(self, policy_or_weights: Any = None, *, wait: bool = False) -> int:
+        """Publish weights to every worker through shared memory; return the new policy version.
+
+        Workers load them at their next batch boundary (never mid-step); ``wait=True`` returns only when
+        every worker runs the new version.
+
+        Args:
+            policy_or_weights: an ``nn.Module``, a TensorDict of weights or a state dict; ``None`` means
+                the policy the collector was built with (its current weights).
+        """
+        pool = self._active_pool()
+        if self._weights is None:
+            raise TypeError(
+                f"the collector's policy ({type(self._source_policy).__name__}) has no weights to "
+                "update; update_weights needs an nn.Module policy"
+            )
+        source = self._source_policy if policy_or_weights is None else policy_or_weights
+        weights = as_weights(source).flatten_keys(".")
+        check_compatible(self._weights.block.td, weights)
+        shared = self._weights
+        version = await anyio.to_thread.run_sync(shared.publish, weights)
+        self._version = version
+        if wait:
+            await pool.call_all("load_weights")
+        return version
+
+    @property
+    def policy_version(self) -> int:
+        """The version last published by :meth:`update_weights`."""
+        return self._version
+
+    def worker_policy_versions(self) -> list[int]:
+        """The version each worker ran for its last delivered batch."""
+        pool = self._pool
+        return [w.policy_version for w in pool.workers] if pool is not None else []
+
+    def statistics(self) -> CollectorStatistics:
+        return self._stats.snapshot(self._version)
+
+
+class MultiSyncCollector(_MultiCollectorBase):
+    """Every batch holds one rollout from each worker, collected in parallel and stacked.
+
+    ``frames_per_batch`` is the total per batch, split evenly over the workers (or a list, one value per
+    worker). Workers idle between batches, so each batch is collected with the weights current when it
+    was asked for. With ``preemptive_threshold=p`` the batch is delivered once ``ceil(p * N)`` workers
+    finished; the others stop at their next step and their missing frames are marked invalid.
+
+    Args:
+        create_env_fns: one env constructor per worker.
+        cat_results: ``"stack"`` (``[N, ..., T]``), ``0`` (cat along dim 0) or ``-1`` (cat along time).
+        preemptive_threshold: fraction of workers to wait for, in ``(0, 1]``.
+        update_at_each_batch: publish the policy's weights before every batch.
+        backend: ``"process"`` (default) or ``"serial"`` (same workers as threads, for debugging).
+
+    The other arguments are :class:`Collector`'s.
+
+    Example:
+        >>> import anyio
+        >>> from aiocollect import GymEnv, MultiSyncCollector
+        >>> async def main():
+        ...     async with MultiSyncCollector([lambda: GymEnv("CartPole-v1")] * 2, frames_per_batch=64,
+        ...                                   total_frames=128, backend="serial") as c:
+        ...         async for batch in c:
+        ...             print(batch.batch_size)
+        >>> anyio.run(main)
+        torch.Size([2, 32])
+        torch.Size([2, 32])
+    """
+
+    _sync = True
+
+    def __init__(
+        self,
+        create_env_fns: Sequence[Any],
+        policy: Any = None,
+        *,
+        frames_per_batch: int | Sequence[int],
+        preemptive_threshold: float | None = None,
+        cat_results: Literal["stack"] | int = "stack",
+        **kwargs: Any,
+    ) -> None:
+        if preemptive_threshold is not None and (
+            isinstance(preemptive_threshold, bool)
+            or not isinstance(preemptive_threshold, (int, float))
+            or not 0 < preemptive_threshold <= 1
+        ):
+            raise ValueError(f"preemptive_threshold must be in (0, 1] or None, got {preemptive_threshold!r}")
+        if cat_results != "stack" and cat_results not in (0, -1):
+            raise ValueError(f"cat_results must be 'stack', 0 or -1, got {cat_results!r}")
+        self._threshold = preemptive_threshold
+        self._cat_results = cat_results
+        super().__init__(create_env_fns, policy, frames_per_batch=frames_per_batch, **kwargs)
+
+    @staticmethod
+    def _split_frames(frames_per_batch: int | Sequence[int], n: int) -> list[int]:
+        if isinstance(frames_per_batch, Sequence):
+            if len(frames_per_batch) != n:
+                raise ValueError(
+                    f"frames_per_batch has {len(frames_per_batch)} values for {n} workers; give one per "
+                    "worker or an int"
+                )
+            return [positive_int(f"frames_per_batch[{i}]", f) for i, f in enumerate(frames_per_batch)]
+        total = positive_int("frames_per_batch", frames_per_batch)
+        if total % n:
+            warnings.warn(
+                f"frames_per_batch={total} is not divisible by {n} workers: each collects "
+                f"{math.ceil(total / n)}",
+                UserWarning,
+                stacklevel=4,
+            )
+        return [math.ceil(total / n)] * n
+
+    def _check_layouts(self, ready: list[Any]) -> None:
+        shapes = [tuple(r.batch_size) for r in ready]
+        if self._cat_results == "stack" and len(set(shapes)) > 1:
+            raise ValueError(
+                f"cat_results='stack' needs equal worker batches, got {shapes}; use cat_results=-1"
+            )
+
+    async def _next_batch(self, pool: WorkerPool) -> tuple[TensorDictBase, int, list[float], list[int]]:
+        n = self.num_workers
+        if self._update_at_each_batch and self._weights is not None:
+            await self.update_weights()
+        random = (
+            self._stats.frames < math.ceil(self._init_random / self.frames_per_batch) * self.frames_per_batch
+        )
+        assert self._stop is not None
+        stop = self._stop.td["stop"]
+        stop.zero_()
+        for i in range(n):
+            await pool.send(i, Collect(slot=0, random=random))
+        need = n if self._threshold is None else math.ceil(self._threshold * n)
+        notices: dict[int, Any] = {}
+        try:
+            # preemption: the wait for the first `need` workers is a cancel scope; the late ones are then
+            # told to stop at their next step and deliver what they have
+            with anyio.CancelScope() as gather:
+                while len(notices) < n:
+                    index, notice = await pool.receive()
+                    notices[index] = notice
+                    if len(notices) >= need and len(notices) < n:
+                        gather.cancel()
+            if len(notices) < n:
+                pool.set_stop(stop, [i for i in range(n) if i not in notices], 1)
+                while len(notices) < n:
+                    index, notice = await pool.receive()
+                    notices[index] = notice
+        except BaseException:
+            # cancelled or failed mid-gather: stop the stragglers and drain them so that the next
+            # batch starts clean
+            with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+                if pool.failure is None:
+                    pool.set_stop(stop, list(range(n)), 1)
+                    while len(notices) < n:
+                        index, notice = await pool.receive()
+                        notices[index] = notice
+            raise
+        batch, valid = self._combine(pool, notices)
+        returns = [r for i in range(n) for r in notices[i].episode_returns]
+        lengths = [le for i in range(n) for le in notices[i].episode_lengths]
+        return batch, valid, returns, lengths
+
+    def _combine(self, pool: WorkerPool, notices: dict[int, Any]) -> tuple[TensorDictBase, int]:
+        slots = [w.slots[0].td for w in pool.workers]
+        partial = any(notices[i].steps < slots[i].batch_size[-1] for i in range(self.num_workers))
+        valid = sum(notices[i].frames for i in range(self.num_workers))
+        if self._cat_results == "stack":
+            batch = torch.stack(slots, 0)  # the one copy out of shared memory
+            if partial or self._threshold is not None:
+                batch.set(("collector", "mask"), batch.get(("collector", "traj_ids")) != -1)
+            batch.names = [None] * (batch.ndim - 1) + ["time"]
+            return batch, valid
+        parts = [s[..., : notices[i].steps] if partial else s for i, s in enumerate(slots)]
+        if self._cat_results == 0:
+            if partial and len({p.batch_size for p in parts}) > 1 and parts[0].ndim > 1:
+                raise RuntimeError(
+                    "preempted batches of batched envs cannot be concatenated along dim 0; use cat_results=-1"
+                )
+            batch = torch.cat(parts, 0)
+        else:
+            batch = torch.cat(parts, -1)
+        batch.names = [None] * (batch.ndim - 1) + ["time"]
+        return batch, valid
+
+
+class MultiAsyncCollector(_MultiCollectorBase):
+    """Each batch is one worker's full rollout, first ready first served; workers never wait for the
+    trainer (each collects at most one batch ahead), so batches may lag the newest weights.
+
+    Every frame carries ``("collector", "worker_id")``. Arguments are :class:`MultiSyncCollector`'s
+    without ``preemptive_threshold`` and ``cat_results``; ``frames_per_batch`` is per batch (each worker
+    collects that many).
+
+    Example:
+        >>> import anyio
+        >>> from aiocollect import GymEnv, MultiAsyncCollector
+        >>> async def main():
+        ...     async with MultiAsyncCollector([lambda: GymEnv("CartPole-v1")] * 2, frames_per_batch=32,
+        ...                                    total_frames=64, backend="serial") as c:
+        ...         async for batch in c:
+        ...             print(batch.batch_size)
+        >>> anyio.run(main)
+        torch.Size([32])
+        torch.Size([32])
+    """
+
+    _sync = False
+
+    @staticmethod
+    def _split_frames(frames_per_batch: int | Sequence[int], n: int) -> list[int]:
+        if isinstance(frames_per_batch, Sequence):
+            raise TypeError("MultiAsyncCollector takes one frames_per_batch (each batch is one worker's)")
+        return [positive_int("frames_per_batch", frames_per_batch)] * n
+
+    async def _start_workers(self) -> None:
+        await super()._start_workers()
+        pool = self._active_pool()
+        per_worker_random = math.ceil(self._init_random / self.num_workers) if self._init_random else 0
+        for i in range(self.num_workers):
+            await pool.send(i, RunFree(random_frames=per_worker_random))
+
+    async def _next_batch(self, pool: WorkerPool) -> tuple[TensorDictBase, int, list[float], list[int]]:
+        index, notice = await pool.receive()
+        handle = pool.workers[index]
+        batch = handle.slots[notice.slot].td.clone()  # the one copy out of shared memory
+        await pool.send(index, Release(notice.slot))
+        batch.set(("collector", "worker_id"), torch.full(batch.batch_size, index, dtype=torch.int64))
+        batch.names = [None] * (batch.ndim - 1) + ["time"]
+        if self._update_at_each_batch and self._weights is not None:
+            await self.update_weights()
+        return batch, notice.frames, notice.episode_returns, notice.episode_lengths
+
+
+class ProcessCollector(MultiAsyncCollector):
+    """One collector in a separate process (torchrl's ``AsyncCollector``): it collects the next batch
+    while the trainer works on this one.
+
+    Example:
+        >>> import anyio
+        >>> from aiocollect import GymEnv, ProcessCollector
+        >>> async def main():
+        ...     async with ProcessCollector(lambda: GymEnv("CartPole-v1"), frames_per_batch=32,
+        ...                                 total_frames=32, backend="serial") as c:
+        ...         async for batch in c:
+        ...             print(batch.batch_size)
+        >>> anyio.run(main)
+        torch.Size([32])
+    """
+
+    def __init__(self, create_env_fn: Any, policy: Any = None, **kwargs: Any) -> None:
+        if not callable(create_env_fn):
+            raise TypeError(f"create_env_fn must be a callable returning an env, got {create_env_fn!r}")
+        super().__init__([create_env_fn], policy, **kwargs)
+
+
+def MultiCollector(
+    create_env_fns: Sequence[Any], policy: Any = None, *, sync: bool, **kwargs: Any
+) -> MultiSyncCollector | MultiAsyncCollector:
+    """``MultiSyncCollector`` when ``sync=True``, ``MultiAsyncCollector`` when ``sync=False``."""
+    if not isinstance(sync, bool):
+        raise TypeError(f"sync must be True or False, got {sync!r}")
+    cls = MultiSyncCollector if sync else MultiAsyncCollector
+    return cls(create_env_fns, policy, **kwargs)

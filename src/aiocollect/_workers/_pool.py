@@ -1,0 +1,270 @@
+"""Parent side of the workers: start (ready or raise), supervise, talk to, stop and reap them.
+
+One reader task per worker (in the collector's task group) waits on the worker's socket with
+``anyio.wait_readable`` and routes what arrives: batch notices to one memory object stream, replies to
+their callers, a failure to everyone. A worker whose socket closes without a goodbye died: its exit code
+is in the ``WorkerDiedError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import multiprocessing as mp
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import torch
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ._shm import SharedBlock
+from ._wire import AsyncChannel, Attach, BatchReady, Call, Close, Failed, Ready, Result
+from ._worker import WorkerSpec, start_thread_worker, worker_main
+
+#: modules the forkserver imports once, so each worker starts in a fraction of a second
+_PRELOAD = ["torch", "tensordict", "gymnasium", "aiocollect._workers._worker"]
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process ended without reporting an exception (e.g. killed by a signal)."""
+
+    def __init__(self, index: int, exitcode: int | None) -> None:
+        how = f"exit code {exitcode}" if exitcode is not None else "unknown exit code"
+        if exitcode is not None and exitcode < 0:
+            how += f" (signal {-exitcode})"
+        super().__init__(f"worker {index} died ({how})")
+        self.index = index
+        self.exitcode = exitcode
+
+
+@dataclass
+class _Failure:
+    error: BaseException
+
+
+@dataclass
+class WorkerHandle:
+    index: int
+    spec: WorkerSpec
+    channel: AsyncChannel
+    process: Any  # mp.Process or threading.Thread
+    ready: Ready | None = None
+    slots: list[SharedBlock] = field(default_factory=list)
+    exited: anyio.Event = field(default_factory=anyio.Event)
+    policy_version: int = 0
+    frames: int = 0
+
+    @property
+    def exitcode(self) -> int | None:
+        return getattr(self.process, "exitcode", None)
+
+
+def _context(start_method: str) -> Any:
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+class WorkerPool:
+    """``num_workers`` workers of ``backend`` ``"process"`` or ``"serial"`` (threads, same code)."""
+
+    def __init__(
+        self, specs: list[WorkerSpec], *, backend: str, start_method: str, slots_per_worker: int
+    ) -> None:
+        self.specs = specs
+        self.backend = backend
+        self.start_method = start_method
+        self.slots_per_worker = slots_per_worker
+        self.workers: list[WorkerHandle] = []
+        self.failure: BaseException | None = None
+        self.closing = False
+        send, receive = anyio.create_memory_object_stream[Any](math.inf)
+        self._deliveries_send: MemoryObjectSendStream[Any] = send
+        self.deliveries: MemoryObjectReceiveStream[Any] = receive
+        self._results: dict[int, tuple[anyio.Event, list[Any]]] = {}
+        self._ids = itertools.count()
+
+    # -- start ------------------------------------------------------------------------------------
+    async def start(self, tg: anyio.abc.TaskGroup) -> None:
+        """Start every worker and return when all are ready (or raise the first start-up error)."""
+        ctx = _context(self.start_method) if self.backend == "process" else None
+        for spec in self.specs:
+            parent_sock, child_sock = socket.socketpair()
+            if ctx is not None:
+                process = ctx.Process(
+                    target=worker_main,
+                    args=(child_sock, spec),
+                    name=f"aiocollect-worker-{spec.index}",
+                    daemon=True,
+                )
+                try:
+                    await anyio.to_thread.run_sync(process.start)
+                finally:
+                    child_sock.close()
+            else:
+                process = start_thread_worker(child_sock, spec)
+            handle = WorkerHandle(spec.index, spec, AsyncChannel(parent_sock), process)
+            self.workers.append(handle)
+            tg.start_soon(self._reader, handle)
+        with anyio.CancelScope() as scope:
+            self._startup_scope = scope
+            for handle in self.workers:
+                while handle.ready is None:
+                    if self.failure is not None:
+                        raise self.failure
+                    await self._ready_event(handle).wait()
+        if self.failure is not None:
+            raise self.failure
+        for handle in self.workers:
+            assert handle.ready is not None
+            handle.slots = [
+                SharedBlock(handle.ready.layout, handle.ready.batch_size)
+                for _ in range(self.slots_per_worker)
+            ]
+            await handle.channel.send(Attach(tuple(s.name for s in handle.slots)))
+
+    def _ready_event(self, handle: WorkerHandle) -> anyio.Event:
+        event = getattr(handle, "_ready_event", None)
+        if event is None:
+            event = anyio.Event()
+            handle._ready_event = event  # type: ignore[attr-defined]
+        return event
+
+    # -- the reader task per worker ---------------------------------------------------------------
+    async def _reader(self, handle: WorkerHandle) -> None:
+        failed = False
+        try:
+            while True:
+                try:
+                    msg = await handle.channel.receive()
+                except (EOFError, OSError):
+                    break
+                if isinstance(msg, BatchReady):
+                    handle.policy_version = msg.policy_version
+                    handle.frames += msg.frames
+                    self._deliveries_send.send_nowait((handle.index, msg))
+                elif isinstance(msg, Result):
+                    waiter = self._results.pop(msg.request_id, None)
+                    if waiter is not None:
+                        waiter[1].append(msg.value)
+                        waiter[0].set()
+                elif isinstance(msg, Ready):
+                    handle.ready = msg
+                    handle.policy_version = msg.policy_version
+                    self._ready_event(handle).set()
+                elif isinstance(msg, Failed):
+                    failed = True
+                    self._fail(msg.error)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._join(handle)
+            handle.exited.set()
+            if not failed and not self.closing:
+                self._fail(WorkerDiedError(handle.index, handle.exitcode))
+
+    async def _join(self, handle: WorkerHandle, grace: float = 2.0) -> None:
+        process = handle.process
+        await anyio.to_thread.run_sync(process.join, grace)
+
+    def _fail(self, error: BaseException) -> None:
+        if self.failure is None:
+            self.failure = error
+        self._deliveries_send.send_nowait(_Failure(error))
+        for event, box in self._results.values():
+            box.append(_Failure(error))
+            event.set()
+        self._results.clear()
+        for handle in self.workers:
+            self._ready_event(handle).set()
+
+    # -- talking to workers -----------------------------------------------------------------------
+    def check(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    async def send(self, index: int, msg: Any) -> None:
+        self.check()
+        await self.workers[index].channel.send(msg)
+
+    async def call(self, index: int, op: str, *args: Any) -> Any:
+        """Run ``op`` in worker ``index`` between batches and return its result."""
+        self.check()
+        request_id = next(self._ids)
+        event, box = anyio.Event(), []
+        self._results[request_id] = (event, box)
+        try:
+            await self.workers[index].channel.send(Call(request_id, op, args))
+            await event.wait()
+        finally:
+            self._results.pop(request_id, None)
+        value = box[0]
+        if isinstance(value, _Failure):
+            raise value.error
+        return value
+
+    async def call_all(self, op: str, *args: Any) -> list[Any]:
+        results: list[Any] = [None] * len(self.workers)
+
+        async def one(i: int) -> None:
+            results[i] = await self.call(i, op, *args)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(self.workers)):
+                tg.start_soon(one, i)
+        return results
+
+    async def receive(self) -> tuple[int, BatchReady]:
+        """The next batch notice (any worker); raises the pool's failure."""
+        item = await self.deliveries.receive()
+        if isinstance(item, _Failure):
+            self._deliveries_send.send_nowait(item)  # every later receive raises too
+            raise item.error
+        return item
+
+    def set_stop(self, stop: torch.Tensor, indices: list[int], value: int) -> None:
+        for i in indices:
+            stop[i] = value
+
+    # -- stop and reap ----------------------------------------------------------------------------
+    async def aclose(self, grace: float = 5.0) -> None:
+        """Ask every worker to stop, wait up to ``grace`` seconds, then terminate/kill; free the slots."""
+        with anyio.CancelScope(shield=True):
+            self.closing = True
+            for handle in self.workers:
+                if not handle.exited.is_set():
+                    with contextlib.suppress(OSError, anyio.BrokenResourceError):
+                        await handle.channel.send(Close())
+            with anyio.move_on_after(grace):
+                for handle in self.workers:
+                    await handle.exited.wait()
+            for handle in self.workers:
+                if not handle.exited.is_set() and isinstance(handle.process, mp.process.BaseProcess):
+                    handle.process.terminate()
+                    with anyio.move_on_after(1.0):
+                        await handle.exited.wait()
+                    if not handle.exited.is_set():
+                        handle.process.kill()
+                        await handle.exited.wait()
+            for handle in self.workers:
+                handle.channel.close()
+                for slot in handle.slots:
+                    slot.unlink()
+                    slot.close()
+                if isinstance(handle.process, mp.process.BaseProcess):
+                    with contextlib.suppress(ValueError):
+                        handle.process.close()
+            self._deliveries_send.close()
+
+
+def thread_alive(handle: WorkerHandle) -> bool:
+    process = handle.process
+    if isinstance(process, threading.Thread):
+        return process.is_alive()
+    return process.exitcode is None

@@ -1,0 +1,213 @@
+"""The control channel: typed messages, length-prefixed pickle frames over a stream socket.
+
+The parent side never blocks: it waits for readability with ``anyio.wait_readable`` (the socket is also
+the worker's doorbell: one small frame per batch) and reads what is there without blocking. The worker
+side is plain blocking code.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import struct
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+_HEADER = struct.Struct("!Q")
+
+
+# -- parent -> worker ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Attach:
+    """Shared-memory segments for the batch slots (and their layout)."""
+
+    slot_names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Collect:
+    """Collect one batch into ``slot`` (sync mode)."""
+
+    slot: int
+    random: bool
+
+
+@dataclass(frozen=True)
+class RunFree:
+    """Collect continuously into alternating slots (async mode); ``random_frames`` for the first ones."""
+
+    random_frames: int
+
+
+@dataclass(frozen=True)
+class Release:
+    """The parent is done reading ``slot`` (async mode)."""
+
+    slot: int
+
+
+@dataclass(frozen=True)
+class Call:
+    """Run a control operation between batches and reply with ``Result``."""
+
+    request_id: int
+    op: str
+    args: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class Close:
+    pass
+
+
+# -- worker -> parent ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Ready:
+    """The worker built its env, policy and rollout; ``layout`` describes one batch slot."""
+
+    layout: Any
+    batch_size: tuple[int, ...]
+    frames_per_batch: int
+    policy_version: int
+
+
+@dataclass(frozen=True)
+class BatchReady:
+    slot: int
+    steps: int
+    frames: int
+    policy_version: int
+    episode_returns: list[float] = field(default_factory=list)
+    episode_lengths: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Result:
+    request_id: int
+    value: Any
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The worker raised; ``error`` is the exception itself (its notes hold the worker traceback)."""
+
+    error: BaseException
+
+
+class WorkerError(RuntimeError):
+    """A worker raised an exception that could not be sent as itself (it did not pickle)."""
+
+
+def failure(exc: BaseException, where: str) -> Failed:
+    """Wrap ``exc`` with the worker traceback as a note, keeping its type when it pickles."""
+    tb = "".join(traceback.format_exception(exc))
+    note = f"\n--- raised in {where}; worker traceback ---\n{tb}"
+    try:
+        exc.add_note(note)
+        clone = pickle.loads(pickle.dumps(exc))
+        if type(clone) is not type(exc):
+            raise TypeError
+    except Exception:
+        exc = WorkerError(f"{type(exc).__name__}: {exc}{note}")
+    return Failed(exc)
+
+
+def encode(msg: Any) -> bytes:
+    payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(payload)) + payload
+
+
+class FrameReader:
+    """Accumulates bytes and yields complete messages."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[Any]:
+        self._buf += data
+        out = []
+        while len(self._buf) >= _HEADER.size:
+            (n,) = _HEADER.unpack_from(self._buf)
+            end = _HEADER.size + n
+            if len(self._buf) < end:
+                break
+            out.append(pickle.loads(bytes(self._buf[_HEADER.size : end])))
+            del self._buf[:end]
+        return out
+
+
+# -- worker side: blocking -------------------------------------------------------------------------
+class BlockingChannel:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.sock.setblocking(True)
+        self._reader = FrameReader()
+        self._pending: list[Any] = []
+
+    def send(self, msg: Any) -> None:
+        self.sock.sendall(encode(msg))
+
+    def recv(self, timeout: float | None = None) -> Any | None:
+        """The next message; ``None`` on timeout. Raises ``EOFError`` when the parent is gone."""
+        while not self._pending:
+            self.sock.settimeout(timeout)
+            try:
+                data = self.sock.recv(1 << 16)
+            except (TimeoutError, BlockingIOError):
+                return None
+            finally:
+                self.sock.settimeout(None)
+            if not data:
+                raise EOFError("the parent closed the channel")
+            self._pending.extend(self._reader.feed(data))
+        return self._pending.pop(0)
+
+    def poll(self) -> Any | None:
+        """A message if one is waiting, else ``None`` (never blocks)."""
+        if self._pending:
+            return self._pending.pop(0)
+        return self.recv(timeout=0.0)
+
+
+# -- parent side: async ----------------------------------------------------------------------------
+class AsyncChannel:
+    """Parent end: ``receive()`` waits with ``anyio.wait_readable``; ``send()`` never blocks the loop."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.sock.setblocking(False)
+        self._reader = FrameReader()
+        self._pending: list[Any] = []
+        self._send_lock = anyio.Lock()
+
+    async def receive(self) -> Any:
+        """The next message. Raises ``EOFError`` when the worker's end closed (it exited or died)."""
+        while not self._pending:
+            await anyio.wait_readable(self.sock)
+            try:
+                data = self.sock.recv(1 << 20)
+            except BlockingIOError:
+                continue
+            except ConnectionResetError:
+                data = b""
+            if not data:
+                raise EOFError("the worker closed the channel")
+            self._pending.extend(self._reader.feed(data))
+        return self._pending.pop(0)
+
+    async def send(self, msg: Any) -> None:
+        data = memoryview(encode(msg))
+        async with self._send_lock:
+            while data:
+                try:
+                    n = self.sock.send(data)
+                except BlockingIOError:
+                    await anyio.wait_writable(self.sock)
+                    continue
+                data = data[n:]
+
+    def close(self) -> None:
+        self.sock.close()

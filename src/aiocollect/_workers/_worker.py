@@ -1,0 +1,262 @@
+"""The worker: builds its env, policy and rollout, then serves commands (a process or a thread).
+
+Blocking, synchronous code. Batches go into shared-memory slots the parent owns; one small frame per
+batch on the control socket tells the parent which slot is ready.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+import numpy as np
+import torch
+
+from .._envs._adapter import ArrayEnv, check_env
+from .._policies import RandomPolicy, compile_policy, make_runner, parse_exploration_type
+from .._rng import RolloutRNG
+from .._rollout import Rollout, RolloutConfig
+from ._sharedweights import WeightsReader
+from ._shm import Layout, SharedBlock, layout_of
+from ._wire import (
+    Attach,
+    BatchReady,
+    BlockingChannel,
+    Call,
+    Close,
+    Collect,
+    Ready,
+    Release,
+    Result,
+    RunFree,
+    failure,
+)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs; pickled into the process (the env fn and policy are cloudpickled)."""
+
+    index: int
+    num_workers: int
+    payload: bytes
+    frames_per_batch: int
+    rollout: dict[str, Any]
+    exploration_type: str
+    policy_device: str | None
+    compile_policy: Any
+    num_threads: int | None
+    stop_name: str
+    weights: tuple[str, str, Layout] | None
+    in_process: bool
+    show_warnings: bool
+
+
+class _StopFlag:
+    """``is_set()`` reads this worker's byte of the shared stop array (preemption)."""
+
+    def __init__(self, array: np.ndarray, index: int) -> None:
+        self._array = array
+        self._index = index
+
+    def is_set(self) -> bool:
+        return bool(self._array[self._index])
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        create_env_fn, policy = cloudpickle.loads(spec.payload)
+        env = create_env_fn if hasattr(create_env_fn, "step") else create_env_fn()
+        check_env(env)
+        self.env = env
+        try:
+            self.random_policy = RandomPolicy(env.action_space)
+            if policy is None:
+                policy = self.random_policy
+            device = torch.device(spec.policy_device) if spec.policy_device else None
+            if device is not None and isinstance(policy, torch.nn.Module):
+                policy = policy.to(device)
+            self.policy = compile_policy(policy, spec.compile_policy)
+            array_env = ArrayEnv(env)
+            kw = {"batch_shape": array_env.batch_shape, "obs_keys": list(array_env.obs_specs)}
+            self.rollout = Rollout(
+                array_env,
+                make_runner(self.policy, device=device, **kw),
+                make_runner(self.random_policy, device=None, **kw),
+                RolloutConfig(
+                    frames_per_batch=spec.frames_per_batch,
+                    exploration_type=parse_exploration_type(spec.exploration_type),
+                    traj_id_start=spec.index,
+                    traj_id_stride=spec.num_workers,
+                    **spec.rollout,
+                ),
+            )
+            self.rollout.output_specs()
+            self.rng = RolloutRNG()
+            self.stop_block = SharedBlock(
+                [("stop", (spec.num_workers,), torch.int64)], (), name=spec.stop_name
+            )
+            self.stop = _StopFlag(self.stop_block.td["stop"].numpy(), spec.index)
+            self.weights = WeightsReader(*spec.weights) if spec.weights is not None else None
+            self.slots: list[SharedBlock] = []
+            self.frames = 0
+        except BaseException:
+            env.close()
+            raise
+
+    # -- layout and batches ----------------------------------------------------------------------
+    def layout(self) -> tuple[Layout, tuple[int, ...]]:
+        batch, _ = self.rollout._allocate()
+        if self.rollout.config.track_policy_version:
+            batch.set(("collector", "policy_version"), torch.zeros(batch.batch_size, dtype=torch.int64))
+        return layout_of(batch), tuple(batch.batch_size)
+
+    def attach(self, msg: Attach) -> None:
+        layout, batch_size = self.layout()
+        self.slots = [SharedBlock(layout, batch_size, name=name) for name in msg.slot_names]
+
+    def load_weights(self) -> int:
+        if self.weights is not None and isinstance(self.policy, torch.nn.Module):
+            self.rollout.policy_version = self.weights.load_into(self.policy, self.rollout.policy_version)
+        return self.rollout.policy_version
+
+    def collect(self, slot: int, random: bool) -> BatchReady:
+        self.load_weights()
+        result = self.rng.run(lambda: self.rollout.collect(random=random, stop=self.stop))
+        self.slots[slot].td.update_(result.batch)
+        self.frames += result.frames
+        return BatchReady(
+            slot=slot,
+            steps=result.steps,
+            frames=result.frames,
+            policy_version=self.rollout.policy_version,
+            episode_returns=result.episode_returns,
+            episode_lengths=result.episode_lengths,
+        )
+
+    # -- control operations (Call.op) -----------------------------------------------------------
+    def op_set_seed(self, seed: int) -> int:
+        last = int(self.env.set_seed(seed))
+        self.random_policy.set_seed(seed)
+        self.rng.seed(seed)
+        self.rollout.reset()
+        return last
+
+    def op_reset(self) -> None:
+        self.rollout.reset()
+
+    def op_state_dict(self) -> dict[str, Any]:
+        return {**self.rollout.state_dict(), "frames": self.frames}
+
+    def op_load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rollout.load_state_dict(state)
+        self.frames = int(state.get("frames", 0))
+
+    def op_load_weights(self) -> int:
+        return self.load_weights()
+
+    def op_getattr_env(self, name: str) -> Any:
+        return getattr(self.env, name)
+
+    def op_getattr_policy(self, name: str) -> Any:
+        return getattr(self.policy, name)
+
+    def call(self, msg: Call) -> Result:
+        return Result(msg.request_id, getattr(self, f"op_{msg.op}")(*msg.args))
+
+    # -- serving ---------------------------------------------------------------------------------
+    def serve(self, chan: BlockingChannel) -> None:
+        while True:
+            msg = chan.recv()
+            if isinstance(msg, Close):
+                return
+            if isinstance(msg, Attach):
+                self.attach(msg)
+            elif isinstance(msg, Collect):
+                chan.send(self.collect(msg.slot, msg.random))
+            elif isinstance(msg, Call):
+                chan.send(self.call(msg))
+            elif isinstance(msg, RunFree):
+                self.run_free(chan, msg)
+                return
+            elif isinstance(msg, Release):
+                pass
+            else:  # pragma: no cover - a protocol bug
+                raise TypeError(f"unexpected message {msg!r}")
+
+    def run_free(self, chan: BlockingChannel, msg: RunFree) -> None:
+        """Async mode: collect continuously, at most one batch ahead of the parent (two slots)."""
+        free = set(range(len(self.slots)))
+        while True:
+            while True:
+                incoming = chan.poll() if free else chan.recv()
+                if incoming is None:
+                    break
+                if isinstance(incoming, Release):
+                    free.add(incoming.slot)
+                elif isinstance(incoming, Call):
+                    chan.send(self.call(incoming))
+                elif isinstance(incoming, Close):
+                    return
+            slot = min(free)
+            free.discard(slot)
+            chan.send(self.collect(slot, random=self.frames < msg.random_frames))
+
+    def close(self) -> None:
+        for slot in self.slots:
+            slot.close()
+        self.stop_block.close()
+        if self.weights is not None:
+            self.weights.close()
+        self.env.close()
+
+
+def worker_main(sock: socket.socket, spec: WorkerSpec) -> None:
+    """Entry point of a worker process (or thread, for the serial backend)."""
+    chan = BlockingChannel(sock)
+    worker = None
+    try:
+        if not spec.in_process:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which stops us
+            if not spec.show_warnings:
+                warnings.simplefilter("ignore")
+            if spec.num_threads is not None:
+                torch.set_num_threads(spec.num_threads)
+        worker = Worker(spec)
+        layout, batch_size = worker.layout()
+        chan.send(
+            Ready(
+                layout=layout,
+                batch_size=batch_size,
+                frames_per_batch=worker.rollout.frames_per_batch,
+                policy_version=worker.rollout.policy_version,
+            )
+        )
+        worker.serve(chan)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the parent is gone or closed the channel: just exit
+    except BaseException as exc:
+        try:
+            chan.send(failure(exc, f"worker {spec.index}"))
+        except OSError:
+            pass
+    finally:
+        try:
+            if worker is not None:
+                worker.close()
+        finally:
+            sock.close()
+
+
+def start_thread_worker(sock: socket.socket, spec: WorkerSpec) -> threading.Thread:
+    thread = threading.Thread(
+        target=worker_main, args=(sock, spec), name=f"aiocollect-worker-{spec.index}", daemon=True
+    )
+    thread.start()
+    return thread
