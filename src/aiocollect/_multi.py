@@ -568,6 +568,15 @@ class MultiSyncCollector(_MultiCollectorBase):
             raise ValueError(
                 f"cat_results='stack' needs equal worker batches, got {shapes}; use cat_results=-1"
             )
+        if self._cat_results == -1 and len({s[:-1] for s in shapes}) > 1:
+            raise ValueError(
+                f"cat_results=-1 needs workers whose envs have the same batch size, got batches {shapes}"
+            )
+        if self._cat_results == 0 and len({s[1:] for s in shapes}) > 1:
+            raise ValueError(
+                f"cat_results=0 needs worker batches that differ in dim 0 only, got {shapes}; "
+                "use cat_results=-1"
+            )
 
     async def _next_batch(self, pool: WorkerPool) -> tuple[TensorDictBase, int, list[float], list[int]]:
         n = self.num_workers

@@ -261,6 +261,7 @@ class WorkerPool:
                     with contextlib.suppress(ValueError):
                         handle.process.close()
             self._deliveries_send.close()
+            self.deliveries.close()
 
 
 def thread_alive(handle: WorkerHandle) -> bool:
