@@ -6,6 +6,7 @@ into shared-memory slots; the parent's task group merges their notices into one 
 
 from __future__ import annotations
 
+import abc
 import math
 import sys
 import warnings
@@ -54,7 +55,7 @@ def set_worker_warnings(show: bool) -> None:
     _WORKER_WARNINGS = bool(show)
 
 
-class _MultiCollectorBase:
+class _MultiCollectorBase(abc.ABC):
     """What the multi-worker collectors share: start-up, shutdown, control, weights, statistics."""
 
     _sync: bool
@@ -174,8 +175,9 @@ class _MultiCollectorBase:
         self.frames_per_batch = sum(self._per_worker_fpb) if self._sync else self._per_worker_fpb[0]
 
     @staticmethod
+    @abc.abstractmethod
     def _split_frames(frames_per_batch: int | Sequence[int], n: int) -> list[int]:
-        raise NotImplementedError  # each subclass says how frames are split  # pragma: no cover
+        """Frames per batch of each of the ``n`` workers."""
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def __aenter__(self) -> Any:
@@ -267,8 +269,9 @@ class _MultiCollectorBase:
         if self._seed is not None:
             await self._seed_chain(self._seed)
 
+    @abc.abstractmethod
     def _check_layouts(self, ready: list[Any]) -> None:
-        """Subclasses check that the workers' batches can be combined."""
+        """Raise ``ValueError`` if the workers' batches cannot be delivered as this collector does."""
 
     async def _shutdown(self) -> None:
         with anyio.CancelScope(shield=True):
@@ -349,8 +352,9 @@ class _MultiCollectorBase:
         finally:
             self._lock.release()
 
+    @abc.abstractmethod
     async def _next_batch(self, pool: WorkerPool) -> tuple[TensorDictBase, int, list[float], list[int]]:
-        raise NotImplementedError  # pragma: no cover - subclasses
+        """One batch, its valid frames and the episodes that ended in it."""
 
     def __len__(self) -> int:
         if self.total_frames < 0:
@@ -672,6 +676,9 @@ class MultiAsyncCollector(_MultiCollectorBase):
         if isinstance(frames_per_batch, Sequence):
             raise TypeError("MultiAsyncCollector takes one frames_per_batch (each batch is one worker's)")
         return [positive_int("frames_per_batch", frames_per_batch)] * n
+
+    def _check_layouts(self, ready: list[Any]) -> None:
+        """Batches are delivered one worker at a time: any layouts go."""
 
     async def _start_workers(self) -> None:
         await super()._start_workers()
