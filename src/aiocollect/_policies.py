@@ -3,7 +3,7 @@
 A runner takes the current observations as ``{key: Tensor}`` (batch dims first) and returns
 ``{key: Tensor}`` with ``"action"`` and whatever else the policy writes. Three kinds:
 
-* ``RandomPolicy``: samples from the action space with its own ``torch.Generator``;
+* ``RandomPolicy``: samples from the action space (its own generator if seeded, else torch's RNG);
 * a plain ``nn.Module``: called as ``module(*observations)``, its output is the action (no TensorDict);
 * a ``TensorDictModule`` or any callable ``td -> td``: called on a TensorDict of the observations.
 """
@@ -32,17 +32,21 @@ def parse_exploration_type(value: str | InteractionType) -> InteractionType:
     if isinstance(value, str) and value.lower() in _EXPLORATION:
         return _EXPLORATION[value.lower()]
     raise ValueError(
-        f"exploration_type={value!r} is not one of {sorted(_EXPLORATION)} or a "
-        "tensordict.nn.InteractionType"
+        f"exploration_type={value!r} is not one of {sorted(_EXPLORATION)} or a tensordict.nn.InteractionType"
     )
 
 
 class RandomPolicy:
     """Uniformly random actions from a gymnasium action space; a callable ``td -> td``.
 
+    Discrete spaces are sampled uniformly, bounded Box dims uniformly in ``[low, high]``, unbounded
+    ones from a normal (half-normal past a single bound), as gymnasium does.
+
     Args:
         action_space: the action space of one env.
-        seed: seeds the policy's own generator (the collector reseeds it with ``set_seed``).
+        seed: with a seed the policy draws from its own ``torch.Generator``; without one it draws from
+            torch's global RNG, so ``torch.manual_seed`` and a collector's ``seed`` make it reproducible
+            (collectors run the rollout under their own seeded RNG state).
 
     Example:
         >>> from gymnasium.spaces import Discrete
@@ -55,14 +59,15 @@ class RandomPolicy:
     def __init__(self, action_space: spaces.Space[Any], *, seed: int | None = None) -> None:
         action_spec(action_space)  # raises on an unsupported space
         self.action_space = action_space
-        self.generator = torch.Generator()
+        self.generator: torch.Generator | None = None
         if seed is not None:
-            self.generator.manual_seed(seed)
-        else:
-            self.generator.seed()
+            self.set_seed(seed)
 
     def set_seed(self, seed: int) -> None:
-        self.generator.manual_seed(seed)
+        """Draw from an own generator seeded with ``seed`` from now on."""
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {seed!r}")
+        self.generator = torch.Generator().manual_seed(seed)
 
     def sample(self, batch_shape: tuple[int, ...] = ()) -> torch.Tensor:
         """A tensor of actions of shape ``batch_shape + action shape``."""
@@ -167,7 +172,8 @@ def make_runner(
     """The per-step callable for ``policy`` (see the module docstring)."""
     if isinstance(policy, RandomPolicy):
         return _RandomRunner(policy, batch_shape)
-    if isinstance(policy, TensorDictModuleBase):
+    # a torch.compile'd TensorDictModule is an nn.Module wrapper: it still takes a TensorDict
+    if isinstance(unwrap_compiled(policy), TensorDictModuleBase):
         return _TensorDictRunner(policy, batch_shape, obs_keys, device)
     if isinstance(policy, torch.nn.Module):
         return _ModuleRunner(policy, obs_keys, device)

@@ -70,17 +70,19 @@ class ArrayEnv:
             raise KeyError(f"{type(self.env).__name__}.step() returned no 'next' entry: {out}")
         bs = self.batch_shape
 
-        def flag(name: str, default: np.ndarray | None = None) -> np.ndarray:
+        def entry(name: str, dtype: type, default: np.ndarray | None = None) -> np.ndarray:
+            # copied: the rollout keeps these until the end of the batch, the env may reuse its tensors
             value = nxt.get(name, None)
             if value is None:
                 if default is not None:
                     return default
                 raise KeyError(f"{type(self.env).__name__}.step() returned no ('next', {name!r}) entry")
-            return value.detach().cpu().reshape(bs).numpy().astype(bool, copy=False)
+            return np.array(torch.as_tensor(value).detach().cpu().reshape(bs).numpy(), dtype=dtype)
 
-        terminated = flag("terminated", None if "done" not in nxt.keys() else flag("done"))
-        truncated = flag("truncated", np.zeros(bs, dtype=bool))
-        reward = nxt.get("reward").detach().cpu().reshape(bs).numpy().astype(np.float32, copy=False)
+        has_done = nxt.get("done", None) is not None
+        terminated = entry("terminated", bool, entry("done", bool) if has_done else None)
+        truncated = entry("truncated", bool, np.zeros(bs, dtype=bool))
+        reward = entry("reward", np.float32)
         next_obs = self._obs_arrays(nxt, "step()['next']")
         done = terminated | truncated
         root = next_obs
@@ -105,5 +107,7 @@ class ArrayEnv:
                     f"{type(self.env).__name__}.{where} has no {key!r} entry; the observation space "
                     f"gives the keys {list(self.obs_specs)}"
                 )
-            out[key] = value.detach().cpu().numpy()
+            value = torch.as_tensor(value).detach()
+            # a copy in the spec dtype: the env may update its tensors in place later
+            out[key] = value.to("cpu", self.obs_specs[key].dtype, copy=True).numpy()
         return out

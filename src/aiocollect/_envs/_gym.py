@@ -14,18 +14,17 @@ from ._spaces import LeafSpec, NestedKey, action_spec, flatten_obs, observation_
 
 
 class ArrayStep(NamedTuple):
-    """One step of a batch of envs as numpy arrays (batch dims first, no trailing reward dim)."""
+    """One step of a batch of envs as numpy arrays (batch dims first, no trailing reward dim).
+
+    For one env (batch size ``[]``) reward and flags are python scalars, the cheapest to make.
+    """
 
     next_obs: dict[NestedKey, np.ndarray]
-    reward: np.ndarray
-    terminated: np.ndarray
-    truncated: np.ndarray
+    reward: Any  # np.ndarray, or float for one env
+    terminated: Any  # np.ndarray, or bool for one env
+    truncated: Any  # np.ndarray, or bool for one env
     #: the observation to act on next: ``next_obs`` where the episode goes on, a reset one where it ended
     root_obs: dict[NestedKey, np.ndarray]
-
-
-def _stack_obs(obs: dict[NestedKey, np.ndarray], n: int) -> dict[NestedKey, np.ndarray]:
-    return {k: np.stack([v] * n) if n else v for k, v in obs.items()}
 
 
 class GymEnv:
@@ -41,7 +40,14 @@ class GymEnv:
     At an episode end, ``("next", "observation")`` is the final observation and the following frame's
     ``"observation"`` the reset one (gymnasium's same-step autoreset).
 
+    Observations come in the dtypes of the observation space (an env returning float64 for a float32
+    Box is converted). They go to torch without a copy (``torch.from_numpy``), except that a single
+    env's observations are copied once when read: an env may return an internal buffer that it updates
+    in place, and the collectors keep every observation until the batch is complete. Gymnasium vector
+    envs copy already (unless made with ``copy=False``, then they are copied here).
+
     Example:
+        >>> import torch
         >>> from aiocollect import GymEnv
         >>> env = GymEnv("CartPole-v1", num_envs=4, seed=0)
         >>> env.batch_size
@@ -126,6 +132,15 @@ class GymEnv:
         except BaseException:
             self._env.close()
             raise
+        self._obs_dtypes = {key: spec.numpy_dtype for key, spec in self.obs_specs.items()}
+        self._obs_dtype = (
+            None if isinstance(self._obs_space, gym.spaces.Dict) else self._obs_dtypes["observation"]
+        )
+        # The rollout keeps the arrays it is given until the end of the batch, so they must never be
+        # written to again. Gymnasium's vector envs deep-copy their observations (unless made with
+        # copy=False); a single env may hand back an internal buffer it updates in place, so its
+        # observations are copied (one small copy per step, well under 1 us for CartPole).
+        self._copy_obs = not (self._vector and getattr(self._env.unwrapped, "copy", False))
         self._batch_shape: tuple[int, ...] = (self._num_envs,) if self._vector else ()
         self._seed = seed
         self._last_obs: dict[NestedKey, np.ndarray] | None = None
@@ -159,9 +174,10 @@ class GymEnv:
         return seed + max(self._num_envs, 1) - 1
 
     def reset(self, td: TensorDict | None = None) -> TensorDict:
+        reset = None if td is None else td.get("_reset", None)
         mask = None
-        if td is not None and "_reset" in td.keys():
-            mask = td.get("_reset").reshape(self._batch_shape).cpu().numpy().astype(bool)
+        if reset is not None:
+            mask = reset.reshape(self._batch_shape).cpu().numpy().astype(bool)
         return self._obs_td(self._reset_arrays(mask))
 
     def step(self, td: TensorDict) -> TensorDict:
@@ -210,8 +226,26 @@ class GymEnv:
             obs, _ = self._env.reset(seed=seed)
         self._needs_reset = False
         self._autoreset_pending = None
-        self._last_obs = flatten_obs(self._obs_space, obs)
+        self._last_obs = self._arrays(obs)
         return self._last_obs
+
+    def _arrays(self, obs: Any) -> dict[NestedKey, np.ndarray]:
+        """A raw observation -> ``{key: array}`` of the spec dtypes, owned by us, usable by torch."""
+        if self._obs_dtype is not None:  # not a Dict space: the one "observation" entry
+            return {"observation": self._array(obs, self._obs_dtype)}
+        dtypes = self._obs_dtypes
+        return {
+            key: self._array(value, dtypes[key]) for key, value in flatten_obs(self._obs_space, obs).items()
+        }
+
+    def _array(self, value: Any, dtype: np.dtype[Any]) -> np.ndarray:
+        """``value`` as an array of ``dtype`` that the env will not write to again (see ``_copy_obs``)
+        and that ``torch.from_numpy`` takes as it is (writable, no negative strides)."""
+        if isinstance(value, np.ndarray) and value.dtype == dtype:
+            if self._copy_obs or not value.flags.writeable or any(st < 0 for st in value.strides):
+                return value.copy()
+            return value
+        return np.array(value, dtype=dtype)  # a new array: python scalars, other dtypes (float64 ...)
 
     def _to_env_action(self, action: Any) -> Any:
         space = self._act_space
@@ -232,14 +266,14 @@ class GymEnv:
         """
         obs, reward, terminated, truncated, info = self._env.step(self._to_env_action(action))
         space = self._obs_space
-        root = flatten_obs(space, obs)
+        root = self._arrays(obs)
         if not self._vector:
             terminated = bool(terminated)
             truncated = bool(truncated)
             nxt = root
             if terminated or truncated:
                 new_obs, _ = self._env.reset()
-                root = flatten_obs(space, new_obs)
+                root = self._arrays(new_obs)
                 self._autoreset_pending = np.asarray(True)
             else:
                 self._autoreset_pending = None
@@ -251,7 +285,7 @@ class GymEnv:
         if done.any():
             final_mask = info.get("_final_obs", done)
             finals = info["final_obs"]
-            nxt = {k: v.copy() for k, v in root.items()}
+            nxt = {k: v.copy() for k, v in root.items()}  # root keeps the reset observations
             for i in np.flatnonzero(final_mask):
                 for key, value in flatten_obs(space, finals[i]).items():
                     nxt[key][i] = value

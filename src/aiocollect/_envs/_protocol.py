@@ -33,7 +33,12 @@ class EnvProtocol(Protocol):
     * ``close()``.
 
     Optional: ``has_truncated`` (default ``True``); an env that never truncates sets it to ``False`` and
-    ``set_truncated=True`` is then refused.
+    ``set_truncated=True`` is then refused. In ``step``'s ``"next"``, ``"truncated"`` may be left out
+    (never truncated) and ``"terminated"`` too when ``"done"`` is there (done means terminated).
+
+    The collectors read such an env's tensors once per step and copy them (converted to the dtypes of
+    the observation space), so an env may return tensors it updates in place later. This is the slow
+    path (one TensorDict per step); :class:`aiocollect.GymEnv` works on arrays directly.
 
     Example:
         >>> from aiocollect import EnvProtocol, GymEnv

@@ -51,20 +51,36 @@ def leaf_spec(space: spaces.Space[Any], *, what: str) -> LeafSpec:
     )
 
 
+#: top-level batch keys an observation Dict entry would collide with
+RESERVED_KEYS = frozenset({"action", "next", "collector", "done", "terminated", "truncated", "reward"})
+
+
 def observation_specs(space: spaces.Space[Any]) -> dict[NestedKey, LeafSpec]:
     """Keys and specs of an observation space: ``{"observation": ...}`` or one key per Dict entry."""
     if isinstance(space, spaces.Dict):
-        out: dict[NestedKey, LeafSpec] = {}
-        for name, sub in space.spaces.items():
-            if isinstance(sub, spaces.Dict):
-                for key, spec in observation_specs(sub).items():
-                    out[(name, *((key,) if isinstance(key, str) else key))] = spec
-            else:
-                out[name] = leaf_spec(sub, what=f"observation[{name!r}]")
-        if not out:
-            raise TypeError(f"observation space {space!r} is an empty Dict")
-        return out
+        clash = sorted(set(space.spaces) & RESERVED_KEYS)
+        if clash:
+            raise TypeError(
+                f"unsupported observation space {space!r}: the Dict entries {clash} would collide with "
+                f"the batch keys {sorted(RESERVED_KEYS)}; rename them with a gymnasium wrapper (e.g. "
+                "gymnasium.wrappers.TransformObservation)"
+            )
+        return _dict_specs(space)
     return {"observation": leaf_spec(space, what="observation")}
+
+
+def _dict_specs(space: spaces.Dict) -> dict[NestedKey, LeafSpec]:
+    """The leaves of a (possibly nested) Dict space; nested entries get tuple keys."""
+    out: dict[NestedKey, LeafSpec] = {}
+    for name, sub in space.spaces.items():
+        if isinstance(sub, spaces.Dict):
+            for key, spec in _dict_specs(sub).items():
+                out[(name, *((key,) if isinstance(key, str) else key))] = spec
+        else:
+            out[name] = leaf_spec(sub, what=f"observation[{name!r}]")
+    if not out:
+        raise TypeError(f"unsupported observation space {space!r}: an empty Dict")
+    return out
 
 
 def action_spec(space: spaces.Space[Any]) -> LeafSpec:
@@ -113,9 +129,11 @@ def sample(
     high = torch.as_tensor(space.high, dtype=torch.float64)
     bounded_below = torch.as_tensor(space.bounded_below)
     bounded_above = torch.as_tensor(space.bounded_above)
+    integer = not spec.dtype.is_floating_point
     u = torch.rand(shape, generator=generator, dtype=torch.float64)
     n = torch.randn(shape, generator=generator, dtype=torch.float64)
-    both = low + u * (high - low)
+    # integer boxes include ``high``: floor(low + u * (high - low + 1)) is uniform over low..high
+    both = low + u * (high - low + 1 if integer else high - low)
     only_low = low + n.abs()
     only_high = high - n.abs()
     out = torch.where(
@@ -123,6 +141,6 @@ def sample(
         both,
         torch.where(bounded_below, only_low, torch.where(bounded_above, only_high, n)),
     )
-    if not spec.dtype.is_floating_point:
-        out = out.floor()
+    if integer:
+        out = out.floor().clamp(low, high)
     return out.to(spec.dtype)
