@@ -20,6 +20,13 @@ from ._multi import (
 from ._policies import RandomPolicy
 from ._stats import CollectorStatistics
 from ._trajectories import split_trajectories
+from ._weightsync import (
+    PipeWeightSync,
+    SharedMemoryWeightSync,
+    WeightReceiver,
+    WeightSender,
+    WeightSync,
+)
 from ._workers._pool import WorkerDiedError
 from ._workers._wire import WorkerError
 
@@ -34,10 +41,15 @@ __all__ = [
     "MultiAsyncCollector",
     "MultiCollector",
     "MultiSyncCollector",
+    "PipeWeightSync",
     "ProcessCollector",
     "RandomPolicy",
+    "SharedMemoryWeightSync",
     "WorkerDiedError",
     "WorkerError",
+    "WeightReceiver",
+    "WeightSender",
+    "WeightSync",
     "__version__",
     "set_worker_warnings",
     "split_trajectories",

@@ -10,7 +10,7 @@ import abc
 import math
 import sys
 import warnings
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Any, Literal
@@ -39,12 +39,12 @@ from ._validation import (
     seed_arg,
     total_frames_arg,
 )
-from ._weights import as_weights, check_compatible, module_weights
+from ._weights import as_weights, check_compatible
+from ._weightsync import SharedMemoryWeightSync, WeightSender, WeightSync, flat_weights
 from ._workers._pool import WorkerPool
-from ._workers._sharedweights import SharedWeights
 from ._workers._shm import SharedBlock
 from ._workers._wire import Collect, Release, RunFree
-from ._workers._worker import WorkerSpec
+from ._workers._worker import WorkerSpec, control_layout
 
 _WORKER_WARNINGS = False
 
@@ -53,6 +53,25 @@ def set_worker_warnings(show: bool) -> None:
     """Show (``True``) or hide (``False``, the default) warnings raised inside worker processes."""
     global _WORKER_WARNINGS
     _WORKER_WARNINGS = bool(show)
+
+
+async def _all_or_first_error(*fns: Callable[[], Awaitable[Any]]) -> None:
+    """Run ``fns`` concurrently; the first to raise cancels the others and its exception propagates as
+    itself (not in an ExceptionGroup)."""
+    errors: list[BaseException] = []
+
+    async def run(fn: Callable[[], Awaitable[Any]]) -> None:
+        try:
+            await fn()
+        except Exception as exc:
+            errors.append(exc)
+            tg.cancel_scope.cancel()
+
+    async with anyio.create_task_group() as tg:
+        for fn in fns:
+            tg.start_soon(run, fn)
+    if errors:
+        raise errors[0]
 
 
 class _MultiCollectorBase(abc.ABC):
@@ -87,6 +106,8 @@ class _MultiCollectorBase(abc.ABC):
         num_sub_threads: int = 1,
         backend: Literal["process", "serial"] = "process",
         start_method: str | None = None,
+        weight_sync: WeightSync | None = None,
+        max_policy_lag: int | None = None,
     ) -> None:
         if isinstance(create_env_fns, (str, bytes)) or not isinstance(create_env_fns, Sequence):
             raise TypeError(
@@ -140,7 +161,23 @@ class _MultiCollectorBase(abc.ABC):
                 f"{policy!r}"
             )
         self._source_policy = policy
-        self._weights: SharedWeights | None = None
+        if weight_sync is None:
+            weight_sync = SharedMemoryWeightSync()
+        if not isinstance(weight_sync, WeightSync):
+            raise TypeError(
+                "weight_sync must be a WeightSync scheme (SharedMemoryWeightSync(), PipeWeightSync(), "
+                f"DistributedWeightSync(...)), got {weight_sync!r}"
+            )
+        self._weight_sync = weight_sync
+        if max_policy_lag is not None and (
+            isinstance(max_policy_lag, bool) or not isinstance(max_policy_lag, int) or max_policy_lag < 0
+        ):
+            raise ValueError(
+                f"max_policy_lag must be a non-negative int (batches) or None, got {max_policy_lag!r}"
+            )
+        self._max_policy_lag = max_policy_lag
+        self._sender: WeightSender | None = None
+        self._weights_template = flat_weights(policy) if isinstance(policy, torch.nn.Module) else None
         payloads = []
         for i, fn in enumerate(create_env_fns):
             try:
@@ -161,7 +198,7 @@ class _MultiCollectorBase(abc.ABC):
         self._start_method = start_method
         self._stats = StatsTracker()
         self._pool: WorkerPool | None = None
-        self._stop: SharedBlock | None = None
+        self._control: SharedBlock | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
         self._lock = anyio.Lock()
         self._paused = 0
@@ -171,6 +208,7 @@ class _MultiCollectorBase(abc.ABC):
         self._entered = False
         self._background: anyio.CancelScope | None = None
         self._version = 0
+        self._weights_lock = anyio.Lock()
         self._saved_threads: int | None = None
         self.frames_per_batch = sum(self._per_worker_fpb) if self._sync else self._per_worker_fpb[0]
 
@@ -219,10 +257,14 @@ class _MultiCollectorBase(abc.ABC):
     async def _start_workers(self) -> None:
         assert self._task_group is not None
         n = self.num_workers
-        self._stop = SharedBlock([("stop", (n,), torch.int64)], ())
-        self._stop.td["stop"].zero_()
-        if isinstance(self._source_policy, torch.nn.Module):
-            self._weights = await anyio.to_thread.run_sync(SharedWeights, module_weights(self._source_policy))
+        self._control = SharedBlock(control_layout(n), ())
+        self._control.td.zero_()
+        receivers: list[Any] = [None] * n
+        if self._weights_template is not None:
+            self._sender = await anyio.to_thread.run_sync(
+                self._weight_sync.open_sender, self._weights_template.clone(), n, self._send_to
+            )
+            receivers = self._sender.receivers()
         args = self._spec_args
         specs = [
             WorkerSpec(
@@ -235,8 +277,9 @@ class _MultiCollectorBase(abc.ABC):
                 policy_device=args["policy_device"],
                 compile_policy=args["compile_policy"],
                 num_threads=args["num_threads"],
-                stop_name=self._stop.name,
-                weights=self._weights.names() if self._weights is not None else None,
+                control_name=self._control.name,
+                weights=receivers[i],
+                max_policy_lag=self._max_policy_lag,
                 in_process=self._backend == "serial",
                 show_warnings=_WORKER_WARNINGS,
             )
@@ -251,7 +294,13 @@ class _MultiCollectorBase(abc.ABC):
             start_method=self._start_method,
             slots_per_worker=1 if self._sync else 2,
         )
-        await self._pool.start(self._task_group)
+        if self._sender is not None:
+            await _all_or_first_error(
+                lambda: self._pool.start(self._task_group),  # type: ignore[union-attr]
+                self._sender.connect,
+            )
+        else:
+            await self._pool.start(self._task_group)
         ready = [w.ready for w in self._pool.workers]
         self._check_layouts(ready)
         self._worker_frames = [r.frames_per_batch for r in ready if r is not None]
@@ -282,14 +331,13 @@ class _MultiCollectorBase(abc.ABC):
                 pool, self._pool = self._pool, None
                 if pool is not None:
                     await pool.aclose()
-                for block in (self._stop,):
-                    if block is not None:
-                        block.unlink()
-                        block.close()
-                self._stop = None
-                if self._weights is not None:
-                    self._weights.unlink()
-                    self._weights = None
+                if self._control is not None:
+                    self._control.unlink()
+                    self._control.close()
+                    self._control = None
+                if self._sender is not None:
+                    self._sender.close()
+                    self._sender = None
                 if self._saved_threads is not None:
                     torch.set_num_threads(self._saved_threads)
                     self._saved_threads = None
@@ -426,8 +474,9 @@ class _MultiCollectorBase(abc.ABC):
             episodes=self._stats.episodes,
             policy_version=self._version,
         )
-        if isinstance(self._source_policy, torch.nn.Module) and self._weights is not None:
-            state["policy"] = self._weights.block.td.clone().to_dict()
+        weights = workers and await self._active_pool().call(0, "policy_weights")
+        if weights is not None:
+            state["policy"] = weights
         return state
 
     async def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -442,7 +491,7 @@ class _MultiCollectorBase(abc.ABC):
             self._stats.load(
                 int(state["frames"]), int(state.get("batches", 0)), int(state.get("episodes", 0))
             )
-        if "policy" in state and self._weights is not None:
+        if "policy" in state and self._weights_template is not None:
             await self.update_weights(state["policy"], wait=True)
 
     async def getattr_policy(self, name: str) -> Any:
@@ -453,31 +502,60 @@ class _MultiCollectorBase(abc.ABC):
         """An attribute of worker 0's env."""
         return await self._active_pool().call(0, "getattr_env", name)
 
-    async def update_weights(self, policy_or_weights: Any = None, *, wait: bool = False) -> int:
-        """Publish weights to every worker through shared memory; return the new policy version.
+    async def _send_to(self, index: int, message: Any) -> None:
+        await self._active_pool().send(index, message)
+
+    async def update_weights(
+        self,
+        policy_or_weights: Any = None,
+        *,
+        worker_ids: Sequence[int] | None = None,
+        wait: bool = False,
+    ) -> int:
+        """Publish weights to the workers (through ``weight_sync``) and return the new policy version.
 
         Workers load them at their next batch boundary (never mid-step); ``wait=True`` returns only when
-        every worker runs the new version.
+        every targeted worker runs the new version. Concurrent calls are serialised: versions strictly
+        increase.
 
         Args:
             policy_or_weights: an ``nn.Module``, a TensorDict of weights or a state dict; ``None`` means
-                the policy the collector was built with (its current weights).
+                the policy the collector was built with (its current weights). Parameters and buffers.
+            worker_ids: the workers to update (default: all).
+            wait: wait until those workers run the new weights.
         """
         pool = self._active_pool()
-        if self._weights is None:
+        if self._sender is None or self._weights_template is None:
             raise TypeError(
                 f"the collector's policy ({type(self._source_policy).__name__}) has no weights to "
                 "update; update_weights needs an nn.Module policy"
             )
+        ids = self._worker_ids(worker_ids)
         source = self._source_policy if policy_or_weights is None else policy_or_weights
         weights = as_weights(source).flatten_keys(".")
-        check_compatible(self._weights.block.td, weights)
-        shared = self._weights
-        version = await anyio.to_thread.run_sync(shared.publish, weights)
-        self._version = version
+        check_compatible(self._weights_template, weights)
+        async with self._weights_lock:
+            version = self._version + 1
+            await self._sender.publish(weights, version, ids)
+            self._version = version
+            if self._control is not None:
+                published = self._control.td["published"]
+                for i in ids:
+                    published[i] = version
         if wait:
-            await pool.call_all("load_weights")
+            async with anyio.create_task_group() as tg:
+                for i in ids:
+                    tg.start_soon(pool.call, i, "load_weights")
         return version
+
+    def _worker_ids(self, worker_ids: Sequence[int] | None) -> list[int]:
+        if worker_ids is None:
+            return list(range(self.num_workers))
+        ids = list(worker_ids)
+        n = self.num_workers
+        if not ids or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in ids):
+            raise ValueError(f"worker_ids must be indices in [0, {self.num_workers}), got {worker_ids!r}")
+        return ids
 
     @property
     def policy_version(self) -> int:
@@ -584,13 +662,13 @@ class MultiSyncCollector(_MultiCollectorBase):
 
     async def _next_batch(self, pool: WorkerPool) -> tuple[TensorDictBase, int, list[float], list[int]]:
         n = self.num_workers
-        if self._update_at_each_batch and self._weights is not None:
+        if self._update_at_each_batch and self._sender is not None:
             await self.update_weights()
         random = (
             self._stats.frames < math.ceil(self._init_random / self.frames_per_batch) * self.frames_per_batch
         )
-        assert self._stop is not None
-        stop = self._stop.td["stop"]
+        assert self._control is not None
+        stop = self._control.td["stop"]
         stop.zero_()
         for i in range(n):
             await pool.send(i, Collect(slot=0, random=random))
@@ -694,8 +772,8 @@ class MultiAsyncCollector(_MultiCollectorBase):
         await pool.send(index, Release(notice.slot))
         batch.set(("collector", "worker_id"), torch.full(batch.batch_size, index, dtype=torch.int64))
         batch.names = [None] * (batch.ndim - 1) + ["time"]
-        if self._update_at_each_batch and self._weights is not None:
-            await self.update_weights()
+        if self._update_at_each_batch and self._sender is not None:
+            await self.update_weights(worker_ids=[index])
         return batch, notice.frames, notice.episode_returns, notice.episode_lengths
 
 

@@ -21,7 +21,7 @@ from .._envs._adapter import ArrayEnv, check_env
 from .._policies import RandomPolicy, compile_policy, make_runner, parse_exploration_type
 from .._rng import RolloutRNG
 from .._rollout import Rollout, RolloutConfig
-from ._sharedweights import WeightsReader
+from .._weightsync import flat_weights
 from ._shm import Layout, SharedBlock, layout_of
 from ._wire import (
     Attach,
@@ -51,10 +51,21 @@ class WorkerSpec:
     policy_device: str | None
     compile_policy: Any
     num_threads: int | None
-    stop_name: str
-    weights: tuple[str, str, Layout] | None
+    control_name: str
+    #: a weight-sync receiver spec (``spec.open(index)``), or None for a policy without weights
+    weights: Any
+    max_policy_lag: int | None
     in_process: bool
     show_warnings: bool
+
+
+class _Closing(Exception):
+    """The parent asked the worker to stop."""
+
+
+def control_layout(num_workers: int) -> Layout:
+    """Per-worker stop flags (preemption) and published weight versions, shared with the parent."""
+    return [("stop", (num_workers,), torch.int64), ("published", (num_workers,), torch.int64)]
 
 
 class _StopFlag:
@@ -99,12 +110,12 @@ class Worker:
             )
             self.rollout.output_specs()
             self.rng = RolloutRNG()
-            self.stop_block = SharedBlock(
-                [("stop", (spec.num_workers,), torch.int64)], (), name=spec.stop_name
-            )
-            self.stop = _StopFlag(self.stop_block.td["stop"].numpy(), spec.index)
-            self.weights = WeightsReader(*spec.weights) if spec.weights is not None else None
+            self.control = SharedBlock(control_layout(spec.num_workers), (), name=spec.control_name)
+            self.stop = _StopFlag(self.control.td["stop"].numpy(), spec.index)
+            self._published = self.control.td["published"].numpy()
+            self.weights = spec.weights.open(spec.index) if spec.weights is not None else None
             self.slots: list[SharedBlock] = []
+            self.free: set[int] = set()
             self.frames = 0
         except BaseException:
             env.close()
@@ -123,11 +134,39 @@ class Worker:
 
     def load_weights(self) -> int:
         if self.weights is not None and isinstance(self.policy, torch.nn.Module):
-            self.rollout.policy_version = self.weights.load_into(self.policy, self.rollout.policy_version)
+            self.rollout.policy_version = self.weights.load(self.policy, self.rollout.policy_version)
         return self.rollout.policy_version
 
-    def collect(self, slot: int, random: bool) -> BatchReady:
+    def load_within_lag(self, chan: BlockingChannel) -> None:
+        """Load new weights; with ``max_policy_lag`` set, wait for them while too far behind."""
         self.load_weights()
+        lag = self.spec.max_policy_lag
+        if lag is None or self.weights is None:
+            return
+        while int(self._published[self.spec.index]) - self.rollout.policy_version > lag:
+            # the newer weights are on their way (a message, a write in progress): take them in
+            incoming = chan.recv(timeout=0.001)
+            if incoming is not None:
+                self.handle_between_batches(chan, incoming)
+            self.load_weights()
+
+    def handle_between_batches(self, chan: BlockingChannel, msg: Any) -> None:
+        """Messages a worker serves while it is not collecting (``Close`` raises ``_Closing``)."""
+        if self.weights is not None and self.weights.on_message(msg):
+            return
+        if isinstance(msg, Call):
+            chan.send(self.call(msg))
+        elif isinstance(msg, Release):
+            self.free.add(msg.slot)
+        elif isinstance(msg, Close):
+            raise _Closing
+        elif isinstance(msg, Attach):
+            self.attach(msg)
+        else:  # pragma: no cover - a protocol bug
+            raise TypeError(f"unexpected message {msg!r}")
+
+    def collect(self, chan: BlockingChannel, slot: int, random: bool) -> BatchReady:
+        self.load_within_lag(chan)
         result = self.rng.run(lambda: self.rollout.collect(random=random, stop=self.stop))
         self.slots[slot].td.update_(result.batch)
         self.frames += result.frames
@@ -161,6 +200,11 @@ class Worker:
     def op_load_weights(self) -> int:
         return self.load_weights()
 
+    def op_policy_weights(self) -> dict[str, torch.Tensor] | None:
+        if not isinstance(self.policy, torch.nn.Module):
+            return None
+        return {k: v.detach().cpu().clone() for k, v in flat_weights(self.policy).items()}
+
     def op_getattr_env(self, name: str) -> Any:
         return getattr(self.env, name)
 
@@ -172,46 +216,36 @@ class Worker:
 
     # -- serving ---------------------------------------------------------------------------------
     def serve(self, chan: BlockingChannel) -> None:
-        while True:
-            msg = chan.recv()
-            if isinstance(msg, Close):
-                return
-            if isinstance(msg, Attach):
-                self.attach(msg)
-            elif isinstance(msg, Collect):
-                chan.send(self.collect(msg.slot, msg.random))
-            elif isinstance(msg, Call):
-                chan.send(self.call(msg))
-            elif isinstance(msg, RunFree):
-                self.run_free(chan, msg)
-                return
-            elif isinstance(msg, Release):
-                pass
-            else:  # pragma: no cover - a protocol bug
-                raise TypeError(f"unexpected message {msg!r}")
+        """Sync mode: one batch per ``Collect``; ``RunFree`` switches to async mode."""
+        try:
+            while True:
+                msg = chan.recv()
+                if isinstance(msg, Collect):
+                    chan.send(self.collect(chan, msg.slot, msg.random))
+                elif isinstance(msg, RunFree):
+                    self.run_free(chan, msg)
+                else:
+                    self.handle_between_batches(chan, msg)
+        except _Closing:
+            return
 
     def run_free(self, chan: BlockingChannel, msg: RunFree) -> None:
         """Async mode: collect continuously, at most one batch ahead of the parent (two slots)."""
-        free = set(range(len(self.slots)))
+        self.free = set(range(len(self.slots)))
         while True:
             while True:
-                incoming = chan.poll() if free else chan.recv()
+                incoming = chan.poll() if self.free else chan.recv()
                 if incoming is None:
                     break
-                if isinstance(incoming, Release):
-                    free.add(incoming.slot)
-                elif isinstance(incoming, Call):
-                    chan.send(self.call(incoming))
-                elif isinstance(incoming, Close):
-                    return
-            slot = min(free)
-            free.discard(slot)
-            chan.send(self.collect(slot, random=self.frames < msg.random_frames))
+                self.handle_between_batches(chan, incoming)
+            slot = min(self.free)
+            self.free.discard(slot)
+            chan.send(self.collect(chan, slot, random=self.frames < msg.random_frames))
 
     def close(self) -> None:
         for slot in self.slots:
             slot.close()
-        self.stop_block.close()
+        self.control.close()
         if self.weights is not None:
             self.weights.close()
         self.env.close()
