@@ -10,8 +10,9 @@ import abc
 import math
 import sys
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 from types import TracebackType
 from typing import Any, Literal
 
@@ -24,6 +25,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
 from ._errors import CollectorClosedError
+from ._gather import gather
 from ._policies import parse_exploration_type
 from ._stats import CollectorStatistics, StatsTracker
 from ._trajectories import split_trajectories
@@ -53,25 +55,6 @@ def set_worker_warnings(show: bool) -> None:
     """Show (``True``) or hide (``False``, the default) warnings raised inside worker processes."""
     global _WORKER_WARNINGS
     _WORKER_WARNINGS = bool(show)
-
-
-async def _all_or_first_error(*fns: Callable[[], Awaitable[Any]]) -> None:
-    """Run ``fns`` concurrently; the first to raise cancels the others and its exception propagates as
-    itself (not in an ExceptionGroup)."""
-    errors: list[BaseException] = []
-
-    async def run(fn: Callable[[], Awaitable[Any]]) -> None:
-        try:
-            await fn()
-        except Exception as exc:
-            errors.append(exc)
-            tg.cancel_scope.cancel()
-
-    async with anyio.create_task_group() as tg:
-        for fn in fns:
-            tg.start_soon(run, fn)
-    if errors:
-        raise errors[0]
 
 
 class _MultiCollectorBase(abc.ABC):
@@ -295,7 +278,7 @@ class _MultiCollectorBase(abc.ABC):
             slots_per_worker=1 if self._sync else 2,
         )
         if self._sender is not None:
-            await _all_or_first_error(
+            await gather(
                 lambda: self._pool.start(self._task_group),  # type: ignore[union-attr]
                 self._sender.connect,
             )
@@ -326,6 +309,9 @@ class _MultiCollectorBase(abc.ABC):
         with anyio.CancelScope(shield=True):
             if self._background is not None:
                 self._background.cancel()
+            if self._control is not None:
+                # workers mid-batch stop at their next step instead of finishing it
+                self._control.td["stop"].fill_(1)
             async with self._lock:
                 self._closed = True
                 pool, self._pool = self._pool, None
@@ -543,9 +529,9 @@ class _MultiCollectorBase(abc.ABC):
                 for i in ids:
                     published[i] = version
         if wait:
-            async with anyio.create_task_group() as tg:
-                for i in ids:
-                    tg.start_soon(pool.call, i, "load_weights")
+            loaded = await gather(*[partial(pool.call, i, "load_weights") for i in ids])
+            for i, worker_version in zip(ids, loaded, strict=True):
+                pool.workers[i].policy_version = worker_version
         return version
 
     def _worker_ids(self, worker_ids: Sequence[int] | None) -> list[int]:
@@ -563,7 +549,7 @@ class _MultiCollectorBase(abc.ABC):
         return self._version
 
     def worker_policy_versions(self) -> list[int]:
-        """The version each worker ran for its last delivered batch."""
+        """The version each worker runs, as of its last delivered batch or `update_weights(wait=True)`."""
         pool = self._pool
         return [w.policy_version for w in pool.workers] if pool is not None else []
 

@@ -15,6 +15,7 @@ import multiprocessing as mp
 import socket
 import threading
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import anyio
@@ -23,6 +24,7 @@ import anyio.to_thread
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from .._gather import gather
 from ._shm import SharedBlock
 from ._wire import AsyncChannel, Attach, BatchReady, Call, Close, Failed, Ready, Result
 from ._worker import WorkerSpec, start_thread_worker, worker_main
@@ -210,15 +212,7 @@ class WorkerPool:
         return value
 
     async def call_all(self, op: str, *args: Any) -> list[Any]:
-        results: list[Any] = [None] * len(self.workers)
-
-        async def one(i: int) -> None:
-            results[i] = await self.call(i, op, *args)
-
-        async with anyio.create_task_group() as tg:
-            for i in range(len(self.workers)):
-                tg.start_soon(one, i)
-        return results
+        return await gather(*[partial(self.call, i, op, *args) for i in range(len(self.workers))])
 
     async def receive(self) -> tuple[int, BatchReady]:
         """The next batch notice (any worker); raises the pool's failure."""

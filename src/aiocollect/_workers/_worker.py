@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .._envs._adapter import ArrayEnv, check_env
-from .._policies import RandomPolicy, compile_policy, make_runner, parse_exploration_type
+from .._policies import compile_policy, make_runner, parse_exploration_type
 from .._rng import RolloutRNG
 from .._rollout import Rollout, RolloutConfig
 from .._weightsync import flat_weights
@@ -87,14 +87,14 @@ class Worker:
         check_env(env)
         self.env = env
         try:
-            self.random_policy = RandomPolicy(env.action_space)
+            array_env = ArrayEnv(env)
+            self.random_policy = array_env.random_policy()
             if policy is None:
                 policy = self.random_policy
             device = torch.device(spec.policy_device) if spec.policy_device else None
             if device is not None and isinstance(policy, torch.nn.Module):
                 policy = policy.to(device)
             self.policy = compile_policy(policy, spec.compile_policy)
-            array_env = ArrayEnv(env)
             kw = {"batch_shape": array_env.batch_shape, "obs_keys": list(array_env.obs_specs)}
             self.rollout = Rollout(
                 array_env,
