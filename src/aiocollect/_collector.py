@@ -22,11 +22,11 @@ from tensordict.nn import InteractionType
 from ._envs._adapter import ArrayEnv, check_env
 from ._errors import CollectorClosedError
 from ._policies import (
-    RandomPolicy,
     compile_policy,
     make_runner,
     parse_exploration_type,
 )
+from ._rng import RolloutRNG
 from ._rollout import Rollout, RolloutConfig, RolloutResult
 from ._stats import CollectorStatistics, StatsTracker
 from ._threads import run_stoppable
@@ -50,6 +50,31 @@ from ._weights import as_weights, check_compatible, copy_weights, module_weights
 class _Batch:
     batch: TensorDictBase | None
     result: RolloutResult
+    #: the batch went into the replay buffer (it counts even if the consumer is cancelled now)
+    delivered: bool = False
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
+
+
+def _reraise_unwrapped(group: BaseExceptionGroup, body_exc: BaseException | None) -> None:
+    """Re-raise what the collector's task group wrapped in ``group``, unwrapped where it is one error.
+
+    The task group wraps the ``async with`` body's own exception (trio always does); that one goes on
+    as it is (this returns). One background failure is raised with its original type and traceback.
+    """
+    cancelled = anyio.get_cancelled_exc_class()
+    leaves = _leaves(group)
+    failures = [e for e in leaves if e is not body_exc and not isinstance(e, cancelled)]
+    if not failures and any(e is body_exc for e in leaves):
+        return
+    if len(failures) == 1 and not any(e is body_exc for e in leaves):
+        raise failures[0] from None
+    raise group
 
 
 class Collector:
@@ -74,10 +99,17 @@ class Collector:
         exploration_type: ``"random"`` (default), ``"deterministic"``, ``"mode"``, ``"mean"``, ``"median"``
             or a ``tensordict.nn.InteractionType``, set around every policy call.
         set_truncated: mark the last step of every batch truncated (and done), without resetting.
-        seed: seeds the env, the random policy and the policy's sampling (torch RNG), for reproducible
-            batches.
+        seed: seeds the env, the random policy and the policy's sampling, for reproducible batches. The
+            policy samples from torch's global CPU generator, so each batch (and the construction's dry
+            policy call) runs with the collector's own generator state swapped in, and the caller's state
+            back afterwards. torch has one such generator per process: random draws made by other threads
+            *while* a batch runs (another seeded collector, a trainer drawing during ``start()``) share
+            it, and the batches are then not reproducible.
         device, env_device, policy_device, storing_device: where things run / are stored.
         replay_buffer: anything with ``extend(batch)``; batches go there and ``async for`` yields ``None``.
+            ``extend`` is called from the collector's worker thread (a large copy must not hold the
+            event loop): the buffer must accept writes from another thread, as torchrl's
+            ``ReplayBuffer`` does.
         track_policy_version: write ``("collector", "policy_version")`` in every frame.
         compile_policy: ``True`` or a dict of ``torch.compile`` kwargs.
 
@@ -150,7 +182,9 @@ class Collector:
             )
 
         # -- the env, the policy and the rollout ------------------------------------------------
-        env = create_env_fn if hasattr(create_env_fn, "step") else create_env_fn()
+        # an env instance is used as is; a callable (a function, a class, a partial) builds one
+        is_env = hasattr(create_env_fn, "step") and not isinstance(create_env_fn, type)
+        env = create_env_fn if is_env else create_env_fn()
         check_env(env)
         try:
             if config_flags["set_truncated"] and not getattr(env, "has_truncated", True):
@@ -162,9 +196,10 @@ class Collector:
                 env.set_seed(self._seed)
             self._env = env
             self._source_policy = policy
-            self._random_policy = RandomPolicy(env.action_space, seed=self._seed)
-            self._policy = self._own_policy(policy, compile_option)
             array_env = ArrayEnv(env)
+            # unseeded: it samples with the collector's torch RNG state (self._rng), like the policy
+            self._random_policy = array_env.random_policy()
+            self._policy = self._own_policy(policy, compile_option)
             obs_keys = list(array_env.obs_specs)
             runner_kwargs = {
                 "batch_shape": array_env.batch_shape,
@@ -183,8 +218,12 @@ class Collector:
                     **config_flags,
                 ),
             )
-            self._torch_rng = self._seeded_rng_state(self._seed)
-            self._rollout.output_specs()  # one dry policy call: a broken policy fails here, not later
+            # the policy samples with the collector's own torch RNG state when seeded (see _rng.py)
+            self._rng = RolloutRNG(self._seed)
+            # one dry policy call: a broken policy fails here, not later. It draws from a forked RNG so
+            # that the first batch is the one a later set_seed(seed) gives (no number drawn here).
+            with torch.random.fork_rng(devices=[]):
+                self._rollout.output_specs()
         except BaseException:
             env.close()
             raise
@@ -239,12 +278,6 @@ class Collector:
             policy = own
         return compile_policy(policy, compile_option)
 
-    @staticmethod
-    def _seeded_rng_state(seed: int | None) -> torch.Tensor | None:
-        if seed is None:
-            return None
-        return torch.Generator().manual_seed(seed).get_state()
-
     # -- the iterator ---------------------------------------------------------------------------
     def __aiter__(self) -> Collector:
         return self
@@ -273,34 +306,32 @@ class Collector:
                 break
             self._lock.release()
         try:
-            self._check_open()
-            out = await run_stoppable(self._collect_in_thread)
-            result = out.result
-            self._stats.record(result.frames, result.episode_returns, result.episode_lengths)
-            return out.batch
-        except BaseException as exc:
-            if not isinstance(exc, anyio.get_cancelled_exc_class()) and not isinstance(
-                exc, StopAsyncIteration
-            ):
+            self._check_open()  # closed while we waited: keep the reason it was closed for
+            if self._budget_reached():  # another consumer took the last batch while we waited
+                raise StopAsyncIteration
+            finished: list[_Batch] = []
+            try:
+                out = await run_stoppable(lambda stop: self._collect_in_thread(stop, finished))
+            except anyio.get_cancelled_exc_class():
+                if finished and finished[0].delivered:  # in the replay buffer already: count it
+                    self._record(finished[0].result)
+                raise
+            except Exception as exc:
                 self._closed_reason = f"a batch failed with {type(exc).__name__}: {exc}"
                 self._closed = True
                 await self._close_env()
-            raise
+                raise
+            self._record(out.result)
+            return out.batch
         finally:
             self._lock.release()
 
-    def _collect_in_thread(self, stop: threading.Event) -> _Batch:
+    def _record(self, result: RolloutResult) -> None:
+        self._stats.record(result.frames, result.episode_returns, result.episode_lengths)
+
+    def _collect_in_thread(self, stop: threading.Event, finished: list[_Batch]) -> _Batch:
         random = self._stats.frames < self._init_random_frames
-        if self._torch_rng is None:
-            result = self._rollout.collect(random=random, stop=stop)
-        else:
-            outer = torch.get_rng_state()
-            torch.set_rng_state(self._torch_rng)
-            try:
-                result = self._rollout.collect(random=random, stop=stop)
-            finally:
-                self._torch_rng = torch.get_rng_state()
-                torch.set_rng_state(outer)
+        result = self._rng.run(lambda: self._rollout.collect(random=random, stop=stop))
         batch: TensorDictBase = result.batch
         if stop.is_set():  # cancelled: the caller discards this
             return _Batch(None, result)
@@ -308,14 +339,18 @@ class Collector:
             batch = split_trajectories(batch)
         if self._postproc is not None:
             batch = self._postproc(batch)
-        if self.replay_buffer is not None:
-            self.replay_buffer.extend(batch)
-            return _Batch(None, result)
-        return _Batch(batch, result)
+        if self.replay_buffer is None:
+            return _Batch(batch, result)
+        self.replay_buffer.extend(batch)
+        out = _Batch(None, result, delivered=True)
+        finished.append(out)
+        return out
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def __aenter__(self) -> Collector:
         self._check_open()
+        if self._task_group is not None:
+            raise RuntimeError("the collector is entered already (async with collector: ...)")
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         return self
@@ -326,15 +361,16 @@ class Collector:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        if self._background is not None:
-            self._background.cancel()
         try:
             await self.aclose()
         finally:
             tg, self._task_group = self._task_group, None
             if tg is not None:
                 tg.cancel_scope.cancel()
-                await tg.__aexit__(exc_type, exc, tb)
+                try:
+                    await tg.__aexit__(exc_type, exc, tb)
+                except BaseExceptionGroup as group:
+                    _reraise_unwrapped(group, exc)
         return None
 
     async def aclose(self) -> None:
@@ -373,7 +409,9 @@ class Collector:
         if self.replay_buffer is None:
             raise RuntimeError("start() needs a replay_buffer: Collector(..., replay_buffer=rb)")
         if self._task_group is None:
-            raise RuntimeError("start() needs an entered collector: `async with collector: await collector.start()`")
+            raise RuntimeError(
+                "start() needs an entered collector: `async with collector: await collector.start()`"
+            )
         if self._background is not None:
             raise RuntimeError("start() was called already")
         await self._task_group.start(self._run_free)
@@ -427,8 +465,7 @@ class Collector:
         def apply() -> int:
             assert self._env is not None
             last = int(self._env.set_seed(seed))
-            self._random_policy.set_seed(seed)
-            self._torch_rng = self._seeded_rng_state(seed)
+            self._rng.seed(seed)
             self._rollout.reset()
             return last
 
@@ -459,12 +496,12 @@ class Collector:
         missing = {"frames", "batches", "next_traj_id", "policy_version"} - set(state)
         if missing:
             raise KeyError(f"state dict lacks {sorted(missing)}")
-        weights = None
-        if "policy" in state and isinstance(self._policy, torch.nn.Module):
-            weights = as_weights(state["policy"])
-            check_compatible(module_weights(self._policy), weights)
 
         def apply() -> None:
+            weights = None
+            if "policy" in state and isinstance(self._policy, torch.nn.Module):
+                weights = as_weights(state["policy"])
+                check_compatible(module_weights(self._policy), weights)
             self._rollout.load_state_dict(dict(state))
             self._stats.load(int(state["frames"]), int(state["batches"]), int(state.get("episodes", 0)))
             if weights is not None:
@@ -479,17 +516,18 @@ class Collector:
             policy_or_weights: an ``nn.Module``, a TensorDict of weights or a state dict; ``None`` means
                 the policy the collector was built with (its current weights).
         """
+        self._check_open()
         if not isinstance(self._policy, torch.nn.Module):
             raise TypeError(
                 f"the collector's policy ({type(self._policy).__name__}) has no weights to update; "
                 "update_weights needs an nn.Module policy"
             )
         source = self._source_policy if policy_or_weights is None else policy_or_weights
-        weights = as_weights(source)
-        target = module_weights(self._policy)
-        check_compatible(target, weights)
 
-        def apply() -> int:
+        def apply() -> int:  # in the worker thread: a large model's copy does not hold the loop
+            weights = as_weights(source)
+            target = module_weights(self._policy)
+            check_compatible(target, weights)
             copy_weights(target, weights)
             self._rollout.policy_version += 1
             return self._rollout.policy_version

@@ -56,6 +56,14 @@ def _key_tuple(prefix: str, key: NestedKey) -> tuple[str, ...]:
     return (prefix, key) if isinstance(key, str) else (prefix, *key)
 
 
+def _stack_into(out: np.ndarray, values: list[Any], axis: int) -> None:
+    """``np.stack(values, axis=axis, out=out)``, several times faster for thousands of small entries.
+
+    ``np.asarray`` converts the whole list in one C loop where ``np.stack`` makes a view per entry.
+    """
+    np.copyto(np.moveaxis(out, axis, 0), np.asarray(values), casting="same_kind")
+
+
 class Rollout:
     """Collects batches of ``frames_per_batch`` frames from ``env`` with ``policy``.
 
@@ -85,9 +93,9 @@ class Rollout:
     # -- state ------------------------------------------------------------------------------------
     def _new_ids(self, n: int) -> np.ndarray:
         stride = self.config.traj_id_stride
-        ids = self._next_traj + stride * np.arange(n, dtype=np.int64)
-        self._next_traj += stride * n
-        return ids
+        start, self._next_traj = self._next_traj, self._next_traj + stride * n
+        # one numpy call: ``start + stride * np.arange(n)`` costs ~4 us, and it runs at every episode end
+        return np.arange(start, self._next_traj, stride, dtype=np.int64)
 
     def reset(self) -> None:
         """Reset every env and start new trajectories."""
@@ -177,6 +185,7 @@ class Rollout:
         batch, views = self._allocate()
         runner = self.random_runner if random else self.policy
         env = self.env
+        env_step = env.step
         batched = bool(self.batch_shape)
         obs_keys = list(env.obs_specs)
         out_keys = list(self.output_specs())
@@ -201,10 +210,8 @@ class Rollout:
                 obs_hist.append(root)
                 out = runner({k: torch.from_numpy(v) for k, v in root.items()})
                 out_hist.append(out)
-                step = env.step(out["action"])
-                next_hist.append(step.next_obs)
-                terminated = step.terminated
-                truncated = step.truncated
+                next_obs, reward, terminated, truncated, next_root = env_step(out["action"])
+                next_hist.append(next_obs)
                 forced = None
                 if max_steps is not None:
                     ep_length = ep_length + 1
@@ -213,16 +220,17 @@ class Rollout:
                         truncated = truncated | forced
                     else:
                         forced = None
-                rew_hist.append(step.reward)
+                rew_hist.append(reward)
                 term_hist.append(terminated)
                 trunc_hist.append(truncated)
                 ids_hist.append(traj_ids)
-                root = step.root_obs
+                root = next_root
                 if batched:
                     done = terminated | truncated
-                    if done.any():
+                    n_done = np.count_nonzero(done)  # ~3x cheaper than done.any() then done.sum()
+                    if n_done:
                         traj_ids = traj_ids.copy()
-                        traj_ids[done] = self._new_ids(int(done.sum()))
+                        traj_ids[done] = self._new_ids(n_done)
                         if max_steps is not None:
                             ep_length = np.where(done, 0, ep_length)
                         if forced is not None:
@@ -237,8 +245,18 @@ class Rollout:
         self._traj_ids = traj_ids
         self._ep_length = ep_length
         return self._finish(
-            batch, views, steps, obs_keys, out_keys, obs_hist, next_hist, out_hist,
-            rew_hist, term_hist, trunc_hist, ids_hist,
+            batch,
+            views,
+            steps,
+            obs_keys,
+            out_keys,
+            obs_hist,
+            next_hist,
+            out_hist,
+            rew_hist,
+            term_hist,
+            trunc_hist,
+            ids_hist,
         )
 
     def _finish(
@@ -264,23 +282,28 @@ class Rollout:
         traj_v = views[("collector", "traj_ids")]
         if steps:
             for key in obs_keys:
-                np.stack([o[key] for o in obs_hist], axis=nb, out=views[key][valid])
+                _stack_into(views[key][valid], [o[key] for o in obs_hist], nb)
                 nk = _key_tuple("next", key)
-                np.stack([o[key] for o in next_hist], axis=nb, out=views[nk][valid])
+                _stack_into(views[nk][valid], [o[key] for o in next_hist], nb)
             for key in out_keys:
-                values = torch.stack([o[key] for o in out_hist], dim=nb).cpu()
                 target = views[key][valid]
+                if key not in out_hist[0]:  # a random batch: the policy's other outputs are zeros
+                    target[...] = 0
+                    continue
+                # reshape: a random action of shape () fills a policy's (1,) action slot
+                values = torch.stack([o[key] for o in out_hist], dim=nb).cpu().reshape(target.shape)
                 if isinstance(target, np.ndarray):
                     target[...] = values.numpy()
                 else:
                     target.copy_(values)
-            np.stack(rew_hist, axis=nb, out=views[("next", "reward")][valid])
-            np.stack(term_hist, axis=nb, out=views[("next", "terminated")][valid])
-            np.stack(trunc_hist, axis=nb, out=views[("next", "truncated")][valid])
-            np.stack(ids_hist, axis=nb, out=traj_v[valid])
+            _stack_into(views[("next", "reward")][valid], rew_hist, nb)
+            _stack_into(views[("next", "terminated")][valid], term_hist, nb)
+            _stack_into(views[("next", "truncated")][valid], trunc_hist, nb)
+            _stack_into(traj_v[valid], ids_hist, nb)
             done_v = views[("next", "done")]
             np.logical_or(
-                views[("next", "terminated")][valid], views[("next", "truncated")][valid],
+                views[("next", "terminated")][valid],
+                views[("next", "truncated")][valid],
                 out=done_v[valid],
             )
         if steps < self.steps_per_batch:

@@ -25,7 +25,7 @@ def optional_positive_int(name: str, value: Any, *, fix: str = "use None to disa
 
 def total_frames_arg(value: Any) -> int:
     """``-1`` or ``None``: endless; otherwise a positive int."""
-    if value is None or value == -1 and not isinstance(value, bool):
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value == -1):
         return -1
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(
@@ -55,7 +55,7 @@ def optional_callable(name: str, value: Any) -> Any:
 
 
 def compile_arg(value: Any) -> bool | Mapping[str, Any]:
-    if isinstance(value, bool) or isinstance(value, Mapping):
+    if isinstance(value, (bool, Mapping)):
         return value
     raise TypeError(f"compile_policy must be True, False or a dict of torch.compile kwargs, got {value!r}")
 
@@ -83,6 +83,8 @@ def device_arg(name: str, value: Any) -> torch.device | None:
         raise ValueError(f"{name}={value!r} is not a torch device ({exc})") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{name}={value!r} but CUDA is not available here; use 'cpu'")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"{name}={value!r} but this machine has {torch.cuda.device_count()} CUDA devices")
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"{name}={value!r} but MPS is not available here; use 'cpu'")
     return device
@@ -97,9 +99,7 @@ class Devices:
     storing: torch.device | None = None
 
     @classmethod
-    def from_args(
-        cls, *, device: Any, env_device: Any, policy_device: Any, storing_device: Any
-    ) -> Devices:
+    def from_args(cls, *, device: Any, env_device: Any, policy_device: Any, storing_device: Any) -> Devices:
         default = device_arg("device", device)
         return cls(
             env=device_arg("env_device", env_device) or default,
