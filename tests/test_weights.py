@@ -186,3 +186,28 @@ async def test_bad_weight_sync_arguments():
     async with MultiSyncCollector([pendulum], frames_per_batch=8, backend="serial") as c:
         with pytest.raises(TypeError, match="no weights"):
             await c.update_weights()
+
+
+async def test_in_process_collector_takes_the_same_arguments():
+    from aiocollect import Collector
+
+    trainer = BufferPolicy()
+    async with Collector(
+        pendulum,
+        trainer,
+        frames_per_batch=8,
+        weight_sync=PipeWeightSync(),
+        max_policy_lag=0,
+        track_policy_version=True,
+    ) as c:
+        set_policy(trainer, 0.5, 0.25)
+        assert await c.update_weights(worker_ids=[0], wait=True) == 1
+        batch = await c.__anext__()
+        assert torch.allclose(batch["action"], torch.tensor(0.75))
+        assert (batch["collector", "policy_version"] == 1).all()
+        with pytest.raises(ValueError, match="worker_ids"):
+            await c.update_weights(worker_ids=[1])
+    with pytest.raises(TypeError, match="weight_sync"):
+        Collector(pendulum, trainer, frames_per_batch=8, weight_sync=object())
+    with pytest.raises(ValueError, match="max_policy_lag"):
+        Collector(pendulum, trainer, frames_per_batch=8, max_policy_lag=-2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import threading
 import warnings
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from math import ceil
@@ -36,12 +36,14 @@ from ._validation import (
     compile_arg,
     flag,
     init_random_frames_arg,
+    lag_arg,
     optional_callable,
     optional_positive_int,
     positive_int,
     replay_buffer_arg,
     seed_arg,
     total_frames_arg,
+    weight_sync_arg,
 )
 from ._weights import as_weights, check_compatible, copy_weights, module_weights
 
@@ -112,6 +114,9 @@ class Collector:
             ``ReplayBuffer`` does.
         track_policy_version: write ``("collector", "policy_version")`` in every frame.
         compile_policy: ``True`` or a dict of ``torch.compile`` kwargs.
+        weight_sync, max_policy_lag: accepted (and checked) so that the same arguments work for every
+            collector; in-process, :meth:`update_weights` copies straight into the collector's policy
+            before the next batch, so no transport is involved and the lag is always 0.
 
     Example:
         >>> import anyio
@@ -148,6 +153,8 @@ class Collector:
         replay_buffer: Any = None,
         track_policy_version: bool = False,
         compile_policy: bool | Mapping[str, Any] = False,
+        weight_sync: Any = None,
+        max_policy_lag: int | None = None,
     ) -> None:
         # -- every argument is checked before the env is built ----------------------------------
         self._requested_frames_per_batch = positive_int("frames_per_batch", frames_per_batch)
@@ -166,6 +173,8 @@ class Collector:
         )
         self.replay_buffer = replay_buffer_arg(replay_buffer)
         compile_option = compile_arg(compile_policy)
+        weight_sync_arg(weight_sync)
+        lag_arg(max_policy_lag)
         config_flags = {
             "reset_at_each_iter": flag("reset_at_each_iter", reset_at_each_iter),
             "set_truncated": flag("set_truncated", set_truncated),
@@ -509,14 +518,29 @@ class Collector:
 
         await self._control(apply)
 
-    async def update_weights(self, policy_or_weights: Any = None) -> int:
+    async def update_weights(
+        self,
+        policy_or_weights: Any = None,
+        *,
+        worker_ids: Sequence[int] | None = None,
+        wait: bool = False,
+    ) -> int:
         """Copy weights into the collector's policy (between batches) and return the new version.
+
+        The copy happens before the next batch starts, so ``wait`` changes nothing here; it and
+        ``worker_ids`` (``None`` or ``[0]``: the collector is its own single worker) exist so that code
+        written for the multi-process collectors runs unchanged.
 
         Args:
             policy_or_weights: an ``nn.Module``, a TensorDict of weights or a state dict; ``None`` means
                 the policy the collector was built with (its current weights).
+            worker_ids: ``None`` or ``[0]``.
+            wait: accepted for a uniform signature; the update is always applied on return.
         """
         self._check_open()
+        if worker_ids is not None and list(worker_ids) != [0]:
+            raise ValueError(f"worker_ids must be None or [0] for an in-process Collector: {worker_ids!r}")
+        flag("wait", wait)
         if not isinstance(self._policy, torch.nn.Module):
             raise TypeError(
                 f"the collector's policy ({type(self._policy).__name__}) has no weights to update; "

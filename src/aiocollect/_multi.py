@@ -34,15 +34,17 @@ from ._validation import (
     compile_arg,
     flag,
     init_random_frames_arg,
+    lag_arg,
     optional_callable,
     optional_positive_int,
     positive_int,
     replay_buffer_arg,
     seed_arg,
     total_frames_arg,
+    weight_sync_arg,
 )
 from ._weights import as_weights, check_compatible
-from ._weightsync import SharedMemoryWeightSync, WeightSender, WeightSync, flat_weights
+from ._weightsync import WeightSender, WeightSync, flat_weights
 from ._workers._pool import WorkerPool
 from ._workers._shm import SharedBlock
 from ._workers._wire import Collect, Release, RunFree
@@ -144,21 +146,8 @@ class _MultiCollectorBase(abc.ABC):
                 f"{policy!r}"
             )
         self._source_policy = policy
-        if weight_sync is None:
-            weight_sync = SharedMemoryWeightSync()
-        if not isinstance(weight_sync, WeightSync):
-            raise TypeError(
-                "weight_sync must be a WeightSync scheme (SharedMemoryWeightSync(), PipeWeightSync(), "
-                f"DistributedWeightSync(...)), got {weight_sync!r}"
-            )
-        self._weight_sync = weight_sync
-        if max_policy_lag is not None and (
-            isinstance(max_policy_lag, bool) or not isinstance(max_policy_lag, int) or max_policy_lag < 0
-        ):
-            raise ValueError(
-                f"max_policy_lag must be a non-negative int (batches) or None, got {max_policy_lag!r}"
-            )
-        self._max_policy_lag = max_policy_lag
+        self._weight_sync: WeightSync = weight_sync_arg(weight_sync)
+        self._max_policy_lag = lag_arg(max_policy_lag)
         self._sender: WeightSender | None = None
         self._weights_template = flat_weights(policy) if isinstance(policy, torch.nn.Module) else None
         payloads = []

@@ -106,3 +106,22 @@ class Devices:
             policy=device_arg("policy_device", policy_device) or default,
             storing=device_arg("storing_device", storing_device) or default,
         )
+
+
+def lag_arg(value: Any) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"max_policy_lag must be a non-negative int (batches) or None, got {value!r}")
+    return value
+
+
+def weight_sync_arg(value: Any) -> Any:
+    from ._weightsync import SharedMemoryWeightSync, WeightSync
+
+    if value is None:
+        return SharedMemoryWeightSync()
+    if not isinstance(value, WeightSync):
+        raise TypeError(
+            "weight_sync must be a WeightSync scheme (SharedMemoryWeightSync(), PipeWeightSync(), "
+            f"DistributedWeightSync(...)), got {value!r}"
+        )
+    return value
