@@ -7,9 +7,23 @@ while the env and the policy run off the event loop.
 from __future__ import annotations
 
 from ._collector import Collector
+from ._distributed_weights import DistributedWeightSync
 from ._envs._gym import GymEnv
 from ._envs._protocol import EnvProtocol
 from ._errors import CollectorClosedError
+from ._events import (
+    BatchDelivered,
+    EpisodeFinished,
+    Event,
+    EventStream,
+    Paused,
+    Resumed,
+    WeightsLoaded,
+    WeightsPublished,
+    WorkerFailed,
+    WorkerStarted,
+    WorkerStopped,
+)
 from ._multi import (
     MultiAsyncCollector,
     MultiCollector,
@@ -18,7 +32,7 @@ from ._multi import (
     set_worker_warnings,
 )
 from ._policies import RandomPolicy
-from ._stats import CollectorStatistics
+from ._stats import CollectorStatistics, WorkerStatistics
 from ._trajectories import split_trajectories
 from ._weightsync import (
     PipeWeightSync,
@@ -33,21 +47,34 @@ from ._workers._wire import WorkerError
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchDelivered",
     "Collector",
     "CollectorClosedError",
     "CollectorStatistics",
+    "DistributedWeightSync",
     "EnvProtocol",
+    "EpisodeFinished",
+    "Event",
+    "EventStream",
     "GymEnv",
     "MultiAsyncCollector",
     "MultiCollector",
     "MultiSyncCollector",
+    "Paused",
     "PipeWeightSync",
     "ProcessCollector",
     "RandomPolicy",
+    "Resumed",
     "SharedMemoryWeightSync",
     "WorkerDiedError",
     "WorkerError",
+    "WorkerFailed",
+    "WorkerStarted",
+    "WorkerStatistics",
+    "WorkerStopped",
     "WeightReceiver",
+    "WeightsLoaded",
+    "WeightsPublished",
     "WeightSender",
     "WeightSync",
     "__version__",

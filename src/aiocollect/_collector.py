@@ -5,8 +5,7 @@ from __future__ import annotations
 import copy
 import threading
 import warnings
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from math import ceil
 from types import TracebackType
@@ -19,8 +18,9 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
+from ._base import CollectorBase
 from ._envs._adapter import ArrayEnv, check_env
-from ._errors import CollectorClosedError
+from ._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
 from ._policies import (
     compile_policy,
     make_runner,
@@ -28,7 +28,7 @@ from ._policies import (
 )
 from ._rng import RolloutRNG
 from ._rollout import Rollout, RolloutConfig, RolloutResult
-from ._stats import CollectorStatistics, StatsTracker
+from ._stats import CollectorStatistics, WorkerStatistics
 from ._threads import run_stoppable
 from ._trajectories import split_trajectories
 from ._validation import (
@@ -79,7 +79,7 @@ def _reraise_unwrapped(group: BaseExceptionGroup, body_exc: BaseException | None
     raise group
 
 
-class Collector:
+class Collector(CollectorBase):
     """Collect batches from one env with a policy; ``async for batch in collector``.
 
     The rollout of each batch runs in a worker thread (one hand-off per batch), so the event loop stays
@@ -117,6 +117,8 @@ class Collector:
         weight_sync, max_policy_lag: accepted (and checked) so that the same arguments work for every
             collector; in-process, :meth:`update_weights` copies straight into the collector's policy
             before the next batch, so no transport is involved and the lag is always 0.
+        progress: a progress bar over ``total_frames`` with frames/s and mean return: ``None`` (default:
+            shown when stderr is a terminal), ``True``, ``False``, a tqdm bar or a rich ``Progress``.
 
     Example:
         >>> import anyio
@@ -155,6 +157,7 @@ class Collector:
         compile_policy: bool | Mapping[str, Any] = False,
         weight_sync: Any = None,
         max_policy_lag: int | None = None,
+        progress: Any = None,
     ) -> None:
         # -- every argument is checked before the env is built ----------------------------------
         self._requested_frames_per_batch = positive_int("frames_per_batch", frames_per_batch)
@@ -260,14 +263,7 @@ class Collector:
                 UserWarning,
                 stacklevel=2,
             )
-        self._stats = StatsTracker()
-        self._lock = anyio.Lock()
-        self._paused = 0
-        self._unpaused: anyio.Event | None = None
-        self._closed = False
-        self._closed_reason: str | None = None
-        self._task_group: anyio.abc.TaskGroup | None = None
-        self._background: anyio.CancelScope | None = None
+        self._init_base(progress)
 
     # -- construction helpers -------------------------------------------------------------------
     def _own_policy(self, policy: Any, compile_option: bool | Mapping[str, Any]) -> Any:
@@ -288,9 +284,6 @@ class Collector:
         return compile_policy(policy, compile_option)
 
     # -- the iterator ---------------------------------------------------------------------------
-    def __aiter__(self) -> Collector:
-        return self
-
     async def __anext__(self) -> TensorDictBase | None:
         self._check_open()
         if self._budget_reached():
@@ -298,22 +291,8 @@ class Collector:
         batch = await self._next_batch()
         return batch
 
-    def _budget_reached(self) -> bool:
-        return 0 < self.total_frames <= self._stats.frames
-
-    def __len__(self) -> int:
-        if self.total_frames < 0:
-            raise TypeError("an endless collector (total_frames=-1) has no len()")
-        return ceil(self.total_frames / self.frames_per_batch)
-
     async def _next_batch(self) -> TensorDictBase | None:
-        while True:
-            if self._unpaused is not None:
-                await self._unpaused.wait()
-            await self._lock.acquire()
-            if not self._paused:
-                break
-            self._lock.release()
+        await self._acquire_batch_lock()
         try:
             self._check_open()  # closed while we waited: keep the reason it was closed for
             if self._budget_reached():  # another consumer took the last batch while we waited
@@ -323,20 +302,28 @@ class Collector:
                 out = await run_stoppable(lambda stop: self._collect_in_thread(stop, finished))
             except anyio.get_cancelled_exc_class():
                 if finished and finished[0].delivered:  # in the replay buffer already: count it
-                    self._record(finished[0].result)
+                    self._record_result(finished[0].result)
                 raise
             except Exception as exc:
                 self._closed_reason = f"a batch failed with {type(exc).__name__}: {exc}"
                 self._closed = True
+                self._failed = True
+                self._hub.publish(WorkerFailed(0, f"{type(exc).__name__}: {exc}"))
                 await self._close_env()
+                self._hub.close()
                 raise
-            self._record(out.result)
+            self._record_result(out.result)
             return out.batch
         finally:
             self._lock.release()
 
-    def _record(self, result: RolloutResult) -> None:
-        self._stats.record(result.frames, result.episode_returns, result.episode_lengths)
+    def _record_result(self, result: RolloutResult) -> None:
+        self._record(
+            result.frames,
+            [(0, r, n) for r, n in zip(result.episode_returns, result.episode_lengths, strict=True)],
+            worker_id=0,
+            policy_version=self._rollout.policy_version,
+        )
 
     def _collect_in_thread(self, stop: threading.Event, finished: list[_Batch]) -> _Batch:
         random = self._stats.frames < self._init_random_frames
@@ -362,6 +349,8 @@ class Collector:
             raise RuntimeError("the collector is entered already (async with collector: ...)")
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
+        self._start_monitoring()
+        self._hub.publish(WorkerStarted(0))
         return self
 
     async def __aexit__(
@@ -391,68 +380,16 @@ class Collector:
                 if not self._closed:
                     self._closed = True
                     self._closed_reason = "it was closed"
+                    self._hub.publish(WorkerStopped(0))
+                    self._finish_progress()
                 await self._close_env()
+                self._hub.close()
 
     async def _close_env(self) -> None:
         env, self._env = self._env, None
         if env is not None:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(env.close)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise CollectorClosedError(f"the collector is closed: {self._closed_reason}")
-
-    # -- background collection into a replay buffer ---------------------------------------------
-    async def start(self) -> None:
-        """Collect into ``replay_buffer`` in the background until ``aclose()`` (or ``total_frames``).
-
-        Needs ``replay_buffer`` and an entered collector (``async with collector:``), whose task group
-        owns the background task.
-        """
-        self._check_open()
-        if self.replay_buffer is None:
-            raise RuntimeError("start() needs a replay_buffer: Collector(..., replay_buffer=rb)")
-        if self._task_group is None:
-            raise RuntimeError(
-                "start() needs an entered collector: `async with collector: await collector.start()`"
-            )
-        if self._background is not None:
-            raise RuntimeError("start() was called already")
-        await self._task_group.start(self._run_free)
-
-    async def _run_free(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
-        with anyio.CancelScope() as scope:
-            self._background = scope
-            task_status.started()
-            async for _ in self:
-                pass
-
-    @asynccontextmanager
-    async def pause(self) -> AsyncIterator[None]:
-        """No new batch starts while this context is open; a batch in flight completes first.
-
-        Example:
-            >>> async def trainer_step(collector):  # doctest: +SKIP
-            ...     async with collector.pause():
-            ...         ...  # e.g. torch.compile the policy while no rollout runs
-        """
-        self._paused += 1
-        if self._unpaused is None:
-            self._unpaused = anyio.Event()
-        try:
-            async with self._lock:  # waits for the batch in flight
-                pass
-            yield
-        finally:
-            self._paused -= 1
-            if not self._paused and self._unpaused is not None:
-                self._unpaused.set()
-                self._unpaused = None
 
     # -- control --------------------------------------------------------------------------------
     async def _control(self, fn: Callable[[], Any]) -> Any:
@@ -478,7 +415,10 @@ class Collector:
             self._rollout.reset()
             return last
 
-        return int(await self._control(apply))
+        version = int(await self._control(apply))
+        self._hub.publish(WeightsPublished(version))
+        self._hub.publish(WeightsLoaded(version, 0))
+        return version
 
     async def reset(self) -> None:
         """Reset the env: the next batch starts new episodes (with new trajectory ids)."""
@@ -556,7 +496,10 @@ class Collector:
             self._rollout.policy_version += 1
             return self._rollout.policy_version
 
-        return int(await self._control(apply))
+        version = int(await self._control(apply))
+        self._hub.publish(WeightsPublished(version))
+        self._hub.publish(WeightsLoaded(version, 0))
+        return version
 
     @property
     def policy_version(self) -> int:
@@ -573,7 +516,17 @@ class Collector:
 
     def statistics(self) -> CollectorStatistics:
         """A frozen record of what the collector has done (see :class:`CollectorStatistics`)."""
-        return self._stats.snapshot(self._rollout.policy_version)
+        if self._failed:
+            state = "failed"
+        elif self._closed:
+            state = "stopped"
+        else:
+            state = "paused" if self.paused else "collecting"
+        version = self._rollout.policy_version
+        worker = WorkerStatistics(0, state, self._stats.frames, version)
+        return self._stats.snapshot(
+            version, workers=(worker,), paused=self.paused, loop_lag_ms=self._lag.percentiles_ms()
+        )
 
     def __repr__(self) -> str:
         return (

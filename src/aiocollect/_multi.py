@@ -10,8 +10,8 @@ import abc
 import math
 import sys
 import warnings
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from types import TracebackType
 from typing import Any, Literal
@@ -24,10 +24,12 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
+from ._base import CollectorBase
 from ._errors import CollectorClosedError
+from ._events import WeightsPublished
 from ._gather import gather
 from ._policies import parse_exploration_type
-from ._stats import CollectorStatistics, StatsTracker
+from ._stats import CollectorStatistics, WorkerStatistics
 from ._trajectories import split_trajectories
 from ._validation import (
     Devices,
@@ -59,7 +61,24 @@ def set_worker_warnings(show: bool) -> None:
     _WORKER_WARNINGS = bool(show)
 
 
-class _MultiCollectorBase(abc.ABC):
+@dataclass
+class _Delivery:
+    batch: TensorDictBase
+    frames: int
+    per_worker_episodes: list[list[tuple[int, float, int]]]
+    worker_id: int | None
+    policy_version: int
+
+    @property
+    def episodes(self) -> list[tuple[int, float, int]]:
+        return [e for episodes in self.per_worker_episodes for e in episodes]
+
+
+def _episodes(worker_id: int, notice: Any) -> list[tuple[int, float, int]]:
+    return [(worker_id, r, n) for r, n in zip(notice.episode_returns, notice.episode_lengths, strict=True)]
+
+
+class _MultiCollectorBase(CollectorBase, abc.ABC):
     """What the multi-worker collectors share: start-up, shutdown, control, weights, statistics."""
 
     _sync: bool
@@ -93,6 +112,7 @@ class _MultiCollectorBase(abc.ABC):
         start_method: str | None = None,
         weight_sync: WeightSync | None = None,
         max_policy_lag: int | None = None,
+        progress: Any = None,
     ) -> None:
         if isinstance(create_env_fns, (str, bytes)) or not isinstance(create_env_fns, Sequence):
             raise TypeError(
@@ -168,17 +188,12 @@ class _MultiCollectorBase(abc.ABC):
         }
         self._backend = backend
         self._start_method = start_method
-        self._stats = StatsTracker()
+        self._init_base(progress)
         self._pool: WorkerPool | None = None
+        self._last_workers: tuple[WorkerStatistics, ...] = ()
+        self._closed_before = False
         self._control: SharedBlock | None = None
-        self._task_group: anyio.abc.TaskGroup | None = None
-        self._lock = anyio.Lock()
-        self._paused = 0
-        self._unpaused: anyio.Event | None = None
-        self._closed = False
-        self._closed_reason = "it was closed"
         self._entered = False
-        self._background: anyio.CancelScope | None = None
         self._version = 0
         self._weights_lock = anyio.Lock()
         self._saved_threads: int | None = None
@@ -198,6 +213,7 @@ class _MultiCollectorBase(abc.ABC):
         self._entered = True
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
+        self._start_monitoring()
         try:
             await self._start_workers()
         except BaseException:
@@ -265,6 +281,7 @@ class _MultiCollectorBase(abc.ABC):
             backend=self._backend,
             start_method=self._start_method,
             slots_per_worker=1 if self._sync else 2,
+            on_event=self._hub.publish,
         )
         if self._sender is not None:
             await gather(
@@ -306,6 +323,9 @@ class _MultiCollectorBase(abc.ABC):
                 pool, self._pool = self._pool, None
                 if pool is not None:
                     await pool.aclose()
+                    self._last_workers = tuple(
+                        WorkerStatistics(w.index, w.state, w.frames, w.policy_version) for w in pool.workers
+                    )
                 if self._control is not None:
                     self._control.unlink()
                     self._control.close()
@@ -316,6 +336,10 @@ class _MultiCollectorBase(abc.ABC):
                 if self._saved_threads is not None:
                     torch.set_num_threads(self._saved_threads)
                     self._saved_threads = None
+                self._hub.close()
+                if not self._closed_before:
+                    self._closed_before = True
+                    self._finish_progress()
 
     async def aclose(self) -> None:
         """Stop and reap every worker and free every shared-memory segment. Idempotent.
@@ -324,13 +348,8 @@ class _MultiCollectorBase(abc.ABC):
         """
         await self._shutdown()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def _active_pool(self) -> WorkerPool:
-        if self._closed:
-            raise CollectorClosedError(f"the collector is closed: {self._closed_reason}")
+        self._check_open()
         if self._pool is None:
             raise RuntimeError(
                 f"{type(self).__name__} starts its workers in `async with`: write "
@@ -339,29 +358,23 @@ class _MultiCollectorBase(abc.ABC):
         return self._pool
 
     # -- iteration --------------------------------------------------------------------------------
-    def __aiter__(self) -> Any:
-        return self
-
     async def __anext__(self) -> TensorDictBase | None:
         self._active_pool()
-        if 0 < self.total_frames <= self._stats.frames:
+        if self._budget_reached():
             raise StopAsyncIteration
-        while True:
-            if self._unpaused is not None:
-                await self._unpaused.wait()
-            await self._lock.acquire()
-            if not self._paused:
-                break
-            self._lock.release()
+        await self._acquire_batch_lock()
         try:
             pool = self._active_pool()
+            if self._budget_reached():  # another consumer took the last batch while we waited
+                raise StopAsyncIteration
             try:
-                batch, frames, returns, lengths = await self._next_batch(pool)
+                out = await self._next_batch(pool)
             except Exception as exc:
                 if pool.failure is not None:
                     self._closed_reason = f"a worker failed with {type(exc).__name__}: {exc}"
                 raise
-            self._stats.record(frames, returns, lengths)
+            self._record(out.frames, out.episodes, worker_id=out.worker_id, policy_version=out.policy_version)
+            batch = out.batch
             if self._split_trajs:
                 batch = split_trajectories(batch)
             if self._postproc is not None:
@@ -376,47 +389,8 @@ class _MultiCollectorBase(abc.ABC):
             self._lock.release()
 
     @abc.abstractmethod
-    async def _next_batch(self, pool: WorkerPool) -> tuple[TensorDictBase, int, list[float], list[int]]:
+    async def _next_batch(self, pool: WorkerPool) -> _Delivery:
         """One batch, its valid frames and the episodes that ended in it."""
-
-    def __len__(self) -> int:
-        if self.total_frames < 0:
-            raise TypeError("an endless collector (total_frames=-1) has no len()")
-        return math.ceil(self.total_frames / self.frames_per_batch)
-
-    # -- background collection, pause ------------------------------------------------------------
-    async def start(self) -> None:
-        """Collect into ``replay_buffer`` in the background until ``aclose()`` (or ``total_frames``)."""
-        self._active_pool()
-        if self.replay_buffer is None:
-            raise RuntimeError(f"start() needs a replay_buffer: {type(self).__name__}(..., replay_buffer=rb)")
-        if self._background is not None:
-            raise RuntimeError("start() was called already")
-        assert self._task_group is not None
-        await self._task_group.start(self._run_free)
-
-    async def _run_free(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
-        with anyio.CancelScope() as scope:
-            self._background = scope
-            task_status.started()
-            async for _ in self:
-                pass
-
-    @asynccontextmanager
-    async def pause(self) -> AsyncIterator[None]:
-        """No batch is delivered (nor written to the replay buffer) while this context is open."""
-        self._paused += 1
-        if self._unpaused is None:
-            self._unpaused = anyio.Event()
-        try:
-            async with self._lock:
-                pass
-            yield
-        finally:
-            self._paused -= 1
-            if not self._paused and self._unpaused is not None:
-                self._unpaused.set()
-                self._unpaused = None
 
     # -- control ----------------------------------------------------------------------------------
     async def _seed_chain(self, seed: int) -> int:
@@ -511,8 +485,9 @@ class _MultiCollectorBase(abc.ABC):
         check_compatible(self._weights_template, weights)
         async with self._weights_lock:
             version = self._version + 1
-            await self._sender.publish(weights, version, ids)
+            await self._publish(pool, weights, version, ids)
             self._version = version
+            self._hub.publish(WeightsPublished(version))
             if self._control is not None:
                 published = self._control.td["published"]
                 for i in ids:
@@ -520,8 +495,41 @@ class _MultiCollectorBase(abc.ABC):
         if wait:
             loaded = await gather(*[partial(pool.call, i, "load_weights") for i in ids])
             for i, worker_version in zip(ids, loaded, strict=True):
-                pool.workers[i].policy_version = worker_version
+                pool.note_version(i, worker_version)
         return version
+
+    async def _publish(self, pool: WorkerPool, weights: TensorDictBase, version: int, ids: list[int]) -> None:
+        """``sender.publish`` raced against the pool: a worker that fails or dies while an update is in
+        flight (a collective transfer waits for every worker) ends it with that worker's error."""
+        sender = self._sender
+        assert sender is not None
+        errors: list[Exception] = []
+        finished = anyio.Event()
+
+        async def run() -> None:
+            try:
+                await sender.publish(weights, version, ids)
+            except Exception as exc:
+                errors.append(exc)
+            finally:
+                finished.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            while not finished.is_set() and pool.failure is None:
+                with anyio.move_on_after(0.01):
+                    await finished.wait()
+            tg.cancel_scope.cancel()
+        if finished.is_set() and not errors:
+            return
+        ended = [w for w in pool.workers if w.exitcode is not None]
+        if pool.failure is None and ended:
+            # the transfer failed because a worker process ended: its reader is about to say why
+            with anyio.move_on_after(2.0):
+                await ended[0].exited.wait()
+        if pool.failure is not None:
+            raise pool.failure
+        raise errors[0]
 
     def _worker_ids(self, worker_ids: Sequence[int] | None) -> list[int]:
         if worker_ids is None:
@@ -543,7 +551,25 @@ class _MultiCollectorBase(abc.ABC):
         return [w.policy_version for w in pool.workers] if pool is not None else []
 
     def statistics(self) -> CollectorStatistics:
-        return self._stats.snapshot(self._version)
+        """A frozen record of what the collector and each worker have done (see
+        :class:`CollectorStatistics`)."""
+        pool = self._pool
+        workers: tuple[WorkerStatistics, ...] = ()
+        if pool is not None:
+            workers = tuple(
+                WorkerStatistics(
+                    w.index,
+                    "paused" if self.paused and w.state == "collecting" else w.state,
+                    w.frames,
+                    w.policy_version,
+                )
+                for w in pool.workers
+            )
+        elif self._last_workers:
+            workers = self._last_workers
+        return self._stats.snapshot(
+            self._version, workers=workers, paused=self.paused, loop_lag_ms=self._lag.percentiles_ms()
+        )
 
 
 class MultiSyncCollector(_MultiCollectorBase):
@@ -674,9 +700,13 @@ class MultiSyncCollector(_MultiCollectorBase):
                         notices[index] = notice
             raise
         batch, valid = self._combine(pool, notices)
-        returns = [r for i in range(n) for r in notices[i].episode_returns]
-        lengths = [le for i in range(n) for le in notices[i].episode_lengths]
-        return batch, valid, returns, lengths
+        return _Delivery(
+            batch,
+            valid,
+            [_episodes(i, notices[i]) for i in range(n)],
+            worker_id=None,
+            policy_version=min(notices[i].policy_version for i in range(n)),
+        )
 
     def _combine(self, pool: WorkerPool, notices: dict[int, Any]) -> tuple[TensorDictBase, int]:
         slots = [w.slots[0].td for w in pool.workers]
@@ -749,7 +779,13 @@ class MultiAsyncCollector(_MultiCollectorBase):
         batch.names = [None] * (batch.ndim - 1) + ["time"]
         if self._update_at_each_batch and self._sender is not None:
             await self.update_weights(worker_ids=[index])
-        return batch, notice.frames, notice.episode_returns, notice.episode_lengths
+        return _Delivery(
+            batch,
+            notice.frames,
+            [_episodes(index, notice)],
+            worker_id=index,
+            policy_version=notice.policy_version,
+        )
 
 
 class ProcessCollector(MultiAsyncCollector):

@@ -7,6 +7,18 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
+WORKER_STATES = ("starting", "collecting", "paused", "stopped", "failed")
+
+
+@dataclass(frozen=True)
+class WorkerStatistics:
+    """One worker: ``state`` is one of ``starting``, ``collecting``, ``paused``, ``stopped``, ``failed``."""
+
+    worker_id: int
+    state: str
+    frames: int
+    policy_version: int
+
 
 @dataclass(frozen=True)
 class CollectorStatistics:
@@ -19,7 +31,12 @@ class CollectorStatistics:
         mean_return: mean return of the last ``window`` completed episodes (``None`` before the first).
         mean_length: mean length of the same episodes.
         frames_per_second: delivery rate over the last ~10 seconds.
-        policy_version: version of the weights the collector runs.
+        policy_version: the newest version published (by ``update_weights``).
+        min_return, max_return: extremes of the same recent episodes.
+        workers: one :class:`WorkerStatistics` per worker (one for the in-process ``Collector``).
+        paused: whether ``pause()`` holds the collector.
+        loop_lag_ms: the event loop's recent lag, ``{"p50": ..., "p99": ...}`` in ms, measured while the
+            collector is entered (``async with``); ``None`` before.
 
     Example:
         >>> CollectorStatistics(0, 0, 0, None, None, 0.0, 0).to_dict()["frames"]
@@ -33,6 +50,11 @@ class CollectorStatistics:
     mean_length: float | None
     frames_per_second: float
     policy_version: int
+    min_return: float | None = None
+    max_return: float | None = None
+    workers: tuple[WorkerStatistics, ...] = ()
+    paused: bool = False
+    loop_lag_ms: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,6 +84,9 @@ class StatsTracker:
         while len(self._deliveries) > 2 and now - self._deliveries[0][0] > self._rate_window_s:
             self._deliveries.popleft()
 
+    def mean_return(self) -> float | None:
+        return sum(self._returns) / len(self._returns) if self._returns else None
+
     def load(self, frames: int, batches: int, episodes: int) -> None:
         self.frames, self.batches, self.episodes = frames, batches, episodes
 
@@ -76,10 +101,22 @@ class StatsTracker:
         frames = sum(f for _, f in list(self._deliveries)[1:])
         return frames / max(max(now, self._deliveries[-1][0]) - first_t, 1e-9)
 
-    def snapshot(self, policy_version: int) -> CollectorStatistics:
+    def snapshot(
+        self,
+        policy_version: int,
+        *,
+        workers: tuple[WorkerStatistics, ...] = (),
+        paused: bool = False,
+        loop_lag_ms: dict[str, float] | None = None,
+    ) -> CollectorStatistics:
         returns = self._returns
         lengths = self._lengths
         return CollectorStatistics(
+            min_return=min(returns) if returns else None,
+            max_return=max(returns) if returns else None,
+            workers=workers,
+            paused=paused,
+            loop_lag_ms=loop_lag_ms,
             frames=self.frames,
             batches=self.batches,
             episodes=self.episodes,

@@ -14,6 +14,7 @@ import math
 import multiprocessing as mp
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -24,6 +25,7 @@ import anyio.to_thread
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from .._events import Event, WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
 from .._gather import gather
 from ._shm import SharedBlock
 from ._wire import AsyncChannel, Attach, BatchReady, Call, Close, Failed, Ready, Result
@@ -61,6 +63,8 @@ class WorkerHandle:
     exited: anyio.Event = field(default_factory=anyio.Event)
     policy_version: int = 0
     frames: int = 0
+    #: starting, collecting, stopped or failed (the collector adds paused)
+    state: str = "starting"
 
     @property
     def exitcode(self) -> int | None:
@@ -78,8 +82,15 @@ class WorkerPool:
     """``num_workers`` workers of ``backend`` ``"process"`` or ``"serial"`` (threads, same code)."""
 
     def __init__(
-        self, specs: list[WorkerSpec], *, backend: str, start_method: str, slots_per_worker: int
+        self,
+        specs: list[WorkerSpec],
+        *,
+        backend: str,
+        start_method: str,
+        slots_per_worker: int,
+        on_event: Callable[[Event], None] = lambda event: None,
     ) -> None:
+        self._on_event = on_event
         self.specs = specs
         self.backend = backend
         self.start_method = start_method
@@ -149,7 +160,7 @@ class WorkerPool:
                 except (EOFError, OSError):
                     break
                 if isinstance(msg, BatchReady):
-                    handle.policy_version = msg.policy_version
+                    self.note_version(handle.index, msg.policy_version)
                     handle.frames += msg.frames
                     self._deliveries_send.send_nowait((handle.index, msg))
                 elif isinstance(msg, Result):
@@ -160,16 +171,26 @@ class WorkerPool:
                 elif isinstance(msg, Ready):
                     handle.ready = msg
                     handle.policy_version = msg.policy_version
+                    handle.state = "collecting"
+                    self._on_event(WorkerStarted(handle.index))
                     self._ready_event(handle).set()
                 elif isinstance(msg, Failed):
                     failed = True
+                    handle.state = "failed"
+                    self._on_event(WorkerFailed(handle.index, f"{type(msg.error).__name__}: {msg.error}"))
                     self._fail(msg.error)
         finally:
             with anyio.CancelScope(shield=True):
                 await self._join(handle)
             handle.exited.set()
             if not failed and not self.closing:
-                self._fail(WorkerDiedError(handle.index, handle.exitcode))
+                handle.state = "failed"
+                error = WorkerDiedError(handle.index, handle.exitcode)
+                self._on_event(WorkerFailed(handle.index, str(error)))
+                self._fail(error)
+            elif not failed:
+                handle.state = "stopped"
+                self._on_event(WorkerStopped(handle.index))
 
     async def _join(self, handle: WorkerHandle, grace: float = 2.0) -> None:
         process = handle.process
@@ -185,6 +206,13 @@ class WorkerPool:
         self._results.clear()
         for handle in self.workers:
             self._ready_event(handle).set()
+
+    def note_version(self, index: int, version: int) -> None:
+        """Worker ``index`` runs ``version`` (from a batch notice or a load acknowledgement)."""
+        handle = self.workers[index]
+        if version > handle.policy_version:
+            self._on_event(WeightsLoaded(version, index))
+        handle.policy_version = version
 
     # -- talking to workers -----------------------------------------------------------------------
     def check(self) -> None:
