@@ -392,3 +392,26 @@ async def test_cancel_mid_batch_then_continue():
             b = await c.__anext__()
         assert b.batch_size == (2, 100)
     assert_clean()
+
+
+async def test_leaving_by_break_exception_or_cancellation_reaps_everything():
+    async with MultiAsyncCollector([cartpole, cartpole], frames_per_batch=8) as c:
+        async for _ in c:
+            break
+    assert_clean()
+    with pytest.raises(LookupError):
+        async with MultiSyncCollector([cartpole, cartpole], frames_per_batch=8) as c:
+            await c.__anext__()
+            raise LookupError("trainer bug")
+    assert_clean()
+    with anyio.move_on_after(1.0) as scope:
+        async with MultiSyncCollector([slow_env, slow_env], frames_per_batch=400) as c:
+            await c.__anext__()  # 10 s of work: cancelled mid-batch
+    assert scope.cancelled_caught
+    assert_clean()
+
+
+async def test_getattr_policy():
+    async with MultiSyncCollector([pendulum], ConstantPolicy(0.5), frames_per_batch=8, backend="serial") as c:
+        value = await c.getattr_policy("value")
+    assert torch.allclose(value, torch.tensor([0.5]))

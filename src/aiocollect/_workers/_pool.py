@@ -65,6 +65,7 @@ class WorkerHandle:
     frames: int = 0
     #: starting, collecting, stopped or failed (the collector adds paused)
     state: str = "starting"
+    reader_scope: anyio.CancelScope | None = None
 
     @property
     def exitcode(self) -> int | None:
@@ -152,45 +153,55 @@ class WorkerPool:
 
     # -- the reader task per worker ---------------------------------------------------------------
     async def _reader(self, handle: WorkerHandle) -> None:
+        # Shielded: the reader lives as long as its worker, whatever the caller's cancel scopes do (a
+        # cancelled consumer must not look like a dead worker); it ends at the worker's EOF, or when
+        # aclose() cancels `reader_scope` after the worker was stopped.
         failed = False
-        try:
-            while True:
-                try:
-                    msg = await handle.channel.receive()
-                except (EOFError, OSError):
-                    break
-                if isinstance(msg, BatchReady):
-                    self.note_version(handle.index, msg.policy_version)
-                    handle.frames += msg.frames
-                    self._deliveries_send.send_nowait((handle.index, msg))
-                elif isinstance(msg, Result):
-                    waiter = self._results.pop(msg.request_id, None)
-                    if waiter is not None:
-                        waiter[1].append(msg.value)
-                        waiter[0].set()
-                elif isinstance(msg, Ready):
-                    handle.ready = msg
-                    handle.policy_version = msg.policy_version
-                    handle.state = "collecting"
-                    self._on_event(WorkerStarted(handle.index))
-                    self._ready_event(handle).set()
-                elif isinstance(msg, Failed):
-                    failed = True
+        with anyio.CancelScope(shield=True) as scope:
+            handle.reader_scope = scope
+            try:
+                while True:
+                    try:
+                        msg = await handle.channel.receive()
+                    except (EOFError, OSError):
+                        break
+                    failed = self._route(handle, msg) or failed
+            finally:
+                with anyio.CancelScope(shield=True):  # also when aclose() cancelled reader_scope
+                    await self._join(handle)
+                handle.exited.set()
+                if not failed and not self.closing:
                     handle.state = "failed"
-                    self._on_event(WorkerFailed(handle.index, f"{type(msg.error).__name__}: {msg.error}"))
-                    self._fail(msg.error)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._join(handle)
-            handle.exited.set()
-            if not failed and not self.closing:
-                handle.state = "failed"
-                error = WorkerDiedError(handle.index, handle.exitcode)
-                self._on_event(WorkerFailed(handle.index, str(error)))
-                self._fail(error)
-            elif not failed:
-                handle.state = "stopped"
-                self._on_event(WorkerStopped(handle.index))
+                    error = WorkerDiedError(handle.index, handle.exitcode)
+                    self._on_event(WorkerFailed(handle.index, str(error)))
+                    self._fail(error)
+                elif not failed:
+                    handle.state = "stopped"
+                    self._on_event(WorkerStopped(handle.index))
+
+    def _route(self, handle: WorkerHandle, msg: Any) -> bool:
+        """Dispatch one message from a worker; ``True`` if it reported a failure."""
+        if isinstance(msg, BatchReady):
+            self.note_version(handle.index, msg.policy_version)
+            handle.frames += msg.frames
+            self._deliveries_send.send_nowait((handle.index, msg))
+        elif isinstance(msg, Result):
+            waiter = self._results.pop(msg.request_id, None)
+            if waiter is not None:
+                waiter[1].append(msg.value)
+                waiter[0].set()
+        elif isinstance(msg, Ready):
+            handle.ready = msg
+            handle.policy_version = msg.policy_version
+            handle.state = "collecting"
+            self._on_event(WorkerStarted(handle.index))
+            self._ready_event(handle).set()
+        elif isinstance(msg, Failed):
+            handle.state = "failed"
+            self._on_event(WorkerFailed(handle.index, f"{type(msg.error).__name__}: {msg.error}"))
+            self._fail(msg.error)
+            return True
+        return False
 
     async def _join(self, handle: WorkerHandle, grace: float = 2.0) -> None:
         process = handle.process
@@ -273,6 +284,11 @@ class WorkerPool:
                         await handle.exited.wait()
                     if not handle.exited.is_set():
                         handle.process.kill()
+                        await handle.exited.wait()
+            for handle in self.workers:
+                if not handle.exited.is_set() and handle.reader_scope is not None:
+                    handle.reader_scope.cancel()  # a hung thread worker: give up on it
+                    with anyio.move_on_after(grace):
                         await handle.exited.wait()
             for handle in self.workers:
                 handle.channel.close()
