@@ -10,7 +10,7 @@ from ._collector import Collector
 from ._distributed_weights import DistributedWeightSync
 from ._envs._gym import GymEnv
 from ._envs._protocol import EnvProtocol
-from ._errors import CollectorClosedError
+from ._errors import CollectorClosedError, WorkerTimeoutError
 from ._events import (
     BatchDelivered,
     EpisodeFinished,
@@ -46,6 +46,27 @@ from ._workers._wire import WorkerError
 
 __version__ = "0.1.0"
 
+#: names exported lazily (``__getattr__``): their modules load on first use, so ``import aiocollect``
+#: never imports an optional engine (``RayCollector`` imports ray only when a collector is entered)
+_LAZY = {
+    "RayCollector": "._distributed._ray",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 __all__ = [
     "BatchDelivered",
     "Collector",
@@ -64,6 +85,7 @@ __all__ = [
     "PipeWeightSync",
     "ProcessCollector",
     "RandomPolicy",
+    "RayCollector",
     "Resumed",
     "SharedMemoryWeightSync",
     "WorkerDiedError",
@@ -72,6 +94,7 @@ __all__ = [
     "WorkerStarted",
     "WorkerStatistics",
     "WorkerStopped",
+    "WorkerTimeoutError",
     "WeightReceiver",
     "WeightsLoaded",
     "WeightsPublished",

@@ -42,7 +42,9 @@ from ._validation import (
     positive_int,
     replay_buffer_arg,
     seed_arg,
+    timeout_arg,
     total_frames_arg,
+    traj_ids_arg,
     weight_sync_arg,
 )
 from ._weights import as_weights, check_compatible, copy_weights, module_weights
@@ -117,8 +119,14 @@ class Collector(CollectorBase):
         weight_sync, max_policy_lag: accepted (and checked) so that the same arguments work for every
             collector; in-process, :meth:`update_weights` copies straight into the collector's policy
             before the next batch, so no transport is involved and the lag is always 0.
+        worker_timeout: seconds a batch may take before :class:`WorkerTimeoutError` is raised (a hung env
+            or policy); ``None`` waits forever. A thread stuck in a call that never returns cannot be
+            stopped: it is left to finish on its own and the collector is closed.
         progress: a progress bar over ``total_frames`` with frames/s and mean return: ``None`` (default:
             shown when stderr is a terminal), ``True``, ``False``, a tqdm bar or a rich ``Progress``.
+        traj_id_start, traj_id_stride: trajectory ids are ``traj_id_start + k * traj_id_stride`` for
+            ``k = 0, 1, ...``: collectors given the same stride and distinct starts below it never share
+            an id (``RayCollector`` gives its remote collector ``i`` of ``n`` start ``i``, stride ``n``).
 
     Example:
         >>> import anyio
@@ -158,6 +166,9 @@ class Collector(CollectorBase):
         weight_sync: Any = None,
         max_policy_lag: int | None = None,
         progress: Any = None,
+        traj_id_start: int = 0,
+        traj_id_stride: int = 1,
+        worker_timeout: float | None = None,
     ) -> None:
         # -- every argument is checked before the env is built ----------------------------------
         self._requested_frames_per_batch = positive_int("frames_per_batch", frames_per_batch)
@@ -178,6 +189,7 @@ class Collector(CollectorBase):
         compile_option = compile_arg(compile_policy)
         weight_sync_arg(weight_sync)
         lag_arg(max_policy_lag)
+        traj_start, traj_stride = traj_ids_arg(traj_id_start, traj_id_stride)
         config_flags = {
             "reset_at_each_iter": flag("reset_at_each_iter", reset_at_each_iter),
             "set_truncated": flag("set_truncated", set_truncated),
@@ -227,6 +239,8 @@ class Collector(CollectorBase):
                     max_frames_per_traj=max_frames_per_traj,
                     exploration_type=exploration,
                     storing_device=self._devices.storing,
+                    traj_id_start=traj_start,
+                    traj_id_stride=traj_stride,
                     **config_flags,
                 ),
             )
@@ -264,6 +278,7 @@ class Collector(CollectorBase):
                 stacklevel=2,
             )
         self._init_base(progress)
+        self._worker_timeout = timeout_arg(worker_timeout)
 
     # -- construction helpers -------------------------------------------------------------------
     def _own_policy(self, policy: Any, compile_option: bool | Mapping[str, Any]) -> Any:
@@ -299,7 +314,9 @@ class Collector(CollectorBase):
                 raise StopAsyncIteration
             finished: list[_Batch] = []
             try:
-                out = await run_stoppable(lambda stop: self._collect_in_thread(stop, finished))
+                out = await run_stoppable(
+                    lambda stop: self._collect_in_thread(stop, finished), give_up_after=self._worker_timeout
+                )
             except anyio.get_cancelled_exc_class():
                 if finished and finished[0].delivered:  # in the replay buffer already: count it
                     self._record_result(finished[0].result)

@@ -25,7 +25,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
 from ._base import CollectorBase
-from ._errors import CollectorClosedError
+from ._errors import CollectorClosedError, WorkerTimeoutError
 from ._events import WeightsPublished
 from ._gather import gather
 from ._policies import parse_exploration_type
@@ -42,7 +42,9 @@ from ._validation import (
     positive_int,
     replay_buffer_arg,
     seed_arg,
+    timeout_arg,
     total_frames_arg,
+    traj_ids_arg,
     weight_sync_arg,
 )
 from ._weights import as_weights, check_compatible
@@ -113,6 +115,9 @@ class _MultiCollectorBase(CollectorBase, abc.ABC):
         weight_sync: WeightSync | None = None,
         max_policy_lag: int | None = None,
         progress: Any = None,
+        traj_id_start: int = 0,
+        traj_id_stride: int = 1,
+        worker_timeout: float | None = None,
     ) -> None:
         if isinstance(create_env_fns, (str, bytes)) or not isinstance(create_env_fns, Sequence):
             raise TypeError(
@@ -168,6 +173,8 @@ class _MultiCollectorBase(CollectorBase, abc.ABC):
         self._source_policy = policy
         self._weight_sync: WeightSync = weight_sync_arg(weight_sync)
         self._max_policy_lag = lag_arg(max_policy_lag)
+        # worker i's ids: traj_id_start + traj_id_stride * (i + num_workers * k), disjoint over workers
+        self._traj_ids = traj_ids_arg(traj_id_start, traj_id_stride)
         self._sender: WeightSender | None = None
         self._weights_template = flat_weights(policy) if isinstance(policy, torch.nn.Module) else None
         payloads = []
@@ -189,6 +196,7 @@ class _MultiCollectorBase(CollectorBase, abc.ABC):
         self._backend = backend
         self._start_method = start_method
         self._init_base(progress)
+        self._worker_timeout = timeout_arg(worker_timeout)
         self._pool: WorkerPool | None = None
         self._last_workers: tuple[WorkerStatistics, ...] = ()
         self._closed_before = False
@@ -270,6 +278,8 @@ class _MultiCollectorBase(CollectorBase, abc.ABC):
                 max_policy_lag=self._max_policy_lag,
                 in_process=self._backend == "serial",
                 show_warnings=_WORKER_WARNINGS,
+                traj_id_start=self._traj_ids[0],
+                traj_id_stride=self._traj_ids[1],
             )
             for i in range(n)
         ]
@@ -282,6 +292,7 @@ class _MultiCollectorBase(CollectorBase, abc.ABC):
             start_method=self._start_method,
             slots_per_worker=1 if self._sync else 2,
             on_event=self._hub.publish,
+            timeout=self._worker_timeout,
         )
         if self._sender is not None:
             await gather(
@@ -387,6 +398,20 @@ class _MultiCollectorBase(CollectorBase, abc.ABC):
             return batch
         finally:
             self._lock.release()
+
+    async def _receive(self, pool: WorkerPool, delivered: Mapping[int, Any]) -> tuple[int, Any]:
+        """The next batch notice, or :class:`WorkerTimeoutError` past ``worker_timeout``."""
+        if self._worker_timeout is None:
+            return await pool.receive()
+        with anyio.move_on_after(self._worker_timeout):
+            return await pool.receive()
+        late = [i for i in range(self.num_workers) if i not in delivered]
+        error = WorkerTimeoutError(
+            f"workers {late} delivered no batch within worker_timeout={self._worker_timeout} s "
+            "(a hung env or policy?)"
+        )
+        pool.fail(error)
+        raise error
 
     @abc.abstractmethod
     async def _next_batch(self, pool: WorkerPool) -> _Delivery:
@@ -586,6 +611,10 @@ class MultiSyncCollector(_MultiCollectorBase):
         preemptive_threshold: fraction of workers to wait for, in ``(0, 1]``.
         update_at_each_batch: publish the policy's weights before every batch.
         backend: ``"process"`` (default) or ``"serial"`` (same workers as threads, for debugging).
+        worker_timeout: seconds a worker may take to deliver a batch or answer a control call before
+            :class:`WorkerTimeoutError` is raised and the workers are stopped (``None``: wait forever).
+        traj_id_start, traj_id_stride: the collector's trajectory ids are ``traj_id_start + k *
+            traj_id_stride``; worker ``i`` of ``N`` takes ``k = i, i + N, i + 2N, ...``.
 
     The other arguments are :class:`Collector`'s.
 
@@ -680,14 +709,14 @@ class MultiSyncCollector(_MultiCollectorBase):
             # told to stop at their next step and deliver what they have
             with anyio.CancelScope() as gather:
                 while len(notices) < n:
-                    index, notice = await pool.receive()
+                    index, notice = await self._receive(pool, notices)
                     notices[index] = notice
                     if len(notices) >= need and len(notices) < n:
                         gather.cancel()
             if len(notices) < n:
                 pool.set_stop(stop, [i for i in range(n) if i not in notices], 1)
                 while len(notices) < n:
-                    index, notice = await pool.receive()
+                    index, notice = await self._receive(pool, notices)
                     notices[index] = notice
         except BaseException:
             # cancelled or failed mid-gather: stop the stragglers and drain them so that the next
@@ -696,7 +725,7 @@ class MultiSyncCollector(_MultiCollectorBase):
                 if pool.failure is None:
                     pool.set_stop(stop, list(range(n)), 1)
                     while len(notices) < n:
-                        index, notice = await pool.receive()
+                        index, notice = await self._receive(pool, notices)
                         notices[index] = notice
             raise
         batch, valid = self._combine(pool, notices)
@@ -771,7 +800,7 @@ class MultiAsyncCollector(_MultiCollectorBase):
             await pool.send(i, RunFree(random_frames=per_worker_random))
 
     async def _next_batch(self, pool: WorkerPool) -> tuple[TensorDictBase, int, list[float], list[int]]:
-        index, notice = await pool.receive()
+        index, notice = await self._receive(pool, {})
         handle = pool.workers[index]
         batch = handle.slots[notice.slot].td.clone()  # the one copy out of shared memory
         await pool.send(index, Release(notice.slot))

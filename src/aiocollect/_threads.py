@@ -9,14 +9,20 @@ from typing import TypeVar
 import anyio
 import anyio.to_thread
 
+from ._errors import WorkerTimeoutError
+
 T = TypeVar("T")
 
 
-async def run_stoppable(fn: Callable[[threading.Event], T]) -> T:
+async def run_stoppable(fn: Callable[[threading.Event], T], *, give_up_after: float | None = None) -> T:
     """Run ``fn(stop)`` in a worker thread and return its result.
 
     If the calling task is cancelled, ``stop`` is set so that ``fn`` returns at its next step, and the
     cancellation propagates only once the thread is done: no thread outlives the call.
+
+    With ``give_up_after`` (seconds), a call that has not returned by then gets ``stop`` set and one more
+    second to return; then :class:`WorkerTimeoutError` is raised. A thread stuck inside a call that never
+    returns (a hung ``env.step``) cannot be stopped by Python: it is left to finish on its own.
 
     Example:
         >>> import anyio, threading
@@ -24,28 +30,24 @@ async def run_stoppable(fn: Callable[[threading.Event], T]) -> T:
         42
     """
     stop = threading.Event()
-    result: list[T] = []
-    error: list[Exception] = []
+    done = threading.Event()
 
-    async def worker() -> None:
+    def target() -> T:
         try:
-            result.append(await anyio.to_thread.run_sync(fn, stop))
-        except Exception as exc:  # re-raised below, outside the task group (no ExceptionGroup)
-            error.append(exc)
+            return fn(stop)
         finally:
-            tg.cancel_scope.cancel()
+            done.set()
 
-    async def watch() -> None:
-        try:
-            await anyio.sleep_forever()
-        finally:
-            stop.set()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(worker)
-        tg.start_soon(watch)
-    if error:
-        raise error[0]
-    if not result:  # cancelled from outside: the task group re-raised already; never reached
-        raise RuntimeError("worker thread returned no result")  # pragma: no cover
-    return result[0]
+    try:
+        with anyio.move_on_after(give_up_after if give_up_after is not None else float("inf")) as scope:
+            return await anyio.to_thread.run_sync(target, abandon_on_cancel=True)
+    except anyio.get_cancelled_exc_class():
+        stop.set()
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(done.wait)
+        raise
+    assert scope.cancelled_caught
+    stop.set()
+    with anyio.CancelScope(shield=True):
+        await anyio.to_thread.run_sync(done.wait, 1.0)
+    raise WorkerTimeoutError(f"the rollout did not finish a batch within worker_timeout={give_up_after} s")

@@ -125,3 +125,18 @@ def weight_sync_arg(value: Any) -> Any:
             f"DistributedWeightSync(...)), got {value!r}"
         )
     return value
+
+
+def traj_ids_arg(start: Any, stride: Any) -> tuple[int, int]:
+    """``traj_id_start`` (a non-negative int) and ``traj_id_stride`` (a positive int)."""
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"traj_id_start must be a non-negative int, got {start!r}")
+    return start, positive_int("traj_id_stride", stride)
+
+
+def timeout_arg(value: Any, name: str = "worker_timeout") -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
+    return float(value)

@@ -25,6 +25,7 @@ import anyio.to_thread
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from .._errors import WorkerTimeoutError
 from .._events import Event, WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
 from .._gather import gather
 from ._shm import SharedBlock
@@ -90,8 +91,11 @@ class WorkerPool:
         start_method: str,
         slots_per_worker: int,
         on_event: Callable[[Event], None] = lambda event: None,
+        timeout: float | None = None,
     ) -> None:
         self._on_event = on_event
+        #: worker_timeout for control calls
+        self.timeout = timeout
         self.specs = specs
         self.backend = backend
         self.start_method = start_method
@@ -174,7 +178,7 @@ class WorkerPool:
                     handle.state = "failed"
                     error = WorkerDiedError(handle.index, handle.exitcode)
                     self._on_event(WorkerFailed(handle.index, str(error)))
-                    self._fail(error)
+                    self.fail(error)
                 elif not failed:
                     handle.state = "stopped"
                     self._on_event(WorkerStopped(handle.index))
@@ -199,7 +203,7 @@ class WorkerPool:
         elif isinstance(msg, Failed):
             handle.state = "failed"
             self._on_event(WorkerFailed(handle.index, f"{type(msg.error).__name__}: {msg.error}"))
-            self._fail(msg.error)
+            self.fail(msg.error)
             return True
         return False
 
@@ -207,7 +211,8 @@ class WorkerPool:
         process = handle.process
         await anyio.to_thread.run_sync(process.join, grace)
 
-    def _fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException) -> None:
+        """Fail the pool: every waiter (batches, calls, start-up) raises ``error``."""
         if self.failure is None:
             self.failure = error
         self._deliveries_send.send_nowait(_Failure(error))
@@ -242,7 +247,14 @@ class WorkerPool:
         self._results[request_id] = (event, box)
         try:
             await self.workers[index].channel.send(Call(request_id, op, args))
-            await event.wait()
+            with anyio.move_on_after(self.timeout if self.timeout is not None else math.inf):
+                await event.wait()
+            if not event.is_set():
+                error = WorkerTimeoutError(
+                    f"worker {index} did not answer {op!r} within worker_timeout={self.timeout} s"
+                )
+                self.fail(error)
+                raise error
         finally:
             self._results.pop(request_id, None)
         value = box[0]
@@ -270,6 +282,8 @@ class WorkerPool:
         """Ask every worker to stop, wait up to ``grace`` seconds, then terminate/kill; free the slots."""
         with anyio.CancelScope(shield=True):
             self.closing = True
+            if self.failure is not None:
+                grace = min(grace, 0.5)  # after a failure, do not wait long for the others
             for handle in self.workers:
                 if not handle.exited.is_set():
                     with contextlib.suppress(OSError, anyio.BrokenResourceError):

@@ -1,0 +1,75 @@
+"""worker_timeout: a hung env ends in WorkerTimeoutError instead of a hang, for every collector."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from aiocollect import Collector, GymEnv, MultiAsyncCollector, MultiSyncCollector, WorkerTimeoutError
+
+pytestmark = pytest.mark.anyio
+
+
+class HangingEnv(gym.Env):
+    """Steps normally until ``hang_at``, then sleeps far longer than any test."""
+
+    observation_space = gym.spaces.Box(-1, 1, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, hang_at: int, hang_s: float = 0.0) -> None:
+        self.hang_at = hang_at
+        self.hang_s = hang_s
+        self.t = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        if self.t == self.hang_at:
+            time.sleep(self.hang_s)
+        return np.zeros(2, np.float32), 0.0, False, False, {}
+
+
+def hanging():  # in a worker process: killed when the collector closes
+    return GymEnv(HangingEnv(hang_at=15, hang_s=120))
+
+
+def hanging_briefly():  # in this process: the stuck thread cannot be killed, so it ends by itself
+    return GymEnv(HangingEnv(hang_at=15, hang_s=20))
+
+
+def healthy():
+    return GymEnv(HangingEnv(hang_at=-1))
+
+
+@pytest.mark.parametrize("cls", [MultiSyncCollector, MultiAsyncCollector])
+async def test_hung_worker_process_raises_named_error(cls):
+    # the hang lasts 120 s: only the timeout can end this test within fail_after
+    with anyio.fail_after(90), pytest.raises(WorkerTimeoutError, match=r"worker_timeout=0\.5"):
+        async with cls([healthy, hanging], frames_per_batch=20, worker_timeout=0.5) as c:
+            async for _ in c:
+                pass
+
+
+async def test_hung_in_process_collector_raises_named_error():
+    c = Collector(hanging_briefly, frames_per_batch=20, worker_timeout=0.5)
+    start = time.monotonic()
+    with anyio.fail_after(30), pytest.raises(WorkerTimeoutError):
+        async with c:
+            async for _ in c:
+                pass
+    assert time.monotonic() - start < 15  # well before the 20 s hang ends
+    assert c.closed
+
+
+def test_bad_worker_timeout():
+    with pytest.raises(ValueError, match="worker_timeout"):
+        Collector(healthy, frames_per_batch=8, worker_timeout=0)
+    with pytest.raises(ValueError, match="worker_timeout"):
+        MultiSyncCollector([healthy], frames_per_batch=8, worker_timeout=-1)
