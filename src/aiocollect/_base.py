@@ -3,9 +3,11 @@ buffer, the frame budget, statistics bookkeeping and the event stream."""
 
 from __future__ import annotations
 
+import abc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from math import ceil
+from types import TracebackType
 from typing import Any
 
 import anyio
@@ -25,7 +27,14 @@ from ._progress import Progress
 from ._stats import StatsTracker
 
 
-class CollectorBase:
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out
+
+
+class CollectorBase(abc.ABC):
     """Mixed into ``Collector`` and the multi-worker collectors (which set ``total_frames``,
     ``frames_per_batch`` and ``replay_buffer``, and implement ``__anext__``)."""
 
@@ -46,6 +55,7 @@ class CollectorBase:
         self._background: anyio.CancelScope | None = None
         self._hub = EventHub()
         self._lag = LoopLag()
+        self._background_error: Exception | None = None
 
     # -- state ------------------------------------------------------------------------------------
     @property
@@ -76,6 +86,69 @@ class CollectorBase:
             if not self._paused:
                 return
             self._lock.release()
+
+    # -- async with: the collector's task group ---------------------------------------------------
+    async def __aenter__(self) -> Any:
+        self._check_open()
+        if self._task_group is not None:
+            raise RuntimeError(f"the {type(self).__name__} is entered already (async with collector: ...)")
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._task_group = tg
+        self._start_monitoring()
+        try:
+            await self._on_enter()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.aclose()
+                await self._exit_task_group()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        try:
+            await self.aclose()
+        finally:
+            suppressed = await self._exit_task_group(exc_type, exc, tb)
+        if self._background_error is not None and (
+            exc is None or isinstance(exc, anyio.get_cancelled_exc_class())
+        ):
+            raise self._background_error  # start()'s background collection failed
+        return suppressed
+
+    async def _exit_task_group(
+        self,
+        exc_type: type[BaseException] | None = None,
+        exc: BaseException | None = None,
+        tb: TracebackType | None = None,
+    ) -> bool:
+        """Close the collector's task group. Our tasks (background collection, readers, the lag monitor)
+        never raise; a background failure is kept (raised by ``__aexit__``) and cancels the body. The
+        body's own exception goes on as itself, never wrapped in an ExceptionGroup."""
+        tg, self._task_group = self._task_group, None
+        if tg is None:
+            return False
+        tg.cancel_scope.cancel()
+        try:
+            return bool(await tg.__aexit__(exc_type, exc, tb))
+        except BaseExceptionGroup as group:  # trio wraps the body's exception: let it go on unwrapped
+            cancelled = anyio.get_cancelled_exc_class()
+            if all(e is exc or isinstance(e, cancelled) for e in _leaves(group)):
+                return False
+            raise
+
+    @abc.abstractmethod
+    async def _on_enter(self) -> None:
+        """Start what the collector owns (workers, ...) inside its task group; may raise."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Close the collector: stop its workers, free its memory, close its envs. Idempotent."""
 
     def _start_monitoring(self) -> None:
         """Measure the event loop's lag while the collector is entered (statistics().loop_lag_ms)."""
@@ -138,8 +211,13 @@ class CollectorBase:
         with anyio.CancelScope() as scope:
             self._background = scope
             task_status.started()
-            async for _ in self:
-                pass
+            try:
+                async for _ in self:
+                    pass
+            except Exception as exc:  # raised by __aexit__, with its own type and traceback
+                self._background_error = exc
+                if self._task_group is not None:
+                    self._task_group.cancel_scope.cancel()  # and the `async with` body stops
 
     @asynccontextmanager
     async def pause(self) -> AsyncIterator[None]:

@@ -8,7 +8,6 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from math import ceil
-from types import TracebackType
 from typing import Any
 
 import anyio
@@ -56,29 +55,6 @@ class _Batch:
     result: RolloutResult
     #: the batch went into the replay buffer (it counts even if the consumer is cancelled now)
     delivered: bool = False
-
-
-def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
-    out: list[BaseException] = []
-    for exc in group.exceptions:
-        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
-    return out
-
-
-def _reraise_unwrapped(group: BaseExceptionGroup, body_exc: BaseException | None) -> None:
-    """Re-raise what the collector's task group wrapped in ``group``, unwrapped where it is one error.
-
-    The task group wraps the ``async with`` body's own exception (trio always does); that one goes on
-    as it is (this returns). One background failure is raised with its original type and traceback.
-    """
-    cancelled = anyio.get_cancelled_exc_class()
-    leaves = _leaves(group)
-    failures = [e for e in leaves if e is not body_exc and not isinstance(e, cancelled)]
-    if not failures and any(e is body_exc for e in leaves):
-        return
-    if len(failures) == 1 and not any(e is body_exc for e in leaves):
-        raise failures[0] from None
-    raise group
 
 
 class Collector(CollectorBase):
@@ -360,33 +336,8 @@ class Collector(CollectorBase):
         return out
 
     # -- lifecycle ------------------------------------------------------------------------------
-    async def __aenter__(self) -> Collector:
-        self._check_open()
-        if self._task_group is not None:
-            raise RuntimeError("the collector is entered already (async with collector: ...)")
-        self._task_group = anyio.create_task_group()
-        await self._task_group.__aenter__()
-        self._start_monitoring()
+    async def _on_enter(self) -> None:
         self._hub.publish(WorkerStarted(0))
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
-        try:
-            await self.aclose()
-        finally:
-            tg, self._task_group = self._task_group, None
-            if tg is not None:
-                tg.cancel_scope.cancel()
-                try:
-                    await tg.__aexit__(exc_type, exc, tb)
-                except BaseExceptionGroup as group:
-                    _reraise_unwrapped(group, exc)
-        return None
 
     async def aclose(self) -> None:
         """Stop background collection, wait for a batch in flight, close the env. Idempotent."""

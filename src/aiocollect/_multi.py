@@ -13,7 +13,6 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from types import TracebackType
 from typing import Any, Literal
 
 import anyio
@@ -78,6 +77,18 @@ class _Delivery:
 
 def _episodes(worker_id: int, notice: Any) -> list[tuple[int, float, int]]:
     return [(worker_id, r, n) for r, n in zip(notice.episode_returns, notice.episode_lengths, strict=True)]
+
+
+async def _first_exit(pool: WorkerPool) -> None:
+    """Return when any worker has exited (its reader has recorded why)."""
+    async with anyio.create_task_group() as tg:
+
+        async def wait(exited: anyio.Event) -> None:
+            await exited.wait()
+            tg.cancel_scope.cancel()
+
+        for handle in pool.workers:
+            tg.start_soon(wait, handle.exited)
 
 
 class _MultiCollectorBase(CollectorBase, abc.ABC):
@@ -213,42 +224,11 @@ class _MultiCollectorBase(CollectorBase, abc.ABC):
         """Frames per batch of each of the ``n`` workers."""
 
     # -- lifecycle --------------------------------------------------------------------------------
-    async def __aenter__(self) -> Any:
-        if self._closed:
-            raise CollectorClosedError(f"the collector is closed: {self._closed_reason}")
+    async def _on_enter(self) -> None:
         if self._entered:
             raise RuntimeError("the collector was entered already")
         self._entered = True
-        self._task_group = anyio.create_task_group()
-        await self._task_group.__aenter__()
-        self._start_monitoring()
-        try:
-            await self._start_workers()
-        except BaseException:
-            await self._shutdown()
-            await self._exit_task_group()
-            raise
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
-        try:
-            await self._shutdown()
-        finally:
-            await self._exit_task_group()
-        return None
-
-    async def _exit_task_group(self) -> None:
-        # the body's exception propagates by itself: the task group only holds our reader tasks, which
-        # never raise, so it is closed without it (no ExceptionGroup around the user's error)
-        tg, self._task_group = self._task_group, None
-        if tg is not None:
-            tg.cancel_scope.cancel()
-            await tg.__aexit__(None, None, None)
+        await self._start_workers()
 
     async def _start_workers(self) -> None:
         assert self._task_group is not None
@@ -524,37 +504,36 @@ class _MultiCollectorBase(CollectorBase, abc.ABC):
         return version
 
     async def _publish(self, pool: WorkerPool, weights: TensorDictBase, version: int, ids: list[int]) -> None:
-        """``sender.publish`` raced against the pool: a worker that fails or dies while an update is in
-        flight (a collective transfer waits for every worker) ends it with that worker's error."""
+        """``sender.publish`` raced against the workers' exits: a worker that fails or dies while an update
+        is in flight (a collective transfer waits for every worker) ends it with that worker's error."""
         sender = self._sender
         assert sender is not None
-        errors: list[Exception] = []
-        finished = anyio.Event()
-
-        async def run() -> None:
-            try:
-                await sender.publish(weights, version, ids)
-            except Exception as exc:
-                errors.append(exc)
-            finally:
-                finished.set()
+        outcome: list[Exception | None] = []
 
         async with anyio.create_task_group() as tg:
+
+            async def run() -> None:
+                try:
+                    await sender.publish(weights, version, ids)
+                    outcome.append(None)
+                except Exception as exc:
+                    outcome.append(exc)
+                tg.cancel_scope.cancel()
+
             tg.start_soon(run)
-            while not finished.is_set() and pool.failure is None:
-                with anyio.move_on_after(0.01):
-                    await finished.wait()
+            await _first_exit(pool)
             tg.cancel_scope.cancel()
-        if finished.is_set() and not errors:
+        if outcome == [None]:
             return
-        ended = [w for w in pool.workers if w.exitcode is not None]
-        if pool.failure is None and ended:
-            # the transfer failed because a worker process ended: its reader is about to say why
+        if pool.failure is None and outcome:
+            # the transfer failed, typically because a worker died: its reader is about to say so
             with anyio.move_on_after(2.0):
-                await ended[0].exited.wait()
+                await _first_exit(pool)
         if pool.failure is not None:
             raise pool.failure
-        raise errors[0]
+        if outcome and outcome[0] is not None:
+            raise outcome[0]
+        raise CollectorClosedError("a worker stopped while weights were being published")
 
     def _worker_ids(self, worker_ids: Sequence[int] | None) -> list[int]:
         if worker_ids is None:
