@@ -101,7 +101,7 @@ class CollectorBase(abc.ABC):
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.aclose()
-                await self._exit_task_group()
+            await self._exit_task_group()  # outside the shield: the task group's scope is the older one
             raise
         return self
 
