@@ -214,6 +214,7 @@ class _MultiCollectorBase(CollectorBase, abc.ABC):
         self._control: SharedBlock | None = None
         self._entered = False
         self._version = 0
+        self._issued = 0  # the last version number handed to a publish (interrupted ones included)
         self._weights_lock = anyio.Lock()
         self._saved_threads: int | None = None
         self.frames_per_batch = sum(self._per_worker_fpb) if self._sync else self._per_worker_fpb[0]
@@ -489,7 +490,8 @@ class _MultiCollectorBase(CollectorBase, abc.ABC):
         weights = as_weights(source).flatten_keys(".")
         check_compatible(self._weights_template, weights)
         async with self._weights_lock:
-            version = self._version + 1
+            # numbers are never reused: an update interrupted midway may still reach some workers
+            version = self._issued = self._issued + 1
             await self._publish(pool, weights, version, ids)
             self._version = version
             self._hub.publish(WeightsPublished(version))
