@@ -1,4 +1,5 @@
-"""Developer sessions: ``nox -s tests``, ``lint``, ``typecheck``, ``docs``, ``bench``, ``slow``.
+"""Developer sessions: ``nox -s tests``, ``lint``, ``typecheck``, ``docs``, ``bench``, ``slow``,
+``distributed``, ``torchrl``, ``bench_torchrl``, ``browser``, ``bench_dashboard``.
 
 torch is pinned in the same pip command as everything that depends on it, so pip takes the CPU wheel that
 the machine already has instead of pulling a multi-GB CUDA build.
@@ -28,10 +29,41 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def browser(session: nox.Session) -> None:
+    """Only the end-to-end dashboard test in headless Chromium (needs /usr/bin/chromium: apt-get install
+    chromium; the default suite runs it too when Chromium is there)."""
+    install(session, "test")
+    session.run("python", "-m", "pytest", "-m", "browser", "-v", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def bench_dashboard(session: nox.Session) -> None:
+    """Frames/s with and without two connected dashboard clients (benchmarks/dashboard.py)."""
+    install(session, "dashboard")
+    session.run("python", "benchmarks/dashboard.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def slow(session: nox.Session) -> None:
     """Tests marked slow."""
     install(session, "test")
     session.run("python", "-m", "pytest", "-m", "slow", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def distributed(session: nox.Session) -> None:
+    """Tests marked distributed: DistributedWeightSync, DistributedCollector and RPCCollector over gloo and
+    TensorPipe on 127.0.0.1, submitit's local executor (no GPU, no cluster needed)."""
+    install(session, "test", "distributed")
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-m",
+        "distributed",
+        *session.posargs,
+        env={"MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "TP_SOCKET_IFNAME": "lo"},
+    )
 
 
 @nox.session(python=PYTHON)
@@ -69,3 +101,20 @@ def bench(session: nox.Session) -> None:
     """Benchmarks: ratios measured in one run (see benchmarks/README.md)."""
     install(session)
     session.run("python", "benchmarks/run.py", *session.posargs)
+
+
+TORCHRL = ("torchrl==0.14.*", "tensordict>=0.14.3,<0.15")
+
+
+@nox.session(python=PYTHON)
+def torchrl(session: nox.Session) -> None:
+    """The torchrl interop tests (pytest -m torchrl) beside torchrl 0.14, which needs tensordict 0.14.x."""
+    session.install(TORCH, *TORCHRL, "-e", ".[test]")
+    session.run("python", "-m", "pytest", "-m", "torchrl", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def bench_torchrl(session: nox.Session) -> None:
+    """Side-by-side benchmarks against torchrl's collectors (see docs/benchmarks-torchrl.md)."""
+    session.install(TORCH, *TORCHRL, "-e", ".[test]")
+    session.run("python", "benchmarks/vs_torchrl.py", *session.posargs)

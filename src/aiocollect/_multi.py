@@ -380,19 +380,28 @@ class _MultiCollectorBase(CollectorBase, abc.ABC):
         finally:
             self._lock.release()
 
-    async def _receive(self, pool: WorkerPool, delivered: Mapping[int, Any]) -> tuple[int, Any]:
-        """The next batch notice, or :class:`WorkerTimeoutError` past ``worker_timeout``."""
-        if self._worker_timeout is None:
+    async def _receive(self, pool: WorkerPool) -> tuple[int, Any]:
+        """The next batch notice, or :class:`WorkerTimeoutError` once a worker that should be collecting
+        has delivered nothing for ``worker_timeout`` seconds (while others may keep delivering)."""
+        timeout = self._worker_timeout
+        if timeout is None:
             return await pool.receive()
-        with anyio.move_on_after(self._worker_timeout):
-            return await pool.receive()
-        late = [i for i in range(self.num_workers) if i not in delivered]
-        error = WorkerTimeoutError(
-            f"workers {late} delivered no batch within worker_timeout={self._worker_timeout} s "
-            "(a hung env or policy?)"
-        )
-        pool.fail(error)
-        raise error
+        while True:
+            now = anyio.current_time()
+            due = [
+                (w.expected_since + timeout, w.index) for w in pool.workers if w.expected_since is not None
+            ]
+            deadline = min(due)[0] if due else now + timeout
+            with anyio.move_on_after(max(0.0, deadline - now)):
+                return await pool.receive()
+            late = [i for d, i in due if d <= anyio.current_time()]
+            if late:
+                error = WorkerTimeoutError(
+                    f"workers {late} delivered no batch within worker_timeout={timeout} s "
+                    "(a hung env or policy?)"
+                )
+                pool.fail(error)
+                raise error
 
     @abc.abstractmethod
     async def _next_batch(self, pool: WorkerPool) -> _Delivery:
@@ -683,6 +692,7 @@ class MultiSyncCollector(_MultiCollectorBase):
         stop.zero_()
         for i in range(n):
             await pool.send(i, Collect(slot=0, random=random))
+            pool.workers[i].expected_since = anyio.current_time()
         need = n if self._threshold is None else math.ceil(self._threshold * n)
         notices: dict[int, Any] = {}
         try:
@@ -690,14 +700,14 @@ class MultiSyncCollector(_MultiCollectorBase):
             # told to stop at their next step and deliver what they have
             with anyio.CancelScope() as gather:
                 while len(notices) < n:
-                    index, notice = await self._receive(pool, notices)
+                    index, notice = await self._receive(pool)
                     notices[index] = notice
                     if len(notices) >= need and len(notices) < n:
                         gather.cancel()
             if len(notices) < n:
                 pool.set_stop(stop, [i for i in range(n) if i not in notices], 1)
                 while len(notices) < n:
-                    index, notice = await self._receive(pool, notices)
+                    index, notice = await self._receive(pool)
                     notices[index] = notice
         except BaseException:
             # cancelled or failed mid-gather: stop the stragglers and drain them so that the next
@@ -706,7 +716,7 @@ class MultiSyncCollector(_MultiCollectorBase):
                 if pool.failure is None:
                     pool.set_stop(stop, list(range(n)), 1)
                     while len(notices) < n:
-                        index, notice = await self._receive(pool, notices)
+                        index, notice = await self._receive(pool)
                         notices[index] = notice
             raise
         batch, valid = self._combine(pool, notices)
@@ -779,12 +789,16 @@ class MultiAsyncCollector(_MultiCollectorBase):
         per_worker_random = math.ceil(self._init_random / self.num_workers) if self._init_random else 0
         for i in range(self.num_workers):
             await pool.send(i, RunFree(random_frames=per_worker_random))
+            pool.workers[i].expected_since = anyio.current_time()
 
     async def _next_batch(self, pool: WorkerPool) -> tuple[TensorDictBase, int, list[float], list[int]]:
-        index, notice = await self._receive(pool, {})
+        index, notice = await self._receive(pool)
         handle = pool.workers[index]
         batch = handle.slots[notice.slot].td.clone()  # the one copy out of shared memory
         await pool.send(index, Release(notice.slot))
+        handle.held_slots -= 1
+        if handle.expected_since is None:  # it was blocked on full slots: it collects again now
+            handle.expected_since = anyio.current_time()
         batch.set(("collector", "worker_id"), torch.full(batch.batch_size, index, dtype=torch.int64))
         batch.names = [None] * (batch.ndim - 1) + ["time"]
         if self._update_at_each_batch and self._sender is not None:

@@ -102,13 +102,18 @@ class _ModuleRunner:
         self.module = module
         self.in_keys = in_keys
         self.device = device
+        # the common case, one observation and no device move, skips building an argument list
+        self._only_key = in_keys[0] if len(in_keys) == 1 and device is None else None
 
     def __call__(self, obs: Mapping[NestedKey, torch.Tensor]) -> dict[NestedKey, torch.Tensor]:
-        if self.device is None:
-            args = [obs[k] for k in self.in_keys]
+        if self._only_key is not None:
+            out = self.module(obs[self._only_key])
         else:
-            args = [obs[k].to(self.device, non_blocking=True) for k in self.in_keys]
-        out = self.module(*args)
+            if self.device is None:
+                args = [obs[k] for k in self.in_keys]
+            else:
+                args = [obs[k].to(self.device, non_blocking=True) for k in self.in_keys]
+            out = self.module(*args)
         if not isinstance(out, torch.Tensor):
             raise TypeError(
                 f"policy {type(self.module).__name__} returned {type(out).__name__}; a plain nn.Module "

@@ -31,23 +31,35 @@ async def run_stoppable(fn: Callable[[threading.Event], T], *, give_up_after: fl
     """
     stop = threading.Event()
     done = threading.Event()
+    guard = threading.Lock()
+    state = {"started": False, "dropped": False}
 
     def target() -> T:
+        with guard:
+            if state["dropped"]:  # cancelled before this thread picked the job up: do nothing
+                raise RuntimeError("run_stoppable: cancelled before start")
+            state["started"] = True
         try:
             return fn(stop)
         finally:
             done.set()
+
+    async def wait_for_thread(limit: float | None) -> None:
+        with guard:
+            if not state["started"]:  # anyio may drop a job it never started: nothing to wait for
+                state["dropped"] = True
+                return
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(done.wait, limit)
 
     try:
         with anyio.move_on_after(give_up_after if give_up_after is not None else float("inf")) as scope:
             return await anyio.to_thread.run_sync(target, abandon_on_cancel=True)
     except anyio.get_cancelled_exc_class():
         stop.set()
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(done.wait)
+        await wait_for_thread(None)
         raise
     assert scope.cancelled_caught
     stop.set()
-    with anyio.CancelScope(shield=True):
-        await anyio.to_thread.run_sync(done.wait, 1.0)
+    await wait_for_thread(1.0)
     raise WorkerTimeoutError(f"the rollout did not finish a batch within worker_timeout={give_up_after} s")

@@ -67,6 +67,10 @@ class WorkerHandle:
     #: starting, collecting, stopped or failed (the collector adds paused)
     state: str = "starting"
     reader_scope: anyio.CancelScope | None = None
+    #: loop time since when the worker is expected to deliver a batch (None: it is not), for worker_timeout
+    expected_since: float | None = None
+    #: slots holding a delivered batch the parent has not released yet
+    held_slots: int = 0
 
     @property
     def exitcode(self) -> int | None:
@@ -188,6 +192,10 @@ class WorkerPool:
         if isinstance(msg, BatchReady):
             self.note_version(handle.index, msg.policy_version)
             handle.frames += msg.frames
+            handle.held_slots += 1
+            # with a free slot left it goes on collecting (async mode); otherwise it waits for us
+            more = handle.held_slots < self.slots_per_worker
+            handle.expected_since = anyio.current_time() if more else None
             self._deliveries_send.send_nowait((handle.index, msg))
         elif isinstance(msg, Result):
             waiter = self._results.pop(msg.request_id, None)

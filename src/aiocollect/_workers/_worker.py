@@ -57,6 +57,10 @@ class WorkerSpec:
     max_policy_lag: int | None
     in_process: bool
     show_warnings: bool
+    #: the collector's trajectory ids are ``traj_id_start + k * traj_id_stride``; this worker takes
+    #: ``k = index, index + num_workers, ...`` (disjoint over workers, and over collectors that split ids)
+    traj_id_start: int = 0
+    traj_id_stride: int = 1
 
 
 class _Closing(Exception):
@@ -103,8 +107,8 @@ class Worker:
                 RolloutConfig(
                     frames_per_batch=spec.frames_per_batch,
                     exploration_type=parse_exploration_type(spec.exploration_type),
-                    traj_id_start=spec.index,
-                    traj_id_stride=spec.num_workers,
+                    traj_id_start=spec.traj_id_start + spec.index * spec.traj_id_stride,
+                    traj_id_stride=spec.traj_id_stride * spec.num_workers,
                     **spec.rollout,
                 ),
             )

@@ -1,0 +1,288 @@
+"""``RPCCollector``: nodes run our collectors; batches, weights and calls travel as
+``torch.distributed.rpc`` calls (TensorPipe).
+
+**torch's RPC framework is in maintenance mode** (its documentation says so, and PyTorch's distributed
+overview dropped it as no longer supported); it gets no new features. Prefer
+:class:`~aiocollect.DistributedCollector` (``torch.distributed`` point-to-point, same surface) or
+``RayCollector``. ``RPCCollector`` is here for code that already runs an RPC deployment.
+
+Design: the same nodes, launchers and control connection as :class:`DistributedCollector` (the
+connection carries set-up, "close", weight acknowledgements and errors, and its EOF is how a dead node
+is noticed at once: TensorPipe only notices at the next call, or at a timeout). What RPC carries:
+``"next"`` (a batch comes back as a dict of tensors, which TensorPipe sends without pickling them),
+``"weights"`` (the tensors), and the calls (seed, state dict). The trainer waits for each RPC future in a
+thread; nothing is polled. Every collector gets worker names of its own (``aiocollect-<token>-node1``...)
+and its own store, so that collectors can follow each other in one process; only **one** RPC agent
+can exist per process, so one ``RPCCollector`` at a time, and not beside an ``init_rpc`` of your own.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import warnings
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+import torch.distributed as dist
+from tensordict import TensorDict, TensorDictBase
+
+from .._gather import gather
+from .._workers._wire import AsyncChannel, failure
+from ._torchdist import (
+    Close,
+    Loaded,
+    NodeCore,
+    NodeReady,
+    RemoteCollectorBase,
+    RemoteNode,
+    Setup,
+    _NodeBatch,
+    _timedelta,
+    rebuild,
+)
+
+_TIMEOUT = 120.0
+_NODE: NodeCore | None = None
+_PORTAL: Any = None
+_WHERE = ""
+
+
+def _rpc() -> Any:
+    import torch.distributed.rpc as rpc
+
+    if not rpc.is_available():  # pragma: no cover - builds without RPC
+        raise RuntimeError("this torch build has no torch.distributed.rpc")
+    return rpc
+
+
+def _options(options: Mapping[str, Any]) -> Any:
+    rpc = _rpc()
+    return rpc.TensorPipeRpcBackendOptions(init_method="tcp://unused:1", **dict(options))
+
+
+def _init_agent(t: Mapping[str, Any], rank: int) -> None:
+    """Join the collector's RPC group through its own store (no ``init_method`` rendezvous, no global
+    init counter): a fresh set of worker names per collector."""
+    rpc = _rpc()
+    import torch.distributed.autograd as dist_autograd
+
+    store = t.get("store")
+    if store is None:
+        store = dist.TCPStore(t["host"], t["port"], is_master=False, timeout=_timedelta(t["timeout"]))
+    prefixed = dist.PrefixStore(t["prefix"], store)
+    dist_autograd._init(rank)
+    with warnings.catch_warnings():
+        # torch's own rendezvous uses a gloo backend object as a group, and warns about it
+        warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*", category=UserWarning)
+        rpc._init_rpc_backend(
+            rpc.BackendType.TENSORPIPE,
+            prefixed,
+            t["names"][rank],
+            rank,
+            len(t["names"]),
+            _options(t["options"]),
+        )
+
+
+def _shutdown_agent() -> None:
+    rpc = _rpc()
+    if rpc.api._is_current_rpc_agent_set():
+        rpc.shutdown(graceful=False)
+
+
+# -- node side -------------------------------------------------------------------------------------
+def _rpc_call(op: str, *args: Any) -> tuple[bool, Any]:
+    """Runs in one of the node's RPC threads: hand the call to the node's event loop."""
+    portal = _PORTAL
+    if portal is None:
+        return False, RuntimeError("the node is not serving")
+    try:
+        return True, portal.call(_handle, op, args)
+    except Exception as exc:
+        return False, failure(exc, _WHERE).error
+
+
+async def _handle(op: str, args: tuple[Any, ...]) -> Any:
+    core = _NODE
+    assert core is not None
+    if op == "next":
+        batch, frames, episodes, version = await core.next_batch()
+        leaves = {
+            (k,) if isinstance(k, str) else tuple(k): v.contiguous()
+            for k, v in batch.items(include_nested=True, leaves_only=True)
+        }
+        names = tuple(batch.names) if batch.names is not None else None
+        return leaves, (tuple(batch.batch_size), names), frames, episodes, version
+    if op == "weights":
+        plain, version = args
+        core.stage(version, TensorDict(plain, batch_size=[]).unflatten_keys("."))
+        return None
+    return await core.call(op, args)
+
+
+async def run_node(chan: AsyncChannel, setup: Setup, where: str) -> None:
+    """An RPC node: join the collector's RPC group and serve calls until ``Close`` or EOF."""
+    global _NODE, _PORTAL, _WHERE
+    t = setup.transport
+    core = NodeCore(setup)
+    async with core, anyio.from_thread.BlockingPortal() as portal:
+        _NODE, _PORTAL, _WHERE = core, portal, where
+        try:
+            await anyio.to_thread.run_sync(_init_agent, t, setup.index + 1)
+            await chan.send(
+                NodeReady(os.getpid(), socket.gethostname(), int(core.collector.frames_per_batch))
+            )
+
+            async def loaded(version: int) -> None:
+                await chan.send(Loaded(version))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(core.run_applier, loaded)
+                while True:
+                    msg = await chan.receive()
+                    if isinstance(msg, Close):
+                        tg.cancel_scope.cancel()
+                        break
+                    raise TypeError(f"unexpected message {msg!r}")  # pragma: no cover - a protocol bug
+        finally:
+            _PORTAL = None
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(_shutdown_agent)
+            _NODE = None
+
+
+# -- trainer side ----------------------------------------------------------------------------------
+class RPCCollector(RemoteCollectorBase):
+    """Collect on many processes or machines with ``torch.distributed.rpc`` (TensorPipe).
+
+    .. warning::
+        torch's RPC framework is in maintenance mode: prefer :class:`DistributedCollector` (same
+        arguments and behaviour) or ``RayCollector``. One ``RPCCollector`` per process at a time (RPC has
+        one agent per process), and not beside your own ``init_rpc``.
+
+    Arguments and behaviour are :class:`DistributedCollector`'s (``backend`` excepted), plus:
+
+    Args:
+        tensorpipe_options: keyword arguments for ``TensorPipeRpcBackendOptions`` (e.g.
+            ``{"num_worker_threads": 8, "_transports": ["uv"]}``; ``init_method`` is ours). Checked here.
+        rpc_timeout: seconds for the rendezvous and for calls other than batches (a batch may take any
+            time; a dead node is noticed by its connection).
+
+    Example:
+        >>> from aiocollect import GymEnv, RPCCollector
+        >>> # async with RPCCollector(lambda: GymEnv("CartPole-v1"), frames_per_batch=64, num_collectors=2,
+        >>> #                         total_frames=256) as c: ...
+    """
+
+    _engine = "_rpc"
+
+    def __init__(
+        self,
+        create_env_fn: Any,
+        policy: Any = None,
+        *,
+        tensorpipe_options: Mapping[str, Any] | None = None,
+        rpc_timeout: float = _TIMEOUT,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, (int, float)) or not rpc_timeout > 0:
+            raise ValueError(f"rpc_timeout must be a positive number of seconds, got {rpc_timeout!r}")
+        options = dict(tensorpipe_options or {})
+        if "init_method" in options:
+            raise ValueError(
+                "tensorpipe_options cannot set init_method: RPCCollector runs its own rendezvous"
+            )
+        options.setdefault("rpc_timeout", float(rpc_timeout))
+        try:
+            _options(options)  # torchrl's copy(...).update(...) returned None: check them here, for real
+        except TypeError as exc:
+            raise TypeError(
+                f"tensorpipe_options are not TensorPipeRpcBackendOptions arguments: {exc}"
+            ) from exc
+        super().__init__(create_env_fn, policy, **kwargs)
+        self._tp_options = options
+        self._rpc_timeout = float(rpc_timeout)
+        self._store: Any = None
+        self._names: list[str] = []
+        self._agent = False
+        self._host = "127.0.0.1"
+
+    async def _open_transport(self, host: str) -> None:
+        rpc = _rpc()
+        if rpc.api._is_current_rpc_agent_set():
+            raise RuntimeError(
+                "an RPC agent already runs in this process (another RPCCollector, or init_rpc): torch allows "
+                "one per process"
+            )
+        self._host = host
+
+        def open_store() -> Any:
+            return dist.TCPStore(
+                host, 0, is_master=True, wait_for_workers=False, timeout=_timedelta(_TIMEOUT)
+            )
+
+        self._store = await anyio.to_thread.run_sync(open_store)
+        tag = secrets.token_hex(4)
+        self._prefix = f"aiocollect-{tag}"
+        self._names = [f"aiocollect-{tag}-trainer"] + [
+            f"aiocollect-{tag}-node{i}" for i in range(self.num_collectors)
+        ]
+
+    def _transport_setup(self, index: int) -> dict[str, Any]:
+        return {
+            "host": self._host,
+            "port": int(self._store.port),
+            "prefix": self._prefix,
+            "names": self._names,
+            "options": self._tp_options,
+            "timeout": self._rpc_timeout,
+        }
+
+    async def _connect_transport(self) -> None:
+        t = {**self._transport_setup(0), "store": self._store}
+        self._agent = True
+        await anyio.to_thread.run_sync(_init_agent, t, 0, abandon_on_cancel=True)
+
+    async def _rpc_async(
+        self, node: RemoteNode, op: str, *args: Any, rpc_timeout: float | None = None
+    ) -> Any:
+        rpc = _rpc()
+        future = rpc.rpc_async(
+            self._names[node.rank],
+            _rpc_call,
+            args=(op, *args),
+            timeout=self._rpc_timeout if rpc_timeout is None else rpc_timeout,
+        )
+        ok, value = await anyio.to_thread.run_sync(future.wait, abandon_on_cancel=True)
+        if not ok:
+            raise value
+        return value
+
+    async def _fetch_batch(self, node: RemoteNode) -> _NodeBatch:
+        # no timeout: a batch takes what it takes; a dead node is noticed by its connection
+        leaves, layout, frames, episodes, version = await self._rpc_async(node, "next", rpc_timeout=0)
+        return _NodeBatch(rebuild(leaves, layout), frames, episodes, version)
+
+    async def _send_weights(self, weights: TensorDictBase, version: int, ids: list[int]) -> None:
+        plain = await anyio.to_thread.run_sync(
+            lambda: {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}
+        )
+        await gather(*[partial(self._rpc_async, self._nodes[i], "weights", plain, version) for i in ids])
+
+    async def _call(self, node: RemoteNode, op: str, *args: Any) -> Any:
+        return await self._rpc_async(node, op, *args, rpc_timeout=0)
+
+    def _close_transport(self) -> None:
+        if self._agent:
+            self._agent = False
+            _shutdown_agent()
+        self._store = None
+
+
+__all__ = ["RPCCollector"]

@@ -1,0 +1,614 @@
+"""The dashboard (``aiocollect.dashboard``): endpoints through an ASGI client under every backend, the SSE
+stream, ``serve()`` with uvicorn on a loopback port, and the page end to end in headless Chromium."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+import shutil
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import httpx
+import pytest
+import torch
+from starlette.applications import Starlette
+from starlette.routing import Mount
+
+from aiocollect import Collector, CollectorClosedError, GymEnv, MultiSyncCollector
+from aiocollect.dashboard import create_app, serve
+
+pytestmark = pytest.mark.anyio
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = "/usr/bin/chromium"
+# Chromium as root, without network or GPU (see .ci/run): no sandbox, and nothing that dials out
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+class Policy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 2)
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        return torch.distributions.Categorical(logits=self.linear(observation)).sample()
+
+
+def cartpole() -> GymEnv:
+    return GymEnv("CartPole-v1", num_envs=2)
+
+
+# -- helpers -----------------------------------------------------------------------------------------
+def parse_sse(raw: str) -> tuple[str, Any] | None:
+    """``(event name, parsed data)`` of one Server-Sent Events message; ``None`` for one without data."""
+    name, data = "message", None
+    for line in raw.split("\n"):
+        if line.startswith("event: "):
+            name = line[len("event: ") :]
+        elif line.startswith("data: "):
+            data = json.loads(line[len("data: ") :])
+    return None if data is None else (name, data)
+
+
+class EventStreamClient:
+    """``GET path`` on an ASGI app, whose Server-Sent Events it reads as they come (``httpx.ASGITransport``
+    collects the whole body before it returns, which never happens for an endless stream). Leaving
+    ``async with`` tells the app that the client left (``http.disconnect``) and waits for it to finish.
+
+    ``async for name, data in client`` (a plain iterator, no async generator to finalise).
+    """
+
+    def __init__(self, app: Any, task_group: anyio.abc.TaskGroup, path: str) -> None:
+        self.app, self.task_group, self.path = app, task_group, path
+        self.chunks_in, self.chunks = anyio.create_memory_object_stream[bytes](math.inf)
+        self.started, self.left, self.done = anyio.Event(), anyio.Event(), anyio.Event()
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.text = ""
+
+    async def __aenter__(self) -> EventStreamClient:
+        path, _, query = self.path.partition("?")
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1",
+            "method": "GET",
+            "headers": [(b"accept", b"text/event-stream")],
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "query_string": query.encode(),
+            "server": ("dash", 80),
+            "client": ("127.0.0.1", 123),
+            "root_path": "",
+        }
+        request_read = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal request_read
+            if not request_read:
+                request_read = True
+                return {"type": "http.request", "body": b"", "more_body": False}
+            await self.left.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                self.status = message["status"]
+                self.headers = {k.decode(): v.decode() for k, v in message["headers"]}
+                self.started.set()
+            elif message["type"] == "http.response.body":
+                if message.get("body"):
+                    try:
+                        self.chunks_in.send_nowait(message["body"])
+                    except anyio.BrokenResourceError:
+                        pass  # we left already
+                if not message.get("more_body", False):
+                    self.chunks_in.close()
+
+        async def run() -> None:
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                self.chunks_in.close()
+                self.started.set()
+                self.done.set()
+
+        self.task_group.start_soon(run)
+        await self.started.wait()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.left.set()
+        self.chunks.close()
+        with anyio.fail_after(5):  # the app noticed and finished
+            await self.done.wait()
+
+    def __aiter__(self) -> EventStreamClient:
+        return self
+
+    async def __anext__(self) -> tuple[str, Any]:
+        while True:
+            while "\n\n" not in self.text:
+                try:
+                    self.text += (await self.chunks.receive()).decode()
+                except anyio.EndOfStream:
+                    raise StopAsyncIteration from None
+            raw, self.text = self.text.split("\n\n", 1)
+            message = parse_sse(raw)
+            if message is not None:
+                return message
+
+
+async def sse_messages(response: httpx.Response) -> AsyncIterator[tuple[str, Any]]:
+    """The messages of a (real, network) ``httpx`` streaming response."""
+    text = ""
+    async for chunk in response.aiter_text():
+        text += chunk
+        while "\n\n" in text:
+            raw, text = text.split("\n\n", 1)
+            if (message := parse_sse(raw)) is not None:
+                yield message
+
+
+async def wait_until(predicate: Callable[[], bool], limit: float = 10.0) -> None:
+    with anyio.fail_after(limit):
+        while not predicate():  # noqa: ASYNC110 - polling a collector's counters
+            await anyio.sleep(0.01)
+
+
+async def consume(collector: Any, stop: anyio.Event) -> None:
+    """A trainer's loop: takes batches until ``stop`` (checked between batches, so that the collector is
+    never cancelled mid-batch by the test) or until the collector closes."""
+    try:
+        async for _ in collector:
+            if stop.is_set():
+                return
+    except CollectorClosedError:
+        pass
+
+
+@asynccontextmanager
+async def consuming(collector: Any) -> AsyncIterator[None]:
+    """``consume(collector)`` in a task for the duration of the block."""
+    stop = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consume, collector, stop)
+        try:
+            yield
+        finally:
+            stop.set()
+
+
+@asynccontextmanager
+async def dashboard(collector: Any, *, lifespan: bool = True, **kwargs: Any) -> AsyncIterator[Any]:
+    """An entered collector that collects (a consumer task), its app (lifespan running) and clients:
+    ``ns.client`` (``httpx.ASGITransport``) and ``ns.events(path)`` (an :class:`EventStreamClient`)."""
+    async with collector, consuming(collector), anyio.create_task_group() as tg:
+        app = create_app(collector, **kwargs)
+        ns = type("NS", (), {})()
+        ns.collector, ns.app = collector, app
+        ns.client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://dash")
+        ns.events = lambda path="/events": EventStreamClient(app, tg, path)
+        async with ns.client:
+            if lifespan:
+                async with app.router.lifespan_context(app):
+                    yield ns
+            else:
+                yield ns
+
+
+def in_process() -> Collector:
+    return Collector(cartpole, Policy(), frames_per_batch=64, seed=0)
+
+
+# -- JSON endpoints ----------------------------------------------------------------------------------
+async def test_statistics_endpoint():
+    async with dashboard(in_process()) as d:
+        await wait_until(lambda: d.collector.statistics().frames > 0)
+        response = await d.client.get("/statistics")
+        assert response.status_code == 200
+        assert response.headers["content-type"] == "application/json"
+        body = response.json()
+        assert set(body) == set(d.collector.statistics().to_dict())
+        assert body["frames"] > 0 and body["workers"][0]["state"] == "collecting"
+        await wait_until(lambda: d.collector.statistics().frames > body["frames"])
+        assert (await d.client.get("/statistics")).json()["frames"] > body["frames"]
+
+
+async def test_pause_resume_holds_a_pause():
+    async with dashboard(in_process()) as d:
+        c = d.collector
+        await wait_until(lambda: c.statistics().frames > 0)
+        response = await d.client.post("/pause")
+        assert response.status_code == 200
+        assert response.json() == {"held": True, "paused": True}
+        assert c.statistics().to_dict()["paused"] is True
+        frames = c.statistics().frames
+        await anyio.sleep(0.3)
+        assert c.statistics().frames == frames  # no batch while the dashboard holds the pause
+        assert (await d.client.post("/pause")).json() == {"held": True, "paused": True}  # idempotent
+        # a pause of the trainer's own outlives the dashboard's
+        async with c.pause():
+            assert (await d.client.post("/resume")).json() == {"held": False, "paused": True}
+            assert c.statistics().paused
+        assert not c.statistics().paused
+        assert (await d.client.post("/resume")).json() == {"held": False, "paused": False}
+        await wait_until(lambda: c.statistics().frames > frames)
+
+
+async def test_pause_is_released_at_shutdown():
+    async with dashboard(in_process(), lifespan=False) as d:
+        async with d.app.router.lifespan_context(d.app):
+            assert (await d.client.post("/pause")).json()["held"]
+            assert d.collector.statistics().paused
+        assert not d.collector.statistics().paused
+        assert not d.app.state.dashboard.pause_held
+
+
+async def test_pause_needs_the_lifespan():
+    async with dashboard(in_process(), lifespan=False) as d:
+        response = await d.client.post("/pause")
+        assert response.status_code == 503
+        assert "lifespan" in response.json()["error"]
+        assert not d.collector.statistics().paused
+        assert (await d.client.post("/resume")).json() == {"held": False, "paused": False}
+
+
+async def test_update_weights_returns_increasing_versions():
+    async with dashboard(in_process()) as d:
+        versions = [(await d.client.post("/update-weights")).json()["version"] for _ in range(3)]
+        assert versions == [1, 2, 3]
+        assert (await d.client.get("/statistics")).json()["policy_version"] == 3
+
+
+async def test_update_weights_without_weights_is_a_409():
+    collector = Collector(cartpole, None, frames_per_batch=64)  # RandomPolicy: nothing to update
+    async with dashboard(collector) as d:
+        response = await d.client.post("/update-weights")
+        assert response.status_code == 409
+        assert "TypeError" in response.json()["error"]
+        assert (await d.client.get("/update-weights")).status_code == 405
+
+
+async def test_page_is_self_contained():
+    async with dashboard(in_process(), title="<CartPole> & co") as d:
+        response = await d.client.get("/")
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/html")
+        page = response.text
+        assert "&lt;CartPole&gt; &amp; co" in page and "<CartPole>" not in page
+        # no CDN, no absolute URL: the page works offline and wherever the app is mounted
+        assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)
+        assert not re.search(r"""(fetch|EventSource)\(\s*["'`]/""", page)
+        for needle in ('id="pause"', 'id="resume"', 'id="update-weights"', "new EventSource", "<canvas"):
+            assert needle in page
+
+
+async def test_mounted_in_another_app():
+    async with Collector(cartpole, Policy(), frames_per_batch=64) as collector:
+        dash = create_app(collector)
+
+        @asynccontextmanager
+        async def lifespan(app: Starlette) -> AsyncIterator[None]:
+            async with dash.router.lifespan_context(dash):  # the dashboard's pause task lives here
+                yield
+
+        parent = Starlette(routes=[Mount("/dashboard", app=dash)], lifespan=lifespan)
+        async with (
+            lifespan(parent),
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(parent), base_url="http://app", follow_redirects=True
+            ) as client,
+        ):
+            page = await client.get("/dashboard")
+            assert page.status_code == 200 and str(page.url) == "http://app/dashboard/"
+            assert (await client.get("/dashboard/statistics")).json()["frames"] == 0
+            assert (await client.post("/dashboard/pause")).json() == {"held": True, "paused": True}
+            assert (await client.post("/dashboard/resume")).json() == {"held": False, "paused": False}
+            assert (await client.post("/dashboard/update-weights")).json() == {"version": 1}
+
+
+# -- the event stream --------------------------------------------------------------------------------
+async def test_event_stream_yields_statistics_and_events():
+    async with dashboard(in_process(), interval=0.05) as d:
+        c = d.collector
+        seen: dict[str, list[Any]] = {}
+        with anyio.fail_after(10):
+            async with d.events() as response:
+                assert response.status == 200
+                assert response.headers["content-type"].startswith("text/event-stream")
+                assert response.headers["cache-control"] == "no-cache"
+                assert c._hub.active  # subscribed to the collector's events
+                published = False
+                async for name, data in response:
+                    seen.setdefault(name, []).append(data)
+                    kinds = {e["kind"] for e in seen.get("event", [])}
+                    if not published and "batch" in kinds:
+                        await d.client.post("/update-weights")
+                        published = True
+                    if len(seen.get("statistics", [])) >= 3 and {"episode", "weights_published"} <= kinds:
+                        break  # and disconnect
+            await wait_until(lambda: not c._hub.active)  # the stream's subscription is closed
+        stats = seen["statistics"]
+        assert set(c.statistics().to_dict()) | {"time", "pause_held"} == set(stats[0])
+        assert stats[-1]["frames"] >= stats[0]["frames"] and stats[-1]["frames"] > 0
+        assert [s["time"] for s in stats] == sorted(s["time"] for s in stats)
+        events = seen["event"]
+        episode = next(e for e in events if e["kind"] == "episode")
+        assert {"kind", "time", "episode_return", "length", "worker_id"} <= set(episode)
+        assert next(e for e in events if e["kind"] == "weights_published")["version"] == 1
+        batch = next(e for e in events if e["kind"] == "batch")
+        assert batch["frames"] == 64 and batch["worker_id"] == 0
+
+
+async def test_event_stream_kinds_filter_and_pause_events():
+    async with dashboard(in_process(), interval=0.05) as d:
+        with anyio.fail_after(10):
+            async with d.events("/events?kinds=paused,resumed") as response:
+                names: list[str] = []
+                async for name, data in response:
+                    names.append(data["kind"] if name == "event" else name)
+                    if names == ["statistics"]:
+                        await d.client.post("/pause")
+                        await d.client.post("/resume")
+                    if "resumed" in names:
+                        break
+        assert [n for n in names if n != "statistics"] == ["paused", "resumed"]
+
+
+async def test_event_streams_end_at_shutdown():
+    async with dashboard(in_process(), lifespan=False, interval=0.05) as d:
+        names: list[str] = []
+        with anyio.fail_after(10):
+            async with d.events() as response:
+                async with d.app.router.lifespan_context(d.app):
+                    names.append((await anext(response))[0])
+                # the lifespan ended: the stream says so and ends by itself
+                names.extend([name async for name, _ in response])
+        assert names[0] == "statistics" and names[-1] == "shutdown"
+        assert not d.collector._hub.active
+        assert (await d.client.get("/events")).status_code == 503  # no new stream once closing
+
+
+async def test_event_stream_after_the_collector_closed():
+    collector = in_process()
+    async with dashboard(collector, interval=0.05) as d:
+        await wait_until(lambda: collector.statistics().frames > 0)
+        await collector.aclose()
+        with anyio.fail_after(5):
+            async with d.events() as response:
+                names = []
+                async for name, data in response:
+                    names.append(name)
+                    assert data["workers"][0]["state"] == "stopped"
+                    if len(names) == 2:
+                        break
+        assert names == ["statistics", "statistics"]
+
+
+async def test_multi_collector_dashboard():
+    collector = MultiSyncCollector([cartpole, cartpole], Policy(), frames_per_batch=128, backend="serial")
+    async with dashboard(collector, interval=0.05) as d:
+        await wait_until(lambda: collector.statistics().frames > 0, limit=30)
+        body = (await d.client.get("/statistics")).json()
+        assert [w["worker_id"] for w in body["workers"]] == [0, 1]
+        assert (await d.client.post("/pause")).json() == {"held": True, "paused": True}
+        assert {w["state"] for w in (await d.client.get("/statistics")).json()["workers"]} == {"paused"}
+        assert (await d.client.post("/update-weights")).json() == {"version": 1}
+        assert (await d.client.post("/resume")).json() == {"held": False, "paused": False}
+        await wait_until(lambda: [w.policy_version for w in collector.statistics().workers] == [1, 1])
+
+
+def test_create_app_checks_its_arguments():
+    with pytest.raises(ValueError, match="interval"):
+        create_app(object(), interval=0)
+    with pytest.raises(ValueError, match="max_buffer"):
+        create_app(object(), max_buffer=0)
+
+
+def test_import_without_starlette(monkeypatch: pytest.MonkeyPatch):
+    """``import aiocollect.dashboard`` works without starlette; ``create_app`` says what to install."""
+    import aiocollect
+
+    monkeypatch.setattr(aiocollect, "dashboard", sys.modules["aiocollect.dashboard"])  # put back after
+    for name in [
+        m for m in sys.modules if m == "starlette" or m.startswith(("starlette.", "aiocollect.dash"))
+    ]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "starlette", None)  # makes `import starlette` fail
+    spec = importlib.util.find_spec("aiocollect.dashboard")
+    assert spec is not None
+    import aiocollect.dashboard as fresh
+
+    with pytest.raises(ImportError, match=r"aiocollect\[dashboard\]"):
+        fresh.create_app(object())
+
+
+# -- serve(): uvicorn on a loopback port, in this event loop -------------------------------------------
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_serve_on_a_free_port_and_shut_down_with_open_streams():
+    async with Collector(cartpole, Policy(), frames_per_batch=64) as collector, consuming(collector):
+        app = create_app(collector, interval=0.05)
+        async with httpx.AsyncClient(timeout=10) as client:
+            with anyio.fail_after(20):
+                async with serve(app, port=0) as server:
+                    assert server.url == f"http://127.0.0.1:{server.port}/" and server.port > 0
+                    assert (await client.get(server.url + "statistics")).status_code == 200
+                    assert (await client.post(server.url + "pause")).json()["held"]
+                    response = await client.send(
+                        client.build_request("GET", server.url + "events"), stream=True
+                    )
+                    messages = sse_messages(response)
+                    assert (await anext(messages))[0] == "statistics"
+                    started = anyio.current_time()
+                # leaving serve(): the open stream ended (with a shutdown message), the pause was released
+                names = [name async for name, _ in messages]
+                await response.aclose()
+                assert anyio.current_time() - started < 3
+                assert names[-1] == "shutdown"
+                assert not collector.statistics().paused
+                with pytest.raises(httpx.ConnectError):
+                    await client.get(server.url + "statistics")
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_serve_ends_the_streams_of_a_mounted_dashboard():
+    async with Collector(cartpole, Policy(), frames_per_batch=64) as collector:
+        dash = create_app(collector, interval=0.05)
+
+        @asynccontextmanager
+        async def lifespan(app: Starlette) -> AsyncIterator[None]:
+            async with dash.router.lifespan_context(dash):
+                yield
+
+        parent = Starlette(routes=[Mount("/dashboard", app=dash)], lifespan=lifespan)
+        async with httpx.AsyncClient(timeout=10) as client:
+            with anyio.fail_after(20):
+                async with serve(parent, port=0) as server:
+                    request = client.build_request("GET", server.url + "dashboard/events")
+                    response = await client.send(request, stream=True)
+                    messages = sse_messages(response)
+                    assert (await anext(messages))[0] == "statistics"
+                    started = anyio.current_time()
+                names = [name async for name, _ in messages]
+                await response.aclose()
+                assert names[-1] == "shutdown" and anyio.current_time() - started < 3
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_serve_stops_on_ctrl_c():
+    reached_end = False
+    with anyio.fail_after(10), pytest.raises(KeyboardInterrupt):
+        async with serve(Starlette(), port=0) as server:
+            signal.raise_signal(signal.SIGINT)  # as Ctrl-C: uvicorn's handler stops the server
+            await anyio.sleep(5)  # cancelled once the server has stopped
+            reached_end = True
+    assert not reached_end
+    assert server.server.should_exit
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_serve_reports_a_port_in_use():
+    app = Starlette()
+    async with serve(app, port=0) as first:
+        with pytest.raises(RuntimeError, match="could not start"):
+            async with serve(app, port=first.port):
+                pass
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_serve_lets_the_blocks_error_through_unwrapped():
+    with pytest.raises(ValueError, match="boom"):
+        async with serve(Starlette(), port=0):
+            raise ValueError("boom")
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_serve_needs_asyncio():
+    with pytest.raises(RuntimeError, match="asyncio"):
+        async with serve(Starlette(), port=0):
+            pass
+
+
+# -- end to end: the example app in headless Chromium ------------------------------------------------
+def load_example() -> Any:
+    spec = importlib.util.spec_from_file_location("dashboard_example", ROOT / "examples/dashboard/app.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(
+    shutil.which(CHROMIUM) is None,
+    reason=f"needs Debian's chromium at {CHROMIUM} (apt-get install chromium; .ci/run installs it)",
+)
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # uvicorn and Playwright run on asyncio
+async def test_dashboard_in_chromium(tmp_path: Path):
+    playwright = pytest.importorskip("playwright.async_api", reason="needs the playwright package")
+    example = load_example()
+    # the example's own app; workers in threads (backend="serial") to start fast
+    args = example.Args(port=0, backend="serial", envs_per_worker=4, frames_per_batch=512, update_every=2)
+    urls: list[str] = []
+    stop = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: example.main(args, on_ready=urls.append, stop=stop))
+        await wait_until(lambda: bool(urls), limit=30)
+        async with playwright.async_playwright() as pw:
+            browser = await pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                page = await browser.new_page(viewport={"width": 1440, "height": 1000})
+                errors: list[str] = []
+                page.on("pageerror", lambda exc: errors.append(str(exc)))
+                page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+                await page.goto(urls[0])
+
+                async def shown() -> int:  # the counter on the page
+                    return int(await page.eval_on_selector("#total-frames", "e => Number(e.dataset.value)"))
+
+                async def plotted() -> int:  # the last point of the "Total frames" plot
+                    return int(
+                        await page.evaluate(
+                            "() => { const s = window.aiocollectDashboard.samples;"
+                            " return s.length ? s[s.length - 1].frames : 0; }"
+                        )
+                    )
+
+                async def grows() -> int:
+                    first = await plotted()
+                    with anyio.fail_after(20):
+                        while (now := await plotted()) <= first or await shown() != now:  # noqa: ASYNC110
+                            await anyio.sleep(0.1)
+                    return now
+
+                await page.wait_for_selector("#conn.live", timeout=15_000)
+                await grows()
+                await grows()
+
+                await page.click("#pause")
+                await page.wait_for_function("() => document.body.dataset.paused === 'true'", timeout=10_000)
+                await page.wait_for_selector("#resume:not([disabled])", timeout=10_000)
+                await anyio.sleep(1.0)  # the statistics of the last batch before the pause arrive
+                frozen = await plotted()
+                await anyio.sleep(2.0)  # four statistics messages later: nothing moved
+                assert await plotted() == frozen and await shown() == frozen
+                assert await page.text_content("#state") == "paused (dashboard)"
+
+                await page.click("#resume")
+                await page.wait_for_function("() => document.body.dataset.paused === 'false'", timeout=10_000)
+                assert await grows() > frozen
+
+                await page.click("#update-weights")
+                await page.wait_for_function(
+                    "() => document.querySelector('#control-status').textContent.startsWith("
+                    "'published policy version')",
+                    timeout=10_000,
+                )
+                await page.wait_for_selector("#log li", timeout=10_000)
+                shot = tmp_path / "dashboard.png"
+                await page.screenshot(path=str(shot), full_page=True)
+                assert shot.stat().st_size > 20_000
+                assert errors == []
+            finally:
+                await browser.close()
+                stop.set()  # the example ends after its next batch

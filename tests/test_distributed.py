@@ -1,0 +1,327 @@
+"""DistributedCollector / DistributedSyncCollector (torch.distributed over gloo on 127.0.0.1), the submitit
+launchers (real jobs through submitit's LocalExecutor) and RPCCollector (TensorPipe).
+
+Run with ``pytest -m distributed`` (``nox -s distributed``); the default run leaves them out.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import anyio
+import cloudpickle
+import psutil
+import pytest
+import torch
+
+from aiocollect import (
+    DistributedCollector,
+    DistributedSyncCollector,
+    GymEnv,
+    MultiSyncCollector,
+    RPCCollector,
+    submitit_delayed_launcher,
+)
+
+# the node processes inherit these (gloo and TensorPipe bind to the loopback interface)
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
+
+pytestmark = [pytest.mark.distributed, pytest.mark.anyio, pytest.mark.timeout(180)]
+
+# submitit jobs unpickle what they run: ship this module's functions by value
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict]:
+    return ("asyncio", {})
+
+
+class ConstantPolicy(torch.nn.Module):
+    """Box action = a parameter value: shows which weights a node runs."""
+
+    def __init__(self, value: float = 0.0) -> None:
+        super().__init__()
+        self.value = torch.nn.Parameter(torch.tensor([value]))
+
+    def forward(self, observation):
+        return self.value.expand(*observation.shape[:-1], 1).clone()
+
+
+def pendulum():
+    return GymEnv("Pendulum-v1")
+
+
+class _Exploding:
+    """Pendulum that raises at its 40th step (in the node)."""
+
+    def __init__(self) -> None:
+        self.env = GymEnv("Pendulum-v1")
+        self.steps = 0
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+    def step(self, td):
+        self.steps += 1
+        if self.steps == 40:
+            raise FloatingPointError("the env exploded")
+        return self.env.step(td)
+
+
+def exploding():
+    return _Exploding()
+
+
+def _ours(pids) -> set[int]:
+    """The given pids and their descendants (the nodes' own worker processes)."""
+    out = set()
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            out |= {pid, *(p.pid for p in proc.children(recursive=True))}
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def _alive(pids) -> list[int]:
+    """Those of ``pids`` still running a few seconds on (a node's helpers exit right after it)."""
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=5)
+    return [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+
+
+async def _check_weights_and_budget(c, policy, *, sync: bool, nodes: int, fpb: int, total: int) -> list:
+    """Iterate ``c``; after batch 1 publish value 1.0 (``wait=True``). Returns the batches."""
+    batches = []
+    async for batch in c:
+        batches.append(batch)
+        if len(batches) == 1:
+            with torch.no_grad():
+                policy.value.fill_(1.0)
+            assert await c.update_weights(wait=True) == 1
+            assert c.worker_policy_versions() == [1] * nodes
+    assert all(b.numel() == fpb for b in batches)
+    assert sum(b.numel() for b in batches) == total
+    assert c.statistics().frames == total
+    # every batch asked for after the update runs it; async nodes had at most one batch in flight
+    late = batches[1 + (0 if sync else nodes) :]
+    assert late and all(bool((b["action"] == 1.0).all()) for b in late)
+    assert bool((batches[0]["action"] == 0.0).all())
+    return batches
+
+
+def _traj_ids_disjoint(batches, node_of) -> None:
+    ids: dict[int, set[int]] = {}
+    for b in batches:
+        for node, tid in node_of(b):
+            ids.setdefault(node, set()).add(tid)
+    nodes = sorted(ids)
+    assert len(nodes) > 1
+    for a in nodes:
+        for b in nodes:
+            if a < b:
+                assert not ids[a] & ids[b], (a, b)
+
+
+async def test_distributed_async_weights_budget_traj_ids_and_reaping():
+    policy = ConstantPolicy(0.0)
+    pids: set[int] = set()
+    with anyio.fail_after(60):
+        async with DistributedCollector(
+            pendulum, policy, frames_per_batch=32, total_frames=32 * 8, num_collectors=2
+        ) as c:
+            pids = _ours(c.node_pids())
+            assert len(pids) >= 2
+            batches = await _check_weights_and_budget(c, policy, sync=False, nodes=2, fpb=32, total=256)
+            stats = c.statistics()
+            assert {w.worker_id for w in stats.workers} == {0, 1}
+            assert sum(w.frames for w in stats.workers) >= 256
+    _traj_ids_disjoint(
+        batches,
+        lambda b: [(int(b["collector", "node_id"][0]), int(t)) for t in b["collector", "traj_ids"].unique()],
+    )
+    assert c.statistics().workers[0].state == "stopped"
+    assert _alive(pids) == []
+
+
+async def test_distributed_sync_stacks_per_node_with_multi_collectors():
+    """DistributedSyncCollector over MultiSyncCollector nodes (2 thread workers each): batches stack
+    [node, worker, time]; update_after_each_batch keeps every node on the newest weights."""
+    policy = ConstantPolicy(0.0)
+    with anyio.fail_after(60):
+        async with DistributedSyncCollector(
+            pendulum,
+            policy,
+            frames_per_batch=64,
+            total_frames=64 * 4,
+            num_collectors=2,
+            collector_class=MultiSyncCollector,
+            num_workers_per_collector=2,
+            collector_kwargs={"backend": "serial"},
+            update_after_each_batch=True,
+        ) as c:
+            batches = []
+            async for batch in c:
+                batches.append(batch)
+                with torch.no_grad():
+                    policy.value.fill_(float(len(batches)))
+            assert c.policy_version == 3  # before batches 2, 3 and 4
+            pids = _ours(c.node_pids())
+    assert [tuple(b.batch_size) for b in batches] == [(2, 2, 16)] * 4
+    for i, b in enumerate(batches):
+        assert bool((b["action"] == float(i)).all()), i
+    # nodes x workers: four disjoint id sets
+    _traj_ids_disjoint(
+        batches,
+        lambda b: [
+            (2 * n + w, int(t))
+            for n in range(2)
+            for w in range(2)
+            for t in b["collector", "traj_ids"][n, w].unique()
+        ],
+    )
+    assert _alive(pids) == []
+
+
+async def test_distributed_interval_seed_and_state_dict():
+    policy = ConstantPolicy(0.0)
+    with anyio.fail_after(60):
+        async with DistributedCollector(
+            pendulum,
+            policy,
+            frames_per_batch=16,
+            total_frames=-1,
+            num_collectors=2,
+            max_weight_update_interval=2,
+            collector_kwargs={"seed": 3},
+        ) as c:
+            with torch.no_grad():
+                policy.value.fill_(0.5)
+            seen = []
+            async for batch in c:
+                seen.append(float(batch["action"][0]))
+                if len(seen) == 8:
+                    break
+            # each node got the weights after its second batch without an update, unasked
+            assert seen[-1] == 0.5 and c.policy_version >= 1
+            assert await c.set_seed(10) == 11
+            state = await c.state_dict()
+            assert set(state) >= {"node0", "node1", "frames", "policy_version"}
+            await c.load_state_dict(state)
+            first = await c.__anext__()
+            assert first.numel() == 16
+
+
+@pytest.mark.parametrize("engine", ["distributed", "rpc"])
+async def test_remote_error_surfaces_with_its_type_and_nodes_are_reaped(engine):
+    cls = DistributedCollector if engine == "distributed" else RPCCollector
+    with anyio.fail_after(60):
+        with pytest.raises(FloatingPointError, match="the env exploded") as info:
+            async with cls([pendulum, exploding], frames_per_batch=16, total_frames=-1) as c:
+                pids = _ours(c.node_pids())
+                async for _ in c:
+                    pass
+    notes = "".join(getattr(info.value, "__notes__", []))
+    assert "raised in node 1" in notes and "in step" in notes
+    assert c.statistics().workers[1].state == "failed"
+    assert _alive(pids) == []
+
+
+async def test_rpc_async_then_sync_in_one_process():
+    """Two RPC collectors one after the other (each its own agent), weights, budget, traj ids."""
+    for sync in (False, True):
+        policy = ConstantPolicy(0.0)
+        with anyio.fail_after(60):
+            async with RPCCollector(
+                pendulum,
+                policy,
+                frames_per_batch=32,
+                total_frames=32 * 6,
+                num_collectors=2,
+                sync=sync,
+                tensorpipe_options={"num_worker_threads": 4},
+            ) as c:
+                pids = _ours(c.node_pids())
+                batches = await _check_weights_and_budget(c, policy, sync=sync, nodes=2, fpb=32, total=192)
+        if sync:
+            assert [tuple(b.batch_size) for b in batches] == [(2, 16)] * 6
+            _traj_ids_disjoint(
+                batches,
+                lambda b: [(n, int(t)) for n in range(2) for t in b["collector", "traj_ids"][n].unique()],
+            )
+        assert _alive(pids) == []
+
+
+def test_rpc_rejects_bad_tensorpipe_options():
+    with pytest.raises(TypeError, match="tensorpipe_options"):
+        RPCCollector(pendulum, frames_per_batch=8, num_collectors=1, tensorpipe_options={"no_such": 1})
+    with pytest.raises(ValueError, match="mpi"):
+        DistributedCollector(pendulum, frames_per_batch=8, num_collectors=1, backend="mpi")
+    with pytest.raises(ValueError, match="exclude"):
+        DistributedCollector(
+            pendulum,
+            ConstantPolicy(),
+            frames_per_batch=8,
+            num_collectors=1,
+            update_after_each_batch=True,
+            max_weight_update_interval=2,
+        )
+
+
+async def test_submitit_local_executor_jobs(tmp_path):
+    pytest.importorskip("submitit")
+    policy = ConstantPolicy(0.0)
+    with anyio.fail_after(90):
+        async with DistributedCollector(
+            pendulum,
+            policy,
+            frames_per_batch=32,
+            total_frames=32 * 6,
+            num_collectors=2,
+            launcher="submitit",
+            slurm_kwargs={"folder": str(tmp_path / "%j"), "cluster": "local", "timeout_min": 5},
+        ) as c:
+            jobs = [n.process for n in c._nodes]
+            job_pids = {j.pid for j in jobs}
+            pids = _ours(job_pids)
+            batches = await _check_weights_and_budget(c, policy, sync=False, nodes=2, fpb=32, total=192)
+    assert len(batches) == 6
+    assert all(j.exitcode == 0 for j in jobs)
+    assert _alive(pids) == []
+
+
+def _delayed_main() -> int:
+    async def run() -> int:
+        frames = 0
+        async with DistributedCollector(
+            pendulum, frames_per_batch=16, total_frames=64, num_collectors=2, launcher="submitit_delayed"
+        ) as c:
+            async for batch in c:
+                frames += batch.numel()
+        return frames
+
+    return anyio.run(run)
+
+
+def test_submitit_delayed_launcher(tmp_path):
+    """The login-node decorator submits the trainer's job and two node jobs; they meet through the
+    rendezvous file (no node name is parsed)."""
+    pytest.importorskip("submitit")
+    launch = submitit_delayed_launcher(
+        2,
+        folder=str(tmp_path / "%j"),
+        cluster="local",
+        main_parameters={"timeout_min": 5},
+        node_parameters={"timeout_min": 5},
+        node_timeout=120,
+    )(_delayed_main)
+    assert launch() == 64
