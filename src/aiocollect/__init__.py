@@ -50,6 +50,11 @@ __version__ = "0.1.0"
 #: never imports an optional engine (``RayCollector`` imports ray only when a collector is entered)
 _LAZY = {
     "RayCollector": "._distributed._ray",
+    "DistributedCollector": "._distributed._torchdist",
+    "DistributedSyncCollector": "._distributed._torchdist",
+    "RPCCollector": "._distributed._rpc",
+    # submitit is imported when the decorator is called, never by import
+    "submitit_delayed_launcher": "._distributed._launchers",
 }
 
 
@@ -67,11 +72,14 @@ def __getattr__(name: str) -> object:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
+
 __all__ = [
     "BatchDelivered",
     "Collector",
     "CollectorClosedError",
     "CollectorStatistics",
+    "DistributedCollector",
+    "DistributedSyncCollector",
     "DistributedWeightSync",
     "EnvProtocol",
     "EpisodeFinished",
@@ -85,6 +93,7 @@ __all__ = [
     "PipeWeightSync",
     "ProcessCollector",
     "RandomPolicy",
+    "RPCCollector",
     "RayCollector",
     "Resumed",
     "SharedMemoryWeightSync",
@@ -103,4 +112,5 @@ __all__ = [
     "__version__",
     "set_worker_warnings",
     "split_trajectories",
+    "submitit_delayed_launcher",
 ]

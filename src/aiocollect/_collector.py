@@ -403,7 +403,7 @@ class Collector(CollectorBase):
                 **self._rollout.state_dict(),
             }
             if isinstance(self._policy, torch.nn.Module):
-                state["policy"] = module_weights(self._policy).clone().to_dict()
+                state["policy"] = module_weights(self._policy).detach().clone().to_dict()
             return state
 
         return await self._control(read)

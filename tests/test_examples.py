@@ -1,0 +1,120 @@
+"""Smoke tests of ``examples/``: each script runs in a subprocess with a tiny budget (as cleanrl's).
+
+The scripts start together (each spends most of its time importing torch), then each test checks one.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+CASES = {
+    "quickstart": ["quickstart.py", "--total-frames", "2000", "--num-envs", "4"]
+    + ["--frames-per-batch", "400", "--uvloop"],
+    "replay_buffer": ["replay_buffer.py", "--total-frames", "2400", "--frames-per-batch", "400"]
+    + ["--learning-starts", "400", "--checkpoint-every", "2"],
+    # the serial backend runs the same worker code in threads; test_multi.py covers processes
+    "multi_sync_ppo_style": ["multi_sync_ppo_style.py", "--total-frames", "2048"]
+    + ["--frames-per-batch", "1024", "--envs-per-worker", "4", "--backend", "serial"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, subprocess.CompletedProcess[str]]:
+    procs = {
+        name: subprocess.Popen(
+            # our own warnings (e.g. a budget that is not a multiple of the batch) are UserWarnings
+            [sys.executable, "-W", "error::UserWarning", str(EXAMPLES / script), *flags],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, (script, *flags) in CASES.items()
+    }
+    out = {}
+    try:
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=90)
+            out[name] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_example_runs(runs: dict[str, subprocess.CompletedProcess[str]], name: str) -> None:
+    proc = runs[name]
+    assert proc.returncode == 0, proc.stderr
+    assert "frames/s" in proc.stdout, proc.stdout
+    assert "mean return" in proc.stdout, proc.stdout
+
+
+def test_every_example_is_tested() -> None:
+    scripts = {argv[0] for argv in CASES.values()}
+    assert scripts == {path.name for path in EXAMPLES.glob("*.py")}
+
+
+# -- the docs' code blocks are examples too ---------------------------------------------------------
+
+ROOT = EXAMPLES.parent
+# pages whose every ```python block is a complete program (a block after <!-- continue --> extends the one
+# before it; <!-- skip --> before a block leaves out a fragment): add a page here once its blocks run
+RUNNABLE_PAGES = ["index", "conventions", "collector", "envs", "policies"]
+DOC_PAGES = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in RUNNABLE_PAGES)]
+_BLOCK = re.compile(r"(<!-- (continue|skip) -->\s*\n)?^```python[^\n]*\n(.*?)^```", re.S | re.M)
+
+
+def python_blocks(text: str) -> list[tuple[int, str]]:
+    """The page's ```python blocks as (line, source): a block after ``<!-- continue -->`` is appended
+    to the one before it (they run as one program)."""
+    groups: list[tuple[int, str]] = []
+    for match in _BLOCK.finditer(text):
+        marker, code = match.group(2), match.group(3)
+        if marker == "skip":
+            continue
+        if marker == "continue" and groups:
+            groups[-1] = (groups[-1][0], groups[-1][1] + "\n" + code)
+        else:
+            groups.append((text[: match.start(3)].count("\n") + 1, code))
+    return groups
+
+
+DOC_BLOCKS = [
+    pytest.param(page, source, id=f"{page.name}:{line}")
+    for page in DOC_PAGES
+    for line, source in python_blocks(page.read_text())
+]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("page", "source"), DOC_BLOCKS)
+def test_doc_code_block_runs(page: Path, source: str, tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-W", "error::UserWarning", "-c", source],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 0, f"{page.name}:\n{source}\n{proc.stderr}"
+
+
+def test_api_page_lists_every_public_name() -> None:
+    import aiocollect
+
+    api = (ROOT / "docs" / "api.md").read_text()
+    # a lazily exported name is documented at its module's path: ::: aiocollect._private.Name
+    documented = set(re.findall(r"^::: aiocollect(?:\.\w+)*\.(\w+)$", api, re.M))
+    missing = [name for name in aiocollect.__all__ if name not in documented]
+    assert not missing, f"docs/api.md lacks {missing}"
