@@ -46,6 +46,7 @@ async def test_collector_events_and_statistics():
                 assert c.statistics().workers[0].state == "paused"
             batches = [b async for b in c]
             seen = await drain(events)
+        await anyio.sleep(0.2)  # the loop-lag monitor ticks every 50 ms: let it take a few samples
         stats = c.statistics()
     assert len(batches) == 4
     names = kinds(seen)

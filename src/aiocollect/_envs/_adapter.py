@@ -1,7 +1,8 @@
 """Any env of the protocol seen as numpy arrays, which is what the rollout core steps.
 
-``GymEnv`` already works on arrays, so it is used directly. Other envs go through their ``reset``/``step``
-TensorDicts (one TensorDict per step: the slow path, documented as such).
+``GymEnv`` already works on arrays, so it is used directly; a torchrl ``EnvBase`` goes through
+``TorchRLArrays`` (``_torchrl.py``, torchrl imported only when such an env exists). Other envs go through
+their ``reset``/``step`` TensorDicts (one TensorDict per step: the slow path, documented as such).
 """
 
 from __future__ import annotations
@@ -13,15 +14,19 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from .._policies import RandomPolicy
 from ._gym import ArrayStep, GymEnv
 from ._protocol import EnvProtocol
 from ._spaces import LeafSpec, NestedKey, action_spec, observation_specs
+from ._torchrl import TorchRLArrays, TorchRLRandomPolicy, is_torchrl_env
 
 _REQUIRED = ("batch_size", "observation_space", "action_space", "reset", "step", "set_seed", "close")
 
 
 def check_env(env: Any, *, argument: str = "create_env_fn") -> None:
-    """Raise a TypeError naming the missing protocol members."""
+    """Raise a TypeError naming the missing protocol members (a torchrl ``EnvBase`` is accepted as is)."""
+    if is_torchrl_env(env):
+        return
     missing = [name for name in _REQUIRED if not hasattr(env, name)]
     if missing:
         raise TypeError(
@@ -38,15 +43,27 @@ class ArrayEnv:
         self.env = env
         self.batch_shape: tuple[int, ...] = tuple(env.batch_size)
         self.numel = prod(self.batch_shape)
+        if is_torchrl_env(env):
+            arrays = TorchRLArrays(env)
+            self.action_space: Any = arrays.action_torch_spec
+            self.obs_specs: dict[NestedKey, LeafSpec] = arrays.obs_specs
+            self.action_spec: LeafSpec = arrays.action_spec
+            self.has_truncated = arrays.has_truncated
+            self._gym: Any = arrays  # the array fast path: a GymEnv, or this adapter
+            return
         self.action_space = env.action_space
-        self.obs_specs: dict[NestedKey, LeafSpec] = (
+        self.obs_specs = (
             env.obs_specs if isinstance(env, GymEnv) else observation_specs(env.observation_space)
         )
-        self.action_spec: LeafSpec = (
-            env.action_spec if isinstance(env, GymEnv) else action_spec(env.action_space)
-        )
+        self.action_spec = env.action_spec if isinstance(env, GymEnv) else action_spec(env.action_space)
         self.has_truncated = bool(getattr(env, "has_truncated", True))
         self._gym = env if isinstance(env, GymEnv) else None
+
+    def random_policy(self) -> RandomPolicy:
+        """Uniform random actions for this env: its action space, or a torchrl env's ``rand_action``."""
+        if isinstance(self._gym, TorchRLArrays):
+            return TorchRLRandomPolicy(self._gym)
+        return RandomPolicy(self.action_space)
 
     def reset(self, mask: np.ndarray | None = None) -> dict[NestedKey, np.ndarray]:
         if self._gym is not None:

@@ -1,0 +1,225 @@
+"""TorchRL envs (``torchrl.envs.EnvBase``) seen as numpy arrays by the rollout core.
+
+torchrl is optional: nothing here imports it at module level, and :func:`is_torchrl_env` only looks at
+``sys.modules`` (an ``EnvBase`` instance cannot exist before ``torchrl.envs`` was imported).
+
+What is supported (anything else raises a ``TypeError`` that says why and what to do):
+
+* any batch size (``[]`` for one env, ``[N]`` for ``SerialEnv``/``ParallelEnv``/vectorised envs, more dims);
+* observations: every leaf of ``env.full_observation_spec`` (nested keys become tuple keys) whose spec is
+  ``Bounded``, ``Unbounded``, ``Categorical``/``Binary``, ``MultiCategorical``, ``OneHot`` or
+  ``MultiOneHot`` with a dtype numpy has (not ``NonTensor``, ``Stacked``/heterogeneous, bfloat16);
+* one action, at the key ``"action"``, of one of those specs (``OneHot`` actions keep their one-hot shape);
+* one reward, at the key ``"reward"``, with one value per env;
+* top-level done keys among ``"done"``, ``"terminated"``, ``"truncated"`` (a ``StepCounter`` adds
+  ``"truncated"``); nested (multi-agent) done, reward or action keys are not supported.
+
+Steps go through ``env.step_and_maybe_reset``: ``("next", ...)`` holds the final observation of an ended
+episode and the next root the reset one, which is exactly the rollout's same-step autoreset. The root
+TensorDict is carried from step to step, so the env's state keys (``full_state_spec``) reach ``step``
+although only the observation keys are written to the batch. Random frames use ``env.rand_action``.
+"""
+
+from __future__ import annotations
+
+import sys
+from math import prod
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from .._policies import RandomPolicy
+from ._gym import ArrayStep
+from ._spaces import RESERVED_KEYS, LeafSpec, NestedKey
+
+_DONE_KEYS = frozenset({"done", "terminated", "truncated"})
+_SUPPORTED = "Bounded, Unbounded, Categorical, Binary, MultiCategorical, OneHot, MultiOneHot"
+
+
+def is_torchrl_env(env: Any) -> bool:
+    """Whether ``env`` is a ``torchrl.envs.EnvBase`` (without importing torchrl)."""
+    module = sys.modules.get("torchrl.envs")
+    base = getattr(module, "EnvBase", None) if module is not None else None
+    return base is not None and isinstance(env, base)
+
+
+def _leaf_spec(key: NestedKey, spec: Any, batch_shape: tuple[int, ...], what: str) -> LeafSpec:
+    from torchrl.data import Bounded, Categorical, OneHot, Unbounded
+
+    name = f"{what} {key!r}"
+    if not isinstance(spec, (Bounded, Unbounded, Categorical, OneHot)):
+        raise TypeError(
+            f"unsupported torchrl spec for the {name}: {type(spec).__name__}; aiocollect supports "
+            f"{_SUPPORTED} leaves. Drop or convert the entry with a transform (e.g. "
+            "torchrl.envs.ExcludeTransform, or a custom Transform that makes it a tensor)"
+        )
+    shape = tuple(spec.shape)
+    nb = len(batch_shape)
+    if shape[:nb] != batch_shape:
+        raise TypeError(
+            f"the torchrl spec of the {name} has shape {list(shape)}, which does not start with the env "
+            f"batch size {list(batch_shape)}"
+        )
+    try:
+        torch.empty((), dtype=spec.dtype).numpy()
+    except TypeError:
+        raise TypeError(
+            f"the {name} has dtype {spec.dtype}, which numpy lacks; cast it with "
+            "torchrl.envs.DTypeCastTransform (e.g. to float32)"
+        ) from None
+    return LeafSpec(shape[nb:], spec.dtype)
+
+
+def _composite_leaves(composite: Any, batch_shape: tuple[int, ...], what: str) -> dict[NestedKey, LeafSpec]:
+    from torchrl.data import Composite
+
+    if not isinstance(composite, Composite):
+        raise TypeError(f"the env's {what} spec is a {type(composite).__name__}, expected a Composite")
+    out: dict[NestedKey, LeafSpec] = {}
+    for key, spec in composite.items(include_nested=True, leaves_only=True):
+        out[key] = _leaf_spec(key, spec, batch_shape, what)
+    return out
+
+
+class TorchRLArrays:
+    """A torchrl ``EnvBase`` with the array interface of :class:`~aiocollect.GymEnv` (used by ``ArrayEnv``).
+
+    ``_reset_arrays(mask)`` and ``_step_arrays(action)`` give what the rollout needs; one TensorDict per
+    step is unavoidable with a torchrl env (that is how torchrl envs step).
+    """
+
+    def __init__(self, env: Any) -> None:
+        self.env = env
+        self.batch_shape: tuple[int, ...] = tuple(env.batch_size)
+        bs = self.batch_shape
+        self.obs_specs = _composite_leaves(env.full_observation_spec, bs, "observation")
+        if not self.obs_specs:
+            raise TypeError(f"{type(env).__name__} has an empty observation spec: nothing to collect")
+        clash = sorted(
+            k if isinstance(k, str) else k[0]
+            for k in self.obs_specs
+            if (k if isinstance(k, str) else k[0]) in RESERVED_KEYS
+        )
+        if clash:
+            raise TypeError(
+                f"{type(env).__name__}'s observation entries {clash} collide with the batch keys "
+                f"{sorted(RESERVED_KEYS)}; rename them with torchrl.envs.RenameTransform"
+            )
+        action_keys = list(env.full_action_spec.keys(include_nested=True, leaves_only=True))
+        if action_keys != ["action"]:
+            raise TypeError(
+                f"{type(env).__name__} has the action keys {action_keys}; aiocollect collects envs with one "
+                "action at the key 'action' (rename it with torchrl.envs.RenameTransform; multi-agent "
+                "envs are not supported)"
+            )
+        self.action_torch_spec = env.full_action_spec["action"]
+        self.action_spec = _leaf_spec("action", self.action_torch_spec, bs, "action")
+        reward_keys = list(env.reward_keys)
+        if reward_keys != ["reward"]:
+            raise TypeError(
+                f"{type(env).__name__} has the reward keys {reward_keys}; aiocollect needs one reward at "
+                "the key 'reward' (rename it with torchrl.envs.RenameTransform)"
+            )
+        reward_shape = tuple(env.full_reward_spec["reward"].shape)
+        if prod(reward_shape[len(bs) :]) != 1:
+            raise TypeError(
+                f"{type(env).__name__}'s reward has shape {list(reward_shape)}: aiocollect needs one reward "
+                f"per env (shape {[*bs, 1]})"
+            )
+        done_keys = list(env.done_keys)
+        unsupported = [k for k in done_keys if k not in _DONE_KEYS]
+        if unsupported or not done_keys:
+            raise TypeError(
+                f"{type(env).__name__} has the done keys {done_keys}; aiocollect supports top-level "
+                f"{sorted(_DONE_KEYS)} only (nested done keys belong to multi-agent envs, not supported)"
+            )
+        self._terminated_key = "terminated" if "terminated" in done_keys else "done"
+        self.has_truncated = "truncated" in done_keys
+        self._device = env.device
+        self._root: TensorDictBase | None = None
+
+    # -- the array interface ----------------------------------------------------------------------
+    def _arrays(self, td: TensorDictBase, where: str) -> dict[NestedKey, np.ndarray]:
+        out = {}
+        for key, spec in self.obs_specs.items():
+            value = td.get(key, None)
+            if value is None:
+                raise KeyError(
+                    f"{type(self.env).__name__}.{where} has no {key!r} entry, although its observation "
+                    f"spec has it (keys: {list(self.obs_specs)})"
+                )
+            # a copy: batched torchrl envs write their next step into the same (shared) tensors
+            out[key] = value.detach().to("cpu", spec.dtype, copy=True).numpy()
+        return out
+
+    def _reset_arrays(self, mask: np.ndarray | None = None) -> dict[NestedKey, np.ndarray]:
+        env = self.env
+        if mask is None or self._root is None or not self.batch_shape:
+            root = env.reset()
+        else:
+            # as EnvBase.maybe_reset does: the entries of the sub-envs not reset come from the root
+            td = self._root.copy()
+            reset = torch.as_tensor(np.asarray(mask, dtype=bool)).reshape(*self.batch_shape, 1)
+            td.set("_reset", reset.to(td.device) if td.device is not None else reset)
+            root = env.reset(td, select_reset_only=True)
+            root.pop("_reset", None)
+        self._root = root
+        return self._arrays(root, "reset()")
+
+    def _step_arrays(self, action: torch.Tensor) -> ArrayStep:
+        root = self._root
+        if root is None:
+            raise RuntimeError(f"{type(self.env).__name__} was stepped before a reset")
+        spec = self.action_spec
+        action = action.reshape((*self.batch_shape, *spec.shape))
+        if action.dtype != spec.dtype:
+            action = action.to(spec.dtype)
+        if self._device is not None and action.device != self._device:
+            action = action.to(self._device, non_blocking=True)
+        root.set("action", action)
+        stepped, self._root = self.env.step_and_maybe_reset(root)
+        nxt = stepped.get("next")
+        next_obs = self._arrays(nxt, "step()['next']")
+        root_obs = self._arrays(self._root, "step_and_maybe_reset()[1]")
+        bs = self.batch_shape
+        reward = nxt.get("reward").detach().reshape(bs).to("cpu", torch.float32).numpy()
+        terminated = nxt.get(self._terminated_key).detach().reshape(bs).cpu().numpy().astype(bool)
+        truncated_t = nxt.get("truncated", None) if self.has_truncated else None
+        if truncated_t is None:
+            truncated = np.zeros(bs, dtype=bool)
+        else:
+            truncated = truncated_t.detach().reshape(bs).cpu().numpy().astype(bool)
+        if not bs:  # one env: python scalars, as GymEnv gives
+            return ArrayStep(next_obs, float(reward), bool(terminated), bool(truncated), root_obs)
+        return ArrayStep(next_obs, reward.copy(), terminated, truncated, root_obs)
+
+    def rand_action(self) -> torch.Tensor:
+        """A random action from ``env.rand_action`` (which may depend on the current root state)."""
+        root = self._root
+        td = root.copy() if root is not None else TensorDict({}, batch_size=self.batch_shape)
+        return self.env.rand_action(td).get("action")
+
+
+class TorchRLRandomPolicy(RandomPolicy):
+    """Random actions from a torchrl env's ``rand_action`` (its action spec); torch's global RNG.
+
+    Collectors build it for a torchrl env (``init_random_frames``, or no policy). It draws with torch's
+    global generator, which a collector with a ``seed`` swaps for its own state around every batch.
+    """
+
+    def __init__(self, arrays: TorchRLArrays) -> None:  # no gymnasium space to check
+        self.arrays = arrays
+        self.action_space = arrays.action_torch_spec
+        self.generator = None
+
+    def set_seed(self, seed: int) -> None:
+        """Nothing to do: the samples come from torch's RNG, which the collectors seed."""
+
+    def sample(self, batch_shape: tuple[int, ...] = ()) -> torch.Tensor:
+        action = self.arrays.rand_action()
+        return action.reshape((*batch_shape, *self.arrays.action_spec.shape))
+
+    def __repr__(self) -> str:
+        return f"TorchRLRandomPolicy({type(self.arrays.env).__name__})"
