@@ -1,5 +1,5 @@
 """Developer sessions: ``nox -s tests``, ``lint``, ``typecheck``, ``docs``, ``bench``, ``slow``,
-``distributed``, ``torchrl``, ``bench_torchrl``, ``browser``, ``bench_dashboard``.
+``distributed``, ``torchrl``, ``bench_torchrl``, ``browser``, ``bench_dashboard``, ``soak``.
 
 torch is pinned in the same pip command as everything that depends on it, so pip takes the CPU wheel that
 the machine already has instead of pulling a multi-GB CUDA build.
@@ -53,8 +53,9 @@ def slow(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def distributed(session: nox.Session) -> None:
     """Tests marked distributed: DistributedWeightSync, DistributedCollector and RPCCollector over gloo and
-    TensorPipe on 127.0.0.1, submitit's local executor (no GPU, no cluster needed)."""
-    install(session, "test", "distributed")
+    TensorPipe on 127.0.0.1, submitit's local executor, RayCollector on a local Ray cluster (no GPU, no
+    cluster needed)."""
+    install(session, "test", "distributed", "ray")
     session.run(
         "python",
         "-m",
@@ -62,7 +63,12 @@ def distributed(session: nox.Session) -> None:
         "-m",
         "distributed",
         *session.posargs,
-        env={"MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "TP_SOCKET_IFNAME": "lo"},
+        env={
+            "MASTER_ADDR": "127.0.0.1",
+            "GLOO_SOCKET_IFNAME": "lo",
+            "TP_SOCKET_IFNAME": "lo",
+            "RAY_USAGE_STATS_ENABLED": "0",
+        },
     )
 
 
@@ -94,6 +100,15 @@ def docs(session: nox.Session) -> None:
     """Build the docs with mkdocs --strict (warnings fail)."""
     install(session, "docs")
     session.run("mkdocs", "build", "--strict", "--site-dir", "site")
+
+
+@nox.session(python=PYTHON)
+def soak(session: nox.Session) -> None:
+    """Soak run (benchmarks/soak.py): 2 workers x 32 envs, a weight update every batch, memory, fds and
+    shared-memory segments sampled each minute; ``nox -s soak -- --minutes 3`` for a shorter one."""
+    install(session)
+    session.install("psutil>=5.9")
+    session.run("python", "benchmarks/soak.py", *session.posargs)
 
 
 @nox.session(python=PYTHON)

@@ -166,6 +166,8 @@ class Collector(CollectorBase):
         weight_sync_arg(weight_sync)
         lag_arg(max_policy_lag)
         traj_start, traj_stride = traj_ids_arg(traj_id_start, traj_id_stride)
+        self._worker_timeout = timeout_arg(worker_timeout)
+        self._init_base(progress)  # checks `progress`
         config_flags = {
             "reset_at_each_iter": flag("reset_at_each_iter", reset_at_each_iter),
             "set_truncated": flag("set_truncated", set_truncated),
@@ -253,8 +255,6 @@ class Collector(CollectorBase):
                 UserWarning,
                 stacklevel=2,
             )
-        self._init_base(progress)
-        self._worker_timeout = timeout_arg(worker_timeout)
 
     # -- construction helpers -------------------------------------------------------------------
     def _own_policy(self, policy: Any, compile_option: bool | Mapping[str, Any]) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import math
+import os
 import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -53,13 +54,31 @@ from ._workers._shm import SharedBlock
 from ._workers._wire import Collect, Release, RunFree
 from ._workers._worker import WorkerSpec, control_layout
 
-_WORKER_WARNINGS = False
+#: set by set_worker_warnings(); None: the AIOCOLLECT_WORKER_WARNINGS environment variable decides
+_WORKER_WARNINGS: bool | None = None
+_ENV_SWITCH = "AIOCOLLECT_WORKER_WARNINGS"
 
 
-def set_worker_warnings(show: bool) -> None:
-    """Show (``True``) or hide (``False``, the default) warnings raised inside worker processes."""
+def set_worker_warnings(show: bool | None) -> None:
+    """Show (``True``) or hide (``False``, the default) warnings raised inside worker processes.
+
+    Worker processes ignore every warning by default (optional dependencies make them noisy, once per
+    worker). When shown, a worker's warnings print on its stderr, which is the trainer's. The environment
+    variable ``AIOCOLLECT_WORKER_WARNINGS=1`` shows them too; a call here takes precedence over it
+    (``None`` hands the choice back to the variable). Collectors read the setting when they are
+    constructed. Workers of ``backend="serial"`` and the in-process ``Collector`` are threads of the
+    trainer: their warnings go through the trainer's own filters, whatever this says.
+    """
     global _WORKER_WARNINGS
-    _WORKER_WARNINGS = bool(show)
+    if show is not None and not isinstance(show, bool):
+        raise TypeError(f"set_worker_warnings takes True, False or None, got {show!r}")
+    _WORKER_WARNINGS = show
+
+
+def _show_worker_warnings() -> bool:
+    if _WORKER_WARNINGS is not None:
+        return _WORKER_WARNINGS
+    return os.environ.get(_ENV_SWITCH, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclass
@@ -206,6 +225,7 @@ class _MultiCollectorBase(CollectorBase, abc.ABC):
         }
         self._backend = backend
         self._start_method = start_method
+        self._show_warnings = _show_worker_warnings()
         self._init_base(progress)
         self._worker_timeout = timeout_arg(worker_timeout)
         self._pool: WorkerPool | None = None
@@ -229,7 +249,11 @@ class _MultiCollectorBase(CollectorBase, abc.ABC):
         if self._entered:
             raise RuntimeError("the collector was entered already")
         self._entered = True
-        await self._start_workers()
+        try:
+            await self._start_workers()
+        except Exception as exc:  # closed on the way out of __aenter__: say why on any further use
+            self._closed_reason = f"it failed to start with {type(exc).__name__}: {exc}"
+            raise
 
     async def _start_workers(self) -> None:
         assert self._task_group is not None
@@ -258,7 +282,7 @@ class _MultiCollectorBase(CollectorBase, abc.ABC):
                 weights=receivers[i],
                 max_policy_lag=self._max_policy_lag,
                 in_process=self._backend == "serial",
-                show_warnings=_WORKER_WARNINGS,
+                show_warnings=self._show_warnings,
                 traj_id_start=self._traj_ids[0],
                 traj_id_stride=self._traj_ids[1],
             )
@@ -362,8 +386,9 @@ class _MultiCollectorBase(CollectorBase, abc.ABC):
             try:
                 out = await self._next_batch(pool)
             except Exception as exc:
-                if pool.failure is not None:
+                if pool.failure is not None:  # closed for good: any further use says so
                     self._closed_reason = f"a worker failed with {type(exc).__name__}: {exc}"
+                    self._closed = True
                 raise
             self._record(out.frames, out.episodes, worker_id=out.worker_id, policy_version=out.policy_version)
             batch = out.batch
@@ -639,7 +664,7 @@ class MultiSyncCollector(_MultiCollectorBase):
             or not 0 < preemptive_threshold <= 1
         ):
             raise ValueError(f"preemptive_threshold must be in (0, 1] or None, got {preemptive_threshold!r}")
-        if cat_results != "stack" and cat_results not in (0, -1):
+        if cat_results != "stack" and (isinstance(cat_results, bool) or cat_results not in (0, -1)):
             raise ValueError(f"cat_results must be 'stack', 0 or -1, got {cat_results!r}")
         self._threshold = preemptive_threshold
         self._cat_results = cat_results
@@ -678,6 +703,13 @@ class MultiSyncCollector(_MultiCollectorBase):
             raise ValueError(
                 f"cat_results=0 needs worker batches that differ in dim 0 only, got {shapes}; "
                 "use cat_results=-1"
+            )
+        if self._cat_results == 0 and self._threshold is not None and any(len(s) > 1 for s in shapes):
+            # a preempted batch holds fewer steps for the late workers: [B, t_i] cannot be stacked on dim
+            # 0. Said at start-up, not at the first preemption, which may come hours into a run.
+            raise ValueError(
+                f"cat_results=0 with preemptive_threshold={self._threshold} cannot concatenate the "
+                f"preempted batches of batched envs (worker batches {shapes}); use cat_results=-1 or 'stack'"
             )
 
     async def _next_batch(self, pool: WorkerPool) -> tuple[TensorDictBase, int, list[float], list[int]]:

@@ -122,8 +122,17 @@ class Rollout:
     def output_specs(self) -> dict[NestedKey, LeafSpec]:
         """Keys, shapes and dtypes the policy writes (from one dry call on the current observation)."""
         if self._out_specs is None:
-            with torch.no_grad(), set_interaction_type(self.config.exploration_type):
-                out = self.policy(self._obs_tensors())
+            exp = self.env.action_spec
+            try:
+                with torch.no_grad(), set_interaction_type(self.config.exploration_type):
+                    out = self.policy(self._obs_tensors())
+            except KeyError as exc:
+                if "'action'" in str(exc):  # the policy wrote no action: say what it should write
+                    exc.add_note(
+                        f"the action space {self.env.action_space} needs an 'action' entry of shape "
+                        f"{exp.shape} per env, dtype {exp.dtype}"
+                    )
+                raise
             nb = len(self.batch_shape)
             specs = {}
             for key, value in out.items():
@@ -135,11 +144,16 @@ class Rollout:
                     )
                 specs[key] = LeafSpec(tuple(value.shape[nb:]), value.dtype)
             act = specs["action"]
-            exp = self.env.action_spec
             if act.shape != exp.shape and not (act.shape == (1,) and exp.shape == ()):
                 raise ValueError(
-                    f"policy action has shape {act.shape} per env, the action space "
-                    f"{self.env.action_space} needs {exp.shape}"
+                    f"policy output 'action' has shape {act.shape} per env; the action space "
+                    f"{self.env.action_space} needs shape {exp.shape} ({exp.dtype})"
+                )
+            if act.dtype.is_floating_point != exp.dtype.is_floating_point or act.dtype.is_complex:
+                kind = "a floating" if exp.dtype.is_floating_point else "an integer"
+                raise TypeError(
+                    f"policy output 'action' has dtype {act.dtype}; the action space "
+                    f"{self.env.action_space} needs {kind} dtype ({exp.dtype}, shape {exp.shape} per env)"
                 )
             self._out_specs = specs
         return self._out_specs

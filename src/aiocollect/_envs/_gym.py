@@ -10,7 +10,15 @@ import torch
 from gymnasium.vector import AutoresetMode
 from tensordict import TensorDict
 
-from ._spaces import LeafSpec, NestedKey, action_spec, flatten_obs, observation_specs
+from ._spaces import (
+    LeafSpec,
+    NestedKey,
+    action_bounds,
+    action_outside_space,
+    action_spec,
+    flatten_obs,
+    observation_specs,
+)
 
 
 class ArrayStep(NamedTuple):
@@ -129,6 +137,7 @@ class GymEnv:
                 self._act_space = self._env.action_space
             self.obs_specs: dict[NestedKey, LeafSpec] = observation_specs(self._obs_space)
             self.action_spec: LeafSpec = action_spec(self._act_space)
+            self._act_bounds = action_bounds(self._act_space)
         except BaseException:
             self._env.close()
             raise
@@ -248,12 +257,20 @@ class GymEnv:
         return np.array(value, dtype=dtype)  # a new array: python scalars, other dtypes (float64 ...)
 
     def _to_env_action(self, action: Any) -> Any:
+        """The policy's action as the env takes it. Discrete actions outside the space raise a
+        ``ValueError`` naming the space (an env would fail obscurely, or index out of range)."""
         space = self._act_space
+        bounds = self._act_bounds
         if not self._vector and isinstance(space, gym.spaces.Discrete):
-            return int(action)  # a python int is the cheapest action gymnasium checks
+            value = int(action)  # a python int is the cheapest action gymnasium checks
+            if value < bounds[0] or value > bounds[1]:  # type: ignore[index]
+                raise action_outside_space(space, value)
+            return value
         if isinstance(action, torch.Tensor):
             action = action.numpy(force=True)  # detach().cpu().numpy() in one call
         action = np.asarray(action)
+        if bounds is not None and ((action < bounds[0]).any() or (action > bounds[1]).any()):
+            raise action_outside_space(space, action)
         if isinstance(space, gym.spaces.Discrete):
             # policies may give a trailing singleton dim
             return action.reshape(self._batch_shape).astype(np.int64, copy=False)

@@ -95,6 +95,38 @@ def action_spec(space: spaces.Space[Any]) -> LeafSpec:
     return spec
 
 
+def action_bounds(space: spaces.Space[Any]) -> tuple[Any, Any] | None:
+    """Inclusive bounds of the values of a discrete action space; ``None`` for ``Box`` (an out-of-bounds
+    continuous action goes to the env as it is: clipping is the env's business)."""
+    if isinstance(space, spaces.Discrete):
+        return int(space.start), int(space.start + space.n - 1)
+    if isinstance(space, spaces.MultiDiscrete):
+        start = np.asarray(space.start, dtype=np.int64)
+        return start, start + np.asarray(space.nvec, dtype=np.int64) - 1
+    if isinstance(space, spaces.MultiBinary):
+        return 0, 1
+    return None
+
+
+def action_outside_space(space: spaces.Space[Any], action: Any) -> ValueError:
+    """The error for a policy action with values outside the discrete action space ``space``."""
+    bounds = action_bounds(space)
+    assert bounds is not None
+    low, high = bounds
+    values = np.asarray(action)
+    bad = np.unique(values[(values < low) | (values > high)])[:5].tolist()
+    spec = action_spec(space)
+    where = (
+        f"[{low}, {high}]"
+        if np.ndim(low) == 0
+        else f"[{np.asarray(low).tolist()}, {np.asarray(high).tolist()}]"
+    )
+    return ValueError(
+        f"policy output 'action' has values outside the action space {space}: {bad}; expected "
+        f"{spec.dtype} values in {where} (shape {spec.shape} per env)"
+    )
+
+
 def flatten_obs(space: spaces.Space[Any], obs: Any) -> dict[NestedKey, np.ndarray]:
     """Split a raw gymnasium observation into ``{key: array}`` following :func:`observation_specs`."""
     if isinstance(space, spaces.Dict):

@@ -176,7 +176,9 @@ class WorkerPool:
                     failed = self._route(handle, msg) or failed
             finally:
                 with anyio.CancelScope(shield=True):  # also when aclose() cancelled reader_scope
-                    await self._join(handle)
+                    # aclose() gave up on a thread worker stuck in a call that never returns (a hung
+                    # env): it cannot be killed, so do not wait for it again
+                    await self._join(handle, 0.0 if scope.cancel_called else 2.0)
                 handle.exited.set()
                 if not failed and not self.closing:
                     handle.state = "failed"
@@ -245,7 +247,16 @@ class WorkerPool:
 
     async def send(self, index: int, msg: Any) -> None:
         self.check()
-        await self.workers[index].channel.send(msg)
+        handle = self.workers[index]
+        try:
+            await handle.channel.send(msg)
+        except OSError:
+            # the worker is gone (it failed and exited, or was killed) and its reader has not said so
+            # yet: wait for it and raise why, rather than a bare BrokenPipeError
+            with anyio.move_on_after(5.0):
+                await handle.exited.wait()
+            self.check()
+            raise
 
     async def call(self, index: int, op: str, *args: Any) -> Any:
         """Run ``op`` in worker ``index`` between batches and return its result."""
@@ -254,7 +265,7 @@ class WorkerPool:
         event, box = anyio.Event(), []
         self._results[request_id] = (event, box)
         try:
-            await self.workers[index].channel.send(Call(request_id, op, args))
+            await self.send(index, Call(request_id, op, args))
             with anyio.move_on_after(self.timeout if self.timeout is not None else math.inf):
                 await event.wait()
             if not event.is_set():
@@ -292,13 +303,18 @@ class WorkerPool:
             self.closing = True
             if self.failure is not None:
                 grace = min(grace, 0.5)  # after a failure, do not wait long for the others
-            for handle in self.workers:
-                if not handle.exited.is_set():
-                    with contextlib.suppress(OSError, anyio.BrokenResourceError):
-                        await handle.channel.send(Close())
+            # bounded: a hung worker does not read, and a full socket would block this send for ever
             with anyio.move_on_after(grace):
                 for handle in self.workers:
-                    await handle.exited.wait()
+                    if not handle.exited.is_set():
+                        with contextlib.suppress(OSError, anyio.BrokenResourceError):
+                            await handle.channel.send(Close())
+            with anyio.move_on_after(grace):
+                for handle in self.workers:
+                    # a process still building its env (a start-up cancelled or failed) reads no Close: it
+                    # is terminated at once below; a thread cannot be, so it gets the grace period
+                    if handle.ready is not None or not isinstance(handle.process, mp.process.BaseProcess):
+                        await handle.exited.wait()
             for handle in self.workers:
                 if not handle.exited.is_set() and isinstance(handle.process, mp.process.BaseProcess):
                     handle.process.terminate()

@@ -182,6 +182,8 @@ class AsyncChannel:
         self._reader = FrameReader()
         self._pending: list[Any] = []
         self._send_lock = anyio.Lock()
+        #: bytes of frames not sent yet: a send cancelled midway leaves the rest of its frame here
+        self._outbox = bytearray()
 
     async def receive(self) -> Any:
         """The next message. Raises ``EOFError`` when the worker's end closed (it exited or died)."""
@@ -199,15 +201,27 @@ class AsyncChannel:
         return self._pending.pop(0)
 
     async def send(self, msg: Any) -> None:
-        data = memoryview(encode(msg))
+        """Send one frame, whole. A send cancelled while waiting for the socket keeps the rest of its frame
+        queued, and the next send completes it first: a partial frame would desynchronise the worker's
+        reader (a cancelled ``update_weights`` with large weights on the socket did that)."""
+        frame = encode(msg)
         async with self._send_lock:
-            while data:
+            if not self._outbox:  # the common case: the socket takes the whole frame at once
                 try:
-                    n = self.sock.send(data)
+                    n = self.sock.send(frame)
+                except BlockingIOError:
+                    n = 0
+                if n == len(frame):
+                    return
+                frame = frame[n:]
+            self._outbox += frame
+            while self._outbox:
+                try:
+                    n = self.sock.send(self._outbox)
                 except BlockingIOError:
                     await anyio.wait_writable(self.sock)
                     continue
-                data = data[n:]
+                del self._outbox[:n]
 
     def close(self) -> None:
         self.sock.close()

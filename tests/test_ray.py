@@ -1,0 +1,518 @@
+"""RayCollector on a real local Ray cluster (``-m distributed``; ``nox -s distributed``).
+
+One session-scoped local cluster serves every test here (starting one costs ~10 s); the 2-node
+``ray.cluster_utils.Cluster`` test runs in a subprocess, since a process joins one Ray cluster at a time.
+Every RayCollector starts fresh actors (a Python process each, importing torch), so the tests share
+collectors between checks to keep the file within a few minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import anyio
+import cloudpickle
+import gymnasium as gym
+import psutil
+import pytest
+import torch
+from tensordict import TensorDict
+
+from aiocollect import (
+    CollectorClosedError,
+    GymEnv,
+    MultiSyncCollector,
+    RayCollector,
+)
+from conftest import ListBuffer
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
+#: the tests that start Ray; the others (argument checks, no ray import) run in the default suite
+distributed = pytest.mark.distributed
+
+# the actors cannot import this test module (pytest puts tests/ on the driver's sys.path only): its
+# env constructors and policy classes travel by value
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+REMOTE = {"num_cpus": 0}  # the actors take no CPU slot: any number fit on this 2-core machine
+
+
+@pytest.fixture
+def anyio_backend() -> tuple[str, dict]:
+    return ("asyncio", {"use_uvloop": False})
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    ray = pytest.importorskip("ray")  # here, not at import: the default suite collects this file
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    if ray.is_initialized():  # pragma: no cover - someone else's cluster: use it, leave it
+        yield
+        return
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=100 * 2**20,
+        configure_logging=False,
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+# -- helpers (pickled by value into the actors) ------------------------------------------------------
+class ConstantPolicy(torch.nn.Module):
+    """Box action = a parameter value: shows which weights an actor runs."""
+
+    def __init__(self, value: float = 0.0) -> None:
+        super().__init__()
+        self.value = torch.nn.Parameter(torch.tensor([value]))
+
+    def forward(self, observation):
+        return self.value.expand(*observation.shape[:-1], 1).clone()
+
+
+def pendulum():
+    return GymEnv("Pendulum-v1")
+
+
+class FailingStep(gym.Wrapper):
+    def __init__(self, env, at: int) -> None:
+        super().__init__(env)
+        self.at = at
+        self.steps = 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps >= self.at:
+            # a builtin type: classes of this module travel by value, and a class pickled by value
+            # comes back as a new class (only importable classes keep their identity over the wire)
+            raise ZeroDivisionError(f"env step {self.steps} exploded")
+        return self.env.step(action)
+
+
+def failing_pendulum():
+    return GymEnv(FailingStep(gym.make("Pendulum-v1"), at=40))
+
+
+def broken_factory():
+    raise KeyError("no such env")
+
+
+def ray_processes(collector: RayCollector) -> list[psutil.Process]:
+    """The actors' processes and everything under them (worker processes, forkservers)."""
+    procs = []
+    for info in collector.actor_info():
+        proc = psutil.Process(info["pid"])
+        procs += [proc, *proc.children(recursive=True)]
+    return procs
+
+
+def assert_gone(procs: list[psutil.Process]) -> None:
+    alive = []
+    for p in procs:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                alive.append((p.pid, p.name()))
+        except psutil.NoSuchProcess:
+            pass
+    assert not alive, f"processes left after async with: {alive}"
+
+
+def actions(batch) -> set[float]:
+    return {round(v, 4) for v in batch["action"].unique().tolist()}
+
+
+# -- tests -------------------------------------------------------------------------------------------
+@distributed
+async def test_sync_stacks_one_batch_per_actor(ray_cluster):
+    trainer = ConstantPolicy(0.0)
+    batches = []
+    async with RayCollector(
+        pendulum,
+        trainer,
+        frames_per_batch=32,
+        total_frames=32 * 4,
+        num_collectors=2,
+        sync=True,
+        remote_config=REMOTE,
+        collector_kwargs={"track_policy_version": True, "max_frames_per_traj": 5},
+    ) as c:
+        procs = ray_processes(c)
+        assert len({info["pid"] for info in c.actor_info()}) == 2
+        events = c.events()
+        async for batch in c:
+            batches.append(batch)
+            if len(batches) == 1:
+                with torch.no_grad():
+                    trainer.value.fill_(0.5)
+                assert await c.update_weights() == 1
+        stats = c.statistics()
+    kinds = [e.kind async for e in events]  # the stream ends when the collector closes
+    assert_gone(procs)
+    assert [tuple(b.batch_size) for b in batches] == [(2, 16)] * 4
+    assert sum(b.numel() for b in batches) == 128
+    assert stats.frames == 128 and stats.batches == 4
+    assert [w.frames for w in stats.workers] == [64, 64]
+    assert {w.state for w in stats.workers} == {"collecting"}  # read inside the block
+    # the weights pushed after batch 1 run every later batch (sync: actors idle between batches)
+    assert actions(batches[0]) == {0.0}
+    for b in batches[1:]:
+        assert actions(b) == {0.5}
+        assert (b["collector", "policy_version"] == 1).all()
+    assert c.worker_policy_versions() == [1, 1]
+    # trajectory ids: actor i of 2 takes i, i + 2, ...; never shared
+    ids = torch.stack([b["collector", "traj_ids"] for b in batches])
+    assert (ids[:, 0] % 2 == 0).all() and (ids[:, 1] % 2 == 1).all()
+    assert kinds.count("batch") == 4 and "weights_published" in kinds and "worker_stopped" in kinds
+    assert c.statistics().workers[0].state == "stopped"
+    with pytest.raises(CollectorClosedError):
+        await c.__anext__()
+
+
+@distributed
+async def test_async_each_actor_batch_and_weight_schedule(ray_cluster):
+    trainer = ConstantPolicy(0.0)
+    batches = []
+    async with RayCollector(
+        pendulum,
+        trainer,
+        frames_per_batch=16,
+        total_frames=16 * 14,
+        num_collectors=2,
+        remote_config=REMOTE,
+        max_weight_update_interval=2,
+        collector_kwargs={"track_policy_version": True, "max_frames_per_traj": 5},
+    ) as c:
+        procs = ray_processes(c)
+        async for batch in c:
+            batches.append(batch)
+            if len(batches) == 1:
+                with torch.no_grad():
+                    trainer.value.fill_(0.5)
+                await c.update_weights()
+                # changed in place, never published: max_weight_update_interval=2 ships it anyway
+                with torch.no_grad():
+                    trainer.value.fill_(1.0)
+        stats = c.statistics()
+    assert_gone(procs)
+    assert [tuple(b.batch_size) for b in batches] == [(16,)] * 14
+    assert stats.frames == 16 * 14
+    by_actor: dict[int, list] = {0: [], 1: []}
+    for b in batches:
+        (worker,) = b["collector", "worker_id"].unique().tolist()
+        by_actor[worker].append(b)
+    assert by_actor[0] and by_actor[1]
+    # an actor's batch in flight when weights were pushed may be old, later ones are not; the in-place
+    # change (1.0) reaches an actor within 2 of its batches
+    busy = [mine for mine in by_actor.values() if len(mine) >= 5]
+    assert busy
+    for mine in busy:
+        assert actions(mine[-1]) == {1.0}
+        assert (mine[-1]["collector", "policy_version"] >= 2).all()
+    for mine in by_actor.values():
+        values = [max(actions(b)) for b in mine]
+        assert values == sorted(values)
+    ids0 = set(torch.cat([b["collector", "traj_ids"] for b in by_actor[0]]).tolist())
+    ids1 = set(torch.cat([b["collector", "traj_ids"] for b in by_actor[1]]).tolist())
+    assert len(ids0) > 3 and len(ids1) > 3 and not ids0 & ids1
+    assert stats.policy_version >= 3  # one explicit update plus interval updates
+
+
+@distributed
+async def test_multi_process_collectors_inside_actors(ray_cluster):
+    """Each actor runs a MultiSyncCollector with 2 worker processes: ids unique over all 4 workers,
+    and the workers are reaped when the RayCollector exits."""
+    trainer = ConstantPolicy(0.25)
+    async with RayCollector(
+        [[pendulum, pendulum]] * 2,
+        trainer,
+        frames_per_batch=16,
+        total_frames=16 * 6,
+        num_collectors=2,
+        collector_class=MultiSyncCollector,
+        collector_kwargs={"max_frames_per_traj": 4},
+        remote_config=REMOTE,
+    ) as c:
+        batches = [b async for b in c]
+        procs = ray_processes(c)
+        assert len(procs) >= 2 + 4  # two actors, two workers under each
+    assert_gone(procs)
+    assert [tuple(b.batch_size) for b in batches] == [(2, 8)] * 6  # an actor's batch: [workers, time]
+    assert all(actions(b) == {0.25} for b in batches)
+    ids_of: dict[tuple[int, int], set[int]] = {}
+    for b in batches:
+        (actor,) = b["collector", "worker_id"].unique().tolist()
+        for w in range(2):
+            ids_of.setdefault((actor, w), set()).update(b["collector", "traj_ids"][w].tolist())
+    assert len(ids_of) == 4
+    seen: set[int] = set()
+    for ids in ids_of.values():
+        assert not ids & seen
+        seen |= ids
+
+
+@distributed
+async def test_remote_exception_surfaces_with_its_type(ray_cluster):
+    async with RayCollector(
+        failing_pendulum,
+        None,
+        frames_per_batch=32,
+        total_frames=-1,
+        num_collectors=2,
+        sync=True,
+        remote_config=REMOTE,
+    ) as c:
+        procs = ray_processes(c)
+        with pytest.raises(ZeroDivisionError, match="exploded") as info:
+            async for _ in c:
+                pass
+        assert type(info.value) is ZeroDivisionError  # not Ray's RayTaskError(ZeroDivisionError)
+        assert c.statistics().batches == 2  # 2 x 16 steps per actor, then step 40 raises
+        assert any("remote traceback" in note for note in info.value.__notes__)
+        assert {w.state for w in c.statistics().workers} & {"failed"}
+        with pytest.raises(CollectorClosedError, match="ZeroDivisionError"):
+            await c.__anext__()
+    assert_gone(procs)
+
+
+@distributed
+async def test_start_failure_surfaces_from_async_with(ray_cluster):
+    """Every actor fails to build its env: the KeyError comes out of ``async with`` and the actors are
+    gone."""
+    collector = RayCollector(broken_factory, frames_per_batch=8, num_collectors=2, remote_config=REMOTE)
+    with pytest.raises(KeyError, match="no such env"):
+        async with collector:
+            pytest.fail("the collector started")
+    pids = [info["pid"] for info in collector.actor_info()]
+    assert len(pids) == 2
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+
+
+@distributed
+async def test_seed_state_dict_replay_buffer_and_pause(ray_cluster):
+    rb = ListBuffer()
+    async with RayCollector(
+        pendulum,
+        None,
+        frames_per_batch=16,
+        num_collectors=2,
+        sync=True,
+        replay_buffer=rb,
+        remote_config=REMOTE,
+        collector_kwargs={"seed": 7},
+    ) as c:
+        procs = ray_processes(c)
+        assert await c.__anext__() is None
+        first = rb.batches[-1]
+        assert await c.set_seed(7) == 8  # actor 0 seeded 7, actor 1 seeded 8
+        assert await c.__anext__() is None
+        assert (rb.batches[-1]["action"] == first["action"]).all()  # reproducible from a seed
+        assert not (first["action"][0] == first["action"][1]).all()  # distinct seeds per actor
+
+        state = await c.state_dict()
+        assert state["frames"] == 32 and set(state) >= {"worker0", "worker1", "batches"}
+        await c.load_state_dict({**state, "frames": 16})
+        assert c.statistics().frames == 16
+
+        await c.start()  # background collection into the replay buffer
+        with anyio.fail_after(60):
+            await rb.wait_for(5)
+        async with c.pause():
+            rb.paused = True
+            await anyio.sleep(0.5)
+            rb.paused = False
+            assert c.statistics().paused
+        assert rb.violations == 0
+    assert_gone(procs)
+
+
+@distributed
+@pytest.mark.parametrize("anyio_backend", [("trio", {})])
+async def test_trio_update_after_each_batch(ray_cluster):
+    """trio cannot await Ray's asyncio futures: the waits run in worker threads (ray.get)."""
+    trainer = ConstantPolicy(0.0)
+    seen = []
+    async with RayCollector(
+        pendulum,
+        trainer,
+        frames_per_batch=16,
+        total_frames=16 * 4,
+        num_collectors=2,
+        sync=True,
+        update_after_each_batch=True,
+        remote_config=REMOTE,
+    ) as c:
+        procs = ray_processes(c)
+        async for batch in c:
+            seen.append(actions(batch))
+            with torch.no_grad():
+                trainer.value.add_(1.0)  # a training step: the next batch runs these weights
+        assert await c.update_weights(wait=True) == 4
+        assert c.worker_policy_versions() == [4, 4]
+    assert_gone(procs)
+    assert seen == [{0.0}, {1.0}, {2.0}, {3.0}]
+
+
+CLUSTER_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    import anyio, ray, torch
+    from ray.cluster_utils import Cluster
+    from aiocollect import GymEnv, RayCollector
+
+    def cartpole():
+        return GymEnv("CartPole-v1")
+
+    async def main(address):
+        async with RayCollector(cartpole, frames_per_batch=32, total_frames=32 * 4, num_collectors=2,
+                                sync=True,
+                                ray_init_config={"address": address, "_node_ip_address": "127.0.0.1"},
+                                remote_config={"num_cpus": 1}) as c:
+            nodes = {info["node_id"] for info in c.actor_info()}
+            shapes = [tuple(b.batch_size) async for b in c]
+        return nodes, shapes
+
+    node = {"num_cpus": 1, "object_store_memory": 80 * 2**20, "node_ip_address": "127.0.0.1"}
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+    try:
+        cluster.add_node(**node)
+        cluster.wait_for_nodes()
+        nodes, shapes = anyio.run(main, cluster.address)
+        assert len(nodes) == 2, nodes  # one actor per node: each node has one CPU
+        assert shapes == [(2, 16)] * 4, shapes
+        # we connected to this cluster, we did not start it: it is still up
+        assert not ray.is_initialized()
+        ray.init(address=cluster.address, log_to_driver=False, _node_ip_address="127.0.0.1")
+        alive = [n for n in ray.nodes() if n["Alive"]]
+        assert len(alive) == 2, alive
+        ray.shutdown()
+        print("CLUSTER OK")
+    finally:
+        cluster.shutdown()
+    """
+)
+
+
+@distributed
+def test_two_node_cluster(tmp_path):
+    pytest.importorskip("ray")
+    script = tmp_path / "cluster.py"
+    script.write_text(CLUSTER_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        cwd=tmp_path,
+        # every Ray address stays on loopback: Ray would otherwise turn 127.0.0.1 into the machine's
+        # own interface address when connecting, which the nodes (bound to 127.0.0.1) do not listen on
+        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
+    )
+    assert out.returncode == 0 and "CLUSTER OK" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+
+
+# -- without Ray: argument checks and imports (the default suite) ------------------------------------
+def test_import_and_construction_do_not_import_ray():
+    code = textwrap.dedent(
+        """
+        import sys
+        import aiocollect
+        from aiocollect import GymEnv, RayCollector
+        RayCollector(lambda: GymEnv("CartPole-v1"), frames_per_batch=8, num_collectors=2)
+        assert "ray" not in sys.modules, "ray was imported"
+        print("OK")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"num_collectors": 0}, ValueError, "num_collectors"),
+        ({"frames_per_batch": 0}, ValueError, "frames_per_batch"),
+        ({"collector_kwargs": {"total_frames": 10}}, ValueError, "total_frames"),
+        ({"collector_kwargs": {"traj_id_start": 3}}, ValueError, "traj_id_start"),
+        ({"collector_kwargs": [{}]}, ValueError, "one per actor"),
+        ({"remote_config": [{}, {}, {}]}, ValueError, "one per actor"),
+        ({"collector_class": dict}, TypeError, "collector_class"),
+        ({"update_after_each_batch": True}, TypeError, "nn.Module"),
+        ({"max_weight_update_interval": 0}, ValueError, "max_weight_update_interval"),
+        ({"sync": 1}, TypeError, "sync"),
+        ({"ray_init_config": "auto"}, TypeError, "ray_init_config"),
+        ({"create_env_fn": [pendulum]}, ValueError, "one per actor"),
+        ({"create_env_fn": [pendulum, 3]}, TypeError, r"create_env_fn\[1\]"),
+    ],
+)
+def test_arguments_are_checked_before_anything_starts(kwargs, error, match):
+    args = {"create_env_fn": pendulum, "frames_per_batch": 8, "num_collectors": 2, **kwargs}
+    with pytest.raises(error, match=match):
+        RayCollector(**args)
+
+
+def test_interval_and_after_each_batch_exclude_each_other():
+    with pytest.raises(ValueError, match="drop max_weight_update_interval"):
+        RayCollector(
+            pendulum,
+            ConstantPolicy(),
+            frames_per_batch=8,
+            num_collectors=2,
+            update_after_each_batch=True,
+            max_weight_update_interval=2,
+        )
+
+
+async def test_iterating_without_async_with_says_how():
+    c = RayCollector(pendulum, frames_per_batch=8, num_collectors=2)
+    with pytest.raises(RuntimeError, match="async with RayCollector"):
+        await c.__anext__()
+    assert len(RayCollector(pendulum, frames_per_batch=8, total_frames=32, num_collectors=2)) == 4
+
+
+def test_batches_cross_as_numpy_and_come_back_as_writable_copies():
+    from aiocollect._distributed._ray import Wire, from_wires, to_wire
+
+    def batch(offset: int):
+        return TensorDict(
+            {
+                "observation": torch.arange(6.0).reshape(2, 3) + offset,
+                "action": torch.tensor([1, 0]),
+                "next": {"done": torch.tensor([[False], [True]])},
+                "collector": {"traj_ids": torch.tensor([offset, offset])},
+            },
+            batch_size=[2],
+        )
+
+    wires = [to_wire(batch(0)), to_wire(batch(10))]
+    assert all(isinstance(w, Wire) for w in wires)
+    for w in wires:  # as Ray hands them back: read-only views of its object store
+        for array in w.arrays:
+            array.flags.writeable = False
+    one = from_wires([wires[0]], stack=False)
+    both = from_wires(wires, stack=True)
+    assert (one == batch(0)).all() and one.names == ["time"]
+    assert both.batch_size == (2, 2) and (both[1] == batch(10)).all() and both.names == [None, "time"]
+    assert both["next", "done"].dtype == torch.bool
+    one["observation"].add_(1)  # writable, and a copy: the wire's arrays are untouched
+    assert wires[0].arrays[0][0, 0] == 0
+    # a leaf numpy cannot hold travels as the TensorDict itself
+    bf16 = TensorDict({"x": torch.zeros(2, dtype=torch.bfloat16)}, batch_size=[2])
+    assert to_wire(bf16) is bf16
+    mixed = from_wires(
+        [
+            to_wire(TensorDict({"x": torch.zeros(2)}, batch_size=[2])),
+            TensorDict({"x": torch.ones(2)}, batch_size=[2]),
+        ],
+        stack=True,
+    )
+    assert mixed["x"].tolist() == [[0.0, 0.0], [1.0, 1.0]]
