@@ -23,7 +23,8 @@ class Policy(torch.nn.Module):
         self.linear = torch.nn.Linear(4, 2)
 
     def forward(self, observation):
-        return self.linear(observation).argmax(-1)
+        # always push left: CartPole episodes end within ~10 steps, whatever the random init
+        return (self.linear(observation) * 0).argmax(-1)
 
 
 def kinds(events) -> list[str]:

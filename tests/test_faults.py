@@ -719,35 +719,42 @@ TRAINER = textwrap.dedent(
             return False
 
     if __name__ == "__main__":
-        backend, uvloop, *kinds = sys.argv[1:]
-        try:
-            options = {"use_uvloop": uvloop == "1"} if backend == "asyncio" else {}
-            anyio.run(main, kinds, backend=backend, backend_options=options)
-        except KeyboardInterrupt:  # what the trainer sees, before the interpreter's own shutdown
-            segments = [n for n in os.listdir("/dev/shm") if n.startswith(f"aiocollect_{os.getpid()}_")]
-            print(json.dumps({"interrupted": time.monotonic(), "alive": [p for p in PIDS if alive(p)],
-                              "segments": segments}), flush=True)
-            raise
+        # one run per backend, each ended by a SIGINT; the last KeyboardInterrupt is not caught
+        backends, *kinds = sys.argv[1:]
+        for i, name in enumerate(backends.split(",")):
+            PIDS.clear()
+            backend = "trio" if name == "trio" else "asyncio"
+            options = {"use_uvloop": name == "uvloop"} if backend == "asyncio" else {}
+            try:
+                anyio.run(main, kinds, backend=backend, backend_options=options)
+            except KeyboardInterrupt:  # what the trainer sees, before the interpreter's own shutdown
+                segments = [n for n in os.listdir("/dev/shm") if n.startswith(f"aiocollect_{os.getpid()}_")]
+                print(json.dumps({"interrupted": time.monotonic(), "alive": [p for p in PIDS if alive(p)],
+                                  "segments": segments}), flush=True)
+                if i == len(backends.split(",")) - 1:
+                    raise
     """
 )
 
 
-def start_trainer(tmp_path: Path, backend: str, uvloop: bool, kinds: list[str]) -> tuple[Any, list[int]]:
+def start_trainer(tmp_path: Path, backends: list[str], kinds: list[str]) -> Any:
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
-    proc = subprocess.Popen(
-        [sys.executable, str(script), backend, "1" if uvloop else "0", *kinds],
+    return subprocess.Popen(
+        [sys.executable, str(script), ",".join(backends), *kinds],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()  # after every collector delivered a batch
+
+
+def read_json(proc: Any) -> dict[str, Any]:
+    line = proc.stdout.readline()
     if not line:
         proc.wait(10)
-        pytest.fail(f"the trainer did not start: {proc.stderr.read() if proc.stderr else ''}")
-    return proc, json.loads(line)["pids"]
+        pytest.fail(f"the trainer stopped: {proc.stderr.read() if proc.stderr else ''}")
+    return json.loads(line)
 
 
 def gone(pid: int) -> bool:
@@ -757,30 +764,25 @@ def gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.parametrize(
-    ("backend", "uvloop"),
-    [
-        pytest.param("asyncio", False, id="asyncio"),
-        pytest.param("asyncio", True, id="uvloop", marks=pytest.mark.slow),
-        pytest.param("trio", False, id="trio"),
-    ],
-)
-def test_sigint_to_the_trainer(request, tmp_path, backend, uvloop):
-    """Ctrl-C in a trainer running the in-process and both multi-process collectors: KeyboardInterrupt
-    propagates out of ``anyio.run`` as itself, promptly, with every worker reaped and every segment
-    unlinked by then."""
-    proc, pids = start_trainer(tmp_path, backend, uvloop, ["collector", "sync", "async"])
-    assert len(pids) == 4 and not any(gone(p) for p in pids)
-    sent = time.monotonic()
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)  # the interpreter's shutdown (torch's) takes 1-2 s more
+def test_sigint_to_the_trainer(request, tmp_path):
+    """Ctrl-C in a trainer running the in-process and both multi-process collectors, under asyncio,
+    asyncio+uvloop and trio in turn (one process, one SIGINT each): KeyboardInterrupt propagates out of
+    ``anyio.run`` as itself, promptly, with every worker reaped and every segment unlinked by then."""
+    backends = ["asyncio", "uvloop", "trio"]
+    proc = start_trainer(tmp_path, backends, ["collector", "sync", "async"])
+    for backend in backends:
+        pids = read_json(proc)["pids"]  # once every collector delivered a batch
+        assert len(pids) == 4 and not any(gone(p) for p in pids)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        report = read_json(proc)
+        TIMES[f"{request.node.name}[{backend}]"] = round(report["interrupted"] - sent, 3)
+        assert report["interrupted"] - sent < BOUND, backend
+        assert report["alive"] == [] and report["segments"] == [], (backend, report)
+        assert all(gone(p) for p in pids), (backend, [p for p in pids if not gone(p)])
+    _, err = proc.communicate(timeout=60)  # the interpreter's shutdown (torch's) takes 1-2 s more
     assert proc.returncode == -signal.SIGINT, (proc.returncode, err)  # an uncaught KeyboardInterrupt
     assert err.rstrip().endswith("KeyboardInterrupt"), err
-    report = json.loads(out.splitlines()[-1])
-    record(request, report["interrupted"] - sent)
-    assert report["interrupted"] - sent < BOUND
-    assert report["alive"] == [] and report["segments"] == [], report
-    assert all(gone(p) for p in pids), [p for p in pids if not gone(p)]
     assert segments(proc.pid) == []
 
 
@@ -789,7 +791,8 @@ def test_sigkill_to_the_trainer_workers_exit(request, tmp_path):
     """A trainer killed with SIGKILL runs no cleanup: its workers exit by themselves when their socket to it
     closes (an idle sync worker at once, a collecting async worker at its next batch), and the resource
     tracker unlinks the segments."""
-    proc, pids = start_trainer(tmp_path, "asyncio", False, ["sync", "async"])
+    proc = start_trainer(tmp_path, ["asyncio"], ["sync", "async"])
+    pids = read_json(proc)["pids"]
     sent = time.monotonic()
     proc.kill()
     proc.communicate(timeout=30)

@@ -383,10 +383,7 @@ class Collector(CollectorBase):
             self._rollout.reset()
             return last
 
-        version = int(await self._control(apply))
-        self._hub.publish(WeightsPublished(version))
-        self._hub.publish(WeightsLoaded(version, 0))
-        return version
+        return int(await self._control(apply))
 
     async def reset(self) -> None:
         """Reset the env: the next batch starts new episodes (with new trajectory ids)."""
