@@ -415,7 +415,7 @@ async def test_worker_killed_while_the_trainer_is_busy(request, leaks, kind):
                 await collector.__anext__()
         caught = time.monotonic()
     assert info.value.exitcode == -signal.SIGKILL
-    record(request, caught - killed)
+    record(request, caught - killed - 0.3)  # from the end of the blocking step
     assert caught - killed < BOUND
     await assert_closed_for_good(collector, "WorkerDiedError")
     leaks.check()
@@ -795,7 +795,7 @@ def test_sigkill_to_the_trainer_workers_exit(request, tmp_path):
     pids = read_json(proc)["pids"]
     sent = time.monotonic()
     proc.kill()
-    proc.communicate(timeout=30)
+    proc.wait(30)  # not communicate(): the forkserver holds the trainer's stdout until its own exit
     deadline = sent + 10
     while not all(gone(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -805,4 +805,6 @@ def test_sigkill_to_the_trainer_workers_exit(request, tmp_path):
     assert elapsed < ORPHAN_BOUND
     while segments(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert segments(proc.pid) == []
+    assert segments(proc.pid) == []  # unlinked by multiprocessing's resource tracker
+    TIMES[f"{request.node.name}[segments]"] = round(time.monotonic() - sent, 3)
+    proc.communicate(timeout=30)
