@@ -4,9 +4,10 @@ this machine, against an in-process Collector as the baseline.
     python benchmarks/distributed.py --quick     # ~1 minute on 2 cores
     python benchmarks/distributed.py             # more frames, a bigger policy
 
-Every number is measured here, in this run: frames/s over the timed batches (after warm-up), the
-median time of ``await update_weights(wait=True)`` (trainer -> every node's collector runs the weights),
-and the bytes one batch and one weight update carry.
+Every number is measured here, in this run: frames/s over the timed batches (after warm-up) and its
+ratio to the in-process Collector's frames/s (the cases are interleaved over ``--rounds`` rounds; medians),
+the median time of ``await update_weights(wait=True)`` (trainer -> every node's collector runs the
+weights), and the bytes one batch carries.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ async def run(name: str, factory, policy, batches: int, updates: int) -> dict:
     return out
 
 
-async def main(quick: bool) -> None:
+async def main(quick: bool, rounds: int) -> None:
     hidden = 64 if quick else 256
     fpb = 1024 if quick else 4096
     batches = 12 if quick else 40
@@ -100,19 +101,28 @@ async def main(quick: bool) -> None:
             ),
         ),
     ]
-    print("| collector | frames/s | update_weights(wait=True) median | batch bytes | start-up |")
-    print("|---|---|---|---|---|")
-    for name, factory in cases:
-        r = await run(name, factory, policy, batches, updates)
+    results: dict[str, list[dict]] = {name: [] for name, _ in cases}
+    for _ in range(rounds):  # interleaved: drift on a shared machine hits every case alike
+        for name, factory in cases:
+            results[name].append(await run(name, factory, policy, batches, updates))
+    base = statistics.median(r["frames_per_s"] for r in results[cases[0][0]])
+    print(f"medians of {rounds} interleaved rounds")
+    print("| collector | frames/s | ÷ in-process | update_weights(wait=True) median | batch bytes | start-up |")
+    print("|---|---|---|---|---|---|")
+    for name, rs in results.items():
+        fps = statistics.median(r["frames_per_s"] for r in rs)
+        upd = statistics.median(r["update_ms_median"] for r in rs)
+        first_start = rs[0]["startup_s"]
         print(
-            f"| {name} | {r['frames_per_s']:,.0f} | {r['update_ms_median']:.1f} ms | "
-            f"{r['batch_bytes'] / 1e3:.0f} kB | {r['startup_s']:.1f} s |"
+            f"| {name} | {fps:,.0f} | {fps / base:.2f} | {upd:.1f} ms | "
+            f"{rs[0]['batch_bytes'] / 1e3:.0f} kB | {first_start:.1f} s |"
         )
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small run (~1 minute)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    anyio.run(main, args.quick)
+    torch.set_num_threads(1)  # the in-process baseline: one intra-op thread, as our worker processes use
+    anyio.run(main, args.quick, args.rounds)
