@@ -24,12 +24,12 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
-from ._base import CollectorBase
 from ._errors import CollectorClosedError, WorkerTimeoutError
 from ._events import WeightsPublished
+from ._fleet import FleetCollector, Member
 from ._gather import gather
 from ._policies import parse_exploration_type
-from ._stats import CollectorStatistics, WorkerStatistics
+from ._stats import WorkerStatistics
 from ._trajectories import split_trajectories
 from ._validation import (
     Devices,
@@ -47,7 +47,6 @@ from ._validation import (
     traj_ids_arg,
     weight_sync_arg,
 )
-from ._weights import as_weights, check_compatible
 from ._weightsync import WeightSender, WeightSync, flat_weights
 from ._workers._pool import WorkerPool
 from ._workers._shm import SharedBlock
@@ -110,7 +109,7 @@ async def _first_exit(pool: WorkerPool) -> None:
             tg.start_soon(wait, handle.exited)
 
 
-class _MultiCollectorBase(CollectorBase, abc.ABC):
+class _MultiCollectorBase(FleetCollector, abc.ABC):
     """What the multi-worker collectors share: start-up, shutdown, control, weights, statistics."""
 
     _sync: bool
@@ -433,19 +432,19 @@ class _MultiCollectorBase(CollectorBase, abc.ABC):
         """One batch, its valid frames and the episodes that ended in it."""
 
     # -- control ----------------------------------------------------------------------------------
-    async def _seed_chain(self, seed: int) -> int:
-        pool = self._active_pool()
-        last = seed - 1
-        for i in range(self.num_workers):
-            last = int(await pool.call(i, "set_seed", last + 1))
-        return last
+    @property
+    def _fleet_size(self) -> int:
+        return self.num_workers
 
-    async def set_seed(self, seed: int) -> int:
-        """Seed worker ``i`` after worker ``i - 1`` (distinct, reproducible); returns the last seed used."""
-        if seed_arg(seed) is None:
-            raise TypeError("set_seed needs an int")
-        async with self._lock:
-            return await self._seed_chain(seed)
+    def _members(self) -> Sequence[Member]:
+        pool = self._pool
+        return pool.workers if pool is not None else ()
+
+    def _active(self) -> None:
+        self._active_pool()
+
+    async def _call_member(self, index: int, method: str, *args: Any) -> Any:
+        return await self._active_pool().call(index, method, *args)
 
     async def reset(self) -> None:
         """Reset every worker's env: the next batch starts new episodes."""
@@ -457,12 +456,7 @@ class _MultiCollectorBase(CollectorBase, abc.ABC):
         async with self._lock:
             workers = await self._active_pool().call_all("state_dict")
         state: dict[str, Any] = {f"worker{i}": sd for i, sd in enumerate(workers)}
-        state.update(
-            frames=self._stats.frames,
-            batches=self._stats.batches,
-            episodes=self._stats.episodes,
-            policy_version=self._version,
-        )
+        state.update(self._counters())
         weights = workers and await self._active_pool().call(0, "policy_weights")
         if weights is not None:
             state["policy"] = weights
@@ -470,16 +464,13 @@ class _MultiCollectorBase(CollectorBase, abc.ABC):
 
     async def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output; the frame budget continues from the saved count."""
-        missing = [f"worker{i}" for i in range(self.num_workers) if f"worker{i}" not in state]
-        if missing or "frames" not in state:
-            raise KeyError(f"state dict lacks {missing or ['frames']}")
+        self._check_state(state, "worker")
         async with self._lock:
             pool = self._active_pool()
             for i in range(self.num_workers):
                 await pool.call(i, "load_state_dict", dict(state[f"worker{i}"]))
-            self._stats.load(
-                int(state["frames"]), int(state.get("batches", 0)), int(state.get("episodes", 0))
-            )
+            self._load_counters(state)
+            self._issued = max(self._issued, self._version)  # version numbers are never reused
         if "policy" in state and self._weights_template is not None:
             await self.update_weights(state["policy"], wait=True)
 
@@ -514,15 +505,9 @@ class _MultiCollectorBase(CollectorBase, abc.ABC):
             wait: wait until those workers run the new weights.
         """
         pool = self._active_pool()
-        if self._sender is None or self._weights_template is None:
-            raise TypeError(
-                f"the collector's policy ({type(self._source_policy).__name__}) has no weights to "
-                "update; update_weights needs an nn.Module policy"
-            )
-        ids = self._worker_ids(worker_ids)
-        source = self._source_policy if policy_or_weights is None else policy_or_weights
-        weights = as_weights(source).flatten_keys(".")
-        check_compatible(self._weights_template, weights)
+        weights = self._weights_to_publish(policy_or_weights)
+        assert self._sender is not None  # a collector with weights has a sender
+        ids = self._target_ids(worker_ids)
         async with self._weights_lock:
             # numbers are never reused: an update interrupted midway may still reach some workers
             version = self._issued = self._issued + 1
@@ -570,46 +555,6 @@ class _MultiCollectorBase(CollectorBase, abc.ABC):
         if outcome and outcome[0] is not None:
             raise outcome[0]
         raise CollectorClosedError("a worker stopped while weights were being published")
-
-    def _worker_ids(self, worker_ids: Sequence[int] | None) -> list[int]:
-        if worker_ids is None:
-            return list(range(self.num_workers))
-        ids = list(worker_ids)
-        n = self.num_workers
-        if not ids or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in ids):
-            raise ValueError(f"worker_ids must be indices in [0, {self.num_workers}), got {worker_ids!r}")
-        return ids
-
-    @property
-    def policy_version(self) -> int:
-        """The version last published by :meth:`update_weights`."""
-        return self._version
-
-    def worker_policy_versions(self) -> list[int]:
-        """The version each worker runs, as of its last delivered batch or `update_weights(wait=True)`."""
-        pool = self._pool
-        return [w.policy_version for w in pool.workers] if pool is not None else []
-
-    def statistics(self) -> CollectorStatistics:
-        """A frozen record of what the collector and each worker have done (see
-        :class:`CollectorStatistics`)."""
-        pool = self._pool
-        workers: tuple[WorkerStatistics, ...] = ()
-        if pool is not None:
-            workers = tuple(
-                WorkerStatistics(
-                    w.index,
-                    "paused" if self.paused and w.state == "collecting" else w.state,
-                    w.frames,
-                    w.policy_version,
-                )
-                for w in pool.workers
-            )
-        elif self._last_workers:
-            workers = self._last_workers
-        return self._stats.snapshot(
-            self._version, workers=workers, paused=self.paused, loop_lag_ms=self._lag.percentiles_ms()
-        )
 
 
 class MultiSyncCollector(_MultiCollectorBase):

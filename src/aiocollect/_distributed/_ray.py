@@ -31,7 +31,6 @@ import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from tensordict import TensorDict, TensorDictBase
 
-from .._base import CollectorBase
 from .._collector import Collector
 from .._errors import CollectorClosedError
 from .._events import (
@@ -42,11 +41,10 @@ from .._events import (
     WorkerStarted,
     WorkerStopped,
 )
+from .._fleet import FleetCollector
 from .._gather import gather
 from .._multi import ProcessCollector, _MultiCollectorBase
-from .._stats import CollectorStatistics, WorkerStatistics
 from .._validation import flag, positive_int, replay_buffer_arg, seed_arg, total_frames_arg
-from .._weights import as_weights, check_compatible
 from .._weightsync import flat_weights
 
 #: arguments RayCollector sets on every remote collector itself
@@ -427,7 +425,7 @@ def _per_actor(name: str, value: Any, n: int, kind: type | tuple[type, ...]) -> 
     raise TypeError(f"{name} must be a {getattr(kind, '__name__', kind)} or a list of one per actor")
 
 
-class RayCollector(CollectorBase):
+class RayCollector(FleetCollector):
     """Collect with ``num_collectors`` Ray actors, each running one of our collectors.
 
     ``async with RayCollector(...) as c: async for batch in c:`` as with every collector. Entering starts
@@ -481,6 +479,8 @@ class RayCollector(CollectorBase):
         ...             print(batch.batch_size, batch["collector", "worker_id"][0].item())
         >>> anyio.run(main)  # doctest: +SKIP
     """
+
+    _member_noun = "actor"
 
     def __init__(
         self,
@@ -944,15 +944,6 @@ class RayCollector(CollectorBase):
         )
 
     # -- weights ----------------------------------------------------------------------------------
-    def _worker_ids(self, worker_ids: Sequence[int] | None) -> list[int]:
-        n = self.num_collectors
-        if worker_ids is None:
-            return list(range(n))
-        ids = list(worker_ids)
-        if not ids or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in ids):
-            raise ValueError(f"worker_ids must be actor indices in [0, {n}), got {worker_ids!r}")
-        return ids
-
     async def update_weights(
         self,
         policy_or_weights: Any = None,
@@ -973,16 +964,9 @@ class RayCollector(CollectorBase):
             wait: wait until those actors run the new weights.
         """
         self._active()
-        if self._weights_template is None:
-            raise TypeError(
-                f"the collector's policy ({type(self._source_policy).__name__}) has no weights to "
-                "update; update_weights needs an nn.Module policy"
-            )
+        weights = self._weights_to_publish(policy_or_weights)
         flag("wait", wait)
-        ids = self._worker_ids(worker_ids)
-        source = self._source_policy if policy_or_weights is None else policy_or_weights
-        weights = as_weights(source).flatten_keys(".")
-        check_compatible(self._weights_template, weights)
+        ids = self._target_ids(worker_ids)
 
         def put() -> Any:  # the copy out of the trainer's tensors and the pickling, off the loop
             return self._ray.put(weights_to_wire(weights))
@@ -1010,33 +994,17 @@ class RayCollector(CollectorBase):
                     self._hub.publish(WeightsLoaded(int(v), actor.index))
         return version
 
-    @property
-    def policy_version(self) -> int:
-        """The version last published by :meth:`update_weights`."""
-        return self._version
-
-    def worker_policy_versions(self) -> list[int]:
-        """The version each actor runs, as of its last delivered batch or ``update_weights(wait=True)``."""
-        return [a.policy_version for a in self._actors]
-
     # -- control ----------------------------------------------------------------------------------
-    async def _seed_chain(self, seed: int) -> int:
-        last = seed - 1
-        for actor in self._actors:
-            last = int(await self._call(actor, actor.handle.set_seed.remote, last + 1, what="set_seed"))
-        return last
+    @property
+    def _fleet_size(self) -> int:
+        return self.num_collectors
 
-    async def set_seed(self, seed: int) -> int:
-        """Seed actor ``i`` after actor ``i - 1`` (distinct, reproducible); returns the last seed used.
+    def _members(self) -> Sequence[_Actor]:
+        return self._actors
 
-        With ``sync=False`` an actor's batch in flight was collected before the seed: the batches after it
-        are the seeded ones.
-        """
-        if seed_arg(seed) is None:
-            raise TypeError("set_seed needs an int")
-        self._active()
-        async with self._lock:
-            return await self._seed_chain(seed)
+    async def _call_member(self, index: int, method: str, *args: Any) -> Any:
+        actor = self._actors[index]
+        return await self._call(actor, getattr(actor.handle, method).remote, *args, what=method)
 
     async def reset(self) -> None:
         """Reset every actor's envs: their next batches start new episodes."""
@@ -1055,12 +1023,7 @@ class RayCollector(CollectorBase):
         state: dict[str, Any] = {
             f"worker{i}": {k: v for k, v in s.items() if k != "policy"} for i, s in enumerate(states)
         }
-        state.update(
-            frames=self._stats.frames,
-            batches=self._stats.batches,
-            episodes=self._stats.episodes,
-            policy_version=self._version,
-        )
+        state.update(self._counters())
         if states and states[0]["policy"] is not None:
             state["policy"] = states[0]["policy"]
         return state
@@ -1068,9 +1031,7 @@ class RayCollector(CollectorBase):
     async def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output (same ``num_collectors``); the budget continues from the
         saved count and the saved weights are loaded into every actor."""
-        missing = [f"worker{i}" for i in range(self.num_collectors) if f"worker{i}" not in state]
-        if missing or "frames" not in state:
-            raise KeyError(f"state dict lacks {missing or ['frames']}")
+        self._check_state(state, "worker")
         self._active()
         async with self._lock:
             await gather(
@@ -1085,10 +1046,7 @@ class RayCollector(CollectorBase):
                     for a in self._actors
                 ]
             )
-            self._stats.load(
-                int(state["frames"]), int(state.get("batches", 0)), int(state.get("episodes", 0))
-            )
-            self._version = max(self._version, int(state.get("policy_version", 0)))
+            self._load_counters(state)
             for actor in self._actors:
                 actor.policy_version = int(state[f"worker{actor.index}"].get("version", 0))
         if "policy" in state and self._weights_template is not None:
@@ -1103,22 +1061,6 @@ class RayCollector(CollectorBase):
     def actor_info(self) -> list[dict[str, Any]]:
         """Where each actor runs: ``pid``, ``node_id``, ``hostname`` and its ``frames_per_batch``."""
         return [dict(a.info) for a in self._actors]
-
-    def statistics(self) -> CollectorStatistics:
-        """A frozen record of what the collector and each actor have done (see
-        :class:`CollectorStatistics`); ``workers`` has one entry per actor."""
-        workers = tuple(
-            WorkerStatistics(
-                a.index,
-                "paused" if self.paused and a.state == "collecting" else a.state,
-                a.frames,
-                a.policy_version,
-            )
-            for a in self._actors
-        )
-        return self._stats.snapshot(
-            self._version, workers=workers, paused=self.paused, loop_lag_ms=self._lag.percentiles_ms()
-        )
 
     def __repr__(self) -> str:
         return (

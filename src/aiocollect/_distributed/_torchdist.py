@@ -41,7 +41,6 @@ import torch.distributed as dist
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from tensordict import TensorDict, TensorDictBase
 
-from .._base import CollectorBase
 from .._collector import Collector
 from .._distributed_weights import DistributedWeightSync
 from .._events import (
@@ -52,11 +51,11 @@ from .._events import (
     WorkerStarted,
     WorkerStopped,
 )
+from .._fleet import FleetCollector, Member
 from .._gather import gather
 from .._multi import MultiAsyncCollector, MultiSyncCollector
-from .._stats import CollectorStatistics, WorkerStatistics
 from .._validation import flag, positive_int, seed_arg, total_frames_arg
-from .._weights import as_weights, check_compatible, module_weights
+from .._weights import module_weights
 from .._weightsync import flat_weights
 from .._workers._pool import WorkerDiedError
 from .._workers._wire import AsyncChannel, Call, Failed, Result, failure
@@ -508,11 +507,12 @@ class RemoteNode:
 _COLLECTOR_CLASSES = (Collector, MultiSyncCollector, MultiAsyncCollector)
 
 
-class RemoteCollectorBase(CollectorBase):
+class RemoteCollectorBase(FleetCollector):
     """What :class:`DistributedCollector` and :class:`RPCCollector` share: arguments, launching and
     reaping nodes, the control connections, the iteration (sync and async), weights, control, statistics.
     Subclasses supply the transport of batches and weights."""
 
+    _member_noun = "node"
     _engine: str
 
     def __init__(
@@ -642,7 +642,6 @@ class RemoteCollectorBase(CollectorBase):
         self._deliveries_send: MemoryObjectSendStream[Any] = send
         self._deliveries: MemoryObjectReceiveStream[Any] = receive
         self._outstanding = 0  # frames requested from nodes and not yet delivered to the consumer
-        self._last_workers: tuple[WorkerStatistics, ...] = ()
         self._io: anyio.abc.TaskGroup | None = None
         self._io_stop = anyio.Event()
         self._io_closed = anyio.Event()
@@ -937,7 +936,6 @@ class RemoteCollectorBase(CollectorBase):
                 if node.state not in ("failed", "stopped"):
                     node.state = "stopped"
             await anyio.to_thread.run_sync(self._close_transport)
-            self._last_workers = self._worker_stats()
             if self._io is not None:
                 self._io_stop.set()
                 await self._io_closed.wait()
@@ -1077,16 +1075,9 @@ class RemoteCollectorBase(CollectorBase):
             wait: also wait until those nodes run the new weights.
         """
         self._active()
-        if self._weights_template is None:
-            raise TypeError(
-                f"the collector's policy ({type(self._source_policy).__name__}) has no weights to update; "
-                "update_weights needs an nn.Module policy"
-            )
+        weights = self._weights_to_publish(policy_or_weights)
         flag("wait", wait)
-        ids = self._node_ids(worker_ids)
-        source = self._source_policy if policy_or_weights is None else policy_or_weights
-        weights = as_weights(source).flatten_keys(".")
-        check_compatible(self._weights_template, weights)
+        ids = self._target_ids(worker_ids)
         async with self._weights_lock:
             if self._failure is not None:
                 raise self._failure
@@ -1107,39 +1098,16 @@ class RemoteCollectorBase(CollectorBase):
         while node.policy_version < version:
             await node.loaded_event.wait()
 
-    def _node_ids(self, worker_ids: Sequence[int] | None) -> list[int]:
-        n = self.num_collectors
-        if worker_ids is None:
-            return list(range(n))
-        ids = sorted(set(worker_ids))
-        if not ids or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in ids):
-            raise ValueError(f"worker_ids must be node indices in [0, {n}), got {worker_ids!r}")
-        return ids
-
-    @property
-    def policy_version(self) -> int:
-        """The version last published by :meth:`update_weights`."""
-        return self._version
-
-    def worker_policy_versions(self) -> list[int]:
-        """The trainer version each node's collector runs (as the nodes last reported)."""
-        return [node.policy_version for node in self._nodes]
-
     # -- control --------------------------------------------------------------------------------------
-    async def _seed_chain(self, seed: int) -> int:
-        last = seed - 1
-        for node in self._nodes:
-            last = int(await self._guard(partial(self._call, node, "set_seed", last + 1)))
-        return last
+    @property
+    def _fleet_size(self) -> int:
+        return self.num_collectors
 
-    async def set_seed(self, seed: int) -> int:
-        """Seed node ``i`` after node ``i - 1`` (distinct, reproducible seeds; each node's collector seeds
-        its envs and workers from its own); returns the last seed used. Applied between batches."""
-        if seed_arg(seed) is None:
-            raise TypeError("set_seed needs an int")
-        self._active()
-        async with self._lock:
-            return await self._seed_chain(seed)
+    def _members(self) -> Sequence[Member]:
+        return self._nodes
+
+    async def _call_member(self, index: int, method: str, *args: Any) -> Any:
+        return await self._guard(partial(self._call, self._nodes[index], method, *args))
 
     async def reset(self) -> None:
         """Reset every node's envs: the next batches start new episodes."""
@@ -1155,19 +1123,12 @@ class RemoteCollectorBase(CollectorBase):
                 lambda: gather(*[partial(self._call, n, "state_dict") for n in self._nodes])
             )
         out: dict[str, Any] = {f"node{i}": s for i, s in enumerate(states)}
-        out.update(
-            frames=self._stats.frames,
-            batches=self._stats.batches,
-            episodes=self._stats.episodes,
-            policy_version=self._version,
-        )
+        out.update(self._counters())
         return out
 
     async def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output; the frame budget continues from the saved count."""
-        missing = [f"node{i}" for i in range(self.num_collectors) if f"node{i}" not in state]
-        if missing or "frames" not in state:
-            raise KeyError(f"state dict lacks {missing or ['frames']}")
+        self._check_state(state, "node")
         self._active()
         async with self._lock:
             await self._guard(
@@ -1178,10 +1139,7 @@ class RemoteCollectorBase(CollectorBase):
                     ]
                 )
             )
-            self._stats.load(
-                int(state["frames"]), int(state.get("batches", 0)), int(state.get("episodes", 0))
-            )
-            self._version = max(self._version, int(state.get("policy_version", 0)))
+            self._load_counters(state)
 
     async def getattr_env(self, name: str, node: int = 0) -> Any:
         """An attribute of node ``node``'s env (worker 0's, for a multi-process node)."""
@@ -1192,25 +1150,6 @@ class RemoteCollectorBase(CollectorBase):
         """An attribute of node ``node``'s policy."""
         self._active()
         return await self._guard(partial(self._call, self._nodes[node], "getattr_policy", name))
-
-    # -- statistics -----------------------------------------------------------------------------------
-    def _worker_stats(self) -> tuple[WorkerStatistics, ...]:
-        return tuple(
-            WorkerStatistics(
-                n.index,
-                "paused" if self.paused and n.state == "collecting" else n.state,
-                n.frames,
-                n.policy_version,
-            )
-            for n in self._nodes
-        )
-
-    def statistics(self) -> CollectorStatistics:
-        """A frozen record of what the collector and each node (``workers[i]``) have done."""
-        workers = self._last_workers if self._closing and self._last_workers else self._worker_stats()
-        return self._stats.snapshot(
-            self._version, workers=workers, paused=self.paused, loop_lag_ms=self._lag.percentiles_ms()
-        )
 
     def node_pids(self) -> list[int | None]:
         """The process id of each node (as each node reported it)."""
