@@ -112,10 +112,22 @@ async def _check_weights_and_budget(c, policy, *, sync: bool, nodes: int, fpb: i
     assert all(b.numel() == fpb for b in batches)
     assert sum(b.numel() for b in batches) == total
     assert c.statistics().frames == total
-    # every batch asked for after the update runs it; async nodes had at most one batch in flight
-    late = batches[1 + (0 if sync else nodes) :]
-    assert late and all(bool((b["action"] == 1.0).all()) for b in late)
     assert bool((batches[0]["action"] == 0.0).all())
+    if sync:  # every batch asked for after the update runs it
+        assert len(batches) > 1 and all(bool((b["action"] == 1.0).all()) for b in batches[1:])
+        return batches
+    # An async node keeps collecting while its last batch waits for the consumer, so when the update
+    # returned it may hold two batches collected with the old weights (one waiting, one being collected);
+    # everything it collects after them runs the new weights.
+    per_node: dict[int, list[float]] = {}
+    for b in batches[1:]:
+        values = set(b["action"].flatten().tolist())
+        assert len(values) == 1, values  # a batch never mixes weights
+        per_node.setdefault(int(b["collector", "node_id"].flatten()[0]), []).append(values.pop())
+    for node, values in per_node.items():
+        stale = values.index(1.0) if 1.0 in values else len(values)
+        assert stale <= 2 and all(v == 1.0 for v in values[stale:]), (node, values)
+    assert any(1.0 in values for values in per_node.values()), per_node
     return batches
 
 
