@@ -28,6 +28,7 @@ from aiocollect import (
     MultiSyncCollector,
     WorkerDiedError,
 )
+from aiocollect._weightsync import flat_weights
 
 pytestmark = [pytest.mark.anyio, pytest.mark.distributed]
 
@@ -438,3 +439,29 @@ async def test_startup_failure_does_not_hang():
             pass
     assert time.perf_counter() - start < 30
     assert_clean()
+
+
+async def test_rendezvous_times_out_and_cancels_without_polling():
+    """No worker joins: connect() raises TimeoutError after ``timeout`` (the wait is the store's own,
+    in a thread); cancelled, it returns at once."""
+    weights = flat_weights(ConstantPolicy(0.0))
+
+    async def send(index, message):  # no worker is listening
+        pass
+
+    sender = DistributedWeightSync(timeout=1).open_sender(weights, 1, send)
+    try:
+        start = time.perf_counter()
+        with anyio.fail_after(TIMEOUT), pytest.raises(TimeoutError, match="did not all join within 1 s"):
+            await sender.connect()
+        assert 0.9 < time.perf_counter() - start < 10
+    finally:
+        sender.close()
+    sender = DistributedWeightSync(timeout=60).open_sender(weights, 1, send)
+    try:
+        start = time.perf_counter()
+        with anyio.move_on_after(0.3):
+            await sender.connect()
+        assert time.perf_counter() - start < 5
+    finally:
+        sender.close()

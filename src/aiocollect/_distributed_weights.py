@@ -31,7 +31,6 @@ import contextlib
 import datetime
 import socket
 import threading
-import time
 import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,7 +47,6 @@ from ._weights import copy_weights
 from ._weightsync import SendFn, WeightReceiver, WeightSender, WeightSync, flat_weights
 
 _ALIGN = 64
-_POLL = 0.002  # seconds between rendezvous polls of the store
 
 
 # -- one flat buffer for all the weights -----------------------------------------------------------
@@ -218,22 +216,33 @@ class _DistributedSender(WeightSender):
 
     # -- rendezvous -------------------------------------------------------------------------------
     async def connect(self) -> None:
-        """Wait (polling the store, never blocking the loop) until every worker is about to join, then
-        build rank 0 in a thread. If this is cancelled (a worker failed to start), the workers still
-        waiting are told to give up."""
+        """Wait (in a thread, blocked in the store's ``wait``: no polling) until every worker is about to
+        join, then build rank 0 in a thread. If this is cancelled (a worker failed to start), the
+        workers still waiting are told to give up, and the waiting thread is woken."""
         ready = [f"ready/{rank}" for rank in range(1, self._num_workers + 1)]
+        timeout = self._config.timeout
+
+        def wait_ready() -> None:
+            # a client of its own: a store client runs one operation at a time, and this one blocks
+            store = dist.TCPStore(self._host, self._port, is_master=False, timeout=_timedelta(timeout))
+            try:
+                store.wait(ready, _timedelta(timeout))
+            except RuntimeError as exc:  # torch's DistStoreError on timeout
+                raise TimeoutError(
+                    f"DistributedWeightSync: {self._num_workers} workers did not all join within "
+                    f"{timeout:g} s: {exc}"
+                ) from None
+
         try:
-            with anyio.fail_after(self._config.timeout):
-                # the store is polled: nothing on this side can signal a worker's announcement
-                while True:
-                    if self._store.check(ready):
-                        break
-                    await anyio.sleep(_POLL)
+            await anyio.to_thread.run_sync(wait_ready, abandon_on_cancel=True)
             self._store.set("go", "1")
             await anyio.to_thread.run_sync(self._build_group, abandon_on_cancel=True)
         except BaseException:
             with contextlib.suppress(Exception):
                 self._store.set("abort", "1")
+                self._store.set("go", "1")  # wakes the workers that wait for it: they see the abort
+                for key in ready:  # and our own waiting thread, if it still waits
+                    self._store.set(key, "abort")
             raise
 
     def _build_group(self) -> None:
@@ -366,17 +375,17 @@ class _DistributedReceiver(WeightReceiver):
         self._store: Any = dist.TCPStore(
             spec.host, spec.port, is_master=False, timeout=_timedelta(spec.timeout)
         )
-        # announce, then wait for the trainer's go (or its abort, when another worker failed to start)
+        # announce, then wait for the trainer's go (it also sets it after an abort, when another worker
+        # failed to start)
         self._store.set(f"ready/{rank}", "1")
-        deadline = time.monotonic() + spec.timeout
-        while not self._store.check(["go"]):
-            if self._store.check(["abort"]):
-                raise RuntimeError("DistributedWeightSync: the trainer abandoned the rendezvous")
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"DistributedWeightSync: no rendezvous with the trainer within {spec.timeout} s"
-                )
-            time.sleep(_POLL)
+        try:
+            self._store.wait(["go"], _timedelta(spec.timeout))
+        except RuntimeError as exc:  # torch's DistStoreError on timeout
+            raise TimeoutError(
+                f"DistributedWeightSync: no rendezvous with the trainer within {spec.timeout:g} s: {exc}"
+            ) from None
+        if self._store.check(["abort"]):
+            raise RuntimeError("DistributedWeightSync: the trainer abandoned the rendezvous")
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)
         self._group: Any = _new_group(
