@@ -107,7 +107,9 @@ async def main(quick: bool, rounds: int) -> None:
             results[name].append(await run(name, factory, policy, batches, updates))
     base = statistics.median(r["frames_per_s"] for r in results[cases[0][0]])
     print(f"medians of {rounds} interleaved rounds")
-    print("| collector | frames/s | ÷ in-process | update_weights(wait=True) median | batch bytes | start-up |")
+    print(
+        "| collector | frames/s | ÷ in-process | update_weights(wait=True) median | batch bytes | start-up |"
+    )
     print("|---|---|---|---|---|---|")
     for name, rs in results.items():
         fps = statistics.median(r["frames_per_s"] for r in rs)

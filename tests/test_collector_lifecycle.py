@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 import traceback
 
@@ -274,3 +275,52 @@ async def test_background_error_surfaces_from_async_with(anyio_backend):
     assert_original_error(info, "explode_in_step")
     assert len(rb.batches) == 2
     await assert_closed_by_failure(collector)
+
+
+# -- Collector.create: built off the event loop --------------------------------------------------------
+class _RecordingEnv:
+    """A CartPole GymEnv that records the thread it was built on and whether it was closed."""
+
+    built_on_main: list[bool] = []  # noqa: RUF012 - a test's record
+    closed: list[bool] = []  # noqa: RUF012
+
+    def __init__(self, delay: float = 0.0) -> None:
+        time.sleep(delay)  # a slow env (asset loading)
+        _RecordingEnv.built_on_main.append(threading.current_thread() is threading.main_thread())
+        self.env = GymEnv("CartPole-v1")
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+    def close(self) -> None:
+        _RecordingEnv.closed.append(True)
+        self.env.close()
+
+
+async def test_create_builds_off_the_loop_and_works():
+    _RecordingEnv.built_on_main.clear()
+    collector = await Collector.create(_RecordingEnv, mlp_policy(), frames_per_batch=16, total_frames=32)
+    assert isinstance(collector, Collector)
+    assert _RecordingEnv.built_on_main == [False]
+    async with collector:
+        batches = [b async for b in collector]
+    assert [b.numel() for b in batches] == [16, 16]
+
+
+async def test_create_raises_the_constructors_errors():
+    with pytest.raises(ValueError, match="frames_per_batch"):
+        await Collector.create(_RecordingEnv, frames_per_batch=0)
+
+    def broken():
+        raise KeyError("no such env")
+
+    with pytest.raises(KeyError, match="no such env"):
+        await Collector.create(broken, frames_per_batch=8)
+
+
+async def test_create_cancelled_closes_what_it_built():
+    _RecordingEnv.closed.clear()
+    with anyio.move_on_after(0.05) as scope:
+        await Collector.create(lambda: _RecordingEnv(delay=0.3), frames_per_batch=8)
+    assert scope.cancelled_caught
+    assert _RecordingEnv.closed == [True]

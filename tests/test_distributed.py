@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 import anyio
 import cloudpickle
@@ -246,6 +247,28 @@ async def test_remote_error_surfaces_with_its_type_and_nodes_are_reaped(engine):
     assert "raised in node 1" in notes and "in step" in notes
     assert c.statistics().workers[1].state == "failed"
     assert _alive(pids) == []
+
+
+class _LockedPolicy(ConstantPolicy):
+    def __init__(self) -> None:
+        super().__init__(0.0)
+        self.lock = threading.Lock()  # does not pickle
+
+
+@pytest.mark.parametrize("engine", ["distributed", "rpc"])
+async def test_unpicklable_policy_fails_on_entering_before_any_node(engine):
+    """The policy is pickled on entering (in a thread: a large one would hold the loop), before any node
+    is launched; the env constructors are checked by the constructor."""
+    cls = DistributedCollector if engine == "distributed" else RPCCollector
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    c = cls(pendulum, _LockedPolicy(), frames_per_batch=16, num_collectors=2)
+    with anyio.fail_after(30), pytest.raises(TypeError, match="the policy cannot be pickled for the nodes"):
+        async with c:
+            pass
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= children
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match="of node 1 do not pickle"):
+        cls([pendulum, lambda: (lock, pendulum())[1]], frames_per_batch=16)
 
 
 async def test_rpc_async_then_sync_in_one_process():

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 import traceback
+from typing import ClassVar
 
 import anyio
 import anyio.from_thread
@@ -281,11 +283,60 @@ async def test_bad_input_before_any_process():
     with pytest.raises(ValueError, match="backend"):
         MultiSyncCollector([cartpole], frames_per_batch=8, backend="threads")
     with pytest.raises(TypeError, match="cannot be pickled"):
-        import threading
-
         lock = threading.Lock()
         MultiSyncCollector([lambda: (lock, cartpole())[1]], frames_per_batch=8)
     assert our_children() == []
+
+
+class WatchedPolicy(torch.nn.Module):
+    """Records, each time it is pickled, whether that happened on the main (event-loop) thread."""
+
+    on_main_thread: ClassVar[list[bool]] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 2)
+
+    def forward(self, observation):
+        return self.linear(observation).argmax(-1)
+
+    def __getstate__(self):
+        WatchedPolicy.on_main_thread.append(threading.current_thread() is threading.main_thread())
+        return super().__getstate__()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_policy_is_pickled_once_and_off_the_event_loop(backend):
+    """A large policy's pickling would hold the loop: it happens once, in a thread, on entering."""
+    WatchedPolicy.on_main_thread.clear()
+    c = MultiSyncCollector([cartpole] * 3, WatchedPolicy(), frames_per_batch=12, backend=backend)
+    assert WatchedPolicy.on_main_thread == []  # the constructor does not pickle it
+    async with c:
+        batch = await c.__anext__()
+    assert batch.numel() == 12
+    assert WatchedPolicy.on_main_thread == [False]
+
+
+class LockedPolicy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 2)
+        self.lock = threading.Lock()  # does not pickle
+
+    def forward(self, observation):
+        return self.linear(observation).argmax(-1)
+
+
+@pytest.mark.parametrize("cls", [MultiSyncCollector, MultiAsyncCollector])
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_unpicklable_policy_fails_on_entering_before_any_process(cls, backend):
+    c = cls([cartpole] * 2, LockedPolicy(), frames_per_batch=8, backend=backend)
+    with pytest.raises(TypeError, match="the policy cannot be pickled for the worker processes"):
+        async with c:
+            pass
+    assert our_children() == []
+    with pytest.raises(CollectorClosedError, match="failed to start"):
+        await c.__anext__()
 
 
 async def test_update_weights_reaches_workers(backend):

@@ -12,6 +12,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import anyio.to_thread
 import torch
 from tensordict import TensorDictBase
@@ -255,6 +256,44 @@ class Collector(CollectorBase):
                 UserWarning,
                 stacklevel=2,
             )
+
+    @classmethod
+    async def create(cls, create_env_fn: Any, policy: Any = None, **kwargs: Any) -> Collector:
+        """Build the collector in a worker thread: ``await Collector.create(...)`` takes the same arguments
+        as ``Collector(...)``.
+
+        The constructor builds the env, copies the policy and makes one dry policy call where it is
+        called; in a coroutine that is on the event loop (a heavy env, e.g. a simulator that loads
+        assets, can take seconds). ``create`` does that work off the loop. If the caller is cancelled
+        meanwhile, the collector being built is closed once it is ready.
+
+        Example:
+            >>> import anyio
+            >>> from aiocollect import Collector, GymEnv
+            >>> async def main():
+            ...     collector = await Collector.create(lambda: GymEnv("CartPole-v1"), frames_per_batch=32,
+            ...                                        total_frames=64)
+            ...     async with collector:
+            ...         async for batch in collector:
+            ...             print(batch.batch_size)
+            >>> anyio.run(main)
+            torch.Size([32])
+            torch.Size([32])
+        """
+        built: list[Collector] = []
+
+        def build() -> None:
+            built.append(cls(create_env_fn, policy, **kwargs))
+
+        try:
+            with anyio.CancelScope(shield=True):  # never leave a half-built env behind
+                await anyio.to_thread.run_sync(build)
+            await anyio.lowlevel.checkpoint_if_cancelled()
+        except BaseException:
+            if built:
+                await built[0].aclose()
+            raise
+        return built[0]
 
     # -- construction helpers -------------------------------------------------------------------
     def _own_policy(self, policy: Any, compile_option: bool | Mapping[str, Any]) -> Any:

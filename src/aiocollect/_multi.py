@@ -206,13 +206,15 @@ class _MultiCollectorBase(FleetCollector, abc.ABC):
         self._traj_ids = traj_ids_arg(traj_id_start, traj_id_stride)
         self._sender: WeightSender | None = None
         self._weights_template = flat_weights(policy) if isinstance(policy, torch.nn.Module) else None
+        # the env constructors are pickled here (small: a bad one fails now); the policy, which can be
+        # large, once and in a thread when the collector is entered (never on the event loop)
         payloads = []
         for i, fn in enumerate(create_env_fns):
             try:
-                payloads.append(cloudpickle.dumps((fn, policy)))
+                payloads.append(cloudpickle.dumps(fn))
             except Exception as exc:
                 raise TypeError(
-                    f"create_env_fns[{i}] or the policy cannot be pickled for the worker processes: {exc}"
+                    f"create_env_fns[{i}] cannot be pickled for the worker processes: {exc}"
                 ) from exc
         self._spec_args = {
             "payloads": payloads,
@@ -257,12 +259,14 @@ class _MultiCollectorBase(FleetCollector, abc.ABC):
     async def _start_workers(self) -> None:
         assert self._task_group is not None
         n = self.num_workers
+        policy_payload = await anyio.to_thread.run_sync(self._pickle_policy)
         self._control = SharedBlock(control_layout(n), ())
         self._control.td.zero_()
         receivers: list[Any] = [None] * n
         if self._weights_template is not None:
+            template = self._weights_template
             self._sender = await anyio.to_thread.run_sync(
-                self._weight_sync.open_sender, self._weights_template.clone(), n, self._send_to
+                lambda: self._weight_sync.open_sender(template.clone(), n, self._send_to)
             )
             receivers = self._sender.receivers()
         args = self._spec_args
@@ -271,6 +275,7 @@ class _MultiCollectorBase(FleetCollector, abc.ABC):
                 index=i,
                 num_workers=n,
                 payload=args["payloads"][i],
+                policy_payload=policy_payload,
                 frames_per_batch=self._per_worker_fpb[i],
                 rollout=args["rollout"],
                 exploration_type=args["exploration_type"],
@@ -321,6 +326,13 @@ class _MultiCollectorBase(FleetCollector, abc.ABC):
             )
         if self._seed is not None:
             await self._seed_chain(self._seed)
+
+    def _pickle_policy(self) -> bytes:
+        """In a thread: the policy, pickled once for every worker."""
+        try:
+            return cloudpickle.dumps(self._source_policy)
+        except Exception as exc:
+            raise TypeError(f"the policy cannot be pickled for the worker processes: {exc}") from exc
 
     @abc.abstractmethod
     def _check_layouts(self, ready: list[Any]) -> None:

@@ -91,7 +91,8 @@ class Setup:
     engine: str  # module of aiocollect._distributed that runs the node
     index: int
     num_nodes: int
-    payload: bytes  # cloudpickle of (env_fn, policy, collector_class, collector_kwargs)
+    payload: bytes  # cloudpickle of (env_fn, collector_class, collector_kwargs)
+    policy_payload: bytes  # cloudpickle of the policy (the same bytes for every node)
     frames_per_batch: int
     num_workers: int
     transport: dict[str, Any]
@@ -266,7 +267,8 @@ class NodeCore:
     """A node's collector, its weights (versions as the trainer numbers them) and its batches."""
 
     def __init__(self, setup: Setup) -> None:
-        env_fn, policy, cls, kwargs = cloudpickle.loads(setup.payload)
+        env_fn, cls, kwargs = cloudpickle.loads(setup.payload)
+        policy = cloudpickle.loads(setup.policy_payload)
         kwargs = dict(kwargs)
         common = {
             "frames_per_batch": setup.frames_per_batch,
@@ -617,14 +619,17 @@ class RemoteCollectorBase(FleetCollector):
         ):
             raise ValueError(f"tcp_port must be a port number or None, got {tcp_port!r}")
         self._tcp_port = tcp_port or 0
+        # the env constructors and collector arguments are pickled here (small: a bad one fails now); the
+        # policy, which can be large, once and in a thread when the collector is entered
         self._payloads = []
         for i in range(n):
             try:
-                self._payloads.append(cloudpickle.dumps((env_fns[i], policy, collector_class, per_node[i])))
+                self._payloads.append(cloudpickle.dumps((env_fns[i], collector_class, per_node[i])))
             except Exception as exc:
                 raise TypeError(
-                    f"the env constructor, policy or collector_kwargs of node {i} do not pickle: {exc}"
+                    f"the env constructor or collector_kwargs of node {i} do not pickle: {exc}"
                 ) from exc
+        self._policy_payload = b""
         self.replay_buffer = None
         self._init_base(progress)
         self._nodes = [RemoteNode(i) for i in range(n)]
@@ -751,8 +756,16 @@ class RemoteCollectorBase(FleetCollector):
             raise RuntimeError("the collector was entered already")
         self._entered = True
         assert self._task_group is not None
+        self._policy_payload = await anyio.to_thread.run_sync(self._pickle_policy)
         await self._task_group.start(self._io_host)
         await self._start()
+
+    def _pickle_policy(self) -> bytes:
+        """In a thread: the policy, pickled once for every node."""
+        try:
+            return cloudpickle.dumps(self._source_policy)
+        except Exception as exc:
+            raise TypeError(f"the policy cannot be pickled for the nodes: {exc}") from exc
 
     async def _io_host(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         """Owns the collector's I/O tasks (listener, connections, transfers); once they ended at
@@ -801,6 +814,7 @@ class RemoteCollectorBase(FleetCollector):
                     index=node.index,
                     num_nodes=self.num_collectors,
                     payload=self._payloads[node.index],
+                    policy_payload=self._policy_payload,
                     frames_per_batch=self._node_fpb,
                     num_workers=self.num_workers_per_collector,
                     transport=self._transport_setup(node.index),

@@ -44,7 +44,9 @@ class WorkerSpec:
 
     index: int
     num_workers: int
+    #: the env constructor and the policy, cloudpickled (the policy once, shared by every worker's spec)
     payload: bytes
+    policy_payload: bytes
     frames_per_batch: int
     rollout: dict[str, Any]
     exploration_type: str
@@ -86,7 +88,8 @@ class _StopFlag:
 class Worker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
-        create_env_fn, policy = cloudpickle.loads(spec.payload)
+        create_env_fn = cloudpickle.loads(spec.payload)
+        policy = cloudpickle.loads(spec.policy_payload)
         env = create_env_fn if hasattr(create_env_fn, "step") else create_env_fn()
         check_env(env)
         self.env = env
