@@ -308,6 +308,36 @@ async def measure(variant: Variant, seconds: float, with_memory: bool = True) ->
     )
 
 
+# -- the machine's ceiling: independent processes, no collector between them -------------------------
+async def _child_collect(seconds: float) -> None:
+    """In a child process: one worker's share (a Collector over ``worker_env``), warmed up, then frames/s
+    over ``seconds``, printed."""
+    async with Collector(worker_env, make_policy(), frames_per_batch=FRAMES_PER_BATCH // NUM_WORKERS) as c:
+        it = aiter(c)
+        await anext(it)
+        frames, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            frames += (await anext(it)).numel()
+        print(frames / (time.perf_counter() - t0), flush=True)
+
+
+async def measure_ceiling(seconds: float) -> float:
+    """Frames/s of ``NUM_WORKERS`` independent processes, each doing one worker's share in-process (its own
+    Collector; nothing shared, nothing to wait for): what this machine gives that many processes now, the
+    ceiling of any multi-process collector."""
+    outs: list[float] = []
+
+    async def one() -> None:
+        cmd = [sys.executable, __file__, "--ceiling-child", str(seconds)]
+        done = await anyio.run_process(cmd, check=True)
+        outs.append(float(done.stdout.decode().split()[-1]))
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(NUM_WORKERS):
+            tg.start_soon(one)
+    return sum(outs)
+
+
 # -- event-loop lag --------------------------------------------------------------------------------
 @dataclass
 class Lag:
@@ -588,6 +618,14 @@ def render(results: dict[str, Any]) -> str:
         "own workers too). Frames per CPU-s: frames per CPU second of our process tree (this "
         "process and its workers): what a collector costs, whatever share of the machine it gets.",
         "",
+        f"Ceiling: {NUM_WORKERS} independent processes, each a `Collector` over one worker's envs "
+        f"({ENVS_PER_WORKER}), nothing shared: {results['ceiling']['fps']:,.0f} frames/s, "
+        f"**{results['ceiling']['vs_baseline']:.2f}** [{results['ceiling']['vs_baseline_min']:.2f}, "
+        f"{results['ceiling']['vs_baseline_max']:.2f}] times the baseline (what this machine gives "
+        f"{NUM_WORKERS} processes now; {NUM_WORKERS}.0 on idle dedicated cores). Share of it reached: "
+        + ", ".join(f"{name} **{r:.2f}**" for name, r in results["ceiling"]["reached"].items())
+        + " (median of per-round ratios).",
+        "",
         "## Event-loop lag while collecting (a task sleeping 1 ms in a loop; every tick of every round)",
         "",
         "| while | ticks | p50 (ms) | p99 (ms) | max (ms) | target p99 | p99 loop CPU per tick (ms) "
@@ -697,17 +735,20 @@ async def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str,
     msync.startups.clear()
     masync.startups.clear()
 
-    # 1. throughput, interleaved
-    log(f"throughput: {len(vs)} variants x {args.rounds} rounds")
+    # 1. throughput, interleaved (with the ceiling: independent processes)
+    log(f"throughput: {len(vs)} variants and the ceiling x {args.rounds} rounds")
+    ceiling: list[float] = []
     for r in range(args.rounds):
         order = vs if r % 2 == 0 else vs[::-1]
         for v in order:
             v.samples.append(await measure(v, args.seconds))
             loads.append(os.getloadavg()[0])
+        ceiling.append(await measure_ceiling(args.seconds))
         log(
             f"  round {r + 1}/{args.rounds}: "
             + ", ".join(f"{v.name.split()[0]} {v.samples[-1].fps:,.0f}" for v in vs)
-            + f" frames/s; load {os.getloadavg()[0]:.2f}"
+            + f", {NUM_WORKERS} independent processes {ceiling[-1]:,.0f} frames/s; "
+            f"load {os.getloadavg()[0]:.2f}"
         )
 
     # 2. event-loop lag, interleaved
@@ -784,7 +825,19 @@ async def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str,
             "parent_rss_mb": med([m.parent_rss_mb for m in ms]),
         }
     later = {v.name: med(v.startups) for v in (msync, masync, base)}
+    per_round_ceiling = [c / b.fps for c, b in zip(ceiling, base.samples, strict=True)]
+    ceiling_summary = {
+        "fps": med(ceiling),
+        "vs_baseline": statistics.median(per_round_ceiling),
+        "vs_baseline_min": min(per_round_ceiling),
+        "vs_baseline_max": max(per_round_ceiling),
+        "reached": {
+            v.name: statistics.median(s.fps / c for s, c in zip(v.samples, ceiling, strict=True))
+            for v in (msync, masync)
+        },
+    }
     return {
+        "ceiling": ceiling_summary,
         "baseline": base.name,
         "variants": summary,
         "ratios": ratios,
@@ -815,7 +868,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--rounds", type=int, help="rounds of interleaved throughput measurements")
     parser.add_argument("--seconds", type=float, help="seconds of collection per measurement")
+    parser.add_argument("--ceiling-child", type=float, help=argparse.SUPPRESS)  # measure_ceiling's children
     args = parser.parse_args(argv)
+    if args.ceiling_child is not None:
+        torch.set_num_threads(1)
+        anyio.run(_child_collect, args.ceiling_child)
+        return 0
     args.rounds = args.rounds or (2 if args.quick else 7)
     args.seconds = args.seconds or (0.4 if args.quick else 2.0)
     args.lag_rounds = 1 if args.quick else 3
