@@ -53,7 +53,8 @@ def slow(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def distributed(session: nox.Session) -> None:
     """Tests marked distributed: DistributedWeightSync, DistributedCollector and RPCCollector over gloo and
-    TensorPipe on 127.0.0.1, submitit's local executor, RayCollector on a local Ray cluster (no GPU, no
+    TensorPipe on 127.0.0.1, submitit's local executor, RayCollector on a local Ray cluster, and
+    examples/distributed.py with each engine (no GPU, no
     cluster needed)."""
     install(session, "test", "distributed", "ray")
     session.run(

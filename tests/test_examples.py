@@ -58,8 +58,37 @@ def test_example_runs(runs: dict[str, subprocess.CompletedProcess[str]], name: s
     assert "mean return" in proc.stdout, proc.stdout
 
 
+# examples that start distributed engines (and need the distributed/ray extras): nox -s distributed
+DISTRIBUTED_CASES = {
+    f"distributed {' '.join(flags)}".strip(): ["distributed.py", "--total-frames", "4096", *flags]
+    for flags in ([], ["--sync"], ["--engine", "rpc"], ["--engine", "ray"], ["--launcher", "submitit"])
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(DISTRIBUTED_CASES))
+def test_distributed_example_runs(name: str) -> None:
+    script, *flags = DISTRIBUTED_CASES[name]
+    if "ray" in flags:
+        pytest.importorskip("ray")
+    if "submitit" in flags:
+        pytest.importorskip("submitit")
+    proc = subprocess.run(
+        [sys.executable, "-W", "error::UserWarning", str(EXAMPLES / script), *flags],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "frames/s" in proc.stdout and "mean return" in proc.stdout, proc.stdout
+    assert "frames    4096" in proc.stdout, proc.stdout  # the whole budget, batch by batch
+    assert "published v2" in proc.stdout, proc.stdout
+
+
 def test_every_example_is_tested() -> None:
-    scripts = {argv[0] for argv in CASES.values()}
+    scripts = {argv[0] for argv in [*CASES.values(), *DISTRIBUTED_CASES.values()]}
     assert scripts == {path.name for path in EXAMPLES.glob("*.py")}
 
 
