@@ -204,7 +204,7 @@ class Collector(CollectorBase):
             self._random_policy = array_env.random_policy()
             self._policy = self._own_policy(policy, compile_option)
             obs_keys = list(array_env.obs_specs)
-            runner_kwargs = {
+            runner_kwargs: dict[str, Any] = {
                 "batch_shape": array_env.batch_shape,
                 "obs_keys": obs_keys,
                 "device": self._devices.policy,

@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import anyio
 import anyio.abc
@@ -216,7 +216,7 @@ class _MultiCollectorBase(FleetCollector, abc.ABC):
                 raise TypeError(
                     f"create_env_fns[{i}] cannot be pickled for the worker processes: {exc}"
                 ) from exc
-        self._spec_args = {
+        self._spec_args: dict[str, Any] = {
             "payloads": payloads,
             "rollout": {**rollout, "storing_device": None},
             "exploration_type": exploration,
@@ -305,7 +305,7 @@ class _MultiCollectorBase(FleetCollector, abc.ABC):
         )
         if self._sender is not None:
             await gather(
-                lambda: self._pool.start(self._task_group),  # type: ignore[union-attr]
+                partial(self._pool.start, self._task_group),
                 self._sender.connect,
             )
         else:
@@ -669,7 +669,7 @@ class MultiSyncCollector(_MultiCollectorBase):
                 f"preempted batches of batched envs (worker batches {shapes}); use cat_results=-1 or 'stack'"
             )
 
-    async def _next_batch(self, pool: WorkerPool) -> tuple[TensorDictBase, int, list[float], list[int]]:
+    async def _next_batch(self, pool: WorkerPool) -> _Delivery:
         n = self.num_workers
         if self._update_at_each_batch and self._sender is not None:
             await self.update_weights()
@@ -722,7 +722,9 @@ class MultiSyncCollector(_MultiCollectorBase):
         partial = any(notices[i].steps < slots[i].batch_size[-1] for i in range(self.num_workers))
         valid = sum(notices[i].frames for i in range(self.num_workers))
         if self._cat_results == "stack":
-            batch = torch.stack(slots, 0)  # the one copy out of shared memory
+            # the one copy out of shared memory; torch's stubs take Tensors only (TensorDicts dispatch
+            # through __torch_function__)
+            batch = cast("TensorDictBase", torch.stack(slots, 0))  # type: ignore[arg-type]
             if partial or self._threshold is not None:
                 batch.set(("collector", "mask"), batch.get(("collector", "traj_ids")) != -1)
             batch.names = [None] * (batch.ndim - 1) + ["time"]
@@ -733,9 +735,9 @@ class MultiSyncCollector(_MultiCollectorBase):
                 raise RuntimeError(
                     "preempted batches of batched envs cannot be concatenated along dim 0; use cat_results=-1"
                 )
-            batch = torch.cat(parts, 0)
+            batch = cast("TensorDictBase", torch.cat(parts, 0))  # type: ignore[arg-type]
         else:
-            batch = torch.cat(parts, -1)
+            batch = cast("TensorDictBase", torch.cat(parts, -1))  # type: ignore[arg-type]
         batch.names = [None] * (batch.ndim - 1) + ["time"]
         return batch, valid
 
@@ -780,7 +782,7 @@ class MultiAsyncCollector(_MultiCollectorBase):
             await pool.send(i, RunFree(random_frames=per_worker_random))
             pool.workers[i].expected_since = anyio.current_time()
 
-    async def _next_batch(self, pool: WorkerPool) -> tuple[TensorDictBase, int, list[float], list[int]]:
+    async def _next_batch(self, pool: WorkerPool) -> _Delivery:
         index, notice = await self._receive(pool)
         handle = pool.workers[index]
         batch = handle.slots[notice.slot].td.clone()  # the one copy out of shared memory

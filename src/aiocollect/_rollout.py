@@ -7,10 +7,9 @@ batch. Nothing here knows about event loops.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from math import ceil
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -52,6 +51,12 @@ class RolloutResult:
     episode_lengths: list[int] = field(default_factory=list)
 
 
+class StopSignal(Protocol):
+    """What ``Rollout.collect`` reads to stop early: a ``threading.Event``, or a worker's shared stop flag."""
+
+    def is_set(self) -> bool: ...
+
+
 def _key_tuple(prefix: str, key: NestedKey) -> tuple[str, ...]:
     return (prefix, key) if isinstance(key, str) else (prefix, *key)
 
@@ -91,7 +96,7 @@ class Rollout:
         self.reset()
 
     # -- state ------------------------------------------------------------------------------------
-    def _new_ids(self, n: int) -> np.ndarray:
+    def _new_ids(self, n: int | np.integer[Any]) -> np.ndarray:
         stride = self.config.traj_id_stride
         start, self._next_traj = self._next_traj, self._next_traj + stride * n
         # one numpy call: ``start + stride * np.arange(n)`` costs ~4 us, and it runs at every episode end
@@ -187,7 +192,7 @@ class Rollout:
             views[key] = view
         return TensorDict(tensors, batch_size=bt), views
 
-    def collect(self, *, random: bool = False, stop: threading.Event | None = None) -> RolloutResult:
+    def collect(self, *, random: bool = False, stop: StopSignal | None = None) -> RolloutResult:
         """Collect one batch. If ``stop`` is set mid-batch, return early with ``steps`` < T.
 
         The loop only appends references to per-step lists (cheap); each entry is stacked once into the
@@ -327,7 +332,7 @@ class Rollout:
             views[("next", "reward")][valid], views[("next", "done")][valid]
         )
         if cfg.set_truncated and steps > 0:
-            last = (*lead, steps - 1)
+            last: tuple[slice | int, ...] = (*lead, steps - 1)
             views[("next", "truncated")][last] = True
             views[("next", "done")][last] = True
         if cfg.track_policy_version:

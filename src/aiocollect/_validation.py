@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -60,6 +60,10 @@ def compile_arg(value: Any) -> bool | Mapping[str, Any]:
     raise TypeError(f"compile_policy must be True, False or a dict of torch.compile kwargs, got {value!r}")
 
 
+@overload
+def seed_arg(value: int) -> int: ...
+@overload
+def seed_arg(value: Any) -> int | None: ...
 def seed_arg(value: Any) -> int | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
         raise TypeError(f"seed must be an int or None, got {value!r}")

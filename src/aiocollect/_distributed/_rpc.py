@@ -24,11 +24,12 @@ import socket
 import warnings
 from collections.abc import Mapping
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.from_thread
 import anyio.to_thread
+import torch
 import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 
@@ -271,7 +272,7 @@ class RPCCollector(RemoteCollectorBase):
 
     async def _send_weights(self, weights: TensorDictBase, version: int, ids: list[int]) -> None:
         plain = await anyio.to_thread.run_sync(
-            lambda: {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}
+            lambda: {k: cast("torch.Tensor", v).detach().to("cpu", copy=True) for k, v in weights.items()}
         )
         await gather(*[partial(self._rpc_async, self._nodes[i], "weights", plain, version) for i in ids])
 

@@ -26,11 +26,11 @@ import math
 import os
 import socket
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from math import prod
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.abc
@@ -158,7 +158,11 @@ class BatchLayout:
 
 def layout_of(batch: TensorDictBase) -> BatchLayout:
     leaves, pos = [], 0
-    for key, value in batch.items(include_nested=True, leaves_only=True):
+    # the stubs say (str, Tensor | TensorCollection): nested keys are tuples, and leaves are tensors
+    for key, value in cast(
+        "Iterator[tuple[str | tuple[str, ...], torch.Tensor]]",
+        batch.items(include_nested=True, leaves_only=True),
+    ):
         key = (key,) if isinstance(key, str) else tuple(key)
         nbytes = prod(value.shape) * value.element_size()
         leaves.append(_Leaf(key, value.dtype, tuple(value.shape), pos, nbytes))
@@ -225,7 +229,7 @@ def new_group(backend: str, store: Any, rank: int, world_size: int, host: str, t
     any, is untouched). ``host`` is this rank's own address (gloo binds there) unless
     ``GLOO_SOCKET_IFNAME`` names an interface."""
     if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in torch's stubs
         options._timeout = _timedelta(timeout)
         interface = os.environ.get("GLOO_SOCKET_IFNAME")
         if interface:
@@ -240,7 +244,7 @@ def new_group(backend: str, store: Any, rank: int, world_size: int, host: str, t
         options._timeout = _timedelta(timeout)
         return dist.ProcessGroupNCCL(store, rank, world_size, options)
     if backend == "ucc":
-        return dist.ProcessGroupUCC(store, rank, world_size, _timedelta(timeout))  # type: ignore[attr-defined]
+        return dist.ProcessGroupUCC(store, rank, world_size, _timedelta(timeout))
     raise ValueError(f"unsupported backend {backend!r}")
 
 
@@ -1010,7 +1014,7 @@ class RemoteCollectorBase(FleetCollector):
             raise ValueError(
                 f"sync=True stacks one batch per node; the nodes' batches differ: {sorted(shapes)}"
             )
-        batch = torch.stack([r.batch for r in results], 0)
+        batch = cast("TensorDictBase", torch.stack([r.batch for r in results], 0))
         batch.names = [None] * (batch.ndim - 1) + ["time"]
         episodes = [(i, ret, n) for i, r in enumerate(results) for ret, n in r.episodes]
         frames = sum(r.frames for r in results)

@@ -262,6 +262,7 @@ class WorkerPool:
         """Run ``op`` in worker ``index`` between batches and return its result."""
         self.check()
         request_id = next(self._ids)
+        box: list[Any]
         event, box = anyio.Event(), []
         self._results[request_id] = (event, box)
         try:

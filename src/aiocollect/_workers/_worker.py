@@ -11,7 +11,7 @@ import socket
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import cloudpickle
 import numpy as np
@@ -102,7 +102,7 @@ class Worker:
             if device is not None and isinstance(policy, torch.nn.Module):
                 policy = policy.to(device)
             self.policy = compile_policy(policy, spec.compile_policy)
-            kw = {"batch_shape": array_env.batch_shape, "obs_keys": list(array_env.obs_specs)}
+            kw: dict[str, Any] = {"batch_shape": array_env.batch_shape, "obs_keys": list(array_env.obs_specs)}
             self.rollout = Rollout(
                 array_env,
                 make_runner(self.policy, device=device, **kw),
@@ -210,7 +210,9 @@ class Worker:
     def op_policy_weights(self) -> dict[str, torch.Tensor] | None:
         if not isinstance(self.policy, torch.nn.Module):
             return None
-        return {k: v.detach().cpu().clone() for k, v in flat_weights(self.policy).items()}
+        return {
+            k: cast("torch.Tensor", v).detach().cpu().clone() for k, v in flat_weights(self.policy).items()
+        }
 
     def op_getattr_env(self, name: str) -> Any:
         return getattr(self.env, name)
