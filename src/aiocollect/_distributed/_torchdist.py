@@ -824,7 +824,7 @@ class RemoteCollectorBase(FleetCollector):
                     transport=self._transport_setup(node.index),
                 )
                 assert node.channel is not None
-                await node.channel.send(setup)
+                await node.channel.send(setup, encode_in_thread=True)  # it carries the pickled policy
 
             async def ready() -> None:
                 for node in self._nodes:

@@ -7,6 +7,7 @@ side is plain blocking code.
 
 from __future__ import annotations
 
+import collections
 import pickle
 import socket
 import struct
@@ -182,8 +183,8 @@ class AsyncChannel:
         self._reader = FrameReader()
         self._pending: list[Any] = []
         self._send_lock = anyio.Lock()
-        #: bytes of frames not sent yet: a send cancelled midway leaves the rest of its frame here
-        self._outbox = bytearray()
+        #: frames (or their rests) not sent yet: a send cancelled midway leaves the rest of its frame here
+        self._outbox: collections.deque[memoryview] = collections.deque()
 
     async def receive(self) -> Any:
         """The next message. Raises ``EOFError`` when the worker's end closed (it exited or died)."""
@@ -200,28 +201,27 @@ class AsyncChannel:
             self._pending.extend(self._reader.feed(data))
         return self._pending.pop(0)
 
-    async def send(self, msg: Any) -> None:
+    async def send(self, msg: Any, *, encode_in_thread: bool = False) -> None:
         """Send one frame, whole. A send cancelled while waiting for the socket keeps the rest of its frame
         queued, and the next send completes it first: a partial frame would desynchronise the worker's
-        reader (a cancelled ``update_weights`` with large weights on the socket did that)."""
-        frame = encode(msg)
+        reader (a cancelled ``update_weights`` with large weights on the socket did that).
+
+        ``encode_in_thread``: pickle the message in a worker thread (a large one, e.g. a set-up message
+        carrying a pickled policy, would hold the loop). The frame is sent in place, never copied."""
+        frame = await anyio.to_thread.run_sync(encode, msg) if encode_in_thread else encode(msg)
         async with self._send_lock:
-            if not self._outbox:  # the common case: the socket takes the whole frame at once
-                try:
-                    n = self.sock.send(frame)
-                except BlockingIOError:
-                    n = 0
-                if n == len(frame):
-                    return
-                frame = frame[n:]
-            self._outbox += frame
+            self._outbox.append(memoryview(frame))
             while self._outbox:
+                head = self._outbox[0]
                 try:
-                    n = self.sock.send(self._outbox)
+                    n = self.sock.send(head)
                 except BlockingIOError:
                     await anyio.wait_writable(self.sock)
                     continue
-                del self._outbox[:n]
+                if n == len(head):
+                    self._outbox.popleft()
+                else:
+                    self._outbox[0] = head[n:]
 
     def close(self) -> None:
         self.sock.close()
