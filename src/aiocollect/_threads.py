@@ -17,8 +17,9 @@ T = TypeVar("T")
 async def run_stoppable(fn: Callable[[threading.Event], T], *, give_up_after: float | None = None) -> T:
     """Run ``fn(stop)`` in a worker thread and return its result.
 
-    If the calling task is cancelled, ``stop`` is set so that ``fn`` returns at its next step, and the
-    cancellation propagates only once the thread is done: no thread outlives the call.
+    If the calling task is cancelled (or interrupted: trio raises ``KeyboardInterrupt`` into the main task),
+    ``stop`` is set so that ``fn`` returns at its next step, and the exception propagates only once the
+    thread is done: no thread outlives the call.
 
     With ``give_up_after`` (seconds), a call that has not returned by then gets ``stop`` set and one more
     second to return; then :class:`WorkerTimeoutError` is raised. A thread stuck inside a call that never
@@ -55,7 +56,10 @@ async def run_stoppable(fn: Callable[[threading.Event], T], *, give_up_after: fl
     try:
         with anyio.move_on_after(give_up_after if give_up_after is not None else float("inf")) as scope:
             return await anyio.to_thread.run_sync(target, abandon_on_cancel=True)
-    except anyio.get_cancelled_exc_class():
+    except BaseException:
+        # cancelled, or a KeyboardInterrupt that trio raises into the main task as itself (asyncio turns
+        # Ctrl-C into a cancellation): either way the thread stops at its next step and is waited for, so
+        # that no rollout thread still runs the env or torch while the interpreter shuts down
         stop.set()
         await wait_for_thread(None)
         raise
