@@ -719,6 +719,10 @@ TRAINER = textwrap.dedent(
             return False
 
     if __name__ == "__main__":
+        # a process started from a background job inherits SIGINT ignored (and then neither asyncio nor trio
+        # installs its Ctrl-C handler): behave as a trainer started from a terminal does
+        import signal
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         # one run per backend, each ended by a SIGINT; the last KeyboardInterrupt is not caught
         backends, *kinds = sys.argv[1:]
         for i, name in enumerate(backends.split(",")):
