@@ -11,9 +11,13 @@ to list its members and how to call one (:meth:`FleetCollector._members`,
 from __future__ import annotations
 
 import abc
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Protocol
 
+import anyio
+import anyio.to_thread
+import cloudpickle
 from tensordict import TensorDictBase
 
 from ._base import CollectorBase
@@ -39,6 +43,8 @@ class FleetCollector(CollectorBase):
     _version: int
     _weights_template: TensorDictBase | None
     _source_policy: Any
+    #: the seed of the first member (``None``: unseeded)
+    _seed: int | None
     #: the members' statistics as they were when the collector closed (for statistics() afterwards)
     _last_workers: tuple[WorkerStatistics, ...] = ()
 
@@ -114,6 +120,32 @@ class FleetCollector(CollectorBase):
         return self._stats.snapshot(
             self._version, workers=workers, paused=self.paused, loop_lag_ms=self._lag.percentiles_ms()
         )
+
+    # -- start-up -------------------------------------------------------------------------------------
+    async def _pickled_policy(self, for_whom: str) -> bytes:
+        """The policy, pickled once for every member, in a thread (a large one would hold the loop);
+        ``TypeError`` naming ``for_whom`` if it does not pickle."""
+
+        def dumps() -> bytes:
+            try:
+                return cloudpickle.dumps(self._source_policy)
+            except Exception as exc:
+                raise TypeError(f"the policy cannot be pickled for {for_whom}: {exc}") from exc
+
+        return await anyio.to_thread.run_sync(dumps)
+
+    async def _members_started(self) -> None:
+        """Once every member runs and ``frames_per_batch`` is known: say if the budget is not a whole
+        number of batches, then seed the members (``seed=`` given to the constructor)."""
+        if self.total_frames > 0 and self.total_frames % self.frames_per_batch:
+            warnings.warn(
+                f"total_frames={self.total_frames} is not a multiple of the batch size "
+                f"{self.frames_per_batch}: the last batch is not cut",
+                UserWarning,
+                stacklevel=4,  # __aenter__ (this, the start-up, _on_enter, __aenter__)
+            )
+        if self._seed is not None:
+            await self._seed_chain(self._seed)
 
     # -- seeds ----------------------------------------------------------------------------------------
     async def _seed_chain(self, seed: int) -> int:

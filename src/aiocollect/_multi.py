@@ -259,7 +259,7 @@ class _MultiCollectorBase(FleetCollector, abc.ABC):
     async def _start_workers(self) -> None:
         assert self._task_group is not None
         n = self.num_workers
-        policy_payload = await anyio.to_thread.run_sync(self._pickle_policy)
+        policy_payload = await self._pickled_policy("the worker processes")
         self._control = SharedBlock(control_layout(n), ())
         self._control.td.zero_()
         receivers: list[Any] = [None] * n
@@ -317,22 +317,7 @@ class _MultiCollectorBase(FleetCollector, abc.ABC):
             self.frames_per_batch = sum(self._worker_frames)
         else:
             self.frames_per_batch = self._worker_frames[0]
-        if self.total_frames > 0 and self.total_frames % self.frames_per_batch:
-            warnings.warn(
-                f"total_frames={self.total_frames} is not a multiple of the batch size "
-                f"{self.frames_per_batch}: the last batch is not cut",
-                UserWarning,
-                stacklevel=3,
-            )
-        if self._seed is not None:
-            await self._seed_chain(self._seed)
-
-    def _pickle_policy(self) -> bytes:
-        """In a thread: the policy, pickled once for every worker."""
-        try:
-            return cloudpickle.dumps(self._source_policy)
-        except Exception as exc:
-            raise TypeError(f"the policy cannot be pickled for the worker processes: {exc}") from exc
+        await self._members_started()
 
     @abc.abstractmethod
     def _check_layouts(self, ready: list[Any]) -> None:

@@ -674,15 +674,7 @@ class RayCollector(FleetCollector):
             actor.state = "collecting"
             self._hub.publish(WorkerStarted(actor.index))
         self.frames_per_batch = sum(fpbs) if self._sync else fpbs[0]
-        if self.total_frames > 0 and self.total_frames % self.frames_per_batch:
-            warnings.warn(
-                f"total_frames={self.total_frames} is not a multiple of the batch size "
-                f"{self.frames_per_batch}: the last batch is not cut",
-                UserWarning,
-                stacklevel=3,
-            )
-        if self._seed is not None:
-            await self._seed_chain(self._seed)
+        await self._members_started()
         if not self._sync:
             self._results_send, self._results_receive = anyio.create_memory_object_stream[tuple[int, Any]](
                 self.num_collectors

@@ -760,16 +760,9 @@ class RemoteCollectorBase(FleetCollector):
             raise RuntimeError("the collector was entered already")
         self._entered = True
         assert self._task_group is not None
-        self._policy_payload = await anyio.to_thread.run_sync(self._pickle_policy)
+        self._policy_payload = await self._pickled_policy("the nodes")
         await self._task_group.start(self._io_host)
         await self._start()
-
-    def _pickle_policy(self) -> bytes:
-        """In a thread: the policy, pickled once for every node."""
-        try:
-            return cloudpickle.dumps(self._source_policy)
-        except Exception as exc:
-            raise TypeError(f"the policy cannot be pickled for the nodes: {exc}") from exc
 
     async def _io_host(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         """Owns the collector's I/O tasks (listener, connections, transfers); once they ended at
@@ -842,15 +835,7 @@ class RemoteCollectorBase(FleetCollector):
             self.frames_per_batch = sum(n.ready.frames_per_batch for n in self._nodes if n.ready is not None)
         elif len(fpbs) == 1:
             self.frames_per_batch = fpbs.pop()
-        if self.total_frames > 0 and self.total_frames % self.frames_per_batch:
-            warnings.warn(
-                f"total_frames={self.total_frames} is not a multiple of the batch size "
-                f"{self.frames_per_batch}: the last batch is not cut",
-                UserWarning,
-                stacklevel=3,
-            )
-        if self._seed is not None:
-            await self._seed_chain(self._seed)
+        await self._members_started()
 
     async def _accept_loop(self, listener: socket.socket, token: str) -> None:
         assert self._io is not None
