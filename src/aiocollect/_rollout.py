@@ -148,18 +148,7 @@ class Rollout:
                         f"the env batch shape {self.batch_shape}"
                     )
                 specs[key] = LeafSpec(tuple(value.shape[nb:]), value.dtype)
-            act = specs["action"]
-            if act.shape != exp.shape and not (act.shape == (1,) and exp.shape == ()):
-                raise ValueError(
-                    f"policy output 'action' has shape {act.shape} per env; the action space "
-                    f"{self.env.action_space} needs shape {exp.shape} ({exp.dtype})"
-                )
-            if act.dtype.is_floating_point != exp.dtype.is_floating_point or act.dtype.is_complex:
-                kind = "a floating" if exp.dtype.is_floating_point else "an integer"
-                raise TypeError(
-                    f"policy output 'action' has dtype {act.dtype}; the action space "
-                    f"{self.env.action_space} needs {kind} dtype ({exp.dtype}, shape {exp.shape} per env)"
-                )
+            self.env.check_policy_outputs(specs)
             self._out_specs = specs
         return self._out_specs
 
@@ -205,6 +194,7 @@ class Rollout:
         runner = self.random_runner if random else self.policy
         env = self.env
         env_step = env.step
+        action_from = env.action_from
         batched = bool(self.batch_shape)
         obs_keys = list(env.obs_specs)
         out_keys = list(self.output_specs())
@@ -229,7 +219,7 @@ class Rollout:
                 obs_hist.append(root)
                 out = runner({k: torch.from_numpy(v) for k, v in root.items()})
                 out_hist.append(out)
-                next_obs, reward, terminated, truncated, next_root = env_step(out["action"])
+                next_obs, reward, terminated, truncated, next_root = env_step(action_from(out))
                 next_hist.append(next_obs)
                 forced = None
                 if max_steps is not None:

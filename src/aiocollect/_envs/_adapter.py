@@ -59,6 +59,28 @@ class ArrayEnv:
         self.has_truncated = bool(getattr(env, "has_truncated", True))
         self._gym = env if isinstance(env, GymEnv) else None
 
+    # -- the policy side: which outputs are actions -----------------------------------------------
+    def check_policy_outputs(self, specs: dict[NestedKey, LeafSpec]) -> None:
+        """Raise if the policy's outputs (from one dry call; shapes per env) cannot drive this env."""
+        exp = self.action_spec
+        act = specs["action"]
+        if act.shape != exp.shape and not (act.shape == (1,) and exp.shape == ()):
+            raise ValueError(
+                f"policy output 'action' has shape {act.shape} per env; the action space "
+                f"{self.action_space} needs shape {exp.shape} ({exp.dtype})"
+            )
+        if act.dtype.is_floating_point != exp.dtype.is_floating_point or act.dtype.is_complex:
+            kind = "a floating" if exp.dtype.is_floating_point else "an integer"
+            raise TypeError(
+                f"policy output 'action' has dtype {act.dtype}; the action space "
+                f"{self.action_space} needs {kind} dtype ({exp.dtype}, shape {exp.shape} per env)"
+            )
+
+    @staticmethod
+    def action_from(out: dict[NestedKey, torch.Tensor]) -> Any:
+        """What :meth:`step` takes, picked from one policy call's outputs."""
+        return out["action"]
+
     def random_policy(self) -> RandomPolicy:
         """Uniform random actions for this env: its action space, or a torchrl env's ``rand_action``."""
         if isinstance(self._gym, TorchRLArrays):
