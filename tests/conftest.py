@@ -58,13 +58,16 @@ _PACKAGE_DIR = os.path.dirname(aiocollect.__file__)
 def threads_in_package_code() -> list[str]:
     """Names of the threads (other than this one) now running aiocollect code: a rollout still going.
 
-    Idle worker threads (anyio's or trio's) wait in their own modules, so they do not count.
+    Idle worker threads (anyio's or trio's) wait in their own modules, and an idle rollout thread waits
+    for a job, so they do not count.
     """
     me = threading.get_ident()
     names = {t.ident: t.name for t in threading.enumerate()}
     busy = []
     for ident, frame in sys._current_frames().items():
         f: Any = frame
+        if f.f_code.co_filename.endswith("_rollout_thread.py"):
+            continue  # a collector's rollout thread between jobs (no rollout code on its stack): idle
         while ident != me and f is not None:
             if f.f_code.co_filename.startswith(_PACKAGE_DIR):
                 busy.append(names.get(ident, str(ident)))
@@ -167,6 +170,7 @@ class ListBuffer:
         self.paused = False
         self.violations = 0
         self._loop_thread = threading.get_ident()
+        self._token = anyio.lowlevel.current_token()
         self._grew: anyio.Event | None = None
 
     def extend(self, batch: Any) -> None:
@@ -176,7 +180,7 @@ class ListBuffer:
         if threading.get_ident() == self._loop_thread:
             self._notify()
         else:
-            anyio.from_thread.run_sync(self._notify)
+            anyio.from_thread.run_sync(self._notify, token=self._token)
 
     def _notify(self) -> None:
         if self._grew is not None:

@@ -9,6 +9,7 @@ import json
 
 import anyio
 import anyio.from_thread
+import anyio.lowlevel
 import pytest
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -151,10 +152,11 @@ async def test_pause_stops_writes_for_its_duration(anyio_backend):
     async with Collector(factory, frames_per_batch=16, replay_buffer=rb) as collector:
         (env,) = factory.hooks
         in_flight = anyio.Event()
+        token = anyio.lowlevel.current_token()
 
-        def on_step(n: int) -> None:
+        def on_step(n: int) -> None:  # in the collector's rollout thread
             if n == 16 + 4:  # the second batch is in flight
-                anyio.from_thread.run_sync(in_flight.set)
+                anyio.from_thread.run_sync(in_flight.set, token=token)
 
         env.on_step = on_step
         await collector.start()

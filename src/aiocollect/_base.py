@@ -233,8 +233,7 @@ class CollectorBase(abc.ABC):
         if self._unpaused is None:
             self._unpaused = anyio.Event()
         try:
-            async with self._lock:  # waits for the batch in flight
-                pass
+            await self._wait_idle()
             if self._paused == 1:
                 self._hub.publish(Paused())
             yield
@@ -244,6 +243,11 @@ class CollectorBase(abc.ABC):
                 self._unpaused.set()
                 self._unpaused = None
                 self._hub.publish(Resumed())
+
+    async def _wait_idle(self) -> None:
+        """Wait for the batch in flight (``pause()``)."""
+        async with self._lock:
+            pass
 
     def _finish_progress(self) -> None:
         stats = self._stats

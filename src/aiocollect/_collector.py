@@ -5,10 +5,13 @@ from __future__ import annotations
 import copy
 import threading
 import warnings
+import weakref
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from math import ceil
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import anyio.abc
@@ -20,6 +23,7 @@ from tensordict.nn import InteractionType
 
 from ._base import CollectorBase
 from ._envs._adapter import ArrayEnv, check_env
+from ._errors import WorkerTimeoutError
 from ._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
 from ._policies import (
     compile_policy,
@@ -28,8 +32,8 @@ from ._policies import (
 )
 from ._rng import RolloutRNG
 from ._rollout import Rollout, RolloutConfig, RolloutResult
+from ._rollout_thread import Doorbell, Job, RolloutThread
 from ._stats import CollectorStatistics, WorkerStatistics
-from ._threads import run_stoppable
 from ._trajectories import split_trajectories
 from ._validation import (
     Devices,
@@ -37,6 +41,7 @@ from ._validation import (
     flag,
     init_random_frames_arg,
     lag_arg,
+    non_negative_int,
     optional_callable,
     optional_positive_int,
     positive_int,
@@ -48,6 +53,14 @@ from ._validation import (
     weight_sync_arg,
 )
 from ._weights import as_weights, check_compatible, copy_weights, module_weights
+
+T = TypeVar("T")
+
+
+def _end_thread(thread: RolloutThread, bells: list[Doorbell]) -> None:
+    thread.abandon()  # a no-op for a thread that has ended
+    for bell in bells:
+        bell.close()
 
 
 @dataclass(frozen=True)
@@ -61,8 +74,10 @@ class _Batch:
 class Collector(CollectorBase):
     """Collect batches from one env with a policy; ``async for batch in collector``.
 
-    The rollout of each batch runs in a worker thread (one hand-off per batch), so the event loop stays
-    free for a trainer, a dashboard or other collectors.
+    The rollout runs in one long-lived thread of the collector's own (one hand-off per batch), started
+    with the torch settings of the thread that enters the collector (``torch.set_num_threads``,
+    flush-denormal, default dtype, grad mode), so the event loop stays free for a trainer, a dashboard or
+    other collectors, and the rollout never waits for the loop.
 
     Args:
         create_env_fn: an env (see :class:`EnvProtocol`, e.g. :class:`GymEnv`) or a callable returning one.
@@ -104,6 +119,11 @@ class Collector(CollectorBase):
         traj_id_start, traj_id_stride: trajectory ids are ``traj_id_start + k * traj_id_stride`` for
             ``k = 0, 1, ...``: collectors given the same stride and distinct starts below it never share
             an id (``RayCollector`` gives its remote collector ``i`` of ``n`` start ``i``, stride ``n``).
+        prefetch: batches the rollout thread collects ahead of ``async for`` (default 0: a batch starts
+            when it is asked for, so a batch asked for after :meth:`update_weights` runs the new weights).
+            With ``prefetch=k`` the trainer gets a batch at once, but up to ``k`` batches were collected
+            with older weights: ``("collector", "policy_version")`` (``track_policy_version=True``) says
+            which.
 
     Example:
         >>> import anyio
@@ -146,8 +166,10 @@ class Collector(CollectorBase):
         traj_id_start: int = 0,
         traj_id_stride: int = 1,
         worker_timeout: float | None = None,
+        prefetch: int = 0,
     ) -> None:
         # -- every argument is checked before the env is built ----------------------------------
+        self._prefetch = non_negative_int("prefetch", prefetch, fix="0 collects each batch when asked for")
         self._requested_frames_per_batch = positive_int("frames_per_batch", frames_per_batch)
         self.total_frames = total_frames_arg(total_frames)
         max_frames_per_traj = optional_positive_int("max_frames_per_traj", max_frames_per_traj)
@@ -249,6 +271,14 @@ class Collector(CollectorBase):
                 stacklevel=2,
             )
         self._init_random_frames = ceil(init_random / self.frames_per_batch) * self.frames_per_batch
+        # the rollout thread, started on entering (or at the first batch), and what it hands back
+        self._thread = RolloutThread(f"aiocollect-rollout-{id(self):x}")
+        self._bells: list[Doorbell] = []  # made with the thread (see _submit)
+        # a collector dropped without aclose() (never entered, or its iteration abandoned) ends its thread
+        weakref.finalize(self, _end_thread, self._thread, self._bells)
+        self._pending: deque[Job[_Batch]] = deque()  # batches collected ahead (prefetch)
+        self._free_results: deque[RolloutResult] = deque()  # start(): in the buffer, not yet counted
+        self._thread_stuck = False
         if init_random % self.frames_per_batch:
             warnings.warn(
                 f"init_random_frames={init_random} is rounded up to whole batches: "
@@ -327,38 +357,62 @@ class Collector(CollectorBase):
             self._check_open()  # closed while we waited: keep the reason it was closed for
             if self._budget_reached():  # another consumer took the last batch while we waited
                 raise StopAsyncIteration
-            finished: list[_Batch] = []
+            job = self._pending.popleft() if self._pending else self._submit_batch()
             try:
-                out = await run_stoppable(
-                    lambda stop: self._collect_in_thread(stop, finished), give_up_after=self._worker_timeout
-                )
+                out = await job.wait(timeout=self._worker_timeout)
             except anyio.get_cancelled_exc_class():
-                if finished and finished[0].delivered:  # in the replay buffer already: count it
-                    self._record_result(finished[0].result)
+                # the job was stopped and waited for; a batch already in the replay buffer counts
+                if job.done.is_set():
+                    try:
+                        stopped = job.result()
+                    except BaseException:
+                        stopped = None
+                    if stopped is not None and stopped.delivered:
+                        self._record_result(stopped.result)
                 raise
             except Exception as exc:
-                self._closed_reason = f"a batch failed with {type(exc).__name__}: {exc}"
-                self._closed = True
-                self._failed = True
-                self._hub.publish(WorkerFailed(0, f"{type(exc).__name__}: {exc}"))
-                await self._close_env()
-                self._hub.close()
+                if isinstance(exc, WorkerTimeoutError):
+                    self._thread_stuck = True
+                await self._fail(exc)
                 raise
             self._record_result(out.result)
+            self._prefetch_batches()
             return out.batch
         finally:
             self._lock.release()
+
+    def _submit_batch(self) -> Job[_Batch]:
+        """Queue the next batch in the rollout thread (random while ``init_random_frames`` last)."""
+        ahead = self._stats.frames + self.frames_per_batch * len(self._pending)
+        random = ahead < self._init_random_frames
+        return self._submit(lambda stop: self._collect_in_thread(stop, random))
+
+    def _prefetch_batches(self) -> None:
+        """Keep ``prefetch`` batches queued, never past ``total_frames``."""
+        while len(self._pending) < self._prefetch:
+            ahead = self._stats.frames + self.frames_per_batch * len(self._pending)
+            if 0 < self.total_frames <= ahead:
+                return
+            self._pending.append(self._submit_batch())
+
+    async def _fail(self, exc: BaseException) -> None:
+        self._closed_reason = f"a batch failed with {type(exc).__name__}: {exc}"
+        self._closed = True
+        self._failed = True
+        self._hub.publish(WorkerFailed(0, f"{type(exc).__name__}: {exc}"))
+        await self._close_env()
+        self._hub.close()
+        await self._end_thread()
 
     def _record_result(self, result: RolloutResult) -> None:
         self._record(
             result.frames,
             [(0, r, n) for r, n in zip(result.episode_returns, result.episode_lengths, strict=True)],
             worker_id=0,
-            policy_version=self._rollout.policy_version,
+            policy_version=result.policy_version,
         )
 
-    def _collect_in_thread(self, stop: threading.Event, finished: list[_Batch]) -> _Batch:
-        random = self._stats.frames < self._init_random_frames
+    def _collect_in_thread(self, stop: threading.Event, random: bool) -> _Batch:
         result = self._rng.run(lambda: self._rollout.collect(random=random, stop=stop))
         batch: TensorDictBase = result.batch
         if stop.is_set():  # cancelled: the caller discards this
@@ -370,16 +424,83 @@ class Collector(CollectorBase):
         if self.replay_buffer is None:
             return _Batch(batch, result)
         self.replay_buffer.extend(batch)
-        out = _Batch(None, result, delivered=True)
-        finished.append(out)
-        return out
+        return _Batch(None, result, delivered=True)
+
+    # -- background collection: the rollout thread fills the replay buffer on its own -------------
+    async def _run_free(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        """``start()``: batches are collected and written to the replay buffer by the rollout thread,
+        back to back, while the loop only counts them: collection goes on while the loop is blocked
+        (a long synchronous training step). The thread yields between batches to control calls,
+        ``pause()`` and ``async for``."""
+        with anyio.CancelScope() as scope:
+            self._background = scope
+            task_status.started()
+            try:
+                while not self._budget_reached():
+                    await self._acquire_batch_lock()
+                    try:
+                        self._check_open()
+                        job = self._submit(partial(self._free_run, frames=self._stats.frames), free=True)
+                    finally:
+                        self._lock.release()
+                    try:
+                        while not job.done.is_set():
+                            await job.bell.wait()
+                            self._count_free_results()
+                    finally:
+                        if not job.done.is_set():  # cancelled: stop after this step, count what is in
+                            job.stop.set()
+                            with anyio.CancelScope(shield=True):
+                                while not job.done.is_set():
+                                    await job.bell.wait()
+                        self._count_free_results()
+                    job.result()
+            except Exception as exc:  # raised by __aexit__, with its own type and traceback
+                if not self._closed:
+                    await self._fail(exc)
+                self._background_error = exc
+                if self._task_group is not None:
+                    self._task_group.cancel_scope.cancel()  # and the `async with` body stops
+
+    def _free_run(self, stop: threading.Event, *, frames: int) -> None:
+        """In the rollout thread: collect into the replay buffer until stopped, paused, the budget is
+        reached, or another job waits for the thread."""
+        while not stop.is_set() and not self._paused and not self._thread.pending():
+            if 0 < self.total_frames <= frames:
+                return
+            out = self._collect_in_thread(stop, frames < self._init_random_frames)
+            if not out.delivered:  # stopped mid-batch: discarded
+                return
+            frames += out.result.frames
+            self._free_results.append(out.result)
+            self._bells[1].ring()
+
+    def _count_free_results(self) -> None:
+        while self._free_results:
+            self._record_result(self._free_results.popleft())
+
+    async def _wait_idle(self) -> None:
+        """``pause()``: wait for the batch in flight, including one the background collection runs."""
+        async with self._lock:
+            if self._thread.alive() and not self._thread_stuck:
+                await self._submit(lambda stop: None).wait()
+
+    def _submit(self, fn: Callable[[threading.Event], T], *, free: bool = False) -> Job[T]:
+        """Queue ``fn(stop)`` in the rollout thread, started now (with this thread's torch settings) if
+        the collector was not entered. Its doorbell is the batch lock holder's, or ``start()``'s."""
+        if not self._bells:
+            self._bells.extend((Doorbell(), Doorbell()))
+            self._thread.start()
+        return self._thread.submit(fn, self._bells[1] if free else self._bells[0])
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def _on_enter(self) -> None:
+        self._submit(lambda stop: None)  # the thread starts with the entering thread's torch settings
         self._hub.publish(WorkerStarted(0))
 
     async def aclose(self) -> None:
-        """Stop background collection, wait for a batch in flight, close the env. Idempotent."""
+        """Stop background collection, wait for a batch in flight, close the env and end the rollout
+        thread. Idempotent."""
         if self._background is not None:
             self._background.cancel()
         with anyio.CancelScope(shield=True):
@@ -391,20 +512,35 @@ class Collector(CollectorBase):
                     self._finish_progress()
                 await self._close_env()
                 self._hub.close()
+                await self._end_thread()
+
+    async def _end_thread(self) -> None:
+        """Join the rollout thread (a stuck one is left to finish on its own) and close its doorbells."""
+        if not self._thread_stuck:
+            await self._thread.stop()
+        _end_thread(self._thread, self._bells)
 
     async def _close_env(self) -> None:
+        for job in self._pending:  # batches collected ahead: stop and drop them
+            job.stop.set()
+        self._pending.clear()
         env, self._env = self._env, None
-        if env is not None:
-            with anyio.CancelScope(shield=True):
+        if env is None:
+            return
+        with anyio.CancelScope(shield=True):
+            if self._thread.alive() and not self._thread_stuck:
+                # in the rollout thread, after any batch still queued: an env may be bound to its thread
+                await self._submit(lambda stop: env.close()).wait()
+            else:
                 await anyio.to_thread.run_sync(env.close)
 
     # -- control --------------------------------------------------------------------------------
     async def _control(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` in a thread between batches."""
+        """Run ``fn`` in the rollout thread between batches (after any batch collected ahead)."""
         self._check_open()
         async with self._lock:
             self._check_open()
-            return await anyio.to_thread.run_sync(fn)
+            return await self._submit(lambda stop: fn()).wait()
 
     async def set_seed(self, seed: int) -> int:
         """Seed the env, the random policy and the policy's sampling; resets the env.

@@ -49,6 +49,8 @@ class RolloutResult:
     frames: int
     episode_returns: list[float] = field(default_factory=list)
     episode_lengths: list[int] = field(default_factory=list)
+    #: the policy version the batch was collected with
+    policy_version: int = 0
 
 
 class StopSignal(Protocol):
@@ -339,6 +341,7 @@ class Rollout:
             frames=steps * max(self.env.numel, 1),
             episode_returns=returns,
             episode_lengths=lengths,
+            policy_version=self.policy_version,
         )
 
     def _episode_stats(self, reward: np.ndarray, done: np.ndarray) -> tuple[list[float], list[int]]:

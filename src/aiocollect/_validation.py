@@ -23,6 +23,12 @@ def optional_positive_int(name: str, value: Any, *, fix: str = "use None to disa
     return value
 
 
+def non_negative_int(name: str, value: Any, *, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0 ({fix}), got {value!r}")
+    return value
+
+
 def total_frames_arg(value: Any) -> int:
     """``-1`` or ``None``: endless; otherwise a positive int."""
     if value is None or (isinstance(value, int) and not isinstance(value, bool) and value == -1):

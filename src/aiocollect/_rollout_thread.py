@@ -1,0 +1,204 @@
+"""One long-lived thread per in-process collector that runs its rollout and control calls, in order.
+
+The thread is started with the torch settings of the thread that enters the collector (see
+``_torch_settings.py``) and keeps them: a pool thread per batch would run with torch's defaults, and a new
+one may appear at any batch. Jobs run first in, first out. A finished job rings its :class:`Doorbell` (one
+byte on a socket pair), which the event loop awaits with ``anyio.wait_readable``: the thread never waits for
+the loop, so it goes on collecting (``prefetch``, background collection into a replay buffer) while the loop
+is busy or blocked.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+
+from ._errors import WorkerTimeoutError
+from ._torch_settings import TorchSettings
+
+__all__ = ["Doorbell", "Job", "RolloutThread"]
+
+T = TypeVar("T")
+
+
+class Doorbell:
+    """A socket pair: threads ``ring()`` it, one task at a time awaits ``wait()``."""
+
+    def __init__(self) -> None:
+        self._rx, self._tx = socket.socketpair()
+        self._rx.setblocking(False)
+        self._tx.setblocking(False)
+
+    def ring(self) -> None:
+        try:
+            self._tx.send(b"\0")
+        except (BlockingIOError, OSError):  # full (a ring is pending anyway) or closed
+            pass
+
+    async def wait(self) -> None:
+        """Wait for at least one ring since the last ``wait`` (and take them all)."""
+        while True:
+            try:
+                if self._rx.recv(4096):
+                    return
+            except BlockingIOError:
+                await anyio.wait_readable(self._rx)
+
+    def close(self) -> None:
+        self._rx.close()
+        self._tx.close()
+
+
+class Job(Generic[T]):
+    """A call to run in the rollout thread. ``stop`` asks a stoppable call to return at its next step."""
+
+    def __init__(self, fn: Callable[[threading.Event], T], bell: Doorbell) -> None:
+        self.fn = fn
+        self.bell = bell
+        self.stop = threading.Event()
+        self.done = threading.Event()
+        self.started = False
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        self.started = True
+        try:
+            self._result = self.fn(self.stop)
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            self.done.set()
+            self.bell.ring()
+
+    def result(self) -> T:
+        if self._error is not None:
+            error, self._error = self._error, None  # raised once: no reference cycle through the traceback
+            raise error
+        return self._result  # type: ignore[no-any-return]
+
+    async def wait(self, *, timeout: float | None = None) -> T:  # noqa: ASYNC109 (it stops the job)
+        """Wait for the job and return its result (or raise its exception).
+
+        Cancelled (or interrupted: trio raises ``KeyboardInterrupt`` into the main task), the job is asked to
+        stop and waited for before the exception goes on, so the rollout never runs on unseen. After
+        ``timeout`` seconds the job is asked to stop and given one more second; then
+        :class:`WorkerTimeoutError` is raised (a call that never returns cannot be stopped).
+        """
+        try:
+            with anyio.move_on_after(timeout if timeout is not None else float("inf")) as scope:
+                while not self.done.is_set():
+                    await self.bell.wait()
+        except BaseException:
+            self.stop.set()
+            with anyio.CancelScope(shield=True):
+                while not self.done.is_set():
+                    await self.bell.wait()
+            raise
+        if scope.cancelled_caught:
+            self.stop.set()
+            with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+                while not self.done.is_set():
+                    await self.bell.wait()
+            if not self.done.is_set():
+                raise WorkerTimeoutError(
+                    f"the rollout did not finish a batch within worker_timeout={timeout} s"
+                )
+        return self.result()
+
+
+_STOP = object()
+
+
+class RolloutThread:
+    """A daemon thread that runs :class:`Job`\\ s in order with the torch settings it was started with.
+
+    Example:
+        >>> import anyio
+        >>> async def main():
+        ...     thread = RolloutThread("example")
+        ...     bell = Doorbell()
+        ...     try:
+        ...         return await thread.submit(lambda stop: 6 * 7, bell).wait()
+        ...     finally:
+        ...         await thread.stop()
+        ...         bell.close()
+        >>> anyio.run(main)
+        42
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._exited = threading.Event()
+        self._exit_bell: Doorbell | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def start(self, settings: TorchSettings | None = None) -> None:
+        """Start the thread (idempotent) with ``settings`` (default: the calling thread's)."""
+        if self._thread is not None:
+            return
+        settings = settings if settings is not None else TorchSettings.capture()
+        self._thread = threading.Thread(target=self._run, args=(settings,), name=self.name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[threading.Event], T], bell: Doorbell) -> Job[T]:
+        """Queue ``fn(stop)``; the thread starts now if it has not yet."""
+        self.start()
+        job: Job[T] = Job(fn, bell)
+        self._jobs.put(job)
+        return job
+
+    def pending(self) -> bool:
+        """Whether jobs wait in the queue (a long job may yield the thread to them)."""
+        return not self._jobs.empty()
+
+    def _run(self, settings: TorchSettings) -> None:
+        settings.apply()
+        try:
+            while True:
+                job = self._jobs.get()
+                if job is _STOP:
+                    return
+                job.run()
+        finally:
+            self._exited.set()
+            if self._exit_bell is not None:
+                self._exit_bell.ring()
+
+    async def stop(self) -> None:
+        """End the thread after the jobs queued before this call, and join it. A thread stuck in a call
+        that never returns is left to finish on its own (it is a daemon thread)."""
+        thread = self._thread
+        if thread is None or self._exited.is_set():
+            return
+        bell = Doorbell()
+        self._exit_bell = bell
+        try:
+            self._jobs.put(_STOP)
+            with anyio.CancelScope(shield=True):
+                while not self._exited.is_set():
+                    await bell.wait()
+                # it has left its loop: join returns at once, but only a thread may block
+                await anyio.to_thread.run_sync(thread.join)
+        finally:
+            bell.close()
+
+    def abandon(self) -> None:
+        """End the thread after its queued jobs, without waiting (a collector dropped unclosed)."""
+        if self._thread is not None and not self._exited.is_set():
+            self._jobs.put(_STOP)
+
+    def alive(self) -> bool:
+        return self._thread is not None and not self._exited.is_set()
