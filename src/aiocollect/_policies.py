@@ -94,6 +94,10 @@ class _RandomRunner:
     def __call__(self, obs: Mapping[NestedKey, torch.Tensor]) -> dict[NestedKey, torch.Tensor]:
         return {"action": self.policy.sample(self.batch_shape)}
 
+    def sample_steps(self, steps: int) -> dict[NestedKey, torch.Tensor]:
+        """The outputs of ``steps`` calls at once, steps first (one draw per batch instead of per step)."""
+        return _RandomRunner(self.policy, (steps, *self.batch_shape))({})
+
 
 class _ModuleRunner:
     """A plain ``nn.Module``: ``action = module(*observations)``."""

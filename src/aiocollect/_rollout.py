@@ -19,6 +19,7 @@ from tensordict.nn import InteractionType, set_interaction_type
 from ._envs._adapter import ArrayEnv
 from ._envs._spaces import LeafSpec, NestedKey
 from ._policies import Runner
+from ._storage import StoragePool
 
 _FLAGS = ("done", "terminated", "truncated")
 
@@ -95,6 +96,7 @@ class Rollout:
         self._next_traj = config.traj_id_start
         self._root: dict[NestedKey, np.ndarray] = {}
         self._out_specs: dict[NestedKey, LeafSpec] | None = None
+        self._storage = StoragePool()
         self.reset()
 
     # -- state ------------------------------------------------------------------------------------
@@ -161,17 +163,19 @@ class Rollout:
     def _allocate(self) -> tuple[TensorDict, dict[Any, np.ndarray]]:
         T = self.steps_per_batch
         bt = (*self.batch_shape, T)
-        tensors: dict[Any, torch.Tensor] = {}
+        shapes: dict[Any, tuple[tuple[int, ...], torch.dtype]] = {}
         for key, spec in self.env.obs_specs.items():
-            tensors[key] = torch.empty((*bt, *spec.shape), dtype=spec.dtype)
-            tensors[_key_tuple("next", key)] = torch.empty((*bt, *spec.shape), dtype=spec.dtype)
+            shapes[key] = shapes[_key_tuple("next", key)] = ((*bt, *spec.shape), spec.dtype)
         for key, spec in self.output_specs().items():
-            tensors[key] = torch.empty((*bt, *spec.shape), dtype=spec.dtype)
+            shapes[key] = ((*bt, *spec.shape), spec.dtype)
         for flag in _FLAGS:
-            tensors[flag] = torch.zeros((*bt, 1), dtype=torch.bool)
-            tensors[("next", flag)] = torch.empty((*bt, 1), dtype=torch.bool)
-        tensors[("next", "reward")] = torch.empty((*bt, 1), dtype=torch.float32)
-        tensors[("collector", "traj_ids")] = torch.empty(bt, dtype=torch.int64)
+            shapes[flag] = shapes[("next", flag)] = ((*bt, 1), torch.bool)
+        shapes[("next", "reward")] = ((*bt, 1), torch.float32)
+        shapes[("collector", "traj_ids")] = (bt, torch.int64)
+        # one buffer for the batch, reused once the consumer has dropped an earlier batch (_storage.py)
+        tensors = dict(zip(shapes, self._storage.take(list(shapes.values())), strict=True))
+        for flag in _FLAGS:
+            tensors[flag].zero_()
         views: dict[Any, np.ndarray] = {}
         for key, tensor in tensors.items():
             try:
@@ -186,22 +190,37 @@ class Rollout:
     def collect(self, *, random: bool = False, stop: StopSignal | None = None) -> RolloutResult:
         """Collect one batch. If ``stop`` is set mid-batch, return early with ``steps`` < T.
 
-        The loop only appends references to per-step lists (cheap); each entry is stacked once into the
-        preallocated batch at the end, and episode statistics are computed there too, vectorised.
+        Observations are written into the preallocated batch at the step they arrive (one copy per key
+        and frame, and the env may reuse its arrays afterwards); the policy's outputs, rewards and flags
+        (small) are kept as references and stacked once at the end, where episode statistics are
+        computed too, vectorised. Random batches draw the actions of the whole batch in one call.
         """
         cfg = self.config
         if cfg.reset_at_each_iter:
             self.reset()
         batch, views = self._allocate()
-        runner = self.random_runner if random else self.policy
         env = self.env
         env_step = env.step
         action_from = env.action_from
         batched = bool(self.batch_shape)
-        obs_keys = list(env.obs_specs)
+        nb = len(self.batch_shape)
+        T = self.steps_per_batch
+        # per observation key: (key, this step's slot of "observation", of ("next", "observation")),
+        # as views with time first, so that ``slot[t] = array`` is one copy whatever the batch dims
+        obs_slots = [
+            (key, np.moveaxis(views[key], nb, 0), np.moveaxis(views[_key_tuple("next", key)], nb, 0))
+            for key in env.obs_specs
+        ]
         out_keys = list(self.output_specs())
-        obs_hist: list[dict[NestedKey, np.ndarray]] = []
-        next_hist: list[dict[NestedKey, np.ndarray]] = []
+        runner = self.random_runner if random else self.policy
+        sample_steps = getattr(runner, "sample_steps", None)
+        # random actions for every step at once (steps first): one draw per batch, not per step
+        block = sample_steps(T) if sample_steps is not None else None
+        block_steps = None
+        if block is not None:
+            # a GymEnv takes numpy actions: indexing an array per step is ~10x cheaper than a tensor
+            as_numpy = env.numpy_actions and all(v.dtype != torch.bfloat16 for v in block.values())
+            block_steps = {k: list(v.numpy()) if as_numpy else v.unbind(0) for k, v in block.items()}
         out_hist: list[dict[NestedKey, torch.Tensor]] = []
         rew_hist: list[Any] = []
         term_hist: list[Any] = []
@@ -210,7 +229,6 @@ class Rollout:
         max_steps = cfg.max_frames_per_traj
         ep_length = self._ep_length
         traj_ids = self._traj_ids
-        T = self.steps_per_batch
         steps = T
         root = self._root
         with torch.no_grad(), set_interaction_type(cfg.exploration_type):
@@ -218,11 +236,16 @@ class Rollout:
                 if stop is not None and stop.is_set():
                     steps = t
                     break
-                obs_hist.append(root)
-                out = runner({k: torch.from_numpy(v) for k, v in root.items()})
-                out_hist.append(out)
+                for key, slot, _ in obs_slots:
+                    slot[t] = root[key]
+                if block_steps is None:
+                    out = runner({k: torch.from_numpy(v) for k, v in root.items()})
+                    out_hist.append(out)
+                else:
+                    out = {k: v[t] for k, v in block_steps.items()}
                 next_obs, reward, terminated, truncated, next_root = env_step(action_from(out))
-                next_hist.append(next_obs)
+                for key, _, next_slot in obs_slots:
+                    next_slot[t] = next_obs[key]
                 forced = None
                 if max_steps is not None:
                     ep_length = ep_length + 1
@@ -255,15 +278,15 @@ class Rollout:
         self._root = root
         self._traj_ids = traj_ids
         self._ep_length = ep_length
+        if block is not None:  # a random batch: the actions of every step at once, steps first
+            out_hist = [{k: v[:steps].movedim(0, nb) for k, v in block.items()}]
         return self._finish(
             batch,
             views,
             steps,
-            obs_keys,
             out_keys,
-            obs_hist,
-            next_hist,
             out_hist,
+            block is not None,
             rew_hist,
             term_hist,
             trunc_hist,
@@ -275,34 +298,31 @@ class Rollout:
         batch: TensorDict,
         views: dict[Any, np.ndarray],
         steps: int,
-        obs_keys: list[NestedKey],
         out_keys: list[NestedKey],
-        obs_hist: list[dict[NestedKey, np.ndarray]],
-        next_hist: list[dict[NestedKey, np.ndarray]],
         out_hist: list[dict[NestedKey, torch.Tensor]],
+        out_stacked: bool,
         rew_hist: list[Any],
         term_hist: list[Any],
         trunc_hist: list[Any],
         ids_hist: list[Any],
     ) -> RolloutResult:
-        """Stack the per-step lists into the batch (time dim last) and compute episode statistics."""
+        """Stack the per-step lists into the batch (time dim last) and compute episode statistics.
+
+        ``out_stacked``: ``out_hist`` holds one entry with the time dim in place already."""
         cfg = self.config
         nb = len(self.batch_shape)
         lead = (slice(None),) * nb
         valid = (*lead, slice(0, steps))
         traj_v = views[("collector", "traj_ids")]
         if steps:
-            for key in obs_keys:
-                _stack_into(views[key][valid], [o[key] for o in obs_hist], nb)
-                nk = _key_tuple("next", key)
-                _stack_into(views[nk][valid], [o[key] for o in next_hist], nb)
             for key in out_keys:
                 target = views[key][valid]
                 if key not in out_hist[0]:  # a random batch: the policy's other outputs are zeros
                     target[...] = 0
                     continue
+                values = out_hist[0][key] if out_stacked else torch.stack([o[key] for o in out_hist], dim=nb)
                 # reshape: a random action of shape () fills a policy's (1,) action slot
-                values = torch.stack([o[key] for o in out_hist], dim=nb).cpu().reshape(target.shape)
+                values = values.cpu().reshape(target.shape)
                 if isinstance(target, np.ndarray):
                     target[...] = values.numpy()
                 else:

@@ -10,9 +10,11 @@ is busy or blocked.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import socket
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -70,11 +72,13 @@ class Job(Generic[T]):
 
     def run(self) -> None:
         self.started = True
+        fn, self.fn = self.fn, None  # type: ignore[assignment]  # no reference to the collector kept
         try:
-            self._result = self.fn(self.stop)
+            self._result = fn(self.stop)
         except BaseException as exc:
             self._error = exc
         finally:
+            del fn
             self.done.set()
             self.bell.ring()
 
@@ -115,6 +119,20 @@ class Job(Generic[T]):
 
 
 _STOP = object()
+_LIVE: weakref.WeakSet[RolloutThread] = weakref.WeakSet()
+
+
+@atexit.register
+def _end_idle_threads() -> None:
+    """At interpreter exit, end the rollout threads of collectors that were never closed: a daemon
+    thread still holding torch's per-thread state when C++ runs its static destructors aborts the
+    process ("terminate called without an active exception")."""
+    threads = list(_LIVE)
+    for thread in threads:
+        thread.abandon()
+    for thread in threads:
+        if thread._thread is not None:
+            thread._thread.join(timeout=1.0)
 
 
 class RolloutThread:
@@ -152,6 +170,7 @@ class RolloutThread:
         settings = settings if settings is not None else TorchSettings.capture()
         self._thread = threading.Thread(target=self._run, args=(settings,), name=self.name, daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     def submit(self, fn: Callable[[threading.Event], T], bell: Doorbell) -> Job[T]:
         """Queue ``fn(stop)``; the thread starts now if it has not yet."""
@@ -172,6 +191,7 @@ class RolloutThread:
                 if job is _STOP:
                     return
                 job.run()
+                del job  # an idle thread holds no job (and through it, no collector)
         finally:
             self._exited.set()
             if self._exit_bell is not None:

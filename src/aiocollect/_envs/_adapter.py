@@ -50,6 +50,7 @@ class ArrayEnv:
             self.action_spec: LeafSpec = arrays.action_spec
             self.has_truncated = arrays.has_truncated
             self._gym: Any = arrays  # the array fast path: a GymEnv, or this adapter
+            self.numpy_actions = False
             return
         self.action_space = env.action_space
         self.obs_specs = (
@@ -58,6 +59,8 @@ class ArrayEnv:
         self.action_spec = env.action_spec if isinstance(env, GymEnv) else action_spec(env.action_space)
         self.has_truncated = bool(getattr(env, "has_truncated", True))
         self._gym = env if isinstance(env, GymEnv) else None
+        #: ``step`` takes numpy actions as well as tensors
+        self.numpy_actions = isinstance(env, GymEnv)
 
     # -- the policy side: which outputs are actions -----------------------------------------------
     def check_policy_outputs(self, specs: dict[NestedKey, LeafSpec]) -> None:
