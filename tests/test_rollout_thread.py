@@ -123,8 +123,7 @@ async def test_a_python_heavy_env_leaves_the_loop_free() -> None:
     # interleaved rounds: the machine's load drifts. The collectors are built before the ticker runs:
     # the constructor makes the env on the calling thread (Collector.create would not)
     collectors = [
-        Collector(lambda: GymEnv(PythonHeavyEnv()), frames_per_batch=256, total_frames=1024)
-        for _ in range(3)
+        Collector(lambda: GymEnv(PythonHeavyEnv()), frames_per_batch=256, total_frames=1024) for _ in range(3)
     ]
     rounds = [(await tick_while(reference), await tick_while(collect)) for _ in range(3)]
     reference_rate = float(np.median([r[0][0] for r in rounds]))
