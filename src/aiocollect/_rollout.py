@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import InteractionType, set_interaction_type
 
 from ._envs._adapter import ArrayEnv
@@ -160,7 +160,8 @@ class Rollout:
         return {k: torch.from_numpy(v) for k, v in self._root.items()}
 
     # -- the hot loop -----------------------------------------------------------------------------
-    def _allocate(self) -> tuple[TensorDict, dict[Any, np.ndarray]]:
+    def _allocate(self, into: TensorDictBase | None = None) -> tuple[TensorDict, dict[Any, np.ndarray]]:
+        """The batch's tensors (from ``into``'s, when given) and numpy views to write them through."""
         T = self.steps_per_batch
         bt = (*self.batch_shape, T)
         shapes: dict[Any, tuple[tuple[int, ...], torch.dtype]] = {}
@@ -173,7 +174,10 @@ class Rollout:
         shapes[("next", "reward")] = ((*bt, 1), torch.float32)
         shapes[("collector", "traj_ids")] = (bt, torch.int64)
         # one buffer for the batch, reused once the consumer has dropped an earlier batch (_storage.py)
-        tensors = dict(zip(shapes, self._storage.take(list(shapes.values())), strict=True))
+        if into is not None:
+            tensors = {key: into.get(key) for key in shapes}
+        else:
+            tensors = dict(zip(shapes, self._storage.take(list(shapes.values())), strict=True))
         for flag in _FLAGS:
             tensors[flag].zero_()
         views: dict[Any, np.ndarray] = {}
@@ -187,8 +191,20 @@ class Rollout:
             views[key] = view
         return TensorDict(tensors, batch_size=bt), views
 
-    def collect(self, *, random: bool = False, stop: StopSignal | None = None) -> RolloutResult:
+    def layout(self) -> TensorDict:
+        """An empty batch as :meth:`collect` makes it (keys, shapes, dtypes), without collecting."""
+        batch, _ = self._allocate()
+        if self.config.track_policy_version:
+            batch.set(("collector", "policy_version"), torch.zeros(batch.batch_size, dtype=torch.int64))
+        return batch
+
+    def collect(
+        self, *, random: bool = False, stop: StopSignal | None = None, into: TensorDictBase | None = None
+    ) -> RolloutResult:
         """Collect one batch. If ``stop`` is set mid-batch, return early with ``steps`` < T.
+
+        ``into``: write the batch into these tensors (a worker's shared-memory slot, laid out as
+        :meth:`layout` says) instead of new ones.
 
         Observations are written into the preallocated batch at the step they arrive (one copy per key
         and frame, and the env may reuse its arrays afterwards); the policy's outputs, rewards and flags
@@ -198,7 +214,7 @@ class Rollout:
         cfg = self.config
         if cfg.reset_at_each_iter:
             self.reset()
-        batch, views = self._allocate()
+        batch, views = self._allocate(into)
         env = self.env
         env_step = env.step
         action_from = env.action_from
@@ -291,6 +307,7 @@ class Rollout:
             term_hist,
             trunc_hist,
             ids_hist,
+            into,
         )
 
     def _finish(
@@ -305,6 +322,7 @@ class Rollout:
         term_hist: list[Any],
         trunc_hist: list[Any],
         ids_hist: list[Any],
+        into: TensorDictBase | None = None,
     ) -> RolloutResult:
         """Stack the per-step lists into the batch (time dim last) and compute episode statistics.
 
@@ -348,10 +366,10 @@ class Rollout:
             views[("next", "truncated")][last] = True
             views[("next", "done")][last] = True
         if cfg.track_policy_version:
-            batch.set(
-                ("collector", "policy_version"),
-                torch.full(batch.batch_size, self.policy_version, dtype=torch.int64),
-            )
+            version = into.get(("collector", "policy_version"), None) if into is not None else None
+            if version is None:
+                version = torch.empty(batch.batch_size, dtype=torch.int64)
+            batch.set(("collector", "policy_version"), version.fill_(self.policy_version))
         batch.names = [None] * nb + ["time"]
         if cfg.storing_device is not None and cfg.storing_device != torch.device("cpu"):
             batch = batch.to(cfg.storing_device)
