@@ -462,3 +462,56 @@ def test_seeded_collector_batches_are_bit_identical(num_envs: int | None, explor
         for key in b.keys(True, True):
             assert a[key].dtype == b[key].dtype
             assert torch.equal(a[key], b[key]), key
+
+
+def torchrl_policies() -> dict[str, Callable[[], Any]]:
+    torchrl_modules = pytest.importorskip("torchrl.modules")
+
+    def params() -> TensorDictModule:
+        return TensorDictModule(nn.Sequential(mlp(4, 4), NormalParamExtractor()), OBS, ["loc", "scale"])
+
+    return {
+        "actor": lambda: torchrl_modules.Actor(mlp(4, 2)),
+        "safe_sequential": lambda: torchrl_modules.SafeSequential(
+            torchrl_modules.SafeModule(mlp(4, 4), OBS, ["hidden"]),
+            torchrl_modules.SafeModule(nn.Linear(4, 2), ["hidden"], ["action"]),
+        ),
+        "probabilistic_actor_tanh_normal": lambda: torchrl_modules.ProbabilisticActor(
+            params(),
+            in_keys=["loc", "scale"],
+            distribution_class=torchrl_modules.TanhNormal,
+            distribution_kwargs={"low": -2.0, "high": 2.0},
+            return_log_prob=True,
+        ),
+        "probabilistic_actor_one_hot": lambda: torchrl_modules.ProbabilisticActor(
+            TensorDictModule(mlp(4, 3), OBS, ["logits"]),
+            in_keys=["logits"],
+            distribution_class=torchrl_modules.OneHotCategorical,
+            return_log_prob=True,
+        ),
+    }
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torchrl's TanhNormal warns on MEDIAN and the like
+@pytest.mark.parametrize("shape", [(), (5,)], ids=str)
+@pytest.mark.parametrize(
+    "name", ["actor", "safe_sequential", "probabilistic_actor_tanh_normal", "probabilistic_actor_one_hot"]
+)
+def test_torchrl_actors_are_bit_identical(name: str, shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    policy = torchrl_policies()[name]()
+    slow = _TensorDictRunner(policy, shape, OBS, None)
+    fast = compile_tensordict_policy(policy, OBS, shape, None)
+    assert fast is not None, unsupported_reason(policy, OBS, shape, None)
+    observations = [{"observation": torch.randn(*shape, 4)} for _ in range(8)]
+    for itype in INTERACTIONS:
+        assert_same(steps(fast, observations, itype, seed=5), steps(slow, observations, itype, seed=5))
+
+
+def test_torchrl_safe_actor_keeps_the_tensordict_path() -> None:
+    torchrl_modules = pytest.importorskip("torchrl.modules")
+    from torchrl.data import Bounded
+
+    actor = torchrl_modules.Actor(mlp(4, 2), spec=Bounded(-0.1, 0.1, (2,)), safe=True)
+    assert compile_tensordict_policy(actor, OBS, (3,), None) is None
+    assert isinstance(make_runner(actor, batch_shape=(3,), obs_keys=OBS, device=None), _TensorDictRunner)

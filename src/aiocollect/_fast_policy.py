@@ -133,16 +133,18 @@ class _Compiler:
         for name in _HOOK_DICTS:
             if getattr(m, name, None):
                 raise _Unsupported(f"{type(m).__name__} has hooks")
-        cls = type(m)
-        if cls is TensorDictModule:
+        kind = _kind(type(m))
+        if kind is None:
+            raise _Unsupported(f"{type(m).__name__} is not in the allow-list")
+        if kind.startswith("torchrl") and getattr(m, "safe", False):
+            raise _Unsupported("safe=True: the spec projects the outputs")
+        if kind.endswith("prob_module"):
+            return [self._prob_module(m, torchrl=kind.startswith("torchrl"))]
+        if kind.endswith("td_module"):
             return [self._td_module(m)]
-        if cls is ProbabilisticTensorDictModule:
-            return [self._prob_module(m)]
-        if cls is TensorDictSequential:
-            return self._sequence(m)
-        if cls is ProbabilisticTensorDictSequential:
+        if kind.endswith("prob_sequence"):
             return self._prob_sequence(m)
-        raise _Unsupported(f"{cls.__name__} is not in the allow-list")
+        return self._sequence(m)
 
     def _td_module(self, m: TensorDictModule) -> _Step:
         if m._kwargs is not None or getattr(m, "_get_kwargs", None) or m.inplace is not True:
@@ -179,7 +181,7 @@ class _Compiler:
 
         return step
 
-    def _prob_module(self, m: ProbabilisticTensorDictModule) -> _Step:
+    def _prob_module(self, m: ProbabilisticTensorDictModule, *, torchrl: bool = False) -> _Step:
         if getattr(m, "_generator", None) is not None or getattr(m, "_generator_key", None) is not None:
             raise _Unsupported("a sampling generator")
         if m.num_samples is not None:
@@ -207,6 +209,8 @@ class _Compiler:
         validate = self._validator()
         dist_sample = m._dist_sample
         joint = _joint_sample_and_log_prob if return_log_prob else None
+        if torchrl and return_log_prob:  # SafeProbabilisticModule.forward draws both with torchrl's helper
+            joint = _torchrl_joint()
         empty = torch.Size(())
 
         def step(env: _Env) -> None:
@@ -301,6 +305,46 @@ class _Compiler:
             return value if value.device == device else value.to(device)
 
         return to_device
+
+
+_TENSORDICT_KINDS = {
+    TensorDictModule: "td_module",
+    ProbabilisticTensorDictModule: "prob_module",
+    TensorDictSequential: "sequence",
+    ProbabilisticTensorDictSequential: "prob_sequence",
+}
+# torchrl classes whose forward is tensordict's (or, for SafeProbabilisticModule, reproduced here):
+# checked against torchrl 0.14's source; a later torchrl that changes them fails the first-call check
+_TORCHRL_KINDS = {
+    "torchrl.modules.tensordict_module.common.SafeModule": "torchrl_td_module",
+    "torchrl.modules.tensordict_module.actors.Actor": "torchrl_td_module",
+    "torchrl.modules.tensordict_module.sequence.SafeSequential": "torchrl_sequence",
+    "torchrl.modules.tensordict_module.probabilistic.SafeProbabilisticModule": "torchrl_prob_module",
+    "torchrl.modules.tensordict_module.probabilistic.SafeProbabilisticTensorDictSequential": (
+        "torchrl_prob_sequence"
+    ),
+    "torchrl.modules.tensordict_module.actors.ProbabilisticActor": "torchrl_prob_sequence",
+}
+
+
+def _kind(cls: type) -> str | None:
+    kind = _TENSORDICT_KINDS.get(cls)
+    if kind is None:
+        kind = _TORCHRL_KINDS.get(f"{cls.__module__}.{cls.__qualname__}")
+    return kind
+
+
+def _torchrl_joint() -> Callable[[Any], Callable[[torch.Size], Any]]:
+    """torchrl's ``SafeProbabilisticModule`` sampling under RANDOM with ``return_log_prob``."""
+    try:
+        from torchrl.modules.distributions.utils import sample_and_log_prob
+    except ImportError as exc:
+        raise _Unsupported("this torchrl has no sample_and_log_prob") from exc
+
+    def joint(dist: Any) -> Callable[[torch.Size], Any]:
+        return lambda shape: sample_and_log_prob(dist, shape, reparameterize=dist.has_rsample)
+
+    return joint
 
 
 def _identity(value: Tensor) -> Tensor:
