@@ -146,7 +146,7 @@ class _Compiler:
             return self._prob_sequence(m)
         return self._sequence(m)
 
-    def _td_module(self, m: TensorDictModule) -> _Step:
+    def _td_module(self, m: Any) -> _Step:
         if m._kwargs is not None or getattr(m, "_get_kwargs", None) or m.inplace is not True:
             raise _Unsupported("dict in_keys, get_kwargs or inplace != True")
         if m.out_keys != m.out_keys_source or "_" in m.in_keys:
@@ -181,7 +181,7 @@ class _Compiler:
 
         return step
 
-    def _prob_module(self, m: ProbabilisticTensorDictModule, *, torchrl: bool = False) -> _Step:
+    def _prob_module(self, m: Any, *, torchrl: bool = False) -> _Step:
         if getattr(m, "_generator", None) is not None or getattr(m, "_generator_key", None) is not None:
             raise _Unsupported("a sampling generator")
         if m.num_samples is not None:
@@ -189,8 +189,7 @@ class _Compiler:
         dist_class = m.distribution_class
         if isinstance(dist_class, type) and issubclass(dist_class, CompositeDistribution):
             raise _Unsupported("CompositeDistribution")
-        sample_keys = list(m.dist_sample_keys)
-        if "_" in sample_keys:
+        if "_" in m.dist_sample_keys:
             raise _Unsupported("the default '_' out_key")
         names = [k[-1] if isinstance(k, tuple) else k for k in m.dist_keys]
         pairs = list(zip(names, self.read(m.in_keys), strict=True))
@@ -202,7 +201,7 @@ class _Compiler:
                 lp_key = unravel_key(m.log_prob_key)
             except Exception as exc:  # several log-prob keys, or an aggregation mode changed
                 raise _Unsupported("log_prob_key") from exc
-        sample_keys = self.write(sample_keys)
+        sample_keys = self.write(list(m.dist_sample_keys))
         if lp_key is not None:
             self.write([lp_key])
         n_samples = len(sample_keys)
@@ -214,7 +213,7 @@ class _Compiler:
         empty = torch.Size(())
 
         def step(env: _Env) -> None:
-            dist = dist_class(**{name: env[k] for name, k in pairs}, **dist_kwargs)
+            dist: Any = dist_class(**{name: env[k] for name, k in pairs}, **dist_kwargs)
             itype = _interaction_type()
             sample_and_lp = None
             if joint is not None and (itype or m.default_interaction_type) is _RANDOM:
@@ -245,18 +244,18 @@ class _Compiler:
 
         return step
 
-    def _check_sequence(self, m: TensorDictSequential) -> list[Any]:
+    def _check_sequence(self, m: Any) -> list[Any]:
         if m.partial_tolerant or m._select_before_return or m.inplace not in (None, True):
             raise _Unsupported("partial_tolerant, selected_out_keys or inplace")
         return list(m._module_iter())
 
-    def _sequence(self, m: TensorDictSequential) -> list[_Step]:
+    def _sequence(self, m: Any) -> list[_Step]:
         steps: list[_Step] = []
         for child in self._check_sequence(m):
             steps += self.module(child)
         return steps
 
-    def _prob_sequence(self, m: ProbabilisticTensorDictSequential) -> list[_Step]:
+    def _prob_sequence(self, m: Any) -> list[_Step]:
         children = self._check_sequence(m)
         if not getattr(m, "_requires_sample", True):
             raise _Unsupported("a sequence whose prefix writes the sample")
