@@ -19,6 +19,7 @@ from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import InteractionType, TensorDictModuleBase
 
 from ._envs._spaces import NestedKey, action_spec, sample
+from ._fast_policy import lazy_fast_runner
 
 Runner = Callable[[Mapping[NestedKey, torch.Tensor]], dict[NestedKey, torch.Tensor]]
 
@@ -183,7 +184,11 @@ def make_runner(
         return _RandomRunner(policy, batch_shape)
     # a torch.compile'd TensorDictModule is an nn.Module wrapper: it still takes a TensorDict
     if isinstance(unwrap_compiled(policy), TensorDictModuleBase):
-        return _TensorDictRunner(policy, batch_shape, obs_keys, device)
+        slow = _TensorDictRunner(policy, batch_shape, obs_keys, device)
+        if unwrap_compiled(policy) is not policy:  # compiled: keeps the TensorDict path
+            return slow
+        # the key graph compiled into a function of tensors, checked against ``slow`` on the first call
+        return lazy_fast_runner(policy, slow, obs_keys=obs_keys, batch_shape=batch_shape, device=device)
     if isinstance(policy, torch.nn.Module):
         return _ModuleRunner(policy, obs_keys, device)
     if callable(policy):
