@@ -395,7 +395,7 @@ class _MultiCollectorBase(FleetCollector, abc.ABC):
             if self._storing_device is not None:
                 batch = batch.to(self._storing_device)
             if self.replay_buffer is not None:
-                await anyio.to_thread.run_sync(self.replay_buffer.extend, batch)
+                await anyio.to_thread.run_sync(self.replay_buffer.extend, self._frames_for_buffer(batch))
                 return None
             return batch
         finally:
@@ -427,6 +427,11 @@ class _MultiCollectorBase(FleetCollector, abc.ABC):
     @abc.abstractmethod
     async def _next_batch(self, pool: WorkerPool) -> _Delivery:
         """One batch, its valid frames and the episodes that ended in it."""
+
+    def _frames_for_buffer(self, batch: TensorDictBase) -> TensorDictBase:
+        """What ``replay_buffer.extend`` gets: the batch as delivered (one worker's rollout, as torchrl's
+        workers extend theirs)."""
+        return batch
 
     # -- control ----------------------------------------------------------------------------------
     @property
@@ -701,6 +706,21 @@ class MultiSyncCollector(_MultiCollectorBase):
             worker_id=None,
             policy_version=min(notices[i].policy_version for i in range(n)),
         )
+
+    def _frames_for_buffer(self, batch: TensorDictBase) -> TensorDictBase:
+        """The stacked ``[workers, ..., T]`` batch with its worker dim folded into the next one: the entries
+        torchrl's workers add when each extends the buffer with its own rollout (frames for single envs,
+        ``[B, T]`` rows for batched ones), in worker order; frames a preempted worker did not collect are
+        left out when the entries are frames."""
+        if self._cat_results != "stack" or self._split_trajs or batch.ndim < 2:
+            return batch
+        flat = batch.flatten(0, 1)
+        mask_key = ("collector", "mask")
+        if flat.ndim == 1 and mask_key in flat.keys(include_nested=True):
+            mask = flat.get(mask_key)
+            if not bool(mask.all()):
+                flat = flat[mask]
+        return flat
 
     def _combine(self, pool: WorkerPool, notices: dict[int, Any]) -> tuple[TensorDictBase, int]:
         slots = [w.slots[0].td for w in pool.workers]

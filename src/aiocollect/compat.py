@@ -177,7 +177,7 @@ def _one_device(name: str, value: Any) -> Any:
 def _with_kwargs(fn: Any, kwargs: Mapping[str, Any] | None) -> Any:
     if not kwargs:
         return fn
-    if hasattr(fn, "step"):  # an env instance
+    if hasattr(fn, "step") and not isinstance(fn, type):  # an env instance (a class is a constructor)
         raise TypeError("create_env_kwargs needs a callable create_env_fn; an env instance is already built")
     return functools.partial(fn, **kwargs)
 
@@ -338,7 +338,9 @@ class _CompatCollector:
         weights_dict: Any = None,
         **kwargs: Any,
     ) -> int:
-        """``await collector.update_weights(...)``: copies (never aliases) weights; returns the version."""
+        """``await collector.update_weights(..., wait=True)``: copies (never aliases) weights and, as
+        torchrl's call does, returns only once every targeted worker runs them; returns the version.
+        ``wait=False`` returns as soon as they are published (aiocollect's default)."""
         if worker_ids is not None:
             if not isinstance(self._inner, _multi._MultiCollectorBase):
                 raise TypeError("worker_ids: an in-process collector has no workers")
@@ -350,6 +352,7 @@ class _CompatCollector:
         sources = [s for s in (policy_or_weights, weights, policy) if s is not None]
         if len(sources) > 1:
             raise TypeError("give the weights once: policy_or_weights, weights= or policy=")
+        kwargs.setdefault("wait", True)
         await self._ensure_started()
         return int(await self._inner.update_weights(sources[0] if sources else None, **kwargs))
 
