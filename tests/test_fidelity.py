@@ -4,9 +4,12 @@ processes inside the workers (reaped on every exit path), the real cause of a wo
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -403,3 +406,46 @@ async def test_serial_and_process_workers_give_the_same_seeded_batches(sync: boo
             n = min(len(actions), len(run_[worker]))  # async: a worker's share of the batches varies
             assert n > 0
             assert all(torch.equal(a, b) for a, b in zip(actions[:n], run_[worker][:n], strict=True))
+
+
+# -- the trainer killed: the worker hung in env.step and its env's process go too -----------------------
+TRAINER = """
+import json, sys
+import anyio
+from aiocollect import MultiAsyncCollector
+from test_fidelity import child_env
+
+async def main(tmp):
+    fns = [lambda: child_env(tmp + "/helper0.pid", hang_at=2), lambda: child_env(tmp + "/helper1.pid")]
+    async with MultiAsyncCollector(fns, frames_per_batch=4) as c:
+        await c.__anext__()  # worker 1's; worker 0 is hung in env.step by now
+        pids = [w.process.pid for w in c._pool.workers]
+        print(json.dumps(pids), flush=True)
+        await anyio.sleep_forever()
+
+if __name__ == "__main__":
+    anyio.run(main, sys.argv[1])
+"""
+
+
+@pytest.mark.slow  # a trainer subprocess (torch imported twice more)
+def test_trainer_killed_while_a_worker_hangs_leaves_no_process(tmp_path) -> None:
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    tests = str(Path(__file__).parent)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([tests, *sys.path])},
+    )
+    try:
+        workers = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        helpers = pids_in(tmp_path)
+        assert len(workers) == 2 and len(helpers) == 2 and all(map(alive, workers + helpers))
+        proc.kill()
+        proc.wait(30)
+        assert wait_gone(workers + helpers, 5.0) == []
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
