@@ -449,3 +449,49 @@ def test_trainer_killed_while_a_worker_hangs_leaves_no_process(tmp_path) -> None
     finally:
         proc.kill()
         proc.communicate(timeout=30)
+
+
+# -- get_distant_attr and map_fn ------------------------------------------------------------------------
+class Tagged(GymEnv):
+    def __init__(self) -> None:
+        super().__init__("CartPole-v1")
+        self.tags = {"names": ["a", "b"]}
+        self.calls = 0
+
+    def scale(self, x: int, *, by: int = 1) -> int:
+        self.calls += 1
+        return x * by
+
+
+@pytest.mark.parametrize("kind", ["sync", "async", "sync-serial"])
+async def test_get_distant_attr_and_map_fn_reach_every_workers_env_and_policy(kind: str) -> None:
+    policy = sampling_policy()
+    with anyio.fail_after(60):
+        async with multi(kind, [Tagged, Tagged], frames_per_batch=8) as c:
+            await c.__anext__()
+            assert await c.get_distant_attr("env.tags['names'][-1]") == ["b", "b"]
+            assert await c.map_fn("env.scale", [(2,), (3,)], [{"by": 10}, {}]) == [20, 3]
+            assert await c.map_fn("env.scale", [(1,), (1,)]) == [1, 1]
+            assert await c.get_distant_attr("env.calls") == [2, 2]
+            await c.__anext__()  # collection goes on
+    with anyio.fail_after(60):
+        async with multi(kind, [Tagged, Tagged], policy, frames_per_batch=8) as c:
+            weights = await c.get_distant_attr("policy[0].module.linear.weight")
+    assert len(weights) == 2
+    assert all(torch.equal(w, policy[0].module.linear.weight.detach()) for w in weights)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda c: c.get_distant_attr("_pool"), ValueError, "start with 'env' or 'policy'"),
+        (lambda c: c.get_distant_attr("env.__class__()"), ValueError, "cannot read"),
+        (lambda c: c.get_distant_attr(3), TypeError, "must be a str"),
+        (lambda c: c.map_fn("env.scale", [(1,)]), ValueError, "one entry per worker"),
+    ],
+)
+async def test_distant_paths_are_checked_before_any_call(call, error, match) -> None:
+    async with MultiSyncCollector([Tagged, Tagged], frames_per_batch=8, backend="serial") as c:
+        with anyio.fail_after(30), pytest.raises(error, match=match):
+            await call(c)
+        assert (await c.__anext__()).batch_size == (2, 4)  # nothing was sent: the workers are fine

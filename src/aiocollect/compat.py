@@ -471,9 +471,15 @@ _NOT_AVAILABLE = {
     "receive_weights": "weights flow one way, from the trainer: use update_policy_weights_",
     "register_scheme_receiver": "weight sync schemes are not used: use update_policy_weights_",
     "increment_version": "update_policy_weights_ bumps the version",
-    "map_fn": "call the method in the env factory, or await getattr_env(name) for an attribute",
-    "cascade_execute": "call the method in the env factory, or await getattr_env(name) for an attribute",
-    "get_distant_attr": "use await getattr_env(name) / await getattr_policy(name)",
+    "map_fn": (
+        "the multi-process collectors have `await collector.map_fn('env.method', ...)`; in process, call "
+        "the method on collector.env"
+    ),
+    "cascade_execute": "use `await collector.map_fn('env.method', ...)` on a multi-process collector",
+    "get_distant_attr": (
+        "the multi-process collectors have `await collector.get_distant_attr('env.name')`; in process, "
+        "read collector.env"
+    ),
     "getattr_rb": "use collector.replay_buffer",
     "enable_profile": "profile the loop with torch.profiler around the `async for`",
     "disable_profile": "profile the loop with torch.profiler around the `async for`",
@@ -632,6 +638,21 @@ class _CompatMulti(_CompatCollector):
         """An attribute of worker 0's env."""
         await self._ensure_started()
         return await self._inner.getattr_env(name)
+
+    async def get_distant_attr(self, attr: str) -> list[Any]:
+        """The object at ``attr`` (``"env...."`` or ``"policy...."``) in every worker, in worker order."""
+        await self._ensure_started()
+        return list(await self._inner.get_distant_attr(attr))
+
+    async def map_fn(
+        self,
+        method_name: str,
+        list_of_args: Sequence[Sequence[Any]] | None = None,
+        list_of_kwargs: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[Any]:
+        """Call the method at ``method_name`` (``"env...."`` or ``"policy...."``) in every worker."""
+        await self._ensure_started()
+        return list(await self._inner.map_fn(method_name, list_of_args, list_of_kwargs))
 
     async def getattr_policy(self, name: str) -> Any:
         """An attribute of worker 0's policy."""

@@ -25,6 +25,7 @@ from .._policies import compile_policy, make_runner, parse_exploration_type
 from .._rng import RolloutRNG
 from .._rollout import Rollout, RolloutConfig
 from .._weightsync import flat_weights
+from ._paths import resolve
 from ._shm import Layout, SharedBlock, layout_of
 from ._wire import (
     Attach,
@@ -250,6 +251,12 @@ class Worker:
 
     def op_getattr_policy(self, name: str) -> Any:
         return getattr(self.policy, name)
+
+    def op_get_distant_attr(self, path: str) -> Any:
+        return resolve({"env": self.env, "policy": self.policy}, path)
+
+    def op_map_fn(self, path: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return resolve({"env": self.env, "policy": self.policy}, path)(*args, **kwargs)
 
     def call(self, msg: Call) -> Result:
         return Result(msg.request_id, getattr(self, f"op_{msg.op}")(*msg.args))
