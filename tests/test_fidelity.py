@@ -33,7 +33,7 @@ from aiocollect import (
     WorkerDiedError,
     compat,
 )
-from test_faults import _warm_forkserver, leaks  # noqa: F401 - the fault matrix's leak-check fixtures
+from test_faults import _warm_forkserver, leaks, matrix  # noqa: F401 - the fault matrix's leak checks
 
 pytestmark = pytest.mark.anyio
 
@@ -158,7 +158,7 @@ KINDS = ["process", "sync", "async", "sync-serial", "async-serial"]
 
 
 # -- item 2: an env class ------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["collector", *KINDS])
+@matrix(["collector", *KINDS])  # one backend per kind here, all three in the slow tier
 async def test_an_env_class_is_called_in_every_collector(kind: str) -> None:
     if kind == "collector":
         collector: Any = Collector(CartPoleClass, frames_per_batch=8, total_frames=16)
@@ -185,7 +185,7 @@ async def test_an_env_class_with_create_env_kwargs_in_compat() -> None:
 
 
 # -- item 3: envs that start processes ----------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["process", "sync", "async"])
+@matrix(["process", "sync", "async"])
 async def test_an_env_that_starts_a_process_runs_in_a_worker(kind, leaks, tmp_path) -> None:  # noqa: F811
     fns = [
         lambda i=i: child_env(str(tmp_path / f"helper{i}.pid"))  # type: ignore[misc]
@@ -201,7 +201,7 @@ async def test_an_env_that_starts_a_process_runs_in_a_worker(kind, leaks, tmp_pa
     leaks.check()
 
 
-@pytest.mark.parametrize("kind", ["sync", "async"])
+@matrix(["sync", "async"], shift=1)
 async def test_a_gymnasium_async_vector_env_runs_in_a_worker(kind, leaks) -> None:  # noqa: F811
     with anyio.fail_after(60):
         async with multi(kind, [async_vector_env] * 2, frames_per_batch=16, total_frames=64) as collector:
@@ -234,10 +234,11 @@ async def test_a_worker_killed_takes_its_envs_processes_with_it(leaks, tmp_path)
     leaks.check()
 
 
-@pytest.mark.parametrize("how", ["cancelled", "raised", "hung"])
-async def test_envs_processes_are_reaped_on_every_exit_path(how, leaks, tmp_path) -> None:  # noqa: F811
+@matrix(["cancelled", "raised", "hung"], shift=2)
+async def test_envs_processes_are_reaped_on_every_exit_path(kind, leaks, tmp_path) -> None:  # noqa: F811
     """Leaving ``async with`` by cancellation, by an exception of the trainer, and with the workers hung in
     ``env.step`` (then terminated): no process of any env is left."""
+    how = kind
     hang = 3 if how == "hung" else None
     fns = [lambda i=i: child_env(str(tmp_path / f"helper{i}.pid"), hang_at=hang) for i in range(2)]
     helpers: list[int] = []
