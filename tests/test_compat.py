@@ -155,7 +155,7 @@ async def test_async_with_and_start_into_a_replay_buffer() -> None:
         async with collector.pause():
             pass
     assert collector.inner.closed
-    assert all(b.batch_size == (2, 16) for b in rb.batches)
+    assert all(b.batch_size == (32,) for b in rb.batches)  # frames, not [workers, T] rows (as torchrl)
 
 
 @pytest.mark.parametrize(
@@ -207,7 +207,7 @@ def test_sync_iteration_and_missing_methods_explain_themselves() -> None:
     collector = compat.Collector(cartpole, frames_per_batch=8)
     with pytest.raises(TypeError, match="async for"):
         iter(collector)
-    with pytest.raises(AttributeError, match=r"map_fn is not available.*getattr_env"):
+    with pytest.raises(AttributeError, match=r"map_fn is not available.*multi-process collectors have"):
         collector.map_fn  # noqa: B018
     with pytest.raises(AttributeError, match="no attribute 'nothing_like_this'"):
         collector.nothing_like_this  # noqa: B018
@@ -222,3 +222,18 @@ def test_split_trajectories_takes_torchrl_keywords() -> None:
     assert out["collector", "mask"].sum(-1).tolist() == [2, 3, 1]
     with pytest.raises(TypeError, match="as_nested"):
         compat.split_trajectories(td, as_nested=True)
+
+
+async def test_compat_update_policy_weights_waits_for_the_workers() -> None:
+    """torchrl's meaning: the call returns once every worker runs the new weights; the native
+    ``update_weights`` keeps returning at publication (``wait=False``)."""
+    collector = compat.MultiSyncCollector([cartpole] * 2, make_policy(), frames_per_batch=8)
+    with anyio.fail_after(60):
+        async with collector:
+            await collector.next()
+            native = await collector.inner.update_weights()  # idle sync workers load at their next batch
+            assert [w.policy_version for w in collector.statistics().workers] == [0, 0]
+            version = await collector.update_policy_weights_()
+            assert version == native + 1
+            assert [w.policy_version for w in collector.statistics().workers] == [version] * 2
+            assert await collector.update_policy_weights_(wait=False) == version + 1

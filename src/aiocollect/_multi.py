@@ -48,6 +48,7 @@ from ._validation import (
     weight_sync_arg,
 )
 from ._weightsync import WeightSender, WeightSync, flat_weights
+from ._workers._paths import parse_path
 from ._workers._pool import WorkerPool
 from ._workers._shm import SharedBlock
 from ._workers._wire import Collect, Release, RunFree
@@ -395,7 +396,7 @@ class _MultiCollectorBase(FleetCollector, abc.ABC):
             if self._storing_device is not None:
                 batch = batch.to(self._storing_device)
             if self.replay_buffer is not None:
-                await anyio.to_thread.run_sync(self.replay_buffer.extend, batch)
+                await anyio.to_thread.run_sync(self.replay_buffer.extend, self._frames_for_buffer(batch))
                 return None
             return batch
         finally:
@@ -427,6 +428,11 @@ class _MultiCollectorBase(FleetCollector, abc.ABC):
     @abc.abstractmethod
     async def _next_batch(self, pool: WorkerPool) -> _Delivery:
         """One batch, its valid frames and the episodes that ended in it."""
+
+    def _frames_for_buffer(self, batch: TensorDictBase) -> TensorDictBase:
+        """What ``replay_buffer.extend`` gets: the batch as delivered (one worker's rollout, as torchrl's
+        workers extend theirs)."""
+        return batch
 
     # -- control ----------------------------------------------------------------------------------
     @property
@@ -478,6 +484,39 @@ class _MultiCollectorBase(FleetCollector, abc.ABC):
     async def getattr_env(self, name: str) -> Any:
         """An attribute of worker 0's env."""
         return await self._active_pool().call(0, "getattr_env", name)
+
+    async def get_distant_attr(self, path: str) -> list[Any]:
+        """The object at ``path`` in every worker, in worker order (torchrl's ``get_distant_attr``).
+
+        ``path`` starts with ``env`` or ``policy`` and goes on with attribute names and ``[int]`` /
+        ``['key']`` subscripts, e.g. ``"env.transform[0].max_steps"``; it is parsed, never evaluated. The
+        value is pickled back from each worker.
+        """
+        parse_path(path)
+        return await self._active_pool().call_all("get_distant_attr", path)
+
+    async def map_fn(
+        self,
+        path: str,
+        list_of_args: Sequence[Sequence[Any]] | None = None,
+        list_of_kwargs: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[Any]:
+        """Call the method at ``path`` (see :meth:`get_distant_attr`) in every worker, between batches, with
+        worker ``i``'s ``list_of_args[i]`` and ``list_of_kwargs[i]`` (default: no arguments); the results in
+        worker order (torchrl's ``map_fn``, on the workers' env and policy)."""
+        parse_path(path)
+        n = self.num_workers
+        args = [tuple(a) for a in list_of_args] if list_of_args is not None else [()] * n
+        kwargs = [dict(k) for k in list_of_kwargs] if list_of_kwargs is not None else [{}] * n
+        if len(args) != n or len(kwargs) != n:
+            raise ValueError(
+                f"map_fn: list_of_args and list_of_kwargs take one entry per worker ({n}), got "
+                f"{len(args)} and {len(kwargs)}"
+            )
+        async with self._lock:
+            pool = self._active_pool()
+            calls = [partial(pool.call, i, "map_fn", path, args[i], kwargs[i]) for i in range(n)]
+            return await gather(*calls)
 
     async def _send_to(self, index: int, message: Any) -> None:
         await self._active_pool().send(index, message)
@@ -701,6 +740,21 @@ class MultiSyncCollector(_MultiCollectorBase):
             worker_id=None,
             policy_version=min(notices[i].policy_version for i in range(n)),
         )
+
+    def _frames_for_buffer(self, batch: TensorDictBase) -> TensorDictBase:
+        """The stacked ``[workers, ..., T]`` batch with its worker dim folded into the next one: the entries
+        torchrl's workers add when each extends the buffer with its own rollout (frames for single envs,
+        ``[B, T]`` rows for batched ones), in worker order; frames a preempted worker did not collect are
+        left out when the entries are frames."""
+        if self._cat_results != "stack" or self._split_trajs or batch.ndim < 2:
+            return batch
+        flat = batch.flatten(0, 1)
+        mask_key = ("collector", "mask")
+        if flat.ndim == 1 and mask_key in flat.keys(include_nested=True):
+            mask = flat.get(mask_key)
+            if not bool(mask.all()):
+                flat = flat[mask]
+        return flat
 
     def _combine(self, pool: WorkerPool, notices: dict[int, Any]) -> tuple[TensorDictBase, int]:
         slots = [w.slots[0].td for w in pool.workers]

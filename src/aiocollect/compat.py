@@ -177,7 +177,7 @@ def _one_device(name: str, value: Any) -> Any:
 def _with_kwargs(fn: Any, kwargs: Mapping[str, Any] | None) -> Any:
     if not kwargs:
         return fn
-    if hasattr(fn, "step"):  # an env instance
+    if hasattr(fn, "step") and not isinstance(fn, type):  # an env instance (a class is a constructor)
         raise TypeError("create_env_kwargs needs a callable create_env_fn; an env instance is already built")
     return functools.partial(fn, **kwargs)
 
@@ -338,7 +338,9 @@ class _CompatCollector:
         weights_dict: Any = None,
         **kwargs: Any,
     ) -> int:
-        """``await collector.update_weights(...)``: copies (never aliases) weights; returns the version."""
+        """``await collector.update_weights(..., wait=True)``: copies (never aliases) weights and, as
+        torchrl's call does, returns only once every targeted worker runs them; returns the version.
+        ``wait=False`` returns as soon as they are published (aiocollect's default)."""
         if worker_ids is not None:
             if not isinstance(self._inner, _multi._MultiCollectorBase):
                 raise TypeError("worker_ids: an in-process collector has no workers")
@@ -350,6 +352,7 @@ class _CompatCollector:
         sources = [s for s in (policy_or_weights, weights, policy) if s is not None]
         if len(sources) > 1:
             raise TypeError("give the weights once: policy_or_weights, weights= or policy=")
+        kwargs.setdefault("wait", True)
         await self._ensure_started()
         return int(await self._inner.update_weights(sources[0] if sources else None, **kwargs))
 
@@ -468,9 +471,15 @@ _NOT_AVAILABLE = {
     "receive_weights": "weights flow one way, from the trainer: use update_policy_weights_",
     "register_scheme_receiver": "weight sync schemes are not used: use update_policy_weights_",
     "increment_version": "update_policy_weights_ bumps the version",
-    "map_fn": "call the method in the env factory, or await getattr_env(name) for an attribute",
-    "cascade_execute": "call the method in the env factory, or await getattr_env(name) for an attribute",
-    "get_distant_attr": "use await getattr_env(name) / await getattr_policy(name)",
+    "map_fn": (
+        "the multi-process collectors have `await collector.map_fn('env.method', ...)`; in process, call "
+        "the method on collector.env"
+    ),
+    "cascade_execute": "use `await collector.map_fn('env.method', ...)` on a multi-process collector",
+    "get_distant_attr": (
+        "the multi-process collectors have `await collector.get_distant_attr('env.name')`; in process, "
+        "read collector.env"
+    ),
     "getattr_rb": "use collector.replay_buffer",
     "enable_profile": "profile the loop with torch.profiler around the `async for`",
     "disable_profile": "profile the loop with torch.profiler around the `async for`",
@@ -629,6 +638,21 @@ class _CompatMulti(_CompatCollector):
         """An attribute of worker 0's env."""
         await self._ensure_started()
         return await self._inner.getattr_env(name)
+
+    async def get_distant_attr(self, attr: str) -> list[Any]:
+        """The object at ``attr`` (``"env...."`` or ``"policy...."``) in every worker, in worker order."""
+        await self._ensure_started()
+        return list(await self._inner.get_distant_attr(attr))
+
+    async def map_fn(
+        self,
+        method_name: str,
+        list_of_args: Sequence[Sequence[Any]] | None = None,
+        list_of_kwargs: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[Any]:
+        """Call the method at ``method_name`` (``"env...."`` or ``"policy...."``) in every worker."""
+        await self._ensure_started()
+        return list(await self._inner.map_fn(method_name, list_of_args, list_of_kwargs))
 
     async def getattr_policy(self, name: str) -> Any:
         """An attribute of worker 0's policy."""

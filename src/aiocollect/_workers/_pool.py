@@ -8,12 +8,17 @@ is in the ``WorkerDiedError``.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import math
 import multiprocessing as mp
+import multiprocessing.util  # registers its exit handler (which joins live children) before ours
+import os
+import signal
 import socket
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -34,6 +39,34 @@ from ._worker import WorkerSpec, start_thread_worker, worker_main
 
 #: modules the forkserver imports once, so each worker starts in a fraction of a second
 _PRELOAD = ["torch", "tensordict", "gymnasium", "aiocollect._workers._worker"]
+
+
+#: worker processes started and not reaped yet. Workers are not daemonic (their envs may start processes
+#: of their own); if a collector was never closed, the interpreter's exit kills them with their process
+#: groups here, before multiprocessing's exit handler would wait for them (atexit runs last-in, first-out)
+_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def signal_group(process: Any, sig: int) -> None:
+    """Send ``sig`` to a worker process and to its process group (the processes its env started: the
+    worker leads a group of its own). Either may be gone already."""
+    pid = process.pid
+    if pid is None:
+        return
+    if hasattr(os, "killpg"):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, sig)
+    with contextlib.suppress(ProcessLookupError, ValueError):
+        if process.exitcode is None:
+            os.kill(pid, sig)
+
+
+@atexit.register
+def _kill_leftover_workers() -> None:
+    for process in list(_LIVE):
+        with contextlib.suppress(Exception):
+            signal_group(process, signal.SIGKILL)
+            process.join(5)
 
 
 class WorkerDiedError(RuntimeError):
@@ -120,14 +153,17 @@ class WorkerPool:
         for spec in self.specs:
             parent_sock, child_sock = socket.socketpair()
             if ctx is not None:
+                # not daemonic: a worker may start processes (a torchrl ParallelEnv, a gymnasium
+                # AsyncVectorEnv); it leads its own process group, which aclose() and _reader reap whole
                 process = ctx.Process(
                     target=worker_main,
                     args=(child_sock, spec),
                     name=f"aiocollect-worker-{spec.index}",
-                    daemon=True,
+                    daemon=False,
                 )
                 try:
                     await anyio.to_thread.run_sync(process.start)
+                    _LIVE.add(process)
                 finally:
                     child_sock.close()
             else:
@@ -168,17 +204,16 @@ class WorkerPool:
         with anyio.CancelScope(shield=True) as scope:
             handle.reader_scope = scope
             try:
-                while True:
-                    try:
-                        msg = await handle.channel.receive()
-                    except (EOFError, OSError):
-                        break
-                    failed = self._route(handle, msg) or failed
+                failed = await self._read(handle)
             finally:
                 with anyio.CancelScope(shield=True):  # also when aclose() cancelled reader_scope
                     # aclose() gave up on a thread worker stuck in a call that never returns (a hung
                     # env): it cannot be killed, so do not wait for it again
                     await self._join(handle, 0.0 if scope.cancel_called else 2.0)
+                if isinstance(handle.process, mp.process.BaseProcess):
+                    # whatever its env started and did not stop (or could not: the worker was killed)
+                    signal_group(handle.process, signal.SIGKILL)
+                    _LIVE.discard(handle.process)
                 handle.exited.set()
                 if not failed and not self.closing:
                     handle.state = "failed"
@@ -188,6 +223,32 @@ class WorkerPool:
                 elif not failed:
                     handle.state = "stopped"
                     self._on_event(WorkerStopped(handle.index))
+
+    async def _read(self, handle: WorkerHandle) -> bool:
+        """Route the worker's messages until it exits; ``True`` if it reported a failure.
+
+        A process's exit is its sentinel, not only its socket's EOF: processes its env forked hold copies
+        of the worker's end of the socket, and may outlive it."""
+        failed = False
+        sentinel = getattr(handle.process, "sentinel", None)
+        async with anyio.create_task_group() as tg:
+            if sentinel is not None:
+
+                async def watch_exit() -> None:
+                    await anyio.wait_readable(sentinel)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(watch_exit)
+            while True:
+                try:
+                    msg = await handle.channel.receive()
+                except (EOFError, OSError):
+                    break
+                failed = self._route(handle, msg) or failed
+            tg.cancel_scope.cancel()
+        for msg in handle.channel.receive_left():  # what it sent before it exited
+            failed = self._route(handle, msg) or failed
+        return failed
 
     def _route(self, handle: WorkerHandle, msg: Any) -> bool:
         """Dispatch one message from a worker; ``True`` if it reported a failure."""
@@ -318,11 +379,11 @@ class WorkerPool:
                         await handle.exited.wait()
             for handle in self.workers:
                 if not handle.exited.is_set() and isinstance(handle.process, mp.process.BaseProcess):
-                    handle.process.terminate()
+                    signal_group(handle.process, signal.SIGTERM)
                     with anyio.move_on_after(1.0):
                         await handle.exited.wait()
                     if not handle.exited.is_set():
-                        handle.process.kill()
+                        signal_group(handle.process, signal.SIGKILL)
                         await handle.exited.wait()
             for handle in self.workers:
                 if not handle.exited.is_set() and handle.reader_scope is not None:

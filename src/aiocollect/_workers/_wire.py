@@ -201,6 +201,20 @@ class AsyncChannel:
             self._pending.extend(self._reader.feed(data))
         return self._pending.pop(0)
 
+    def receive_left(self) -> list[Any]:
+        """The messages already received or waiting in the socket (never blocks): what a worker that has
+        exited sent before it did."""
+        out, self._pending = self._pending, []
+        while True:
+            try:
+                data = self.sock.recv(1 << 20)
+            except OSError:  # BlockingIOError: nothing more; or the socket is closed
+                break
+            if not data:
+                break
+            out.extend(self._reader.feed(data))
+        return out
+
     async def send(self, msg: Any, *, encode_in_thread: bool = False) -> None:
         """Send one frame, whole. A send cancelled while waiting for the socket keeps the rest of its frame
         queued, and the next send completes it first: a partial frame would desynchronise the worker's

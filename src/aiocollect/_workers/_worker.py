@@ -6,6 +6,9 @@ batch on the control socket tells the parent which slot is ready.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import select
 import signal
 import socket
 import threading
@@ -22,6 +25,7 @@ from .._policies import compile_policy, make_runner, parse_exploration_type
 from .._rng import RolloutRNG
 from .._rollout import Rollout, RolloutConfig
 from .._weightsync import flat_weights
+from ._paths import resolve
 from ._shm import Layout, SharedBlock, layout_of
 from ._wire import (
     Attach,
@@ -65,6 +69,29 @@ class WorkerSpec:
     traj_id_stride: int = 1
 
 
+def build_env(create_env_fn: Any) -> Any:
+    """The worker's env: ``create_env_fn()``, or ``create_env_fn`` itself when it is an env instance (an env
+    *class* has ``step`` too, and is called like any other constructor)."""
+    if hasattr(create_env_fn, "step") and not isinstance(create_env_fn, type):
+        return create_env_fn
+    return create_env_fn()
+
+
+def close_after_failure(env: Any, exc: BaseException) -> None:
+    """Close ``env`` after ``exc``; a close that fails too (a half-built env, e.g. torchrl's "trying to close
+    a closed environment") becomes a note on ``exc``, so the real cause is what the trainer sees."""
+    try:
+        env.close()
+    except Exception as close_exc:
+        exc.add_note(f"(closing the env afterwards failed too: {type(close_exc).__name__}: {close_exc})")
+
+
+#: serial workers are threads of one process and share torch's global RNG: a seeded worker's batch is
+#: collected under this lock with its own RNG state swapped in, so that its samples do not depend on the
+#: other threads' timing (a worker process owns the whole generator, and needs no lock)
+_SERIAL_RNG_LOCK = threading.Lock()
+
+
 class _Closing(Exception):
     """The parent asked the worker to stop."""
 
@@ -90,10 +117,10 @@ class Worker:
         self.spec = spec
         create_env_fn = cloudpickle.loads(spec.payload)
         policy = cloudpickle.loads(spec.policy_payload)
-        env = create_env_fn if hasattr(create_env_fn, "step") else create_env_fn()
-        check_env(env)
+        env = build_env(create_env_fn)
         self.env = env
         try:
+            check_env(env)
             array_env = ArrayEnv(env)
             self.random_policy = array_env.random_policy()
             if policy is None:
@@ -124,8 +151,8 @@ class Worker:
             self.slots: list[SharedBlock] = []
             self.free: set[int] = set()
             self.frames = 0
-        except BaseException:
-            env.close()
+        except BaseException as exc:
+            close_after_failure(env, exc)
             raise
 
     # -- layout and batches ----------------------------------------------------------------------
@@ -174,7 +201,12 @@ class Worker:
 
     def collect(self, chan: BlockingChannel, slot: int, random: bool) -> BatchReady:
         self.load_within_lag(chan)
-        result = self.rng.run(lambda: self.rollout.collect(random=random, stop=self.stop))
+        run = lambda: self.rng.run(lambda: self.rollout.collect(random=random, stop=self.stop))  # noqa: E731
+        if self.spec.in_process and self.rng.state is not None:
+            with _SERIAL_RNG_LOCK:
+                result = run()
+        else:
+            result = run()
         self.slots[slot].td.update_(result.batch)
         self.frames += result.frames
         return BatchReady(
@@ -220,6 +252,12 @@ class Worker:
     def op_getattr_policy(self, name: str) -> Any:
         return getattr(self.policy, name)
 
+    def op_get_distant_attr(self, path: str) -> Any:
+        return resolve({"env": self.env, "policy": self.policy}, path)
+
+    def op_map_fn(self, path: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return resolve({"env": self.env, "policy": self.policy}, path)(*args, **kwargs)
+
     def call(self, msg: Call) -> Result:
         return Result(msg.request_id, getattr(self, f"op_{msg.op}")(*msg.args))
 
@@ -260,12 +298,54 @@ class Worker:
         self.env.close()
 
 
+def _own_process_group() -> None:
+    """Lead a process group of our own: the trainer reaps the worker *and* every process its env started
+    (a torchrl ``ParallelEnv``, a gymnasium ``AsyncVectorEnv``) with one ``killpg``, and a Ctrl-C at the
+    terminal reaches the trainer only, which then stops us."""
+    if hasattr(os, "setpgid"):
+        with contextlib.suppress(OSError):
+            os.setpgid(0, 0)
+
+
+def _kill_own_group() -> None:
+    if hasattr(os, "killpg") and os.getpgid(0) == os.getpid():
+        os.killpg(0, signal.SIGKILL)
+    os._exit(1)
+
+
+def _watch_parent(sock: socket.socket) -> None:
+    """A thread that kills this worker's process group when the trainer's end of the channel closes
+    without a goodbye (the trainer was killed): the main thread may be stuck in ``env.step`` and never read
+    the channel's EOF. It only polls the socket (never reads it), so it steals no message."""
+    if not hasattr(select, "poll"):  # pragma: no cover - not Linux/macOS: the main thread's EOF still ends us
+        return
+    hangup = select.POLLHUP | getattr(select, "POLLRDHUP", 0)
+
+    def watch() -> None:
+        poller = select.poll()
+        poller.register(sock.fileno(), getattr(select, "POLLRDHUP", 0))
+        while True:
+            try:
+                events = poller.poll()
+            except InterruptedError:  # pragma: no cover - retried by Python itself since 3.5
+                continue
+            if any(mask & select.POLLNVAL for _, mask in events):
+                return  # the worker closed its own end: it is exiting
+            if any(mask & hangup for _, mask in events):
+                _kill_own_group()
+
+    threading.Thread(target=watch, name="aiocollect-parent-watch", daemon=True).start()
+
+
 def worker_main(sock: socket.socket, spec: WorkerSpec) -> None:
     """Entry point of a worker process (or thread, for the serial backend)."""
     chan = BlockingChannel(sock)
     worker = None
+    failed = False
     try:
         if not spec.in_process:
+            _own_process_group()
+            _watch_parent(sock)
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which stops us
             if not spec.show_warnings:
                 warnings.simplefilter("ignore")
@@ -285,6 +365,7 @@ def worker_main(sock: socket.socket, spec: WorkerSpec) -> None:
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the parent is gone or closed the channel: just exit
     except BaseException as exc:
+        failed = True
         try:
             chan.send(failure(exc, f"worker {spec.index}"))
         except OSError:
@@ -292,7 +373,11 @@ def worker_main(sock: socket.socket, spec: WorkerSpec) -> None:
     finally:
         try:
             if worker is not None:
-                worker.close()
+                try:
+                    worker.close()
+                except Exception:
+                    if not failed:  # after a failure the cause is sent already: a close error is noise
+                        raise
         finally:
             sock.close()
 
