@@ -30,6 +30,7 @@ from ._fleet import FleetCollector, Member
 from ._gather import gather
 from ._policies import parse_exploration_type
 from ._stats import WorkerStatistics
+from ._torch_settings import TorchSettings
 from ._trajectories import split_trajectories
 from ._validation import (
     Devices,
@@ -271,6 +272,7 @@ class _MultiCollectorBase(FleetCollector, abc.ABC):
             )
             receivers = self._sender.receivers()
         args = self._spec_args
+        settings = TorchSettings.capture()  # this (the entering) thread's: serial workers take them
         specs = [
             WorkerSpec(
                 index=i,
@@ -290,6 +292,7 @@ class _MultiCollectorBase(FleetCollector, abc.ABC):
                 show_warnings=self._show_warnings,
                 traj_id_start=self._traj_ids[0],
                 traj_id_stride=self._traj_ids[1],
+                torch_settings=settings,
             )
             for i in range(n)
         ]

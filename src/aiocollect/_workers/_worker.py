@@ -24,6 +24,7 @@ from .._envs._adapter import ArrayEnv, check_env
 from .._policies import compile_policy, make_runner, parse_exploration_type
 from .._rng import RolloutRNG
 from .._rollout import Rollout, RolloutConfig
+from .._torch_settings import TorchSettings
 from .._weightsync import flat_weights
 from ._paths import resolve
 from ._shm import Layout, SharedBlock, layout_of
@@ -67,6 +68,9 @@ class WorkerSpec:
     #: ``k = index, index + num_workers, ...`` (disjoint over workers, and over collectors that split ids)
     traj_id_start: int = 0
     traj_id_stride: int = 1
+    #: the torch settings of the thread that entered the collector: a serial worker's thread takes them
+    #: (a process sets ``num_threads``)
+    torch_settings: TorchSettings | None = None
 
 
 def build_env(create_env_fn: Any) -> Any:
@@ -157,9 +161,7 @@ class Worker:
 
     # -- layout and batches ----------------------------------------------------------------------
     def layout(self) -> tuple[Layout, tuple[int, ...]]:
-        batch, _ = self.rollout._allocate()
-        if self.rollout.config.track_policy_version:
-            batch.set(("collector", "policy_version"), torch.zeros(batch.batch_size, dtype=torch.int64))
+        batch = self.rollout.layout()
         return layout_of(batch), tuple(batch.batch_size)
 
     def attach(self, msg: Attach) -> None:
@@ -201,13 +203,15 @@ class Worker:
 
     def collect(self, chan: BlockingChannel, slot: int, random: bool) -> BatchReady:
         self.load_within_lag(chan)
-        run = lambda: self.rng.run(lambda: self.rollout.collect(random=random, stop=self.stop))  # noqa: E731
+        into = self.slots[slot].td  # the batch is written straight into the shared-memory slot
+        run = lambda: self.rng.run(  # noqa: E731
+            lambda: self.rollout.collect(random=random, stop=self.stop, into=into)
+        )
         if self.spec.in_process and self.rng.state is not None:
             with _SERIAL_RNG_LOCK:
                 result = run()
         else:
             result = run()
-        self.slots[slot].td.update_(result.batch)
         self.frames += result.frames
         return BatchReady(
             slot=slot,
@@ -351,6 +355,8 @@ def worker_main(sock: socket.socket, spec: WorkerSpec) -> None:
                 warnings.simplefilter("ignore")
             if spec.num_threads is not None:
                 torch.set_num_threads(spec.num_threads)
+        elif spec.torch_settings is not None:
+            spec.torch_settings.apply()
         worker = Worker(spec)
         layout, batch_size = worker.layout()
         chan.send(
