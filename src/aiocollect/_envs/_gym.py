@@ -207,6 +207,17 @@ class GymEnv:
                 "env at every time step ([num_envs, T], one trajectory per row). Make the pool with "
                 "batch_size=num_envs (the default); for more throughput use several collector workers"
             )
+        wrapper = env
+        while mode != AutoresetMode.SAME_STEP and isinstance(wrapper, gym.vector.VectorWrapper):
+            if isinstance(wrapper, gym.wrappers.vector.RecordEpisodeStatistics):
+                raise ValueError(
+                    "gymnasium.wrappers.vector.RecordEpisodeStatistics records wrong statistics when "
+                    f"sub-envs are reset in part, as a {mode.name} vector env needs (gymnasium's "
+                    "SyncVectorEnv pops options['reset_mask'] before the wrapper reads it); wrap each "
+                    "sub-env with gymnasium.wrappers.RecordEpisodeStatistics instead, or make the vector "
+                    "env with autoreset_mode=AutoresetMode.SAME_STEP"
+                )
+            wrapper = wrapper.env
         if (
             mode == AutoresetMode.NEXT_STEP
             and isinstance(inner, gym.vector.AsyncVectorEnv)
@@ -484,9 +495,7 @@ class GymEnv:
                     for key, value in flatten_obs(self._obs_space, finals[i]).items():
                         nxt[key][i] = value
                 if self._info is not None:
-                    final_info = self._info.read(info.get("final_info", {}))
-                    for key, value in final_info.items():
-                        nxt[key][done] = value[done]
+                    self._final_info_entries(info, done, nxt, root)
                 self._autoreset_pending = done
             else:
                 nxt = root
@@ -503,6 +512,22 @@ class GymEnv:
                 self._autoreset_pending = None
         self._last_obs = root
         return ArrayStep(nxt, np.asarray(reward, dtype=np.float32), terminated, truncated, root)
+
+    def _final_info_entries(
+        self, info: Mapping[str, Any], done: np.ndarray, nxt: dict[NestedKey, Any], root: dict[NestedKey, Any]
+    ) -> None:
+        """Same-step autoreset: an ended sub-env's info holds its reset info, and ``final_info`` the
+        step's. An entry not in ``final_info`` was added to the step's info by a vector wrapper (such
+        as ``RecordEpisodeStatistics``): it belongs to the step, and the reset observation has none."""
+        assert self._info is not None
+        final = info.get("final_info", {})
+        final_values = self._info.read(final)
+        for key, in_final in self._info.present(final).items():
+            from_final = done & in_final
+            nxt[key][from_final] = final_values[key][from_final]
+            from_step = done & ~in_final
+            if from_step.any():
+                root[key][from_step] = 0
 
     @property
     def _pool_ids(self) -> np.ndarray:

@@ -91,6 +91,24 @@ class InfoReader:
         self._paths = {key: ((key,) if isinstance(key, str) else key) for key in specs}
         self._dtypes = {key: spec.numpy_dtype for key, spec in specs.items()}
 
+    def present(self, info: Mapping[str, Any]) -> dict[NestedKey, np.ndarray]:
+        """Per key, the sub-envs whose (vector) ``info`` has the entry (its ``_name`` masks)."""
+        out = {}
+        n = self.batch_shape[0]
+        for key in self.specs:
+            value: Any = info
+            here = np.ones(n, dtype=bool)
+            for part in self._paths[key]:
+                if not isinstance(value, Mapping) or part not in value:
+                    here = np.zeros(n, dtype=bool)
+                    break
+                mask = value.get(f"_{part}")
+                if mask is not None:
+                    here = here & np.asarray(mask, dtype=bool)
+                value = value[part]
+            out[key] = here
+        return out
+
     def read(self, info: Mapping[str, Any] | None, n: int | None = None) -> dict[NestedKey, np.ndarray]:
         """``{key: array of shape (*batch, *spec.shape)}`` (``n`` rows instead of the batch if given)."""
         lead = self.batch_shape if n is None else (n,)
