@@ -246,3 +246,44 @@ def test_subclass_overriding_a_private_method_is_refused():
 
     with pytest.raises(TypeError, match=r"override the protocol methods step\(td\) and reset\(td\)"):
         Private("CartPole-v1")
+
+
+@pytest.mark.torchrl
+@pytest.mark.parametrize(("value", "ok"), [(1, True), (300, False), (-129, False)])
+def test_torchrl_integer_action_of_another_dtype(value, ok):
+    """An int32 action for an int8 torchrl spec: cast where it fits, refused where a cast would wrap."""
+    pytest.importorskip("torchrl")
+    from torchrl.data import Categorical, Composite, Unbounded
+    from torchrl.envs import EnvBase
+
+    class Int8ActionEnv(EnvBase):
+        def __init__(self) -> None:
+            super().__init__(batch_size=())
+            self.observation_spec = Composite(observation=Unbounded(shape=(1,)))
+            self.action_spec = Composite(action=Categorical(n=4, shape=(1,), dtype=torch.int8))
+            self.reward_spec = Unbounded(shape=(1,))
+            self.seen: list[torch.Tensor] = []
+
+        def _reset(self, td):
+            return self.observation_spec.zero().update(self.full_done_spec.zero())
+
+        def _step(self, td):
+            self.seen.append(td["action"].clone())
+            out = self.observation_spec.zero().update(self.full_done_spec.zero())
+            return out.update(self.full_reward_spec.zero())
+
+        def _set_seed(self, seed):
+            pass
+
+    def policy(td):
+        return td.set("action", torch.full((1,), value, dtype=torch.int32))
+
+    env = Int8ActionEnv()
+    if ok:
+        collect(lambda: env, policy, frames_per_batch=4)
+        assert all(a.dtype == torch.int8 and a.tolist() == [value] for a in env.seen)
+        return
+    with pytest.raises(ValueError) as info:
+        collect(lambda: env, policy, frames_per_batch=4)
+    message = str(info.value)
+    assert "'action'" in message and f"[{value}]" in message and "Categorical" in message
