@@ -140,6 +140,11 @@ class GymEnv:
             self._env = env
             self._vector = True
         elif isinstance(env, gym.Env):
+            if _is_envpool(env):  # EnvPool before 1.0: a batch of envs that is no gymnasium VectorEnv
+                raise TypeError(
+                    "this EnvPool pool is not a gymnasium.vector.VectorEnv (EnvPool < 1.0): install "
+                    "envpool>=1.2 (pip install 'aiocollect[envpool]')"
+                )
             if num_envs is not None:
                 raise ValueError(
                     "num_envs needs an env id (GymEnv('CartPole-v1', num_envs=8)); an Env instance cannot "

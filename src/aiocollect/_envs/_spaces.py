@@ -16,7 +16,7 @@ from gymnasium import spaces
 
 NestedKey = str | tuple[str, ...]
 
-_SUPPORTED = "Box, Discrete, MultiDiscrete, MultiBinary (and Dict, and Tuple for actions)"
+_SUPPORTED = "Box, Discrete, MultiDiscrete, MultiBinary, Dict (and Tuple for actions)"
 
 
 @dataclass(frozen=True)
