@@ -54,8 +54,12 @@ class ArrayEnv:
         else:
             self.action_space = env.action_space
             gym_env = isinstance(env, GymEnv)
-            self.obs_specs = env.obs_specs if gym_env else observation_specs(env.observation_space)
-            self.action_specs = env.action_specs if gym_env else action_specs(env.action_space)
+            if isinstance(env, GymEnv):
+                self.obs_specs = env.obs_specs
+                self.action_specs = env.action_specs
+            else:
+                self.obs_specs = observation_specs(env.observation_space)
+                self.action_specs = action_specs(env.action_space)
             self.has_truncated = bool(getattr(env, "has_truncated", True))
             fast = gym_env and not (_overrides(env, "step") or _overrides(env, "reset"))
             self._gym = env if fast else None
