@@ -287,3 +287,15 @@ def test_torchrl_integer_action_of_another_dtype(value, ok):
         collect(lambda: env, policy, frames_per_batch=4)
     message = str(info.value)
     assert "'action'" in message and f"[{value}]" in message and "Categorical" in message
+
+
+def test_random_policy_on_a_composite_space():
+    policy = RandomPolicy(NESTED, seed=0)
+    sample = policy.sample((5,))
+    assert isinstance(sample, TensorDict) and sample.batch_size == (5,)
+    assert sample["inner", "pair", "0"].shape == (5,)
+    td = policy(TensorDict({}, batch_size=[2, 3]))
+    assert set(td.keys(include_nested=True, leaves_only=True)) == set(NESTED_KEYS)
+    assert td["action", "aim"].shape == (2, 3, 2)
+    again = RandomPolicy(NESTED, seed=0).sample((5,))
+    assert (again == sample).all()
