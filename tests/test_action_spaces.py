@@ -239,15 +239,6 @@ def test_subclass_overriding_reset_is_honoured():
     assert env.resets >= 1 + int(batch["next", "done"].any(dim=0).sum())
 
 
-def test_subclass_overriding_a_private_method_is_refused():
-    class Private(GymEnv):
-        def _step_arrays(self, action):
-            return super()._step_arrays(action)
-
-    with pytest.raises(TypeError, match=r"override the protocol methods step\(td\) and reset\(td\)"):
-        Private("CartPole-v1")
-
-
 @pytest.mark.torchrl
 @pytest.mark.parametrize(("value", "ok"), [(1, True), (300, False), (-129, False)])
 def test_torchrl_integer_action_of_another_dtype(value, ok):

@@ -109,13 +109,6 @@ class GymEnv:
             raise ValueError(f"num_envs must be a positive int or None, got {num_envs!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
-        for name in ("_step_arrays", "_reset_arrays"):
-            if _overrides(self, name):
-                raise TypeError(
-                    f"{type(self).__name__} overrides GymEnv.{name}, a private method; override the "
-                    "protocol methods step(td) and reset(td) instead (they are honoured), or wrap the "
-                    "gymnasium env with a gymnasium.Wrapper"
-                )
         self._vector: bool
         if isinstance(env, str):
             if num_envs is None:
@@ -303,7 +296,7 @@ class GymEnv:
         mask = None
         if reset is not None:
             mask = reset.reshape(self._batch_shape).cpu().numpy().astype(bool)
-        return self._obs_td(GymEnv._reset_arrays(self, mask))
+        return self._obs_td(self._reset_arrays(mask))
 
     def step(self, td: TensorDict) -> TensorDict:
         if self._needs_reset:
@@ -311,7 +304,7 @@ class GymEnv:
         action: Any = td.get("action")
         if self._composite:
             action = {("action", *k): v for k, v in action.items(include_nested=True, leaves_only=True)}
-        result = GymEnv._step_arrays(self, action)
+        result = self._step_arrays(action)
         bs = self.batch_size
         terminated = torch.as_tensor(result.terminated).reshape(*bs, 1)
         truncated = torch.as_tensor(result.truncated).reshape(*bs, 1)
