@@ -242,6 +242,15 @@ class TestEnvPool:
         assert env.env is not first and env.env.config["seed"] == 4
         assert torch.equal(env.reset()["observation"], GymEnv(pool(seed=4)).reset()["observation"])
 
+    def test_same_seed_same_batches(self):
+        env = GymEnv(pool(seed=0))
+        first = gymenv_frames(env, actions(N, 60))
+        env.set_seed(0)  # the pool has that seed already, but was stepped: it is made anew
+        assert gymenv_frames(env, actions(N, 60)) == first
+        kw = {"frames_per_batch": N * 20, "seed": 2, "batches": 2}
+        a, b = collect(envpool_cartpole, **kw), collect(envpool_cartpole, **kw)
+        assert all((x == y).all() for x, y in zip(a, b, strict=True))
+
     def test_async_mode_is_refused(self):
         with pytest.raises(ValueError, match="async mode") as info:
             GymEnv(pool(n=4, batch_size=2))

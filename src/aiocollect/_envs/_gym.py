@@ -274,8 +274,10 @@ class GymEnv:
         return seed + max(self._num_envs, 1) - 1
 
     def _reseed_pool(self, seed: int) -> None:
+        """Make the pool anew with ``seed``, unless it has that seed and was not reset since it was
+        made (a pool handed to ``GymEnv`` is taken to be new)."""
         pool = self._env
-        if pool.config["seed"] == seed:
+        if pool.config["seed"] == seed and getattr(self, "_pool_fresh", True):
             return
         if pool is not pool.unwrapped:
             raise ValueError(
@@ -289,6 +291,7 @@ class GymEnv:
         )
         self._env = type(pool)(type(spec)(values))
         pool.close()
+        self._pool_fresh = True
         self._needs_reset = True
 
     def reset(self, td: TensorDict | None = None) -> TensorDict:
@@ -331,6 +334,7 @@ class GymEnv:
     def _reset(self, seed: int | None, mask: np.ndarray | None) -> tuple[Any, dict[str, Any]]:
         """The env's reset: all sub-envs (``mask`` None) or those in ``mask``; EnvPool is never given a
         seed (it has its own, see ``set_seed``)."""
+        self._pool_fresh = False
         if mask is None:
             return self._env.reset() if self._pool or seed is None else self._env.reset(seed=seed)
         if not self._vector:
