@@ -189,8 +189,8 @@ class TestRandomPolicy:
     @pytest.mark.parametrize(
         ("space", "name"),
         [
-            (spaces.Dict({"a": spaces.Discrete(2)}), "Dict"),
-            (spaces.Tuple([spaces.Discrete(2)]), "Tuple"),
+            (spaces.Dict({"a": spaces.Text(2)}), "Text"),
+            (spaces.Tuple([]), "Tuple"),
             (spaces.Text(3), "Text"),
         ],
     )

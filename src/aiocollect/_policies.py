@@ -18,7 +18,7 @@ from gymnasium import spaces
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import InteractionType, TensorDictModuleBase
 
-from ._envs._spaces import NestedKey, action_spec, sample
+from ._envs._spaces import NestedKey, action_specs, sample
 from ._fast_policy import lazy_fast_runner
 
 Runner = Callable[[Mapping[NestedKey, torch.Tensor]], dict[NestedKey, torch.Tensor]]
@@ -41,7 +41,9 @@ class RandomPolicy:
     """Uniformly random actions from a gymnasium action space; a callable ``td -> td``.
 
     Discrete spaces are sampled uniformly, bounded Box dims uniformly in ``[low, high]``, unbounded
-    ones from a normal (half-normal past a single bound), as gymnasium does.
+    ones from a normal (half-normal past a single bound), as gymnasium does. ``Dict`` and ``Tuple``
+    spaces (nested too) are sampled leaf by leaf, written under ``("action", name)`` (a Tuple's
+    entries are named ``"0"``, ``"1"``, ...), as a policy writes them.
 
     Args:
         action_space: the action space of one env.
@@ -58,7 +60,7 @@ class RandomPolicy:
     """
 
     def __init__(self, action_space: spaces.Space[Any], *, seed: int | None = None) -> None:
-        action_spec(action_space)  # raises on an unsupported space
+        action_specs(action_space)  # raises on an unsupported space
         self.action_space = action_space
         self.generator: torch.Generator | None = None
         if seed is not None:
@@ -70,12 +72,24 @@ class RandomPolicy:
             raise TypeError(f"seed must be an int, got {seed!r}")
         self.generator = torch.Generator().manual_seed(seed)
 
-    def sample(self, batch_shape: tuple[int, ...] = ()) -> torch.Tensor:
-        """A tensor of actions of shape ``batch_shape + action shape``."""
+    def sample_entries(self, batch_shape: tuple[int, ...] = ()) -> dict[NestedKey, torch.Tensor]:
+        """The action entries (``{"action": tensor}``, or one nested key per leaf of a Dict/Tuple space)."""
         return sample(self.action_space, tuple(batch_shape), self.generator)
 
+    def sample(self, batch_shape: tuple[int, ...] = ()) -> torch.Tensor | TensorDict:
+        """Actions of shape ``batch_shape + action shape``: a tensor, or for a Dict/Tuple space a
+        TensorDict of the leaves (what ``td["action"]`` holds after a call)."""
+        entries = self.sample_entries(batch_shape)
+        if "action" in entries:
+            return entries["action"]
+        out = TensorDict({}, batch_size=batch_shape)
+        for key, value in entries.items():
+            out.set(key[1:], value)
+        return out
+
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
-        td.set("action", self.sample(tuple(td.batch_size)))
+        for key, value in self.sample_entries(tuple(td.batch_size)).items():
+            td.set(key, value)
         return td
 
     def __repr__(self) -> str:
@@ -93,7 +107,7 @@ class _RandomRunner:
         self.batch_shape = batch_shape
 
     def __call__(self, obs: Mapping[NestedKey, torch.Tensor]) -> dict[NestedKey, torch.Tensor]:
-        return {"action": self.policy.sample(self.batch_shape)}
+        return self.policy.sample_entries(self.batch_shape)
 
     def sample_steps(self, steps: int) -> dict[NestedKey, torch.Tensor]:
         """The outputs of ``steps`` calls at once, steps first (one draw per batch instead of per step)."""
@@ -165,7 +179,7 @@ class _TensorDictRunner:
                 and not _is_private(k)
                 and (k if isinstance(k, str) else k[0]) not in ("next", "collector")
             ]
-            if "action" not in self.out_keys:
+            if not any((k if isinstance(k, str) else k[0]) == "action" for k in self.out_keys):
                 raise KeyError(
                     f"policy {self.policy!r} did not write an 'action' entry; it wrote {self.out_keys}"
                 )

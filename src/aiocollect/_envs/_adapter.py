@@ -2,7 +2,8 @@
 
 ``GymEnv`` already works on arrays, so it is used directly; a torchrl ``EnvBase`` goes through
 ``TorchRLArrays`` (``_torchrl.py``, torchrl imported only when such an env exists). Other envs go through
-their ``reset``/``step`` TensorDicts (one TensorDict per step: the slow path, documented as such).
+their ``reset``/``step`` TensorDicts (one TensorDict per step: the slow path, documented as such), and so
+does a ``GymEnv`` subclass that overrides ``step`` or ``reset`` (its methods are honoured).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import torch
 from tensordict import TensorDict
 
 from .._policies import RandomPolicy
-from ._gym import ArrayStep, GymEnv
+from ._gym import ArrayStep, GymEnv, _overrides
 from ._protocol import EnvProtocol
-from ._spaces import LeafSpec, NestedKey, action_spec, observation_specs
+from ._spaces import LeafSpec, NestedKey, action_specs, observation_specs
 from ._torchrl import TorchRLArrays, TorchRLRandomPolicy, is_torchrl_env
 
 _REQUIRED = ("batch_size", "observation_space", "action_space", "reset", "step", "set_seed", "close")
@@ -47,42 +48,58 @@ class ArrayEnv:
             arrays = TorchRLArrays(env)
             self.action_space: Any = arrays.action_torch_spec
             self.obs_specs: dict[NestedKey, LeafSpec] = arrays.obs_specs
-            self.action_spec: LeafSpec = arrays.action_spec
+            self.action_specs: dict[NestedKey, LeafSpec] = {"action": arrays.action_spec}
             self.has_truncated = arrays.has_truncated
             self._gym: Any = arrays  # the array fast path: a GymEnv, or this adapter
-            self.numpy_actions = False
-            return
-        self.action_space = env.action_space
-        self.obs_specs = (
-            env.obs_specs if isinstance(env, GymEnv) else observation_specs(env.observation_space)
-        )
-        self.action_spec = env.action_spec if isinstance(env, GymEnv) else action_spec(env.action_space)
-        self.has_truncated = bool(getattr(env, "has_truncated", True))
-        self._gym = env if isinstance(env, GymEnv) else None
-        #: ``step`` takes numpy actions as well as tensors
-        self.numpy_actions = isinstance(env, GymEnv)
+        else:
+            self.action_space = env.action_space
+            gym_env = isinstance(env, GymEnv)
+            if isinstance(env, GymEnv):
+                self.obs_specs = env.obs_specs
+                self.action_specs = env.action_specs
+            else:
+                self.obs_specs = observation_specs(env.observation_space)
+                self.action_specs = action_specs(env.action_space)
+            self.has_truncated = bool(getattr(env, "has_truncated", True))
+            fast = gym_env and not (_overrides(env, "step") or _overrides(env, "reset"))
+            self._gym = env if fast else None
+        #: ``step`` takes numpy actions as well as tensors (a GymEnv's array path)
+        self.numpy_actions = isinstance(self._gym, GymEnv)
+        #: the spec of the first action entry (the only one but for Dict/Tuple action spaces)
+        self.action_spec: LeafSpec = next(iter(self.action_specs.values()))
+        self._action_keys = list(self.action_specs)
+        self._one_action = self._action_keys == ["action"]
 
     # -- the policy side: which outputs are actions -----------------------------------------------
     def check_policy_outputs(self, specs: dict[NestedKey, LeafSpec]) -> None:
         """Raise if the policy's outputs (from one dry call; shapes per env) cannot drive this env."""
-        exp = self.action_spec
-        act = specs["action"]
-        if act.shape != exp.shape and not (act.shape == (1,) and exp.shape == ()):
-            raise ValueError(
-                f"policy output 'action' has shape {act.shape} per env; the action space "
-                f"{self.action_space} needs shape {exp.shape} ({exp.dtype})"
+        missing = [key for key in self._action_keys if key not in specs]
+        if missing:
+            wrote = [k for k in specs if (k if isinstance(k, str) else k[0]) == "action"]
+            raise KeyError(
+                f"the policy wrote the action entries {wrote}; the action space {self.action_space} needs "
+                f"{self._action_keys} (missing {missing})"
             )
-        if act.dtype.is_floating_point != exp.dtype.is_floating_point or act.dtype.is_complex:
-            kind = "a floating" if exp.dtype.is_floating_point else "an integer"
-            raise TypeError(
-                f"policy output 'action' has dtype {act.dtype}; the action space "
-                f"{self.action_space} needs {kind} dtype ({exp.dtype}, shape {exp.shape} per env)"
-            )
+        for key, exp in self.action_specs.items():
+            act = specs[key]
+            if act.shape != exp.shape and not (act.shape == (1,) and exp.shape == ()):
+                raise ValueError(
+                    f"policy output {key!r} has shape {act.shape} per env; the action space "
+                    f"{self.action_space} needs shape {exp.shape} ({exp.dtype})"
+                )
+            if act.dtype.is_floating_point != exp.dtype.is_floating_point or act.dtype.is_complex:
+                kind = "a floating" if exp.dtype.is_floating_point else "an integer"
+                raise TypeError(
+                    f"policy output {key!r} has dtype {act.dtype}; the action space "
+                    f"{self.action_space} needs {kind} dtype ({exp.dtype}, shape {exp.shape} per env)"
+                )
 
-    @staticmethod
-    def action_from(out: dict[NestedKey, torch.Tensor]) -> Any:
-        """What :meth:`step` takes, picked from one policy call's outputs."""
-        return out["action"]
+    def action_from(self, out: dict[NestedKey, torch.Tensor]) -> Any:
+        """What :meth:`step` takes, picked from one policy call's outputs: the ``"action"`` tensor, or
+        ``{key: tensor}`` of the entries of a Dict/Tuple action space."""
+        if self._one_action:
+            return out["action"]
+        return {key: out[key] for key in self._action_keys}
 
     def random_policy(self) -> RandomPolicy:
         """Uniform random actions for this env: its action space, or a torchrl env's ``rand_action``."""
@@ -93,11 +110,12 @@ class ArrayEnv:
     def reset(self, mask: np.ndarray | None = None) -> dict[NestedKey, np.ndarray]:
         if self._gym is not None:
             return self._gym._reset_arrays(mask)
-        if mask is None or not self.batch_shape:
+        # a GymEnv subclass (same-step autoreset already done) is told which sub-envs, even unbatched
+        if mask is None or (not self.batch_shape and not isinstance(self.env, GymEnv)):
             td = self.env.reset()
         else:
             reset_td = TensorDict(
-                {"_reset": torch.as_tensor(mask).reshape(*self.batch_shape, 1)},
+                {"_reset": torch.as_tensor(np.asarray(mask, dtype=bool)).reshape(*self.batch_shape, 1)},
                 batch_size=self.batch_shape,
             )
             td = self.env.reset(reset_td)
@@ -106,7 +124,10 @@ class ArrayEnv:
     def step(self, action: torch.Tensor) -> ArrayStep:
         if self._gym is not None:
             return self._gym._step_arrays(action)
-        out = self.env.step(TensorDict({"action": action}, batch_size=self.batch_shape))
+        td = TensorDict({}, batch_size=self.batch_shape)
+        for key, value in action.items() if isinstance(action, dict) else [("action", action)]:
+            td.set(key, value)
+        out = self.env.step(td)
         nxt = out.get("next", None)
         if nxt is None:
             raise KeyError(f"{type(self.env).__name__}.step() returned no 'next' entry: {out}")

@@ -1,7 +1,10 @@
-"""``GymEnv``: a gymnasium ``Env`` or ``VectorEnv`` behind the env protocol, with same-step autoreset."""
+"""``GymEnv``: a gymnasium ``Env`` or ``VectorEnv`` (any autoreset mode, EnvPool too) behind the env
+protocol, with same-step autoreset."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import gymnasium as gym
@@ -10,12 +13,15 @@ import torch
 from gymnasium.vector import AutoresetMode
 from tensordict import TensorDict
 
+from ._info import InfoKeys, InfoReader, info_specs
 from ._spaces import (
     LeafSpec,
     NestedKey,
     action_bounds,
+    action_leaf_spaces,
     action_outside_space,
     action_spec,
+    action_specs,
     flatten_obs,
     observation_specs,
 )
@@ -35,18 +41,38 @@ class ArrayStep(NamedTuple):
     root_obs: dict[NestedKey, np.ndarray]
 
 
+def _is_envpool(env: Any) -> bool:
+    """Whether ``env`` is an EnvPool pool (without importing envpool)."""
+    module = sys.modules.get("envpool.python.envpool")
+    mixin = getattr(module, "EnvPoolMixin", None) if module is not None else None
+    return mixin is not None and isinstance(env, mixin)
+
+
+def _overrides(env: Any, name: str) -> bool:
+    return getattr(type(env), name) is not getattr(GymEnv, name)
+
+
 class GymEnv:
     """A gymnasium environment (one env or a vector of them) with the aiocollect env protocol.
 
     Args:
-        env: a gymnasium id (``"CartPole-v1"``), a ``gymnasium.Env`` or a ``gymnasium.vector.VectorEnv``
-            (created with ``vector_kwargs={"autoreset_mode": AutoresetMode.SAME_STEP}``).
+        env: a gymnasium id (``"CartPole-v1"``), a ``gymnasium.Env``, or a ``gymnasium.vector.VectorEnv``
+            of any autoreset mode (``SyncVectorEnv``, ``AsyncVectorEnv``, an EnvPool pool made with
+            ``envpool.make_gymnasium``).
         num_envs: with an id, build ``num_envs`` copies in a synchronous vector env (batch ``[num_envs]``).
         seed: seed of the first reset (``set_seed`` changes it later).
+        info_keys: entries of the envs' ``info`` to put in the batch, as observations: under
+            ``("next", key)`` with each step, and at the root with the observation the policy acts on
+            (an action mask reaches the policy). A list of names takes each entry's shape and dtype
+            from the reset info; a dict ``{name: space}`` gives them (needed for entries only steps
+            give, such as ``"is_success"`` or ``"episode"``). Missing at a step: zeros.
         **make_kwargs: passed to ``gymnasium.make`` / ``gymnasium.make_vec`` (ids only).
 
     At an episode end, ``("next", "observation")`` is the final observation and the following frame's
-    ``"observation"`` the reset one (gymnasium's same-step autoreset).
+    ``"observation"`` the reset one. A vector env with next-step autoreset (gymnasium's default, and
+    EnvPool's) or autoreset disabled has its ended sub-envs reset at once with
+    ``reset(options={"reset_mask": done})``: its reset step never happens, and the data equal a
+    same-step env's for the same seeds.
 
     Observations come in the dtypes of the observation space (an env returning float64 for a float32
     Box is converted). They go to torch without a copy (``torch.from_numpy``), except that a single
@@ -74,6 +100,7 @@ class GymEnv:
         *,
         num_envs: int | None = None,
         seed: int | None = None,
+        info_keys: InfoKeys | None = None,
         **make_kwargs: Any,
     ) -> None:
         if num_envs is not None and (
@@ -99,13 +126,6 @@ class GymEnv:
                 )
                 self._vector = True
         elif isinstance(env, gym.vector.VectorEnv):
-            mode = env.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP)
-            if mode != AutoresetMode.SAME_STEP:
-                raise ValueError(
-                    f"GymEnv needs a vector env with same-step autoreset, got autoreset_mode={mode!r}; "
-                    "create it with vector_kwargs={'autoreset_mode': gymnasium.vector.AutoresetMode."
-                    "SAME_STEP} or pass an env id with num_envs=N"
-                )
             if num_envs is not None and num_envs != env.num_envs:
                 raise ValueError(f"num_envs={num_envs} but the vector env has {env.num_envs} envs")
             if make_kwargs:
@@ -113,6 +133,11 @@ class GymEnv:
             self._env = env
             self._vector = True
         elif isinstance(env, gym.Env):
+            if _is_envpool(env):  # EnvPool before 1.0: a batch of envs that is no gymnasium VectorEnv
+                raise TypeError(
+                    "this EnvPool pool is not a gymnasium.vector.VectorEnv (EnvPool < 1.0): install "
+                    "envpool>=1.2 (pip install 'aiocollect[envpool]')"
+                )
             if num_envs is not None:
                 raise ValueError(
                     "num_envs needs an env id (GymEnv('CartPole-v1', num_envs=8)); an Env instance cannot "
@@ -127,6 +152,8 @@ class GymEnv:
                 f"env must be a gymnasium id, a gymnasium.Env or a gymnasium.vector.VectorEnv, got {env!r}"
             )
         try:
+            self._pool = self._vector and _is_envpool(self._env.unwrapped)
+            self._same_step = not self._vector or self._check_autoreset(self._env)
             if self._vector:
                 self._num_envs = int(self._env.num_envs)
                 self._obs_space = self._env.single_observation_space
@@ -136,12 +163,23 @@ class GymEnv:
                 self._obs_space = self._env.observation_space
                 self._act_space = self._env.action_space
             self.obs_specs: dict[NestedKey, LeafSpec] = observation_specs(self._obs_space)
-            self.action_spec: LeafSpec = action_spec(self._act_space)
-            self._act_bounds = action_bounds(self._act_space)
+            self.action_specs: dict[NestedKey, LeafSpec] = action_specs(self._act_space)
+            self._act_leaves = action_leaf_spaces(self._act_space)
+            self._act_bounds = {key: action_bounds(sub) for key, sub in self._act_leaves.items()}
+            self._composite = list(self.action_specs) != ["action"]
+            self._batch_shape: tuple[int, ...] = (self._num_envs,) if self._vector else ()
+            self._seed = seed
+            if self._pool and seed is not None:
+                self._reseed_pool(seed)
+            self._last_obs: dict[NestedKey, np.ndarray] | None = None
+            self._info: InfoReader | None = None
+            if info_keys is not None:
+                self._info = self._info_reader(info_keys)
+                self.obs_specs = {**self.obs_specs, **self._info.specs}
         except BaseException:
             self._env.close()
             raise
-        self._obs_dtypes = {key: spec.numpy_dtype for key, spec in self.obs_specs.items()}
+        self._obs_dtypes = {key: spec.numpy_dtype for key, spec in observation_specs(self._obs_space).items()}
         self._obs_dtype = (
             None if isinstance(self._obs_space, gym.spaces.Dict) else self._obs_dtypes["observation"]
         )
@@ -150,11 +188,54 @@ class GymEnv:
         # copy=False); a single env may hand back an internal buffer it updates in place, so its
         # observations are copied (one small copy per step, well under 1 us for CartPole).
         self._copy_obs = not (self._vector and getattr(self._env.unwrapped, "copy", False))
-        self._batch_shape: tuple[int, ...] = (self._num_envs,) if self._vector else ()
-        self._seed = seed
-        self._last_obs: dict[NestedKey, np.ndarray] | None = None
         self._autoreset_pending: np.ndarray | None = None
         self._needs_reset = True
+
+    def _check_autoreset(self, env: Any) -> bool:
+        """Whether the vector env resets ended sub-envs itself in the same step; raise where its
+        autoreset mode cannot be handled."""
+        mode = env.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP)
+        mode = AutoresetMode(mode) if not isinstance(mode, AutoresetMode) else mode
+        inner = env.unwrapped
+        if self._pool and inner.is_async:
+            cfg = inner.config
+            raise ValueError(
+                f"EnvPool async mode (batch_size={cfg['batch_size']} < num_envs={cfg['num_envs']}) is not "
+                "supported: each step returns a different subset of the envs, while a batch holds every "
+                "env at every time step ([num_envs, T], one trajectory per row). Make the pool with "
+                "batch_size=num_envs (the default); for more throughput use several collector workers"
+            )
+        wrapper = env
+        while mode != AutoresetMode.SAME_STEP and isinstance(wrapper, gym.vector.VectorWrapper):
+            if isinstance(wrapper, gym.wrappers.vector.RecordEpisodeStatistics):
+                raise ValueError(
+                    "gymnasium.wrappers.vector.RecordEpisodeStatistics records wrong statistics when "
+                    f"sub-envs are reset in part, as a {mode.name} vector env needs (gymnasium's "
+                    "SyncVectorEnv pops options['reset_mask'] before the wrapper reads it); wrap each "
+                    "sub-env with gymnasium.wrappers.RecordEpisodeStatistics instead, or make the vector "
+                    "env with autoreset_mode=AutoresetMode.SAME_STEP"
+                )
+            wrapper = wrapper.env
+        if (
+            mode == AutoresetMode.NEXT_STEP
+            and isinstance(inner, gym.vector.AsyncVectorEnv)
+            and not inner.shared_memory
+        ):
+            raise ValueError(
+                "AsyncVectorEnv(shared_memory=False) with next-step autoreset cannot be reset in part "
+                "(gymnasium then still takes the reset step after reset(options={'reset_mask': ...})); "
+                "make it with shared_memory=True (the default) or autoreset_mode=AutoresetMode.SAME_STEP"
+            )
+        return mode == AutoresetMode.SAME_STEP
+
+    def _info_reader(self, info_keys: InfoKeys) -> InfoReader:
+        needs_sample = not isinstance(info_keys, Mapping) or any(v is None for v in info_keys.values())
+        sample = None
+        if needs_sample:  # the reset info tells the shapes and dtypes (this reset's seed is used again)
+            _, sample = self._reset(self._seed, None)
+            self._needs_reset = True
+        specs = info_specs(info_keys, sample, vector=self._vector, obs_keys=list(self.obs_specs))
+        return InfoReader(specs, self._batch_shape)
 
     # -- protocol ---------------------------------------------------------------------------------
     @property
@@ -170,17 +251,48 @@ class GymEnv:
         return self._act_space
 
     @property
+    def action_spec(self) -> LeafSpec:
+        """The spec of the ``"action"`` entry (a leaf action space; see ``action_specs`` for all)."""
+        return action_spec(self._act_space)
+
+    @property
     def env(self) -> Any:
-        """The wrapped gymnasium env or vector env."""
+        """The wrapped gymnasium env or vector env (an EnvPool pool is made anew by ``set_seed``)."""
         return self._env
 
     def set_seed(self, seed: int) -> int:
-        """Seed the next reset (sub-env ``i`` gets ``seed + i``); returns the last seed used."""
+        """Seed the next reset (sub-env ``i`` gets ``seed + i``); returns the last seed used.
+
+        EnvPool fixes its seeds when a pool is made: ``set_seed`` makes the pool anew with ``seed``.
+        """
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {seed!r}")
         self._seed = seed
+        if self._pool:
+            self._reseed_pool(seed)
         self._act_space.seed(seed)
         return seed + max(self._num_envs, 1) - 1
+
+    def _reseed_pool(self, seed: int) -> None:
+        """Make the pool anew with ``seed``, unless it has that seed and was not reset since it was
+        made (a pool handed to ``GymEnv`` is taken to be new)."""
+        pool = self._env
+        if pool.config["seed"] == seed and getattr(self, "_pool_fresh", True):
+            return
+        if pool is not pool.unwrapped:
+            raise ValueError(
+                "EnvPool fixes its seeds when a pool is made, and this pool is wrapped, so it cannot be made "
+                "anew with another seed: pass seed= to envpool.make_gymnasium, and no seed to GymEnv or "
+                "the collector"
+            )
+        spec = pool.spec
+        values = tuple(
+            seed if k == "seed" else v for k, v in zip(spec._config_keys, spec._config_values, strict=True)
+        )
+        self._env = type(pool)(type(spec)(values))
+        pool.close()
+        self._pool_fresh = True
+        self._needs_reset = True
 
     def reset(self, td: TensorDict | None = None) -> TensorDict:
         reset = None if td is None else td.get("_reset", None)
@@ -192,7 +304,10 @@ class GymEnv:
     def step(self, td: TensorDict) -> TensorDict:
         if self._needs_reset:
             raise RuntimeError("GymEnv.step() called before reset()")
-        result = self._step_arrays(td.get("action"))
+        action: Any = td.get("action")
+        if self._composite:
+            action = {("action", *k): v for k, v in action.items(include_nested=True, leaves_only=True)}
+        result = self._step_arrays(action)
         bs = self.batch_size
         terminated = torch.as_tensor(result.terminated).reshape(*bs, 1)
         truncated = torch.as_tensor(result.truncated).reshape(*bs, 1)
@@ -216,6 +331,16 @@ class GymEnv:
             td.set(key, torch.as_tensor(value))
         return td
 
+    def _reset(self, seed: int | None, mask: np.ndarray | None) -> tuple[Any, dict[str, Any]]:
+        """The env's reset: all sub-envs (``mask`` None) or those in ``mask``; EnvPool is never given a
+        seed (it has its own, see ``set_seed``)."""
+        self._pool_fresh = False
+        if mask is None:
+            return self._env.reset() if self._pool or seed is None else self._env.reset(seed=seed)
+        if not self._vector:
+            return self._env.reset()
+        return self._env.reset(options={"reset_mask": mask})
+
     def _reset_arrays(self, mask: np.ndarray | None = None) -> dict[NestedKey, np.ndarray]:
         """Reset all sub-envs, or those where ``mask``; returns the observation of every sub-env."""
         seed, self._seed = self._seed, None
@@ -228,15 +353,49 @@ class GymEnv:
                 # the sub-envs asked for were reset already by the same-step autoreset
                 return self._last_obs
             if not self._vector:
-                obs, _ = self._env.reset()
+                obs, info = self._reset(None, todo)
+                root = self._observation(obs, info)
             else:
-                obs, _ = self._env.reset(options={"reset_mask": todo})
+                root = self._merge_reset({k: v.copy() for k, v in self._last_obs.items()}, todo)
         else:
-            obs, _ = self._env.reset(seed=seed)
+            obs, info = self._reset(seed, None)
+            root = self._observation(obs, info)
         self._needs_reset = False
         self._autoreset_pending = None
-        self._last_obs = self._arrays(obs)
-        return self._last_obs
+        self._last_obs = root
+        return root
+
+    def _merge_reset(
+        self, base: dict[NestedKey, np.ndarray], mask: np.ndarray
+    ) -> dict[NestedKey, np.ndarray]:
+        """Reset the sub-envs in ``mask`` and write their observations (and info entries) into ``base``.
+
+        Gymnasium's vector envs return every sub-env's observation; EnvPool those of the reset ones
+        (in the order of its ``info["env_id"]``).
+        """
+        obs, info = self._reset(None, mask)
+        arrays = self._arrays(obs)
+        first = next(iter(arrays.values()))
+        if first.shape[0] == self._num_envs:
+            rows: Any = mask
+            if self._info is not None:
+                arrays.update(self._info.read(info))
+            for key, value in arrays.items():
+                base[key][rows] = value[rows]
+            return base
+        rows = np.asarray(info["env_id"]) if "env_id" in info else np.flatnonzero(mask)
+        if self._info is not None:
+            arrays.update(self._info.read(info, len(rows)))
+        for key, value in arrays.items():
+            base[key][rows] = value
+        return base
+
+    def _observation(self, obs: Any, info: Any) -> dict[NestedKey, np.ndarray]:
+        """The observation arrays, and the info entries asked for."""
+        out = self._arrays(obs)
+        if self._info is not None:
+            out.update(self._info.read(info))
+        return out
 
     def _arrays(self, obs: Any) -> dict[NestedKey, np.ndarray]:
         """A raw observation -> ``{key: array}`` of the spec dtypes, owned by us, usable by torch."""
@@ -257,20 +416,42 @@ class GymEnv:
         return np.array(value, dtype=dtype)  # a new array: python scalars, other dtypes (float64 ...)
 
     def _to_env_action(self, action: Any) -> Any:
-        """The policy's action as the env takes it. Discrete actions outside the space raise a
-        ``ValueError`` naming the space (an env would fail obscurely, or index out of range)."""
-        space = self._act_space
-        bounds = self._act_bounds
+        """The policy's action as the env takes it (a dict or tuple for a Dict or Tuple space).
+
+        Integer actions outside the space raise a ``ValueError`` naming the space: they are checked,
+        never wrapped by a cast (an env would fail obscurely, index out of range, or act on garbage).
+        """
+        if not self._composite:
+            return self._leaf_action("action", action)
+        if not isinstance(action, Mapping):
+            raise TypeError(
+                f"the action space {self._act_space} takes the action entries {list(self.action_specs)}, "
+                f"got {type(action).__name__}"
+            )
+        return self._assemble(self._act_space, ("action",), action)
+
+    def _assemble(self, space: gym.Space[Any], path: tuple[str, ...], entries: Mapping[Any, Any]) -> Any:
+        if isinstance(space, gym.spaces.Dict):
+            return {name: self._assemble(sub, (*path, name), entries) for name, sub in space.spaces.items()}
+        if isinstance(space, gym.spaces.Tuple):
+            return tuple(self._assemble(sub, (*path, str(i)), entries) for i, sub in enumerate(space.spaces))
+        if path not in entries:
+            raise KeyError(f"no action entry {path!r}; the action space needs {list(self.action_specs)}")
+        return self._leaf_action(path, entries[path])
+
+    def _leaf_action(self, key: NestedKey, action: Any) -> Any:
+        space = self._act_leaves[key]
+        bounds = self._act_bounds[key]
         if not self._vector and isinstance(space, gym.spaces.Discrete):
             value = int(action)  # a python int is the cheapest action gymnasium checks
             if value < bounds[0] or value > bounds[1]:  # type: ignore[index]
-                raise action_outside_space(space, value)
+                raise action_outside_space(space, value, key)
             return value
         if isinstance(action, torch.Tensor):
             action = action.numpy(force=True)  # detach().cpu().numpy() in one call
         action = np.asarray(action)
         if bounds is not None and ((action < bounds[0]).any() or (action > bounds[1]).any()):
-            raise action_outside_space(space, action)
+            raise action_outside_space(space, action, key)
         if isinstance(space, gym.spaces.Discrete):
             # policies may give a trailing singleton dim
             return action.reshape(self._batch_shape).astype(np.int64, copy=False)
@@ -282,33 +463,88 @@ class GymEnv:
         One env gives python scalars for reward and flags, a vector env numpy arrays.
         """
         obs, reward, terminated, truncated, info = self._env.step(self._to_env_action(action))
-        space = self._obs_space
-        root = self._arrays(obs)
         if not self._vector:
             terminated = bool(terminated)
             truncated = bool(truncated)
-            nxt = root
+            nxt = self._observation(obs, info)
             if terminated or truncated:
-                new_obs, _ = self._env.reset()
-                root = self._arrays(new_obs)
+                if not self._copy_obs:  # the reset may write into the env's observation buffer
+                    nxt = {k: v.copy() for k, v in nxt.items()}
+                new_obs, reset_info = self._env.reset()
+                root = self._observation(new_obs, reset_info)
                 self._autoreset_pending = np.asarray(True)
             else:
+                root = nxt
                 self._autoreset_pending = None
             self._last_obs = root
             return ArrayStep(nxt, float(reward), terminated, truncated, root)
         terminated = np.asarray(terminated, dtype=bool)
         truncated = np.asarray(truncated, dtype=bool)
         done = terminated | truncated
-        if done.any():
-            final_mask = info.get("_final_obs", done)
-            finals = info["final_obs"]
-            nxt = {k: v.copy() for k, v in root.items()}  # root keeps the reset observations
-            for i in np.nonzero(final_mask)[0]:  # np.flatnonzero costs 2-3x more
-                for key, value in flatten_obs(space, finals[i]).items():
-                    nxt[key][i] = value
-            self._autoreset_pending = done
+        if self._pool:
+            order = np.asarray(info["env_id"])
+            if order.shape != (self._num_envs,) or (order != self._pool_ids).any():
+                obs, reward, terminated, truncated, info, done = _by_env_id(
+                    order, obs, reward, terminated, truncated, info, done
+                )
+        if self._same_step:
+            root = self._observation(obs, info)
+            if done.any():
+                nxt = {k: v.copy() for k, v in root.items()}  # root keeps the reset observations
+                final_mask = info.get("_final_obs", done)
+                finals = info["final_obs"]
+                for i in np.nonzero(final_mask)[0]:  # np.flatnonzero costs 2-3x more
+                    for key, value in flatten_obs(self._obs_space, finals[i]).items():
+                        nxt[key][i] = value
+                if self._info is not None:
+                    self._final_info_entries(info, done, nxt, root)
+                self._autoreset_pending = done
+            else:
+                nxt = root
+                self._autoreset_pending = None
         else:
-            nxt = root
-            self._autoreset_pending = None
+            nxt = self._observation(obs, info)
+            if done.any():
+                # next-step (or disabled) autoreset: reset the ended sub-envs now, so that their reset
+                # step never happens; ``nxt`` is copied first, the reset may write into its buffers
+                root = self._merge_reset({k: v.copy() for k, v in nxt.items()}, done)
+                self._autoreset_pending = done
+            else:
+                root = nxt
+                self._autoreset_pending = None
         self._last_obs = root
         return ArrayStep(nxt, np.asarray(reward, dtype=np.float32), terminated, truncated, root)
+
+    def _final_info_entries(
+        self, info: Mapping[str, Any], done: np.ndarray, nxt: dict[NestedKey, Any], root: dict[NestedKey, Any]
+    ) -> None:
+        """Same-step autoreset: an ended sub-env's info holds its reset info, and ``final_info`` the
+        step's. An entry not in ``final_info`` was added to the step's info by a vector wrapper (such
+        as ``RecordEpisodeStatistics``): it belongs to the step, and the reset observation has none."""
+        assert self._info is not None
+        final = info.get("final_info", {})
+        final_values = self._info.read(final)
+        for key, in_final in self._info.present(final).items():
+            from_final = done & in_final
+            nxt[key][from_final] = final_values[key][from_final]
+            from_step = done & ~in_final
+            if from_step.any():
+                root[key][from_step] = 0
+
+    @property
+    def _pool_ids(self) -> np.ndarray:
+        return self._env.unwrapped.all_env_ids
+
+
+def _by_env_id(order: np.ndarray, *results: Any) -> Any:
+    """EnvPool step results put in env-id order (a pool in sync mode gives them so already)."""
+    if order.shape != (len(results[-1]),):
+        raise ValueError(f"EnvPool stepped the envs {order.tolist()}, not all of them once")
+    perm = np.argsort(order)
+
+    def take(value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return {k: take(v) for k, v in value.items()}
+        return np.asarray(value)[perm]
+
+    return tuple(take(value) for value in results)

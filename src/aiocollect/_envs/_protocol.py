@@ -20,7 +20,7 @@ class EnvProtocol(Protocol):
 
     * ``batch_size``: ``torch.Size([])`` for one env, ``torch.Size([N])`` for ``N`` envs stepped together.
     * ``observation_space`` / ``action_space``: gymnasium spaces of **one** env (Box, Discrete,
-      MultiDiscrete, MultiBinary; a Dict for observations gives one key per entry).
+      MultiDiscrete, MultiBinary; a Dict gives one key per entry, a Dict or Tuple action one key per leaf).
     * ``reset(td=None)``: returns a TensorDict of ``batch_size`` with the observation keys. When ``td``
       holds a boolean ``"_reset"`` entry of shape ``[*batch_size, 1]``, only those sub-envs are reset
       (the others keep their current observation).

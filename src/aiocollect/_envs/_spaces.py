@@ -16,7 +16,7 @@ from gymnasium import spaces
 
 NestedKey = str | tuple[str, ...]
 
-_SUPPORTED = "Box, Discrete, MultiDiscrete, MultiBinary (and Dict for observations)"
+_SUPPORTED = "Box, Discrete, MultiDiscrete, MultiBinary, Dict (and Tuple for actions)"
 
 
 @dataclass(frozen=True)
@@ -83,21 +83,59 @@ def _dict_specs(space: spaces.Dict) -> dict[NestedKey, LeafSpec]:
     return out
 
 
-def action_spec(space: spaces.Space[Any]) -> LeafSpec:
-    """Spec of the ``"action"`` entry. Box actions are float32 on the policy side."""
-    if isinstance(space, spaces.Dict):
-        raise TypeError(
-            f"unsupported action space {space!r} (Dict); aiocollect supports {_SUPPORTED} for actions."
-        )
-    spec = leaf_spec(space, what="action")
+def action_specs(space: spaces.Space[Any]) -> dict[NestedKey, LeafSpec]:
+    """Keys and specs of the action entries: ``{"action": spec}`` for a leaf space; a ``Dict`` or
+    ``Tuple`` space (nested) gives one key per leaf: ``("action", name)``, ``("action", "0")``, ...
+
+    Box actions are float32 on the policy side (whatever the Box dtype).
+    """
+    return {("action", *path) if path else "action": spec for path, spec in _action_leaves(space, ())}
+
+
+def _action_leaves(space: spaces.Space[Any], path: tuple[str, ...]) -> list[tuple[tuple[str, ...], LeafSpec]]:
+    if isinstance(space, (spaces.Dict, spaces.Tuple)):
+        items = space.spaces.items() if isinstance(space, spaces.Dict) else enumerate(space.spaces)
+        out = [leaf for name, sub in items for leaf in _action_leaves(sub, (*path, str(name)))]
+        if not out:
+            raise TypeError(f"unsupported action space {space!r}: an empty {type(space).__name__}")
+        return out
+    where = "action" + "".join(f"[{p!r}]" for p in path)
+    spec = leaf_spec(space, what=where)
     if isinstance(space, spaces.Box) and spec.dtype.is_floating_point:
-        return LeafSpec(spec.shape, torch.float32)
-    return spec
+        spec = LeafSpec(spec.shape, torch.float32)
+    return [(path, spec)]
+
+
+def action_spec(space: spaces.Space[Any]) -> LeafSpec:
+    """Spec of the ``"action"`` entry of a leaf action space (see :func:`action_specs` for all)."""
+    specs = action_specs(space)
+    if list(specs) != ["action"]:
+        raise TypeError(f"the action space {space!r} has several entries {list(specs)}, not one 'action'")
+    return specs["action"]
+
+
+def action_leaf_spaces(space: spaces.Space[Any]) -> dict[NestedKey, spaces.Space[Any]]:
+    """The leaf spaces of an action space, under the keys of :func:`action_specs`."""
+    out: dict[NestedKey, spaces.Space[Any]] = {}
+
+    def walk(sub: spaces.Space[Any], path: tuple[str, ...]) -> None:
+        if isinstance(sub, spaces.Dict):
+            for name, inner in sub.spaces.items():
+                walk(inner, (*path, name))
+        elif isinstance(sub, spaces.Tuple):
+            for i, inner in enumerate(sub.spaces):
+                walk(inner, (*path, str(i)))
+        else:
+            out[("action", *path) if path else "action"] = sub
+
+    walk(space, ())
+    return out
 
 
 def action_bounds(space: spaces.Space[Any]) -> tuple[Any, Any] | None:
-    """Inclusive bounds of the values of a discrete action space; ``None`` for ``Box`` (an out-of-bounds
-    continuous action goes to the env as it is: clipping is the env's business)."""
+    """Inclusive bounds of the values of an integer action space (``Discrete``, ``MultiDiscrete``,
+    ``MultiBinary``, an integer ``Box``); ``None`` for a float ``Box`` (an out-of-bounds continuous
+    action goes to the env as it is: clipping is the env's business)."""
     if isinstance(space, spaces.Discrete):
         return int(space.start), int(space.start + space.n - 1)
     if isinstance(space, spaces.MultiDiscrete):
@@ -105,25 +143,28 @@ def action_bounds(space: spaces.Space[Any]) -> tuple[Any, Any] | None:
         return start, start + np.asarray(space.nvec, dtype=np.int64) - 1
     if isinstance(space, spaces.MultiBinary):
         return 0, 1
+    if isinstance(space, spaces.Box) and not np.issubdtype(space.dtype, np.floating):
+        return space.low, space.high
     return None
 
 
-def action_outside_space(space: spaces.Space[Any], action: Any) -> ValueError:
-    """The error for a policy action with values outside the discrete action space ``space``."""
+def action_outside_space(space: spaces.Space[Any], action: Any, key: NestedKey = "action") -> ValueError:
+    """The error for a policy action with values outside the integer action space ``space``."""
     bounds = action_bounds(space)
     assert bounds is not None
     low, high = bounds
     values = np.asarray(action)
     bad = np.unique(values[(values < low) | (values > high)])[:5].tolist()
-    spec = action_spec(space)
+    spec = leaf_spec(space, what="action")
     where = (
         f"[{low}, {high}]"
         if np.ndim(low) == 0
         else f"[{np.asarray(low).tolist()}, {np.asarray(high).tolist()}]"
     )
     return ValueError(
-        f"policy output 'action' has values outside the action space {space}: {bad}; expected "
-        f"{spec.dtype} values in {where} (shape {spec.shape} per env)"
+        f"policy output {key!r} has values outside the action space {space}: {bad}; expected "
+        f"{spec.dtype} values in {where} (shape {spec.shape} per env). Integer actions are checked, "
+        "never wrapped to fit"
     )
 
 
@@ -143,9 +184,17 @@ def flatten_obs(space: spaces.Space[Any], obs: Any) -> dict[NestedKey, np.ndarra
 
 def sample(
     space: spaces.Space[Any], batch_shape: tuple[int, ...], generator: torch.Generator | None
+) -> dict[NestedKey, torch.Tensor]:
+    """Uniform random actions for every entry of :func:`action_specs`, of shape ``batch_shape +
+    spec.shape``, drawn with ``generator``."""
+    return {key: sample_leaf(sub, batch_shape, generator) for key, sub in action_leaf_spaces(space).items()}
+
+
+def sample_leaf(
+    space: spaces.Space[Any], batch_shape: tuple[int, ...], generator: torch.Generator | None
 ) -> torch.Tensor:
     """Uniform random actions of shape ``batch_shape + spec.shape`` drawn with ``generator``."""
-    spec = action_spec(space)
+    spec = _action_leaves(space, ())[0][1]
     shape = (*batch_shape, *spec.shape)
     if isinstance(space, spaces.Discrete):
         return torch.randint(int(space.n), shape, generator=generator) + int(space.start)

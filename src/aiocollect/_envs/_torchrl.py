@@ -83,6 +83,19 @@ def _composite_leaves(composite: Any, batch_shape: tuple[int, ...], what: str) -
     return out
 
 
+def _check_integer_range(action: torch.Tensor, dtype: torch.dtype, spec: Any) -> None:
+    """Raise if an integer action does not fit ``dtype`` (a cast would wrap it around silently)."""
+    low, high = (0, 1) if dtype == torch.bool else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
+    bad = (action < low) | (action > high)
+    if bool(bad.any()):
+        values = torch.unique(action[bad])[:5].tolist()
+        raise ValueError(
+            f"policy output 'action' has {action.dtype} values {values} that do not fit the action spec's "
+            f"dtype {dtype} (values in [{low}, {high}]); the spec is {spec}. Integer actions are checked, "
+            "never wrapped to fit: write actions in the spec's range (or its dtype)"
+        )
+
+
 class TorchRLArrays:
     """A torchrl ``EnvBase`` with the array interface of :class:`~aiocollect.GymEnv` (used by ``ArrayEnv``).
 
@@ -175,6 +188,8 @@ class TorchRLArrays:
         spec = self.action_spec
         action = action.reshape((*self.batch_shape, *spec.shape))
         if action.dtype != spec.dtype:
+            if not (spec.dtype.is_floating_point or action.dtype.is_floating_point):
+                _check_integer_range(action, spec.dtype, self.action_torch_spec)
             action = action.to(spec.dtype)
         if self._device is not None and action.device != self._device:
             action = action.to(self._device, non_blocking=True)
@@ -216,6 +231,9 @@ class TorchRLRandomPolicy(RandomPolicy):
 
     def set_seed(self, seed: int) -> None:
         """Nothing to do: the samples come from torch's RNG, which the collectors seed."""
+
+    def sample_entries(self, batch_shape: tuple[int, ...] = ()) -> dict[NestedKey, torch.Tensor]:
+        return {"action": self.sample(batch_shape)}
 
     def sample(self, batch_shape: tuple[int, ...] = ()) -> torch.Tensor:
         action = self.arrays.rand_action()
