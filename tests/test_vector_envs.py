@@ -181,14 +181,7 @@ def check_batches(batches: list[TensorDict]) -> None:
         assert (b["next", "reward"] == 1).all()
 
 
-DAEMONIC = pytest.mark.xfail(
-    strict=True,
-    reason="issue 18 item 3: worker processes are daemonic, and a daemonic process cannot start the "
-    "AsyncVectorEnv's processes (remove this mark when the workers are not daemonic)",
-)
-
-
-@pytest.mark.parametrize("backend", ["serial", pytest.param("process", marks=DAEMONIC)])
+@pytest.mark.parametrize("backend", ["serial", "process"])
 async def test_async_vector_env_in_multi_collectors(backend):
     with anyio.fail_after(120):
         async with MultiSyncCollector(

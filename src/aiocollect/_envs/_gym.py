@@ -183,11 +183,14 @@ class GymEnv:
         self._obs_dtype = (
             None if isinstance(self._obs_space, gym.spaces.Dict) else self._obs_dtypes["observation"]
         )
-        # The rollout keeps the arrays it is given until the end of the batch, so they must never be
-        # written to again. Gymnasium's vector envs deep-copy their observations (unless made with
-        # copy=False); a single env may hand back an internal buffer it updates in place, so its
-        # observations are copied (one small copy per step, well under 1 us for CartPole).
-        self._copy_obs = not (self._vector and getattr(self._env.unwrapped, "copy", False))
+        # The arrays of the array path are valid until the next step or reset: the rollout copies each
+        # observation into its batch at once, so an env may hand back an internal buffer that it updates
+        # in place, and nothing is copied here (a 100 KB Atari frame cost a copy per step). Only where a
+        # reset would overwrite a final observation still to be read is it copied first. The public
+        # TensorDict step()/reset() copy (see _obs_td).
+        self._copy_obs = False
+        # gymnasium's vector envs hand out fresh arrays at every step (unless made with copy=False)
+        self._fresh_obs = self._vector and bool(getattr(self._env.unwrapped, "copy", False))
         self._autoreset_pending: np.ndarray | None = None
         self._needs_reset = True
 
@@ -328,7 +331,8 @@ class GymEnv:
     def _obs_td(self, obs: dict[NestedKey, np.ndarray]) -> TensorDict:
         td = TensorDict({}, batch_size=self.batch_size)
         for key, value in obs.items():
-            td.set(key, torch.as_tensor(value))
+            # a copy, unless the env gives fresh arrays: it may write into its arrays later
+            td.set(key, torch.as_tensor(value) if self._fresh_obs else torch.tensor(value))
         return td
 
     def _reset(self, seed: int | None, mask: np.ndarray | None) -> tuple[Any, dict[str, Any]]:
@@ -507,6 +511,7 @@ class GymEnv:
             if done.any():
                 # next-step (or disabled) autoreset: reset the ended sub-envs now, so that their reset
                 # step never happens; ``nxt`` is copied first, the reset may write into its buffers
+                nxt = {k: v.copy() for k, v in nxt.items()}  # may be the env's buffer (copy=False)
                 root = self._merge_reset({k: v.copy() for k, v in nxt.items()}, done)
                 self._autoreset_pending = done
             else:
