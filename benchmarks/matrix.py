@@ -63,11 +63,23 @@ def is_pixels(env_id: str) -> bool:
     return env_id.startswith("ALE/")
 
 
+def _mujoco_warning(message: str) -> None:
+    # mujoco 4 deprecates an attribute of gymnasium's HalfCheetah model; its default handler would write
+    # MUJOCO_LOG.TXT into the working directory
+    if "settotalmass" not in message:
+        print(f"MuJoCo warning: {message}", file=sys.stderr)
+
+
 def register(env_id: str) -> None:
+    """Make ``env_id`` available in this process (ALE's ids are registered by ``ale_py``)."""
     if is_pixels(env_id):
         import ale_py
 
         gym.register_envs(ale_py)
+    elif env_id.startswith("HalfCheetah"):
+        import mujoco
+
+        mujoco.set_mju_user_warning(_mujoco_warning)
 
 
 # -- policies --------------------------------------------------------------------------------------
