@@ -91,6 +91,13 @@ class Pixels(nn.Module):
         return x.flatten(-2)
 
 
+class Float(nn.Module):
+    """float32 input (MuJoCo observations are float64; a no-op on float32)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float()
+
+
 def mlp(env: gym.Env[Any, Any], n_out: int) -> nn.Module:
     """2 x 64 tanh MLP (behind the pixel encoder for an image observation)."""
     shape = env.observation_space.shape
@@ -102,7 +109,12 @@ def mlp(env: gym.Env[Any, Any], n_out: int) -> nn.Module:
             nn.Linear(HIDDEN, n_out),
         )  # fmt: skip
     return nn.Sequential(
-        nn.Linear(shape[0], HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, n_out)
+        Float(),
+        nn.Linear(shape[0], HIDDEN),
+        nn.Tanh(),
+        nn.Linear(HIDDEN, HIDDEN),
+        nn.Tanh(),
+        nn.Linear(HIDDEN, n_out),
     )
 
 
@@ -270,19 +282,19 @@ def descendants() -> dict[int, psutil.Process]:
 class Busy:
     """The "busy trainer": a thread of this process doing 512 x 512 matmuls until stopped.
 
-    Its own CPU time is read per thread (``psutil.Process().threads()``) and left out of every figure.
+    Its own CPU time (its thread's CPU clock) is left out of every figure.
     """
 
     def __init__(self) -> None:
         self._stop = threading.Event()
         self._ready = threading.Event()
-        self.tid = -1
+        self.clock: int | None = None
         self.matmuls = 0
         self._thread: threading.Thread | None = None
 
     def _run(self) -> None:
         torch.set_num_threads(1)  # a trainer limited to one core, in its own thread too
-        self.tid = threading.get_native_id()
+        self.clock = time.pthread_getcpuclockid(threading.get_ident())
         a = torch.randn(512, 512)
         self._ready.set()
         while not self._stop.is_set():
@@ -303,21 +315,20 @@ class Busy:
         self._thread = None
 
     def cpu(self) -> float:
-        if self._thread is None:
+        """The thread's CPU seconds so far (0 when it is not running)."""
+        if self._thread is None or self.clock is None:
             return 0.0
-        for t in ME.threads():
-            if t.id == self.tid:
-                return t.user_time + t.system_time
-        return 0.0
+        return time.clock_gettime(self.clock)
 
 
 BUSY = Busy()
 
 
 class Account:
-    """CPU of one variant during a measurement: this process (every thread but the busy trainer's) plus the
-    processes that appeared while the variant was opened (its workers and their helpers), read while they
-    run. A process gone before the end of a measurement keeps its last reading (and is counted in
+    """CPU of one variant during a measurement: this process (every thread but the busy trainer's, from
+    the process CPU clock, ns resolution) plus the processes that appeared while the variant was opened
+    (its workers and their helpers), read with psutil while they run (clock-tick resolution, 10 ms). A
+    process gone before the end of a measurement keeps its last reading (and is counted in
     ``lost_processes``)."""
 
     def __init__(self) -> None:
@@ -336,7 +347,7 @@ class Account:
                 self.last[pid] = proc_cpu(p)
             except psutil.Error:
                 self.lost.add(pid)
-        return proc_cpu(ME) - BUSY.cpu() + sum(self.last.values())
+        return time.process_time() - BUSY.cpu() + sum(self.last.values())
 
     def workers(self) -> float:
         """CPU seconds so far of the variant's own processes."""
@@ -494,9 +505,13 @@ class TorchRL(Variant):
         return int(next(self.it).numel())
 
 
-def torchrl_obs_key(env_id: str) -> str:
-    """TorchRL's GymEnv names an image observation ``"pixels"``."""
-    return "pixels" if is_pixels(env_id) else "observation"
+def torchrl_obs_key(env_id: str, num_envs: int) -> str:
+    """The observation key of TorchRL's env (its GymEnv names a single env's image ``"pixels"``)."""
+    env = torchrl_env(env_id, 1 if num_envs == 1 else 2)
+    try:
+        return str(next(iter(env.observation_spec.keys())))
+    finally:
+        env.close()
 
 
 def build(
@@ -529,7 +544,7 @@ def build(
     if with_torchrl:
         from torchrl import collectors as trc
 
-        key = torchrl_obs_key(env_id)
+        key = torchrl_obs_key(env_id, num_envs)
         tspec = make_policy(policy, env_id, obs_key=key)
         tp = tspec.policy
         if policy == "module":  # what TorchRL does with a plain module: a TensorDictModule around it
