@@ -338,21 +338,24 @@ class Account:
 
     def adopt(self, before: set[int]) -> None:
         self.procs = {pid: p for pid, p in descendants().items() if pid not in before}
-        self.read()
+        self.workers()
 
-    def read(self) -> float:
-        """CPU seconds so far: this process (less the busy trainer) and the variant's processes."""
+    @staticmethod
+    def main() -> float:
+        """CPU seconds so far of this process, less the busy trainer's thread."""
+        return time.process_time() - BUSY.cpu()
+
+    def workers(self) -> float:
+        """CPU seconds so far of the variant's own processes."""
         for pid, p in self.procs.items():
             try:
                 self.last[pid] = proc_cpu(p)
             except psutil.Error:
                 self.lost.add(pid)
-        return time.process_time() - BUSY.cpu() + sum(self.last.values())
-
-    def workers(self) -> float:
-        """CPU seconds so far of the variant's own processes."""
-        self.read()
         return sum(self.last.values())
+
+    def read(self) -> float:
+        return self.main() + self.workers()
 
 
 # -- variants --------------------------------------------------------------------------------------
@@ -383,12 +386,15 @@ class Variant:
         self.label = label
         self.samples: dict[str, list[Sample]] = {"idle": [], "busy": []}
         self.account = Account()
+        self.settled = 0.0  # the workers' CPU seconds when they were last settled (run-ahead only)
 
     async def open(self, stack: AsyncExitStack) -> None:
         before = set(descendants())
         await self._open(stack)
         await self.batch()  # warm-up, untimed
         self.account.adopt(before)
+        if self.run_ahead:
+            await self.settle()
 
     async def _open(self, stack: AsyncExitStack) -> None:
         raise NotImplementedError
@@ -398,34 +404,53 @@ class Variant:
 
     async def measure(self, seconds: float) -> Sample:
         if self.run_ahead:
-            # workers that ran ahead while other variants were measured have batches ready (two slots
-            # each): take them untimed, so the clock starts with every worker collecting, none ready
-            for _ in range(2 * WORKERS):
-                await self.batch()
-        frames = 0
+            return await self._measure_run_ahead(seconds)
         cpu0 = self.account.read()
+        frames, wall = await self._collect(seconds)
+        return Sample(frames, wall, self.account.read() - cpu0)
+
+    async def _collect(self, seconds: float) -> tuple[int, float]:
+        """Whole batches for at least ``seconds``: (frames, wall seconds)."""
+        frames = 0
         t0 = time.perf_counter()
         while True:
             frames += await self.batch()
             if time.perf_counter() - t0 >= seconds:
-                break
-        wall = time.perf_counter() - t0
-        sample = Sample(frames, wall, self.account.read() - cpu0)
-        if self.run_ahead:
-            await self.settle()
-        return sample
+                return frames, time.perf_counter() - t0
+
+    async def _measure_run_ahead(self, seconds: float) -> Sample:
+        """A collector whose workers keep collecting between batches (up to two ready per worker).
+
+        Every measurement starts and ends with the workers settled (every slot full, nothing running), so
+        between two settled points the workers produced exactly the batches taken: their CPU over that
+        span, with this process's CPU while taking them, divided by those frames, is the cost per frame.
+        Frames/s is timed after the ready batches are taken: the clock starts with every worker
+        collecting and none ready.
+        """
+        main0 = self.account.main()
+        ready = 0
+        for _ in range(2 * WORKERS):
+            ready += await self.batch()
+        frames, wall = await self._collect(seconds)
+        main = self.account.main() - main0
+        since = self.settled
+        await self.settle()  # the workers' CPU is read once they are idle again
+        workers = self.settled - since
+        cpu_per_frame = (main + workers) / (ready + frames)
+        return Sample(frames, wall, cpu_per_frame * frames)
 
     async def settle(self) -> None:
-        """Wait until the workers stop running ahead (their CPU time stands still for 50 ms), so that
+        """Wait until the workers stop running ahead (their CPU time stands still for 100 ms), so that
         they do not take the cores from the next variant's measurement."""
-        deadline = time.perf_counter() + 10.0
+        deadline = time.perf_counter() + 20.0
         before = self.account.workers()
         still = 0
-        while still < 2 and time.perf_counter() < deadline:
+        while still < 4 and time.perf_counter() < deadline:
             await anyio.sleep(0.025)
             now = self.account.workers()
             still = still + 1 if now - before < 0.002 else 0
             before = now
+        self.settled = self.account.workers()
 
 
 class Raw(Variant):
@@ -620,6 +645,7 @@ def summarise(variants: list[Variant]) -> list[dict[str, Any]]:
             median_ratio(v.samples[state], other.samples[state], "fps") if other is not None else math.nan
         )
         row["busy_over_idle_fps"] = median_ratio(v.samples["busy"], v.samples["idle"], "fps")
+        row["processes"] = len(v.account.procs)  # the processes its CPU figure includes
         row["lost_processes"] = len(v.account.lost)
         rows.append(row)
     return rows
