@@ -218,30 +218,31 @@ async def test_real_env_data_invariants(env_id: str, kind: str, tmp_path: Path) 
     assert workers == set(range(1 if kind == "collector" else WORKERS))
 
 
+@pytest.mark.timeout(300)
 def test_benchmark_matrix_runs_on_the_real_envs(tmp_path: Path) -> None:
     """benchmarks/matrix.py end to end on one tiny slice of each env (no timing is checked)."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "matrix.py"
     out = tmp_path / "matrix.json"
     cmd = [
         sys.executable, str(script), "--envs", "HalfCheetah-v5,ALE/Pong-v5", "--num-envs", "1",
-        "--policies", "prob", "--collectors", "collector,multiasync", "--busy", "on", "--rounds", "1",
+        "--policies", "prob", "--collectors", "multiasync", "--busy", "on", "--rounds", "1",
         "--seconds", "0.02", "--no-torchrl", "--json", str(out), "--markdown",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, cwd=tmp_path)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["torch_threads"] == 1
     assert [c["env_id"] for c in result["cells"]] == ["HalfCheetah-v5", "ALE/Pong-v5"]
     for cell in result["cells"]:
         variants = [row["variant"] for row in cell["rows"]]
-        assert variants == ["raw gymnasium loop", "Collector", "MultiAsyncCollector x2"]
+        assert variants == ["raw gymnasium loop", "MultiAsyncCollector x2"]
         for row in cell["rows"]:
             assert row["idle"] is None  # --busy on: measured beside the busy trainer only
             assert row["busy"]["fps"] > 0 and row["busy"]["cpu_us_per_frame"] > 0, (cell["env_id"], row)
             assert row["lost_processes"] == 0
-        # the CPU of the multi-process variant includes its two workers; the in-process ones start none
-        assert cell["rows"][2]["processes"] >= WORKERS
-        assert cell["rows"][0]["processes"] == cell["rows"][1]["processes"] == 0
+        # the CPU of the multi-process variant includes its two workers; the raw loop starts none
+        assert cell["rows"][1]["processes"] >= WORKERS
+        assert cell["rows"][0]["processes"] == 0
     assert "| ALE/Pong-v5 | 1 | prob | MultiAsyncCollector x2 |" in done.stdout
     assert not list(tmp_path.glob("MUJOCO_LOG.TXT"))
