@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import importlib.metadata
 import json
 import math
@@ -522,9 +523,16 @@ class TorchRL(Variant):
         self.run_ahead = kind == "multiasync"
 
     async def _open(self, stack: AsyncExitStack) -> None:
-        self.collector = self.make()
-        stack.callback(self.collector.shutdown)
-        self.it = iter(self.collector)
+        self.collector: Any = self.make()
+        stack.callback(self._close)
+        self.it: Any = iter(self.collector)
+
+    def _close(self) -> None:
+        self.collector.shutdown()
+        # torchrl 0.14.1's weight-sync scheme starts a thread in its __del__: collected at interpreter
+        # exit, that deadlocks (the process never ends); collect it now instead
+        self.it = self.collector = None
+        gc.collect()
 
     async def batch(self) -> int:
         return int(next(self.it).numel())
