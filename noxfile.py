@@ -1,5 +1,6 @@
-"""Developer sessions: ``nox -s tests``, ``lint``, ``typecheck``, ``docs``, ``bench``, ``slow``,
-``distributed``, ``torchrl``, ``bench_torchrl``, ``browser``, ``bench_dashboard``, ``soak``.
+"""Developer sessions: ``nox -s tests``, ``lint``, ``typecheck``, ``docs``, ``bench``, ``bench_core``,
+``slow``, ``distributed``, ``realenvs``, ``torchrl``, ``bench_torchrl``, ``browser``, ``bench_dashboard``,
+``soak``.
 
 torch is pinned in the same pip command as everything that depends on it, so pip takes the CPU wheel that
 the machine already has instead of pulling a multi-GB CUDA build.
@@ -74,6 +75,17 @@ def distributed(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def realenvs(session: nox.Session) -> None:
+    """Tests marked realenvs: ALE/Pong-v5 and MuJoCo HalfCheetah-v5 collected by every collector, with the
+    data invariants checked (tests/test_real_envs.py; needs the bench extra: ale-py, mujoco), and the EnvPool
+    tests (the envpool extra)."""
+    install(session, "test", "bench", "envpool")
+    session.run("python", "-m", "pytest", "-m", "realenvs", *session.posargs)
+    # the EnvPool tests of the default suite skip where envpool is missing: here it is installed
+    session.run("python", "-m", "pytest", "tests/test_vector_envs.py", "-k", "envpool", "-m", "not slow")
+
+
+@nox.session(python=PYTHON)
 def tensordict014(session: nox.Session) -> None:
     """The suite against tensordict 0.14.x, the range torchrl 0.14 needs."""
     session.install(TORCH, "tensordict>=0.14.3,<0.15", "-e", ".[test]")
@@ -112,14 +124,25 @@ def soak(session: nox.Session) -> None:
     session.run("python", "benchmarks/soak.py", *session.posargs)
 
 
+TORCHRL = ("torchrl==0.14.*", "tensordict>=0.14.3,<0.15")
+
+
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """Benchmarks: ratios measured in one run (see benchmarks/README.md)."""
+    """The benchmark matrix of docs/benchmarks.md (benchmarks/matrix.py): CartPole, Pendulum, MuJoCo and
+    Atari envs, each collector against the raw gymnasium loop and torchrl 0.14's collectors, in one run
+    (``nox -s bench -- --quick --markdown``). torchrl 0.14 needs tensordict 0.14.x: both libraries run
+    on it here."""
+    session.install(TORCH, *TORCHRL, "-e", ".[bench]")
+    session.run("python", "benchmarks/matrix.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def bench_core(session: nox.Session) -> None:
+    """The first benchmark (benchmarks/run.py): Collector against the raw loop, CartPole and Pendulum, plain
+    module policy, and the event-loop lag while collecting (see benchmarks/README.md)."""
     install(session)
     session.run("python", "benchmarks/run.py", *session.posargs)
-
-
-TORCHRL = ("torchrl==0.14.*", "tensordict>=0.14.3,<0.15")
 
 
 @nox.session(python=PYTHON)
