@@ -55,6 +55,7 @@ from .._fleet import FleetCollector, Member
 from .._gather import gather
 from .._multi import MultiAsyncCollector, MultiSyncCollector
 from .._validation import flag, positive_int, seed_arg, total_frames_arg
+from .._waiters import Waiter, WaiterTable
 from .._weights import module_weights
 from .._weightsync import flat_weights
 from .._workers._pool import WorkerDiedError
@@ -645,7 +646,8 @@ class RemoteCollectorBase(FleetCollector):
         self._closing = False
         self._listener: socket.socket | None = None
         self._address: TrainerAddress | None = None
-        self._waiters: dict[Any, tuple[anyio.Event, list[Any]]] = {}
+        #: callers waiting for a node's reply: ("call", id) -> Result value, ("batch", node, seq) -> notice
+        self._waiters = WaiterTable(on_orphan=self._on_orphan)
         self._ids = itertools.count(1)
         send, receive = anyio.create_memory_object_stream[Any](math.inf)
         self._deliveries_send: MemoryObjectSendStream[Any] = send
@@ -673,10 +675,10 @@ class RemoteCollectorBase(FleetCollector):
 
     async def _call(self, node: RemoteNode, op: str, *args: Any) -> Any:
         request_id = next(self._ids)
-        waiter = self._expect(("call", request_id))
-        assert node.channel is not None
-        await node.channel.send(Call(request_id, op, args))
-        value = await self._wait(waiter)
+        with self._expect(("call", request_id)) as waiter:
+            assert node.channel is not None
+            await node.channel.send(Call(request_id, op, args))
+            value = await waiter.wait()
         if isinstance(value, CallFailed):
             raise value.error
         return value
@@ -688,27 +690,19 @@ class RemoteCollectorBase(FleetCollector):
         """Release the trainer's side of the data plane (nodes are gone)."""
 
     # -- waiting --------------------------------------------------------------------------------------
-    def _expect(self, key: Any) -> tuple[anyio.Event, list[Any]]:
+    def _expect(self, key: Any) -> Waiter:
         if self._failure is not None:
             raise self._failure
-        waiter: tuple[anyio.Event, list[Any]] = (anyio.Event(), [])
-        self._waiters[key] = waiter
-        return waiter
+        return self._waiters.expect(key)
 
-    def _resolve(self, key: Any, value: Any) -> bool:
-        waiter = self._waiters.pop(key, None)
-        if waiter is None:
-            return False
-        waiter[1].append(value)
-        waiter[0].set()
-        return True
+    def _on_orphan(self, key: Any, value: Any) -> None:
+        """A reply nobody takes (its caller was cancelled): a batch is still taken off the wire, or its
+        node would block in its send for ever; a call's result is dropped."""
+        if key[0] == "batch" and self._io is not None and not self._io_closed.is_set():
+            self._io.start_soon(self._drain, self._nodes[key[1]], value)
 
-    async def _wait(self, waiter: tuple[anyio.Event, list[Any]]) -> Any:
-        await waiter[0].wait()
-        value = waiter[1][0]
-        if isinstance(value, _Failure):
-            raise value.error
-        return value
+    async def _drain(self, node: RemoteNode, notice: Any) -> None:
+        """Receive a batch nobody waits for any more, and drop it (transports with a data plane)."""
 
     async def _guard(self, fn: Callable[[], Any]) -> Any:
         """``await fn()``, ended by a node failure (raised instead)."""
@@ -748,10 +742,7 @@ class RemoteCollectorBase(FleetCollector):
         self._failed = True
         self._closed_reason = f"a node failed with {type(error).__name__}: {error}"
         self._failed_event.set()
-        for event, box in self._waiters.values():
-            box.append(_Failure(error))
-            event.set()
-        self._waiters.clear()
+        self._waiters.fail(error)
         self._deliveries_send.send_nowait(_Failure(error))
 
     # -- lifecycle ------------------------------------------------------------------------------------
@@ -890,7 +881,7 @@ class RemoteCollectorBase(FleetCollector):
                 except (EOFError, OSError):
                     break
                 if isinstance(msg, Result):
-                    self._resolve(("call", msg.request_id), msg.value)
+                    self._waiters.resolve(("call", msg.request_id), msg.value)
                 elif isinstance(msg, Loaded):
                     if msg.version > node.policy_version:
                         node.policy_version = msg.version
@@ -1284,11 +1275,14 @@ class DistributedCollector(RemoteCollectorBase):
 
     async def _fetch_batch(self, node: RemoteNode) -> _NodeBatch:
         seq = next(self._ids)
-        waiter = self._expect(("batch", node.index, seq))
-        assert node.channel is not None
-        await node.channel.send(Collect(seq))
-        notice: BatchNotice = await self._wait(waiter)
-        return await self._receive(node, notice)
+        with self._expect(("batch", node.index, seq)) as waiter:
+            assert node.channel is not None
+            await node.channel.send(Collect(seq))
+            notice: BatchNotice = await waiter.wait()
+            # the node sends now: the transfer is seen to its end even if the caller is cancelled (its
+            # data would otherwise stay on the wire, and the node would block in its send)
+            with anyio.CancelScope(shield=True):
+                return await self._receive(node, notice)
 
     async def _receive(self, node: RemoteNode, notice: BatchNotice) -> _NodeBatch:
         if notice.layout is not None:
@@ -1301,9 +1295,7 @@ class DistributedCollector(RemoteCollectorBase):
             return buffer.unpack()
 
         try:
-            # the node is sending already: the transfer is short, and seen to its end even if cancelled
-            with anyio.CancelScope(shield=True):
-                batch = await anyio.to_thread.run_sync(recv)
+            batch = await anyio.to_thread.run_sync(recv)
         except Exception:
             # typically the node died mid-transfer: its connection is about to say so
             with anyio.move_on_after(2.0):
@@ -1316,12 +1308,10 @@ class DistributedCollector(RemoteCollectorBase):
     async def _on_notice(self, node: RemoteNode, msg: Any) -> None:
         if not isinstance(msg, BatchNotice):
             raise TypeError(f"unexpected message from node {node.index}: {msg!r}")
-        if not self._resolve(("batch", node.index, msg.seq), msg):
-            # nobody waits for it any more (the request was cancelled): take the data off the wire
-            assert self._io is not None
-            self._io.start_soon(self._drain, node, msg)
+        # a notice nobody waits for any more (the request was cancelled) is drained (_on_orphan)
+        self._waiters.resolve(("batch", node.index, msg.seq), msg)
 
-    async def _drain(self, node: RemoteNode, notice: BatchNotice) -> None:
+    async def _drain(self, node: RemoteNode, notice: Any) -> None:
         with contextlib.suppress(Exception):
             await self._receive(node, notice)
 

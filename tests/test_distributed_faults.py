@@ -1,0 +1,91 @@
+"""Faults of the remote collectors (torch.distributed, RPC): a consumer cancelled mid-batch, dead nodes.
+
+Run with ``pytest -m distributed`` (``nox -s distributed``); the default run leaves them out.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import anyio
+import cloudpickle
+import psutil
+import pytest
+
+from aiocollect import DistributedCollector, DistributedSyncCollector, GymEnv
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
+
+pytestmark = [pytest.mark.distributed, pytest.mark.anyio, pytest.mark.timeout(180)]
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request) -> str:
+    return request.param
+
+
+class _Slow:
+    """Pendulum that takes 5 ms a step: a batch of 32 takes 0.16 s, long enough to be cancelled in."""
+
+    def __init__(self) -> None:
+        self.env = GymEnv("Pendulum-v1")
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+    def step(self, td):
+        time.sleep(0.005)
+        return self.env.step(td)
+
+
+def slow():
+    return _Slow()
+
+
+def _tree(pids) -> set[int]:
+    out = set()
+    for pid in pids:
+        try:
+            out |= {pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))}
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def _alive(pids) -> list[int]:
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=5)
+    return [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+async def test_consumer_cancelled_mid_batch_then_used_again_and_closed(sync):
+    """A consumer cancelled while the nodes collect leaves the collector usable: the late batches are
+    taken off the wire (or the nodes would block in their sends), the next batch comes, and leaving
+    ``async with`` is prompt."""
+    cls = DistributedSyncCollector if sync else DistributedCollector
+    with anyio.fail_after(90):
+        async with cls([slow, slow], frames_per_batch=64, total_frames=-1) as c:
+            pids = _tree(c.node_pids())
+            for _ in range(3):
+                with anyio.move_on_after(0.05) as scope:
+                    await c.__anext__()
+                assert scope.cancelled_caught
+            with anyio.fail_after(30):  # before the fix: no batch ever came (120 s gloo timeout)
+                batch = await c.__anext__()
+                assert batch.numel() == 64
+                batch = await c.__anext__()
+            start = time.monotonic()
+        closed_in = time.monotonic() - start
+    assert closed_in < 10, f"leaving `async with` took {closed_in:.1f} s"
+    assert _alive(pids) == []
