@@ -5,7 +5,9 @@ Run with ``pytest -m distributed`` (``nox -s distributed``); the default run lea
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import time
 
@@ -14,7 +16,14 @@ import cloudpickle
 import psutil
 import pytest
 
-from aiocollect import DistributedCollector, DistributedSyncCollector, GymEnv
+from aiocollect import (
+    DistributedCollector,
+    DistributedSyncCollector,
+    GymEnv,
+    MultiSyncCollector,
+    RPCCollector,
+    WorkerDiedError,
+)
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
@@ -65,7 +74,12 @@ def _alive(pids) -> list[int]:
         except psutil.NoSuchProcess:
             pass
     _, alive = psutil.wait_procs(procs, timeout=5)
-    return [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    out = []
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{p.pid} (parent {p.ppid()}): {' '.join(p.cmdline())[:120]}")
+    return out
 
 
 @pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
@@ -88,4 +102,64 @@ async def test_consumer_cancelled_mid_batch_then_used_again_and_closed(sync):
             start = time.monotonic()
         closed_in = time.monotonic() - start
     assert closed_in < 10, f"leaving `async with` took {closed_in:.1f} s"
+    assert _alive(pids) == []
+
+
+def pendulum():
+    return GymEnv("Pendulum-v1")
+
+
+async def _until_error(c) -> tuple[BaseException, float]:
+    """Iterate until the collector raises; the error and when (``time.monotonic()``) it came."""
+    with pytest.raises(Exception) as info:  # the type is checked by the caller
+        async for _ in c:
+            pass
+    return info.value, time.monotonic()
+
+
+ENGINES = {
+    "distributed": (DistributedCollector, "torch.distributed"),
+    "rpc": (RPCCollector, "torch.distributed.rpc"),
+}
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+@pytest.mark.parametrize("engine", list(ENGINES))
+async def test_a_killed_node_is_worker_died_error_whatever_the_engine(engine, how):
+    cls, name = ENGINES[engine]
+    with anyio.fail_after(90):
+        async with cls([pendulum, slow], frames_per_batch=32, total_frames=-1) as c:
+            pids = _tree(c.node_pids())
+            await c.__anext__()
+            os.kill(c.node_pids()[1], how)
+            killed = time.monotonic()
+            error, seen = await _until_error(c)
+    assert isinstance(error, WorkerDiedError), repr(error)
+    assert (error.index, error.rank, error.engine, error.signal) == (1, 2, name, int(how))
+    assert "node 1" in str(error)
+    assert seen - killed < 5, f"the fault took {seen - killed:.1f} s to surface"
+    assert _alive(pids) == []
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+async def test_a_killed_worker_inside_a_node_keeps_its_type_and_exit_code(engine):
+    cls, _ = ENGINES[engine]
+    with anyio.fail_after(90):
+        async with cls(
+            [pendulum, slow],
+            frames_per_batch=32,
+            total_frames=-1,
+            collector_class=MultiSyncCollector,
+            num_workers_per_collector=2,
+        ) as c:
+            pids = _tree(c.node_pids())
+            await c.__anext__()
+            node = psutil.Process(c.node_pids()[1])
+            workers = [w for child in node.children() for w in child.children()]
+            assert workers, "the node's worker processes (children of its forkserver)"
+            workers[0].send_signal(signal.SIGKILL)
+            error, _ = await _until_error(c)
+    assert isinstance(error, WorkerDiedError), repr(error)
+    assert error.exitcode == -9 and error.signal == 9
+    assert "raised in node 1" in "".join(getattr(error, "__notes__", []))
     assert _alive(pids) == []

@@ -130,7 +130,21 @@ def node_entry(address: TrainerAddress, rank: int, ignore_sigint: bool = False) 
     if ignore_sigint:  # a local node: Ctrl-C goes to the trainer, which stops us
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = connect(address, rank)
-    anyio.run(_serve, sock, rank)
+    try:
+        anyio.run(_serve, sock, rank)
+    finally:
+        _stop_forkserver()
+
+
+def _stop_forkserver() -> None:
+    """End the forkserver that started this node's workers now: left alone, it notices that the node
+    exited only seconds later (and outlives the collector's ``async with``)."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    if server is not None and getattr(server, "_forkserver_pid", None) is not None:
+        with contextlib.suppress(Exception):
+            server._stop()  # closes its "alive" pipe (it exits at once) and reaps it
 
 
 def _leaf(exc: BaseException) -> BaseException:
@@ -145,7 +159,8 @@ def _leaf(exc: BaseException) -> BaseException:
 
 
 async def _serve(sock: socket.socket, rank: int) -> None:
-    from .._workers._wire import AsyncChannel, failure
+    from .._errors import RemoteFailure
+    from .._workers._wire import AsyncChannel, Failed
 
     chan = AsyncChannel(sock)
     where = f"node {rank - 1} ({socket.gethostname()}, pid {os.getpid()})"
@@ -160,7 +175,7 @@ async def _serve(sock: socket.socket, rank: int) -> None:
         if isinstance(error, (EOFError, ConnectionError)):
             return
         with contextlib.suppress(Exception):
-            await chan.send(failure(error, where))
+            await chan.send(Failed(RemoteFailure(error, where)))  # type: ignore[arg-type]
     finally:
         chan.close()
 

@@ -33,8 +33,9 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 
+from .._errors import RemoteFailure, as_error
 from .._gather import gather
-from .._workers._wire import AsyncChannel, failure
+from .._workers._wire import AsyncChannel
 from ._torchdist import (
     Close,
     Loaded,
@@ -106,7 +107,7 @@ def _rpc_call(op: str, *args: Any) -> tuple[bool, Any]:
     try:
         return True, portal.call(_handle, op, args)
     except Exception as exc:
-        return False, failure(exc, _WHERE).error
+        return False, RemoteFailure(exc, _WHERE)
 
 
 async def _handle(op: str, args: tuple[Any, ...]) -> Any:
@@ -182,6 +183,7 @@ class RPCCollector(RemoteCollectorBase):
     """
 
     _engine = "_rpc"
+    _engine_name = "torch.distributed.rpc"
 
     def __init__(
         self,
@@ -260,9 +262,20 @@ class RPCCollector(RemoteCollectorBase):
             args=(op, *args),
             timeout=self._rpc_timeout if rpc_timeout is None else rpc_timeout,
         )
-        ok, value = await anyio.to_thread.run_sync(future.wait, abandon_on_cancel=True)
+        try:
+            ok, value = await anyio.to_thread.run_sync(future.wait, abandon_on_cancel=True)
+        except Exception as exc:
+            # typically the node died (TensorPipe says "eof"): its control connection says so at once,
+            # and its reader fails the collector with the node's exit code (in at most 2 s more)
+            with anyio.move_on_after(3.0):
+                await self._failed_event.wait()
+            if self._failure is not None:
+                if self._failure.__cause__ is None:
+                    self._failure.__cause__ = exc
+                raise self._failure from exc
+            raise
         if not ok:
-            raise value
+            raise as_error(value)
         return value
 
     async def _fetch_batch(self, node: RemoteNode) -> _NodeBatch:

@@ -43,6 +43,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from .._collector import Collector
 from .._distributed_weights import DistributedWeightSync
+from .._errors import RemoteFailure, as_error, worker_died
 from .._events import (
     EpisodeFinished,
     WeightsLoaded,
@@ -58,8 +59,7 @@ from .._validation import flag, positive_int, seed_arg, total_frames_arg
 from .._waiters import Waiter, WaiterTable
 from .._weights import module_weights
 from .._weightsync import flat_weights
-from .._workers._pool import WorkerDiedError
-from .._workers._wire import AsyncChannel, Call, Failed, Result, failure
+from .._workers._wire import AsyncChannel, Call, Failed, Result
 from ._launchers import (
     HELLO_SIZE,
     Launcher,
@@ -131,7 +131,7 @@ class Loaded:
 class CallFailed:
     """A call raised on the node; the node goes on."""
 
-    error: BaseException
+    error: RemoteFailure
 
 
 @dataclass(frozen=True)
@@ -434,7 +434,7 @@ async def run_node(chan: AsyncChannel, setup: Setup, where: str) -> None:
             try:
                 value = await core.call(msg.op, msg.args)
             except Exception as exc:
-                await chan.send(Result(msg.request_id, CallFailed(failure(exc, where).error)))
+                await chan.send(Result(msg.request_id, CallFailed(RemoteFailure(exc, where))))
             else:
                 await chan.send(Result(msg.request_id, value))
 
@@ -520,7 +520,9 @@ class RemoteCollectorBase(FleetCollector):
     Subclasses supply the transport of batches and weights."""
 
     _member_noun = "node"
+    #: the module that runs a node (``_torchdist``, ``_rpc``), and the engine's name in errors
     _engine: str
+    _engine_name: str
 
     def __init__(
         self,
@@ -680,7 +682,7 @@ class RemoteCollectorBase(FleetCollector):
             await node.channel.send(Call(request_id, op, args))
             value = await waiter.wait()
         if isinstance(value, CallFailed):
-            raise value.error
+            raise as_error(value.error)
         return value
 
     async def _on_notice(self, node: RemoteNode, msg: Any) -> None:
@@ -731,6 +733,19 @@ class RemoteCollectorBase(FleetCollector):
             raise value
         assert self._failure is not None
         raise self._failure
+
+    def _died(
+        self, node: RemoteNode, exitcode: int | None, cause: BaseException | None = None
+    ) -> BaseException:
+        return worker_died(
+            node.index,
+            exitcode,
+            member="node",
+            engine=self._engine_name,
+            rank=node.rank,
+            host=node.host,
+            cause=cause,
+        )
 
     def _fail(self, node: RemoteNode | None, error: BaseException) -> None:
         if node is not None and node.state not in ("failed", "stopped"):
@@ -868,7 +883,7 @@ class RemoteCollectorBase(FleetCollector):
         assert node.process is not None
         await node.process.wait()
         if not node.connected.is_set() and not self._closing:
-            self._fail(node, WorkerDiedError(node.index, node.process.exitcode))
+            self._fail(node, self._died(node, node.process.exitcode))
 
     async def _reader(self, node: RemoteNode) -> None:
         channel = node.channel
@@ -893,7 +908,7 @@ class RemoteCollectorBase(FleetCollector):
                     node.ready_event.set()
                 elif isinstance(msg, Failed):
                     failed = True
-                    self._fail(node, msg.error)
+                    self._fail(node, as_error(msg.error))
                 else:
                     await self._on_notice(node, msg)
         finally:
@@ -904,7 +919,7 @@ class RemoteCollectorBase(FleetCollector):
                     with anyio.move_on_after(2.0, shield=True):
                         await node.process.wait()
                     exitcode = node.process.exitcode
-                self._fail(node, WorkerDiedError(node.index, exitcode))
+                self._fail(node, self._died(node, exitcode))
             elif not failed and node.state != "failed":
                 node.state = "stopped"
                 self._hub.publish(WorkerStopped(node.index))
@@ -1213,6 +1228,7 @@ class DistributedCollector(RemoteCollectorBase):
     """
 
     _engine = "_torchdist"
+    _engine_name = "torch.distributed"
 
     def __init__(
         self, create_env_fn: Any, policy: Any = None, *, backend: str = "gloo", **kwargs: Any
