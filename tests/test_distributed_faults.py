@@ -15,6 +15,7 @@ import anyio
 import cloudpickle
 import psutil
 import pytest
+import torch
 
 from aiocollect import (
     DistributedCollector,
@@ -163,3 +164,35 @@ async def test_a_killed_worker_inside_a_node_keeps_its_type_and_exit_code(engine
     assert error.exitcode == -9 and error.signal == 9
     assert "raised in node 1" in "".join(getattr(error, "__notes__", []))
     assert _alive(pids) == []
+
+
+class ConstantPolicy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.value = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, observation):
+        return self.value.expand(*observation.shape[:-1], 1).clone()
+
+
+def _listening(pid: int) -> list[tuple[str, int]]:
+    return [
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process(pid).net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+async def test_nothing_of_the_trainer_listens_on_a_wildcard_address(engine):
+    """Local nodes reach the trainer on 127.0.0.1: its control port, data and weights stores and its gloo
+    pairs listen there, not on every interface (torch's TCPStore would)."""
+    cls, _ = ENGINES[engine]
+    with anyio.fail_after(90):
+        async with cls([pendulum, pendulum], ConstantPolicy(), frames_per_batch=32, total_frames=-1) as c:
+            await c.__anext__()
+            await c.update_weights()
+            listening = _listening(os.getpid())
+    assert len(listening) >= 2  # the control port and the data store at least
+    wild = [(ip, port) for ip, port in listening if ip in ("0.0.0.0", "::", "")]
+    assert wild == [], f"listening on a wildcard address: {wild} (all: {listening})"

@@ -59,7 +59,12 @@ _RESERVED = (
 #: remote options used unless ``remote_config`` says otherwise
 DEFAULT_REMOTE_CONFIG: dict[str, Any] = {"num_cpus": 1}
 #: ``ray.init`` arguments used when RayCollector starts a local cluster itself
-DEFAULT_RAY_INIT_CONFIG: dict[str, Any] = {"address": "local", "include_dashboard": False}
+#: (on loopback: Ray's own GCS and raylet still listen on every interface, behind Ray's token auth)
+DEFAULT_RAY_INIT_CONFIG: dict[str, Any] = {
+    "address": "local",
+    "include_dashboard": False,
+    "_node_ip_address": "127.0.0.1",
+}
 #: seconds after which actors that have not started yet are reported (a warning), e.g. lacking resources
 _PENDING_WARNING_S = 60.0
 #: seconds an actor gets to close its collector (and reap its worker processes) before ``ray.kill``

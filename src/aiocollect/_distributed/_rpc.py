@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 
+from .._distributed_weights import master_store
 from .._errors import RemoteFailure, as_error
 from .._gather import gather
 from .._workers._wire import AsyncChannel
@@ -225,12 +226,7 @@ class RPCCollector(RemoteCollectorBase):
             )
         self._host = host
 
-        def open_store() -> Any:
-            return dist.TCPStore(
-                host, 0, is_master=True, wait_for_workers=False, timeout=_timedelta(_TIMEOUT)
-            )
-
-        self._store = await anyio.to_thread.run_sync(open_store)
+        self._store = await anyio.to_thread.run_sync(master_store, host, 0, _TIMEOUT)
         tag = secrets.token_hex(4)
         self._prefix = f"aiocollect-{tag}"
         self._names = [f"aiocollect-{tag}-trainer"] + [

@@ -42,7 +42,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from tensordict import TensorDict, TensorDictBase
 
 from .._collector import Collector
-from .._distributed_weights import DistributedWeightSync
+from .._distributed_weights import DistributedWeightSync, master_store
 from .._errors import RemoteFailure, as_error, worker_died
 from .._events import (
     EpisodeFinished,
@@ -539,6 +539,7 @@ class RemoteCollectorBase(FleetCollector):
         launcher: Any = "mp",
         slurm_kwargs: Mapping[str, Any] | None = None,
         tcp_port: int | None = None,
+        trainer_address: str | None = None,
         update_after_each_batch: bool = False,
         max_weight_update_interval: int = -1,
         progress: Any = None,
@@ -626,6 +627,12 @@ class RemoteCollectorBase(FleetCollector):
         ):
             raise ValueError(f"tcp_port must be a port number or None, got {tcp_port!r}")
         self._tcp_port = tcp_port or 0
+        if trainer_address is not None and (not isinstance(trainer_address, str) or not trainer_address):
+            raise TypeError(
+                f"trainer_address must be the host name or IP address the nodes reach the trainer at, got "
+                f"{trainer_address!r}"
+            )
+        self._trainer_address = trainer_address
         # the env constructors and collector arguments are pickled here (small: a bad one fails now); the
         # policy, which can be large, once and in a thread when the collector is entered
         self._payloads = []
@@ -796,7 +803,9 @@ class RemoteCollectorBase(FleetCollector):
         tg = self._io
         assert tg is not None
         launcher = self._launcher
-        host = "127.0.0.1" if launcher.local else _trainer_host()
+        # the address every port of the trainer binds and the nodes connect to: loopback for nodes on
+        # this machine; for jobs on other machines the interface that routes out (or trainer_address)
+        host = self._trainer_address or ("127.0.0.1" if launcher.local else _trainer_host())
         listener = socket.create_server((host, self._tcp_port), backlog=max(16, self.num_collectors))
         listener.setblocking(False)
         self._listener = listener
@@ -1211,6 +1220,11 @@ class DistributedCollector(RemoteCollectorBase):
             ``"local"``); for ``"submitit_delayed"``: optionally ``rendezvous`` (the file).
         tcp_port: the trainer's control port (default: a free one). Nodes connect to it; the data and
             weight groups use free ports of their own.
+        trainer_address: the address the trainer's ports (control, data and weights stores, gloo) bind
+            to and the nodes connect to. Default: ``127.0.0.1`` for nodes on this machine (``"mp"``,
+            submitit's ``cluster="local"``); for jobs on other machines, this machine's address on its
+            outgoing route (the interface of the default route): give the cluster network's address
+            here when that is not it. Nothing listens on a wildcard address.
         update_after_each_batch: the node that delivered (``sync=False``) or every node (``sync=True``)
             gets the current weights before its next batch.
         max_weight_update_interval: a node that produced this many batches without a weight update gets
@@ -1246,12 +1260,7 @@ class DistributedCollector(RemoteCollectorBase):
     async def _open_transport(self, host: str) -> None:
         self._host = host
 
-        def open_store() -> Any:
-            return dist.TCPStore(
-                host, 0, is_master=True, wait_for_workers=False, timeout=_timedelta(_TIMEOUT)
-            )
-
-        self._store = await anyio.to_thread.run_sync(open_store)
+        self._store = await anyio.to_thread.run_sync(master_store, host, 0, _TIMEOUT)
         if self._weights_template is not None:
             scheme = DistributedWeightSync(
                 backend="nccl" if self.backend == "nccl" else "gloo",
