@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -24,6 +25,7 @@ from aiocollect import (
     MultiSyncCollector,
     RPCCollector,
     WorkerDiedError,
+    WorkerTimeoutError,
 )
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -196,3 +198,85 @@ async def test_nothing_of_the_trainer_listens_on_a_wildcard_address(engine):
     assert len(listening) >= 2  # the control port and the data store at least
     wild = [(ip, port) for ip, port in listening if ip in ("0.0.0.0", "::", "")]
     assert wild == [], f"listening on a wildcard address: {wild} (all: {listening})"
+
+
+class _Hanging:
+    """Pendulum that hangs (60 s) at its 40th step, in the node."""
+
+    def __init__(self) -> None:
+        self.env = GymEnv("Pendulum-v1")
+        self.steps = 0
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+    def step(self, td):
+        self.steps += 1
+        if self.steps == 40:
+            time.sleep(60)
+        return self.env.step(td)
+
+
+def hanging():
+    return _Hanging()
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+async def test_a_hung_node_is_a_timeout_naming_it_and_leaving_is_prompt(engine):
+    cls, _ = ENGINES[engine]
+    with anyio.fail_after(90):
+        with pytest.raises(WorkerTimeoutError, match=r"node 1 .*progress_timeout=3 s") as info:
+            async with cls(
+                [pendulum, hanging], frames_per_batch=16, total_frames=-1, progress_timeout=3
+            ) as c:
+                pids = _tree(c.node_pids())
+                try:
+                    async for _ in c:
+                        pass
+                finally:
+                    leaving = time.monotonic()
+        left_in = time.monotonic() - leaving
+    assert "a hung env or policy" in str(info.value)
+    assert left_in < 8, f"leaving `async with` took {left_in:.1f} s"
+    assert _alive(pids) == []
+
+
+_FAILED_START = """
+import time, anyio, torch
+from aiocollect import {cls}, GymEnv
+
+def pendulum():
+    return GymEnv("Pendulum-v1")
+
+def broken():
+    raise KeyError("no such env")
+
+async def main():
+    try:
+        async with {cls}([pendulum, broken], torch.nn.Linear(3, 1), frames_per_batch=16) as c:
+            raise SystemExit("started")
+    except KeyError as exc:
+        print("raised", type(exc).__name__, flush=True)
+
+if __name__ == "__main__":
+    anyio.run(main)
+    print("main returned", time.monotonic(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_the_trainer_exits_at_once_after_a_failed_start(engine, tmp_path, anyio_backend):
+    """A node fails while the others join the data and weight groups: the error is raised, and the
+    process exits at once, not after torch's rendezvous timeout (an abandoned rendezvous thread held it)."""
+    if anyio_backend != "asyncio":
+        pytest.skip("one backend is enough: the script runs its own event loop")
+    script = tmp_path / "failed_start.py"
+    script.write_text(_FAILED_START.format(cls=ENGINES[engine][0].__name__))
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=150, env=dict(os.environ)
+    )
+    ended = time.monotonic()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "raised KeyError" in proc.stdout
+    returned = float(proc.stdout.split("main returned")[1].split()[0])
+    assert ended - returned < 10, f"the process exited {ended - returned:.1f} s after main returned"

@@ -58,3 +58,16 @@ def test_submitit_folders_are_private(tmp_path, pattern):
     private_files(folder)
     assert stat.S_IMODE(pickle.stat().st_mode) == 0o600
     assert stat.S_IMODE(job.stat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"progress_timeout": 0}, "progress_timeout must be a positive number of seconds or None"),
+        ({"progress_timeout": "1"}, "progress_timeout must be"),
+        ({"collector_kwargs": {"worker_timeout": -1}}, r"collector_kwargs\['worker_timeout'\] must be"),
+    ],
+)
+def test_timeouts_are_checked_in_the_trainer_before_any_node_starts(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DistributedCollector(pendulum, frames_per_batch=8, num_collectors=1, **kwargs)

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 
+from ._daemon import run_abandonable
 from ._weights import copy_weights
 from ._weightsync import SendFn, WeightReceiver, WeightSender, WeightSync, flat_weights
 
@@ -252,9 +253,9 @@ class _DistributedSender(WeightSender):
                 ) from None
 
         try:
-            await anyio.to_thread.run_sync(wait_ready, abandon_on_cancel=True)
+            await run_abandonable(wait_ready)
             self._store.set("go", "1")
-            await anyio.to_thread.run_sync(self._build_group, abandon_on_cancel=True)
+            await run_abandonable(self._build_group)
         except BaseException:
             with contextlib.suppress(Exception):
                 self._store.set("abort", "1")

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 
+from .._daemon import run_abandonable
 from .._distributed_weights import master_store
 from .._errors import RemoteFailure, as_error
 from .._gather import gather
@@ -246,7 +247,7 @@ class RPCCollector(RemoteCollectorBase):
     async def _connect_transport(self) -> None:
         t = {**self._transport_setup(0), "store": self._store}
         self._agent = True
-        await anyio.to_thread.run_sync(_init_agent, t, 0, abandon_on_cancel=True)
+        await run_abandonable(_init_agent, t, 0)  # a daemon thread: an abandoned one cannot hold the exit
 
     async def _rpc_async(
         self, node: RemoteNode, op: str, *args: Any, rpc_timeout: float | None = None
@@ -276,7 +277,9 @@ class RPCCollector(RemoteCollectorBase):
 
     async def _fetch_batch(self, node: RemoteNode) -> _NodeBatch:
         # no timeout: a batch takes what it takes; a dead node is noticed by its connection
-        leaves, layout, frames, episodes, version = await self._rpc_async(node, "next", rpc_timeout=0)
+        leaves, layout, frames, episodes, version = await self._within_progress_timeout(
+            node, partial(self._rpc_async, node, "next", rpc_timeout=0)
+        )
         return _NodeBatch(rebuild(leaves, layout), frames, episodes, version)
 
     async def _send_weights(self, weights: TensorDictBase, version: int, ids: list[int]) -> None:

@@ -42,8 +42,9 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from tensordict import TensorDict, TensorDictBase
 
 from .._collector import Collector
+from .._daemon import run_abandonable
 from .._distributed_weights import DistributedWeightSync, master_store
-from .._errors import RemoteFailure, as_error, worker_died
+from .._errors import RemoteFailure, WorkerTimeoutError, as_error, worker_died
 from .._events import (
     EpisodeFinished,
     WeightsLoaded,
@@ -81,6 +82,10 @@ _RESERVED = (
 )
 #: seconds a node gets to close its collector (and reap its processes) after ``Close``
 _CLOSE_GRACE = 15.0
+#: the same for a hung node (it missed ``progress_timeout``): leaving ``async with`` takes about 3 s
+_FAILED_CLOSE_GRACE = 2.0
+#: default ``progress_timeout``: seconds a node may take to deliver one batch before it counts as hung
+DEFAULT_PROGRESS_TIMEOUT = 600.0
 _TIMEOUT = 120.0  # seconds: rendezvous and transfers of the data group
 
 
@@ -500,6 +505,8 @@ class RemoteNode:
     #: delivered a batch since its last weight update (update_after_each_batch)
     fresh: bool = False
     in_flight: bool = False
+    #: missed progress_timeout: stopped without the full grace period
+    hung: bool = False
     buffer: Any = None
     connected: anyio.Event = field(default_factory=anyio.Event)
     gone: anyio.Event = field(default_factory=anyio.Event)
@@ -540,6 +547,7 @@ class RemoteCollectorBase(FleetCollector):
         slurm_kwargs: Mapping[str, Any] | None = None,
         tcp_port: int | None = None,
         trainer_address: str | None = None,
+        progress_timeout: float | None = DEFAULT_PROGRESS_TIMEOUT,
         update_after_each_batch: bool = False,
         max_weight_update_interval: int = -1,
         progress: Any = None,
@@ -633,6 +641,10 @@ class RemoteCollectorBase(FleetCollector):
                 f"{trainer_address!r}"
             )
         self._trainer_address = trainer_address
+        self._progress_timeout = _seconds_or_none("progress_timeout", progress_timeout)
+        for kwargs in per_node:
+            if "worker_timeout" in kwargs:  # checked here, not only on the nodes once they started
+                _seconds_or_none("collector_kwargs['worker_timeout']", kwargs["worker_timeout"])
         # the env constructors and collector arguments are pickled here (small: a bad one fails now); the
         # policy, which can be large, once and in a thread when the collector is entered
         self._payloads = []
@@ -753,6 +765,26 @@ class RemoteCollectorBase(FleetCollector):
             host=node.host,
             cause=cause,
         )
+
+    async def _within_progress_timeout(self, node: RemoteNode, fn: Callable[[], Any]) -> Any:
+        """``await fn()`` (a node's next batch); a node that takes longer than ``progress_timeout``
+        fails the collector with ``WorkerTimeoutError`` naming it."""
+        timeout = self._progress_timeout
+        if timeout is None:
+            return await fn()
+        with anyio.move_on_after(timeout) as scope:
+            return await fn()
+        assert scope.cancelled_caught
+        node.hung = True
+        where = f"node {node.index} ({self._engine_name} rank {node.rank}" + (
+            f", {node.host}, pid {node.pid})" if node.host else ")"
+        )
+        error = WorkerTimeoutError(
+            f"{where} delivered no batch within progress_timeout={timeout:g} s: a hung env or policy? "
+            "(give a larger progress_timeout for slower batches, or None for no limit)"
+        )
+        self._fail(node, error)
+        raise error
 
     def _fail(self, node: RemoteNode | None, error: BaseException) -> None:
         if node is not None and node.state not in ("failed", "stopped"):
@@ -945,11 +977,18 @@ class RemoteCollectorBase(FleetCollector):
                 if node.channel is not None and not node.gone.is_set():
                     with contextlib.suppress(Exception):
                         await node.channel.send(Close())
-            with anyio.move_on_after(_CLOSE_GRACE):
-                for node in self._nodes:
-                    if node.channel is not None:
+
+            # a node closes its collector (reaping its workers) in the grace period; a hung one (it
+            # missed progress_timeout) gets a short one, then is terminated
+            async def close(node: RemoteNode) -> None:
+                grace = _FAILED_CLOSE_GRACE if node.hung else _CLOSE_GRACE
+                if node.channel is not None:
+                    with anyio.move_on_after(grace):
                         await node.gone.wait()
-            await gather(*[partial(n.process.stop, 5.0) for n in self._nodes if n.process is not None])
+                if node.process is not None:
+                    await node.process.stop(0.5 if node.hung else 5.0)
+
+            await gather(*[partial(close, node) for node in self._nodes])
             for node in self._nodes:
                 if node.state not in ("failed", "stopped"):
                     node.state = "stopped"
@@ -1181,6 +1220,14 @@ class RemoteCollectorBase(FleetCollector):
         )
 
 
+def _seconds_or_none(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive number of seconds or None (no limit), got {value!r}")
+    return float(value)
+
+
 def _trainer_host() -> str:
     from ._launchers import routable_host
 
@@ -1218,6 +1265,10 @@ class DistributedCollector(RemoteCollectorBase):
         slurm_kwargs: for ``"submitit"``: ``executor.update_parameters(...)`` arguments, plus ``folder``
             (submitit's, shared by the machines) and ``cluster`` (``None``: Slurm if available, or
             ``"local"``); for ``"submitit_delayed"``: optionally ``rendezvous`` (the file).
+        progress_timeout: seconds a node may take to deliver one batch (default 600: generous, so that
+            a hung env or policy is noticed without any setting); then the collector fails with
+            ``WorkerTimeoutError`` naming the node. ``None``: no limit. (``collector_kwargs=
+            {"worker_timeout": ...}`` also limits each worker inside the nodes.)
         tcp_port: the trainer's control port (default: a free one). Nodes connect to it; the data and
             weight groups use free ports of their own.
         trainer_address: the address the trainer's ports (control, data and weights stores, gloo) bind
@@ -1293,7 +1344,8 @@ class DistributedCollector(RemoteCollectorBase):
                 self.backend, self._store, 0, self.num_collectors + 1, self._host, _TIMEOUT
             )
 
-        fns: list[Callable[[], Any]] = [partial(anyio.to_thread.run_sync, build, abandon_on_cancel=True)]
+        # abandoned if a node fails meanwhile: a daemon thread, which cannot hold the process's exit
+        fns: list[Callable[[], Any]] = [partial(run_abandonable, build)]
         if self._sender is not None:
             fns.append(self._sender.connect)
         await gather(*fns)
@@ -1303,7 +1355,7 @@ class DistributedCollector(RemoteCollectorBase):
         with self._expect(("batch", node.index, seq)) as waiter:
             assert node.channel is not None
             await node.channel.send(Collect(seq))
-            notice: BatchNotice = await waiter.wait()
+            notice: BatchNotice = await self._within_progress_timeout(node, waiter.wait)
             # the node sends now: the transfer is seen to its end even if the caller is cancelled (its
             # data would otherwise stay on the wire, and the node would block in its send)
             with anyio.CancelScope(shield=True):
