@@ -47,4 +47,4 @@ async def run_abandonable(fn: Callable[..., T], *args: Any, name: str = "aiocoll
     ok, value = box[0]
     if not ok:
         raise value
-    return value  # type: ignore[no-any-return]
+    return value

@@ -1359,7 +1359,8 @@ class DistributedCollector(RemoteCollectorBase):
             # the node sends now: the transfer is seen to its end even if the caller is cancelled (its
             # data would otherwise stay on the wire, and the node would block in its send)
             with anyio.CancelScope(shield=True):
-                return await self._receive(node, notice)
+                result = await self._receive(node, notice)
+        return result
 
     async def _receive(self, node: RemoteNode, notice: BatchNotice) -> _NodeBatch:
         if notice.layout is not None:
