@@ -90,7 +90,7 @@ class EventStreamClient:
             "asgi": {"version": "3.0", "spec_version": "2.3"},
             "http_version": "1.1",
             "method": "GET",
-            "headers": [(b"accept", b"text/event-stream")],
+            "headers": [(b"accept", b"text/event-stream"), (b"host", b"127.0.0.1")],
             "scheme": "http",
             "path": path,
             "raw_path": path.encode(),
@@ -205,7 +205,12 @@ async def dashboard(collector: Any, *, lifespan: bool = True, **kwargs: Any) -> 
         app = create_app(collector, **kwargs)
         ns = type("NS", (), {})()
         ns.collector, ns.app = collector, app
-        ns.client = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://dash")
+        # as the page does: on an allowed host, with the app's token (tests of the guard drop either)
+        ns.client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app),
+            base_url="http://127.0.0.1",
+            headers={"X-Aiocollect-Token": app.state.token},
+        )
         ns.events = lambda path="/events": EventStreamClient(app, tg, path)
         async with ns.client:
             if lifespan:
@@ -315,11 +320,14 @@ async def test_mounted_in_another_app():
         async with (
             lifespan(parent),
             httpx.AsyncClient(
-                transport=httpx.ASGITransport(parent), base_url="http://app", follow_redirects=True
+                transport=httpx.ASGITransport(parent),
+                base_url="http://localhost",
+                headers={"X-Aiocollect-Token": dash.state.token},
+                follow_redirects=True,
             ) as client,
         ):
             page = await client.get("/dashboard")
-            assert page.status_code == 200 and str(page.url) == "http://app/dashboard/"
+            assert page.status_code == 200 and str(page.url) == "http://localhost/dashboard/"
             assert (await client.get("/dashboard/statistics")).json()["frames"] == 0
             assert (await client.post("/dashboard/pause")).json() == {"held": True, "paused": True}
             assert (await client.post("/dashboard/resume")).json() == {"held": False, "paused": False}
@@ -422,6 +430,73 @@ def test_create_app_checks_its_arguments():
         create_app(object(), interval=0)
     with pytest.raises(ValueError, match="max_buffer"):
         create_app(object(), max_buffer=0)
+    with pytest.raises(TypeError, match="allowed_hosts must be a list"):
+        create_app(object(), allowed_hosts="trainer.lab")
+    with pytest.raises(ValueError, match="token must be a string of at least 16"):
+        create_app(object(), token="short")
+
+
+# -- the guard: other web pages in the browser (cross-origin requests, DNS rebinding) ----------------
+async def test_state_changing_routes_need_the_token():
+    async with dashboard(in_process()) as d:
+        token = d.app.state.token
+        assert len(token) >= 32 and token != create_app(d.collector).state.token  # one per app
+        assert f'<meta name="aiocollect-token" content="{token}">' in (await d.client.get("/")).text
+        for path in ("/pause", "/resume", "/update-weights"):
+            missing = await d.client.post(path, headers={"X-Aiocollect-Token": ""})
+            assert missing.status_code == 403 and "wrong" in missing.json()["error"]
+            wrong = await d.client.post(path, headers={"X-Aiocollect-Token": "x" * 43})
+            assert wrong.status_code == 403 and "wrong" in wrong.json()["error"]
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(d.app), base_url="http://127.0.0.1"
+        ) as bare:
+            response = await bare.post("/pause")
+            assert response.status_code == 403 and "missing x-aiocollect-token" in response.json()["error"]
+        assert not d.collector.statistics().paused
+        assert d.collector.policy_version == 0
+        assert (await d.client.post("/pause")).json() == {"held": True, "paused": True}  # with it: works
+
+
+async def test_cross_origin_requests_are_refused():
+    async with dashboard(in_process()) as d:
+        for headers in (
+            {"Origin": "http://evil.example"},
+            {"Origin": "http://127.0.0.1:9999"},  # another port is another origin
+            {"Origin": "null"},
+            {"Sec-Fetch-Site": "cross-site"},
+        ):
+            response = await d.client.post("/pause", headers=headers)
+            assert response.status_code == 403, headers
+            assert "cross" in response.json()["error"]
+        assert not d.collector.statistics().paused
+        # the page's own requests carry its own origin
+        same = await d.client.post(
+            "/pause", headers={"Origin": "http://127.0.0.1", "Sec-Fetch-Site": "same-origin"}
+        )
+        assert same.status_code == 200 and same.json()["held"]
+
+
+async def test_dns_rebinding_is_refused_by_host():
+    """A page of evil.example whose name now resolves to 127.0.0.1 is same-origin for the browser: its
+    requests say ``Host: evil.example``, and are refused, reads included."""
+    async with dashboard(in_process()) as d:
+        rebound = {"Host": "evil.example:8000", "Origin": "http://evil.example:8000"}
+        for method, path in (("GET", "/"), ("GET", "/statistics"), ("GET", "/events"), ("POST", "/pause")):
+            response = await d.client.request(method, path, headers=rebound)
+            assert response.status_code == 400, path
+            assert "host 'evil.example:8000' is not allowed" in response.json()["error"]
+        assert not d.collector.statistics().paused
+        for host in ("localhost:8000", "127.0.0.1", "[::1]:8000"):
+            assert (await d.client.get("/statistics", headers={"Host": host})).status_code == 200
+
+
+async def test_allowed_hosts_add_names_or_turn_the_check_off():
+    async with dashboard(in_process(), allowed_hosts=["Trainer.Lab"]) as d:
+        assert (await d.client.get("/statistics", headers={"Host": "trainer.lab:8000"})).status_code == 200
+        assert (await d.client.get("/statistics", headers={"Host": "other.lab"})).status_code == 400
+    async with dashboard(in_process(), allowed_hosts=["*"]) as d:
+        assert (await d.client.get("/statistics", headers={"Host": "other.lab"})).status_code == 200
+        assert (await d.client.post("/pause", headers={"Host": "other.lab"})).status_code == 200
 
 
 def test_import_without_starlette(monkeypatch: pytest.MonkeyPatch):
@@ -452,7 +527,11 @@ async def test_serve_on_a_free_port_and_shut_down_with_open_streams():
                 async with serve(app, port=0) as server:
                     assert server.url == f"http://127.0.0.1:{server.port}/" and server.port > 0
                     assert (await client.get(server.url + "statistics")).status_code == 200
-                    assert (await client.post(server.url + "pause")).json()["held"]
+                    token = {"X-Aiocollect-Token": app.state.token}
+                    assert (await client.post(server.url + "pause", headers=token)).json()["held"]
+                    assert (await client.post(server.url + "resume")).status_code == 403  # no token
+                    rebound = {"Host": f"evil.example:{server.port}"}
+                    assert (await client.get(server.url + "statistics", headers=rebound)).status_code == 400
                     response = await client.send(
                         client.build_request("GET", server.url + "events"), stream=True
                     )

@@ -7,6 +7,7 @@ Run with ``pytest -m distributed`` (``nox -s distributed``); the default run lea
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import threading
 
@@ -325,6 +326,12 @@ async def test_submitit_local_executor_jobs(tmp_path):
             launcher="submitit",
             slurm_kwargs={"folder": str(tmp_path / "%j"), "cluster": "local", "timeout_min": 5},
         ) as c:
+            # the submitted pickles carry the control token (and the policy): 0600 in 0700 folders
+            assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o700
+            pickles = list(tmp_path.rglob("*_submitted.pkl"))
+            assert len(pickles) == 2
+            assert {stat.S_IMODE(p.stat().st_mode) for p in pickles} == {0o600}
+            assert {stat.S_IMODE(p.parent.stat().st_mode) for p in pickles} == {0o700}
             jobs = [n.process for n in c._nodes]
             job_pids = {j.pid for j in jobs}
             pids = _ours(job_pids)

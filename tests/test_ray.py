@@ -9,9 +9,11 @@ collectors between checks to keep the file within a few minutes.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import anyio
 import cloudpickle
@@ -26,6 +28,7 @@ from aiocollect import (
     GymEnv,
     MultiSyncCollector,
     RayCollector,
+    WorkerDiedError,
 )
 from conftest import ListBuffer
 
@@ -516,3 +519,57 @@ def test_batches_cross_as_numpy_and_come_back_as_writable_copies():
         stack=True,
     )
     assert mixed["x"].tolist() == [[0.0, 0.0], [1.0, 1.0]]
+
+
+# -- faults: one error vocabulary whatever the engine ---------------------------------------------
+@distributed
+async def test_a_killed_actor_is_worker_died_error(ray_cluster):
+    """A SIGKILLed actor is ``WorkerDiedError`` (engine ``"ray"``, its actor id, Ray's error as the
+    cause), not Ray's own ``ActorDiedError``; how long Ray takes to notice is measured (docs/ray.md)."""
+    ray = pytest.importorskip("ray")
+    with anyio.fail_after(120):
+        async with RayCollector(
+            pendulum, None, frames_per_batch=32, total_frames=-1, num_collectors=2, remote_config=REMOTE
+        ) as c:
+            procs = ray_processes(c)
+            await c.__anext__()
+            os.kill(c.actor_info()[1]["pid"], signal.SIGKILL)
+            killed = time.monotonic()
+            with pytest.raises(WorkerDiedError) as info:
+                async for _ in c:
+                    pass
+            took = time.monotonic() - killed
+    error = info.value
+    assert (error.index, error.engine) == (1, "ray")
+    assert error.actor and "actor 1" in str(error)
+    assert isinstance(error.__cause__, ray.exceptions.RayActorError)
+    assert took < 30, f"Ray took {took:.1f} s to notice the dead actor"
+    print(f"Ray noticed the SIGKILLed actor in {took:.2f} s")
+    assert_gone(procs)
+
+
+@distributed
+async def test_a_killed_worker_inside_an_actor_keeps_its_type(ray_cluster):
+    """A worker process of an actor's MultiSyncCollector SIGKILLed: ``WorkerDiedError`` with its exit
+    code, not ``ray.exceptions.UnserializableException``."""
+    with anyio.fail_after(120):
+        async with RayCollector(
+            [[pendulum, pendulum]],
+            None,
+            frames_per_batch=32,
+            total_frames=-1,
+            num_collectors=1,
+            collector_class=MultiSyncCollector,
+            remote_config=REMOTE,
+        ) as c:
+            procs = ray_processes(c)
+            await c.__anext__()
+            actor = psutil.Process(c.actor_info()[0]["pid"])
+            workers = [w for child in actor.children() for w in child.children()]
+            assert workers, "the actor's worker processes (children of its forkserver)"
+            workers[0].send_signal(signal.SIGKILL)
+            with pytest.raises(WorkerDiedError) as info:
+                async for _ in c:
+                    pass
+    assert info.value.exitcode == -9 and info.value.signal == 9
+    assert_gone(procs)

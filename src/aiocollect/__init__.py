@@ -6,6 +6,7 @@ while the env and the policy run off the event loop.
 
 from __future__ import annotations
 
+from . import _errors
 from ._collector import Collector
 from ._distributed_weights import DistributedWeightSync
 from ._envs._gym import GymEnv
@@ -43,6 +44,8 @@ from ._weightsync import (
 )
 from ._workers._pool import WorkerDiedError
 from ._workers._wire import WorkerError
+
+_errors.adopt_worker_errors(WorkerDiedError, WorkerError)  # the shared fields, kept when pickled
 
 __version__ = "0.1.0"
 

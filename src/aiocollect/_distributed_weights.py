@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 
+from ._daemon import run_abandonable
 from ._weights import copy_weights
 from ._weightsync import SendFn, WeightReceiver, WeightSender, WeightSync, flat_weights
 
@@ -109,6 +110,30 @@ def _new_group(
     options = nccl.Options()
     options._timeout = _timedelta(timeout)
     return nccl(store, rank, world_size, options)
+
+
+def master_store(host: str, port: int, timeout: float) -> Any:
+    """The master ``TCPStore`` of a group, listening on ``host`` only: torch's own listens on every
+    interface (``*``), whatever ``host`` says. We bind the socket and hand it over (the store owns it
+    and closes it)."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+        bound_port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    return dist.TCPStore(
+        host,
+        bound_port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=_timedelta(timeout),
+        master_listen_fd=sock.detach(),
+    )
 
 
 def _local_address(host: str, port: int) -> str:
@@ -183,13 +208,7 @@ class _DistributedSender(WeightSender):
         self._buffer = _FlatBuffer(self._entries, self._nbytes, self._device)
         host, port = config._address()
         self._host = host
-        self._store: Any = dist.TCPStore(
-            host,
-            port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=_timedelta(config.timeout),
-        )
+        self._store: Any = master_store(host, port, config.timeout)
         self._port = int(self._store.port)
         self._group: Any = None
         self._lock = threading.Lock()
@@ -234,9 +253,9 @@ class _DistributedSender(WeightSender):
                 ) from None
 
         try:
-            await anyio.to_thread.run_sync(wait_ready, abandon_on_cancel=True)
+            await run_abandonable(wait_ready)
             self._store.set("go", "1")
-            await anyio.to_thread.run_sync(self._build_group, abandon_on_cancel=True)
+            await run_abandonable(self._build_group)
         except BaseException:
             with contextlib.suppress(Exception):
                 self._store.set("abort", "1")

@@ -130,7 +130,21 @@ def node_entry(address: TrainerAddress, rank: int, ignore_sigint: bool = False) 
     if ignore_sigint:  # a local node: Ctrl-C goes to the trainer, which stops us
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = connect(address, rank)
-    anyio.run(_serve, sock, rank)
+    try:
+        anyio.run(_serve, sock, rank)
+    finally:
+        _stop_forkserver()
+
+
+def _stop_forkserver() -> None:
+    """End the forkserver that started this node's workers now: left alone, it notices that the node
+    exited only seconds later (and outlives the collector's ``async with``)."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    if server is not None and getattr(server, "_forkserver_pid", None) is not None:
+        with contextlib.suppress(Exception):
+            server._stop()  # closes its "alive" pipe (it exits at once) and reaps it
 
 
 def _leaf(exc: BaseException) -> BaseException:
@@ -145,7 +159,8 @@ def _leaf(exc: BaseException) -> BaseException:
 
 
 async def _serve(sock: socket.socket, rank: int) -> None:
-    from .._workers._wire import AsyncChannel, failure
+    from .._errors import RemoteFailure
+    from .._workers._wire import AsyncChannel, Failed
 
     chan = AsyncChannel(sock)
     where = f"node {rank - 1} ({socket.gethostname()}, pid {os.getpid()})"
@@ -160,7 +175,7 @@ async def _serve(sock: socket.socket, rank: int) -> None:
         if isinstance(error, (EOFError, ConnectionError)):
             return
         with contextlib.suppress(Exception):
-            await chan.send(failure(error, where))
+            await chan.send(Failed(RemoteFailure(error, where)))  # type: ignore[arg-type]
     finally:
         chan.close()
 
@@ -359,10 +374,44 @@ def _executor(submitit: Any, options: Mapping[str, Any]) -> Any:
         raise ValueError(
             "submitit's debug executor runs jobs inside the trainer's process; use cluster='local'"
         )
+    private_folder(folder)
     executor = submitit.AutoExecutor(folder=folder, cluster=cluster)
     if options:
         executor.update_parameters(**options)
     return executor
+
+
+def _root(folder: str | os.PathLike[str]) -> Path:
+    """The part of a submitit folder before its first ``%`` pattern (``runs/%j`` -> ``runs``)."""
+    text = str(folder)
+    if "%" not in text:
+        return Path(text)
+    head = text.split("%", 1)[0]
+    return Path(head) if head.endswith("/") else Path(head or ".").parent if head else Path(".")
+
+
+def private_folder(folder: str | os.PathLike[str]) -> Path:
+    """Create submitit's folder (its part before ``%j``) as 0700: the pickles submitit writes there
+    carry the control token (and the policy). An existing folder of ours is made 0700 too."""
+    root = _root(folder)
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if root.resolve() != Path.cwd().resolve() and root.stat().st_uid == os.getuid():
+        os.chmod(root, 0o700)
+    return root
+
+
+def private_files(folder: str | os.PathLike[str]) -> None:
+    """The pickles submitit wrote under ``folder`` made 0600, its job folders 0700 (inside a 0700
+    folder already: this closes the window for good, should that one be opened)."""
+    root = _root(folder)
+    for path in root.rglob("*"):
+        with contextlib.suppress(OSError):
+            if path.stat().st_uid != os.getuid():
+                continue
+            if path.is_dir():
+                os.chmod(path, 0o700)
+            elif path.suffix == ".pkl":
+                os.chmod(path, 0o600)
 
 
 class SubmititLauncher(Launcher):
@@ -380,6 +429,7 @@ class SubmititLauncher(Launcher):
             executor = _executor(self._submitit, self.options)
             with executor.batch():  # one job array on Slurm
                 jobs = [executor.submit(node_entry, address, rank) for rank in ranks]
+            private_files(self.options.get("folder", "aiocollect_submitit/%j"))
             return jobs
 
         jobs = await anyio.to_thread.run_sync(submit)
@@ -478,7 +528,7 @@ def submitit_delayed_launcher(
             main_exec = _executor(submitit, {"folder": folder, "cluster": cluster, **(main_parameters or {})})
             node_exec = _executor(submitit, {"folder": folder, "cluster": cluster, **(node_parameters or {})})
             root = Path(str(main_exec.folder).replace("%j", "rendezvous"))
-            root.mkdir(parents=True, exist_ok=True)
+            private_folder(root)
             rendezvous = str((root / f"aiocollect-{uuid.uuid4().hex}.json").absolute())
             main_job = main_exec.submit(_run_main, main, rendezvous, args, kwargs)
             with node_exec.batch():
@@ -486,6 +536,7 @@ def submitit_delayed_launcher(
                     node_exec.submit(delayed_node_entry, rendezvous, rank, node_timeout)
                     for rank in range(1, num_jobs + 1)
                 ]
+            private_files(folder)
             try:
                 result = main_job.result()
             except BaseException:

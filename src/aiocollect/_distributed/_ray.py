@@ -32,7 +32,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from tensordict import TensorDict, TensorDictBase
 
 from .._collector import Collector
-from .._errors import CollectorClosedError
+from .._errors import CollectorClosedError, worker_died, worker_error
 from .._events import (
     EpisodeFinished,
     WeightsLoaded,
@@ -59,7 +59,12 @@ _RESERVED = (
 #: remote options used unless ``remote_config`` says otherwise
 DEFAULT_REMOTE_CONFIG: dict[str, Any] = {"num_cpus": 1}
 #: ``ray.init`` arguments used when RayCollector starts a local cluster itself
-DEFAULT_RAY_INIT_CONFIG: dict[str, Any] = {"address": "local", "include_dashboard": False}
+#: (on loopback: Ray's own GCS and raylet still listen on every interface, behind Ray's token auth)
+DEFAULT_RAY_INIT_CONFIG: dict[str, Any] = {
+    "address": "local",
+    "include_dashboard": False,
+    "_node_ip_address": "127.0.0.1",
+}
 #: seconds after which actors that have not started yet are reported (a warning), e.g. lacking resources
 _PENDING_WARNING_S = 60.0
 #: seconds an actor gets to close its collector (and reap its worker processes) before ``ray.kill``
@@ -372,19 +377,29 @@ def _actor_class() -> Any:
 
 
 # -- errors ------------------------------------------------------------------------------------------
-def unwrap_ray_error(exc: BaseException, where: str) -> BaseException:
-    """The remote exception with its own type for a ``RayTaskError``; the remote traceback as a note.
-
-    Other errors (an actor that died, a lost object) are returned as they are: Ray's own named errors.
-    """
+def unwrap_ray_error(exc: BaseException, where: str, actor: _Actor | None = None) -> BaseException:
+    """Ray's errors in the shared vocabulary: a ``RayTaskError`` is the remote exception with its own
+    type (the remote traceback as a note); an exception Ray could not deserialise is a ``WorkerError``
+    (type name, message, traceback text); a dead actor is a ``WorkerDiedError`` (Ray's error as its
+    ``__cause__``). Other errors (a lost object) are returned as they are."""
     ray = _import_ray()
     if isinstance(exc, ray.exceptions.RayTaskError):
         cause = exc.cause
-        if isinstance(cause, BaseException) and not isinstance(cause, ray.exceptions.RayTaskError):
+        if isinstance(cause, ray.exceptions.UnserializableException):
+            exc = cause
+        elif isinstance(cause, BaseException) and not isinstance(cause, ray.exceptions.RayTaskError):
             # str() of Ray's error (a plain RayTaskError or the dual "RayTaskError(Type)" class, whose
             # other attributes are the cause's) is the remote traceback
             cause.add_note(f"raised in {where}; the remote traceback:\n{str(exc).strip()}")
             return cause
+    if isinstance(exc, ray.exceptions.UnserializableException):
+        text = str(getattr(exc, "_original_stack_trace", "") or "").strip()
+        last = text.splitlines()[-1] if text else "Exception: (unknown)"
+        type_name, _, message = last.partition(": ")
+        return worker_error(type_name.strip() or "Exception", message, text, where)
+    if isinstance(exc, ray.exceptions.RayActorError) and actor is not None:
+        actor_id = getattr(getattr(actor.handle, "_actor_id", None), "hex", lambda: None)()
+        return worker_died(actor.index, member="actor", engine="ray", actor=actor_id, cause=exc)
     return exc
 
 
@@ -794,7 +809,8 @@ class RayCollector(FleetCollector):
         try:
             return await self._await(method(*args))
         except Exception as exc:
-            raise unwrap_ray_error(exc, f"actor {actor.index} ({what})") from None
+            error = unwrap_ray_error(exc, f"actor {actor.index} ({what})", actor)
+            raise error from error.__cause__  # Ray's error stays the cause of a WorkerDiedError
 
     # -- iteration --------------------------------------------------------------------------------
     def _active(self) -> None:
@@ -872,7 +888,7 @@ class RayCollector(FleetCollector):
 
     def _failed_actor(self, actor: _Actor, exc: BaseException, what: str) -> BaseException:
         actor.state = "failed"
-        error = unwrap_ray_error(exc, f"actor {actor.index} ({what})")
+        error = unwrap_ray_error(exc, f"actor {actor.index} ({what})", actor)
         self._hub.publish(WorkerFailed(actor.index, f"{type(error).__name__}: {error}"))
         return error
 
@@ -886,7 +902,8 @@ class RayCollector(FleetCollector):
         index, out = await self._results_receive.receive()
         actor = self._actors[index]
         if isinstance(out, BaseException):
-            raise self._failed_actor(actor, out, "next batch") from None
+            error = self._failed_actor(actor, out, "next batch")
+            raise error from error.__cause__
         wire, meta = out
         batch = await anyio.to_thread.run_sync(from_wires, [wire], False)
         episodes = self._delivered_by(actor, meta)
@@ -912,7 +929,8 @@ class RayCollector(FleetCollector):
             try:
                 return await self._await(ref)
             except Exception as exc:
-                raise self._failed_actor(actor, exc, "next batch") from None
+                error = self._failed_actor(actor, exc, "next batch")
+                raise error from error.__cause__
 
         outs = await gather(*[partial(one, a, r) for a, r in zip(self._actors, refs, strict=True)])
         parts = [b for b, _ in outs]

@@ -33,8 +33,11 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 
+from .._daemon import run_abandonable
+from .._distributed_weights import master_store
+from .._errors import RemoteFailure, as_error
 from .._gather import gather
-from .._workers._wire import AsyncChannel, failure
+from .._workers._wire import AsyncChannel
 from ._torchdist import (
     Close,
     Loaded,
@@ -106,7 +109,7 @@ def _rpc_call(op: str, *args: Any) -> tuple[bool, Any]:
     try:
         return True, portal.call(_handle, op, args)
     except Exception as exc:
-        return False, failure(exc, _WHERE).error
+        return False, RemoteFailure(exc, _WHERE)
 
 
 async def _handle(op: str, args: tuple[Any, ...]) -> Any:
@@ -182,6 +185,7 @@ class RPCCollector(RemoteCollectorBase):
     """
 
     _engine = "_rpc"
+    _engine_name = "torch.distributed.rpc"
 
     def __init__(
         self,
@@ -223,12 +227,7 @@ class RPCCollector(RemoteCollectorBase):
             )
         self._host = host
 
-        def open_store() -> Any:
-            return dist.TCPStore(
-                host, 0, is_master=True, wait_for_workers=False, timeout=_timedelta(_TIMEOUT)
-            )
-
-        self._store = await anyio.to_thread.run_sync(open_store)
+        self._store = await anyio.to_thread.run_sync(master_store, host, 0, _TIMEOUT)
         tag = secrets.token_hex(4)
         self._prefix = f"aiocollect-{tag}"
         self._names = [f"aiocollect-{tag}-trainer"] + [
@@ -248,7 +247,7 @@ class RPCCollector(RemoteCollectorBase):
     async def _connect_transport(self) -> None:
         t = {**self._transport_setup(0), "store": self._store}
         self._agent = True
-        await anyio.to_thread.run_sync(_init_agent, t, 0, abandon_on_cancel=True)
+        await run_abandonable(_init_agent, t, 0)  # a daemon thread: an abandoned one cannot hold the exit
 
     async def _rpc_async(
         self, node: RemoteNode, op: str, *args: Any, rpc_timeout: float | None = None
@@ -260,14 +259,27 @@ class RPCCollector(RemoteCollectorBase):
             args=(op, *args),
             timeout=self._rpc_timeout if rpc_timeout is None else rpc_timeout,
         )
-        ok, value = await anyio.to_thread.run_sync(future.wait, abandon_on_cancel=True)
+        try:
+            ok, value = await anyio.to_thread.run_sync(future.wait, abandon_on_cancel=True)
+        except Exception as exc:
+            # typically the node died (TensorPipe says "eof"): its control connection says so at once,
+            # and its reader fails the collector with the node's exit code (in at most 2 s more)
+            with anyio.move_on_after(3.0):
+                await self._failed_event.wait()
+            if self._failure is not None:
+                if self._failure.__cause__ is None:
+                    self._failure.__cause__ = exc
+                raise self._failure from exc
+            raise
         if not ok:
-            raise value
+            raise as_error(value)
         return value
 
     async def _fetch_batch(self, node: RemoteNode) -> _NodeBatch:
         # no timeout: a batch takes what it takes; a dead node is noticed by its connection
-        leaves, layout, frames, episodes, version = await self._rpc_async(node, "next", rpc_timeout=0)
+        leaves, layout, frames, episodes, version = await self._within_progress_timeout(
+            node, partial(self._rpc_async, node, "next", rpc_timeout=0)
+        )
         return _NodeBatch(rebuild(leaves, layout), frames, episodes, version)
 
     async def _send_weights(self, weights: TensorDictBase, version: int, ids: list[int]) -> None:

@@ -42,7 +42,9 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from tensordict import TensorDict, TensorDictBase
 
 from .._collector import Collector
-from .._distributed_weights import DistributedWeightSync
+from .._daemon import run_abandonable
+from .._distributed_weights import DistributedWeightSync, master_store
+from .._errors import RemoteFailure, WorkerTimeoutError, as_error, worker_died
 from .._events import (
     EpisodeFinished,
     WeightsLoaded,
@@ -55,10 +57,10 @@ from .._fleet import FleetCollector, Member
 from .._gather import gather
 from .._multi import MultiAsyncCollector, MultiSyncCollector
 from .._validation import flag, positive_int, seed_arg, total_frames_arg
+from .._waiters import Waiter, WaiterTable
 from .._weights import module_weights
 from .._weightsync import flat_weights
-from .._workers._pool import WorkerDiedError
-from .._workers._wire import AsyncChannel, Call, Failed, Result, failure
+from .._workers._wire import AsyncChannel, Call, Failed, Result
 from ._launchers import (
     HELLO_SIZE,
     Launcher,
@@ -80,6 +82,10 @@ _RESERVED = (
 )
 #: seconds a node gets to close its collector (and reap its processes) after ``Close``
 _CLOSE_GRACE = 15.0
+#: the same for a hung node (it missed ``progress_timeout``): leaving ``async with`` takes about 3 s
+_FAILED_CLOSE_GRACE = 2.0
+#: default ``progress_timeout``: seconds a node may take to deliver one batch before it counts as hung
+DEFAULT_PROGRESS_TIMEOUT = 600.0
 _TIMEOUT = 120.0  # seconds: rendezvous and transfers of the data group
 
 
@@ -130,7 +136,7 @@ class Loaded:
 class CallFailed:
     """A call raised on the node; the node goes on."""
 
-    error: BaseException
+    error: RemoteFailure
 
 
 @dataclass(frozen=True)
@@ -433,7 +439,7 @@ async def run_node(chan: AsyncChannel, setup: Setup, where: str) -> None:
             try:
                 value = await core.call(msg.op, msg.args)
             except Exception as exc:
-                await chan.send(Result(msg.request_id, CallFailed(failure(exc, where).error)))
+                await chan.send(Result(msg.request_id, CallFailed(RemoteFailure(exc, where))))
             else:
                 await chan.send(Result(msg.request_id, value))
 
@@ -499,6 +505,8 @@ class RemoteNode:
     #: delivered a batch since its last weight update (update_after_each_batch)
     fresh: bool = False
     in_flight: bool = False
+    #: missed progress_timeout: stopped without the full grace period
+    hung: bool = False
     buffer: Any = None
     connected: anyio.Event = field(default_factory=anyio.Event)
     gone: anyio.Event = field(default_factory=anyio.Event)
@@ -519,7 +527,9 @@ class RemoteCollectorBase(FleetCollector):
     Subclasses supply the transport of batches and weights."""
 
     _member_noun = "node"
+    #: the module that runs a node (``_torchdist``, ``_rpc``), and the engine's name in errors
     _engine: str
+    _engine_name: str
 
     def __init__(
         self,
@@ -536,6 +546,8 @@ class RemoteCollectorBase(FleetCollector):
         launcher: Any = "mp",
         slurm_kwargs: Mapping[str, Any] | None = None,
         tcp_port: int | None = None,
+        trainer_address: str | None = None,
+        progress_timeout: float | None = DEFAULT_PROGRESS_TIMEOUT,
         update_after_each_batch: bool = False,
         max_weight_update_interval: int = -1,
         progress: Any = None,
@@ -623,6 +635,16 @@ class RemoteCollectorBase(FleetCollector):
         ):
             raise ValueError(f"tcp_port must be a port number or None, got {tcp_port!r}")
         self._tcp_port = tcp_port or 0
+        if trainer_address is not None and (not isinstance(trainer_address, str) or not trainer_address):
+            raise TypeError(
+                f"trainer_address must be the host name or IP address the nodes reach the trainer at, got "
+                f"{trainer_address!r}"
+            )
+        self._trainer_address = trainer_address
+        self._progress_timeout = _seconds_or_none("progress_timeout", progress_timeout)
+        for kwargs in per_node:
+            if "worker_timeout" in kwargs:  # checked here, not only on the nodes once they started
+                _seconds_or_none("collector_kwargs['worker_timeout']", kwargs["worker_timeout"])
         # the env constructors and collector arguments are pickled here (small: a bad one fails now); the
         # policy, which can be large, once and in a thread when the collector is entered
         self._payloads = []
@@ -645,7 +667,8 @@ class RemoteCollectorBase(FleetCollector):
         self._closing = False
         self._listener: socket.socket | None = None
         self._address: TrainerAddress | None = None
-        self._waiters: dict[Any, tuple[anyio.Event, list[Any]]] = {}
+        #: callers waiting for a node's reply: ("call", id) -> Result value, ("batch", node, seq) -> notice
+        self._waiters = WaiterTable(on_orphan=self._on_orphan)
         self._ids = itertools.count(1)
         send, receive = anyio.create_memory_object_stream[Any](math.inf)
         self._deliveries_send: MemoryObjectSendStream[Any] = send
@@ -673,12 +696,12 @@ class RemoteCollectorBase(FleetCollector):
 
     async def _call(self, node: RemoteNode, op: str, *args: Any) -> Any:
         request_id = next(self._ids)
-        waiter = self._expect(("call", request_id))
-        assert node.channel is not None
-        await node.channel.send(Call(request_id, op, args))
-        value = await self._wait(waiter)
+        with self._expect(("call", request_id)) as waiter:
+            assert node.channel is not None
+            await node.channel.send(Call(request_id, op, args))
+            value = await waiter.wait()
         if isinstance(value, CallFailed):
-            raise value.error
+            raise as_error(value.error)
         return value
 
     async def _on_notice(self, node: RemoteNode, msg: Any) -> None:
@@ -688,27 +711,19 @@ class RemoteCollectorBase(FleetCollector):
         """Release the trainer's side of the data plane (nodes are gone)."""
 
     # -- waiting --------------------------------------------------------------------------------------
-    def _expect(self, key: Any) -> tuple[anyio.Event, list[Any]]:
+    def _expect(self, key: Any) -> Waiter:
         if self._failure is not None:
             raise self._failure
-        waiter: tuple[anyio.Event, list[Any]] = (anyio.Event(), [])
-        self._waiters[key] = waiter
-        return waiter
+        return self._waiters.expect(key)
 
-    def _resolve(self, key: Any, value: Any) -> bool:
-        waiter = self._waiters.pop(key, None)
-        if waiter is None:
-            return False
-        waiter[1].append(value)
-        waiter[0].set()
-        return True
+    def _on_orphan(self, key: Any, value: Any) -> None:
+        """A reply nobody takes (its caller was cancelled): a batch is still taken off the wire, or its
+        node would block in its send for ever; a call's result is dropped."""
+        if key[0] == "batch" and self._io is not None and not self._io_closed.is_set():
+            self._io.start_soon(self._drain, self._nodes[key[1]], value)
 
-    async def _wait(self, waiter: tuple[anyio.Event, list[Any]]) -> Any:
-        await waiter[0].wait()
-        value = waiter[1][0]
-        if isinstance(value, _Failure):
-            raise value.error
-        return value
+    async def _drain(self, node: RemoteNode, notice: Any) -> None:
+        """Receive a batch nobody waits for any more, and drop it (transports with a data plane)."""
 
     async def _guard(self, fn: Callable[[], Any]) -> Any:
         """``await fn()``, ended by a node failure (raised instead)."""
@@ -738,6 +753,39 @@ class RemoteCollectorBase(FleetCollector):
         assert self._failure is not None
         raise self._failure
 
+    def _died(
+        self, node: RemoteNode, exitcode: int | None, cause: BaseException | None = None
+    ) -> BaseException:
+        return worker_died(
+            node.index,
+            exitcode,
+            member="node",
+            engine=self._engine_name,
+            rank=node.rank,
+            host=node.host,
+            cause=cause,
+        )
+
+    async def _within_progress_timeout(self, node: RemoteNode, fn: Callable[[], Any]) -> Any:
+        """``await fn()`` (a node's next batch); a node that takes longer than ``progress_timeout``
+        fails the collector with ``WorkerTimeoutError`` naming it."""
+        timeout = self._progress_timeout
+        if timeout is None:
+            return await fn()
+        with anyio.move_on_after(timeout) as scope:
+            return await fn()
+        assert scope.cancelled_caught
+        node.hung = True
+        where = f"node {node.index} ({self._engine_name} rank {node.rank}" + (
+            f", {node.host}, pid {node.pid})" if node.host else ")"
+        )
+        error = WorkerTimeoutError(
+            f"{where} delivered no batch within progress_timeout={timeout:g} s: a hung env or policy? "
+            "(give a larger progress_timeout for slower batches, or None for no limit)"
+        )
+        self._fail(node, error)
+        raise error
+
     def _fail(self, node: RemoteNode | None, error: BaseException) -> None:
         if node is not None and node.state not in ("failed", "stopped"):
             node.state = "failed"
@@ -748,10 +796,7 @@ class RemoteCollectorBase(FleetCollector):
         self._failed = True
         self._closed_reason = f"a node failed with {type(error).__name__}: {error}"
         self._failed_event.set()
-        for event, box in self._waiters.values():
-            box.append(_Failure(error))
-            event.set()
-        self._waiters.clear()
+        self._waiters.fail(error)
         self._deliveries_send.send_nowait(_Failure(error))
 
     # -- lifecycle ------------------------------------------------------------------------------------
@@ -790,7 +835,9 @@ class RemoteCollectorBase(FleetCollector):
         tg = self._io
         assert tg is not None
         launcher = self._launcher
-        host = "127.0.0.1" if launcher.local else _trainer_host()
+        # the address every port of the trainer binds and the nodes connect to: loopback for nodes on
+        # this machine; for jobs on other machines the interface that routes out (or trainer_address)
+        host = self._trainer_address or ("127.0.0.1" if launcher.local else _trainer_host())
         listener = socket.create_server((host, self._tcp_port), backlog=max(16, self.num_collectors))
         listener.setblocking(False)
         self._listener = listener
@@ -877,7 +924,7 @@ class RemoteCollectorBase(FleetCollector):
         assert node.process is not None
         await node.process.wait()
         if not node.connected.is_set() and not self._closing:
-            self._fail(node, WorkerDiedError(node.index, node.process.exitcode))
+            self._fail(node, self._died(node, node.process.exitcode))
 
     async def _reader(self, node: RemoteNode) -> None:
         channel = node.channel
@@ -890,7 +937,7 @@ class RemoteCollectorBase(FleetCollector):
                 except (EOFError, OSError):
                     break
                 if isinstance(msg, Result):
-                    self._resolve(("call", msg.request_id), msg.value)
+                    self._waiters.resolve(("call", msg.request_id), msg.value)
                 elif isinstance(msg, Loaded):
                     if msg.version > node.policy_version:
                         node.policy_version = msg.version
@@ -902,7 +949,7 @@ class RemoteCollectorBase(FleetCollector):
                     node.ready_event.set()
                 elif isinstance(msg, Failed):
                     failed = True
-                    self._fail(node, msg.error)
+                    self._fail(node, as_error(msg.error))
                 else:
                     await self._on_notice(node, msg)
         finally:
@@ -913,7 +960,7 @@ class RemoteCollectorBase(FleetCollector):
                     with anyio.move_on_after(2.0, shield=True):
                         await node.process.wait()
                     exitcode = node.process.exitcode
-                self._fail(node, WorkerDiedError(node.index, exitcode))
+                self._fail(node, self._died(node, exitcode))
             elif not failed and node.state != "failed":
                 node.state = "stopped"
                 self._hub.publish(WorkerStopped(node.index))
@@ -930,11 +977,18 @@ class RemoteCollectorBase(FleetCollector):
                 if node.channel is not None and not node.gone.is_set():
                     with contextlib.suppress(Exception):
                         await node.channel.send(Close())
-            with anyio.move_on_after(_CLOSE_GRACE):
-                for node in self._nodes:
-                    if node.channel is not None:
+
+            # a node closes its collector (reaping its workers) in the grace period; a hung one (it
+            # missed progress_timeout) gets a short one, then is terminated
+            async def close(node: RemoteNode) -> None:
+                grace = _FAILED_CLOSE_GRACE if node.hung else _CLOSE_GRACE
+                if node.channel is not None:
+                    with anyio.move_on_after(grace):
                         await node.gone.wait()
-            await gather(*[partial(n.process.stop, 5.0) for n in self._nodes if n.process is not None])
+                if node.process is not None:
+                    await node.process.stop(0.5 if node.hung else 5.0)
+
+            await gather(*[partial(close, node) for node in self._nodes])
             for node in self._nodes:
                 if node.state not in ("failed", "stopped"):
                     node.state = "stopped"
@@ -1166,6 +1220,14 @@ class RemoteCollectorBase(FleetCollector):
         )
 
 
+def _seconds_or_none(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive number of seconds or None (no limit), got {value!r}")
+    return float(value)
+
+
 def _trainer_host() -> str:
     from ._launchers import routable_host
 
@@ -1203,8 +1265,17 @@ class DistributedCollector(RemoteCollectorBase):
         slurm_kwargs: for ``"submitit"``: ``executor.update_parameters(...)`` arguments, plus ``folder``
             (submitit's, shared by the machines) and ``cluster`` (``None``: Slurm if available, or
             ``"local"``); for ``"submitit_delayed"``: optionally ``rendezvous`` (the file).
+        progress_timeout: seconds a node may take to deliver one batch (default 600: generous, so that
+            a hung env or policy is noticed without any setting); then the collector fails with
+            ``WorkerTimeoutError`` naming the node. ``None``: no limit. (``collector_kwargs=
+            {"worker_timeout": ...}`` also limits each worker inside the nodes.)
         tcp_port: the trainer's control port (default: a free one). Nodes connect to it; the data and
             weight groups use free ports of their own.
+        trainer_address: the address the trainer's ports (control, data and weights stores, gloo) bind
+            to and the nodes connect to. Default: ``127.0.0.1`` for nodes on this machine (``"mp"``,
+            submitit's ``cluster="local"``); for jobs on other machines, this machine's address on its
+            outgoing route (the interface of the default route): give the cluster network's address
+            here when that is not it. Nothing listens on a wildcard address.
         update_after_each_batch: the node that delivered (``sync=False``) or every node (``sync=True``)
             gets the current weights before its next batch.
         max_weight_update_interval: a node that produced this many batches without a weight update gets
@@ -1222,6 +1293,7 @@ class DistributedCollector(RemoteCollectorBase):
     """
 
     _engine = "_torchdist"
+    _engine_name = "torch.distributed"
 
     def __init__(
         self, create_env_fn: Any, policy: Any = None, *, backend: str = "gloo", **kwargs: Any
@@ -1239,12 +1311,7 @@ class DistributedCollector(RemoteCollectorBase):
     async def _open_transport(self, host: str) -> None:
         self._host = host
 
-        def open_store() -> Any:
-            return dist.TCPStore(
-                host, 0, is_master=True, wait_for_workers=False, timeout=_timedelta(_TIMEOUT)
-            )
-
-        self._store = await anyio.to_thread.run_sync(open_store)
+        self._store = await anyio.to_thread.run_sync(master_store, host, 0, _TIMEOUT)
         if self._weights_template is not None:
             scheme = DistributedWeightSync(
                 backend="nccl" if self.backend == "nccl" else "gloo",
@@ -1277,18 +1344,23 @@ class DistributedCollector(RemoteCollectorBase):
                 self.backend, self._store, 0, self.num_collectors + 1, self._host, _TIMEOUT
             )
 
-        fns: list[Callable[[], Any]] = [partial(anyio.to_thread.run_sync, build, abandon_on_cancel=True)]
+        # abandoned if a node fails meanwhile: a daemon thread, which cannot hold the process's exit
+        fns: list[Callable[[], Any]] = [partial(run_abandonable, build)]
         if self._sender is not None:
             fns.append(self._sender.connect)
         await gather(*fns)
 
     async def _fetch_batch(self, node: RemoteNode) -> _NodeBatch:
         seq = next(self._ids)
-        waiter = self._expect(("batch", node.index, seq))
-        assert node.channel is not None
-        await node.channel.send(Collect(seq))
-        notice: BatchNotice = await self._wait(waiter)
-        return await self._receive(node, notice)
+        with self._expect(("batch", node.index, seq)) as waiter:
+            assert node.channel is not None
+            await node.channel.send(Collect(seq))
+            notice: BatchNotice = await self._within_progress_timeout(node, waiter.wait)
+            # the node sends now: the transfer is seen to its end even if the caller is cancelled (its
+            # data would otherwise stay on the wire, and the node would block in its send)
+            with anyio.CancelScope(shield=True):
+                result = await self._receive(node, notice)
+        return result
 
     async def _receive(self, node: RemoteNode, notice: BatchNotice) -> _NodeBatch:
         if notice.layout is not None:
@@ -1301,9 +1373,7 @@ class DistributedCollector(RemoteCollectorBase):
             return buffer.unpack()
 
         try:
-            # the node is sending already: the transfer is short, and seen to its end even if cancelled
-            with anyio.CancelScope(shield=True):
-                batch = await anyio.to_thread.run_sync(recv)
+            batch = await anyio.to_thread.run_sync(recv)
         except Exception:
             # typically the node died mid-transfer: its connection is about to say so
             with anyio.move_on_after(2.0):
@@ -1316,12 +1386,10 @@ class DistributedCollector(RemoteCollectorBase):
     async def _on_notice(self, node: RemoteNode, msg: Any) -> None:
         if not isinstance(msg, BatchNotice):
             raise TypeError(f"unexpected message from node {node.index}: {msg!r}")
-        if not self._resolve(("batch", node.index, msg.seq), msg):
-            # nobody waits for it any more (the request was cancelled): take the data off the wire
-            assert self._io is not None
-            self._io.start_soon(self._drain, node, msg)
+        # a notice nobody waits for any more (the request was cancelled) is drained (_on_orphan)
+        self._waiters.resolve(("batch", node.index, msg.seq), msg)
 
-    async def _drain(self, node: RemoteNode, notice: BatchNotice) -> None:
+    async def _drain(self, node: RemoteNode, notice: Any) -> None:
         with contextlib.suppress(Exception):
             await self._receive(node, notice)
 

@@ -6,7 +6,7 @@ import json
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -64,8 +64,10 @@ class DashboardControls:
     The app keeps it in ``app.state.dashboard``.
     """
 
-    def __init__(self, collector: Any) -> None:
+    def __init__(self, collector: Any, policy: Any = None) -> None:
         self.collector = collector
+        #: the hosts the app answers to and its token (a ``_guard.HostPolicy``; ``serve`` adds its host)
+        self.policy = policy
         self._task_group: anyio.abc.TaskGroup | None = None
         self._lock: anyio.Lock | None = None
         self._release: anyio.Event | None = None
@@ -189,6 +191,8 @@ def create_app(
     title: str = "aiocollect",
     interval: float = 0.5,
     max_buffer: int = 1024,
+    allowed_hosts: Sequence[str] | None = None,
+    token: str | None = None,
 ) -> Starlette:
     """A Starlette app that shows ``collector`` live and controls it.
 
@@ -206,6 +210,10 @@ def create_app(
       the app's lifespan, released on resume or at shutdown); both answer ``{"held", "paused"}``.
     * ``POST /update-weights``: ``await collector.update_weights()``; answers ``{"version": N}``.
 
+    Other web pages in your browser cannot use it: every request must name an allowed host (DNS
+    rebinding), and the ``POST`` routes need the app's token in an ``X-Aiocollect-Token`` header (the page
+    carries it and sends it; ``app.state.token`` for your own scripts) and no foreign ``Origin``.
+
     Everything runs on the collector's event loop and only awaits: the app never blocks collection.
     A reader that falls behind loses its oldest events (``max_buffer`` per stream), never slows the
     collector.
@@ -215,6 +223,10 @@ def create_app(
         title: the page's title.
         interval: seconds between two statistics messages of a stream.
         max_buffer: events buffered per stream before the oldest are dropped.
+        allowed_hosts: host names the dashboard is reached by besides ``127.0.0.1``, ``localhost``,
+            ``::1`` and the host :func:`serve` binds (e.g. ``["trainer.lab.example"]`` when served on
+            ``0.0.0.0``); ``["*"]`` turns the check off. Any other ``Host`` is refused (400).
+        token: the token of the ``POST`` routes (default: a random one per app).
 
     Example:
         >>> from aiocollect.dashboard import create_app, serve
@@ -228,12 +240,18 @@ def create_app(
         raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
     if isinstance(max_buffer, bool) or not isinstance(max_buffer, int) or max_buffer < 1:
         raise ValueError(f"max_buffer must be a positive int, got {max_buffer!r}")
+    if allowed_hosts is not None and (
+        isinstance(allowed_hosts, str) or not all(isinstance(h, str) and h for h in allowed_hosts)
+    ):
+        raise TypeError(f"allowed_hosts must be a list of host names, got {allowed_hosts!r}")
+    if token is not None and (not isinstance(token, str) or len(token) < 16):
+        raise ValueError("token must be a string of at least 16 characters (default: a random one)")
     try:
+        from ._guard import HostPolicy
         from ._routes import build_app
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(
             f"aiocollect.dashboard needs starlette ({exc}): pip install 'aiocollect[dashboard]'"
         ) from exc
-    return build_app(
-        DashboardControls(collector), title=title, interval=float(interval), max_buffer=max_buffer
-    )
+    controls = DashboardControls(collector, HostPolicy(allowed_hosts, token))
+    return build_app(controls, title=title, interval=float(interval), max_buffer=max_buffer)

@@ -11,6 +11,7 @@ from typing import Any
 
 import anyio
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -18,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from .._errors import CollectorClosedError
 from ._app import DashboardControls, LifespanNotRunning, sse, to_json
+from ._guard import Guard
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -102,7 +104,12 @@ PAGE = resources.files(__package__).joinpath("index.html")
 
 def build_app(controls: DashboardControls, *, title: str, interval: float, max_buffer: int) -> Starlette:
     collector = controls.collector
-    page = PAGE.read_text(encoding="utf-8").replace("{{TITLE}}", html.escape(title))
+    policy = controls.policy
+    page = (
+        PAGE.read_text(encoding="utf-8")
+        .replace("{{TITLE}}", html.escape(title))
+        .replace("{{TOKEN}}", html.escape(policy.token))
+    )
 
     async def index(request: Request) -> Response:
         return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
@@ -155,6 +162,8 @@ def build_app(controls: DashboardControls, *, title: str, interval: float, max_b
             Route("/update-weights", update_weights, methods=["POST"]),
         ],
         lifespan=lifespan,
+        middleware=[Middleware(Guard, policy=policy)],
     )
     app.state.dashboard = controls
+    app.state.token = policy.token
     return app

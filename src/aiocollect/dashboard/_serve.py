@@ -86,6 +86,9 @@ async def serve(
         )
     )
     controls = _find_controls(app)
+    for c in controls:  # the dashboard answers to the host it is served on
+        if c.policy is not None:
+            c.policy.allow(host)
     finished = anyio.Event()
     failure: list[str] = []
 

@@ -1,0 +1,282 @@
+"""Faults of the remote collectors (torch.distributed, RPC): a consumer cancelled mid-batch, dead nodes.
+
+Run with ``pytest -m distributed`` (``nox -s distributed``); the default run leaves them out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import anyio
+import cloudpickle
+import psutil
+import pytest
+import torch
+
+from aiocollect import (
+    DistributedCollector,
+    DistributedSyncCollector,
+    GymEnv,
+    MultiSyncCollector,
+    RPCCollector,
+    WorkerDiedError,
+    WorkerTimeoutError,
+)
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
+
+pytestmark = [pytest.mark.distributed, pytest.mark.anyio, pytest.mark.timeout(180)]
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request) -> str:
+    return request.param
+
+
+class _Slow:
+    """Pendulum that takes 5 ms a step: a batch of 32 takes 0.16 s, long enough to be cancelled in."""
+
+    def __init__(self) -> None:
+        self.env = GymEnv("Pendulum-v1")
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+    def step(self, td):
+        time.sleep(0.005)
+        return self.env.step(td)
+
+
+def slow():
+    return _Slow()
+
+
+def _tree(pids) -> set[int]:
+    out = set()
+    for pid in pids:
+        try:
+            out |= {pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))}
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def _alive(pids) -> list[int]:
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=5)
+    out = []
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{p.pid} (parent {p.ppid()}): {' '.join(p.cmdline())[:120]}")
+    return out
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+async def test_consumer_cancelled_mid_batch_then_used_again_and_closed(sync):
+    """A consumer cancelled while the nodes collect leaves the collector usable: the late batches are
+    taken off the wire (or the nodes would block in their sends), the next batch comes, and leaving
+    ``async with`` is prompt."""
+    cls = DistributedSyncCollector if sync else DistributedCollector
+    with anyio.fail_after(90):
+        async with cls([slow, slow], frames_per_batch=64, total_frames=-1) as c:
+            pids = _tree(c.node_pids())
+            for _ in range(3):
+                with anyio.move_on_after(0.05) as scope:
+                    await c.__anext__()
+                assert scope.cancelled_caught
+            with anyio.fail_after(30):  # before the fix: no batch ever came (120 s gloo timeout)
+                batch = await c.__anext__()
+                assert batch.numel() == 64
+                batch = await c.__anext__()
+            start = time.monotonic()
+        closed_in = time.monotonic() - start
+    assert closed_in < 10, f"leaving `async with` took {closed_in:.1f} s"
+    assert _alive(pids) == []
+
+
+def pendulum():
+    return GymEnv("Pendulum-v1")
+
+
+async def _until_error(c) -> tuple[BaseException, float]:
+    """Iterate until the collector raises; the error and when (``time.monotonic()``) it came."""
+    with pytest.raises(Exception) as info:  # the type is checked by the caller
+        async for _ in c:
+            pass
+    return info.value, time.monotonic()
+
+
+ENGINES = {
+    "distributed": (DistributedCollector, "torch.distributed"),
+    "rpc": (RPCCollector, "torch.distributed.rpc"),
+}
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+@pytest.mark.parametrize("engine", list(ENGINES))
+async def test_a_killed_node_is_worker_died_error_whatever_the_engine(engine, how):
+    cls, name = ENGINES[engine]
+    with anyio.fail_after(90):
+        async with cls([pendulum, slow], frames_per_batch=32, total_frames=-1) as c:
+            pids = _tree(c.node_pids())
+            await c.__anext__()
+            os.kill(c.node_pids()[1], how)
+            killed = time.monotonic()
+            error, seen = await _until_error(c)
+    assert isinstance(error, WorkerDiedError), repr(error)
+    assert (error.index, error.rank, error.engine, error.signal) == (1, 2, name, int(how))
+    assert "node 1" in str(error)
+    assert seen - killed < 5, f"the fault took {seen - killed:.1f} s to surface"
+    assert _alive(pids) == []
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+async def test_a_killed_worker_inside_a_node_keeps_its_type_and_exit_code(engine):
+    cls, _ = ENGINES[engine]
+    with anyio.fail_after(90):
+        async with cls(
+            [pendulum, slow],
+            frames_per_batch=32,
+            total_frames=-1,
+            collector_class=MultiSyncCollector,
+            num_workers_per_collector=2,
+        ) as c:
+            pids = _tree(c.node_pids())
+            await c.__anext__()
+            node = psutil.Process(c.node_pids()[1])
+            workers = [w for child in node.children() for w in child.children()]
+            assert workers, "the node's worker processes (children of its forkserver)"
+            workers[0].send_signal(signal.SIGKILL)
+            error, _ = await _until_error(c)
+    assert isinstance(error, WorkerDiedError), repr(error)
+    assert error.exitcode == -9 and error.signal == 9
+    assert "raised in node 1" in "".join(getattr(error, "__notes__", []))
+    assert _alive(pids) == []
+
+
+class ConstantPolicy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.value = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, observation):
+        return self.value.expand(*observation.shape[:-1], 1).clone()
+
+
+def _listening(pid: int) -> list[tuple[str, int]]:
+    return [
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process(pid).net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+async def test_nothing_of_the_trainer_listens_on_a_wildcard_address(engine):
+    """Local nodes reach the trainer on 127.0.0.1: its control port, data and weights stores and its gloo
+    pairs listen there, not on every interface (torch's TCPStore would)."""
+    cls, _ = ENGINES[engine]
+    with anyio.fail_after(90):
+        async with cls([pendulum, pendulum], ConstantPolicy(), frames_per_batch=32, total_frames=-1) as c:
+            await c.__anext__()
+            await c.update_weights()
+            listening = _listening(os.getpid())
+    assert len(listening) >= 2  # the control port and the data store at least
+    wild = [(ip, port) for ip, port in listening if ip in ("0.0.0.0", "::", "")]
+    assert wild == [], f"listening on a wildcard address: {wild} (all: {listening})"
+
+
+class _Hanging:
+    """Pendulum that hangs (60 s) at its 40th step, in the node."""
+
+    def __init__(self) -> None:
+        self.env = GymEnv("Pendulum-v1")
+        self.steps = 0
+
+    def __getattr__(self, name):
+        return getattr(self.env, name)
+
+    def step(self, td):
+        self.steps += 1
+        if self.steps == 40:
+            time.sleep(60)
+        return self.env.step(td)
+
+
+def hanging():
+    return _Hanging()
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+async def test_a_hung_node_is_a_timeout_naming_it_and_leaving_is_prompt(engine):
+    cls, _ = ENGINES[engine]
+    with anyio.fail_after(90):
+        with pytest.raises(WorkerTimeoutError, match=r"node 1 .*progress_timeout=3 s") as info:
+            async with cls(
+                [pendulum, hanging], frames_per_batch=16, total_frames=-1, progress_timeout=3
+            ) as c:
+                pids = _tree(c.node_pids())
+                try:
+                    async for _ in c:
+                        pass
+                finally:
+                    leaving = time.monotonic()
+        left_in = time.monotonic() - leaving
+    assert "a hung env or policy" in str(info.value)
+    assert left_in < 8, f"leaving `async with` took {left_in:.1f} s"
+    assert _alive(pids) == []
+
+
+_FAILED_START = """
+import time, anyio, torch
+from aiocollect import {cls}, GymEnv
+
+def pendulum():
+    return GymEnv("Pendulum-v1")
+
+def broken():
+    raise KeyError("no such env")
+
+async def main():
+    try:
+        async with {cls}([pendulum, broken], torch.nn.Linear(3, 1), frames_per_batch=16) as c:
+            raise SystemExit("started")
+    except KeyError as exc:
+        print("raised", type(exc).__name__, flush=True)
+
+if __name__ == "__main__":
+    anyio.run(main)
+    print("main returned", time.monotonic(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_the_trainer_exits_at_once_after_a_failed_start(engine, tmp_path, anyio_backend):
+    """A node fails while the others join the data and weight groups: the error is raised, and the
+    process exits at once, not after torch's rendezvous timeout (an abandoned rendezvous thread held it)."""
+    if anyio_backend != "asyncio":
+        pytest.skip("one backend is enough: the script runs its own event loop")
+    script = tmp_path / "failed_start.py"
+    script.write_text(_FAILED_START.format(cls=ENGINES[engine][0].__name__))
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=150, env=dict(os.environ)
+    )
+    ended = time.monotonic()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "raised KeyError" in proc.stdout
+    returned = float(proc.stdout.split("main returned")[1].split()[0])
+    assert ended - returned < 10, f"the process exited {ended - returned:.1f} s after main returned"
