@@ -20,6 +20,8 @@ CASES = {
     "replay_buffer": ["replay_buffer.py", "--total-frames", "2400", "--frames-per-batch", "400"]
     + ["--learning-starts", "400", "--checkpoint-every", "2"],
     # the serial backend runs the same worker code in threads; test_multi.py covers processes
+    # gymnasium's default (next-step) async vector env, with RecordEpisodeStatistics read from info
+    "vector_envs": ["vector_envs.py", "--total-frames", "2000", "--vectorization", "async"],
     "multi_sync_ppo_style": ["multi_sync_ppo_style.py", "--total-frames", "2048"]
     + ["--frames-per-batch", "1024", "--envs-per-worker", "4", "--backend", "serial"],
 }

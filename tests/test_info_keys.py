@@ -156,3 +156,32 @@ def test_vector_record_episode_statistics_with_next_step_is_refused():
     inner = SyncVectorEnv([InfoEnv, InfoEnv])  # next-step: reset in part, which the wrapper mishandles
     with pytest.raises(ValueError, match="wrap each sub-env"):
         GymEnv(gym.wrappers.vector.RecordEpisodeStatistics(inner))
+
+
+class ObservationOnly(torch.nn.Module):
+    """A plain module policy: called on the observation alone, whatever info entries the batch holds."""
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(observation.shape[:-1], dtype=torch.int64)
+
+
+@pytest.mark.parametrize("kind", list(ENVS))
+def test_a_plain_module_policy_gets_the_observations_not_the_info_entries(kind):
+    batch = collect(ENVS[kind], ObservationOnly(), frames_per_batch=12)
+    assert (batch["action"] == 0).all()
+    assert ("next", "action_mask") in batch.keys(include_nested=True)
+
+
+def test_a_multi_process_worker_calls_a_plain_module_on_the_observations():
+    from aiocollect import MultiSyncCollector
+
+    async def main() -> TensorDict:
+        with anyio.fail_after(60):
+            async with MultiSyncCollector(
+                [ENVS["next_step"]], ObservationOnly(), frames_per_batch=12, total_frames=12, backend="serial"
+            ) as collector:
+                (batch,) = [b async for b in collector]
+                return batch
+
+    batch = anyio.run(main)
+    assert (batch["action"] == 0).all()

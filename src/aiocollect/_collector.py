@@ -229,6 +229,7 @@ class Collector(CollectorBase):
             runner_kwargs: dict[str, Any] = {
                 "batch_shape": array_env.batch_shape,
                 "obs_keys": obs_keys,
+                "module_keys": array_env.module_obs_keys,
                 "device": self._devices.policy,
             }
             self._rollout = Rollout(

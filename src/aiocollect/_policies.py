@@ -192,8 +192,12 @@ def make_runner(
     batch_shape: tuple[int, ...],
     obs_keys: list[NestedKey],
     device: torch.device | None,
+    module_keys: list[NestedKey] | None = None,
 ) -> Runner:
-    """The per-step callable for ``policy`` (see the module docstring)."""
+    """The per-step callable for ``policy`` (see the module docstring).
+
+    ``module_keys``: the entries a plain ``nn.Module`` is called on (default ``obs_keys``); the env's
+    info entries are observations for the batch but not arguments of a plain module."""
     if isinstance(policy, RandomPolicy):
         return _RandomRunner(policy, batch_shape)
     # a torch.compile'd TensorDictModule is an nn.Module wrapper: it still takes a TensorDict
@@ -204,7 +208,7 @@ def make_runner(
         # the key graph compiled into a function of tensors, checked against ``slow`` on the first call
         return lazy_fast_runner(policy, slow, obs_keys=obs_keys, batch_shape=batch_shape, device=device)
     if isinstance(policy, torch.nn.Module):
-        return _ModuleRunner(policy, obs_keys, device)
+        return _ModuleRunner(policy, obs_keys if module_keys is None else module_keys, device)
     if callable(policy):
         return _TensorDictRunner(policy, batch_shape, obs_keys, device)
     raise TypeError(

@@ -65,6 +65,9 @@ class ArrayEnv:
             self._gym = env if fast else None
         #: ``step`` takes numpy actions as well as tensors (a GymEnv's array path)
         self.numpy_actions = isinstance(self._gym, GymEnv)
+        #: the observation entries a plain ``nn.Module`` policy is called on: not the info entries
+        info = env.info_specs if isinstance(env, GymEnv) else {}
+        self.module_obs_keys: list[NestedKey] = [k for k in self.obs_specs if k not in info]
         #: the spec of the first action entry (the only one but for Dict/Tuple action spaces)
         self.action_spec: LeafSpec = next(iter(self.action_specs.values()))
         self._action_keys = list(self.action_specs)

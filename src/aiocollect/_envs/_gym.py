@@ -231,6 +231,11 @@ class GymEnv:
             )
         return mode == AutoresetMode.SAME_STEP
 
+    @property
+    def info_specs(self) -> dict[NestedKey, LeafSpec]:
+        """The batch entries read from ``info`` (``info_keys``), a part of ``obs_specs``."""
+        return dict(self._info.specs) if self._info is not None else {}
+
     def _info_reader(self, info_keys: InfoKeys) -> InfoReader:
         needs_sample = not isinstance(info_keys, Mapping) or any(v is None for v in info_keys.values())
         sample = None

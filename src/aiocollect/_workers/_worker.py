@@ -133,7 +133,11 @@ class Worker:
             if device is not None and isinstance(policy, torch.nn.Module):
                 policy = policy.to(device)
             self.policy = compile_policy(policy, spec.compile_policy)
-            kw: dict[str, Any] = {"batch_shape": array_env.batch_shape, "obs_keys": list(array_env.obs_specs)}
+            kw: dict[str, Any] = {
+                "batch_shape": array_env.batch_shape,
+                "obs_keys": list(array_env.obs_specs),
+                "module_keys": array_env.module_obs_keys,
+            }
             self.rollout = Rollout(
                 array_env,
                 make_runner(self.policy, device=device, **kw),
