@@ -416,12 +416,14 @@ class GymEnv:
         }
 
     def _array(self, value: Any, dtype: np.dtype[Any]) -> np.ndarray:
-        """``value`` as an array of ``dtype`` that the env will not write to again (see ``_copy_obs``)
-        and that ``torch.from_numpy`` takes as it is (writable, no negative strides)."""
+        """``value`` as an array of ``dtype`` that ``torch.from_numpy`` takes as it is (writable, no
+        negative strides), valid until the next step or reset (see ``_copy_obs``)."""
         if isinstance(value, np.ndarray) and value.dtype == dtype:
-            if self._copy_obs or not value.flags.writeable or any(st < 0 for st in value.strides):
-                return value.copy()
-            return value
+            flags = value.flags
+            # a C-contiguous array has no negative strides: one flag read instead of a loop over strides
+            if (flags.c_contiguous or min(value.strides, default=0) >= 0) and flags.writeable:
+                return value
+            return value.copy()
         return np.array(value, dtype=dtype)  # a new array: python scalars, other dtypes (float64 ...)
 
     def _to_env_action(self, action: Any) -> Any:
