@@ -185,7 +185,7 @@ class Rollout:
             try:
                 view = tensor.numpy()
             except TypeError:  # dtypes numpy lacks (bfloat16): written through torch
-                view = tensor  # type: ignore[assignment]
+                view = tensor
             if key in _FLAGS or (isinstance(key, tuple) and key[-1] in (*_FLAGS, "reward")):
                 view = view[..., 0]
             views[key] = view

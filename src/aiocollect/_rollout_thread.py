@@ -86,7 +86,7 @@ class Job(Generic[T]):
         if self._error is not None:
             error, self._error = self._error, None  # raised once: no reference cycle through the traceback
             raise error
-        return self._result  # type: ignore[no-any-return]
+        return self._result
 
     async def wait(self, *, timeout: float | None = None) -> T:  # noqa: ASYNC109 (it stops the job)
         """Wait for the job and return its result (or raise its exception).
