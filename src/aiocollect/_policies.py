@@ -66,6 +66,9 @@ class RandomPolicy:
         if seed is not None:
             self.set_seed(seed)
 
+    #: ``sample(batch_shape)`` takes any batch shape (a subclass may draw one env batch at a time)
+    samples_any_shape = True
+
     def set_seed(self, seed: int) -> None:
         """Draw from an own generator seeded with ``seed`` from now on."""
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -111,6 +114,9 @@ class _RandomRunner:
 
     def sample_steps(self, steps: int) -> dict[NestedKey, torch.Tensor]:
         """The outputs of ``steps`` calls at once, steps first (one draw per batch instead of per step)."""
+        if not self.policy.samples_any_shape:  # one env batch per draw (a torchrl env's rand_action)
+            draws = [self({}) for _ in range(steps)]
+            return {key: torch.stack([d[key] for d in draws]) for key in draws[0]}
         return _RandomRunner(self.policy, (steps, *self.batch_shape))({})
 
 

@@ -224,6 +224,8 @@ class TorchRLRandomPolicy(RandomPolicy):
     global generator, which a collector with a ``seed`` swaps for its own state around every batch.
     """
 
+    samples_any_shape = False  # the env's rand_action gives one env batch
+
     def __init__(self, arrays: TorchRLArrays) -> None:  # no gymnasium space to check
         self.arrays = arrays
         self.action_space = arrays.action_torch_spec
