@@ -496,3 +496,23 @@ async def test_distant_paths_are_checked_before_any_call(call, error, match) -> 
         with anyio.fail_after(30), pytest.raises(error, match=match):
             await call(c)
         assert (await c.__anext__()).batch_size == (2, 4)  # nothing was sent: the workers are fine
+
+
+def test_segments_of_a_killed_trainer_are_swept_by_the_next_collector(tmp_path):
+    """A SIGKILLed process group never unlinks its /dev/shm segments: the next process's first segment
+    sweeps those of dead pids (and leaves live processes' and other names alone)."""
+    import subprocess
+
+    from aiocollect._workers import _shm
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer exists
+    orphan = tmp_path / f"aiocollect_{dead.pid}_abc123"
+    alive = tmp_path / f"aiocollect_{os.getpid()}_def456"
+    other = tmp_path / "someone_else_1"
+    for path in (orphan, alive, other):
+        path.write_bytes(b"x")
+    assert _shm.sweep_orphans(str(tmp_path)) == [orphan.name]
+    assert not orphan.exists()
+    assert alive.exists()
+    assert other.exists()

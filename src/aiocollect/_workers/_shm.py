@@ -1,7 +1,9 @@
 """Shared-memory blocks holding TensorDicts: one named ``/dev/shm`` segment per block.
 
-The parent creates and unlinks every segment (``aiocollect_`` prefix, so leaks are easy to spot); workers
-map them by name. A layout is a list of ``(key, shape, dtype)``; the block's tensors are views on it.
+The parent creates and unlinks every segment (``aiocollect_<pid>_`` prefix, so leaks are easy to spot);
+workers map them by name. A layout is a list of ``(key, shape, dtype)``; the block's tensors are views on
+it. A process killed with SIGKILL (an OOM or cgroup kill of the whole group) never unlinks its segments:
+the first segment a process creates sweeps those whose creator's pid is no longer alive.
 """
 
 from __future__ import annotations
@@ -20,6 +22,45 @@ PREFIX = "aiocollect_"
 _ALIGN = 64
 
 Layout = list[tuple[Any, tuple[int, ...], torch.dtype]]
+
+_SHM_DIR = "/dev/shm"
+_swept = False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def sweep_orphans(directory: str = _SHM_DIR) -> list[str]:
+    """Unlink the ``aiocollect_<pid>_*`` segments of processes that no longer exist (this pid namespace;
+    our own files only) and return their names. Run once per process, before its first segment."""
+    try:
+        names = os.listdir(directory)
+    except OSError:  # no /dev/shm (not Linux)
+        return []
+    removed = []
+    me, uid = os.getpid(), os.getuid()
+    for name in names:
+        if not name.startswith(PREFIX):
+            continue
+        pid_text = name[len(PREFIX) :].split("_", 1)[0]
+        if not pid_text.isdigit() or int(pid_text) == me or _pid_alive(int(pid_text)):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.stat(path).st_uid != uid:
+                continue
+            os.unlink(path)
+        except OSError:  # gone meanwhile, or not ours to remove
+            continue
+        removed.append(name)
+    return removed
 
 
 def layout_of(td: TensorDictBase) -> Layout:
@@ -60,6 +101,10 @@ class SharedBlock:
         self._shm: shared_memory.SharedMemory | None = None
         self._mmap: mmap.mmap | None = None
         if name is None:  # create (parent)
+            global _swept
+            if not _swept:
+                _swept = True
+                sweep_orphans()
             self._shm = shared_memory.SharedMemory(
                 name=f"{PREFIX}{os.getpid()}_{secrets.token_hex(6)}", create=True, size=self.nbytes
             )
