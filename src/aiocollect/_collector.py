@@ -450,10 +450,7 @@ class Collector(CollectorBase):
                             self._count_free_results()
                     finally:
                         if not job.done.is_set():  # cancelled: stop after this step, count what is in
-                            job.stop.set()
-                            with anyio.CancelScope(shield=True):
-                                while not job.done.is_set():
-                                    await job.bell.wait()
+                            await job.stop_and_wait()
                         self._count_free_results()
                     job.result()
             except Exception as exc:  # raised by __aexit__, with its own type and traceback

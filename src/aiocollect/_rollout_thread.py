@@ -88,6 +88,13 @@ class Job(Generic[T]):
             raise error
         return self._result
 
+    async def stop_and_wait(self) -> None:
+        """Ask the job to stop at its next step and wait until it has, shielded from cancellation."""
+        self.stop.set()
+        with anyio.CancelScope(shield=True):
+            while not self.done.is_set():
+                await self.bell.wait()
+
     async def wait(self, *, timeout: float | None = None) -> T:  # noqa: ASYNC109 (it stops the job)
         """Wait for the job and return its result (or raise its exception).
 
@@ -101,10 +108,7 @@ class Job(Generic[T]):
                 while not self.done.is_set():
                     await self.bell.wait()
         except BaseException:
-            self.stop.set()
-            with anyio.CancelScope(shield=True):
-                while not self.done.is_set():
-                    await self.bell.wait()
+            await self.stop_and_wait()
             raise
         if scope.cancelled_caught:
             self.stop.set()

@@ -44,6 +44,7 @@ from .._events import (
 from .._fleet import FleetCollector
 from .._gather import gather
 from .._multi import ProcessCollector, _MultiCollectorBase
+from .._pids import pid_alive
 from .._validation import flag, positive_int, replay_buffer_arg, seed_arg, total_frames_arg
 from .._weightsync import flat_weights
 
@@ -348,22 +349,6 @@ def _descendants(pid: int) -> list[int]:
         found.extend(children)
         frontier.extend(children)
     return found
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie does not count: it has ended, its parent has not reaped it)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except OSError:
-        return True  # no /proc: os.kill said it exists
-    return state not in (b"Z", b"X")
 
 
 _ACTOR_CLASS: Any = None
@@ -788,7 +773,7 @@ class RayCollector(FleetCollector):
         ]
         deadline = time.monotonic() + _CLOSE_GRACE
         while pids and time.monotonic() < deadline:
-            pids = [pid for pid in pids if _pid_alive(pid)]
+            pids = [pid for pid in pids if pid_alive(pid)]
             if pids:
                 time.sleep(0.01)
 

@@ -188,7 +188,6 @@ class GymEnv:
         # in place, and nothing is copied here (a 100 KB Atari frame cost a copy per step). Only where a
         # reset would overwrite a final observation still to be read is it copied first. The public
         # TensorDict step()/reset() copy (see _obs_td).
-        self._copy_obs = False
         # gymnasium's vector envs hand out fresh arrays at every step (unless made with copy=False)
         self._fresh_obs = self._vector and bool(getattr(self._env.unwrapped, "copy", False))
         self._autoreset_pending: np.ndarray | None = None
@@ -417,7 +416,7 @@ class GymEnv:
 
     def _array(self, value: Any, dtype: np.dtype[Any]) -> np.ndarray:
         """``value`` as an array of ``dtype`` that ``torch.from_numpy`` takes as it is (writable, no
-        negative strides), valid until the next step or reset (see ``_copy_obs``)."""
+        negative strides), valid until the next step or reset (the rollout copies it at once)."""
         if isinstance(value, np.ndarray) and value.dtype == dtype:
             flags = value.flags
             # a C-contiguous array has no negative strides: one flag read instead of a loop over strides
@@ -485,8 +484,7 @@ class GymEnv:
             truncated = bool(truncated)
             nxt = self._observation(obs, info)
             if terminated or truncated:
-                if not self._copy_obs:  # the reset may write into the env's observation buffer
-                    nxt = {k: v.copy() for k, v in nxt.items()}
+                nxt = {k: v.copy() for k, v in nxt.items()}  # the reset may write into the env's buffer
                 new_obs, reset_info = self._env.reset()
                 root = self._observation(new_obs, reset_info)
                 self._autoreset_pending = np.asarray(True)

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from .._pids import pid_alive
+
 PREFIX = "aiocollect_"
 _ALIGN = 64
 
@@ -25,16 +27,6 @@ Layout = list[tuple[Any, tuple[int, ...], torch.dtype]]
 
 _SHM_DIR = "/dev/shm"
 _swept = False
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
 
 
 def sweep_orphans(directory: str = _SHM_DIR) -> list[str]:
@@ -50,7 +42,7 @@ def sweep_orphans(directory: str = _SHM_DIR) -> list[str]:
         if not name.startswith(PREFIX):
             continue
         pid_text = name[len(PREFIX) :].split("_", 1)[0]
-        if not pid_text.isdigit() or int(pid_text) == me or _pid_alive(int(pid_text)):
+        if not pid_text.isdigit() or int(pid_text) == me or pid_alive(int(pid_text)):
             continue
         path = os.path.join(directory, name)
         try:
