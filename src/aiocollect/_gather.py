@@ -7,6 +7,8 @@ from typing import Any
 
 import anyio
 
+__all__ = ["gather"]
+
 
 async def gather(*fns: Callable[[], Awaitable[Any]]) -> list[Any]:
     """Run ``fns`` concurrently and return their results in order.

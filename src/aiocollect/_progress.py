@@ -6,6 +6,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+__all__ = ["Progress"]
+
 
 class _LineBar:
     """A one-line bar on a stream, redrawn at most 10 times a second (no dependency)."""

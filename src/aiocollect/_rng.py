@@ -11,6 +11,8 @@ from typing import TypeVar
 
 import torch
 
+__all__ = ["RolloutRNG"]
+
 T = TypeVar("T")
 
 

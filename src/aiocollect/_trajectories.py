@@ -7,6 +7,8 @@ from tensordict import TensorDictBase
 
 from ._envs._spaces import NestedKey
 
+__all__ = ["split_trajectories"]
+
 
 def split_trajectories(
     td: TensorDictBase,
