@@ -77,7 +77,8 @@ async def main(args: Args) -> None:
     torch.manual_seed(args.seed)  # the policy's initial weights
     probe = GymEnv(args.env_id)
     obs_shape, action_space = probe.observation_space.shape, probe.action_space
-    assert obs_shape and isinstance(action_space, gym.spaces.Discrete)  # a Box obs, Discrete actions
+    assert obs_shape, "a Box observation space"
+    assert isinstance(action_space, gym.spaces.Discrete), "a Discrete action space"
     policy = CategoricalMLP(obs_shape[0], int(action_space.n))
     probe.close()
 

@@ -4,8 +4,9 @@
     python examples/replay_buffer.py --total-frames 200000 --uvloop
 
 With ``Collector(..., replay_buffer=rb)`` every batch goes to ``rb.extend(batch)``, and
-``async for frames in collector.fill():`` yields the frames of each batch written. ``await collector.start()`` keeps collecting in the background (a task in the
-collector's task group) until the frame budget or the end of the ``async with`` block;
+``async for frames in collector.fill():`` yields the frames of each batch written.
+``await collector.start()`` keeps collecting in the background (a task in the collector's task group)
+until the frame budget or the end of the ``async with`` block;
 ``async with collector.pause():`` holds off new batches, e.g. to checkpoint the buffer and the
 collector consistently.
 
@@ -131,7 +132,8 @@ async def main(args: Args) -> None:
     torch.manual_seed(args.seed)
     probe = GymEnv(args.env_id)
     obs_shape, action_space = probe.observation_space.shape, probe.action_space
-    assert obs_shape and isinstance(action_space, gym.spaces.Discrete)  # a Box obs, Discrete actions
+    assert obs_shape, "a Box observation space"
+    assert isinstance(action_space, gym.spaces.Discrete), "a Discrete action space"
     policy = CategoricalMLP(obs_shape[0], int(action_space.n))
     probe.close()
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-3)

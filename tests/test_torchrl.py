@@ -391,8 +391,8 @@ async def test_replay_buffer_slice_sampler_never_crosses_trajectories() -> None:
 async def test_collector_extends_a_torchrl_replay_buffer() -> None:
     rb = ReplayBuffer(storage=LazyTensorStorage(256), batch_size=16)
     async with Collector(pendulum, frames_per_batch=64, total_frames=128, replay_buffer=rb) as c:
-        out = [b async for b in c]
-    assert out == [None, None]
+        out = [frames async for frames in c.fill()]
+    assert out == [64, 64]
     assert len(rb) == 128
     assert rb.sample()["next", "observation"].shape == (16, 3)
 

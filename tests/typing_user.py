@@ -5,6 +5,8 @@ Not collected by pytest (no ``test_`` prefix) and never run: only type-checked.
 
 from __future__ import annotations
 
+from typing import reveal_type
+
 from aiocollect import (
     Collector,
     DistributedCollector,
