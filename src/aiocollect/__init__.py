@@ -6,7 +6,7 @@ while the env and the policy run off the event loop.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import typing
 
 from . import _errors
 from ._collector import Collector
@@ -47,7 +47,7 @@ from ._weightsync import (
 from ._workers._pool import WorkerDiedError
 from ._workers._wire import WorkerError
 
-if TYPE_CHECKING:  # the lazy names below, for type checkers (imported on first use at run time)
+if typing.TYPE_CHECKING:  # the lazy names below, for type checkers (imported on first use at run time)
     from ._distributed._launchers import submitit_delayed_launcher
     from ._distributed._ray import RayCollector
     from ._distributed._rpc import RPCCollector
