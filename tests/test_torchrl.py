@@ -49,7 +49,7 @@ from aiocollect import (
     compat,
 )
 from aiocollect._envs._adapter import ArrayEnv
-from aiocollect._envs._torchrl import TorchRLRandomPolicy
+from aiocollect._policies import TorchRLRandomPolicy, random_policy_for
 
 pytestmark = [pytest.mark.torchrl, pytest.mark.anyio]
 
@@ -144,10 +144,10 @@ def test_specs_map_to_keys_shapes_dtypes(make, batch, obs, action) -> None:
         assert {k: (s.shape, s.dtype) for k, s in arrays.obs_specs.items()} == obs
         assert (arrays.action_spec.shape, arrays.action_spec.dtype) == action
         assert arrays.has_truncated
-        assert isinstance(arrays.random_policy(), TorchRLRandomPolicy)
+        assert isinstance(random_policy_for(arrays), TorchRLRandomPolicy)
         root = arrays.reset()
         assert set(root) == set(obs)
-        step = arrays.step(arrays.random_policy().sample(batch))
+        step = arrays.step(random_policy_for(arrays).sample(batch))
         assert set(step.next_obs) == set(obs)
     finally:
         env.close()
@@ -536,7 +536,7 @@ def test_random_policy_samples_the_env_action_spec() -> None:
     try:
         arrays = ArrayEnv(env)
         arrays.reset()
-        action = arrays.random_policy().sample((2,))
+        action = random_policy_for(arrays).sample((2,))
         assert action.shape == (2, 2) and (action.sum(-1) == 1).all()  # one-hot
         assert np.isfinite(action.numpy()).all()
     finally:
