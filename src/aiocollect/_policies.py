@@ -23,6 +23,17 @@ from ._envs._spaces import NestedKey, action_specs, sample
 from ._envs._torchrl import TorchRLArrays
 from ._fast_policy import lazy_fast_runner
 
+__all__ = [
+    "RandomPolicy",
+    "Runner",
+    "TorchRLRandomPolicy",
+    "compile_policy",
+    "make_runner",
+    "parse_exploration_type",
+    "random_policy_for",
+    "unwrap_compiled",
+]
+
 Runner = Callable[[Mapping[NestedKey, torch.Tensor]], dict[NestedKey, torch.Tensor]]
 
 _EXPLORATION = {t.value: t for t in InteractionType}

@@ -20,6 +20,8 @@ from ._protocol import EnvProtocol
 from ._spaces import LeafSpec, NestedKey, action_specs, observation_specs
 from ._torchrl import TorchRLArrays, is_torchrl_env
 
+__all__ = ["ArrayEnv", "check_env"]
+
 _REQUIRED = ("batch_size", "observation_space", "action_space", "reset", "step", "set_seed", "close")
 
 

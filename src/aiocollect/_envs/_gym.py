@@ -26,6 +26,8 @@ from ._spaces import (
     observation_specs,
 )
 
+__all__ = ["ArrayStep", "GymEnv", "overrides_gym_env"]
+
 
 class ArrayStep(NamedTuple):
     """One step of a batch of envs as numpy arrays (batch dims first, no trailing reward dim).

@@ -33,6 +33,8 @@ from tensordict import TensorDict, TensorDictBase
 from ._gym import ArrayStep
 from ._spaces import RESERVED_KEYS, LeafSpec, NestedKey
 
+__all__ = ["TorchRLArrays", "is_torchrl_env"]
+
 _DONE_KEYS = frozenset({"done", "terminated", "truncated"})
 _SUPPORTED = "Bounded, Unbounded, Categorical, Binary, MultiCategorical, OneHot, MultiOneHot"
 
