@@ -303,9 +303,8 @@ async def test_replay_buffer_receives_frames(kind: str) -> None:
         kind = "sync"
     with anyio.fail_after(60):
         async with multi(kind, [cartpole] * 2, **kwargs) as collector:
-            async for batch in collector:
-                assert batch is None
-    assert rb.frames == 64
+            written = [frames async for frames in collector.fill()]
+    assert sum(written) == rb.frames == 64
     assert all(len(size) == 1 for size in rb.sizes), rb.sizes  # frames, never [workers, T] rows
 
 
