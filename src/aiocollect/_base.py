@@ -28,7 +28,7 @@ from ._events import (
 from ._progress import Progress
 from ._stats import StatsTracker
 
-__all__ = ["CollectorBase", "ReplayBufferFill"]
+__all__ = ["CollectorBase"]
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
@@ -107,7 +107,7 @@ class CollectorBase(abc.ABC):
         """The next batch (``None`` where it went to ``replay_buffer``); ``StopAsyncIteration`` once
         ``total_frames`` are collected."""
 
-    def fill(self) -> ReplayBufferFill:
+    def fill(self) -> AsyncIterator[int]:
         """Collect into ``replay_buffer``: ``async for frames in collector.fill():`` yields the frames of
         each batch written to the buffer (an ``int``, as counted towards ``total_frames``).
 
@@ -127,7 +127,7 @@ class CollectorBase(abc.ABC):
                 f"fill() needs a replay_buffer: {name}(..., replay_buffer=rb); without one, iterate the "
                 "batches: `async for batch in collector:`"
             )
-        return ReplayBufferFill(self)
+        return _Fill(self)
 
     async def _acquire_batch_lock(self) -> None:
         """Wait until no ``pause()`` holds the collector, then take the batch lock."""
@@ -311,7 +311,7 @@ class CollectorBase(abc.ABC):
         return self._paused > 0
 
 
-class ReplayBufferFill:
+class _Fill:
     """The iterator of :meth:`CollectorBase.fill`: one ``int`` per batch written to the replay buffer.
 
     A plain async iterator (not an async generator), so breaking out of the loop leaves nothing to
