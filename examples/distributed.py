@@ -23,6 +23,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import torch
@@ -53,10 +54,13 @@ class Policy(nn.Module):
         self.net = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 2))
 
     def forward(self, observation: torch.Tensor) -> torch.Tensor:
-        return torch.distributions.Categorical(logits=self.net(observation)).sample()
+        action: torch.Tensor = torch.distributions.Categorical(logits=self.net(observation)).sample()
+        return action
 
     def log_prob(self, observation: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
-        return torch.distributions.Categorical(logits=self.net(observation)).log_prob(action)
+        dist = torch.distributions.Categorical(logits=self.net(observation))
+        log_prob: torch.Tensor = dist.log_prob(action)
+        return log_prob
 
 
 def discounted_returns(reward: torch.Tensor, done: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -79,8 +83,8 @@ class MakeEnv:
         return GymEnv("CartPole-v1", num_envs=self.num_envs)
 
 
-def build(args: Args, policy: Policy, workdir: str):
-    common = {
+def build(args: Args, policy: Policy, workdir: str) -> RayCollector | DistributedCollector | RPCCollector:
+    common: dict[str, Any] = {
         "frames_per_batch": args.frames_per_batch,
         "total_frames": args.total_frames,
         "num_collectors": args.nodes,
@@ -91,8 +95,8 @@ def build(args: Args, policy: Policy, workdir: str):
     if args.engine == "ray":
         # a local cluster of this machine's cores; ray_init_config={"address": "auto"} joins a running one
         return RayCollector(MakeEnv(args.envs_per_node), policy, **common)
-    cls = {"torch": DistributedCollector, "rpc": RPCCollector}[args.engine]
-    kwargs = {}
+    cls = DistributedCollector if args.engine == "torch" else RPCCollector
+    kwargs: dict[str, Any] = {}
     if args.launcher == "submitit":  # "cluster": None picks Slurm where sbatch exists, else local jobs
         kwargs["slurm_kwargs"] = {"folder": os.path.join(workdir, "%j"), "cluster": None, "timeout_min": 30}
     return cls(MakeEnv(args.envs_per_node), policy, launcher=args.launcher, **common, **kwargs)

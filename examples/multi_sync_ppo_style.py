@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
@@ -42,10 +43,13 @@ class Policy(nn.Module):
         self.net = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 2))
 
     def forward(self, observation: torch.Tensor) -> torch.Tensor:
-        return torch.distributions.Categorical(logits=self.net(observation)).sample()
+        action: torch.Tensor = torch.distributions.Categorical(logits=self.net(observation)).sample()
+        return action
 
     def log_prob(self, observation: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
-        return torch.distributions.Categorical(logits=self.net(observation)).log_prob(action)
+        dist = torch.distributions.Categorical(logits=self.net(observation))
+        log_prob: torch.Tensor = dist.log_prob(action)
+        return log_prob
 
 
 def discounted_returns(reward: torch.Tensor, done: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -58,7 +62,7 @@ def discounted_returns(reward: torch.Tensor, done: torch.Tensor, gamma: float) -
     return out
 
 
-def make_env(envs_per_worker: int):
+def make_env(envs_per_worker: int) -> Callable[[], GymEnv]:
     return lambda: GymEnv("CartPole-v1", num_envs=envs_per_worker)
 
 

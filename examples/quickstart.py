@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 import anyio
+import gymnasium as gym
 import torch
 from torch import nn
 
@@ -64,7 +65,8 @@ class CategoricalMLP(nn.Module):
         )
 
     def forward(self, observation: torch.Tensor) -> torch.Tensor:
-        return torch.distributions.Categorical(logits=self.net(observation)).sample()
+        action: torch.Tensor = torch.distributions.Categorical(logits=self.net(observation)).sample()
+        return action
 
 
 def fmt(value: float | None) -> str:
@@ -74,7 +76,10 @@ def fmt(value: float | None) -> str:
 async def main(args: Args) -> None:
     torch.manual_seed(args.seed)  # the policy's initial weights
     probe = GymEnv(args.env_id)
-    policy = CategoricalMLP(probe.observation_space.shape[0], int(probe.action_space.n))
+    obs_shape, action_space = probe.observation_space.shape, probe.action_space
+    assert obs_shape, "a Box observation space"
+    assert isinstance(action_space, gym.spaces.Discrete), "a Discrete action space"
+    policy = CategoricalMLP(obs_shape[0], int(action_space.n))
     probe.close()
 
     start = time.perf_counter()

@@ -3,9 +3,10 @@
     python examples/replay_buffer.py
     python examples/replay_buffer.py --total-frames 200000 --uvloop
 
-With ``Collector(..., replay_buffer=rb)`` every batch goes to ``rb.extend(batch)`` and ``async for``
-yields ``None``. ``await collector.start()`` keeps collecting in the background (a task in the
-collector's task group) until the frame budget or the end of the ``async with`` block;
+With ``Collector(..., replay_buffer=rb)`` every batch goes to ``rb.extend(batch)``, and
+``async for frames in collector.fill():`` yields the frames of each batch written.
+``await collector.start()`` keeps collecting in the background (a task in the collector's task group)
+until the frame budget or the end of the ``async with`` block;
 ``async with collector.pause():`` holds off new batches, e.g. to checkpoint the buffer and the
 collector consistently.
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 import anyio
 import anyio.to_thread
+import gymnasium as gym
 import torch
 import torch.nn.functional as F
 from tensordict import TensorDictBase
@@ -113,7 +115,8 @@ class CategoricalMLP(nn.Module):
         )
 
     def forward(self, observation: torch.Tensor) -> torch.Tensor:
-        return torch.distributions.Categorical(logits=self.net(observation)).sample()
+        action: torch.Tensor = torch.distributions.Categorical(logits=self.net(observation)).sample()
+        return action
 
 
 def train_step(policy: CategoricalMLP, optimizer: torch.optim.Optimizer, sample: TensorDictBase) -> float:
@@ -128,7 +131,10 @@ def train_step(policy: CategoricalMLP, optimizer: torch.optim.Optimizer, sample:
 async def main(args: Args) -> None:
     torch.manual_seed(args.seed)
     probe = GymEnv(args.env_id)
-    policy = CategoricalMLP(probe.observation_space.shape[0], int(probe.action_space.n))
+    obs_shape, action_space = probe.observation_space.shape, probe.action_space
+    assert obs_shape, "a Box observation space"
+    assert isinstance(action_space, gym.spaces.Discrete), "a Discrete action space"
+    policy = CategoricalMLP(obs_shape[0], int(action_space.n))
     probe.close()
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-3)
     rb = TinyReplayBuffer(args.buffer_size, seed=args.seed)
@@ -144,8 +150,8 @@ async def main(args: Args) -> None:
         track_policy_version=True,  # every frame carries ("collector", "policy_version")
         seed=args.seed,
     ) as collector:
-        # Warm-up in the foreground: with a replay buffer, `async for` fills rb and yields None.
-        async for _ in collector:
+        # Warm-up in the foreground: fill() writes each batch to rb and yields its frame count.
+        async for _frames in collector.fill():
             if len(rb) >= args.learning_starts:
                 break
 
@@ -164,8 +170,8 @@ async def main(args: Args) -> None:
                 await collector.update_weights(policy)
             if train_steps % args.checkpoint_every == 0:
                 async with collector.pause():  # no batch is written to rb while this block runs
-                    checkpoint = {"collector": await collector.state_dict(), "buffer_len": len(rb)}
-                frames, buffer_len = checkpoint["collector"]["frames"], checkpoint["buffer_len"]
+                    state, buffer_len = await collector.state_dict(), len(rb)  # torch.save(state, path)
+                frames = state["frames"]
                 print(
                     f"train step {train_steps:5d}  loss {loss:.3f}  "
                     f"checkpoint at {frames} frames, {buffer_len} in the buffer"

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import anyio
 import gymnasium as gym
+import numpy as np
 import torch
 from torch import nn
 
@@ -41,7 +42,8 @@ class Policy(nn.Module):
         self.net = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 2))
 
     def forward(self, observation: torch.Tensor) -> torch.Tensor:
-        return torch.distributions.Categorical(logits=self.net(observation)).sample()
+        action: torch.Tensor = torch.distributions.Categorical(logits=self.net(observation)).sample()
+        return action
 
 
 def make_env(args: Args) -> GymEnv:
@@ -60,9 +62,9 @@ def make_env(args: Args) -> GymEnv:
     )
     episode = gym.spaces.Dict(
         {
-            "r": gym.spaces.Box(-float("inf"), float("inf"), (), "float32"),
-            "l": gym.spaces.Box(0, 2**31 - 1, (), "int32"),
-            "t": gym.spaces.Box(0, float("inf"), (), "float32"),
+            "r": gym.spaces.Box(-np.inf, np.inf, shape=(), dtype=np.float32),
+            "l": gym.spaces.Box(0, 2**31 - 1, shape=(), dtype=np.int32),
+            "t": gym.spaces.Box(0, np.inf, shape=(), dtype=np.float32),
         }
     )
     return GymEnv(vec, seed=args.seed, info_keys={"episode": episode})

@@ -83,8 +83,9 @@ async def test_replay_buffer_gets_every_batch(anyio_backend):
     async with Collector(
         cartpole(), frames_per_batch=16, total_frames=48, replay_buffer=rb, seed=0
     ) as collector:
-        yielded = await take(collector)
-    assert yielded == [None, None, None]
+        with anyio.fail_after(30):
+            yielded = [frames async for frames in collector.fill()]
+    assert yielded == [16, 16, 16]  # the frames of each batch written
     assert [b.batch_size for b in rb.batches] == [torch.Size([16])] * 3
     # three different, consecutive batches
     for prev, batch in itertools.pairwise(rb.batches):
@@ -103,8 +104,25 @@ async def test_replay_buffer_gets_postprocessed_batches(anyio_backend):
     async with Collector(
         cartpole(), frames_per_batch=8, total_frames=16, replay_buffer=rb, postproc=postproc
     ) as collector:
-        await take(collector)
+        with anyio.fail_after(30):
+            async for _ in collector.fill():
+                pass
     assert all(b["seen"].all() for b in rb.batches)
+
+
+async def test_plain_iteration_with_a_replay_buffer_warns_and_yields_none(anyio_backend):
+    rb = ListBuffer()
+    async with Collector(cartpole(), frames_per_batch=8, total_frames=16, replay_buffer=rb) as collector:
+        with pytest.warns(DeprecationWarning, match=r"collector\.fill\(\)"), anyio.fail_after(30):
+            yielded = await take(collector)
+    assert yielded == [None, None]
+    assert len(rb.batches) == 2
+
+
+async def test_fill_needs_a_replay_buffer(anyio_backend):
+    async with Collector(cartpole(), frames_per_batch=8, total_frames=16) as collector:
+        with pytest.raises(RuntimeError, match="fill\\(\\) needs a replay_buffer"):
+            collector.fill()
 
 
 async def test_start_collects_in_background_until_aclose(anyio_backend):

@@ -158,6 +158,17 @@ async def test_async_with_and_start_into_a_replay_buffer() -> None:
     assert all(b.batch_size == (32,) for b in rb.batches)  # frames, not [workers, T] rows (as torchrl)
 
 
+async def test_iterating_into_a_replay_buffer_yields_none_without_a_warning() -> None:
+    """TorchRL's behaviour: ``async for`` yields ``None`` per batch (aiocollect's own collectors warn and
+    point at ``fill()``)."""
+    rb = ListBuffer()
+    collector = compat.SyncDataCollector(cartpole, frames_per_batch=8, total_frames=16, replay_buffer=rb)
+    with anyio.fail_after(30):
+        yielded = [data async for data in collector]
+    assert yielded == [None, None]
+    assert len(rb.batches) == 2
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [

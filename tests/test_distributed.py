@@ -367,3 +367,27 @@ def test_submitit_delayed_launcher(tmp_path):
         node_timeout=120,
     )(_delayed_main)
     assert launch() == 64
+
+
+def pendulum_pair():
+    return GymEnv("Pendulum-v1", num_envs=2)
+
+
+async def test_state_dict_loads_with_torch_load_weights_only(tmp_path):
+    """A checkpoint saved as the docs say loads with torch.load's default (weights only)."""
+    with anyio.fail_after(90):
+        async with DistributedCollector(
+            pendulum_pair,
+            ConstantPolicy(0.5),
+            frames_per_batch=16,
+            total_frames=-1,
+            num_collectors=2,
+            collector_kwargs={"max_frames_per_traj": 3},  # episodes end: trajectory ids advance
+        ) as c:
+            async for _ in c:
+                if c.statistics().frames >= 32:
+                    break
+            torch.save(await c.state_dict(), tmp_path / "collector.pt")
+            loaded = torch.load(tmp_path / "collector.pt", weights_only=True)
+            await c.load_state_dict(loaded)
+            assert (await c.__anext__()).numel() == 16

@@ -303,9 +303,8 @@ async def test_replay_buffer_receives_frames(kind: str) -> None:
         kind = "sync"
     with anyio.fail_after(60):
         async with multi(kind, [cartpole] * 2, **kwargs) as collector:
-            async for batch in collector:
-                assert batch is None
-    assert rb.frames == 64
+            written = [frames async for frames in collector.fill()]
+    assert sum(written) == rb.frames == 64
     assert all(len(size) == 1 for size in rb.sizes), rb.sizes  # frames, never [workers, T] rows
 
 
@@ -320,7 +319,7 @@ async def test_replay_buffer_gets_only_the_frames_a_preempted_batch_holds() -> N
         backend="serial",
     ) as collector:
         with anyio.fail_after(60):
-            async for _ in collector:
+            async for _ in collector.fill():
                 pass
     # each batch: the fast worker's 20 frames and the few the slow one had when it was stopped
     assert all(len(size) == 1 and 20 <= size[0] < 40 for size in rb.sizes), rb.sizes
@@ -348,7 +347,7 @@ async def test_batched_envs_extend_the_buffer_with_each_workers_rows() -> None:
     env = lambda: GymEnv("CartPole-v1", num_envs=2)  # noqa: E731
     async with MultiSyncCollector([env] * 2, frames_per_batch=16, total_frames=16, replay_buffer=rb) as c:
         with anyio.fail_after(60):
-            async for _ in c:
+            async for _ in c.fill():
                 pass
     assert rb.sizes == [(4, 4)]  # [workers * envs, T], as two torchrl workers extending [2, 4] each
 

@@ -299,6 +299,31 @@ async def test_start_failure_surfaces_from_async_with(ray_cluster):
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
 
 
+def pendulum_pair():
+    return GymEnv("Pendulum-v1", num_envs=2)
+
+
+@distributed
+async def test_state_dict_loads_with_torch_load_weights_only(ray_cluster, tmp_path):
+    """A checkpoint saved as the docs say loads with torch.load's default (weights only)."""
+    async with RayCollector(
+        pendulum_pair,
+        ConstantPolicy(0.5),
+        frames_per_batch=16,
+        num_collectors=2,
+        remote_config=REMOTE,
+        collector_kwargs={"max_frames_per_traj": 3},  # episodes end: trajectory ids advance
+    ) as c:
+        with anyio.fail_after(90):
+            async for _ in c:
+                if c.statistics().frames >= 32:
+                    break
+            torch.save(await c.state_dict(), tmp_path / "collector.pt")
+            loaded = torch.load(tmp_path / "collector.pt", weights_only=True)
+            await c.load_state_dict(loaded)
+            assert (await c.__anext__()).numel() == 16
+
+
 @distributed
 async def test_seed_state_dict_replay_buffer_and_pause(ray_cluster):
     rb = ListBuffer()

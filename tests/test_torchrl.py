@@ -49,7 +49,7 @@ from aiocollect import (
     compat,
 )
 from aiocollect._envs._adapter import ArrayEnv
-from aiocollect._envs._torchrl import TorchRLRandomPolicy
+from aiocollect._policies import TorchRLRandomPolicy, random_policy_for
 
 pytestmark = [pytest.mark.torchrl, pytest.mark.anyio]
 
@@ -144,10 +144,10 @@ def test_specs_map_to_keys_shapes_dtypes(make, batch, obs, action) -> None:
         assert {k: (s.shape, s.dtype) for k, s in arrays.obs_specs.items()} == obs
         assert (arrays.action_spec.shape, arrays.action_spec.dtype) == action
         assert arrays.has_truncated
-        assert isinstance(arrays.random_policy(), TorchRLRandomPolicy)
+        assert isinstance(random_policy_for(arrays), TorchRLRandomPolicy)
         root = arrays.reset()
         assert set(root) == set(obs)
-        step = arrays.step(arrays.random_policy().sample(batch))
+        step = arrays.step(random_policy_for(arrays).sample(batch))
         assert set(step.next_obs) == set(obs)
     finally:
         env.close()
@@ -391,8 +391,8 @@ async def test_replay_buffer_slice_sampler_never_crosses_trajectories() -> None:
 async def test_collector_extends_a_torchrl_replay_buffer() -> None:
     rb = ReplayBuffer(storage=LazyTensorStorage(256), batch_size=16)
     async with Collector(pendulum, frames_per_batch=64, total_frames=128, replay_buffer=rb) as c:
-        out = [b async for b in c]
-    assert out == [None, None]
+        out = [frames async for frames in c.fill()]
+    assert out == [64, 64]
     assert len(rb) == 128
     assert rb.sample()["next", "observation"].shape == (16, 3)
 
@@ -536,7 +536,7 @@ def test_random_policy_samples_the_env_action_spec() -> None:
     try:
         arrays = ArrayEnv(env)
         arrays.reset()
-        action = arrays.random_policy().sample((2,))
+        action = random_policy_for(arrays).sample((2,))
         assert action.shape == (2, 2) and (action.sum(-1) == 1).all()  # one-hot
         assert np.isfinite(action.numpy()).all()
     finally:

@@ -58,10 +58,13 @@ class Policy(nn.Module):
         self.net = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 2))
 
     def forward(self, observation: torch.Tensor) -> torch.Tensor:
-        return torch.distributions.Categorical(logits=self.net(observation)).sample()
+        action: torch.Tensor = torch.distributions.Categorical(logits=self.net(observation)).sample()
+        return action
 
     def log_prob(self, observation: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
-        return torch.distributions.Categorical(logits=self.net(observation)).log_prob(action)
+        dist = torch.distributions.Categorical(logits=self.net(observation))
+        log_prob: torch.Tensor = dist.log_prob(action)
+        return log_prob
 
 
 def make_env(envs_per_worker: int) -> Callable[[], GymEnv]:
@@ -118,7 +121,7 @@ async def main(
         frames_per_batch=args.frames_per_batch,
         total_frames=args.total_frames,
         seed=args.seed,
-        backend=args.backend,  # type: ignore[arg-type]
+        backend=args.backend,
     ) as collector:
         app = create_app(collector, title=f"CartPole-v1 · {args.num_workers} workers")
         async with serve(app, host=args.host, port=args.port) as server:

@@ -6,6 +6,8 @@ while the env and the policy run off the event loop.
 
 from __future__ import annotations
 
+import typing
+
 from . import _errors
 from ._collector import Collector
 from ._distributed_weights import DistributedWeightSync
@@ -44,6 +46,12 @@ from ._weightsync import (
 )
 from ._workers._pool import WorkerDiedError
 from ._workers._wire import WorkerError
+
+if typing.TYPE_CHECKING:  # the lazy names below, for type checkers (imported on first use at run time)
+    from ._distributed._launchers import submitit_delayed_launcher
+    from ._distributed._ray import RayCollector
+    from ._distributed._rpc import RPCCollector
+    from ._distributed._torchdist import DistributedCollector, DistributedSyncCollector
 
 _errors.adopt_worker_errors(WorkerDiedError, WorkerError)  # the shared fields, kept when pickled
 

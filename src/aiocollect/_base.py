@@ -4,14 +4,16 @@ buffer, the frame budget, statistics bookkeeping and the event stream."""
 from __future__ import annotations
 
 import abc
+import warnings
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from math import ceil
 from types import TracebackType
-from typing import Any
+from typing import Any, Self, cast
 
 import anyio
 import anyio.abc
+from tensordict import TensorDictBase
 
 from ._errors import CollectorClosedError
 from ._events import (
@@ -26,6 +28,8 @@ from ._events import (
 from ._progress import Progress
 from ._stats import StatsTracker
 
+__all__ = ["CollectorBase"]
+
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
     out: list[BaseException] = []
@@ -36,7 +40,12 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
 
 class CollectorBase(abc.ABC):
     """Mixed into ``Collector`` and the multi-worker collectors (which set ``total_frames``,
-    ``frames_per_batch`` and ``replay_buffer``, and implement ``__anext__``)."""
+    ``frames_per_batch`` and ``replay_buffer``, and implement ``__anext__``).
+
+    Typed for users: ``async with Collector(...) as c`` gives the collector's own class, and
+    ``async for batch in c`` gives ``TensorDictBase`` batches; a collector with a ``replay_buffer`` is
+    iterated with ``async for frames in c.fill()`` (ints).
+    """
 
     total_frames: int
     frames_per_batch: int
@@ -56,6 +65,7 @@ class CollectorBase(abc.ABC):
         self._hub = EventHub()
         self._lag = LoopLag()
         self._background_error: Exception | None = None
+        self._last_frames = 0  # frames of the batch delivered last (fill() reads them)
 
     # -- state ------------------------------------------------------------------------------------
     @property
@@ -74,8 +84,50 @@ class CollectorBase(abc.ABC):
             raise TypeError("an endless collector (total_frames=-1) has no len()")
         return ceil(self.total_frames / self.frames_per_batch)
 
-    def __aiter__(self) -> Any:
-        return self
+    def __aiter__(self) -> AsyncIterator[TensorDictBase]:
+        """``async for batch in collector``: the collector is its own iterator of batches.
+
+        With a ``replay_buffer`` the batches go to the buffer and this yields ``None`` for each one
+        (deprecated, it warns once per loop): iterate :meth:`fill` instead.
+        """
+        if self.replay_buffer is not None:
+            name = type(self).__name__
+            warnings.warn(
+                f"`async for` over a {name} with a replay_buffer yields None for each batch (deprecated): "
+                "write `async for frames in collector.fill():`, which yields the frames of each batch "
+                "written to the buffer",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        # __anext__ gives a batch, or None (only) in the replay-buffer mode warned about above
+        return cast("AsyncIterator[TensorDictBase]", self)
+
+    @abc.abstractmethod
+    async def __anext__(self) -> TensorDictBase | None:
+        """The next batch (``None`` where it went to ``replay_buffer``); ``StopAsyncIteration`` once
+        ``total_frames`` are collected."""
+
+    def fill(self) -> AsyncIterator[int]:
+        """Collect into ``replay_buffer``: ``async for frames in collector.fill():`` yields the frames of
+        each batch written to the buffer (an ``int``, as counted towards ``total_frames``).
+
+        The replay-buffer twin of ``async for batch in collector`` (same budget, same ``pause()``);
+        :meth:`start` runs it in the background.
+
+        Example:
+            >>> async def fill(collector):  # doctest: +SKIP
+            ...     async with collector:
+            ...         async for frames in collector.fill():
+            ...             print(f"{frames} frames written, {len(collector.replay_buffer)} in the buffer")
+        """
+        self._check_open()
+        if self.replay_buffer is None:
+            name = type(self).__name__
+            raise RuntimeError(
+                f"fill() needs a replay_buffer: {name}(..., replay_buffer=rb); without one, iterate the "
+                "batches: `async for batch in collector:`"
+            )
+        return _Fill(self)
 
     async def _acquire_batch_lock(self) -> None:
         """Wait until no ``pause()`` holds the collector, then take the batch lock."""
@@ -88,7 +140,7 @@ class CollectorBase(abc.ABC):
             self._lock.release()
 
     # -- async with: the collector's task group ---------------------------------------------------
-    async def __aenter__(self) -> Any:
+    async def __aenter__(self) -> Self:
         self._check_open()
         if self._task_group is not None:
             raise RuntimeError(f"the {type(self).__name__} is entered already (async with collector: ...)")
@@ -179,6 +231,7 @@ class CollectorBase(abc.ABC):
         policy_version: int,
     ) -> None:
         """Count a delivered batch; ``episodes`` are ``(worker_id, return, length)`` of those that ended."""
+        self._last_frames = int(frames)
         self._stats.record(frames, [e[1] for e in episodes], [e[2] for e in episodes])
         stats = self._stats
         self._progress.update(frames, stats.frames, stats.frames_per_second(), stats.mean_return())
@@ -212,7 +265,7 @@ class CollectorBase(abc.ABC):
             self._background = scope
             task_status.started()
             try:
-                async for _ in self:
+                async for _ in self.fill():
                     pass
             except Exception as exc:  # raised by __aexit__, with its own type and traceback
                 self._background_error = exc
@@ -256,3 +309,23 @@ class CollectorBase(abc.ABC):
     @property
     def paused(self) -> bool:
         return self._paused > 0
+
+
+class _Fill:
+    """The iterator of :meth:`CollectorBase.fill`: one ``int`` per batch written to the replay buffer.
+
+    A plain async iterator (not an async generator), so breaking out of the loop leaves nothing to
+    finalise.
+    """
+
+    def __init__(self, collector: CollectorBase) -> None:
+        self._collector = collector
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> int:
+        collector = self._collector
+        await collector.__anext__()
+        # read before anything else runs: __anext__ recorded its batch under the batch lock, just now
+        return collector._last_frames

@@ -29,6 +29,7 @@ from ._policies import (
     compile_policy,
     make_runner,
     parse_exploration_type,
+    random_policy_for,
 )
 from ._rng import RolloutRNG
 from ._rollout import Rollout, RolloutConfig, RolloutResult
@@ -223,7 +224,7 @@ class Collector(CollectorBase):
             self._source_policy = policy
             array_env = ArrayEnv(env)
             # unseeded: it samples with the collector's torch RNG state (self._rng), like the policy
-            self._random_policy = array_env.random_policy()
+            self._random_policy = random_policy_for(array_env)
             self._policy = self._own_policy(policy, compile_option)
             obs_keys = list(array_env.obs_specs)
             runner_kwargs: dict[str, Any] = {

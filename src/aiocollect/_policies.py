@@ -18,8 +18,21 @@ from gymnasium import spaces
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import InteractionType, TensorDictModuleBase
 
+from ._envs._adapter import ArrayEnv
 from ._envs._spaces import NestedKey, action_specs, sample
+from ._envs._torchrl import TorchRLArrays
 from ._fast_policy import lazy_fast_runner
+
+__all__ = [
+    "RandomPolicy",
+    "Runner",
+    "TorchRLRandomPolicy",
+    "compile_policy",
+    "make_runner",
+    "parse_exploration_type",
+    "random_policy_for",
+    "unwrap_compiled",
+]
 
 Runner = Callable[[Mapping[NestedKey, torch.Tensor]], dict[NestedKey, torch.Tensor]]
 
@@ -97,6 +110,43 @@ class RandomPolicy:
 
     def __repr__(self) -> str:
         return f"RandomPolicy({self.action_space!r})"
+
+
+class TorchRLRandomPolicy(RandomPolicy):
+    """Random actions from a torchrl env's ``rand_action`` (its action spec); torch's global RNG.
+
+    Collectors build it for a torchrl env (``init_random_frames``, or no policy). It draws with torch's
+    global generator, which a collector with a ``seed`` swaps for its own state around every batch.
+    """
+
+    samples_any_shape = False  # the env's rand_action gives one env batch
+
+    def __init__(self, arrays: TorchRLArrays) -> None:  # no gymnasium space to check
+        self.arrays = arrays
+        self.action_space = arrays.action_torch_spec
+        self.generator = None
+
+    def set_seed(self, seed: int) -> None:
+        """Nothing to do: the samples come from torch's RNG, which the collectors seed."""
+
+    def sample_entries(self, batch_shape: tuple[int, ...] = ()) -> dict[NestedKey, torch.Tensor]:
+        return {"action": self.sample(batch_shape)}
+
+    def sample(self, batch_shape: tuple[int, ...] = ()) -> torch.Tensor:
+        action = self.arrays.rand_action()
+        return action.reshape((*batch_shape, *self.arrays.action_spec.shape))
+
+    def __repr__(self) -> str:
+        return f"TorchRLRandomPolicy({type(self.arrays.env).__name__})"
+
+
+def random_policy_for(env: ArrayEnv) -> RandomPolicy:
+    """Uniform random actions for ``env`` (``init_random_frames``, or no policy): from its action space,
+    or from a torchrl env's ``rand_action``."""
+    arrays = env.torchrl_arrays
+    if arrays is not None:
+        return TorchRLRandomPolicy(arrays)
+    return RandomPolicy(env.action_space)
 
 
 def _is_private(key: NestedKey) -> bool:

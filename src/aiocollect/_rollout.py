@@ -102,7 +102,7 @@ class Rollout:
     # -- state ------------------------------------------------------------------------------------
     def _new_ids(self, n: int | np.integer[Any]) -> np.ndarray:
         stride = self.config.traj_id_stride
-        start, self._next_traj = self._next_traj, self._next_traj + stride * n
+        start, self._next_traj = self._next_traj, self._next_traj + stride * int(n)
         # one numpy call: ``start + stride * np.arange(n)`` costs ~4 us, and it runs at every episode end
         return np.arange(start, self._next_traj, stride, dtype=np.int64)
 

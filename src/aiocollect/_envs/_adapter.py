@@ -15,11 +15,12 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from .._policies import RandomPolicy
-from ._gym import ArrayStep, GymEnv, _overrides
+from ._gym import ArrayStep, GymEnv, overrides_gym_env
 from ._protocol import EnvProtocol
 from ._spaces import LeafSpec, NestedKey, action_specs, observation_specs
-from ._torchrl import TorchRLArrays, TorchRLRandomPolicy, is_torchrl_env
+from ._torchrl import TorchRLArrays, is_torchrl_env
+
+__all__ = ["ArrayEnv", "check_env"]
 
 _REQUIRED = ("batch_size", "observation_space", "action_space", "reset", "step", "set_seed", "close")
 
@@ -61,7 +62,7 @@ class ArrayEnv:
                 self.obs_specs = observation_specs(env.observation_space)
                 self.action_specs = action_specs(env.action_space)
             self.has_truncated = bool(getattr(env, "has_truncated", True))
-            fast = gym_env and not (_overrides(env, "step") or _overrides(env, "reset"))
+            fast = gym_env and not (overrides_gym_env(env, "step") or overrides_gym_env(env, "reset"))
             self._gym = env if fast else None
         #: ``step`` takes numpy actions as well as tensors (a GymEnv's array path)
         self.numpy_actions = isinstance(self._gym, GymEnv)
@@ -104,11 +105,10 @@ class ArrayEnv:
             return out["action"]
         return {key: out[key] for key in self._action_keys}
 
-    def random_policy(self) -> RandomPolicy:
-        """Uniform random actions for this env: its action space, or a torchrl env's ``rand_action``."""
-        if isinstance(self._gym, TorchRLArrays):
-            return TorchRLRandomPolicy(self._gym)
-        return RandomPolicy(self.action_space)
+    @property
+    def torchrl_arrays(self) -> TorchRLArrays | None:
+        """A torchrl env's array view (whose ``rand_action`` gives random actions), else ``None``."""
+        return self._gym if isinstance(self._gym, TorchRLArrays) else None
 
     def reset(self, mask: np.ndarray | None = None) -> dict[NestedKey, np.ndarray]:
         if self._gym is not None:

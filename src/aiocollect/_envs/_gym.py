@@ -26,6 +26,8 @@ from ._spaces import (
     observation_specs,
 )
 
+__all__ = ["ArrayStep", "GymEnv", "overrides_gym_env"]
+
 
 class ArrayStep(NamedTuple):
     """One step of a batch of envs as numpy arrays (batch dims first, no trailing reward dim).
@@ -48,7 +50,49 @@ def _is_envpool(env: Any) -> bool:
     return mixin is not None and isinstance(env, mixin)
 
 
-def _overrides(env: Any, name: str) -> bool:
+def _open_env(env: Any, num_envs: int | None, make_kwargs: dict[str, Any]) -> tuple[Any, bool]:
+    """The gymnasium env that ``GymEnv(env, num_envs=..., **make_kwargs)`` wraps, and whether it is a
+    vector env."""
+    if isinstance(env, str):
+        if num_envs is None:
+            return gym.make(env, **make_kwargs), False
+        vector_kwargs = dict(make_kwargs.pop("vector_kwargs", {}) or {})
+        vector_kwargs["autoreset_mode"] = AutoresetMode.SAME_STEP
+        vec = gym.make_vec(
+            env,
+            num_envs=num_envs,
+            vectorization_mode=make_kwargs.pop("vectorization_mode", "sync"),
+            vector_kwargs=vector_kwargs,
+            **make_kwargs,
+        )
+        return vec, True
+    if isinstance(env, gym.vector.VectorEnv):
+        if num_envs is not None and num_envs != env.num_envs:
+            raise ValueError(f"num_envs={num_envs} but the vector env has {env.num_envs} envs")
+        if make_kwargs:
+            raise TypeError(f"make kwargs {sorted(make_kwargs)} only apply to an env id")
+        return env, True
+    if isinstance(env, gym.Env):
+        if _is_envpool(env):  # EnvPool before 1.0: a batch of envs that is no gymnasium VectorEnv
+            raise TypeError(
+                "this EnvPool pool is not a gymnasium.vector.VectorEnv (EnvPool < 1.0): install "
+                "envpool>=1.2 (pip install 'aiocollect[envpool]')"
+            )
+        if num_envs is not None:
+            raise ValueError(
+                "num_envs needs an env id (GymEnv('CartPole-v1', num_envs=8)); an Env instance cannot "
+                "be replicated"
+            )
+        if make_kwargs:
+            raise TypeError(f"make kwargs {sorted(make_kwargs)} only apply to an env id")
+        return env, False
+    raise TypeError(
+        f"env must be a gymnasium id, a gymnasium.Env or a gymnasium.vector.VectorEnv, got {env!r}"
+    )
+
+
+def overrides_gym_env(env: Any, name: str) -> bool:
+    """Whether ``env`` (a GymEnv subclass) overrides GymEnv's method ``name``."""
     return getattr(type(env), name) is not getattr(GymEnv, name)
 
 
@@ -110,47 +154,7 @@ class GymEnv:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
         self._vector: bool
-        if isinstance(env, str):
-            if num_envs is None:
-                self._env: Any = gym.make(env, **make_kwargs)
-                self._vector = False
-            else:
-                vector_kwargs = dict(make_kwargs.pop("vector_kwargs", {}) or {})
-                vector_kwargs["autoreset_mode"] = AutoresetMode.SAME_STEP
-                self._env = gym.make_vec(
-                    env,
-                    num_envs=num_envs,
-                    vectorization_mode=make_kwargs.pop("vectorization_mode", "sync"),
-                    vector_kwargs=vector_kwargs,
-                    **make_kwargs,
-                )
-                self._vector = True
-        elif isinstance(env, gym.vector.VectorEnv):
-            if num_envs is not None and num_envs != env.num_envs:
-                raise ValueError(f"num_envs={num_envs} but the vector env has {env.num_envs} envs")
-            if make_kwargs:
-                raise TypeError(f"make kwargs {sorted(make_kwargs)} only apply to an env id")
-            self._env = env
-            self._vector = True
-        elif isinstance(env, gym.Env):
-            if _is_envpool(env):  # EnvPool before 1.0: a batch of envs that is no gymnasium VectorEnv
-                raise TypeError(
-                    "this EnvPool pool is not a gymnasium.vector.VectorEnv (EnvPool < 1.0): install "
-                    "envpool>=1.2 (pip install 'aiocollect[envpool]')"
-                )
-            if num_envs is not None:
-                raise ValueError(
-                    "num_envs needs an env id (GymEnv('CartPole-v1', num_envs=8)); an Env instance cannot "
-                    "be replicated"
-                )
-            if make_kwargs:
-                raise TypeError(f"make kwargs {sorted(make_kwargs)} only apply to an env id")
-            self._env = env
-            self._vector = False
-        else:
-            raise TypeError(
-                f"env must be a gymnasium id, a gymnasium.Env or a gymnasium.vector.VectorEnv, got {env!r}"
-            )
+        self._env, self._vector = _open_env(env, num_envs, make_kwargs)
         try:
             self._pool = self._vector and _is_envpool(self._env.unwrapped)
             self._same_step = not self._vector or self._check_autoreset(self._env)

@@ -18,6 +18,8 @@ from gymnasium import spaces
 
 from ._spaces import RESERVED_KEYS, LeafSpec, NestedKey, leaf_spec, observation_specs
 
+__all__ = ["InfoKeys", "InfoReader", "info_specs"]
+
 InfoKeys = Sequence[str] | Mapping[str, spaces.Space[Any] | None]
 
 

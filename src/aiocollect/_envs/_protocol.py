@@ -13,6 +13,8 @@ if TYPE_CHECKING:
     from gymnasium import spaces
     from tensordict import TensorDict
 
+__all__ = ["EnvProtocol"]
+
 
 @runtime_checkable
 class EnvProtocol(Protocol):

@@ -14,6 +14,22 @@ import numpy as np
 import torch
 from gymnasium import spaces
 
+__all__ = [
+    "RESERVED_KEYS",
+    "LeafSpec",
+    "NestedKey",
+    "action_bounds",
+    "action_leaf_spaces",
+    "action_outside_space",
+    "action_spec",
+    "action_specs",
+    "flatten_obs",
+    "leaf_spec",
+    "observation_specs",
+    "sample",
+    "sample_leaf",
+]
+
 NestedKey = str | tuple[str, ...]
 
 _SUPPORTED = "Box, Discrete, MultiDiscrete, MultiBinary, Dict (and Tuple for actions)"

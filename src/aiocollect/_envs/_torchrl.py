@@ -30,9 +30,10 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from .._policies import RandomPolicy
 from ._gym import ArrayStep
 from ._spaces import RESERVED_KEYS, LeafSpec, NestedKey
+
+__all__ = ["TorchRLArrays", "is_torchrl_env"]
 
 _DONE_KEYS = frozenset({"done", "terminated", "truncated"})
 _SUPPORTED = "Bounded, Unbounded, Categorical, Binary, MultiCategorical, OneHot, MultiOneHot"
@@ -215,31 +216,3 @@ class TorchRLArrays:
         root = self._root
         td = root.copy() if root is not None else TensorDict({}, batch_size=self.batch_shape)
         return self.env.rand_action(td).get("action")
-
-
-class TorchRLRandomPolicy(RandomPolicy):
-    """Random actions from a torchrl env's ``rand_action`` (its action spec); torch's global RNG.
-
-    Collectors build it for a torchrl env (``init_random_frames``, or no policy). It draws with torch's
-    global generator, which a collector with a ``seed`` swaps for its own state around every batch.
-    """
-
-    samples_any_shape = False  # the env's rand_action gives one env batch
-
-    def __init__(self, arrays: TorchRLArrays) -> None:  # no gymnasium space to check
-        self.arrays = arrays
-        self.action_space = arrays.action_torch_spec
-        self.generator = None
-
-    def set_seed(self, seed: int) -> None:
-        """Nothing to do: the samples come from torch's RNG, which the collectors seed."""
-
-    def sample_entries(self, batch_shape: tuple[int, ...] = ()) -> dict[NestedKey, torch.Tensor]:
-        return {"action": self.sample(batch_shape)}
-
-    def sample(self, batch_shape: tuple[int, ...] = ()) -> torch.Tensor:
-        action = self.arrays.rand_action()
-        return action.reshape((*batch_shape, *self.arrays.action_spec.shape))
-
-    def __repr__(self) -> str:
-        return f"TorchRLRandomPolicy({type(self.arrays.env).__name__})"

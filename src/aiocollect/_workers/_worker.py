@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .._envs._adapter import ArrayEnv, check_env
-from .._policies import compile_policy, make_runner, parse_exploration_type
+from .._policies import compile_policy, make_runner, parse_exploration_type, random_policy_for
 from .._rng import RolloutRNG
 from .._rollout import Rollout, RolloutConfig
 from .._torch_settings import TorchSettings
@@ -126,7 +126,7 @@ class Worker:
         try:
             check_env(env)
             array_env = ArrayEnv(env)
-            self.random_policy = array_env.random_policy()
+            self.random_policy = random_policy_for(array_env)
             if policy is None:
                 policy = self.random_policy
             device = torch.device(spec.policy_device) if spec.policy_device else None

@@ -21,6 +21,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ._app import to_json
 
+__all__ = ["DEFAULT_HOSTS", "TOKEN_HEADER", "Guard", "HostPolicy", "hostname"]
+
 TOKEN_HEADER = "x-aiocollect-token"
 #: hosts every dashboard answers to (``serve`` adds the host it binds)
 DEFAULT_HOSTS = ("127.0.0.1", "localhost", "::1")

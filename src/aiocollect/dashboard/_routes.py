@@ -21,6 +21,8 @@ from .._errors import CollectorClosedError
 from ._app import DashboardControls, LifespanNotRunning, sse, to_json
 from ._guard import Guard
 
+__all__ = ["PAGE", "SSE_HEADERS", "EventStreamResponse", "build_app", "json_response"]
+
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 

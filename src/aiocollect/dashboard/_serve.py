@@ -62,6 +62,52 @@ async def serve(
         timeout_graceful_shutdown: seconds to wait for open requests at shutdown before cancelling them.
         config: more ``uvicorn.Config`` arguments.
     """
+    server = _make_server(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=timeout_graceful_shutdown,
+        **config,
+    )
+    tasks = _ServerTasks(server, _find_controls(app), f"{host}:{port}")
+    for c in tasks.controls:  # the dashboard answers to the host it is served on
+        if c.policy is not None:
+            c.policy.allow(host)
+    up = False
+    body_error: BaseException | None = None
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tasks.run)
+            while not (server.started or tasks.finished.is_set()):  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+            up = bool(server.started)
+            if up:
+                tg.start_soon(tasks.watch, tg.cancel_scope)
+                bound_host, bound_port = server.servers[0].sockets[0].getsockname()[:2]
+                shown_host = f"[{bound_host}]" if ":" in bound_host else bound_host
+                try:
+                    yield RunningServer(f"http://{shown_host}:{bound_port}/", server)
+                finally:
+                    tasks.close_streams()
+                    server.should_exit = True
+    except BaseExceptionGroup as group:
+        # the task group wraps what the caller's block raised (the tasks raise nothing): raise it as it was,
+        # outside this handler so that its __context__ stays its own
+        if len(group.exceptions) != 1:
+            raise
+        body_error = group.exceptions[0]
+    if body_error is not None:
+        raise body_error
+    if not up:
+        raise RuntimeError(tasks.failure[0] if tasks.failure else "uvicorn stopped before it started")
+    if server.signalled is not None:
+        raise KeyboardInterrupt(f"the server stopped on signal {server.signalled}")
+
+
+def _make_server(app: Any, **config: Any) -> Any:
+    """A ``uvicorn.Server`` for ``app``; raise unless on asyncio with uvicorn installed."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -73,76 +119,43 @@ async def serve(
         import uvicorn
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(f"serve() needs uvicorn ({exc}): pip install 'aiocollect[dashboard]'") from exc
+    return _server_class(uvicorn)(uvicorn.Config(app, **config))
 
-    server = _server_class(uvicorn)(
-        uvicorn.Config(
-            app,
-            host=host,
-            port=port,
-            log_level=log_level,
-            lifespan="on",
-            timeout_graceful_shutdown=timeout_graceful_shutdown,
-            **config,
-        )
-    )
-    controls = _find_controls(app)
-    for c in controls:  # the dashboard answers to the host it is served on
-        if c.policy is not None:
-            c.policy.allow(host)
-    finished = anyio.Event()
-    failure: list[str] = []
 
-    def close_streams() -> None:
-        for c in controls:
+class _ServerTasks:
+    """What :func:`serve` runs beside the caller's block: the server, and a watcher of its exit flags."""
+
+    def __init__(self, server: Any, controls: list[DashboardControls], where: str) -> None:
+        self.server = server
+        self.controls = controls
+        self.where = where
+        self.finished = anyio.Event()
+        self.failure: list[str] = []
+
+    def close_streams(self) -> None:
+        for c in self.controls:
             c.close_streams()
 
-    async def run() -> None:
+    async def run(self) -> None:
         try:
             # only should_exit stops it: a cancelled caller still gets a graceful shutdown
             with anyio.CancelScope(shield=True):
-                await server.serve()
+                await self.server.serve()
         except SystemExit as exc:  # uvicorn's way to report a failed start-up (port in use, lifespan)
-            failure.append(f"uvicorn could not start on {host}:{port} (exit code {exc.code}); see its log")
+            self.failure.append(
+                f"uvicorn could not start on {self.where} (exit code {exc.code}); see its log"
+            )
         finally:
-            finished.set()
+            self.finished.set()
 
-    async def watch(scope: anyio.CancelScope) -> None:
+    async def watch(self, scope: anyio.CancelScope) -> None:
+        server = self.server
         # uvicorn's own flags (set by a signal handler too) have no event to wait on: uvicorn polls them
-        while not (server.should_exit or finished.is_set()):  # noqa: ASYNC110
+        while not (server.should_exit or self.finished.is_set()):  # noqa: ASYNC110
             await anyio.sleep(0.05)
-        close_streams()
+        self.close_streams()
         if server.signalled is not None:  # Ctrl-C: stop the caller's block too, then raise below
             scope.cancel()
-
-    up = False
-    body_error: BaseException | None = None
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run)
-            while not (server.started or finished.is_set()):  # noqa: ASYNC110
-                await anyio.sleep(0.01)
-            up = bool(server.started)
-            if up:
-                tg.start_soon(watch, tg.cancel_scope)
-                bound_host, bound_port = server.servers[0].sockets[0].getsockname()[:2]
-                shown_host = f"[{bound_host}]" if ":" in bound_host else bound_host
-                try:
-                    yield RunningServer(f"http://{shown_host}:{bound_port}/", server)
-                finally:
-                    close_streams()
-                    server.should_exit = True
-    except BaseExceptionGroup as group:
-        # the task group wraps what the caller's block raised (the tasks raise nothing): raise it as it was,
-        # outside this handler so that its __context__ stays its own
-        if len(group.exceptions) != 1:
-            raise
-        body_error = group.exceptions[0]
-    if body_error is not None:
-        raise body_error
-    if not up:
-        raise RuntimeError(failure[0] if failure else "uvicorn stopped before it started")
-    if server.signalled is not None:
-        raise KeyboardInterrupt(f"the server stopped on signal {server.signalled}")
 
 
 def _find_controls(app: Any, depth: int = 0) -> list[DashboardControls]:
