@@ -16,7 +16,7 @@ from tensordict.nn import TensorDictModule
 from torch import nn
 
 from aiocollect import GymEnv, compat
-from conftest import ListBuffer
+from support import ListBuffer
 
 pytestmark = pytest.mark.anyio
 

@@ -48,7 +48,7 @@ from aiocollect import (
     WorkerDiedError,
     WorkerTimeoutError,
 )
-from conftest import rollout_threads, threads_in_package_code
+from support import rollout_threads, threads_in_package_code
 
 pytestmark = pytest.mark.anyio
 

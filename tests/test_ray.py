@@ -30,7 +30,7 @@ from aiocollect import (
     RayCollector,
     WorkerDiedError,
 )
-from conftest import ListBuffer
+from support import ListBuffer
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
 #: the tests that start Ray; the others (argument checks, no ray import) run in the default suite
