@@ -366,9 +366,9 @@ SETTLE = 5.0
 
 
 class Leaks:
-    """A baseline of threads and open fds; ``check()`` asserts that nothing was added since, and that no
-    child process (but multiprocessing's helpers), no shared-memory segment of ours and no thread running
-    aiocollect code is left. Without a baseline (``baseline=False``) only the last three are checked."""
+    """A baseline of threads and open fds; ``check()`` asserts that no child process (but multiprocessing's
+    helpers) and no shared-memory segment of ours is left, no thread running aiocollect code, and no thread
+    or fd added since the baseline. Without a baseline (``baseline=False``) only the first two are checked."""
 
     #: the baseline of the test running now (set by the ``leaks`` fixture), for :func:`assert_clean`
     active: ClassVar[Leaks | None] = None
@@ -383,10 +383,11 @@ class Leaks:
             out.append(f"child processes left: {left}")
         if left_segments := segments():
             out.append(f"shared-memory segments left: {left_segments}")
-        known = self.threads
-        threads = [] if known is None else [t.name for t in rollout_threads() if t.ident not in known]
-        if threads or threads_in_package_code():
-            out.append(f"threads left: {threads} {threads_in_package_code()}")
+        known, me = self.threads, threading.get_ident()  # me: the worker thread of settle()
+        if known is not None:
+            threads = [t.name for t in rollout_threads() if t.ident not in known | {me}]
+            if threads or threads_in_package_code():
+                out.append(f"threads left: {threads} {threads_in_package_code()}")
         if self.fds is not None and fd_count() > self.fds:
             out.append(f"fds: {self.fds} before, {fd_count()} after: {os.listdir('/proc/self/fd')}")
         return out
