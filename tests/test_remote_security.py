@@ -9,13 +9,10 @@ import stat
 import psutil
 import pytest
 
-from aiocollect import DistributedCollector, GymEnv
+from aiocollect import DistributedCollector
 from aiocollect._distributed._launchers import private_files, private_folder
 from aiocollect._distributed_weights import master_store
-
-
-def pendulum():
-    return GymEnv("Pendulum-v1")
+from support import pendulum
 
 
 @pytest.mark.parametrize("bad", ["", 127001, b"127.0.0.1"])
