@@ -9,10 +9,13 @@ import stat
 import psutil
 import pytest
 
-from aiocollect import DistributedCollector
+from aiocollect import DistributedCollector, GymEnv
 from aiocollect._distributed._launchers import private_files, private_folder
 from aiocollect._distributed_weights import master_store
-from support import pendulum
+
+
+def pendulum():
+    return GymEnv("Pendulum-v1")
 
 
 @pytest.mark.parametrize("bad", ["", 127001, b"127.0.0.1"])
