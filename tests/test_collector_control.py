@@ -16,7 +16,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from aiocollect import Collector, CollectorStatistics, GymEnv
-from conftest import EnvFactory, ListBuffer, threads_in_package_code
+from support import EnvFactory, ListBuffer, threads_in_package_code
 
 pytestmark = pytest.mark.anyio
 

@@ -15,7 +15,7 @@ from tensordict.nn import TensorDictModule
 from torch import nn
 
 from aiocollect import Collector, CollectorClosedError, GymEnv
-from conftest import (
+from support import (
     EnvFactory,
     EnvFailure,
     ListBuffer,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from aiocollect import Collector, GymEnv
-from conftest import EnvFactory
+from support import EnvFactory
 
 BAD_ARGUMENTS = [
     # (keyword arguments, exception type(s), the argument the message names)

@@ -15,14 +15,10 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
 
-from aiocollect import GymEnv, compat
-from conftest import ListBuffer
+from aiocollect import compat
+from support import ListBuffer, cartpole
 
 pytestmark = pytest.mark.anyio
-
-
-def cartpole(num_envs: int | None = None) -> GymEnv:
-    return GymEnv("CartPole-v1", num_envs=num_envs)
 
 
 def make_policy() -> TensorDictModule:

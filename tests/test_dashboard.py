@@ -23,8 +23,9 @@ import torch
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
-from aiocollect import Collector, CollectorClosedError, GymEnv, MultiSyncCollector
+from aiocollect import Collector, CollectorClosedError, MultiSyncCollector
 from aiocollect.dashboard import create_app, serve
+from support import cartpole2 as cartpole
 
 pytestmark = pytest.mark.anyio
 
@@ -49,10 +50,6 @@ class Policy(torch.nn.Module):
 
     def forward(self, observation: torch.Tensor) -> torch.Tensor:
         return torch.distributions.Categorical(logits=self.linear(observation)).sample()
-
-
-def cartpole() -> GymEnv:
-    return GymEnv("CartPole-v1", num_envs=2)
 
 
 # -- helpers -----------------------------------------------------------------------------------------

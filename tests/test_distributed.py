@@ -25,35 +25,28 @@ from aiocollect import (
     RPCCollector,
     submitit_delayed_launcher,
 )
+from support import ConstantPolicy, pendulum
+from support import process_tree as _ours
+from support import wait_gone as _alive
 
 # the node processes inherit these (gloo and TensorPipe bind to the loopback interface)
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
 
-pytestmark = [pytest.mark.distributed, pytest.mark.anyio, pytest.mark.timeout(180)]
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.anyio,
+    pytest.mark.timeout(180),
+    pytest.mark.usefixtures("support_by_value"),
+]
 
-# submitit jobs unpickle what they run: ship this module's functions by value
+# submitit jobs unpickle what they run: ship this module's functions by value (and support's: the fixture)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 @pytest.fixture
 def anyio_backend() -> tuple[str, dict]:
     return ("asyncio", {})
-
-
-class ConstantPolicy(torch.nn.Module):
-    """Box action = a parameter value: shows which weights a node runs."""
-
-    def __init__(self, value: float = 0.0) -> None:
-        super().__init__()
-        self.value = torch.nn.Parameter(torch.tensor([value]))
-
-    def forward(self, observation):
-        return self.value.expand(*observation.shape[:-1], 1).clone()
-
-
-def pendulum():
-    return GymEnv("Pendulum-v1")
 
 
 class _Exploding:
@@ -75,30 +68,6 @@ class _Exploding:
 
 def exploding():
     return _Exploding()
-
-
-def _ours(pids) -> set[int]:
-    """The given pids and their descendants (the nodes' own worker processes)."""
-    out = set()
-    for pid in pids:
-        try:
-            proc = psutil.Process(pid)
-            out |= {pid, *(p.pid for p in proc.children(recursive=True))}
-        except psutil.NoSuchProcess:
-            continue
-    return out
-
-
-def _alive(pids) -> list[int]:
-    """Those of ``pids`` still running a few seconds on (a node's helpers exit right after it)."""
-    procs = []
-    for pid in pids:
-        try:
-            procs.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=5)
-    return [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE]
 
 
 async def _check_weights_and_budget(c, policy, *, sync: bool, nodes: int, fpb: int, total: int) -> list:

@@ -5,7 +5,6 @@ Run with ``pytest -m distributed`` (``nox -s distributed``); the default run lea
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -16,7 +15,6 @@ import anyio
 import cloudpickle
 import psutil
 import pytest
-import torch
 
 from aiocollect import (
     DistributedCollector,
@@ -27,11 +25,19 @@ from aiocollect import (
     WorkerDiedError,
     WorkerTimeoutError,
 )
+from support import ConstantPolicy, pendulum
+from support import process_tree as _tree
+from support import wait_gone as _alive
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
 
-pytestmark = [pytest.mark.distributed, pytest.mark.anyio, pytest.mark.timeout(180)]
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.anyio,
+    pytest.mark.timeout(180),
+    pytest.mark.usefixtures("support_by_value"),
+]
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -59,32 +65,6 @@ def slow():
     return _Slow()
 
 
-def _tree(pids) -> set[int]:
-    out = set()
-    for pid in pids:
-        try:
-            out |= {pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))}
-        except psutil.NoSuchProcess:
-            continue
-    return out
-
-
-def _alive(pids) -> list[int]:
-    procs = []
-    for pid in pids:
-        try:
-            procs.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=5)
-    out = []
-    for p in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            if p.status() != psutil.STATUS_ZOMBIE:
-                out.append(f"{p.pid} (parent {p.ppid()}): {' '.join(p.cmdline())[:120]}")
-    return out
-
-
 @pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
 async def test_consumer_cancelled_mid_batch_then_used_again_and_closed(sync):
     """A consumer cancelled while the nodes collect leaves the collector usable: the late batches are
@@ -106,10 +86,6 @@ async def test_consumer_cancelled_mid_batch_then_used_again_and_closed(sync):
         closed_in = time.monotonic() - start
     assert closed_in < 10, f"leaving `async with` took {closed_in:.1f} s"
     assert _alive(pids) == []
-
-
-def pendulum():
-    return GymEnv("Pendulum-v1")
 
 
 async def _until_error(c) -> tuple[BaseException, float]:
@@ -166,15 +142,6 @@ async def test_a_killed_worker_inside_a_node_keeps_its_type_and_exit_code(engine
     assert error.exitcode == -9 and error.signal == 9
     assert "raised in node 1" in "".join(getattr(error, "__notes__", []))
     assert _alive(pids) == []
-
-
-class ConstantPolicy(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.value = torch.nn.Parameter(torch.zeros(1))
-
-    def forward(self, observation):
-        return self.value.expand(*observation.shape[:-1], 1).clone()
 
 
 def _listening(pid: int) -> list[tuple[str, int]]:

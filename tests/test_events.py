@@ -9,12 +9,9 @@ import pytest
 import torch
 
 from aiocollect import Collector, GymEnv, MultiAsyncCollector, MultiSyncCollector
+from support import cartpole2 as cartpole
 
 pytestmark = pytest.mark.anyio
-
-
-def cartpole():
-    return GymEnv("CartPole-v1", num_envs=2)
 
 
 class Policy(torch.nn.Module):

@@ -48,7 +48,7 @@ from aiocollect import (
     WorkerDiedError,
     WorkerTimeoutError,
 )
-from conftest import rollout_threads, threads_in_package_code
+from support import children, gone, segments
 
 pytestmark = pytest.mark.anyio
 
@@ -93,86 +93,6 @@ def _report():
     path = os.environ.get("AIOCOLLECT_FAULT_REPORT")
     if path:
         Path(path).write_text(json.dumps({"times": TIMES, "figures": FIGURES}, indent=1, sort_keys=True))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _warm_forkserver():
-    """Start multiprocessing's forkserver (with the collectors' preload) and resource tracker once, so
-    that their fds and processes exist before any test takes its leak baseline."""
-    from multiprocessing import forkserver, resource_tracker
-
-    from aiocollect._workers._pool import _context
-
-    _context("forkserver")
-    forkserver.ensure_running()
-    resource_tracker.ensure_running()
-
-
-# -- leak checks -------------------------------------------------------------------------------------
-def _helpers() -> set[int | None]:
-    from multiprocessing import forkserver, resource_tracker
-
-    return {
-        getattr(forkserver._forkserver, "_forkserver_pid", None),
-        getattr(resource_tracker._resource_tracker, "_pid", None),
-    }
-
-
-def children() -> list[psutil.Process]:
-    """Our live child processes, except multiprocessing's forkserver and resource tracker."""
-    helpers = _helpers()
-    out = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if p.pid not in helpers and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def segments(pid: int | None = None) -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if n.startswith(f"aiocollect_{pid or os.getpid()}_")]
-
-
-def fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-class Leaks:
-    """A baseline of processes, threads, fds and segments, taken inside the test (the event loop's own
-    fds exist by then); ``check()`` asserts nothing was added."""
-
-    def __init__(self) -> None:
-        self.fds = fd_count()
-        self.threads = {t.ident for t in rollout_threads()}
-
-    def check(self, wait: float = 0.0) -> None:
-        deadline = time.monotonic() + wait
-        while True:
-            problems = self.problems()
-            if not problems or time.monotonic() >= deadline:
-                break
-            time.sleep(0.05)
-        assert not problems, problems
-
-    def problems(self) -> list[str]:
-        out = []
-        if children():
-            out.append(f"child processes left: {children()}")
-        if segments():
-            out.append(f"shared-memory segments left: {segments()}")
-        threads = [t.name for t in rollout_threads() if t.ident not in self.threads]
-        if threads or threads_in_package_code():
-            out.append(f"threads left: {threads} {threads_in_package_code()}")
-        if fd_count() > self.fds:
-            out.append(f"fds: {self.fds} before, {fd_count()} after: {os.listdir('/proc/self/fd')}")
-        return out
-
-
-@pytest.fixture
-async def leaks():
-    return Leaks()
 
 
 # -- envs, policies, factories -----------------------------------------------------------------------
@@ -759,13 +679,6 @@ def read_json(proc: Any) -> dict[str, Any]:
         proc.wait(10)
         pytest.fail(f"the trainer stopped: {proc.stderr.read() if proc.stderr else ''}")
     return json.loads(line)
-
-
-def gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def test_sigint_to_the_trainer(request, tmp_path):

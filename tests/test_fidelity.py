@@ -33,7 +33,8 @@ from aiocollect import (
     WorkerDiedError,
     compat,
 )
-from test_faults import _warm_forkserver, leaks, matrix  # noqa: F401 - the fault matrix's leak checks
+from support import alive, cartpole, wait_gone
+from test_faults import matrix
 
 pytestmark = pytest.mark.anyio
 
@@ -113,10 +114,6 @@ class ClosesTwice:
         raise EnvBroken("the env's start-up failed")
 
 
-def cartpole() -> GymEnv:
-    return GymEnv("CartPole-v1")
-
-
 def child_env(pid_file: str, **kwargs: Any) -> GymEnv:
     return GymEnv(ChildProcessEnv(pid_file, **kwargs))
 
@@ -127,20 +124,6 @@ def broken_child_env(pid_file: str) -> ClosesTwice:
 
 def async_vector_env() -> GymEnv:
     return GymEnv("CartPole-v1", num_envs=2, vectorization_mode="async")
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def wait_gone(pids: list[int], seconds: float = 5.0) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return [p for p in pids if alive(p)]
 
 
 def pids_in(tmp_path: Path) -> list[int]:
@@ -186,7 +169,7 @@ async def test_an_env_class_with_create_env_kwargs_in_compat() -> None:
 
 # -- item 3: envs that start processes ----------------------------------------------------------------
 @matrix(["process", "sync", "async"])
-async def test_an_env_that_starts_a_process_runs_in_a_worker(kind, leaks, tmp_path) -> None:  # noqa: F811
+async def test_an_env_that_starts_a_process_runs_in_a_worker(kind, leaks, tmp_path) -> None:
     fns = [
         lambda i=i: child_env(str(tmp_path / f"helper{i}.pid"))  # type: ignore[misc]
         for i in range(2)
@@ -202,7 +185,7 @@ async def test_an_env_that_starts_a_process_runs_in_a_worker(kind, leaks, tmp_pa
 
 
 @matrix(["sync", "async"], shift=1)
-async def test_a_gymnasium_async_vector_env_runs_in_a_worker(kind, leaks) -> None:  # noqa: F811
+async def test_a_gymnasium_async_vector_env_runs_in_a_worker(kind, leaks) -> None:
     with anyio.fail_after(60):
         async with multi(kind, [async_vector_env] * 2, frames_per_batch=16, total_frames=64) as collector:
             grandchildren = [
@@ -217,7 +200,7 @@ async def test_a_gymnasium_async_vector_env_runs_in_a_worker(kind, leaks) -> Non
     leaks.check()
 
 
-async def test_a_worker_killed_takes_its_envs_processes_with_it(leaks, tmp_path) -> None:  # noqa: F811
+async def test_a_worker_killed_takes_its_envs_processes_with_it(leaks, tmp_path) -> None:
     """The env's helper holds a copy of the worker's socket (it was forked): the worker's death is seen
     from its exit, not from the socket's EOF, and its process group is reaped."""
     fns = [lambda: child_env(str(tmp_path / "helper0.pid")), lambda: child_env(str(tmp_path / "helper1.pid"))]
@@ -235,7 +218,7 @@ async def test_a_worker_killed_takes_its_envs_processes_with_it(leaks, tmp_path)
 
 
 @matrix(["cancelled", "raised", "hung"], shift=2)
-async def test_envs_processes_are_reaped_on_every_exit_path(kind, leaks, tmp_path) -> None:  # noqa: F811
+async def test_envs_processes_are_reaped_on_every_exit_path(kind, leaks, tmp_path) -> None:
     """Leaving ``async with`` by cancellation, by an exception of the trainer, and with the workers hung in
     ``env.step`` (then terminated): no process of any env is left."""
     how = kind
@@ -265,7 +248,7 @@ async def test_envs_processes_are_reaped_on_every_exit_path(kind, leaks, tmp_pat
     leaks.check()
 
 
-async def test_the_real_cause_of_an_env_failure_comes_first(leaks, tmp_path) -> None:  # noqa: F811
+async def test_the_real_cause_of_an_env_failure_comes_first(leaks, tmp_path) -> None:
     """The env fails, and closing the half-built env fails too: the trainer sees the env's error
     (the close's is a note), not "trying to close a closed environment"."""
     with anyio.fail_after(30):

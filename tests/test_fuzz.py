@@ -21,7 +21,6 @@ from typing import Any
 import anyio
 import gymnasium as gym
 import numpy as np
-import psutil
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -36,6 +35,7 @@ from aiocollect import (
     ProcessCollector,
     RandomPolicy,
 )
+from support import cartpole, cartpole3, children, pendulum
 
 FAST = settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
 COLLECTING = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
@@ -60,16 +60,6 @@ class TrackedEnv(GymEnv):
 
 def tracked() -> GymEnv:
     return TrackedEnv("CartPole-v1")
-
-
-def children() -> list[int]:
-    from multiprocessing import forkserver, resource_tracker
-
-    helpers = {
-        getattr(forkserver._forkserver, "_forkserver_pid", None),
-        getattr(resource_tracker._resource_tracker, "_pid", None),
-    }
-    return [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in helpers]
 
 
 # -- invalid arguments --------------------------------------------------------------------------------
@@ -305,18 +295,6 @@ class Fixed(torch.nn.Module):
 def no_action() -> Any:
     net = Fixed(lambda o, _: o.sum(-1))
     return TensorDictModule(net, in_keys=["observation"], out_keys=["logits"])
-
-
-def cartpole() -> GymEnv:
-    return GymEnv("CartPole-v1")
-
-
-def cartpole3() -> GymEnv:
-    return GymEnv("CartPole-v1", num_envs=3)
-
-
-def pendulum() -> GymEnv:
-    return GymEnv("Pendulum-v1")
 
 
 def discrete(value: int, from_call: int = 1) -> Any:

@@ -14,7 +14,6 @@ import anyio.from_thread
 import anyio.lowlevel
 import gymnasium as gym
 import numpy as np
-import psutil
 import pytest
 import torch
 
@@ -27,18 +26,12 @@ from aiocollect import (
     ProcessCollector,
     WorkerDiedError,
 )
+from support import ConstantPolicy, assert_clean, broken_factory, cartpole, cartpole4, pendulum
+from support import children as our_children
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("leaks")]
 
 BACKENDS = ["serial", "process"]
-
-
-def cartpole():
-    return GymEnv("CartPole-v1")
-
-
-def cartpole4():
-    return GymEnv("CartPole-v1", num_envs=4)
 
 
 class SlowEnv(gym.Env):
@@ -75,45 +68,6 @@ def fast_env():
 
 def failing_env():
     return GymEnv(SlowEnv(fail_at=30))
-
-
-def broken_factory():
-    raise KeyError("no such env")
-
-
-class ConstantPolicy(torch.nn.Module):
-    """Box action = a parameter value: shows which weights a worker runs."""
-
-    def __init__(self, value: float = 0.0) -> None:
-        super().__init__()
-        self.value = torch.nn.Parameter(torch.tensor([value]))
-
-    def forward(self, observation):
-        return self.value.expand(*observation.shape[:-1], 1).clone()
-
-
-def pendulum():
-    return GymEnv("Pendulum-v1")
-
-
-def our_children() -> list[psutil.Process]:
-    """Child processes of this test process, except multiprocessing's forkserver."""
-    from multiprocessing import forkserver, resource_tracker
-
-    helpers = {
-        getattr(forkserver._forkserver, "_forkserver_pid", None),
-        getattr(resource_tracker._resource_tracker, "_pid", None),
-    }
-    return [p for p in psutil.Process().children(recursive=True) if p.pid not in helpers]
-
-
-def our_segments() -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if n.startswith(f"aiocollect_{os.getpid()}_")]
-
-
-def assert_clean() -> None:
-    assert our_children() == [] or all(not p.is_running() for p in our_children())
-    assert our_segments() == []
 
 
 @pytest.fixture(params=BACKENDS)

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from aiocollect import Collector, GymEnv, MultiSyncCollector
+from aiocollect import Collector, MultiSyncCollector
+from support import cartpole
 
 pytestmark = pytest.mark.anyio
-
-
-def cartpole():
-    return GymEnv("CartPole-v1")
 
 
 class FakeTqdm:

@@ -30,14 +30,14 @@ from aiocollect import (
     RayCollector,
     WorkerDiedError,
 )
-from conftest import ListBuffer
+from support import ConstantPolicy, ListBuffer, broken_factory, pendulum
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180), pytest.mark.usefixtures("support_by_value")]
 #: the tests that start Ray; the others (argument checks, no ray import) run in the default suite
 distributed = pytest.mark.distributed
 
 # the actors cannot import this test module (pytest puts tests/ on the driver's sys.path only): its
-# env constructors and policy classes travel by value
+# env constructors and policy classes travel by value (and support's: the support_by_value fixture)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 REMOTE = {"num_cpus": 0}  # the actors take no CPU slot: any number fit on this 2-core machine
@@ -70,22 +70,7 @@ def ray_cluster():
         ray.shutdown()
 
 
-# -- helpers (pickled by value into the actors) ------------------------------------------------------
-class ConstantPolicy(torch.nn.Module):
-    """Box action = a parameter value: shows which weights an actor runs."""
-
-    def __init__(self, value: float = 0.0) -> None:
-        super().__init__()
-        self.value = torch.nn.Parameter(torch.tensor([value]))
-
-    def forward(self, observation):
-        return self.value.expand(*observation.shape[:-1], 1).clone()
-
-
-def pendulum():
-    return GymEnv("Pendulum-v1")
-
-
+# -- helpers (pickled by value into the actors; more in support) ------------------------------------
 class FailingStep(gym.Wrapper):
     def __init__(self, env, at: int) -> None:
         super().__init__(env)
@@ -103,10 +88,6 @@ class FailingStep(gym.Wrapper):
 
 def failing_pendulum():
     return GymEnv(FailingStep(gym.make("Pendulum-v1"), at=40))
-
-
-def broken_factory():
-    raise KeyError("no such env")
 
 
 def ray_processes(collector: RayCollector) -> list[psutil.Process]:

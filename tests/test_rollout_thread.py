@@ -19,7 +19,7 @@ from torch import nn
 
 from aiocollect import Collector, GymEnv
 from aiocollect._storage import POOL_MIN_BYTES, StoragePool
-from conftest import rollout_threads
+from support import rollout_threads
 
 pytestmark = pytest.mark.anyio
 

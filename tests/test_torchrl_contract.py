@@ -9,7 +9,6 @@ from __future__ import annotations
 import multiprocessing as mp
 
 import anyio
-import psutil
 import pytest
 import torch
 from tensordict.nn import TensorDictModule
@@ -21,6 +20,7 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl.envs import GymEnv, ParallelEnv, SerialEnv, StepCounter, TransformedEnv
 
 from aiocollect import compat
+from support import children, wait_gone
 
 pytestmark = [pytest.mark.torchrl, pytest.mark.anyio]
 
@@ -70,22 +70,11 @@ def constant_policy(value: float = 0.0) -> TensorDictModule:
 
 
 def descendants() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)} - helpers()
-
-
-def helpers() -> set[int]:
-    from multiprocessing import forkserver, resource_tracker
-
-    return {
-        getattr(forkserver._forkserver, "_forkserver_pid", None),
-        getattr(resource_tracker._resource_tracker, "_pid", None),
-    } - {None}  # type: ignore[return-value]
+    return {p.pid for p in children()}
 
 
 def gone(pids: set[int], seconds: float = 5.0) -> bool:
-    return not psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=seconds)[
-        1
-    ]
+    return wait_gone(pids, seconds) == []
 
 
 # -- create_env_fn: callables, env classes with create_env_kwargs -------------------------------------

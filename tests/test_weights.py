@@ -11,19 +11,15 @@ import pytest
 import torch
 
 from aiocollect import (
-    GymEnv,
     MultiAsyncCollector,
     MultiSyncCollector,
     PipeWeightSync,
     SharedMemoryWeightSync,
     WorkerDiedError,
 )
+from support import pendulum
 
 pytestmark = pytest.mark.anyio
-
-
-def pendulum():
-    return GymEnv("Pendulum-v1")
 
 
 class BufferPolicy(torch.nn.Module):

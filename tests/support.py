@@ -1,0 +1,445 @@
+"""What the tests share: policies, env factories, test envs and buffers, and the leak check.
+
+Import it as ``support`` (``from support import pendulum``): pytest puts ``tests/`` on ``sys.path`` before it
+loads ``conftest.py`` (the rootdir-relative "prepend" import mode, ``tests/`` having no ``__init__.py``).
+Worker processes import these factories and policies by module path too: multiprocessing's forkserver
+starts with this process's ``sys.path``, and the subprocess trainers get it as ``PYTHONPATH``. Ray actors,
+torch.distributed nodes and submitit jobs do not: a test module sending this module's objects there uses
+the ``support_by_value`` fixture (they then travel by value, with ``cloudpickle``).
+
+The leak check is one fixture, ``leaks`` (registered for every test by ``conftest.py``): a baseline of
+child processes, open fds, ``/dev/shm/aiocollect_<pid>_*`` segments and threads, taken inside the test
+(the event loop's own fds count in it), and checked again when the test ends. ``leaks.check()`` checks
+in the middle of a test, and ``assert_clean()`` checks against the running test's baseline.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable, Iterator
+from typing import Any, ClassVar
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+import anyio.to_thread
+import cloudpickle
+import gymnasium as gym
+import psutil
+import pytest
+import torch
+
+import aiocollect
+from aiocollect import GymEnv
+
+__all__ = [
+    "BufferedConstantPolicy",
+    "ConstantPolicy",
+    "EnvFactory",
+    "EnvFailure",
+    "HookedEnv",
+    "Leaks",
+    "ListBuffer",
+    "alive",
+    "assert_clean",
+    "broken_factory",
+    "cartpole",
+    "cartpole2",
+    "cartpole3",
+    "cartpole4",
+    "children",
+    "fd_count",
+    "gone",
+    "leaks",
+    "mp_helpers",
+    "native_threads",
+    "pendulum",
+    "process_tree",
+    "rollout_threads",
+    "segments",
+    "support_by_value",
+    "threads_in_package_code",
+    "wait_gone",
+    "warm_forkserver",
+]
+
+
+# -- policies ----------------------------------------------------------------------------------------
+class ConstantPolicy(torch.nn.Module):
+    """Box action = a parameter value: shows which weights a worker (node, actor) runs."""
+
+    def __init__(self, value: float = 0.0) -> None:
+        super().__init__()
+        self.value = torch.nn.Parameter(torch.tensor([value]))
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        return self.value.expand(*observation.shape[:-1], 1).clone()
+
+
+class BufferedConstantPolicy(torch.nn.Module):
+    """:class:`ConstantPolicy` plus a buffer ``count`` (buffers travel too) and, with ``big``, the last
+    element of a ``big``-element parameter (so that a test sees the whole flat buffer arrive)."""
+
+    def __init__(self, value: float = 0.0, big: int = 0) -> None:
+        super().__init__()
+        self.value = torch.nn.Parameter(torch.tensor([value]))
+        self.big = torch.nn.Parameter(torch.zeros(big)) if big else None
+        self.register_buffer("count", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        value = self.value if self.big is None else self.value + self.big[-1:]
+        return (value + self.count).expand(*observation.shape[:-1], 1).clone()
+
+
+# -- env factories (top-level functions: worker processes unpickle them by name) ---------------------
+def cartpole(num_envs: int | None = None) -> GymEnv:
+    return GymEnv("CartPole-v1", num_envs=num_envs)
+
+
+def cartpole2() -> GymEnv:
+    return GymEnv("CartPole-v1", num_envs=2)
+
+
+def cartpole3() -> GymEnv:
+    return GymEnv("CartPole-v1", num_envs=3)
+
+
+def cartpole4() -> GymEnv:
+    return GymEnv("CartPole-v1", num_envs=4)
+
+
+def pendulum() -> GymEnv:
+    return GymEnv("Pendulum-v1")
+
+
+def broken_factory() -> GymEnv:
+    raise KeyError("no such env")
+
+
+@pytest.fixture(scope="module")
+def support_by_value() -> Iterator[None]:
+    """This module's functions and classes travel by value (``cloudpickle``) while the module's tests run:
+    for Ray actors, torch.distributed nodes and submitit jobs, which cannot import ``support``."""
+    module = sys.modules[__name__]
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        yield
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+
+
+# -- in-process test envs and buffers (the Collector tests) ------------------------------------------
+class EnvFailure(Exception):
+    """Raised by the test envs (a type of our own, so a test sees it is the original exception)."""
+
+
+def explode_in_step() -> None:
+    raise EnvFailure("step failed")
+
+
+def explode_in_reset() -> None:
+    raise EnvFailure("reset failed")
+
+
+class HookedEnv(gym.Wrapper):
+    """A gymnasium env whose ``step`` can sleep or raise, and whose ``reset`` can raise; counts calls.
+
+    ``in_step`` is the number of ``step`` calls running now (0 once a rollout has really stopped).
+    ``on_step(n)``, when set, is called (in the rollout thread) after the ``n``-th step.
+    """
+
+    def __init__(
+        self,
+        env: gym.Env,
+        *,
+        step_delay: float = 0.0,
+        fail_step_at: int | None = None,
+        fail_reset_at: int | None = None,
+    ) -> None:
+        super().__init__(env)
+        self.step_delay = step_delay
+        self.fail_step_at = fail_step_at
+        self.fail_reset_at = fail_reset_at
+        self.steps = 0
+        self.resets = 0
+        self.in_step = 0
+        self.on_step: Any = None
+
+    def step(self, action: Any) -> Any:
+        self.in_step += 1
+        try:
+            self.steps += 1
+            if self.step_delay:
+                time.sleep(self.step_delay)  # a slow env, running in the rollout thread
+            if self.fail_step_at is not None and self.steps >= self.fail_step_at:
+                explode_in_step()
+            out = self.env.step(action)
+            if self.on_step is not None:
+                self.on_step(self.steps)
+            return out
+        finally:
+            self.in_step -= 1
+
+    def reset(self, **kwargs: Any) -> Any:
+        self.resets += 1
+        if self.fail_reset_at is not None and self.resets >= self.fail_reset_at:
+            explode_in_reset()
+        return self.env.reset(**kwargs)
+
+
+class EnvFactory:
+    """``create_env_fn`` that records its calls; ``hooks`` (a :class:`HookedEnv` per env) when hooked."""
+
+    def __init__(self, env_id: str = "CartPole-v1", *, num_envs: int | None = None, **hooks: Any):
+        self.env_id = env_id
+        self.num_envs = num_envs
+        self.hook_kwargs = hooks
+        self.calls = 0
+        self.envs: list[GymEnv] = []
+        self.hooks: list[HookedEnv] = []
+
+    def __call__(self) -> GymEnv:
+        self.calls += 1
+        if self.hook_kwargs:
+            hooked = HookedEnv(gym.make(self.env_id), **self.hook_kwargs)
+            self.hooks.append(hooked)
+            env = GymEnv(hooked)
+        else:
+            env = GymEnv(self.env_id, num_envs=self.num_envs)
+        self.envs.append(env)
+        return env
+
+
+class ListBuffer:
+    """A minimal replay buffer: ``extend`` appends; ``await wait_for(n)`` waits for ``n`` batches.
+
+    ``extend`` may run in a worker thread (the collector's rollout thread): it then wakes the waiter
+    through ``anyio.from_thread``. Create it inside the async test (its thread is the loop's).
+    While ``paused`` is True, every ``extend`` is counted in ``violations``.
+    """
+
+    def __init__(self) -> None:
+        self.batches: list[Any] = []
+        self.paused = False
+        self.violations = 0
+        self._loop_thread = threading.get_ident()
+        self._token = anyio.lowlevel.current_token()
+        self._grew: anyio.Event | None = None
+
+    def extend(self, batch: Any) -> None:
+        if self.paused:
+            self.violations += 1
+        self.batches.append(batch)
+        if threading.get_ident() == self._loop_thread:
+            self._notify()
+        else:
+            anyio.from_thread.run_sync(self._notify, token=self._token)
+
+    def _notify(self) -> None:
+        if self._grew is not None:
+            self._grew.set()
+
+    async def wait_for(self, n: int) -> None:
+        while len(self.batches) < n:
+            self._grew = anyio.Event()
+            await self._grew.wait()
+
+
+# -- processes -----------------------------------------------------------------------------------------
+def mp_helpers() -> set[int]:
+    """The pids of multiprocessing's forkserver and resource tracker (shared by every test; not leaks)."""
+    from multiprocessing import forkserver, resource_tracker
+
+    pids = {
+        getattr(forkserver._forkserver, "_forkserver_pid", None),
+        getattr(resource_tracker._resource_tracker, "_pid", None),
+    }
+    return {pid for pid in pids if pid is not None}
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def gone(pid: int) -> bool:
+    return not alive(pid)
+
+
+def children() -> list[psutil.Process]:
+    """Our live descendant processes, except multiprocessing's forkserver and resource tracker."""
+    helpers = mp_helpers()
+    return [p for p in psutil.Process().children(recursive=True) if p.pid not in helpers and alive(p.pid)]
+
+
+def process_tree(pids: Iterable[int]) -> set[int]:
+    """The given pids and their descendants (a node's or an actor's own worker processes)."""
+    out: set[int] = set()
+    for pid in pids:
+        try:
+            out |= {pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))}
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def _describe(pid: int) -> str:
+    try:
+        p = psutil.Process(pid)
+        return f"{pid} (parent {p.ppid()}): {' '.join(p.cmdline())[:120]}"
+    except psutil.Error:
+        return str(pid)
+
+
+def wait_gone(pids: Iterable[int], seconds: float = 5.0) -> list[str]:
+    """Wait (at most ``seconds``) for ``pids`` to exit; those still running, described (``[]``: all gone).
+
+    Nothing is reaped here: a zombie counts as gone, and its parent's ``join`` still sees its exit code.
+    """
+    pids = list(pids)
+    deadline = time.monotonic() + seconds
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return [_describe(p) for p in pids if alive(p)]
+
+
+# -- threads, fds, segments --------------------------------------------------------------------------
+def rollout_threads() -> list[threading.Thread]:
+    """Threads other than the main one and the idle worker threads of anyio (asyncio) and trio."""
+    return [
+        t
+        for t in threading.enumerate()
+        if t is not threading.main_thread()
+        and "AnyIO worker thread" not in t.name
+        and not t.name.startswith("Trio thread")
+    ]
+
+
+_PACKAGE_DIR = os.path.dirname(aiocollect.__file__)
+
+
+def threads_in_package_code() -> list[str]:
+    """Names of the threads (other than this one) now running aiocollect code: a rollout still going.
+
+    Idle worker threads (anyio's or trio's) wait in their own modules, and an idle rollout thread waits
+    for a job, so they do not count.
+    """
+    me = threading.get_ident()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    busy = []
+    for ident, frame in sys._current_frames().items():
+        f: Any = frame
+        if f.f_code.co_filename.endswith("_rollout_thread.py"):
+            continue  # a collector's rollout thread between jobs (no rollout code on its stack): idle
+        while ident != me and f is not None:
+            if f.f_code.co_filename.startswith(_PACKAGE_DIR):
+                busy.append(names.get(ident, str(ident)))
+                break
+            f = f.f_back
+    return busy
+
+
+def native_threads() -> int:
+    """Threads of this process that Python does not know of: gloo's, the store's (Linux)."""
+    return len(os.listdir("/proc/self/task")) - len(threading.enumerate())
+
+
+def segments(pid: int | None = None) -> list[str]:
+    """The shared-memory segments of process ``pid`` (default: this one) in ``/dev/shm``."""
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"aiocollect_{pid or os.getpid()}_")]
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+# -- the leak check ------------------------------------------------------------------------------------
+#: seconds the end-of-test check waits for processes to be reaped and threads to end
+SETTLE = 5.0
+
+
+class Leaks:
+    """A baseline of threads and open fds; ``check()`` asserts that no child process (but multiprocessing's
+    helpers) and no shared-memory segment of ours is left, no thread running aiocollect code, and no thread
+    or fd added since the baseline. Without a baseline (``baseline=False``) only the first two are checked."""
+
+    #: the baseline of the test running now (set by the ``leaks`` fixture), for :func:`assert_clean`
+    active: ClassVar[Leaks | None] = None
+
+    def __init__(self, *, baseline: bool = True) -> None:
+        self.fds = fd_count() if baseline else None
+        self.threads = {t.ident for t in rollout_threads()} if baseline else None
+
+    def problems(self) -> list[str]:
+        out = []
+        if left := children():
+            out.append(f"child processes left: {left}")
+        if left_segments := segments():
+            out.append(f"shared-memory segments left: {left_segments}")
+        known, me = self.threads, threading.get_ident()  # me: the worker thread of settle()
+        if known is not None:
+            threads = [t.name for t in rollout_threads() if t.ident not in known | {me}]
+            if threads or threads_in_package_code():
+                out.append(f"threads left: {threads} {threads_in_package_code()}")
+        if self.fds is not None and fd_count() > self.fds:
+            out.append(f"fds: {self.fds} before, {fd_count()} after: {os.listdir('/proc/self/fd')}")
+        return out
+
+    def check(self, wait: float = 0.0, *, native_before: int | None = None) -> None:
+        """Assert no leak, waiting at most ``wait`` seconds for one to go; with ``native_before``, also that
+        the native threads are no more than that many (waiting up to :data:`SETTLE` for them to end)."""
+        deadline = time.monotonic() + wait
+        while (problems := self.problems()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not problems, problems
+        if native_before is not None:
+            # not more than before: a native thread left over from an earlier test may end meanwhile, and an
+            # ending Python thread leaves threading.enumerate() a moment before its OS thread ends
+            deadline = time.monotonic() + SETTLE
+            while native_threads() > native_before and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert native_threads() <= native_before
+
+    async def settle(self, seconds: float = SETTLE) -> None:
+        """:meth:`check`, waiting at most ``seconds`` for the leaks to go, in a worker thread (the event loop
+        runs meanwhile: what it still has to close or reap, it does)."""
+        with anyio.fail_after(seconds + SETTLE):
+            await anyio.to_thread.run_sync(functools.partial(self.check, seconds))
+
+
+def assert_clean(native_before: int | None = None) -> None:
+    """:meth:`Leaks.check` against the running test's baseline (the ``leaks`` fixture's), or without one."""
+    (Leaks.active or Leaks(baseline=False)).check(native_before=native_before)
+
+
+@pytest.fixture(scope="module")
+def warm_forkserver() -> None:
+    """Start multiprocessing's forkserver (with the collectors' preload) and resource tracker, so that
+    their fds and processes exist before a test takes its leak baseline."""
+    from multiprocessing import forkserver, resource_tracker
+
+    from aiocollect._workers._pool import _context
+
+    _context("forkserver")
+    forkserver.ensure_running()
+    resource_tracker.ensure_running()
+
+
+@pytest.fixture
+async def leaks(warm_forkserver: None) -> AsyncIterator[Leaks]:
+    """The leak baseline, taken inside the test's event loop; checked (after a bounded wait for processes
+    to be reaped and threads to end) when the test ends."""
+    baseline = Leaks()
+    Leaks.active = baseline
+    try:
+        yield baseline
+        await baseline.settle()
+    finally:
+        Leaks.active = None
