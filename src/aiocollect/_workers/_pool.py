@@ -50,6 +50,8 @@ from .._transport._waiters import WaiterTable
 from .._transport._wire import AsyncChannel
 from ._worker import WorkerSpec, start_thread_worker, worker_main
 
+__all__ = ["WorkerHandle", "WorkerPool", "signal_group", "thread_alive"]
+
 #: modules the forkserver imports once, so each worker starts in a fraction of a second
 _PRELOAD = ["torch", "tensordict", "gymnasium", "aiocollect._workers._worker"]
 

@@ -54,6 +54,16 @@ from .._transport._wire import BlockingChannel
 from .._weights import flat_weights
 from ._paths import resolve
 
+__all__ = [
+    "Worker",
+    "WorkerSpec",
+    "build_env",
+    "close_after_failure",
+    "control_layout",
+    "start_thread_worker",
+    "worker_main",
+]
+
 
 @dataclass(frozen=True)
 class WorkerSpec:
