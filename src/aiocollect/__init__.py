@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import typing
 
-from . import _errors
 from ._collector import Collector
 from ._distributed_weights import DistributedWeightSync
 from ._envs._gym import GymEnv
 from ._envs._protocol import EnvProtocol
-from ._errors import CollectorClosedError, WorkerTimeoutError
+from ._errors import CollectorClosedError, WorkerDiedError, WorkerError, WorkerTimeoutError
 from ._events import (
     BatchDelivered,
     EpisodeFinished,
@@ -35,7 +34,7 @@ from ._multi import (
     set_worker_warnings,
 )
 from ._policies import RandomPolicy
-from ._stats import CollectorStatistics, WorkerStatistics
+from ._stats import CollectorStatistics, WorkerState, WorkerStatistics
 from ._trajectories import split_trajectories
 from ._weightsync import (
     PipeWeightSync,
@@ -44,16 +43,12 @@ from ._weightsync import (
     WeightSender,
     WeightSync,
 )
-from ._workers._pool import WorkerDiedError
-from ._workers._wire import WorkerError
 
 if typing.TYPE_CHECKING:  # the lazy names below, for type checkers (imported on first use at run time)
     from ._distributed._launchers import submitit_delayed_launcher
     from ._distributed._ray import RayCollector
     from ._distributed._rpc import RPCCollector
     from ._distributed._torchdist import DistributedCollector, DistributedSyncCollector
-
-_errors.adopt_worker_errors(WorkerDiedError, WorkerError)  # the shared fields, kept when pickled
 
 __version__ = "0.1.0"
 
@@ -112,6 +107,7 @@ __all__ = [
     "WorkerError",
     "WorkerFailed",
     "WorkerStarted",
+    "WorkerState",
     "WorkerStatistics",
     "WorkerStopped",
     "WorkerTimeoutError",
