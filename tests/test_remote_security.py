@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from aiocollect import DistributedCollector, GymEnv
-from aiocollect._distributed._launchers import private_files, private_folder
+from aiocollect._remote._launchers import private_files, private_folder
 from aiocollect._distributed_weights import master_store
 
 

@@ -51,7 +51,7 @@ RENDEZVOUS_ENV = "AIOCOLLECT_RENDEZVOUS"
 #: environment variable overriding the address nodes use to reach the trainer
 HOST_ENV = "AIOCOLLECT_TRAINER_HOST"
 #: modules the node forkserver imports once
-_PRELOAD = ["torch", "tensordict", "gymnasium", "aiocollect._distributed._torchdist"]
+_PRELOAD = ["torch", "tensordict", "gymnasium", "aiocollect._remote._gloo"]
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ async def _serve(sock: socket.socket, rank: int) -> None:
     where = f"node {rank - 1} ({socket.gethostname()}, pid {os.getpid()})"
     try:
         setup = await chan.receive()
-        module = importlib.import_module(f"aiocollect._distributed.{setup.engine}")
+        module = importlib.import_module(f"aiocollect._remote.{setup.engine}")
         await module.run_node(chan, setup, where)
     except (EOFError, ConnectionError):
         pass  # the trainer is gone: just exit

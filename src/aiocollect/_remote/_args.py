@@ -1,0 +1,196 @@
+"""The arguments of the remote collectors (``DistributedCollector``, ``RPCCollector``, ``RayCollector``),
+checked once on the trainer, before any node or actor starts.
+
+One meaning per keyword across the remote collectors (and the multi-process ones):
+``update_at_each_batch`` (``update_after_each_batch`` is its deprecated alias) and
+``max_weight_update_interval`` (``None``: off; ``0`` and ``-1`` are deprecated spellings of ``None``).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+import torch
+from tensordict import TensorDictBase
+
+from .._validation import flag, positive_int, seed_arg
+from .._weightsync import flat_weights
+
+#: keywords a remote collector sets on every hosted collector itself
+RESERVED = (
+    "frames_per_batch",
+    "total_frames",
+    "progress",
+    "replay_buffer",
+    "traj_id_start",
+    "traj_id_stride",
+)
+_UNSET: Any = object()
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """When a remote collector sends weights by itself, and what they look like."""
+
+    at_each_batch: bool
+    #: ``None``: no forced updates; else a member that delivered this many batches without an update
+    #: gets one before its next batch
+    interval: int | None
+    #: the policy's flat weights (``None``: the policy has none)
+    template: TensorDictBase | None
+
+
+def weight_plan(
+    policy: Any,
+    update_at_each_batch: Any,
+    max_weight_update_interval: Any,
+    update_after_each_batch: Any = _UNSET,
+    stacklevel: int = 4,
+) -> WeightPlan:
+    """The checked weight keywords (``update_after_each_batch``: the deprecated spelling)."""
+    if update_after_each_batch is not _UNSET:
+        warnings.warn(
+            "update_after_each_batch is deprecated: use update_at_each_batch (same meaning)",
+            DeprecationWarning,
+            stacklevel=stacklevel,
+        )
+        if update_at_each_batch:
+            raise TypeError("give update_at_each_batch or update_after_each_batch (deprecated), not both")
+        update_at_each_batch = update_after_each_batch
+    at_each = flag("update_at_each_batch", update_at_each_batch)
+    interval = interval_arg(max_weight_update_interval, stacklevel + 1)
+    if at_each and interval is not None:
+        raise ValueError(
+            "update_at_each_batch and max_weight_update_interval exclude each other: "
+            "update_at_each_batch=True sends weights before every batch already, drop "
+            "max_weight_update_interval"
+        )
+    template = flat_weights(policy) if isinstance(policy, torch.nn.Module) else None
+    if (at_each or interval is not None) and template is None:
+        raise TypeError(
+            "update_at_each_batch and max_weight_update_interval send the policy's weights: they need "
+            f"an nn.Module policy, got {type(policy).__name__}"
+        )
+    return WeightPlan(at_each, interval, template)
+
+
+def interval_arg(value: Any, stacklevel: int = 4) -> int | None:
+    """``max_weight_update_interval``: ``None`` (off) or an int >= 1; ``0``/``-1`` (old spellings of
+    off) warn and mean ``None``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
+        raise ValueError(
+            f"max_weight_update_interval must be an int >= 1 (batches) or None (off), got {value!r}"
+        )
+    if value < 1:
+        warnings.warn(
+            f"max_weight_update_interval={value} is deprecated: use None (no forced weight updates)",
+            DeprecationWarning,
+            stacklevel=stacklevel,
+        )
+        return None
+    return value
+
+
+def check_policy(policy: Any) -> None:
+    if policy is not None and not callable(policy):
+        raise TypeError(
+            f"policy must be a TensorDictModule, an nn.Module, a callable td -> td or None, got {policy!r}"
+        )
+
+
+def per_member(name: str, value: Any, n: int, kind: type | tuple[type, ...], noun: str) -> list[Any]:
+    """``value`` for every member, or a sequence of ``n`` values, one per member."""
+    if isinstance(value, kind):
+        return [value] * n
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for num_collectors={n}: give one per {noun}")
+        return list(value)
+    raise TypeError(f"{name} must be a {getattr(kind, '__name__', kind)} or a list of one per {noun}")
+
+
+def split_frames(frames_per_batch: Any, n: int, sync: bool, noun: str, stacklevel: int = 4) -> int:
+    """Each member's ``frames_per_batch``: the whole for ``sync=False``, a ``1/n`` share for ``sync=True``."""
+    fpb = positive_int("frames_per_batch", frames_per_batch)
+    if not sync:
+        return fpb
+    if fpb % n:
+        warnings.warn(
+            f"frames_per_batch={fpb} is not divisible by {n} {noun}s: each collects {math.ceil(fpb / n)}",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
+    return math.ceil(fpb / n)
+
+
+def collector_kwargs_arg(
+    collector_kwargs: Any, n: int, owner: str, noun: str, *, list_seeds: bool = False
+) -> tuple[list[dict[str, Any]], int | None]:
+    """One checked dict of collector keywords per member and the seed that seeds them in a chain
+    (taken out of them). ``list_seeds``: a list of dicts keeps each member's own ``seed``."""
+    shared = collector_kwargs is None or isinstance(collector_kwargs, Mapping)
+    per = per_member("collector_kwargs", collector_kwargs or {}, n, Mapping, noun)
+    per = [dict(k) if isinstance(k, Mapping) else k for k in per]
+    seeds: set[Any] = set()
+    for i, kwargs in enumerate(per):
+        if not isinstance(kwargs, Mapping):
+            raise TypeError(f"collector_kwargs[{i}] must be a dict, got {kwargs!r}")
+        bad = sorted(set(kwargs) & set(RESERVED))
+        if bad:
+            raise ValueError(
+                f"collector_kwargs cannot set {bad}: {owner} sets them on every {noun} (give "
+                f"frames_per_batch, total_frames, replay_buffer and progress to {owner})"
+            )
+        seeds.add(kwargs.pop("seed", None) if shared or not list_seeds else None)
+        if "worker_timeout" in kwargs:  # checked here, not only once the nodes started
+            seconds_or_none("collector_kwargs['worker_timeout']", kwargs["worker_timeout"])
+    if len(seeds) > 1:
+        raise ValueError(
+            f"collector_kwargs: give one seed for all {noun}s (each {noun} gets its own from it)"
+        )
+    return per, seed_arg(seeds.pop())
+
+
+def payloads(
+    env_args: Sequence[Any], collector_class: type, per: Sequence[Mapping[str, Any]], noun: str
+) -> list[bytes]:
+    """Each member's pickled ``(env argument, collector class, collector keywords)``: small, pickled
+    here so that a bad one fails in the constructor."""
+    out = []
+    for i, (env_arg, kwargs) in enumerate(zip(env_args, per, strict=True)):
+        try:
+            out.append(cloudpickle.dumps((env_arg, collector_class, dict(kwargs))))
+        except Exception as exc:
+            raise TypeError(
+                f"the env constructor or collector_kwargs of {noun} {i} do not pickle: {exc}"
+            ) from exc
+    return out
+
+
+def seconds_or_none(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive number of seconds or None (no limit), got {value!r}")
+    return float(value)
+
+
+__all__ = [
+    "RESERVED",
+    "WeightPlan",
+    "check_policy",
+    "collector_kwargs_arg",
+    "interval_arg",
+    "payloads",
+    "per_member",
+    "seconds_or_none",
+    "split_frames",
+    "weight_plan",
+]
