@@ -30,7 +30,7 @@ RESERVED = (
     "traj_id_start",
     "traj_id_stride",
 )
-_UNSET: Any = object()
+UNSET: Any = object()
 
 
 @dataclass(frozen=True)
@@ -49,11 +49,11 @@ def weight_plan(
     policy: Any,
     update_at_each_batch: Any,
     max_weight_update_interval: Any,
-    update_after_each_batch: Any = _UNSET,
+    update_after_each_batch: Any = UNSET,
     stacklevel: int = 4,
 ) -> WeightPlan:
     """The checked weight keywords (``update_after_each_batch``: the deprecated spelling)."""
-    if update_after_each_batch is not _UNSET:
+    if update_after_each_batch is not UNSET:
         warnings.warn(
             "update_after_each_batch is deprecated: use update_at_each_batch (same meaning)",
             DeprecationWarning,
@@ -184,6 +184,7 @@ def seconds_or_none(name: str, value: Any) -> float | None:
 
 __all__ = [
     "RESERVED",
+    "UNSET",
     "WeightPlan",
     "check_policy",
     "collector_kwargs_arg",

@@ -25,10 +25,9 @@ class HostSpec:
 
     index: int
     num_nodes: int
-    payload: bytes  # cloudpickle of (env_fn, collector_class, collector_kwargs)
+    payload: bytes  # cloudpickle of (the collector's first argument, collector_class, collector_kwargs)
     policy_payload: bytes  # cloudpickle of the policy (the same bytes for every node)
     frames_per_batch: int
-    num_workers: int
 
 
 @dataclass(frozen=True)

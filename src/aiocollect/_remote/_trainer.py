@@ -17,7 +17,15 @@ from .._fleet import Member
 from .._gather import gather
 from .._multi import MultiAsyncCollector, MultiSyncCollector
 from .._validation import flag, positive_int, total_frames_arg
-from ._args import check_policy, collector_kwargs_arg, payloads, seconds_or_none, split_frames, weight_plan
+from ._args import (
+    UNSET,
+    check_policy,
+    collector_kwargs_arg,
+    payloads,
+    seconds_or_none,
+    split_frames,
+    weight_plan,
+)
 from ._launchers import (
     Launcher,
     make_launcher,
@@ -31,9 +39,6 @@ from ._messages import (
     control_op,
 )
 from ._nodes import DEFAULT_PROGRESS_TIMEOUT, Failure, NodeFleet, RemoteNode
-
-_UNSET: Any = object()
-
 
 _COLLECTOR_CLASSES = (Collector, MultiSyncCollector, MultiAsyncCollector)
 
@@ -63,7 +68,7 @@ class RemoteCollectorBase(NodeFleet):
         update_at_each_batch: bool = False,
         max_weight_update_interval: int | None = None,
         progress: Any = None,
-        update_after_each_batch: Any = _UNSET,
+        update_after_each_batch: Any = UNSET,
     ) -> None:
         env_fns = self._env_fns_arg(create_env_fn, num_collectors)
         n = self.num_collectors = len(env_fns)
