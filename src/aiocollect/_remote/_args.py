@@ -140,7 +140,7 @@ def collector_kwargs_arg(
     per = [dict(k) if isinstance(k, Mapping) else k for k in per]
     seeds: set[Any] = set()
     for i, kwargs in enumerate(per):
-        if not isinstance(kwargs, Mapping):
+        if not isinstance(kwargs, dict):
             raise TypeError(f"collector_kwargs[{i}] must be a dict, got {kwargs!r}")
         bad = sorted(set(kwargs) & set(RESERVED))
         if bad:

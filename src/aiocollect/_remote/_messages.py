@@ -188,7 +188,7 @@ def control_op(method: str, *args: Any) -> ControlOp:
     cls = OPS_BY_NAME.get(method)
     if cls is None:
         raise ValueError(f"no control operation for {method!r}: one of {sorted(OPS_BY_NAME)}")
-    return cls(*args)  # type: ignore[no-any-return]
+    return cls(*args)
 
 
 __all__ = [

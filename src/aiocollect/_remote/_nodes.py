@@ -10,6 +10,7 @@ on it with ``anyio.wait_readable``; EOF means the node died. Nothing is polled.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import itertools
 import math
@@ -126,7 +127,10 @@ class NodeFleet(FleetCollector):
         #: callers waiting for a node's reply: ("call", id) -> Result value, ("batch", node, seq) -> notice
         self._waiters = WaiterTable(on_orphan=self._on_orphan)
         self._ids = itertools.count(1)
+        # the batches of async mode: opened when the collector is entered (one never entered leaks none)
         send, receive = anyio.create_memory_object_stream[Any](math.inf)
+        send.close()
+        receive.close()
         self._deliveries_send: MemoryObjectSendStream[Any] = send
         self._deliveries: MemoryObjectReceiveStream[Any] = receive
         self._outstanding = 0  # frames requested from nodes and not yet delivered to the consumer
@@ -144,11 +148,13 @@ class NodeFleet(FleetCollector):
     async def _connect_transport(self) -> None:
         """Runs while the nodes join the data plane."""
 
+    @abc.abstractmethod
     async def _fetch_batch(self, node: RemoteNode) -> NodeBatch:
-        raise NotImplementedError
+        """``node``'s next batch."""
 
+    @abc.abstractmethod
     async def _send_weights(self, weights: TensorDictBase, version: int, ids: list[int]) -> None:
-        raise NotImplementedError
+        """Send ``weights`` as ``version`` to the nodes ``ids``."""
 
     async def _call(self, node: RemoteNode, op: ControlOp) -> Any:
         """Run a control operation on ``node``'s collector and return its reply."""
@@ -262,6 +268,7 @@ class NodeFleet(FleetCollector):
             raise RuntimeError("the collector was entered already")
         self._entered = True
         assert self._task_group is not None
+        self._deliveries_send, self._deliveries = anyio.create_memory_object_stream[Any](math.inf)
         self._policy_payload = await self._pickled_policy("the nodes")
         await self._task_group.start(self._io_host)
         await self._start()

@@ -10,11 +10,12 @@ Design: the same nodes, launchers and control connection as :class:`DistributedC
 connection carries set-up, "close", weight acknowledgements and errors, and its EOF is how a dead node
 is noticed at once: TensorPipe only notices at the next call, or at a timeout). What RPC carries:
 the typed operations of ``_messages``: ``NextBatch`` (a batch comes back as a dict of tensors, which
-TensorPipe sends without pickling them), ``StageWeights`` (the tensors), and the control operations (seed,
-state dict...), all answered by the node's :class:`~._node.NodeCore`. The trainer waits for each RPC future in a
-thread; nothing is polled. Every collector gets worker names of its own (``aiocollect-<token>-node1``...)
-and its own store, so that collectors can follow each other in one process; only **one** RPC agent
-can exist per process, so one ``RPCCollector`` at a time, and not beside an ``init_rpc`` of your own.
+TensorPipe sends without pickling them), ``StageWeights`` (the tensors), and the control operations
+(seed, state dict...), all answered by the node's :class:`~._node.NodeCore`. The trainer waits for each
+RPC future in a thread; nothing is polled. Every collector gets worker names of its own
+(``aiocollect-<token>-node1``...) and its own store, so that collectors can follow each other in one
+process; only **one** RPC agent can exist per process, so one ``RPCCollector`` at a time, and not beside
+an ``init_rpc`` of your own.
 """
 
 from __future__ import annotations
