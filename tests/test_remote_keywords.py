@@ -35,7 +35,7 @@ def test_update_after_each_batch_is_a_deprecated_alias(cls):
     with pytest.warns(DeprecationWarning, match="use update_at_each_batch"):
         c = make(cls, ConstantPolicy(), update_after_each_batch=True)
     assert c._update_at_each_batch if cls is RayCollector else c._after_each
-    with pytest.raises(TypeError, match="not both"), pytest.warns(DeprecationWarning):
+    with pytest.raises(TypeError, match="not both"), pytest.warns(DeprecationWarning, match="deprecated"):
         make(cls, ConstantPolicy(), update_at_each_batch=True, update_after_each_batch=True)
 
 
@@ -53,9 +53,9 @@ def test_interval_zero_and_minus_one_mean_none(cls, old):
 
 @pytest.mark.parametrize("cls", ENGINES)
 def test_weights_keywords_need_a_module_policy_and_exclude_each_other(cls):
-    with pytest.raises(TypeError, match="nn.Module"):
+    with pytest.raises(TypeError, match=r"nn\.Module"):
         make(cls, lambda td: td, update_at_each_batch=True)
-    with pytest.raises(TypeError, match="nn.Module"):
+    with pytest.raises(TypeError, match=r"nn\.Module"):
         make(cls, lambda td: td, max_weight_update_interval=2)
     with pytest.raises(ValueError, match="exclude each other"):
         make(cls, ConstantPolicy(), update_at_each_batch=True, max_weight_update_interval=2)
