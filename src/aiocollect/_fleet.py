@@ -185,3 +185,6 @@ class FleetCollector(CollectorBase):
         """Continue the budget from the saved counters; versions never go back."""
         self._stats.load(int(state["frames"]), int(state.get("batches", 0)), int(state.get("episodes", 0)))
         self._version = max(self._version, int(state.get("policy_version", 0)))
+
+
+__all__ = ["FleetCollector", "Member"]

@@ -5,3 +5,5 @@
 One hosted-collector core (``_node``) runs on every node and actor; the trainer side is one base
 (``_nodes``, ``_trainer``); the engines (``_gloo``, ``_rpc``, ``_ray``) only carry batches, weights and the
 typed control operations of ``_messages``."""
+
+__all__: list[str] = []

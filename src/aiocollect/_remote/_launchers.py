@@ -554,3 +554,27 @@ def submitit_delayed_launcher(
         return launch
 
     return decorator
+
+
+__all__ = [
+    "HELLO_SIZE",
+    "HOST_ENV",
+    "RENDEZVOUS_ENV",
+    "DelayedLauncher",
+    "Launcher",
+    "MPLauncher",
+    "NodeProcess",
+    "SubmititLauncher",
+    "TrainerAddress",
+    "check_hello",
+    "connect",
+    "delayed_node_entry",
+    "hello",
+    "make_launcher",
+    "new_token",
+    "node_entry",
+    "private_files",
+    "private_folder",
+    "routable_host",
+    "submitit_delayed_launcher",
+]

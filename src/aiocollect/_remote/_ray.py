@@ -472,3 +472,6 @@ class RayCollector(ActorFleet):
             f"{self._collector_class.__name__}, frames_per_batch={self.frames_per_batch}, "
             f"total_frames={self.total_frames}, sync={self._sync}, closed={self._closed})"
         )
+
+
+__all__ = ["RayCollector"]
