@@ -503,7 +503,7 @@ def test_segments_of_a_killed_trainer_are_swept_by_the_next_collector(tmp_path):
     sweeps those of dead pids (and leaves live processes' and other names alone)."""
     import subprocess
 
-    from aiocollect._workers import _shm
+    from aiocollect._transport import _shm
 
     dead = subprocess.Popen(["true"])
     dead.wait()  # a pid that no longer exists

@@ -1,4 +1,4 @@
-"""The cancellation-safe waiter table (``aiocollect._waiters``) used by the remote collectors."""
+"""The cancellation-safe waiter table (``aiocollect._transport._waiters``) used by the remote collectors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from aiocollect._waiters import WaiterTable
+from aiocollect._transport._waiters import WaiterTable
 
 pytestmark = pytest.mark.anyio
 

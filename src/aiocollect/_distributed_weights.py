@@ -28,124 +28,25 @@ later updates raise until the collector is rebuilt.
 from __future__ import annotations
 
 import contextlib
-import datetime
-import socket
 import threading
 import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
-from math import prod
 from typing import Any
 
 import anyio
 import anyio.to_thread
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 
 from ._daemon import run_abandonable
-from ._weights import copy_weights
-from ._weightsync import SendFn, WeightReceiver, WeightSender, WeightSync, flat_weights
+from ._transport._flat import FlatBuffer, FlatLayout, layout_of
+from ._transport._groups import check_backend, client_store, local_address, master_store, new_group, timedelta
+from ._weights import copy_weights, flat_weights
+from ._weightsync import SendFn, WeightReceiver, WeightSender, WeightSync
 
-_ALIGN = 64
-
-
-# -- one flat buffer for all the weights -----------------------------------------------------------
-@dataclass(frozen=True)
-class _Entry:
-    key: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-def _flat_layout(weights: TensorDictBase) -> tuple[tuple[_Entry, ...], int]:
-    """Where each weight lives in the flat byte buffer (64-byte aligned); the buffer's size."""
-    entries, pos = [], 0
-    for key, value in weights.items(include_nested=True, leaves_only=True):
-        name = key if isinstance(key, str) else ".".join(key)
-        nbytes = prod(value.shape) * value.dtype.itemsize
-        entries.append(_Entry(name, value.dtype, tuple(value.shape), pos, nbytes))
-        pos += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-    return tuple(entries), max(pos, _ALIGN)
-
-
-class _FlatBuffer:
-    """A contiguous ``uint8`` tensor and a TensorDict of typed views on it, one per weight."""
-
-    def __init__(self, entries: Sequence[_Entry], nbytes: int, device: torch.device) -> None:
-        self.data = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-        views = {}
-        for e in entries:
-            if e.nbytes:
-                views[e.key] = self.data[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
-            else:  # an empty tensor: nothing to carry
-                views[e.key] = torch.empty(e.shape, dtype=e.dtype, device=device)
-        self.views = TensorDict(views, batch_size=[])
-
-
-# -- the process group -----------------------------------------------------------------------------
-def _timedelta(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=seconds)
-
-
-def _new_group(
-    backend: str, store: Any, rank: int, world_size: int, timeout: float, hostname: str, interface: str | None
-) -> Any:
-    """A process group over ``store`` that is not registered with ``torch.distributed`` (no default
-    group is created or changed)."""
-    if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-        options._timeout = _timedelta(timeout)
-        if interface:
-            device = dist.ProcessGroupGloo.create_device(interface=interface)
-        else:
-            device = dist.ProcessGroupGloo.create_device(hostname=hostname)
-        options._devices = [device]
-        return dist.ProcessGroupGloo(store, rank, world_size, options)
-    nccl = getattr(dist, "ProcessGroupNCCL", None)
-    if nccl is None:  # pragma: no cover - CPU builds of torch
-        raise RuntimeError("DistributedWeightSync(backend='nccl') needs a CUDA build of torch")
-    options = nccl.Options()
-    options._timeout = _timedelta(timeout)
-    return nccl(store, rank, world_size, options)
-
-
-def master_store(host: str, port: int, timeout: float) -> Any:
-    """The master ``TCPStore`` of a group, listening on ``host`` only: torch's own listens on every
-    interface (``*``), whatever ``host`` says. We bind the socket and hand it over (the store owns it
-    and closes it)."""
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(1024)
-        bound_port = sock.getsockname()[1]
-    except BaseException:
-        sock.close()
-        raise
-    return dist.TCPStore(
-        host,
-        bound_port,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=_timedelta(timeout),
-        master_listen_fd=sock.detach(),
-    )
-
-
-def _local_address(host: str, port: int) -> str:
-    """This machine's address on the route to ``host`` (what gloo binds on a worker): 127.0.0.1 for a
-    trainer on this machine, the right interface's address for a remote one. No packet is sent."""
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0][0]
-        with socket.socket(family, socket.SOCK_DGRAM) as probe:
-            probe.connect((host, port))
-            return str(probe.getsockname()[0])
-    except OSError:
-        return host
+__all__ = ["DistributedWeightSync", "master_store"]
 
 
 def _broadcast_options() -> Any:
@@ -203,9 +104,9 @@ class _DistributedSender(WeightSender):
         self._config = config
         self._num_workers = num_workers
         self._send = send
-        self._entries, self._nbytes = _flat_layout(weights)
+        self._layout = layout_of(weights)
         self._device = config._device(0)
-        self._buffer = _FlatBuffer(self._entries, self._nbytes, self._device)
+        self._buffer = FlatBuffer(self._layout, self._device)
         host, port = config._address()
         self._host = host
         self._store: Any = master_store(host, port, config.timeout)
@@ -227,8 +128,7 @@ class _DistributedSender(WeightSender):
                 timeout=self._config.timeout,
                 interface=self._config.interface,
                 device=str(self._config._device(i + 1)),
-                entries=self._entries,
-                nbytes=self._nbytes,
+                layout=self._layout,
             )
             for i in range(self._num_workers)
         ]
@@ -243,9 +143,9 @@ class _DistributedSender(WeightSender):
 
         def wait_ready() -> None:
             # a client of its own: a store client runs one operation at a time, and this one blocks
-            store = dist.TCPStore(self._host, self._port, is_master=False, timeout=_timedelta(timeout))
+            store = client_store(self._host, self._port, timeout)
             try:
-                store.wait(ready, _timedelta(timeout))
+                store.wait(ready, timedelta(timeout))
             except RuntimeError as exc:  # torch's DistStoreError on timeout
                 raise TimeoutError(
                     f"DistributedWeightSync: {self._num_workers} workers did not all join within "
@@ -266,14 +166,14 @@ class _DistributedSender(WeightSender):
 
     def _build_group(self) -> None:
         config = self._config
-        group = _new_group(
+        group = new_group(
             config.backend,
             self._store,
             0,
             self._num_workers + 1,
-            config.timeout,
-            self._host,
-            config.interface,
+            timeout=config.timeout,
+            host=self._host,
+            interface=config.interface,
         )
         with self._lock:
             if self._closed:  # the collector gave up meanwhile
@@ -380,8 +280,7 @@ class _DistributedReceiverSpec:
     timeout: float
     interface: str | None
     device: str
-    entries: tuple[_Entry, ...]
-    nbytes: int
+    layout: FlatLayout
 
     def open(self, index: int) -> WeightReceiver:
         return _DistributedReceiver(self, index)
@@ -391,14 +290,12 @@ class _DistributedReceiver(WeightReceiver):
     def __init__(self, spec: _DistributedReceiverSpec, index: int) -> None:
         rank = index + 1
         self._device = torch.device(spec.device)
-        self._store: Any = dist.TCPStore(
-            spec.host, spec.port, is_master=False, timeout=_timedelta(spec.timeout)
-        )
+        self._store: Any = client_store(spec.host, spec.port, spec.timeout)
         # announce, then wait for the trainer's go (it also sets it after an abort, when another worker
         # failed to start)
         self._store.set(f"ready/{rank}", "1")
         try:
-            self._store.wait(["go"], _timedelta(spec.timeout))
+            self._store.wait(["go"], timedelta(spec.timeout))
         except RuntimeError as exc:  # torch's DistStoreError on timeout
             raise TimeoutError(
                 f"DistributedWeightSync: no rendezvous with the trainer within {spec.timeout:g} s: {exc}"
@@ -407,16 +304,16 @@ class _DistributedReceiver(WeightReceiver):
             raise RuntimeError("DistributedWeightSync: the trainer abandoned the rendezvous")
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)
-        self._group: Any = _new_group(
+        self._group: Any = new_group(
             spec.backend,
             self._store,
             rank,
             spec.world_size,
-            spec.timeout,
-            _local_address(spec.host, spec.port),
-            spec.interface,
+            timeout=spec.timeout,
+            host=local_address(spec.host, spec.port),
+            interface=spec.interface,
         )
-        self._buffer = _FlatBuffer(spec.entries, spec.nbytes, self._device)
+        self._buffer = FlatBuffer(spec.layout, self._device)
         self._pending: int | None = None
         self._newest = 0
 
@@ -506,12 +403,7 @@ class DistributedWeightSync(WeightSync):
         interface: str | None = None,
         devices: Sequence[Any] | None = None,
     ) -> None:
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-        if not dist.is_available():  # pragma: no cover - torch without distributed
-            raise RuntimeError("DistributedWeightSync needs torch.distributed, which this torch lacks")
-        if backend == "gloo" and not dist.is_gloo_available():  # pragma: no cover
-            raise RuntimeError("this torch build has no gloo backend")
+        check_backend(backend, ("gloo", "nccl"))
         if init_method is not None:
             _parse_init_method(init_method)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:

@@ -10,10 +10,17 @@ from tensordict import TensorDict, TensorDictBase
 
 from ._policies import unwrap_compiled
 
+__all__ = ["as_weights", "check_compatible", "copy_weights", "flat_weights", "module_weights"]
+
 
 def module_weights(module: torch.nn.Module) -> TensorDictBase:
     """Parameters **and** buffers of ``module``, sharing its storage."""
     return TensorDict.from_module(unwrap_compiled(module), as_module=False)
+
+
+def flat_weights(module: torch.nn.Module) -> TensorDictBase:
+    """A module's parameters and buffers with flat ``"a.b.c"`` keys, sharing its storage."""
+    return module_weights(module).flatten_keys(".")
 
 
 def as_weights(source: Any) -> TensorDictBase:

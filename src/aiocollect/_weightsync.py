@@ -26,16 +26,12 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ._weights import copy_weights, module_weights
-from ._workers._shm import Layout, SharedBlock, layout_of
+from ._transport._flat import FlatLayout, layout_of
+from ._transport._shm import SharedBlock
+from ._weights import copy_weights, flat_weights
 
 #: how a sender reaches worker ``i``'s control channel: ``await send(i, message)``
 SendFn = Callable[[int, Any], Awaitable[None]]
-
-
-def flat_weights(module: torch.nn.Module) -> TensorDictBase:
-    """A module's parameters and buffers with flat ``"a.b.c"`` keys, sharing its storage."""
-    return module_weights(module).flatten_keys(".")
 
 
 class WeightReceiver(abc.ABC):
@@ -85,12 +81,16 @@ class WeightSync(abc.ABC):
 
 
 # -- shared memory ---------------------------------------------------------------------------------
+def _ctl_layout(num_workers: int) -> FlatLayout:
+    return FlatLayout.build([("ctl", (1 + num_workers,), torch.int64)])
+
+
 class _SharedSender(WeightSender):
     def __init__(self, weights: TensorDictBase, num_workers: int) -> None:
-        self.layout: Layout = layout_of(weights)
-        self.block = SharedBlock(self.layout, ())
+        self.layout = layout_of(weights)
+        self.block = SharedBlock(self.layout)
         # [sequence, target version of worker 0, ..., worker N-1]; the sequence is odd while writing
-        self.ctl = SharedBlock([("ctl", (1 + num_workers,), torch.int64)], ())
+        self.ctl = SharedBlock(_ctl_layout(num_workers))
         self.ctl.td["ctl"].zero_()
         copy_weights(self.block.td, weights)
         self.num_workers = num_workers
@@ -125,7 +125,7 @@ class _SharedSender(WeightSender):
 class _SharedReceiverSpec:
     block_name: str
     ctl_name: str
-    layout: Layout
+    layout: FlatLayout
     num_workers: int
 
     def open(self, index: int) -> WeightReceiver:
@@ -134,8 +134,8 @@ class _SharedReceiverSpec:
 
 class _SharedReceiver(WeightReceiver):
     def __init__(self, spec: _SharedReceiverSpec, index: int) -> None:
-        self.block = SharedBlock(spec.layout, (), name=spec.block_name)
-        self.ctl_block = SharedBlock([("ctl", (1 + spec.num_workers,), torch.int64)], (), name=spec.ctl_name)
+        self.block = SharedBlock(spec.layout, name=spec.block_name)
+        self.ctl_block = SharedBlock(_ctl_layout(spec.num_workers), name=spec.ctl_name)
         self._ctl: np.ndarray = self.ctl_block.td["ctl"].numpy()
         self._index = 1 + index
 
@@ -247,3 +247,16 @@ class PipeWeightSync(WeightSync):
 
     def __repr__(self) -> str:
         return "PipeWeightSync()"
+
+
+__all__ = [
+    "PipeWeightSync",
+    "SendFn",
+    "SharedMemoryWeightSync",
+    "WeightReceiver",
+    "WeightSender",
+    "WeightSync",
+    "WeightsMessage",
+    # re-exported until the collectors import it from ._weights
+    "flat_weights",
+]

@@ -33,7 +33,8 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from .._errors import WorkerTimeoutError
 from .._events import Event, WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
 from .._gather import gather
-from ._shm import SharedBlock
+from .._transport._shm import SharedBlock
+from .._transport._waiters import WaiterTable
 from ._wire import AsyncChannel, Attach, BatchReady, Call, Close, Failed, Ready, Result
 from ._worker import WorkerSpec, start_thread_worker, worker_main
 
@@ -143,7 +144,8 @@ class WorkerPool:
         send, receive = anyio.create_memory_object_stream[Any](math.inf)
         self._deliveries_send: MemoryObjectSendStream[Any] = send
         self.deliveries: MemoryObjectReceiveStream[Any] = receive
-        self._results: dict[int, tuple[anyio.Event, list[Any]]] = {}
+        #: callers waiting for a worker's reply, by request id (a cancelled caller is forgotten)
+        self._replies = WaiterTable()
         self._ids = itertools.count()
 
     # -- start ------------------------------------------------------------------------------------
@@ -261,10 +263,7 @@ class WorkerPool:
             handle.expected_since = anyio.current_time() if more else None
             self._deliveries_send.send_nowait((handle.index, msg))
         elif isinstance(msg, Result):
-            waiter = self._results.pop(msg.request_id, None)
-            if waiter is not None:
-                waiter[1].append(msg.value)
-                waiter[0].set()
+            self._replies.resolve(msg.request_id, msg.value)
         elif isinstance(msg, Ready):
             handle.ready = msg
             handle.policy_version = msg.policy_version
@@ -287,10 +286,7 @@ class WorkerPool:
         if self.failure is None:
             self.failure = error
         self._deliveries_send.send_nowait(_Failure(error))
-        for event, box in self._results.values():
-            box.append(_Failure(error))
-            event.set()
-        self._results.clear()
+        self._replies.fail(error)
         for handle in self.workers:
             self._ready_event(handle).set()
 
@@ -323,25 +319,15 @@ class WorkerPool:
         """Run ``op`` in worker ``index`` between batches and return its result."""
         self.check()
         request_id = next(self._ids)
-        box: list[Any]
-        event, box = anyio.Event(), []
-        self._results[request_id] = (event, box)
-        try:
+        with self._replies.expect(request_id) as waiter:
             await self.send(index, Call(request_id, op, args))
             with anyio.move_on_after(self.timeout if self.timeout is not None else math.inf):
-                await event.wait()
-            if not event.is_set():
-                error = WorkerTimeoutError(
-                    f"worker {index} did not answer {op!r} within worker_timeout={self.timeout} s"
-                )
-                self.fail(error)
-                raise error
-        finally:
-            self._results.pop(request_id, None)
-        value = box[0]
-        if isinstance(value, _Failure):
-            raise value.error
-        return value
+                return await waiter.wait()
+        error = WorkerTimeoutError(
+            f"worker {index} did not answer {op!r} within worker_timeout={self.timeout} s"
+        )
+        self.fail(error)
+        raise error
 
     async def call_all(self, op: str, *args: Any) -> list[Any]:
         return await gather(*[partial(self.call, i, op, *args) for i in range(len(self.workers))])

@@ -25,9 +25,10 @@ from .._policies import compile_policy, make_runner, parse_exploration_type
 from .._rng import RolloutRNG
 from .._rollout import Rollout, RolloutConfig
 from .._torch_settings import TorchSettings
-from .._weightsync import flat_weights
+from .._transport._flat import FlatLayout, layout_of
+from .._transport._shm import SharedBlock
+from .._weights import flat_weights
 from ._paths import resolve
-from ._shm import Layout, SharedBlock, layout_of
 from ._wire import (
     Attach,
     BatchReady,
@@ -100,9 +101,11 @@ class _Closing(Exception):
     """The parent asked the worker to stop."""
 
 
-def control_layout(num_workers: int) -> Layout:
+def control_layout(num_workers: int) -> FlatLayout:
     """Per-worker stop flags (preemption) and published weight versions, shared with the parent."""
-    return [("stop", (num_workers,), torch.int64), ("published", (num_workers,), torch.int64)]
+    return FlatLayout.build(
+        [("stop", (num_workers,), torch.int64), ("published", (num_workers,), torch.int64)]
+    )
 
 
 class _StopFlag:
@@ -164,7 +167,7 @@ class Worker:
             raise
 
     # -- layout and batches ----------------------------------------------------------------------
-    def layout(self) -> tuple[Layout, tuple[int, ...]]:
+    def layout(self) -> tuple[FlatLayout, tuple[int, ...]]:
         batch = self.rollout.layout()
         return layout_of(batch), tuple(batch.batch_size)
 

@@ -1,0 +1,110 @@
+"""Shared-memory blocks holding TensorDicts: one named ``/dev/shm`` segment per block.
+
+The parent creates and unlinks every segment (``aiocollect_<pid>_`` prefix, so leaks are easy to spot);
+workers map them by name. A block holds one :class:`~aiocollect._transport._flat.FlatLayout`; its
+TensorDict (``td``) is the codec's views on the mapping. A process killed with SIGKILL (an OOM or cgroup
+kill of the whole group) never unlinks its segments: the first segment a process creates sweeps those
+whose creator's pid is no longer alive.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from collections.abc import Sequence
+from multiprocessing import shared_memory
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from .._pids import pid_alive
+from ._flat import FlatBuffer, FlatLayout
+
+__all__ = ["PREFIX", "SharedBlock", "sweep_orphans"]
+
+PREFIX = "aiocollect_"
+
+_SHM_DIR = "/dev/shm"
+_swept = False
+
+
+def sweep_orphans(directory: str = _SHM_DIR) -> list[str]:
+    """Unlink the ``aiocollect_<pid>_*`` segments of processes that no longer exist (this pid namespace;
+    our own files only) and return their names. Run once per process, before its first segment."""
+    try:
+        names = os.listdir(directory)
+    except OSError:  # no /dev/shm (not Linux)
+        return []
+    removed = []
+    me, uid = os.getpid(), os.getuid()
+    for name in names:
+        if not name.startswith(PREFIX):
+            continue
+        pid_text = name[len(PREFIX) :].split("_", 1)[0]
+        if not pid_text.isdigit() or int(pid_text) == me or pid_alive(int(pid_text)):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.stat(path).st_uid != uid:
+                continue
+            os.unlink(path)
+        except OSError:  # gone meanwhile, or not ours to remove
+            continue
+        removed.append(name)
+    return removed
+
+
+class SharedBlock:
+    """A TensorDict of ``layout`` in a shared segment the caller creates (parent) or maps (worker).
+
+    ``batch_size``, if given, replaces the layout's own."""
+
+    def __init__(
+        self, layout: FlatLayout, batch_size: Sequence[int] | None = None, name: str | None = None
+    ) -> None:
+        if batch_size is not None and tuple(batch_size) != layout.batch_size:
+            layout = FlatLayout(layout.leaves, layout.nbytes, tuple(batch_size), layout.names)
+        self.layout = layout
+        self.batch_size = layout.batch_size
+        self.nbytes = layout.nbytes
+        self._shm: shared_memory.SharedMemory | None = None
+        self._mmap: mmap.mmap | None = None
+        if name is None:  # create (parent)
+            global _swept
+            if not _swept:
+                _swept = True
+                sweep_orphans()
+            self._shm = shared_memory.SharedMemory(
+                name=f"{PREFIX}{os.getpid()}_{secrets.token_hex(6)}", create=True, size=self.nbytes
+            )
+            self.name = self._shm.name
+            buf: Any = self._shm.buf
+        else:  # map an existing one (worker): no resource-tracker registration, the parent owns it
+            self.name = name
+            fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+            try:
+                self._mmap = mmap.mmap(fd, self.nbytes)
+            finally:
+                os.close(fd)
+            buf = self._mmap
+        data = torch.frombuffer(buf, dtype=torch.uint8, count=self.nbytes)
+        self.td: TensorDict = FlatBuffer(layout, data=data).views
+
+    def unlink(self) -> None:
+        """Remove the segment (parent). Mappings stay valid until dropped."""
+        if self._shm is not None:
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        self.td = None  # type: ignore[assignment]  # drop the views: the mapping can close
+        for closable in (self._shm, self._mmap):
+            if closable is not None:
+                try:
+                    closable.close()
+                except (BufferError, ValueError):  # a view still alive: the GC unmaps it later
+                    pass
