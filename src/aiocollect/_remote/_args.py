@@ -19,7 +19,7 @@ import torch
 from tensordict import TensorDictBase
 
 from .._validation import flag, positive_int, seed_arg
-from .._weightsync import flat_weights
+from .._weights import flat_weights
 
 #: keywords a remote collector sets on every hosted collector itself
 RESERVED = (

@@ -29,22 +29,54 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import torch
-import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 
 from .._daemon import run_abandonable
-from .._distributed_weights import DistributedWeightSync, master_store
+from .._distributed_weights import DistributedWeightSync
 from .._errors import RemoteFailure
 from .._gather import gather
+from .._transport._flat import FlatBuffer, layout_of
+from .._transport._groups import (
+    check_backend,
+    client_store,
+    interface_from_env,
+    master_store,
+    new_group,
+)
 from .._weights import module_weights
 from .._workers._wire import AsyncChannel, Result
-from ._dataplane import FlatBatch, check_backend, data_device, layout_of, new_group, timedelta
 from ._messages import BatchNotice, CallFailed, Close, Collect, Loaded, NodeBatch, NodeReady, Request, Setup
 from ._node import NodeCore
 from ._nodes import RemoteNode
 from ._trainer import RemoteCollectorBase
 
 _TIMEOUT = 120.0  # seconds: rendezvous and transfers of the data group
+
+
+def data_device(backend: str, rank: int) -> torch.device:
+    """Where ``rank``'s batch buffers live: its GPU for nccl, else the CPU."""
+    if backend == "nccl":
+        count = torch.cuda.device_count()
+        if not count:
+            raise RuntimeError("backend='nccl' needs CUDA devices on every rank")
+        return torch.device("cuda", rank % count)
+    return torch.device("cpu")
+
+
+def _data_group(backend: str, store: Any, rank: int, world_size: int, host: str, timeout: float) -> Any:
+    """The data plane's process group (gloo binds ``host``, this rank's address, unless
+    ``GLOO_SOCKET_IFNAME`` names an interface)."""
+    cuda = data_device(backend, rank) if backend == "nccl" else None
+    return new_group(
+        backend,
+        store,
+        rank,
+        world_size,
+        timeout=timeout,
+        host=host,
+        interface=interface_from_env(),
+        cuda_device=cuda,
+    )
 
 
 def _send_wait(group: Any, data: torch.Tensor, tag: int) -> None:
@@ -63,14 +95,15 @@ async def run_node(chan: AsyncChannel, setup: Setup, where: str) -> None:
         my_host = chan.sock.getsockname()[0]  # the address that routes to the trainer
 
         def join() -> tuple[Any, Any]:
-            store = dist.TCPStore(t["host"], t["port"], is_master=False, timeout=timedelta(t["timeout"]))
-            return store, new_group(t["backend"], store, rank, setup.num_nodes + 1, my_host, t["timeout"])
+            store = client_store(t["host"], t["port"], t["timeout"])
+            group = _data_group(t["backend"], store, rank, setup.num_nodes + 1, my_host, t["timeout"])
+            return store, group
 
         store, group = await anyio.to_thread.run_sync(join)
         device = data_device(t["backend"], rank)
         await chan.send(NodeReady(os.getpid(), socket.gethostname(), core.frames_per_batch))
         requests_send, requests = anyio.create_memory_object_stream[Collect](math.inf)
-        buffer: FlatBatch | None = None
+        buffer: FlatBuffer | None = None
 
         async def collect_loop() -> None:
             nonlocal buffer
@@ -80,7 +113,7 @@ async def run_node(chan: AsyncChannel, setup: Setup, where: str) -> None:
                 layout = layout_of(batch)
                 new_layout = buffer is None or buffer.layout != layout
                 if new_layout:
-                    buffer = FlatBatch(layout, device)
+                    buffer = FlatBuffer(layout, device)
                 assert buffer is not None
                 await anyio.to_thread.run_sync(buffer.pack, batch)
                 if device.type == "cuda":
@@ -214,7 +247,7 @@ class DistributedCollector(RemoteCollectorBase):
                 backend="nccl" if self.backend == "nccl" else "gloo",
                 init_method=f"tcp://{host}:0",
                 timeout=_TIMEOUT,
-                interface=(os.environ.get("GLOO_SOCKET_IFNAME") or "").split(",")[0] or None,
+                interface=interface_from_env(),
             )
             self._sender = await anyio.to_thread.run_sync(
                 scheme.open_sender, self._weights_template.clone(), self.num_collectors, self._send_to
@@ -237,7 +270,7 @@ class DistributedCollector(RemoteCollectorBase):
 
     async def _connect_transport(self) -> None:
         def build() -> None:
-            self._group = new_group(
+            self._group = _data_group(
                 self.backend, self._store, 0, self.num_collectors + 1, self._host, _TIMEOUT
             )
 
@@ -261,8 +294,8 @@ class DistributedCollector(RemoteCollectorBase):
 
     async def _receive(self, node: RemoteNode, notice: BatchNotice) -> NodeBatch:
         if notice.layout is not None:
-            node.buffer = await anyio.to_thread.run_sync(FlatBatch, notice.layout, self._device)
-        buffer: FlatBatch = node.buffer
+            node.buffer = await anyio.to_thread.run_sync(FlatBuffer, notice.layout, self._device)
+        buffer: FlatBuffer = node.buffer
         group, tag = self._group, notice.seq & 0x7FFFFFFF
 
         def recv() -> TensorDict:

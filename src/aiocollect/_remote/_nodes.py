@@ -30,7 +30,7 @@ from .._errors import WorkerTimeoutError, as_error, worker_died
 from .._events import WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
 from .._fleet import FleetCollector
 from .._gather import gather
-from .._waiters import Waiter, WaiterTable
+from .._transport._waiters import Waiter, WaiterTable
 from .._workers._wire import AsyncChannel, Failed, Result
 from ._launchers import (
     HELLO_SIZE,

@@ -36,11 +36,11 @@ import torch.distributed as dist
 from tensordict import TensorDictBase
 
 from .._daemon import run_abandonable
-from .._distributed_weights import master_store
 from .._errors import RemoteFailure, as_error
 from .._gather import gather
+from .._transport._flat import rebuild
+from .._transport._groups import client_store, master_store
 from .._workers._wire import AsyncChannel
-from ._dataplane import rebuild, timedelta
 from ._messages import (
     Close,
     ControlOp,
@@ -82,7 +82,7 @@ def _init_agent(t: Mapping[str, Any], rank: int) -> None:
 
     store = t.get("store")
     if store is None:
-        store = dist.TCPStore(t["host"], t["port"], is_master=False, timeout=timedelta(t["timeout"]))
+        store = client_store(t["host"], t["port"], t["timeout"])
     prefixed = dist.PrefixStore(t["prefix"], store)
     dist_autograd._init(rank)
     with warnings.catch_warnings():
@@ -277,7 +277,7 @@ class RPCCollector(RemoteCollectorBase):
         leaves, layout, frames, episodes, version = await self._within_progress_timeout(
             node, partial(self._rpc_async, node, NextBatch(), rpc_timeout=0)
         )
-        return NodeBatch(rebuild(leaves, layout), frames, episodes, version)
+        return NodeBatch(rebuild(leaves, *layout), frames, episodes, version)
 
     async def _send_weights(self, weights: TensorDictBase, version: int, ids: list[int]) -> None:
         plain = await anyio.to_thread.run_sync(
