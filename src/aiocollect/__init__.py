@@ -32,6 +32,7 @@ from ._multi import (
     ProcessCollector,
     set_worker_warnings,
 )
+from ._options import RolloutOptions, WeightSchedule
 from ._policies import RandomPolicy
 from ._stats import CollectorStatistics, WorkerStatistics
 from ._trajectories import split_trajectories
@@ -99,6 +100,7 @@ __all__ = [
     "RPCCollector",
     "RayCollector",
     "Resumed",
+    "RolloutOptions",
     "SharedMemoryWeightSync",
     "WorkerDiedError",
     "WorkerError",
@@ -112,6 +114,7 @@ __all__ = [
     "WeightsPublished",
     "WeightSender",
     "WeightSync",
+    "WeightSchedule",
     "__version__",
     "set_worker_warnings",
     "split_trajectories",
