@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aiocollect import DistributedCollector, GymEnv, RayCollector, RPCCollector
+from aiocollect import DistributedCollector, GymEnv, RayCollector, RPCCollector, WeightSchedule
 
 ENGINES = [DistributedCollector, RPCCollector, RayCollector]
 
@@ -35,14 +35,14 @@ def test_update_after_each_batch_is_a_deprecated_alias(cls):
     with pytest.warns(DeprecationWarning, match="use update_at_each_batch"):
         c = make(cls, ConstantPolicy(), update_after_each_batch=True)
     assert c._update_at_each_batch if cls is RayCollector else c._after_each
-    with pytest.raises(TypeError, match="not both"), pytest.warns(DeprecationWarning, match="deprecated"):
+    with pytest.raises(TypeError, match="not both"):
         make(cls, ConstantPolicy(), update_at_each_batch=True, update_after_each_batch=True)
 
 
 @pytest.mark.parametrize("cls", ENGINES)
 @pytest.mark.parametrize("old", [0, -1])
 def test_interval_zero_and_minus_one_mean_none(cls, old):
-    with pytest.warns(DeprecationWarning, match="use None"):
+    with pytest.warns(DeprecationWarning, match="max_weight_update_interval=None"):
         c = make(cls, ConstantPolicy(), max_weight_update_interval=old)
     assert c._interval == 0
     with pytest.raises(ValueError, match="max_weight_update_interval"):
@@ -67,3 +67,15 @@ def test_collector_kwargs_are_checked_on_the_trainer(cls):
         make(cls, collector_kwargs={"total_frames": 10})
     with pytest.raises(ValueError, match="worker_timeout"):
         make(cls, collector_kwargs={"worker_timeout": -1})
+    with pytest.raises(ValueError, match="max_frames_per_traj"):
+        make(cls, collector_kwargs={"max_frames_per_traj": -3})
+    with pytest.raises(TypeError, match="split_trajs"):
+        make(cls, collector_kwargs=[{}, {"split_trajs": "yes"}])
+
+
+@pytest.mark.parametrize("cls", ENGINES)
+def test_a_weight_schedule_object_is_accepted(cls):
+    c = make(cls, ConstantPolicy(), weights=WeightSchedule(max_weight_update_interval=2))
+    assert c._interval == 2
+    with pytest.raises(TypeError, match="both given"):
+        make(cls, ConstantPolicy(), weights=WeightSchedule(), max_weight_update_interval=2)

@@ -1,9 +1,11 @@
 """The arguments of the remote collectors (``DistributedCollector``, ``RPCCollector``, ``RayCollector``),
 checked once on the trainer, before any node or actor starts.
 
-One meaning per keyword across the remote collectors (and the multi-process ones):
-``update_at_each_batch`` (``update_after_each_batch`` is its deprecated alias) and
-``max_weight_update_interval`` (``None``: off; ``0`` and ``-1`` are deprecated spellings of ``None``).
+One meaning per keyword across the remote collectors (and the multi-process ones), from
+:class:`~aiocollect.WeightSchedule`: ``update_at_each_batch`` (``update_after_each_batch`` is its
+deprecated alias) and ``max_weight_update_interval`` (``None``: off; ``0`` and ``-1`` are deprecated
+spellings of ``None``). The rollout keywords of ``collector_kwargs`` become one
+:class:`~aiocollect.RolloutOptions` per member, checked here and sent typed.
 """
 
 from __future__ import annotations
@@ -11,14 +13,15 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import cloudpickle
 import torch
 from tensordict import TensorDictBase
 
-from .._validation import flag, positive_int, seed_arg
+from .._options import RolloutOptions, WeightSchedule
+from .._validation import positive_int, seed_arg
 from .._weights import flat_weights
 
 #: keywords a remote collector sets on every hosted collector itself
@@ -50,52 +53,55 @@ def weight_plan(
     update_at_each_batch: Any,
     max_weight_update_interval: Any,
     update_after_each_batch: Any = UNSET,
-    stacklevel: int = 4,
+    weights: WeightSchedule | None = None,
 ) -> WeightPlan:
-    """The checked weight keywords (``update_after_each_batch``: the deprecated spelling)."""
-    if update_after_each_batch is not UNSET:
-        warnings.warn(
-            "update_after_each_batch is deprecated: use update_at_each_batch (same meaning)",
-            DeprecationWarning,
-            stacklevel=stacklevel,
-        )
-        if update_at_each_batch:
-            raise TypeError("give update_at_each_batch or update_after_each_batch (deprecated), not both")
-        update_at_each_batch = update_after_each_batch
-    at_each = flag("update_at_each_batch", update_at_each_batch)
-    interval = interval_arg(max_weight_update_interval, stacklevel + 1)
-    if at_each and interval is not None:
+    """The checked weight keywords as one :class:`~aiocollect.WeightSchedule` (``weights=`` when given);
+    ``update_after_each_batch`` is the deprecated spelling of ``update_at_each_batch``."""
+    if update_at_each_batch is True or update_after_each_batch is True:
+        interval = max_weight_update_interval
+        if isinstance(interval, int) and not isinstance(interval, bool) and interval > 0:
+            raise ValueError(
+                "update_at_each_batch and max_weight_update_interval exclude each other: "
+                "update_at_each_batch=True sends weights before every batch already, drop "
+                "max_weight_update_interval"
+            )
+    schedule = WeightSchedule.from_kwargs(
+        weights,
+        update_after_each_batch=None if update_after_each_batch is UNSET else update_after_each_batch,
+        update_at_each_batch=update_at_each_batch,
+        max_weight_update_interval=max_weight_update_interval,
+    )
+    if schedule.max_policy_lag is not None or schedule.track_policy_version:
         raise ValueError(
-            "update_at_each_batch and max_weight_update_interval exclude each other: "
-            "update_at_each_batch=True sends weights before every batch already, drop "
-            "max_weight_update_interval"
+            "weights=WeightSchedule(...): max_policy_lag and track_policy_version are set on each "
+            "member's collector (collector_kwargs), not on a remote collector"
         )
     template = flat_weights(policy) if isinstance(policy, torch.nn.Module) else None
-    if (at_each or interval is not None) and template is None:
+    if schedule.sends_weights and template is None:
         raise TypeError(
             "update_at_each_batch and max_weight_update_interval send the policy's weights: they need "
             f"an nn.Module policy, got {type(policy).__name__}"
         )
-    return WeightPlan(at_each, interval, template)
+    return WeightPlan(schedule.update_at_each_batch, schedule.max_weight_update_interval, template)
 
 
-def interval_arg(value: Any, stacklevel: int = 4) -> int | None:
-    """``max_weight_update_interval``: ``None`` (off) or an int >= 1; ``0``/``-1`` (old spellings of
-    off) warn and mean ``None``."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < -1:
-        raise ValueError(
-            f"max_weight_update_interval must be an int >= 1 (batches) or None (off), got {value!r}"
-        )
-    if value < 1:
-        warnings.warn(
-            f"max_weight_update_interval={value} is deprecated: use None (no forced weight updates)",
-            DeprecationWarning,
-            stacklevel=stacklevel,
-        )
-        return None
-    return value
+#: the keywords of collector_kwargs that are rollout options (checked on the trainer, sent typed)
+ROLLOUT_KEYS = frozenset(f.name for f in fields(RolloutOptions))
+
+
+def member_rollouts(
+    per_member: list[dict[str, Any]], frames_per_batch: int
+) -> list[tuple[RolloutOptions, tuple[str, ...]]]:
+    """Each member's :class:`~aiocollect.RolloutOptions`, built (and so checked) here from its collector
+    keywords, which lose them; with the names of the keywords given (its collector is built with those).
+    Member ``i`` of ``n`` takes trajectory ids ``i, i + n, ...``."""
+    out = []
+    n = len(per_member)
+    for i, kwargs in enumerate(per_member):
+        given = {k: kwargs.pop(k) for k in list(kwargs) if k in ROLLOUT_KEYS}
+        options = RolloutOptions(frames_per_batch=frames_per_batch, total_frames=-1, **given)
+        out.append((options.for_member(i, n), tuple(given)))
+    return out
 
 
 def check_policy(policy: Any) -> None:
@@ -188,7 +194,8 @@ __all__ = [
     "WeightPlan",
     "check_policy",
     "collector_kwargs_arg",
-    "interval_arg",
+    "ROLLOUT_KEYS",
+    "member_rollouts",
     "payloads",
     "per_member",
     "seconds_or_none",

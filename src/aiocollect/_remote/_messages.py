@@ -15,19 +15,28 @@ from typing import Any, Literal
 from tensordict import TensorDictBase
 
 from .._errors import RemoteFailure
+from .._options import RolloutOptions
 
 
 # -- the set-up of a hosted collector ---------------------------------------------------------------
 @dataclass(frozen=True)
 class HostSpec:
-    """What a node or actor builds: which collector, for which slice of the trajectory ids, and the
-    pickled env constructor(s), collector keywords and policy (unpickled there, never on the way)."""
+    """What a node or actor builds: its rollout options (typed, checked on the trainer: frames per batch,
+    its slice of the trajectory ids, the rollout keywords of ``collector_kwargs``), and the pickled env
+    constructor(s), collector class, other collector keywords and policy (unpickled there, never on the
+    way)."""
 
     index: int
     num_nodes: int
-    payload: bytes  # cloudpickle of (the collector's first argument, collector_class, collector_kwargs)
+    payload: bytes  # cloudpickle of (the collector's first argument, collector_class, other kwargs)
     policy_payload: bytes  # cloudpickle of the policy (the same bytes for every node)
-    frames_per_batch: int
+    rollout: RolloutOptions
+    #: the rollout options given in ``collector_kwargs`` (the collector is built with those keywords)
+    rollout_keys: tuple[str, ...] = ()
+
+    @property
+    def frames_per_batch(self) -> int:
+        return self.rollout.batch_frames()
 
 
 @dataclass(frozen=True)

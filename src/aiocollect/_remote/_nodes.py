@@ -30,6 +30,7 @@ from .._errors import WorkerTimeoutError, as_error, worker_died
 from .._events import WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
 from .._fleet import FleetCollector
 from .._gather import gather
+from .._options import RolloutOptions
 from .._transport._waiters import Waiter, WaiterTable
 from .._workers._wire import AsyncChannel, Failed, Result
 from ._launchers import (
@@ -108,6 +109,7 @@ class NodeFleet(FleetCollector):
     _sync: bool
     _node_fpb: int
     _payloads: list[bytes]
+    _rollouts: list[tuple[RolloutOptions, tuple[str, ...]]]
     _policy_payload: bytes
     _launcher: Launcher
     _tcp_port: int
@@ -317,12 +319,14 @@ class NodeFleet(FleetCollector):
             for node in self._nodes:
                 await node.connected.wait()
             for node in self._nodes:
+                rollout, keys = self._rollouts[node.index]
                 spec = HostSpec(
                     index=node.index,
                     num_nodes=self.num_collectors,
                     payload=self._payloads[node.index],
                     policy_payload=self._policy_payload,
-                    frames_per_batch=self._node_fpb,
+                    rollout=rollout,
+                    rollout_keys=keys,
                 )
                 setup = Setup(self._engine, spec, self._transport_setup(node.index))
                 assert node.channel is not None

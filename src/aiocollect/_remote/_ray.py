@@ -32,11 +32,13 @@ from .._events import (
 )
 from .._gather import gather
 from .._multi import MultiAsyncCollector, MultiSyncCollector, ProcessCollector
+from .._options import WeightSchedule
 from .._validation import flag, positive_int, replay_buffer_arg, total_frames_arg
 from ._args import (
     UNSET,
     check_policy,
     collector_kwargs_arg,
+    member_rollouts,
     payloads,
     per_member,
     split_frames,
@@ -159,6 +161,7 @@ class RayCollector(ActorFleet):
         replay_buffer: Any = None,
         progress: Any = None,
         update_after_each_batch: Any = UNSET,
+        weights: WeightSchedule | None = None,
     ) -> None:
         n = self.num_collectors = positive_int("num_collectors", num_collectors)
         self.total_frames = total_frames_arg(total_frames)
@@ -172,7 +175,7 @@ class RayCollector(ActorFleet):
         self._collector_class = collector_class
         check_policy(policy)
         plan = weight_plan(
-            policy, update_at_each_batch, max_weight_update_interval, update_after_each_batch, 3
+            policy, update_at_each_batch, max_weight_update_interval, update_after_each_batch, weights
         )
         self._update_at_each_batch, self._interval = plan.at_each_batch, plan.interval or 0
         self._source_policy = policy
@@ -194,6 +197,7 @@ class RayCollector(ActorFleet):
         self._per_actor_fpb = split_frames(frames_per_batch, n, self._sync, "actor", stacklevel=3)
         self.frames_per_batch = self._per_actor_fpb * n if self._sync else self._per_actor_fpb
         # pickled here (small: a bad one fails now); the policy once, in a thread, when entered
+        self._rollouts = member_rollouts(kwargs_list, self._per_actor_fpb)  # checked here, sent typed
         self._payloads = payloads(env_args, collector_class, kwargs_list, "actor")
         self._init_base(progress)
         self._ray: Any = None

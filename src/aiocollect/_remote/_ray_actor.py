@@ -14,6 +14,7 @@ import torch
 from tensordict import TensorDictBase
 
 from .._errors import worker_died, worker_error
+from .._options import RolloutOptions
 from ._messages import ControlOp, HostSpec
 from ._node import NodeCore, build_collector
 from ._ray_wire import Wire, to_wire, weights_from_wire
@@ -40,12 +41,15 @@ class RemoteCollectorActor:
         self,
         index: int,
         num_collectors: int,
-        frames_per_batch: int,
         policy_blob: bytes,
         payload: bytes,
+        rollout: RolloutOptions,
+        rollout_keys: tuple[str, ...],
         sync: bool,
     ) -> None:
-        self._spec: HostSpec | None = HostSpec(index, num_collectors, payload, policy_blob, frames_per_batch)
+        # Ray hands the object refs among the arguments over as their values (the pickled bytes)
+        spec = HostSpec(index, num_collectors, payload, policy_blob, rollout, rollout_keys)
+        self._spec: HostSpec | None = spec
         self._index = index
         self._sync = sync
         self._core: NodeCore | None = None

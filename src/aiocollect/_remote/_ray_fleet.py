@@ -25,6 +25,7 @@ from .._events import (
 )
 from .._fleet import FleetCollector
 from .._gather import gather
+from .._options import RolloutOptions
 from .._pids import pid_alive
 from ._ray_actor import actor_class, import_ray, unwrap_ray_error
 
@@ -67,6 +68,7 @@ class ActorFleet(FleetCollector):
     _sync: bool
     _per_actor_fpb: int
     _payloads: list[bytes]
+    _rollouts: list[tuple[RolloutOptions, tuple[str, ...]]]
     _remote_configs: list[dict[str, Any]]
     _ray_init_config: dict[str, Any] | None
     _ray: Any
@@ -172,9 +174,9 @@ class ActorFleet(FleetCollector):
         for i, payload in enumerate(self._payloads):
             if payload not in payload_refs:  # the same constructor for every actor: one object
                 payload_refs[payload] = ray.put(payload)
-            handle = cls.options(**self._remote_configs[i]).remote(
-                i, self.num_collectors, self._per_actor_fpb, policy_ref, payload_refs[payload], self._sync
-            )
+            rollout, keys = self._rollouts[i]
+            spec = (i, self.num_collectors, policy_ref, payload_refs[payload], rollout, keys)
+            handle = cls.options(**self._remote_configs[i]).remote(*spec, self._sync)
             actors.append(Actor(i, handle))
         return actors
 

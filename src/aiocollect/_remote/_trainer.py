@@ -16,11 +16,13 @@ from .._events import WeightsPublished
 from .._fleet import Member
 from .._gather import gather
 from .._multi import MultiAsyncCollector, MultiSyncCollector
+from .._options import WeightSchedule
 from .._validation import flag, positive_int, total_frames_arg
 from ._args import (
     UNSET,
     check_policy,
     collector_kwargs_arg,
+    member_rollouts,
     payloads,
     seconds_or_none,
     split_frames,
@@ -69,6 +71,7 @@ class RemoteCollectorBase(NodeFleet):
         max_weight_update_interval: int | None = None,
         progress: Any = None,
         update_after_each_batch: Any = UNSET,
+        weights: WeightSchedule | None = None,
     ) -> None:
         env_fns = self._env_fns_arg(create_env_fn, num_collectors)
         n = self.num_collectors = len(env_fns)
@@ -88,7 +91,9 @@ class RemoteCollectorBase(NodeFleet):
         per_node, self._seed = collector_kwargs_arg(collector_kwargs, n, type(self).__name__, "node")
         # -- weights
         self._source_policy = policy
-        plan = weight_plan(policy, update_at_each_batch, max_weight_update_interval, update_after_each_batch)
+        plan = weight_plan(
+            policy, update_at_each_batch, max_weight_update_interval, update_after_each_batch, weights
+        )
         self._weights_template = plan.template
         self._after_each, self._interval = plan.at_each_batch, plan.interval or 0
         self._launch_args(launcher, slurm_kwargs, tcp_port, trainer_address, progress_timeout)
@@ -96,6 +101,7 @@ class RemoteCollectorBase(NodeFleet):
         # policy, which can be large, once and in a thread when the collector is entered
         workers = self.num_workers_per_collector
         env_args = [fn if collector_class is Collector else [fn] * workers for fn in env_fns]
+        self._rollouts = member_rollouts(per_node, self._node_fpb)  # checked here, before any node starts
         self._payloads = payloads(env_args, collector_class, per_node, "node")
         self._policy_payload = b""
         self.replay_buffer = None
