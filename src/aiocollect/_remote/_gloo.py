@@ -206,10 +206,12 @@ class DistributedCollector(RemoteCollectorBase):
             submitit's ``cluster="local"``); for jobs on other machines, this machine's address on its
             outgoing route (the interface of the default route): give the cluster network's address
             here when that is not it. Nothing listens on a wildcard address.
-        update_after_each_batch: the node that delivered (``sync=False``) or every node (``sync=True``)
-            gets the current weights before its next batch.
+        update_at_each_batch: the node that delivered (``sync=False``) or every node (``sync=True``)
+            gets the current weights before its next batch (``update_after_each_batch``: the deprecated
+            spelling).
         max_weight_update_interval: a node that produced this many batches without a weight update gets
-            one before its next batch (``-1``: off).
+            one before its next batch (``None``: off; ``0`` and ``-1`` are deprecated spellings of it).
+        weights: a :class:`~aiocollect.WeightSchedule` instead of the two keywords above.
         progress: as for :class:`Collector`.
 
     Example:

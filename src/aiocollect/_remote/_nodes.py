@@ -82,7 +82,7 @@ class RemoteNode:
     policy_version: int = 0
     #: batches delivered since its last weight update
     since_update: int = 0
-    #: delivered a batch since its last weight update (update_after_each_batch)
+    #: delivered a batch since its last weight update (update_at_each_batch)
     fresh: bool = False
     in_flight: bool = False
     #: missed progress_timeout: stopped without the full grace period

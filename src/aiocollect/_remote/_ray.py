@@ -121,11 +121,14 @@ class RayCollector(ActorFleet):
         sync: ``True``: every batch stacks one batch of each actor (``[num_collectors, ...]``), asked
             for together; ``False``: each actor's batch as it arrives, with ``("collector",
             "worker_id")``, while the actor collects its next one.
-        update_after_each_batch: send the trainer's current weights before every request: to the actor
+        update_at_each_batch: send the trainer's current weights before every request: to the actor
             that delivered (``sync=False``, its next batch is asked for when ``async for`` asks for the
             next batch, after the training step) or to all actors (``sync=True``).
+            ``update_after_each_batch`` is its deprecated spelling.
         max_weight_update_interval: an actor that delivered this many batches without receiving
-            weights is sent the trainer's current weights before its next batch (``-1``: never).
+            weights is sent the trainer's current weights before its next batch (``None``: never; ``0``
+            and ``-1`` are deprecated spellings of it).
+        weights: a :class:`~aiocollect.WeightSchedule` instead of the two keywords above.
         replay_buffer: batches go there (``extend`` runs in a worker thread) and ``async for`` yields
             ``None``; :meth:`start` collects into it in the background.
         progress: as for :class:`Collector`.

@@ -206,7 +206,7 @@ class RemoteCollectorBase(NodeFleet):
 
     async def _top_up(self, eager: bool) -> None:
         """Ask idle nodes for their next batch (what the budget still needs); nodes due for weights get
-        them first. ``eager`` (right after a delivery) leaves ``update_after_each_batch`` nodes for the
+        them first. ``eager`` (right after a delivery) leaves ``update_at_each_batch`` nodes for the
         next ``__anext__``, so that they get the weights trained on that batch."""
         chosen, due = [], []
         for node in self._nodes:
