@@ -59,6 +59,7 @@ async def test_batches_weights_and_versions_in_the_trainers_numbers():
         assert first.episodes == [] or all(n == 4 for _, n in first.episodes)
         # the trainer's version 5 (its numbering, not the collector's)
         await core.call(StageWeights({"value": torch.tensor([0.5])}, 5))
+
         async def loaded(version: int) -> None:
             assert version == 5
 
