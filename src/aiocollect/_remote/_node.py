@@ -169,7 +169,7 @@ class NodeCore:
         table = torch.arange(size, dtype=torch.int64)
         for i, o in self.outer_of_inner.items():
             table[i] = o
-        return table[inner.clamp(0, size - 1)]
+        return table.to(inner.device)[inner.clamp(0, size - 1)]
 
     # -- state --------------------------------------------------------------------------------------
     async def state(self, versioned: bool) -> dict[str, Any]:
