@@ -483,7 +483,7 @@ async def test_iterating_without_async_with_says_how():
 
 
 def test_batches_cross_as_numpy_and_come_back_as_writable_copies():
-    from aiocollect._remote._ray import Wire, from_wires, to_wire
+    from aiocollect._remote._ray_wire import Wire, from_wires, to_wire
 
     def batch(offset: int):
         return TensorDict(
