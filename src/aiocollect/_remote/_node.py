@@ -17,7 +17,6 @@ import cloudpickle
 import torch
 from tensordict import TensorDict
 
-from .._collector import Collector
 from .._events import BatchDelivered, EpisodeFinished
 from ._messages import (
     ControlOp,
@@ -209,9 +208,10 @@ class NodeCore:
             case WaitLoaded(version=version):
                 return await self.wait_applied(version)
             case GetAttr(of=of, name=name):
-                if isinstance(c, Collector):
+                remote = getattr(c, f"getattr_{of}", None)  # a multi-process collector asks worker 0
+                if remote is None:
                     return getattr(getattr(c, of), name)
-                return await getattr(c, f"getattr_{of}")(name)
+                return await remote(name)
             case NextBatch():
                 return await self.next_batch()
             case StageWeights(weights=weights, version=version):
