@@ -6,12 +6,11 @@ while the env and the policy run off the event loop.
 
 from __future__ import annotations
 
-from . import _errors
 from ._collector import Collector
 from ._distributed_weights import DistributedWeightSync
 from ._envs._gym import GymEnv
 from ._envs._protocol import EnvProtocol
-from ._errors import CollectorClosedError, WorkerTimeoutError
+from ._errors import CollectorClosedError, WorkerDiedError, WorkerError, WorkerTimeoutError
 from ._events import (
     BatchDelivered,
     EpisodeFinished,
@@ -34,7 +33,7 @@ from ._multi import (
 )
 from ._options import RolloutOptions, WeightSchedule
 from ._policies import RandomPolicy
-from ._stats import CollectorStatistics, WorkerStatistics
+from ._stats import CollectorStatistics, WorkerState, WorkerStatistics
 from ._trajectories import split_trajectories
 from ._weightsync import (
     PipeWeightSync,
@@ -43,10 +42,6 @@ from ._weightsync import (
     WeightSender,
     WeightSync,
 )
-from ._workers._pool import WorkerDiedError
-from ._workers._wire import WorkerError
-
-_errors.adopt_worker_errors(WorkerDiedError, WorkerError)  # the shared fields, kept when pickled
 
 __version__ = "0.1.0"
 
@@ -106,6 +101,7 @@ __all__ = [
     "WorkerError",
     "WorkerFailed",
     "WorkerStarted",
+    "WorkerState",
     "WorkerStatistics",
     "WorkerStopped",
     "WorkerTimeoutError",

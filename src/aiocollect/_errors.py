@@ -47,6 +47,40 @@ def keep_fields_when_pickled(*classes: type[BaseException]) -> None:
 
 
 # -- the shared vocabulary ----------------------------------------------------------------------------
+class WorkerDiedError(RuntimeError):
+    """A worker (or a remote node or actor) ended without reporting an exception (e.g. killed by a signal).
+
+    Attributes: ``index``, ``exitcode`` and ``signal`` where known; for remote collectors ``engine``,
+    ``rank``, ``actor`` and ``host`` (``None`` when not applicable)."""
+
+    engine: str | None = None
+    rank: int | None = None
+    actor: str | None = None
+    host: str | None = None
+
+    def __init__(self, index: int, exitcode: int | None) -> None:
+        how = f"exit code {exitcode}" if exitcode is not None else "unknown exit code"
+        if exitcode is not None and exitcode < 0:
+            how += f" (signal {-exitcode})"
+        super().__init__(f"worker {index} died ({how})")
+        self.index = index
+        self.exitcode = exitcode
+
+    @property
+    def signal(self) -> int | None:
+        """The signal that killed it, if one did."""
+        return _signal_of(self.exitcode)
+
+
+class WorkerError(RuntimeError):
+    """A worker raised an exception that could not be sent as itself (it did not pickle, or its class is
+    missing here): ``type_name``, ``message`` and ``traceback`` text of the original, where known."""
+
+    type_name: str | None = None
+    message: str | None = None
+    traceback: str | None = None
+
+
 def _signal_of(exitcode: int | None) -> int | None:
     return -exitcode if exitcode is not None and exitcode < 0 else None
 
@@ -58,18 +92,7 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def adopt_worker_errors(died: type[BaseException], error: type[BaseException]) -> None:
-    """Give ``WorkerDiedError`` and ``WorkerError`` (defined with the worker pool and its wire) the
-    fields of the shared vocabulary, with defaults, and keep them when pickled."""
-    for name in ("engine", "rank", "actor", "host"):
-        if not hasattr(died, name):
-            setattr(died, name, None)
-    if not hasattr(died, "signal"):
-        died.signal = property(lambda self: _signal_of(getattr(self, "exitcode", None)))  # type: ignore[attr-defined]
-    for name in ("type_name", "message", "traceback"):
-        if not hasattr(error, name):
-            setattr(error, name, None)
-    keep_fields_when_pickled(died, error)
+keep_fields_when_pickled(WorkerDiedError, WorkerError)
 
 
 def worker_died(
@@ -82,11 +105,9 @@ def worker_died(
     actor: str | None = None,
     host: str | None = None,
     cause: BaseException | None = None,
-) -> BaseException:
+) -> WorkerDiedError:
     """A ``WorkerDiedError`` for member ``index`` (a worker, node or actor) with what is known of how it
     ended; ``cause`` (the engine's own exception) becomes its ``__cause__``."""
-    from ._workers._pool import WorkerDiedError
-
     where = [f"{engine} rank {rank}" if rank is not None else engine, f"actor {actor}" if actor else None]
     where.append(f"on {host}" if host else None)
     said = ", ".join(w for w in where if w)
@@ -101,17 +122,15 @@ def worker_died(
         how = "unknown exit code"
     err = WorkerDiedError(index, exitcode)
     err.args = (f"{member} {index}{f' ({said})' if said else ''} died ({how})",)
-    err.engine, err.rank, err.actor, err.host = engine, rank, actor, host  # type: ignore[attr-defined]
+    err.engine, err.rank, err.actor, err.host = engine, rank, actor, host
     err.__cause__ = cause
     return err
 
 
-def worker_error(type_name: str, message: str, traceback: str, where: str = "") -> BaseException:
+def worker_error(type_name: str, message: str, traceback: str, where: str = "") -> WorkerError:
     """A ``WorkerError`` standing for a remote exception that cannot be rebuilt here."""
-    from ._workers._wire import WorkerError
-
     err = WorkerError(f"{type_name}: {message}" + (f" (raised in {where})" if where else ""))
-    err.type_name, err.message, err.traceback = type_name, message, traceback  # type: ignore[attr-defined]
+    err.type_name, err.message, err.traceback = type_name, message, traceback
     if traceback:
         err.add_note(f"--- remote traceback ---\n{traceback}")
     return err
@@ -157,3 +176,16 @@ class RemoteFailure:
 def as_error(value: Any) -> Any:
     """``value.error()`` for a :class:`RemoteFailure`, ``value`` otherwise."""
     return value.error() if isinstance(value, RemoteFailure) else value
+
+
+__all__ = [
+    "CollectorClosedError",
+    "RemoteFailure",
+    "WorkerDiedError",
+    "WorkerError",
+    "WorkerTimeoutError",
+    "as_error",
+    "keep_fields_when_pickled",
+    "worker_died",
+    "worker_error",
+]

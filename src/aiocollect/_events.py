@@ -14,6 +14,22 @@ from typing import Any, ClassVar
 
 import anyio
 
+__all__ = [
+    "BatchDelivered",
+    "EpisodeFinished",
+    "Event",
+    "EventHub",
+    "EventStream",
+    "LoopLag",
+    "Paused",
+    "Resumed",
+    "WeightsLoaded",
+    "WeightsPublished",
+    "WorkerFailed",
+    "WorkerStarted",
+    "WorkerStopped",
+]
+
 
 def _now() -> float:
     return time.time()

@@ -2,22 +2,40 @@
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
-WORKER_STATES = ("starting", "collecting", "paused", "stopped", "failed")
+__all__ = ["WORKER_STATES", "CollectorStatistics", "StatsTracker", "WorkerState", "WorkerStatistics"]
+
+
+class WorkerState(enum.StrEnum):
+    """A worker's (node's, actor's) state; each member *is* its string: ``WorkerState.FAILED == "failed"``."""
+
+    STARTING = "starting"
+    COLLECTING = "collecting"
+    PAUSED = "paused"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+WORKER_STATES = tuple(state.value for state in WorkerState)
 
 
 @dataclass(frozen=True)
 class WorkerStatistics:
-    """One worker: ``state`` is one of ``starting``, ``collecting``, ``paused``, ``stopped``, ``failed``."""
+    """One worker: ``state`` is a :class:`WorkerState`, i.e. one of the strings ``"starting"``,
+    ``"collecting"``, ``"paused"``, ``"stopped"``, ``"failed"``."""
 
     worker_id: int
     state: str
     frames: int
     policy_version: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state", WorkerState(self.state))
 
 
 @dataclass(frozen=True)

@@ -4,3 +4,5 @@
 ``_groups`` (private torch.distributed process groups and stores), ``_wire`` (the framed control channel
 and its messages) and ``_shm`` (shared-memory segments). Lower layers only: envs, policies, base utilities.
 """
+
+__all__: list[str] = []

@@ -1,1 +1,3 @@
-"""Workers: processes (or in-process threads) that run the rollout core, and the wire to them."""
+"""Workers: processes (or in-process threads) that run the rollout core, and the pool that runs them."""
+
+__all__: list[str] = []

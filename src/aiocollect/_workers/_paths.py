@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+__all__ = ["parse_path", "resolve"]
+
 _STEP = re.compile(r"\.([A-Za-z_]\w*)|\[(-?\d+)\]|\[('[^'\]]*'|\"[^\"\]]*\")\]")
 _ROOT = re.compile(r"(env|policy)\b")
 

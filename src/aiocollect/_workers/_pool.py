@@ -30,13 +30,27 @@ import anyio.to_thread
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from .._errors import WorkerTimeoutError
+from .._errors import WorkerDiedError, WorkerTimeoutError
 from .._events import Event, WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
 from .._gather import gather
+from .._stats import WorkerState
+from .._transport._messages import (
+    Attach,
+    BatchReady,
+    Call,
+    Close,
+    Failed,
+    Operation,
+    Ready,
+    Result,
+    operation,
+)
 from .._transport._shm import SharedBlock
 from .._transport._waiters import WaiterTable
-from ._wire import AsyncChannel, Attach, BatchReady, Call, Close, Failed, Ready, Result
+from .._transport._wire import AsyncChannel
 from ._worker import WorkerSpec, start_thread_worker, worker_main
+
+__all__ = ["WorkerHandle", "WorkerPool", "signal_group", "thread_alive"]
 
 #: modules the forkserver imports once, so each worker starts in a fraction of a second
 _PRELOAD = ["torch", "tensordict", "gymnasium", "aiocollect._workers._worker"]
@@ -70,18 +84,6 @@ def _kill_leftover_workers() -> None:
             process.join(5)
 
 
-class WorkerDiedError(RuntimeError):
-    """A worker process ended without reporting an exception (e.g. killed by a signal)."""
-
-    def __init__(self, index: int, exitcode: int | None) -> None:
-        how = f"exit code {exitcode}" if exitcode is not None else "unknown exit code"
-        if exitcode is not None and exitcode < 0:
-            how += f" (signal {-exitcode})"
-        super().__init__(f"worker {index} died ({how})")
-        self.index = index
-        self.exitcode = exitcode
-
-
 @dataclass
 class _Failure:
     error: BaseException
@@ -98,8 +100,9 @@ class WorkerHandle:
     exited: anyio.Event = field(default_factory=anyio.Event)
     policy_version: int = 0
     frames: int = 0
-    #: starting, collecting, stopped or failed (the collector adds paused)
-    state: str = "starting"
+    #: a WorkerState: starting, collecting, stopped or failed (the collector adds paused); typed ``str``
+    #: as the fleet's ``Member`` protocol reads it
+    state: str = WorkerState.STARTING
     reader_scope: anyio.CancelScope | None = None
     #: loop time since when the worker is expected to deliver a batch (None: it is not), for worker_timeout
     expected_since: float | None = None
@@ -218,12 +221,12 @@ class WorkerPool:
                     _LIVE.discard(handle.process)
                 handle.exited.set()
                 if not failed and not self.closing:
-                    handle.state = "failed"
+                    handle.state = WorkerState.FAILED
                     error = WorkerDiedError(handle.index, handle.exitcode)
                     self._on_event(WorkerFailed(handle.index, str(error)))
                     self.fail(error)
                 elif not failed:
-                    handle.state = "stopped"
+                    handle.state = WorkerState.STOPPED
                     self._on_event(WorkerStopped(handle.index))
 
     async def _read(self, handle: WorkerHandle) -> bool:
@@ -267,11 +270,11 @@ class WorkerPool:
         elif isinstance(msg, Ready):
             handle.ready = msg
             handle.policy_version = msg.policy_version
-            handle.state = "collecting"
+            handle.state = WorkerState.COLLECTING
             self._on_event(WorkerStarted(handle.index))
             self._ready_event(handle).set()
         elif isinstance(msg, Failed):
-            handle.state = "failed"
+            handle.state = WorkerState.FAILED
             self._on_event(WorkerFailed(handle.index, f"{type(msg.error).__name__}: {msg.error}"))
             self.fail(msg.error)
             return True
@@ -315,12 +318,14 @@ class WorkerPool:
             self.check()
             raise
 
-    async def call(self, index: int, op: str, *args: Any) -> Any:
-        """Run ``op`` in worker ``index`` between batches and return its result."""
+    async def call(self, index: int, op: Operation | str, *args: Any) -> Any:
+        """Run ``op`` (an :class:`Operation`; a name with ``args`` is converted by ``operation``) in worker
+        ``index`` between batches and return its result."""
+        op = operation(op, *args)
         self.check()
         request_id = next(self._ids)
         with self._replies.expect(request_id) as waiter:
-            await self.send(index, Call(request_id, op, args))
+            await self.send(index, Call(request_id, op))
             with anyio.move_on_after(self.timeout if self.timeout is not None else math.inf):
                 return await waiter.wait()
         error = WorkerTimeoutError(
@@ -329,8 +334,9 @@ class WorkerPool:
         self.fail(error)
         raise error
 
-    async def call_all(self, op: str, *args: Any) -> list[Any]:
-        return await gather(*[partial(self.call, i, op, *args) for i in range(len(self.workers))])
+    async def call_all(self, op: Operation | str, *args: Any) -> list[Any]:
+        op = operation(op, *args)
+        return await gather(*[partial(self.call, i, op) for i in range(len(self.workers))])
 
     async def receive(self) -> tuple[int, BatchReady]:
         """The next batch notice (any worker); raises the pool's failure."""

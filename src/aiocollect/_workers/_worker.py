@@ -13,6 +13,7 @@ import signal
 import socket
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -26,22 +27,42 @@ from .._rng import RolloutRNG
 from .._rollout import Rollout, RolloutConfig
 from .._torch_settings import TorchSettings
 from .._transport._flat import FlatLayout, layout_of
-from .._transport._shm import SharedBlock
-from .._weights import flat_weights
-from ._paths import resolve
-from ._wire import (
+from .._transport._messages import (
     Attach,
     BatchReady,
-    BlockingChannel,
     Call,
     Close,
     Collect,
+    GetAttr,
+    GetPath,
+    GetState,
+    GetWeights,
+    LoadState,
+    LoadWeights,
+    MapFn,
+    Operation,
     Ready,
     Release,
+    Reset,
     Result,
     RunFree,
+    SetSeed,
     failure,
 )
+from .._transport._shm import SharedBlock
+from .._transport._wire import BlockingChannel
+from .._weights import flat_weights
+from ._paths import resolve
+
+__all__ = [
+    "Worker",
+    "WorkerSpec",
+    "build_env",
+    "close_after_failure",
+    "control_layout",
+    "start_thread_worker",
+    "worker_main",
+]
 
 
 @dataclass(frozen=True)
@@ -229,48 +250,46 @@ class Worker:
             episode_lengths=result.episode_lengths,
         )
 
-    # -- control operations (Call.op) -----------------------------------------------------------
-    def op_set_seed(self, seed: int) -> int:
-        last = int(self.env.set_seed(seed))
-        self.random_policy.set_seed(seed)
-        self.rng.seed(seed)
+    # -- control operations (Call.op): one method per Operation type, dispatched by _OPERATIONS --------
+    def set_seed(self, op: SetSeed) -> int:
+        last = int(self.env.set_seed(op.seed))
+        self.random_policy.set_seed(op.seed)
+        self.rng.seed(op.seed)
         self.rollout.reset()
         return last
 
-    def op_reset(self) -> None:
+    def reset(self, op: Reset) -> None:
         self.rollout.reset()
 
-    def op_state_dict(self) -> dict[str, Any]:
+    def get_state(self, op: GetState) -> dict[str, Any]:
         return {**self.rollout.state_dict(), "frames": self.frames}
 
-    def op_load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state(self, op: LoadState) -> None:
+        state = dict(op.state)
         self.rollout.load_state_dict(state)
         self.frames = int(state.get("frames", 0))
 
-    def op_load_weights(self) -> int:
-        return self.load_weights()
-
-    def op_policy_weights(self) -> dict[str, torch.Tensor] | None:
+    def get_weights(self, op: GetWeights) -> dict[str, torch.Tensor] | None:
         if not isinstance(self.policy, torch.nn.Module):
             return None
         return {
             k: cast("torch.Tensor", v).detach().cpu().clone() for k, v in flat_weights(self.policy).items()
         }
 
-    def op_getattr_env(self, name: str) -> Any:
-        return getattr(self.env, name)
+    def get_attr(self, op: GetAttr) -> Any:
+        return getattr(self.env if op.root == "env" else self.policy, op.name)
 
-    def op_getattr_policy(self, name: str) -> Any:
-        return getattr(self.policy, name)
+    def get_path(self, op: GetPath) -> Any:
+        return resolve({"env": self.env, "policy": self.policy}, op.path)
 
-    def op_get_distant_attr(self, path: str) -> Any:
-        return resolve({"env": self.env, "policy": self.policy}, path)
-
-    def op_map_fn(self, path: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return resolve({"env": self.env, "policy": self.policy}, path)(*args, **kwargs)
+    def map_fn(self, op: MapFn) -> Any:
+        return resolve({"env": self.env, "policy": self.policy}, op.path)(*op.args, **op.kwargs)
 
     def call(self, msg: Call) -> Result:
-        return Result(msg.request_id, getattr(self, f"op_{msg.op}")(*msg.args))
+        handler = _OPERATIONS.get(type(msg.op))
+        if handler is None:  # pragma: no cover - a protocol bug
+            raise TypeError(f"unknown worker operation {msg.op!r}")
+        return Result(msg.request_id, handler(self, msg.op))
 
     # -- serving ---------------------------------------------------------------------------------
     def serve(self, chan: BlockingChannel) -> None:
@@ -307,6 +326,20 @@ class Worker:
         if self.weights is not None:
             self.weights.close()
         self.env.close()
+
+
+#: the worker's method for each control operation
+_OPERATIONS: dict[type[Operation], Callable[[Worker, Any], Any]] = {
+    SetSeed: Worker.set_seed,
+    Reset: Worker.reset,
+    GetState: Worker.get_state,
+    LoadState: Worker.load_state,
+    LoadWeights: lambda worker, op: worker.load_weights(),
+    GetWeights: Worker.get_weights,
+    GetAttr: Worker.get_attr,
+    GetPath: Worker.get_path,
+    MapFn: Worker.map_fn,
+}
 
 
 def _own_process_group() -> None:
