@@ -78,7 +78,9 @@ async def test_stream_ends_when_the_collector_closes_and_drops_oldest():
 
 
 async def test_multi_worker_states_and_events():
-    async with MultiSyncCollector([cartpole, cartpole], Policy(), frames_per_batch=40, worker_backend="serial") as c:
+    async with MultiSyncCollector(
+        [cartpole, cartpole], Policy(), frames_per_batch=40, worker_backend="serial"
+    ) as c:
         async with c.events() as events:
             stats = c.statistics()
             assert [w.state for w in stats.workers] == ["collecting", "collecting"]

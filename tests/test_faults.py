@@ -2,8 +2,9 @@
 process, thread, fd or shared-memory segment left behind.
 
 Collectors: ``Collector`` (in process), ``ProcessCollector``, ``MultiSyncCollector`` and
-``MultiAsyncCollector`` (``worker_backend="process"``; the multi ones also ``worker_backend="serial"``). The multi
-collectors run a healthy worker beside the faulty one, so the test also sees the other worker stopped.
+``MultiAsyncCollector`` (``worker_backend="process"``; the multi ones also
+``worker_backend="serial"``). The multi collectors run a healthy worker beside the faulty one, so the
+test also sees the other worker stopped.
 
 Each cell measures the time from the fault (the env or policy raising, a signal sent, a hang starting plus
 ``worker_timeout``) to the exception leaving ``async with`` (so the workers are already reaped) and checks it

@@ -2,8 +2,8 @@
 
 * every invalid combination raises ``ValueError`` / ``TypeError`` naming an invalid argument, in the
   constructor: no process starts and no env is left open;
-* every valid small combination (in-process ``Collector``, ``worker_backend="serial"`` multi collectors) collects
-  the promised number of frames with the promised shapes;
+* every valid small combination (in-process ``Collector``, ``worker_backend="serial"`` multi collectors)
+  collects the promised number of frames with the promised shapes;
 * a malformed policy (no ``"action"``, wrong shape or dtype, values outside the space) fails with an error
   naming ``'action'`` and what the action space needs, at construction or on the first batch.
 

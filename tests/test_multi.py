@@ -151,14 +151,20 @@ async def test_cat_results_and_per_worker_frames():
         (b,) = [b async for b in c]
     assert b.batch_size == (4, 16)
     async with MultiSyncCollector(
-        [cartpole, cartpole], frames_per_batch=[10, 30], cat_results=-1, total_frames=40, worker_backend="serial"
+        [cartpole, cartpole],
+        frames_per_batch=[10, 30],
+        cat_results=-1,
+        total_frames=40,
+        worker_backend="serial",
     ) as c:
         (b,) = [b async for b in c]
     assert b.batch_size == (40,)
     with pytest.raises(ValueError, match="frames_per_batch has 3 values for 2 workers"):
         MultiSyncCollector([cartpole, cartpole], frames_per_batch=[1, 2, 3])
     with pytest.raises(ValueError, match="cat_results='stack' needs equal"):
-        async with MultiSyncCollector([cartpole, cartpole], frames_per_batch=[10, 30], worker_backend="serial"):
+        async with MultiSyncCollector(
+            [cartpole, cartpole], frames_per_batch=[10, 30], worker_backend="serial"
+        ):
             pass
 
 
@@ -236,7 +242,9 @@ async def test_preemption_argument_checked():
 async def test_worker_exception_keeps_type_and_traceback(backend):
     with anyio.fail_after(30):
         with pytest.raises(ZeroDivisionError) as info:
-            async with MultiSyncCollector([fast_env, failing_env], frames_per_batch=40, worker_backend=backend) as c:
+            async with MultiSyncCollector(
+                [fast_env, failing_env], frames_per_batch=40, worker_backend=backend
+            ) as c:
                 async for _ in c:
                     pass
     text = "".join(traceback.format_exception(info.value))
@@ -463,6 +471,8 @@ async def test_leaving_by_break_exception_or_cancellation_reaps_everything():
 
 
 async def test_getattr_policy():
-    async with MultiSyncCollector([pendulum], ConstantPolicy(0.5), frames_per_batch=8, worker_backend="serial") as c:
+    async with MultiSyncCollector(
+        [pendulum], ConstantPolicy(0.5), frames_per_batch=8, worker_backend="serial"
+    ) as c:
         value = await c.getattr_policy("value")
     assert torch.allclose(value, torch.tensor([0.5]))

@@ -108,7 +108,9 @@ async def test_async_lag_bound_and_monotonic_versions(scheme):
 
 async def test_concurrent_updates_are_serialised():
     trainer = BufferPolicy()
-    async with MultiSyncCollector([pendulum, pendulum], trainer, frames_per_batch=8, worker_backend="serial") as c:
+    async with MultiSyncCollector(
+        [pendulum, pendulum], trainer, frames_per_batch=8, worker_backend="serial"
+    ) as c:
         versions: list[int] = []
 
         async def update() -> None:

@@ -119,7 +119,9 @@ async def collect(collector) -> None:
 
 def run_noisy(kind: str) -> None:
     if kind == "serial":  # the env is built and reset in the worker thread, at `async with`
-        collector: object = MultiSyncCollector([noisy], frames_per_batch=4, total_frames=4, worker_backend="serial")
+        collector: object = MultiSyncCollector(
+            [noisy], frames_per_batch=4, total_frames=4, worker_backend="serial"
+        )
     else:  # built and reset in the constructor
         collector = Collector(noisy, frames_per_batch=4, total_frames=4)
     anyio.run(collect, collector)
