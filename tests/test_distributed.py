@@ -180,7 +180,7 @@ async def test_distributed_sync_stacks_per_node_with_multi_collectors():
             num_collectors=2,
             collector_class=MultiSyncCollector,
             num_workers_per_collector=2,
-            collector_kwargs={"backend": "serial"},
+            collector_kwargs={"worker_backend": "serial"},
             update_at_each_batch=True,
         ) as c:
             batches = []

@@ -154,3 +154,20 @@ def test_worker_backend_and_its_deprecated_spelling():
         worker_backend_arg("serial", "serial")
     with pytest.raises(ValueError, match="worker_backend"):
         worker_backend_arg("threads")
+
+
+def test_multi_collectors_take_the_options_objects_and_the_old_backend_spelling():
+    from aiocollect import MultiAsyncCollector, MultiSyncCollector, ProcessCollector
+
+    def env():
+        raise AssertionError("not built in the constructor")
+
+    options = RolloutOptions(frames_per_batch=8, total_frames=16, seed=0)
+    c = MultiSyncCollector([env, env], rollout=options, weights=WeightSchedule(update_at_each_batch=True))
+    assert (c.frames_per_batch, c.total_frames) == (8, 16)
+    with pytest.raises(TypeError, match=r"rollout=RolloutOptions.*seed"):
+        MultiAsyncCollector([env], rollout=options, seed=1)
+    with pytest.warns(DeprecationWarning, match="worker_backend="):
+        ProcessCollector(env, frames_per_batch=8, backend="serial")
+    with pytest.raises(ValueError, match="max_weight_update_interval"):
+        MultiSyncCollector([env], frames_per_batch=8, weights=WeightSchedule(max_weight_update_interval=2))

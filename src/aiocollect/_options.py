@@ -41,6 +41,8 @@ from ._validation import (
 __all__ = [
     "RolloutOptions",
     "WeightSchedule",
+    "collector_options",
+    "refuse_schedule",
     "renamed_keyword",
     "warn_deprecated",
     "worker_backend_arg",
@@ -81,11 +83,14 @@ def renamed_keyword(new: str, new_value: Any, old: str, old_value: Any, *, defau
 def worker_backend_arg(worker_backend: Any, backend: Any = None) -> Literal["process", "serial"]:
     """``worker_backend`` (``"process"`` or ``"serial"``); ``backend=`` is its deprecated spelling on the
     multi-process collectors."""
+    for name, value in (("worker_backend", worker_backend), ("backend", backend)):
+        if value is None and name == "backend":
+            continue
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be 'process' or 'serial', got {value!r}")
+        if value not in ("process", "serial"):
+            raise ValueError(f"{name} must be 'process' or 'serial', got {value!r}")
     value = renamed_keyword("worker_backend", worker_backend, "backend", backend, default="process")
-    if not isinstance(value, str):
-        raise TypeError(f"worker_backend must be 'process' or 'serial', got {value!r}")
-    if value not in ("process", "serial"):
-        raise ValueError(f"worker_backend must be 'process' or 'serial', got {value!r}")
     return "process" if value == "process" else "serial"
 
 
@@ -117,6 +122,31 @@ class RolloutOptions:
     ``-1`` (endless), ``init_random_frames=None`` becomes ``0``, ``exploration_type`` an
     ``InteractionType``, devices ``torch.device`` (or ``None``), a list ``frames_per_batch`` (one value
     per worker, ``MultiSyncCollector``) a tuple.
+
+    Args:
+        frames_per_batch: frames per batch; an env of batch ``[B]`` steps ``ceil(frames_per_batch / B)``
+            times, giving batches ``[B, T]``. A multi-worker collector splits it over its workers
+            (``MultiSyncCollector`` also takes one value per worker).
+        total_frames: frames to collect before ``async for`` ends; ``-1`` (or ``None``) for endless.
+        max_frames_per_traj: truncate (and reset) episodes after this many steps.
+        init_random_frames: collect this many frames (rounded up to whole batches) with random actions.
+        reset_at_each_iter: reset the env at the start of every batch.
+        split_trajs: yield ``[n_traj, max_len]`` zero-padded trajectories (see :func:`split_trajectories`).
+        exploration_type: ``"random"`` (default), ``"deterministic"``, ``"mode"``, ``"mean"``, ``"median"``
+            or a ``tensordict.nn.InteractionType``, set around every policy call.
+        set_truncated: mark the last step of every batch truncated (and done), without resetting.
+        seed: seeds the env, the random policy and the policy's sampling, for reproducible batches. The
+            policy samples from torch's global CPU generator, so each batch (and the construction's dry
+            policy call) runs with the collector's own generator state swapped in, and the caller's state
+            back afterwards. torch has one such generator per process: random draws made by other threads
+            *while* a batch runs (another seeded collector, a trainer drawing during ``start()``) share
+            it, and the batches are then not reproducible.
+        device, env_device, policy_device, storing_device: where things run / are stored (``device``
+            fills the others).
+        compile_policy: ``True`` or a dict of ``torch.compile`` kwargs.
+        traj_id_start, traj_id_stride: trajectory ids are ``traj_id_start + k * traj_id_stride`` for
+            ``k = 0, 1, ...``: collectors given the same stride and distinct starts below it never share
+            an id (``RayCollector`` gives its remote collector ``i`` of ``n`` start ``i``, stride ``n``).
 
     Example:
         >>> from aiocollect import RolloutOptions
@@ -315,3 +345,35 @@ class WeightSchedule:
     def sends_weights(self) -> bool:
         """Whether the schedule sends weights on its own (each batch or on an interval)."""
         return self.update_at_each_batch or self.max_weight_update_interval is not None
+
+
+def _named(cls: type, keywords: Mapping[str, Any], *extra: str) -> dict[str, Any]:
+    names = [f.name for f in fields(cls)] + list(extra)
+    return {name: keywords[name] for name in names if name in keywords}
+
+
+def collector_options(keywords: Mapping[str, Any]) -> tuple[RolloutOptions, WeightSchedule]:
+    """A collector's two options objects from its keywords (its constructor's ``locals()``): ``rollout=``
+    and ``weights=`` when given, else built from the keywords named like their fields (and
+    ``update_after_each_batch``, the deprecated spelling of ``update_at_each_batch``)."""
+    rollout = RolloutOptions.from_kwargs(keywords.get("rollout"), **_named(RolloutOptions, keywords))
+    weights = WeightSchedule.from_kwargs(
+        keywords.get("weights"), **_named(WeightSchedule, keywords, "update_after_each_batch")
+    )
+    return rollout, weights
+
+
+def refuse_schedule(schedule: WeightSchedule, collector: str, *, update_at_each_batch: bool = False) -> None:
+    """``ValueError`` for a part of ``schedule`` that ``collector`` does not carry out
+    (``update_at_each_batch``: whether it does that one)."""
+    if schedule.update_at_each_batch and not update_at_each_batch:
+        raise ValueError(
+            f"{collector} runs its policy in this process: update_weights() reaches the next batch "
+            "without a schedule; drop update_at_each_batch"
+        )
+    if schedule.max_weight_update_interval is not None:
+        raise ValueError(
+            f"{collector} workers load published weights at every batch boundary: drop "
+            "max_weight_update_interval (it is DistributedCollector's and RayCollector's) and call "
+            "update_weights(), or set update_at_each_batch=True"
+        )

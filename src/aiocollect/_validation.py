@@ -26,6 +26,7 @@ __all__ = [
     "non_negative_int",
     "optional_callable",
     "optional_positive_int",
+    "policy_arg",
     "positive_int",
     "replay_buffer_arg",
     "seed_arg",
@@ -129,6 +130,14 @@ def seed_arg(value: Any) -> int | None: ...
 def seed_arg(value: Any) -> int | None:
     if value is not None and not is_int(value):
         raise TypeError(f"seed must be an int or None, got {value!r}")
+    return value
+
+
+def policy_arg(value: Any) -> Any:
+    if value is not None and not callable(value):
+        raise TypeError(
+            f"policy must be a TensorDictModule, an nn.Module, a callable td -> td or None, got {value!r}"
+        )
     return value
 
 
