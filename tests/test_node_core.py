@@ -43,7 +43,7 @@ def spec(index: int = 1, count: int = 3, keys: dict | None = None) -> HostSpec:
     given = dict(keys or {})
     rollout = RolloutOptions(frames_per_batch=8, total_frames=-1, **given).for_member(index, count)
     payload = cloudpickle.dumps((pendulum, Collector, {}))
-    return HostSpec(index, count, payload, cloudpickle.dumps(ConstantPolicy()), rollout, tuple(given))
+    return HostSpec(index, count, payload, cloudpickle.dumps(ConstantPolicy()), rollout)
 
 
 async def test_batches_weights_and_versions_in_the_trainers_numbers():

@@ -89,18 +89,16 @@ def weight_plan(
 ROLLOUT_KEYS = frozenset(f.name for f in fields(RolloutOptions))
 
 
-def member_rollouts(
-    per_member: list[dict[str, Any]], frames_per_batch: int
-) -> list[tuple[RolloutOptions, tuple[str, ...]]]:
-    """Each member's :class:`~aiocollect.RolloutOptions`, built (and so checked) here from its collector
-    keywords, which lose them; with the names of the keywords given (its collector is built with those).
-    Member ``i`` of ``n`` takes trajectory ids ``i, i + n, ...``."""
+def member_rollouts(per_member: list[dict[str, Any]], frames_per_batch: int) -> list[RolloutOptions]:
+    """Each member's :class:`~aiocollect.RolloutOptions` (its collector is built with ``rollout=``),
+    built and so checked here from its collector keywords, which lose them. Member ``i`` of ``n`` takes
+    trajectory ids ``i, i + n, ...``."""
     out = []
     n = len(per_member)
     for i, kwargs in enumerate(per_member):
         given = {k: kwargs.pop(k) for k in list(kwargs) if k in ROLLOUT_KEYS}
         options = RolloutOptions(frames_per_batch=frames_per_batch, total_frames=-1, **given)
-        out.append((options.for_member(i, n), tuple(given)))
+        out.append(options.for_member(i, n))
     return out
 
 

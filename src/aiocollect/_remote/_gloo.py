@@ -43,8 +43,9 @@ from .._transport._groups import (
     master_store,
     new_group,
 )
+from .._transport._messages import Result
+from .._transport._wire import AsyncChannel
 from .._weights import module_weights
-from .._workers._wire import AsyncChannel, Result
 from ._messages import BatchNotice, CallFailed, Close, Collect, Loaded, NodeBatch, NodeReady, Request, Setup
 from ._node import NodeCore
 from ._nodes import RemoteNode

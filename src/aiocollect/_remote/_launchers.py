@@ -160,7 +160,8 @@ def _leaf(exc: BaseException) -> BaseException:
 
 async def _serve(sock: socket.socket, rank: int) -> None:
     from .._errors import RemoteFailure
-    from .._workers._wire import AsyncChannel, Failed
+    from .._transport._messages import Failed
+    from .._transport._wire import AsyncChannel
 
     chan = AsyncChannel(sock)
     where = f"node {rank - 1} ({socket.gethostname()}, pid {os.getpid()})"

@@ -31,8 +31,6 @@ class HostSpec:
     payload: bytes  # cloudpickle of (the collector's first argument, collector_class, other kwargs)
     policy_payload: bytes  # cloudpickle of the policy (the same bytes for every node)
     rollout: RolloutOptions
-    #: the rollout options given in ``collector_kwargs`` (the collector is built with those keywords)
-    rollout_keys: tuple[str, ...] = ()
 
     @property
     def frames_per_batch(self) -> int:

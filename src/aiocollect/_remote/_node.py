@@ -36,24 +36,12 @@ _VERSION_KEY = ("collector", "policy_version")
 
 
 def build_collector(spec: HostSpec) -> tuple[Any, Any]:
-    """The hosted collector (not entered) and its policy, built from the spec's rollout options. Node
-    ``i`` of ``N`` takes trajectory ids ``i, i + N, ...``: disjoint over nodes (and over each node's
-    workers, which split them again)."""
+    """The hosted collector (not entered) and its policy, built from the spec's typed rollout options
+    (``rollout=``). Node ``i`` of ``N`` takes trajectory ids ``i, i + N, ...``: disjoint over nodes (and
+    over each node's workers, which split them again)."""
     env_arg, cls, kwargs = cloudpickle.loads(spec.payload)
     policy = cloudpickle.loads(spec.policy_payload)
-    rollout = spec.rollout
-    options = {key: getattr(rollout, key) for key in spec.rollout_keys}
-    collector = cls(
-        env_arg,
-        policy,
-        frames_per_batch=rollout.frames_per_batch,
-        total_frames=rollout.total_frames,
-        progress=False,
-        traj_id_start=rollout.traj_id_start,
-        traj_id_stride=rollout.traj_id_stride,
-        **options,
-        **dict(kwargs),
-    )
+    collector = cls(env_arg, policy, rollout=spec.rollout, progress=False, **dict(kwargs))
     return collector, policy
 
 

@@ -31,8 +31,9 @@ from .._events import WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
 from .._fleet import FleetCollector
 from .._gather import gather
 from .._options import RolloutOptions
+from .._transport._messages import Failed, Result
 from .._transport._waiters import Waiter, WaiterTable
-from .._workers._wire import AsyncChannel, Failed, Result
+from .._transport._wire import AsyncChannel
 from ._launchers import (
     HELLO_SIZE,
     Launcher,
@@ -109,7 +110,7 @@ class NodeFleet(FleetCollector):
     _sync: bool
     _node_fpb: int
     _payloads: list[bytes]
-    _rollouts: list[tuple[RolloutOptions, tuple[str, ...]]]
+    _rollouts: list[RolloutOptions]
     _policy_payload: bytes
     _launcher: Launcher
     _tcp_port: int
@@ -319,14 +320,12 @@ class NodeFleet(FleetCollector):
             for node in self._nodes:
                 await node.connected.wait()
             for node in self._nodes:
-                rollout, keys = self._rollouts[node.index]
                 spec = HostSpec(
                     index=node.index,
                     num_nodes=self.num_collectors,
                     payload=self._payloads[node.index],
                     policy_payload=self._policy_payload,
-                    rollout=rollout,
-                    rollout_keys=keys,
+                    rollout=self._rollouts[node.index],
                 )
                 setup = Setup(self._engine, spec, self._transport_setup(node.index))
                 assert node.channel is not None

@@ -31,7 +31,8 @@ from .._events import (
     WorkerFailed,
 )
 from .._gather import gather
-from .._multi import MultiAsyncCollector, MultiSyncCollector, ProcessCollector
+from .._multi_async import MultiAsyncCollector, ProcessCollector
+from .._multi_sync import MultiSyncCollector
 from .._options import WeightSchedule
 from .._validation import flag, positive_int, replay_buffer_arg, total_frames_arg
 from ._args import (

@@ -44,11 +44,10 @@ class RemoteCollectorActor:
         policy_blob: bytes,
         payload: bytes,
         rollout: RolloutOptions,
-        rollout_keys: tuple[str, ...],
         sync: bool,
     ) -> None:
         # Ray hands the object refs among the arguments over as their values (the pickled bytes)
-        spec = HostSpec(index, num_collectors, payload, policy_blob, rollout, rollout_keys)
+        spec = HostSpec(index, num_collectors, payload, policy_blob, rollout)
         self._spec: HostSpec | None = spec
         self._index = index
         self._sync = sync

@@ -68,7 +68,7 @@ class ActorFleet(FleetCollector):
     _sync: bool
     _per_actor_fpb: int
     _payloads: list[bytes]
-    _rollouts: list[tuple[RolloutOptions, tuple[str, ...]]]
+    _rollouts: list[RolloutOptions]
     _remote_configs: list[dict[str, Any]]
     _ray_init_config: dict[str, Any] | None
     _ray: Any
@@ -174,8 +174,7 @@ class ActorFleet(FleetCollector):
         for i, payload in enumerate(self._payloads):
             if payload not in payload_refs:  # the same constructor for every actor: one object
                 payload_refs[payload] = ray.put(payload)
-            rollout, keys = self._rollouts[i]
-            spec = (i, self.num_collectors, policy_ref, payload_refs[payload], rollout, keys)
+            spec = (i, self.num_collectors, policy_ref, payload_refs[payload], self._rollouts[i])
             handle = cls.options(**self._remote_configs[i]).remote(*spec, self._sync)
             actors.append(Actor(i, handle))
         return actors

@@ -40,7 +40,7 @@ from .._errors import RemoteFailure, as_error
 from .._gather import gather
 from .._transport._flat import rebuild
 from .._transport._groups import client_store, master_store
-from .._workers._wire import AsyncChannel
+from .._transport._wire import AsyncChannel
 from ._messages import (
     Close,
     ControlOp,

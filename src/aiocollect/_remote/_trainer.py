@@ -15,7 +15,8 @@ from .._collector import Collector
 from .._events import WeightsPublished
 from .._fleet import Member
 from .._gather import gather
-from .._multi import MultiAsyncCollector, MultiSyncCollector
+from .._multi_async import MultiAsyncCollector
+from .._multi_sync import MultiSyncCollector
 from .._options import WeightSchedule
 from .._validation import flag, positive_int, total_frames_arg
 from ._args import (
