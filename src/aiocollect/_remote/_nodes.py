@@ -31,6 +31,7 @@ from .._events import WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
 from .._fleet import FleetCollector
 from .._gather import gather
 from .._options import RolloutOptions
+from .._stats import WorkerState
 from .._transport._messages import Failed, Result
 from .._transport._waiters import Waiter, WaiterTable
 from .._transport._wire import AsyncChannel
@@ -78,7 +79,7 @@ class RemoteNode:
     pid: int | None = None
     host: str | None = None
     ready: NodeReady | None = None
-    state: str = "starting"
+    state: WorkerState = WorkerState.STARTING
     frames: int = 0
     policy_version: int = 0
     #: batches delivered since its last weight update
@@ -253,8 +254,8 @@ class NodeFleet(FleetCollector):
         raise error
 
     def _fail(self, node: RemoteNode | None, error: BaseException) -> None:
-        if node is not None and node.state not in ("failed", "stopped"):
-            node.state = "failed"
+        if node is not None and node.state not in (WorkerState.FAILED, WorkerState.STOPPED):
+            node.state = WorkerState.FAILED
             self._hub.publish(WorkerFailed(node.index, f"{type(error).__name__}: {error}"))
         if self._failure is not None:
             return
@@ -340,7 +341,7 @@ class NodeFleet(FleetCollector):
         await self._guard(all_ready)
         for node in self._nodes:
             assert node.ready is not None
-            node.state = "collecting"
+            node.state = WorkerState.COLLECTING
             self._hub.publish(WorkerStarted(node.index))
         fpbs = {node.ready.frames_per_batch for node in self._nodes if node.ready is not None}
         if self._sync:
@@ -426,8 +427,8 @@ class NodeFleet(FleetCollector):
                         await node.process.wait()
                     exitcode = node.process.exitcode
                 self._fail(node, self._died(node, exitcode))
-            elif not failed and node.state != "failed":
-                node.state = "stopped"
+            elif not failed and node.state != WorkerState.FAILED:
+                node.state = WorkerState.STOPPED
                 self._hub.publish(WorkerStopped(node.index))
 
     async def _shutdown(self) -> None:
@@ -455,8 +456,8 @@ class NodeFleet(FleetCollector):
 
             await gather(*[partial(close, node) for node in self._nodes])
             for node in self._nodes:
-                if node.state not in ("failed", "stopped"):
-                    node.state = "stopped"
+                if node.state not in (WorkerState.FAILED, WorkerState.STOPPED):
+                    node.state = WorkerState.STOPPED
             await anyio.to_thread.run_sync(self._close_transport)
             if self._io is not None:
                 self._io_stop.set()

@@ -34,6 +34,7 @@ from .._gather import gather
 from .._multi_async import MultiAsyncCollector, ProcessCollector
 from .._multi_sync import MultiSyncCollector
 from .._options import WeightSchedule
+from .._stats import WorkerState
 from .._validation import flag, positive_int, replay_buffer_arg, total_frames_arg
 from ._args import (
     UNSET,
@@ -284,7 +285,7 @@ class RayCollector(ActorFleet):
         return [(actor.index, r, n) for r, n in meta["episodes"]]
 
     def _failed_actor(self, actor: Actor, exc: BaseException, what: str) -> BaseException:
-        actor.state = "failed"
+        actor.state = WorkerState.FAILED
         error = unwrap_ray_error(exc, f"actor {actor.index} ({what})", actor)
         self._hub.publish(WorkerFailed(actor.index, f"{type(error).__name__}: {error}"))
         return error

@@ -27,6 +27,7 @@ from .._fleet import FleetCollector
 from .._gather import gather
 from .._options import RolloutOptions
 from .._pids import pid_alive
+from .._stats import WorkerState
 from ._ray_actor import actor_class, import_ray, unwrap_ray_error
 
 #: remote options used unless ``remote_config`` says otherwise
@@ -49,7 +50,7 @@ class Actor:
     index: int
     handle: Any
     info: dict[str, Any] = field(default_factory=dict)
-    state: str = "starting"
+    state: WorkerState = WorkerState.STARTING
     frames: int = 0
     policy_version: int = 0
     #: batches delivered since this actor was last sent weights (max_weight_update_interval)
@@ -148,7 +149,7 @@ class ActorFleet(FleetCollector):
         )
         for actor, fpb in zip(self._actors, fpbs, strict=True):
             actor.info["frames_per_batch"] = int(fpb)
-            actor.state = "collecting"
+            actor.state = WorkerState.COLLECTING
             self._hub.publish(WorkerStarted(actor.index))
         self.frames_per_batch = sum(fpbs) if self._sync else fpbs[0]
         await self._members_started()
@@ -199,14 +200,14 @@ class ActorFleet(FleetCollector):
             for stream in (self._results_send, self._results_receive):
                 if stream is not None:
                     stream.close()
-            actors = [a for a in self._actors if a.state != "stopped"]
+            actors = [a for a in self._actors if a.state != WorkerState.STOPPED]
             if actors:
                 with anyio.move_on_after(_CLOSE_GRACE):
                     await gather(*[partial(self._close_one, a) for a in actors])
                 await anyio.to_thread.run_sync(self._kill, actors)
                 for actor in actors:
-                    if actor.state != "failed":
-                        actor.state = "stopped"
+                    if actor.state != WorkerState.FAILED:
+                        actor.state = WorkerState.STOPPED
                     self._hub.publish(WorkerStopped(actor.index))
             if self._started_ray:
                 self._started_ray = False

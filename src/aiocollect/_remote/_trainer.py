@@ -18,6 +18,7 @@ from .._gather import gather
 from .._multi_async import MultiAsyncCollector
 from .._multi_sync import MultiSyncCollector
 from .._options import WeightSchedule
+from .._stats import WorkerState
 from .._validation import flag, positive_int, total_frames_arg
 from ._args import (
     UNSET,
@@ -211,7 +212,7 @@ class RemoteCollectorBase(NodeFleet):
         next ``__anext__``, so that they get the weights trained on that batch."""
         chosen, due = [], []
         for node in self._nodes:
-            if node.in_flight or node.state != "collecting":
+            if node.in_flight or node.state != WorkerState.COLLECTING:
                 continue
             if eager and self._after_each and node.fresh:
                 continue
