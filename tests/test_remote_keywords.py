@@ -67,6 +67,8 @@ def test_collector_kwargs_are_checked_on_the_trainer(cls):
         make(cls, collector_kwargs={"total_frames": 10})
     with pytest.raises(ValueError, match="worker_timeout"):
         make(cls, collector_kwargs={"worker_timeout": -1})
+    with pytest.raises(TypeError, match="takes no keyword 'max_frame_per_traj'"):
+        make(cls, collector_kwargs={"max_frame_per_traj": 3})
     with pytest.raises(ValueError, match="max_frames_per_traj"):
         make(cls, collector_kwargs={"max_frames_per_traj": -3})
     with pytest.raises(TypeError, match="split_trajs"):

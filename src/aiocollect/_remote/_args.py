@@ -10,6 +10,7 @@ spellings of ``None``). The rollout keywords of ``collector_kwargs`` become one
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -162,6 +163,36 @@ def collector_kwargs_arg(
     return per, seed_arg(seeds.pop())
 
 
+def accepted_keywords(cls: type) -> frozenset[str] | None:
+    """The keywords ``cls(...)`` takes, following ``**kwargs`` up the classes that forward them (``None``:
+    open-ended, nothing can be checked)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters.values()
+        names |= {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            return frozenset(names)
+    return None
+
+
+def check_keywords(collector_class: type, per_member: Sequence[Mapping[str, Any]]) -> None:
+    """``TypeError`` naming a keyword of ``collector_kwargs`` that ``collector_class`` does not take, on
+    the trainer, before any node or actor starts."""
+    accepted = accepted_keywords(collector_class)
+    if accepted is None:
+        return
+    for kwargs in per_member:
+        unknown = sorted(set(kwargs) - accepted)
+        if unknown:
+            raise TypeError(
+                f"collector_kwargs: {collector_class.__name__} takes no keyword {unknown[0]!r} (its "
+                f"keywords: {', '.join(sorted(accepted - {'self', 'create_env_fn', 'policy'}))})"
+            )
+
+
 def payloads(
     env_args: Sequence[Any], collector_class: type, per: Sequence[Mapping[str, Any]], noun: str
 ) -> list[bytes]:
@@ -190,6 +221,8 @@ __all__ = [
     "RESERVED",
     "UNSET",
     "WeightPlan",
+    "accepted_keywords",
+    "check_keywords",
     "check_policy",
     "collector_kwargs_arg",
     "ROLLOUT_KEYS",

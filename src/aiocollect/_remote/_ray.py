@@ -38,6 +38,7 @@ from .._stats import WorkerState
 from .._validation import flag, positive_int, replay_buffer_arg, total_frames_arg
 from ._args import (
     UNSET,
+    check_keywords,
     check_policy,
     collector_kwargs_arg,
     member_rollouts,
@@ -202,6 +203,7 @@ class RayCollector(ActorFleet):
         self._per_actor_fpb = split_frames(frames_per_batch, n, self._sync, "actor", stacklevel=3)
         self.frames_per_batch = self._per_actor_fpb * n if self._sync else self._per_actor_fpb
         # pickled here (small: a bad one fails now); the policy once, in a thread, when entered
+        check_keywords(collector_class, kwargs_list)
         self._rollouts = member_rollouts(kwargs_list, self._per_actor_fpb)  # checked here, sent typed
         self._payloads = payloads(env_args, collector_class, kwargs_list, "actor")
         self._init_base(progress)

@@ -22,6 +22,7 @@ from .._stats import WorkerState
 from .._validation import flag, positive_int, total_frames_arg
 from ._args import (
     UNSET,
+    check_keywords,
     check_policy,
     collector_kwargs_arg,
     member_rollouts,
@@ -103,6 +104,7 @@ class RemoteCollectorBase(NodeFleet):
         # policy, which can be large, once and in a thread when the collector is entered
         workers = self.num_workers_per_collector
         env_args = [fn if collector_class is Collector else [fn] * workers for fn in env_fns]
+        check_keywords(collector_class, per_node)
         self._rollouts = member_rollouts(per_node, self._node_fpb)  # checked here, before any node starts
         self._payloads = payloads(env_args, collector_class, per_node, "node")
         self._policy_payload = b""
