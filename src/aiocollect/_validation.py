@@ -173,15 +173,6 @@ class Devices:
     policy: torch.device | None = None
     storing: torch.device | None = None
 
-    @classmethod
-    def from_args(cls, *, device: Any, env_device: Any, policy_device: Any, storing_device: Any) -> Devices:
-        default = device_arg("device", device)
-        return cls(
-            env=device_arg("env_device", env_device) or default,
-            policy=device_arg("policy_device", policy_device) or default,
-            storing=device_arg("storing_device", storing_device) or default,
-        )
-
 
 def lag_arg(value: Any) -> int | None:
     if value is None:
