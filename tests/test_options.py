@@ -29,7 +29,7 @@ BAD_ROLLOUT = [
     ({"split_trajs": None}, TypeError, "split_trajs"),
     ({"set_truncated": "yes"}, TypeError, "set_truncated"),
     ({"exploration_type": "sideways"}, ValueError, "exploration_type"),
-    ({"exploration_type": 3}, TypeError, "exploration_type"),
+    ({"exploration_type": 3}, ValueError, "exploration_type"),
     ({"seed": "0"}, TypeError, "seed"),
     ({"device": "not-a-device"}, ValueError, "device"),
     ({"storing_device": 3.5}, ValueError, "storing_device"),

@@ -97,11 +97,10 @@ def exploration_type_arg(value: Any) -> InteractionType:
     """``"random"``, ``"deterministic"``, ``"mode"``, ``"mean"``, ``"median"`` or an ``InteractionType``."""
     if isinstance(value, InteractionType):
         return value
-    what = f"one of {sorted(_EXPLORATION)} or a tensordict.nn.InteractionType"
-    if not isinstance(value, str):
-        raise TypeError(f"exploration_type must be {what}, got {value!r}")
-    if value.lower() not in _EXPLORATION:
-        raise ValueError(f"exploration_type={value!r} is not {what}")
+    if not isinstance(value, str) or value.lower() not in _EXPLORATION:
+        # one error type for any value outside the choices (as before the options objects)
+        choices = f"one of {sorted(_EXPLORATION)} or a tensordict.nn.InteractionType"
+        raise ValueError(f"exploration_type={value!r} is not {choices}")
     return _EXPLORATION[value.lower()]
 
 
