@@ -29,7 +29,7 @@ BAD_ROLLOUT = [
     ({"split_trajs": None}, TypeError, "split_trajs"),
     ({"set_truncated": "yes"}, TypeError, "set_truncated"),
     ({"exploration_type": "sideways"}, ValueError, "exploration_type"),
-    ({"exploration_type": 3}, TypeError, "exploration_type"),
+    ({"exploration_type": 3}, ValueError, "exploration_type"),
     ({"seed": "0"}, TypeError, "seed"),
     ({"device": "not-a-device"}, ValueError, "device"),
     ({"storing_device": 3.5}, ValueError, "storing_device"),
@@ -171,3 +171,51 @@ def test_multi_collectors_take_the_options_objects_and_the_old_backend_spelling(
         ProcessCollector(env, frames_per_batch=8, backend="serial")
     with pytest.raises(ValueError, match="max_weight_update_interval"):
         MultiSyncCollector([env], frames_per_batch=8, weights=WeightSchedule(max_weight_update_interval=2))
+
+
+def test_collector_takes_the_options_objects():
+    from aiocollect import Collector, GymEnv
+
+    options = RolloutOptions(frames_per_batch=16, total_frames=32, max_frames_per_traj=5, seed=0)
+    collector = Collector(
+        lambda: GymEnv("CartPole-v1"), rollout=options, weights=WeightSchedule(max_policy_lag=1)
+    )
+    assert (collector.frames_per_batch, collector.total_frames) == (16, 32)
+    flat = Collector(
+        lambda: GymEnv("CartPole-v1"), frames_per_batch=16, total_frames=32, max_frames_per_traj=5
+    )
+    assert flat.frames_per_batch == collector.frames_per_batch
+    with pytest.raises(TypeError, match=r"rollout=RolloutOptions.*max_frames_per_traj"):
+        Collector(lambda: GymEnv("CartPole-v1"), rollout=options, max_frames_per_traj=7)
+    with pytest.raises(TypeError, match="frames_per_batch is required"):
+        Collector(lambda: GymEnv("CartPole-v1"))
+    with pytest.raises(TypeError, match="one frames_per_batch"):
+        Collector(lambda: GymEnv("CartPole-v1"), frames_per_batch=[8, 8])
+    with pytest.raises(ValueError, match="update_at_each_batch"):
+        Collector(
+            lambda: GymEnv("CartPole-v1"),
+            frames_per_batch=8,
+            weights=WeightSchedule(update_at_each_batch=True),
+        )
+
+
+def test_options_reach_the_workers():
+    import anyio
+
+    from aiocollect import GymEnv, MultiSyncCollector
+
+    async def main() -> list[int]:
+        options = RolloutOptions(frames_per_batch=16, total_frames=16, max_frames_per_traj=3, traj_id_start=5)
+        async with MultiSyncCollector(
+            [lambda: GymEnv("CartPole-v1")] * 2,
+            rollout=options,
+            weights=WeightSchedule(track_policy_version=True),
+            worker_backend="serial",
+        ) as c:
+            (batch,) = [b async for b in c]
+        assert ("collector", "policy_version") in batch.keys(include_nested=True)
+        return sorted(set(batch["collector", "traj_ids"].flatten().tolist()))
+
+    ids = anyio.run(main)
+    # max_frames_per_traj=3: every 8-step rollout holds 3 trajectories; worker i's ids are 5 + i + 2k
+    assert ids == [5, 6, 7, 8, 9, 10]

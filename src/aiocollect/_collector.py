@@ -41,6 +41,8 @@ from ._validation import (
 )
 from ._weights import as_weights, check_compatible, copy_weights, module_weights
 
+__all__ = ["Collector"]
+
 T = TypeVar("T")
 
 

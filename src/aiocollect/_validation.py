@@ -97,11 +97,10 @@ def exploration_type_arg(value: Any) -> InteractionType:
     """``"random"``, ``"deterministic"``, ``"mode"``, ``"mean"``, ``"median"`` or an ``InteractionType``."""
     if isinstance(value, InteractionType):
         return value
-    what = f"one of {sorted(_EXPLORATION)} or a tensordict.nn.InteractionType"
-    if not isinstance(value, str):
-        raise TypeError(f"exploration_type must be {what}, got {value!r}")
-    if value.lower() not in _EXPLORATION:
-        raise ValueError(f"exploration_type={value!r} is not {what}")
+    if not isinstance(value, str) or value.lower() not in _EXPLORATION:
+        # one error type for any value outside the choices (as before the options objects)
+        choices = f"one of {sorted(_EXPLORATION)} or a tensordict.nn.InteractionType"
+        raise ValueError(f"exploration_type={value!r} is not {choices}")
     return _EXPLORATION[value.lower()]
 
 
@@ -172,15 +171,6 @@ class Devices:
     env: torch.device | None = None
     policy: torch.device | None = None
     storing: torch.device | None = None
-
-    @classmethod
-    def from_args(cls, *, device: Any, env_device: Any, policy_device: Any, storing_device: Any) -> Devices:
-        default = device_arg("device", device)
-        return cls(
-            env=device_arg("env_device", env_device) or default,
-            policy=device_arg("policy_device", policy_device) or default,
-            storing=device_arg("storing_device", storing_device) or default,
-        )
 
 
 def lag_arg(value: Any) -> int | None:
