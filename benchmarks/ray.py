@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from aiocollect import GymEnv, MultiAsyncCollector, MultiSyncCollector, RayCollector
-from aiocollect._distributed._ray import to_wire, weights_to_wire
+from aiocollect._remote._ray_wire import to_wire, weights_to_wire
 from aiocollect._weightsync import flat_weights
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

@@ -112,7 +112,7 @@ async def test_multi_collectors_start_lazily_and_take_torchrl_keywords(name: str
         init_fn=record_init,  # the serial backend runs it in this process's threads
         post_collect_hook=lambda batch: started.append(batch.numel()),
         device=["cpu", "cpu"],
-        backend="serial",
+        worker_backend="serial",
     )
     assert collector.inner.closed is False
     with anyio.fail_after(30):
@@ -130,7 +130,7 @@ async def test_multi_collectors_start_lazily_and_take_torchrl_keywords(name: str
 
 async def test_policy_factory_leaves_no_weights_to_publish() -> None:
     collector = compat.MultiSyncCollector(
-        [cartpole], policy_factory=make_policy, frames_per_batch=8, backend="serial"
+        [cartpole], policy_factory=make_policy, frames_per_batch=8, worker_backend="serial"
     )
     async with collector:
         with pytest.raises(TypeError, match="built by policy_factory"):
@@ -142,7 +142,7 @@ async def test_policy_factory_leaves_no_weights_to_publish() -> None:
 async def test_async_with_and_start_into_a_replay_buffer() -> None:
     rb = ListBuffer()
     collector = compat.MultiSyncCollector(
-        [cartpole] * 2, frames_per_batch=32, replay_buffer=rb, backend="serial"
+        [cartpole] * 2, frames_per_batch=32, replay_buffer=rb, worker_backend="serial"
     )
     async with collector:
         await collector.start()
@@ -205,7 +205,7 @@ def test_multi_keyword_checks() -> None:
     with pytest.raises(TypeError, match="sync must be True or False"):
         compat.MultiCollector([cartpole] * 2, sync=None, frames_per_batch=8)
     assert isinstance(
-        compat.MultiCollector([cartpole], sync=True, frames_per_batch=8, backend="serial"),
+        compat.MultiCollector([cartpole], sync=True, frames_per_batch=8, worker_backend="serial"),
         compat.MultiSyncCollector,
     )
 

@@ -410,7 +410,9 @@ async def test_event_stream_after_the_collector_closed():
 
 
 async def test_multi_collector_dashboard():
-    collector = MultiSyncCollector([cartpole, cartpole], Policy(), frames_per_batch=128, backend="serial")
+    collector = MultiSyncCollector(
+        [cartpole, cartpole], Policy(), frames_per_batch=128, worker_backend="serial"
+    )
     async with dashboard(collector, interval=0.05) as d:
         await wait_until(lambda: collector.statistics().frames > 0, limit=30)
         body = (await d.client.get("/statistics")).json()

@@ -149,8 +149,8 @@ async def test_distributed_sync_stacks_per_node_with_multi_collectors():
             num_collectors=2,
             collector_class=MultiSyncCollector,
             num_workers_per_collector=2,
-            collector_kwargs={"backend": "serial"},
-            update_after_each_batch=True,
+            collector_kwargs={"worker_backend": "serial"},
+            update_at_each_batch=True,
         ) as c:
             batches = []
             async for batch in c:
@@ -277,7 +277,7 @@ def test_rpc_rejects_bad_tensorpipe_options():
             ConstantPolicy(),
             frames_per_batch=8,
             num_collectors=1,
-            update_after_each_batch=True,
+            update_at_each_batch=True,
             max_weight_update_interval=2,
         )
 

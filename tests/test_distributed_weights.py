@@ -85,7 +85,7 @@ async def test_sync_update_reaches_workers(backend):
             [pendulum, pendulum],
             trainer,
             frames_per_batch=8,
-            backend=backend,
+            worker_backend=backend,
             track_policy_version=True,
             weight_sync=DistributedWeightSync(),
         ) as c:

@@ -75,7 +75,9 @@ async def test_stream_ends_when_the_collector_closes_and_drops_oldest():
 
 
 async def test_multi_worker_states_and_events():
-    async with MultiSyncCollector([cartpole, cartpole], Policy(), frames_per_batch=40, backend="serial") as c:
+    async with MultiSyncCollector(
+        [cartpole, cartpole], Policy(), frames_per_batch=40, worker_backend="serial"
+    ) as c:
         async with c.events() as events:
             stats = c.statistics()
             assert [w.state for w in stats.workers] == ["collecting", "collecting"]
@@ -96,7 +98,7 @@ async def test_multi_worker_states_and_events():
 
 
 async def test_async_events_carry_the_worker():
-    c = MultiAsyncCollector([cartpole, cartpole], frames_per_batch=20, backend="serial")
+    c = MultiAsyncCollector([cartpole, cartpole], frames_per_batch=20, worker_backend="serial")
     async with c, c.events() as events:
         for _ in range(4):
             await c.__anext__()
@@ -115,7 +117,7 @@ def failing():
 
 async def test_failed_worker_is_reported():
     with anyio.fail_after(30):
-        async with MultiSyncCollector([cartpole, failing], frames_per_batch=20, backend="serial") as c:
+        async with MultiSyncCollector([cartpole, failing], frames_per_batch=20, worker_backend="serial") as c:
             stream = c.events()
             with pytest.raises(OSError, match="sensor unplugged"):
                 await c.__anext__()

@@ -2,8 +2,9 @@
 process, thread, fd or shared-memory segment left behind.
 
 Collectors: ``Collector`` (in process), ``ProcessCollector``, ``MultiSyncCollector`` and
-``MultiAsyncCollector`` (``backend="process"``; the multi ones also ``backend="serial"``). The multi
-collectors run a healthy worker beside the faulty one, so the test also sees the other worker stopped.
+``MultiAsyncCollector`` (``worker_backend="process"``; the multi ones also
+``worker_backend="serial"``). The multi collectors run a healthy worker beside the faulty one, so the
+test also sees the other worker stopped.
 
 Each cell measures the time from the fault (the env or policy raising, a signal sent, a hang starting plus
 ``worker_timeout``) to the exception leaving ``async with`` (so the workers are already reaped) and checks it
@@ -209,7 +210,7 @@ def build(
         return ProcessCollector(faulty, policy, **kwargs)
     cls = MultiSyncCollector if kind.startswith("sync") else MultiAsyncCollector
     backend = "serial" if kind.endswith("serial") else "process"
-    return cls([other, faulty], policy, backend=backend, **kwargs)
+    return cls([other, faulty], policy, worker_backend=backend, **kwargs)
 
 
 async def assert_closed_for_good(collector: Any, why: str) -> None:

@@ -134,7 +134,7 @@ def multi(kind: str, fns: list[Any], policy: Any = None, **kwargs: Any) -> Any:
     if kind == "process":
         return ProcessCollector(fns[0], policy, **kwargs)
     cls = MultiSyncCollector if kind.startswith("sync") else MultiAsyncCollector
-    return cls(fns, policy, backend="serial" if kind.endswith("serial") else "process", **kwargs)
+    return cls(fns, policy, worker_backend="serial" if kind.endswith("serial") else "process", **kwargs)
 
 
 KINDS = ["process", "sync", "async", "sync-serial", "async-serial"]
@@ -299,7 +299,7 @@ async def test_replay_buffer_gets_only_the_frames_a_preempted_batch_holds() -> N
         total_frames=40,
         preemptive_threshold=0.5,
         replay_buffer=rb,
-        backend="serial",
+        worker_backend="serial",
     ) as collector:
         with anyio.fail_after(60):
             async for _ in collector.fill():
@@ -371,7 +371,7 @@ async def test_serial_and_process_workers_give_the_same_seeded_batches(sync: boo
             frames_per_batch=32,
             total_frames=128,
             seed=7,
-            backend=backend,
+            worker_backend=backend,
         ) as c:
             async for batch in c:
                 if sync:
@@ -474,7 +474,7 @@ async def test_get_distant_attr_and_map_fn_reach_every_workers_env_and_policy(ki
     ],
 )
 async def test_distant_paths_are_checked_before_any_call(call, error, match) -> None:
-    async with MultiSyncCollector([Tagged, Tagged], frames_per_batch=8, backend="serial") as c:
+    async with MultiSyncCollector([Tagged, Tagged], frames_per_batch=8, worker_backend="serial") as c:
         with anyio.fail_after(30), pytest.raises(error, match=match):
             await call(c)
         assert (await c.__anext__()).batch_size == (2, 4)  # nothing was sent: the workers are fine

@@ -2,8 +2,8 @@
 
 * every invalid combination raises ``ValueError`` / ``TypeError`` naming an invalid argument, in the
   constructor: no process starts and no env is left open;
-* every valid small combination (in-process ``Collector``, ``backend="serial"`` multi collectors) collects
-  the promised number of frames with the promised shapes;
+* every valid small combination (in-process ``Collector``, ``worker_backend="serial"`` multi collectors)
+  collects the promised number of frames with the promised shapes;
 * a malformed policy (no ``"action"``, wrong shape or dtype, values outside the space) fails with an error
   naming ``'action'`` and what the action space needs, at construction or on the first batch.
 
@@ -98,7 +98,7 @@ INVALID: dict[str, st.SearchStrategy[Any]] = {
     "policy": bad(3, "random", object()),
 }
 MULTI_INVALID = {
-    "backend": bad("thread", None, 1),
+    "worker_backend": bad("thread", None, 1),
     "start_method": bad("nope", 3),
     "num_threads": bad(0, -1, 1.5, True),
     "num_sub_threads": bad(0, -1, 1.5, None),
@@ -181,7 +181,7 @@ def valid_config(draw: st.DrawFn, kind: str) -> dict[str, Any]:
         "storing_device": draw(st.sampled_from([None, "cpu"])),
     }
     if kind != "Collector":
-        config["backend"] = "serial"
+        config["worker_backend"] = "serial"
         config["worker_timeout"] = draw(st.none() | st.just(30.0))
     if kind == "MultiSyncCollector":
         config["cat_results"] = draw(st.sampled_from(["stack", 0, -1]))
@@ -347,7 +347,7 @@ async def first_batch(kind: str, env: Any, policy: Any) -> Any:
     if kind == "Collector":
         collector: Any = Collector(env, policy, frames_per_batch=6)
     elif kind == "MultiSyncCollector":
-        collector = MultiSyncCollector([env, env], policy, frames_per_batch=12, backend="serial")
+        collector = MultiSyncCollector([env, env], policy, frames_per_batch=12, worker_backend="serial")
     else:
         collector = ProcessCollector(env, policy, frames_per_batch=6)
     with anyio.fail_after(60):

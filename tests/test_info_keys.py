@@ -178,7 +178,11 @@ def test_a_multi_process_worker_calls_a_plain_module_on_the_observations():
     async def main() -> TensorDict:
         with anyio.fail_after(60):
             async with MultiSyncCollector(
-                [ENVS["next_step"]], ObservationOnly(), frames_per_batch=12, total_frames=12, backend="serial"
+                [ENVS["next_step"]],
+                ObservationOnly(),
+                frames_per_batch=12,
+                total_frames=12,
+                worker_backend="serial",
             ) as collector:
                 (batch,) = [b async for b in collector]
                 return batch

@@ -78,7 +78,7 @@ def backend(request):
 async def test_sync_stack_shapes_and_traj_ids(backend):
     with anyio.fail_after(60):
         async with MultiSyncCollector(
-            [cartpole4, cartpole4], frames_per_batch=64, total_frames=256, backend=backend, seed=0
+            [cartpole4, cartpole4], frames_per_batch=64, total_frames=256, worker_backend=backend, seed=0
         ) as c:
             batches = [b async for b in c]
     assert len(batches) == 4
@@ -95,24 +95,30 @@ async def test_sync_stack_shapes_and_traj_ids(backend):
 
 async def test_cat_results_and_per_worker_frames():
     async with MultiSyncCollector(
-        [cartpole4, cartpole4], frames_per_batch=64, total_frames=64, cat_results=0, backend="serial"
+        [cartpole4, cartpole4], frames_per_batch=64, total_frames=64, cat_results=0, worker_backend="serial"
     ) as c:
         (b,) = [b async for b in c]
     assert b.batch_size == (8, 8)
     async with MultiSyncCollector(
-        [cartpole4, cartpole4], frames_per_batch=64, total_frames=64, cat_results=-1, backend="serial"
+        [cartpole4, cartpole4], frames_per_batch=64, total_frames=64, cat_results=-1, worker_backend="serial"
     ) as c:
         (b,) = [b async for b in c]
     assert b.batch_size == (4, 16)
     async with MultiSyncCollector(
-        [cartpole, cartpole], frames_per_batch=[10, 30], cat_results=-1, total_frames=40, backend="serial"
+        [cartpole, cartpole],
+        frames_per_batch=[10, 30],
+        cat_results=-1,
+        total_frames=40,
+        worker_backend="serial",
     ) as c:
         (b,) = [b async for b in c]
     assert b.batch_size == (40,)
     with pytest.raises(ValueError, match="frames_per_batch has 3 values for 2 workers"):
         MultiSyncCollector([cartpole, cartpole], frames_per_batch=[1, 2, 3])
     with pytest.raises(ValueError, match="cat_results='stack' needs equal"):
-        async with MultiSyncCollector([cartpole, cartpole], frames_per_batch=[10, 30], backend="serial"):
+        async with MultiSyncCollector(
+            [cartpole, cartpole], frames_per_batch=[10, 30], worker_backend="serial"
+        ):
             pass
 
 
@@ -123,7 +129,7 @@ async def test_process_and_serial_give_identical_batches():
             [cartpole4, cartpole4],
             frames_per_batch=[40, 40],
             total_frames=160,
-            backend=backend,
+            worker_backend=backend,
             seed=3,
         ) as c:
             out[backend] = [b async for b in c]
@@ -135,7 +141,7 @@ async def test_process_and_serial_give_identical_batches():
 async def test_async_collector(backend):
     with anyio.fail_after(60):
         async with MultiAsyncCollector(
-            [cartpole, cartpole4], frames_per_batch=32, total_frames=320, backend=backend
+            [cartpole, cartpole4], frames_per_batch=32, total_frames=320, worker_backend=backend
         ) as c:
             batches = [b async for b in c]
     assert sum(b.numel() for b in batches) >= 320
@@ -164,7 +170,7 @@ async def test_preemption_marks_missing_frames(backend):
             [fast_env, slow_env],
             frames_per_batch=400,
             preemptive_threshold=0.5,
-            backend=backend,
+            worker_backend=backend,
             total_frames=800,
         ) as c:
             start = time.monotonic()
@@ -190,7 +196,9 @@ async def test_preemption_argument_checked():
 async def test_worker_exception_keeps_type_and_traceback(backend):
     with anyio.fail_after(30):
         with pytest.raises(ZeroDivisionError) as info:
-            async with MultiSyncCollector([fast_env, failing_env], frames_per_batch=40, backend=backend) as c:
+            async with MultiSyncCollector(
+                [fast_env, failing_env], frames_per_batch=40, worker_backend=backend
+            ) as c:
                 async for _ in c:
                     pass
     text = "".join(traceback.format_exception(info.value))
@@ -204,7 +212,7 @@ async def test_worker_exception_keeps_type_and_traceback(backend):
 
 async def test_startup_error_raised_from_async_with(backend):
     with anyio.fail_after(30), pytest.raises(KeyError, match="no such env"):
-        async with MultiSyncCollector([cartpole, broken_factory], frames_per_batch=8, backend=backend):
+        async with MultiSyncCollector([cartpole, broken_factory], frames_per_batch=8, worker_backend=backend):
             pass
     assert_clean()
 
@@ -263,7 +271,7 @@ class WatchedPolicy(torch.nn.Module):
 async def test_policy_is_pickled_once_and_off_the_event_loop(backend):
     """A large policy's pickling would hold the loop: it happens once, in a thread, on entering."""
     WatchedPolicy.on_main_thread.clear()
-    c = MultiSyncCollector([cartpole] * 3, WatchedPolicy(), frames_per_batch=12, backend=backend)
+    c = MultiSyncCollector([cartpole] * 3, WatchedPolicy(), frames_per_batch=12, worker_backend=backend)
     assert WatchedPolicy.on_main_thread == []  # the constructor does not pickle it
     async with c:
         batch = await c.__anext__()
@@ -284,7 +292,7 @@ class LockedPolicy(torch.nn.Module):
 @pytest.mark.parametrize("cls", [MultiSyncCollector, MultiAsyncCollector])
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_unpicklable_policy_fails_on_entering_before_any_process(cls, backend):
-    c = cls([cartpole] * 2, LockedPolicy(), frames_per_batch=8, backend=backend)
+    c = cls([cartpole] * 2, LockedPolicy(), frames_per_batch=8, worker_backend=backend)
     with pytest.raises(TypeError, match="the policy cannot be pickled for the worker processes"):
         async with c:
             pass
@@ -296,7 +304,7 @@ async def test_unpicklable_policy_fails_on_entering_before_any_process(cls, back
 async def test_update_weights_reaches_workers(backend):
     trainer = ConstantPolicy(0.0)
     async with MultiSyncCollector(
-        [pendulum, pendulum], trainer, frames_per_batch=8, backend=backend, track_policy_version=True
+        [pendulum, pendulum], trainer, frames_per_batch=8, worker_backend=backend, track_policy_version=True
     ) as c:
         b0 = await c.__anext__()
         assert (b0["action"] == 0).all()
@@ -346,7 +354,7 @@ async def test_async_weights_reach_all_frames_within_two_batches():
 
 async def test_control_calls(backend):
     async with MultiSyncCollector(
-        [cartpole4, cartpole4], frames_per_batch=16, backend=backend, total_frames=64
+        [cartpole4, cartpole4], frames_per_batch=16, worker_backend=backend, total_frames=64
     ) as c:
         assert await c.set_seed(10) == 17  # worker 0 uses seeds 10..13, worker 1 14..17
         assert await c.getattr_env("batch_size") == torch.Size([4])
@@ -373,7 +381,7 @@ class Buffer:
 async def test_replay_buffer_start_and_pause():
     rb = Buffer()
     async with MultiSyncCollector(
-        [cartpole, cartpole], frames_per_batch=16, replay_buffer=rb, backend="serial"
+        [cartpole, cartpole], frames_per_batch=16, replay_buffer=rb, worker_backend="serial"
     ) as c:
         with anyio.fail_after(20):
             await c.start()
@@ -389,7 +397,7 @@ async def test_replay_buffer_start_and_pause():
 
 
 async def test_cancel_mid_batch_then_continue():
-    async with MultiSyncCollector([slow_env, fast_env], frames_per_batch=200, backend="process") as c:
+    async with MultiSyncCollector([slow_env, fast_env], frames_per_batch=200, worker_backend="process") as c:
         with anyio.move_on_after(0.3) as scope:
             await c.__anext__()
         assert scope.cancelled_caught
@@ -417,6 +425,8 @@ async def test_leaving_by_break_exception_or_cancellation_reaps_everything():
 
 
 async def test_getattr_policy():
-    async with MultiSyncCollector([pendulum], ConstantPolicy(0.5), frames_per_batch=8, backend="serial") as c:
+    async with MultiSyncCollector(
+        [pendulum], ConstantPolicy(0.5), frames_per_batch=8, worker_backend="serial"
+    ) as c:
         value = await c.getattr_policy("value")
     assert torch.allclose(value, torch.tensor([0.5]))

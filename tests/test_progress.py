@@ -42,7 +42,7 @@ async def test_tqdm_like_and_rich_like_objects():
     assert "frames/s" in bar.postfix
     rich = FakeRich()
     async with MultiSyncCollector(
-        [cartpole, cartpole], frames_per_batch=50, total_frames=100, progress=rich, backend="serial"
+        [cartpole, cartpole], frames_per_batch=50, total_frames=100, progress=rich, worker_backend="serial"
     ) as c:
         [_ async for _ in c]
     assert rich.tasks[0] == {"total": 100, "completed": 100}

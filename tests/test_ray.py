@@ -356,7 +356,7 @@ async def test_trio_update_after_each_batch(ray_cluster):
         total_frames=16 * 4,
         num_collectors=2,
         sync=True,
-        update_after_each_batch=True,
+        update_at_each_batch=True,
         remote_config=REMOTE,
     ) as c:
         procs = ray_processes(c)
@@ -455,8 +455,8 @@ def test_import_and_construction_do_not_import_ray():
         ({"collector_kwargs": [{}]}, ValueError, "one per actor"),
         ({"remote_config": [{}, {}, {}]}, ValueError, "one per actor"),
         ({"collector_class": dict}, TypeError, "collector_class"),
-        ({"update_after_each_batch": True}, TypeError, "nn.Module"),
-        ({"max_weight_update_interval": 0}, ValueError, "max_weight_update_interval"),
+        ({"update_at_each_batch": True}, TypeError, "nn.Module"),
+        ({"max_weight_update_interval": -2}, ValueError, "max_weight_update_interval"),
         ({"sync": 1}, TypeError, "sync"),
         ({"ray_init_config": "auto"}, TypeError, "ray_init_config"),
         ({"create_env_fn": [pendulum]}, ValueError, "one per actor"),
@@ -476,7 +476,7 @@ def test_interval_and_after_each_batch_exclude_each_other():
             ConstantPolicy(),
             frames_per_batch=8,
             num_collectors=2,
-            update_after_each_batch=True,
+            update_at_each_batch=True,
             max_weight_update_interval=2,
         )
 
@@ -489,7 +489,7 @@ async def test_iterating_without_async_with_says_how():
 
 
 def test_batches_cross_as_numpy_and_come_back_as_writable_copies():
-    from aiocollect._distributed._ray import Wire, from_wires, to_wire
+    from aiocollect._remote._ray_wire import Wire, from_wires, to_wire
 
     def batch(offset: int):
         return TensorDict(

@@ -149,12 +149,17 @@ async def test_real_env_data_invariants(env_id: str, kind: str, tmp_path: Path) 
         if kind == "multisync":
             fpb = WORKERS * ENVS_PER_WORKER * STEPS
             collector = MultiSyncCollector(
-                fns, None, frames_per_batch=fpb, total_frames=BATCHES * fpb, seed=0, backend="process"
+                fns, None, frames_per_batch=fpb, total_frames=BATCHES * fpb, seed=0, worker_backend="process"
             )
         else:
             fpb = ENVS_PER_WORKER * STEPS
             collector = MultiAsyncCollector(
-                fns, None, frames_per_batch=fpb, total_frames=2 * BATCHES * fpb, seed=0, backend="process"
+                fns,
+                None,
+                frames_per_batch=fpb,
+                total_frames=2 * BATCHES * fpb,
+                seed=0,
+                worker_backend="process",
             )
     streams: dict[tuple[int, int], list[TensorDict]] = {}
     delivered = 0

@@ -185,11 +185,14 @@ def check_batches(batches: list[TensorDict]) -> None:
 async def test_async_vector_env_in_multi_collectors(backend):
     with anyio.fail_after(120):
         async with MultiSyncCollector(
-            [async_vec_env] * 2, frames_per_batch=2 * N * 8, total_frames=2 * N * 8 * 2, backend=backend
+            [async_vec_env] * 2,
+            frames_per_batch=2 * N * 8,
+            total_frames=2 * N * 8 * 2,
+            worker_backend=backend,
         ) as c:
             sync_batches = [b async for b in c]
         async with MultiAsyncCollector(
-            [async_vec_env] * 2, frames_per_batch=N * 8, total_frames=N * 8 * 4, backend=backend
+            [async_vec_env] * 2, frames_per_batch=N * 8, total_frames=N * 8 * 4, worker_backend=backend
         ) as c:
             async_batches = [b async for b in c]
     assert [b.batch_size for b in sync_batches] == [(2, N, 8)] * 2
@@ -271,11 +274,14 @@ async def test_envpool_in_every_collector(backend):
         async with Collector(envpool_cartpole, frames_per_batch=N * 16, total_frames=N * 32, seed=1) as c:
             batches = [b async for b in c]
         async with MultiSyncCollector(
-            [envpool_cartpole] * 2, frames_per_batch=2 * N * 16, total_frames=2 * N * 32, backend=backend
+            [envpool_cartpole] * 2,
+            frames_per_batch=2 * N * 16,
+            total_frames=2 * N * 32,
+            worker_backend=backend,
         ) as c:
             batches += [b async for b in c]
         async with MultiAsyncCollector(
-            [envpool_cartpole] * 2, frames_per_batch=N * 16, total_frames=N * 32, backend=backend
+            [envpool_cartpole] * 2, frames_per_batch=N * 16, total_frames=N * 32, worker_backend=backend
         ) as c:
             batches += [b async for b in c]
     assert len(batches) == 6

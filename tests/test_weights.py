@@ -62,7 +62,7 @@ async def test_parameters_and_buffers_reach_workers(scheme):
 async def test_worker_ids_update_a_subset(scheme):
     trainer = BufferPolicy()
     async with MultiSyncCollector(
-        [pendulum, pendulum], trainer, frames_per_batch=8, weight_sync=scheme, backend="serial"
+        [pendulum, pendulum], trainer, frames_per_batch=8, weight_sync=scheme, worker_backend="serial"
     ) as c:
         set_policy(trainer, 1.0, 0.0)
         await c.update_weights(worker_ids=[1], wait=True)
@@ -104,7 +104,9 @@ async def test_async_lag_bound_and_monotonic_versions(scheme):
 
 async def test_concurrent_updates_are_serialised():
     trainer = BufferPolicy()
-    async with MultiSyncCollector([pendulum, pendulum], trainer, frames_per_batch=8, backend="serial") as c:
+    async with MultiSyncCollector(
+        [pendulum, pendulum], trainer, frames_per_batch=8, worker_backend="serial"
+    ) as c:
         versions: list[int] = []
 
         async def update() -> None:
@@ -135,7 +137,7 @@ async def test_update_during_start_and_pause():
         trainer,
         frames_per_batch=8,
         replay_buffer=rb,
-        backend="serial",
+        worker_backend="serial",
         track_policy_version=True,
     ) as c:
         with anyio.fail_after(30):
@@ -153,7 +155,7 @@ async def test_update_during_start_and_pause():
 async def test_mismatched_weights_are_refused_before_publishing(scheme):
     trainer = BufferPolicy()
     async with MultiSyncCollector(
-        [pendulum], trainer, frames_per_batch=8, weight_sync=scheme, backend="serial"
+        [pendulum], trainer, frames_per_batch=8, weight_sync=scheme, worker_backend="serial"
     ) as c:
         with pytest.raises(ValueError, match="offset"):
             await c.update_weights({"weight": torch.ones(1)})
@@ -179,7 +181,7 @@ async def test_bad_weight_sync_arguments():
         MultiSyncCollector([pendulum], BufferPolicy(), frames_per_batch=8, weight_sync="shm")
     with pytest.raises(ValueError, match="max_policy_lag"):
         MultiSyncCollector([pendulum], BufferPolicy(), frames_per_batch=8, max_policy_lag=-1)
-    async with MultiSyncCollector([pendulum], frames_per_batch=8, backend="serial") as c:
+    async with MultiSyncCollector([pendulum], frames_per_batch=8, worker_backend="serial") as c:
         with pytest.raises(TypeError, match="no weights"):
             await c.update_weights()
 

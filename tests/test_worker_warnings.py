@@ -3,7 +3,7 @@
 
 A shown warning prints on the worker's stderr, which is the trainer's: the process test runs a small
 trainer in a subprocess and reads its stderr (pytest's fd capture cannot see a worker forked from a
-forkserver started before the test). Thread workers (``backend="serial"``) and the in-process
+forkserver started before the test). Thread workers (``worker_backend="serial"``) and the in-process
 ``Collector`` warn through the trainer's own filters.
 """
 
@@ -119,7 +119,9 @@ async def collect(collector) -> None:
 
 def run_noisy(kind: str) -> None:
     if kind == "serial":  # the env is built and reset in the worker thread, at `async with`
-        collector: object = MultiSyncCollector([noisy], frames_per_batch=4, total_frames=4, backend="serial")
+        collector: object = MultiSyncCollector(
+            [noisy], frames_per_batch=4, total_frames=4, worker_backend="serial"
+        )
     else:  # built and reset in the constructor
         collector = Collector(noisy, frames_per_batch=4, total_frames=4)
     anyio.run(collect, collector)

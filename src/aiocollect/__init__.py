@@ -33,6 +33,7 @@ from ._multi import (
     ProcessCollector,
     set_worker_warnings,
 )
+from ._options import RolloutOptions, WeightSchedule
 from ._policies import RandomPolicy
 from ._stats import CollectorStatistics, WorkerState, WorkerStatistics
 from ._trajectories import split_trajectories
@@ -55,12 +56,12 @@ __version__ = "0.1.0"
 #: names exported lazily (``__getattr__``): their modules load on first use, so ``import aiocollect``
 #: never imports an optional engine (``RayCollector`` imports ray only when a collector is entered)
 _LAZY = {
-    "RayCollector": "._distributed._ray",
-    "DistributedCollector": "._distributed._torchdist",
-    "DistributedSyncCollector": "._distributed._torchdist",
-    "RPCCollector": "._distributed._rpc",
+    "RayCollector": "._remote._ray",
+    "DistributedCollector": "._remote._gloo",
+    "DistributedSyncCollector": "._remote._gloo",
+    "RPCCollector": "._remote._rpc",
     # submitit is imported when the decorator is called, never by import
-    "submitit_delayed_launcher": "._distributed._launchers",
+    "submitit_delayed_launcher": "._remote._launchers",
 }
 
 
@@ -102,6 +103,7 @@ __all__ = [
     "RPCCollector",
     "RayCollector",
     "Resumed",
+    "RolloutOptions",
     "SharedMemoryWeightSync",
     "WorkerDiedError",
     "WorkerError",
@@ -116,6 +118,7 @@ __all__ = [
     "WeightsPublished",
     "WeightSender",
     "WeightSync",
+    "WeightSchedule",
     "__version__",
     "set_worker_warnings",
     "split_trajectories",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import threading
 import warnings
 import weakref
@@ -22,38 +21,27 @@ from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
 from ._base import CollectorBase
-from ._envs._adapter import ArrayEnv, check_env
 from ._errors import WorkerTimeoutError
 from ._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
-from ._policies import (
-    compile_policy,
-    make_runner,
-    parse_exploration_type,
-    random_policy_for,
-)
+from ._options import RolloutOptions, WeightSchedule, collector_options, refuse_schedule
 from ._rng import RolloutRNG
-from ._rollout import Rollout, RolloutConfig, RolloutResult
+from ._rollout import RolloutResult, build_rollout, open_env
 from ._rollout_thread import Doorbell, Job, RolloutThread
 from ._stats import CollectorStatistics, WorkerStatistics
 from ._trajectories import split_trajectories
 from ._validation import (
-    Devices,
-    compile_arg,
     flag,
-    init_random_frames_arg,
-    lag_arg,
     non_negative_int,
     optional_callable,
-    optional_positive_int,
-    positive_int,
+    policy_arg,
     replay_buffer_arg,
     seed_arg,
     timeout_arg,
-    total_frames_arg,
-    traj_ids_arg,
     weight_sync_arg,
 )
 from ._weights import as_weights, check_compatible, copy_weights, module_weights
+
+__all__ = ["Collector"]
 
 T = TypeVar("T")
 
@@ -85,41 +73,26 @@ class Collector(CollectorBase):
         policy: a ``TensorDictModule``, an ``nn.Module`` (called on the observations, returns the action),
             a callable ``td -> td``, or ``None`` for :class:`RandomPolicy`. ``nn.Module`` policies are
             copied: the collector runs its own weights, changed only by :meth:`update_weights`.
-        frames_per_batch: frames per batch; an env of batch ``[B]`` steps ``ceil(frames_per_batch / B)``
-            times, giving batches ``[B, T]``.
-        total_frames: frames to collect before ``async for`` ends; ``-1`` for endless.
-        max_frames_per_traj: truncate (and reset) episodes after this many steps.
-        init_random_frames: collect this many frames (rounded up to whole batches) with random actions.
-        reset_at_each_iter: reset the env at the start of every batch.
-        split_trajs: yield ``[n_traj, max_len]`` zero-padded trajectories (see :func:`split_trajectories`).
+        frames_per_batch, total_frames, max_frames_per_traj, init_random_frames, reset_at_each_iter, \
+        split_trajs, exploration_type, set_truncated, seed, device, env_device, policy_device, \
+        storing_device, compile_policy, traj_id_start, traj_id_stride: what a batch is: the fields of
+            :class:`RolloutOptions` (documented there), given flat; or all of them as ``rollout=``.
+        track_policy_version, max_policy_lag: :class:`WeightSchedule`'s, given flat; or ``weights=``.
+            In-process, :meth:`update_weights` copies straight into the collector's policy before the
+            next batch, so no transport is involved and the lag is always 0 (``max_policy_lag`` and
+            ``weight_sync`` are accepted and checked so that the same arguments work everywhere).
+        rollout: a :class:`RolloutOptions` instead of its flat keywords (giving both raises ``TypeError``).
+        weights: a :class:`WeightSchedule` instead of its flat keywords.
         postproc: a callable applied to each batch.
-        exploration_type: ``"random"`` (default), ``"deterministic"``, ``"mode"``, ``"mean"``, ``"median"``
-            or a ``tensordict.nn.InteractionType``, set around every policy call.
-        set_truncated: mark the last step of every batch truncated (and done), without resetting.
-        seed: seeds the env, the random policy and the policy's sampling, for reproducible batches. The
-            policy samples from torch's global CPU generator, so each batch (and the construction's dry
-            policy call) runs with the collector's own generator state swapped in, and the caller's state
-            back afterwards. torch has one such generator per process: random draws made by other threads
-            *while* a batch runs (another seeded collector, a trainer drawing during ``start()``) share
-            it, and the batches are then not reproducible.
-        device, env_device, policy_device, storing_device: where things run / are stored.
         replay_buffer: anything with ``extend(batch)``; batches go there and ``async for`` yields ``None``.
             ``extend`` is called from the collector's worker thread (a large copy must not hold the
             event loop): the buffer must accept writes from another thread, as torchrl's
             ``ReplayBuffer`` does.
-        track_policy_version: write ``("collector", "policy_version")`` in every frame.
-        compile_policy: ``True`` or a dict of ``torch.compile`` kwargs.
-        weight_sync, max_policy_lag: accepted (and checked) so that the same arguments work for every
-            collector; in-process, :meth:`update_weights` copies straight into the collector's policy
-            before the next batch, so no transport is involved and the lag is always 0.
         worker_timeout: seconds a batch may take before :class:`WorkerTimeoutError` is raised (a hung env
             or policy); ``None`` waits forever. A thread stuck in a call that never returns cannot be
             stopped: it is left to finish on its own and the collector is closed.
         progress: a progress bar over ``total_frames`` with frames/s and mean return: ``None`` (default:
             shown when stderr is a terminal), ``True``, ``False``, a tqdm bar or a rich ``Progress``.
-        traj_id_start, traj_id_stride: trajectory ids are ``traj_id_start + k * traj_id_stride`` for
-            ``k = 0, 1, ...``: collectors given the same stride and distinct starts below it never share
-            an id (``RayCollector`` gives its remote collector ``i`` of ``n`` start ``i``, stride ``n``).
         prefetch: batches the rollout thread collects ahead of ``async for`` (default 0: a batch starts
             when it is asked for, so a batch asked for after :meth:`update_weights` runs the new weights).
             With ``prefetch=k`` the trainer gets a batch at once, but up to ``k`` batches were collected
@@ -144,7 +117,7 @@ class Collector(CollectorBase):
         create_env_fn: Any,
         policy: Any = None,
         *,
-        frames_per_batch: int,
+        frames_per_batch: int | None = None,
         total_frames: int | None = -1,
         max_frames_per_traj: int | None = None,
         init_random_frames: int | None = None,
@@ -168,111 +141,38 @@ class Collector(CollectorBase):
         traj_id_stride: int = 1,
         worker_timeout: float | None = None,
         prefetch: int = 0,
+        rollout: RolloutOptions | None = None,
+        weights: WeightSchedule | None = None,
     ) -> None:
         # -- every argument is checked before the env is built ----------------------------------
+        self._options, self._schedule = options, _ = collector_options(locals())
+        if not isinstance(options.frames_per_batch, int):
+            raise TypeError(
+                f"Collector takes one frames_per_batch (an int), got {options.frames_per_batch!r}"
+            )
+        refuse_schedule(self._schedule, type(self).__name__)
         self._prefetch = non_negative_int("prefetch", prefetch, fix="0 collects each batch when asked for")
-        self._requested_frames_per_batch = positive_int("frames_per_batch", frames_per_batch)
-        self.total_frames = total_frames_arg(total_frames)
-        max_frames_per_traj = optional_positive_int("max_frames_per_traj", max_frames_per_traj)
-        init_random = init_random_frames_arg(init_random_frames)
-        exploration = parse_exploration_type(exploration_type)
-        self._split_trajs = flag("split_trajs", split_trajs)
+        self.total_frames = options.total_frames
+        self._seed = options.seed
         self._postproc = optional_callable("postproc", postproc)
-        self._seed = seed_arg(seed)
-        self._devices = Devices.from_args(
-            device=device,
-            env_device=env_device,
-            policy_device=policy_device,
-            storing_device=storing_device,
-        )
         self.replay_buffer = replay_buffer_arg(replay_buffer)
-        compile_option = compile_arg(compile_policy)
         weight_sync_arg(weight_sync)
-        lag_arg(max_policy_lag)
-        traj_start, traj_stride = traj_ids_arg(traj_id_start, traj_id_stride)
         self._worker_timeout = timeout_arg(worker_timeout)
         self._init_base(progress)  # checks `progress`
-        config_flags = {
-            "reset_at_each_iter": flag("reset_at_each_iter", reset_at_each_iter),
-            "set_truncated": flag("set_truncated", set_truncated),
-            "track_policy_version": flag("track_policy_version", track_policy_version),
-        }
         if not callable(create_env_fn) and not hasattr(create_env_fn, "step"):
             raise TypeError(
                 f"create_env_fn must be an env or a callable returning one, got {create_env_fn!r}"
             )
-        if policy is not None and not callable(policy):
-            raise TypeError(
-                f"policy must be a TensorDictModule, an nn.Module, a callable td -> td or None, got "
-                f"{policy!r}"
-            )
-
+        policy_arg(policy)
         # -- the env, the policy and the rollout ------------------------------------------------
-        # an env instance is used as is; a callable (a function, a class, a partial) builds one
-        is_env = hasattr(create_env_fn, "step") and not isinstance(create_env_fn, type)
-        env = create_env_fn if is_env else create_env_fn()
-        check_env(env)
+        env = open_env(create_env_fn, options)
         try:
-            if config_flags["set_truncated"] and not getattr(env, "has_truncated", True):
-                raise ValueError(
-                    f"set_truncated=True but {type(env).__name__} has no truncation "
-                    "(has_truncated=False); drop set_truncated"
-                )
-            if self._seed is not None:
-                env.set_seed(self._seed)
-            self._env = env
-            self._source_policy = policy
-            array_env = ArrayEnv(env)
-            # unseeded: it samples with the collector's torch RNG state (self._rng), like the policy
-            self._random_policy = random_policy_for(array_env)
-            self._policy = self._own_policy(policy, compile_option)
-            obs_keys = list(array_env.obs_specs)
-            runner_kwargs: dict[str, Any] = {
-                "batch_shape": array_env.batch_shape,
-                "obs_keys": obs_keys,
-                "module_keys": array_env.module_obs_keys,
-                "device": self._devices.policy,
-            }
-            self._rollout = Rollout(
-                array_env,
-                make_runner(self._policy, **runner_kwargs),
-                make_runner(self._random_policy, **runner_kwargs),
-                RolloutConfig(
-                    frames_per_batch=self._requested_frames_per_batch,
-                    max_frames_per_traj=max_frames_per_traj,
-                    exploration_type=exploration,
-                    storing_device=self._devices.storing,
-                    traj_id_start=traj_start,
-                    traj_id_stride=traj_stride,
-                    **config_flags,
-                ),
-            )
-            # the policy samples with the collector's own torch RNG state when seeded (see _rng.py)
-            self._rng = RolloutRNG(self._seed)
-            # one dry policy call: a broken policy fails here, not later. It draws from a forked RNG so
-            # that the first batch is the one a later set_seed(seed) gives (no number drawn here).
-            with torch.random.fork_rng(devices=[]):
-                self._rollout.output_specs()
+            self._build_rollout(env, policy)
         except BaseException:
             env.close()
             raise
         self.frames_per_batch = self._rollout.frames_per_batch
-        if self.frames_per_batch != self._requested_frames_per_batch:
-            warnings.warn(
-                f"frames_per_batch={self._requested_frames_per_batch} is not a multiple of the env batch "
-                f"size {list(env.batch_size)}: each batch has {self.frames_per_batch} frames",
-                UserWarning,
-                stacklevel=2,
-            )
-        if self.total_frames > 0 and self.total_frames % self.frames_per_batch:
-            warnings.warn(
-                f"total_frames={self.total_frames} is not a multiple of the batch size "
-                f"{self.frames_per_batch}: the last batch is not cut, {len(self) * self.frames_per_batch} "
-                "frames will be collected",
-                UserWarning,
-                stacklevel=2,
-            )
-        self._init_random_frames = ceil(init_random / self.frames_per_batch) * self.frames_per_batch
+        self._init_random_frames = self._rounded_budgets(env)
         # the rollout thread, started on entering (or at the first batch), and what it hands back
         self._thread = RolloutThread(f"aiocollect-rollout-{id(self):x}")
         self._bells: list[Doorbell] = []  # made with the thread (see _submit)
@@ -281,13 +181,53 @@ class Collector(CollectorBase):
         self._pending: deque[Job[_Batch]] = deque()  # batches collected ahead (prefetch)
         self._free_results: deque[RolloutResult] = deque()  # start(): in the buffer, not yet counted
         self._thread_stuck = False
+
+    def _build_rollout(self, env: Any, policy: Any) -> None:
+        """The collector's own policy, the random policy and the rollout, checked with one dry call."""
+        self._env = env
+        self._source_policy = policy
+        self._rollout, self._policy, self._random_policy = build_rollout(
+            env,
+            policy,
+            self._options,
+            self._schedule,
+            copy_module=True,
+            storing_device=self._options.devices.storing,
+        )
+        # the policy samples with the collector's own torch RNG state when seeded (see _rng.py)
+        self._rng = RolloutRNG(self._seed)
+        # one dry policy call: a broken policy fails here, not later. It draws from a forked RNG so
+        # that the first batch is the one a later set_seed(seed) gives (no number drawn here).
+        with torch.random.fork_rng(devices=[]):
+            self._rollout.output_specs()
+
+    def _rounded_budgets(self, env: Any) -> int:
+        """Warn where a budget is not a whole number of batches; the random frames, in whole batches."""
+        requested = self._options.frames_per_batch
+        if self.frames_per_batch != requested:
+            warnings.warn(
+                f"frames_per_batch={requested} is not a multiple of the env batch "
+                f"size {list(env.batch_size)}: each batch has {self.frames_per_batch} frames",
+                UserWarning,
+                stacklevel=3,
+            )
+        if self.total_frames > 0 and self.total_frames % self.frames_per_batch:
+            warnings.warn(
+                f"total_frames={self.total_frames} is not a multiple of the batch size "
+                f"{self.frames_per_batch}: the last batch is not cut, {len(self) * self.frames_per_batch} "
+                "frames will be collected",
+                UserWarning,
+                stacklevel=3,
+            )
+        init_random = self._options.init_random_frames
+        rounded = ceil(init_random / self.frames_per_batch) * self.frames_per_batch
         if init_random % self.frames_per_batch:
             warnings.warn(
-                f"init_random_frames={init_random} is rounded up to whole batches: "
-                f"{self._init_random_frames} random frames",
+                f"init_random_frames={init_random} is rounded up to whole batches: {rounded} random frames",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
+        return rounded
 
     @classmethod
     async def create(cls, create_env_fn: Any, policy: Any = None, **kwargs: Any) -> Collector:
@@ -326,24 +266,6 @@ class Collector(CollectorBase):
                 await built[0].aclose()
             raise
         return built[0]
-
-    # -- construction helpers -------------------------------------------------------------------
-    def _own_policy(self, policy: Any, compile_option: bool | Mapping[str, Any]) -> Any:
-        """The collector's own policy: a copy of an ``nn.Module`` (no aliasing with the trainer's)."""
-        if policy is None:
-            return self._random_policy
-        if isinstance(policy, torch.nn.Module):
-            try:
-                own = copy.deepcopy(policy)
-            except Exception as exc:
-                raise TypeError(
-                    f"policy {type(policy).__name__} cannot be copied ({exc}); the collector needs its "
-                    "own copy of the weights"
-                ) from exc
-            if self._devices.policy is not None:
-                own = own.to(self._devices.policy)
-            policy = own
-        return compile_policy(policy, compile_option)
 
     # -- the iterator ---------------------------------------------------------------------------
     async def __anext__(self) -> TensorDictBase | None:
@@ -419,7 +341,7 @@ class Collector(CollectorBase):
         batch: TensorDictBase = result.batch
         if stop.is_set():  # cancelled: the caller discards this
             return _Batch(None, result)
-        if self._split_trajs:
+        if self._options.split_trajs:
             batch = split_trajectories(batch)
         if self._postproc is not None:
             batch = self._postproc(batch)

@@ -21,18 +21,22 @@ import cloudpickle
 from tensordict import TensorDictBase
 
 from ._base import CollectorBase
-from ._stats import CollectorStatistics, WorkerStatistics
+from ._stats import CollectorStatistics, WorkerState, WorkerStatistics
 from ._validation import seed_arg
 from ._weights import as_weights, check_compatible
 
 
 class Member(Protocol):
-    """The collector's view of one worker, node or actor."""
+    """The collector's view of one worker, node or actor (read-only here)."""
 
-    index: int
-    state: str
-    frames: int
-    policy_version: int
+    @property
+    def index(self) -> int: ...
+    @property
+    def state(self) -> str: ...  # a WorkerState (a str enum)
+    @property
+    def frames(self) -> int: ...
+    @property
+    def policy_version(self) -> int: ...
 
 
 class FleetCollector(CollectorBase):
@@ -106,7 +110,7 @@ class FleetCollector(CollectorBase):
         return tuple(
             WorkerStatistics(
                 m.index,
-                "paused" if self.paused and m.state == "collecting" else m.state,
+                WorkerState.PAUSED if self.paused and m.state == WorkerState.COLLECTING else m.state,
                 m.frames,
                 m.policy_version,
             )
@@ -185,3 +189,6 @@ class FleetCollector(CollectorBase):
         """Continue the budget from the saved counters; versions never go back."""
         self._stats.load(int(state["frames"]), int(state.get("batches", 0)), int(state.get("episodes", 0)))
         self._version = max(self._version, int(state.get("policy_version", 0)))
+
+
+__all__ = ["FleetCollector", "Member"]

@@ -7,6 +7,7 @@ batch. Nothing here knows about event loops.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from math import ceil
 from typing import Any, Protocol
@@ -14,30 +15,17 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
-from tensordict.nn import InteractionType, set_interaction_type
+from tensordict.nn import set_interaction_type
 
-from ._envs._adapter import ArrayEnv
+from ._envs._adapter import ArrayEnv, check_env
 from ._envs._spaces import LeafSpec, NestedKey
-from ._policies import Runner
+from ._options import RolloutOptions, WeightSchedule
+from ._policies import Runner, compile_policy, make_runner, random_policy_for
 from ._storage import StoragePool
 
+__all__ = ["Rollout", "RolloutResult", "StopSignal", "build_rollout", "open_env"]
+
 _FLAGS = ("done", "terminated", "truncated")
-
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    """Per-batch behaviour of the rollout (validated by the collectors)."""
-
-    frames_per_batch: int
-    max_frames_per_traj: int | None = None
-    set_truncated: bool = False
-    reset_at_each_iter: bool = False
-    track_policy_version: bool = False
-    exploration_type: InteractionType = InteractionType.RANDOM
-    storing_device: torch.device | None = None
-    #: trajectory ids are ``traj_id_start + k * traj_id_stride``: workers get disjoint id sets
-    traj_id_start: int = 0
-    traj_id_stride: int = 1
 
 
 @dataclass
@@ -52,6 +40,17 @@ class RolloutResult:
     episode_lengths: list[int] = field(default_factory=list)
     #: the policy version the batch was collected with
     policy_version: int = 0
+
+
+@dataclass
+class _Steps:
+    """What the hot loop keeps per step (references, stacked once at the end of the batch)."""
+
+    out: list[dict[NestedKey, torch.Tensor]] = field(default_factory=list)
+    reward: list[Any] = field(default_factory=list)
+    terminated: list[Any] = field(default_factory=list)
+    truncated: list[Any] = field(default_factory=list)
+    ids: list[Any] = field(default_factory=list)
 
 
 class StopSignal(Protocol):
@@ -73,9 +72,12 @@ def _stack_into(out: np.ndarray, values: list[Any], axis: int) -> None:
 
 
 class Rollout:
-    """Collects batches of ``frames_per_batch`` frames from ``env`` with ``policy``.
+    """Collects batches of ``options.frames_per_batch`` frames from ``env`` with ``policy``.
 
-    ``random_runner`` replaces the policy for random batches (``init_random_frames``).
+    ``random_runner`` replaces the policy for random batches (``init_random_frames``). The rollout reads
+    ``options`` (its own ``frames_per_batch``, an int, and trajectory ids: see
+    :meth:`RolloutOptions.for_member`) and ``schedule.track_policy_version``; batches are moved to
+    ``storing_device`` when given (a worker process leaves them in its shared-memory slot).
     """
 
     def __init__(
@@ -83,17 +85,24 @@ class Rollout:
         env: ArrayEnv,
         policy: Runner,
         random_runner: Runner,
-        config: RolloutConfig,
+        options: RolloutOptions,
+        schedule: WeightSchedule | None = None,
+        *,
+        storing_device: torch.device | None = None,
     ) -> None:
+        if not isinstance(options.frames_per_batch, int):
+            raise TypeError(f"a rollout collects one frames_per_batch, got {options.frames_per_batch!r}")
         self.env = env
         self.policy = policy
         self.random_runner = random_runner
-        self.config = config
+        self.options = options
+        self.track_policy_version = schedule is not None and schedule.track_policy_version
+        self.storing_device = storing_device if storing_device != torch.device("cpu") else None
         self.batch_shape = env.batch_shape
-        self.steps_per_batch = ceil(config.frames_per_batch / max(env.numel, 1))
+        self.steps_per_batch = ceil(options.frames_per_batch / max(env.numel, 1))
         self.frames_per_batch = self.steps_per_batch * max(env.numel, 1)
         self.policy_version = 0
-        self._next_traj = config.traj_id_start
+        self._next_traj = options.traj_id_start
         self._root: dict[NestedKey, np.ndarray] = {}
         self._out_specs: dict[NestedKey, LeafSpec] | None = None
         self._storage = StoragePool()
@@ -101,7 +110,7 @@ class Rollout:
 
     # -- state ------------------------------------------------------------------------------------
     def _new_ids(self, n: int | np.integer[Any]) -> np.ndarray:
-        stride = self.config.traj_id_stride
+        stride = self.options.traj_id_stride
         start, self._next_traj = self._next_traj, self._next_traj + stride * int(n)
         # one numpy call: ``start + stride * np.arange(n)`` costs ~4 us, and it runs at every episode end
         return np.arange(start, self._next_traj, stride, dtype=np.int64)
@@ -133,7 +142,7 @@ class Rollout:
         if self._out_specs is None:
             exp = self.env.action_spec
             try:
-                with torch.no_grad(), set_interaction_type(self.config.exploration_type):
+                with torch.no_grad(), set_interaction_type(self.options.exploration_type):
                     out = self.policy(self._obs_tensors())
             except KeyError as exc:
                 if "'action'" in str(exc):  # the policy wrote no action: say what it should write
@@ -194,7 +203,7 @@ class Rollout:
     def layout(self) -> TensorDict:
         """An empty batch as :meth:`collect` makes it (keys, shapes, dtypes), without collecting."""
         batch, _ = self._allocate()
-        if self.config.track_policy_version:
+        if self.track_policy_version:
             batch.set(("collector", "policy_version"), torch.zeros(batch.batch_size, dtype=torch.int64))
         return batch
 
@@ -211,144 +220,136 @@ class Rollout:
         (small) are kept as references and stacked once at the end, where episode statistics are
         computed too, vectorised. Random batches draw the actions of the whole batch in one call.
         """
-        cfg = self.config
-        if cfg.reset_at_each_iter:
+        if self.options.reset_at_each_iter:
             self.reset()
         batch, views = self._allocate(into)
+        runner = self.random_runner if random else self.policy
+        block, block_steps = self._random_block(runner)
+        hist = _Steps()
+        with torch.no_grad(), set_interaction_type(self.options.exploration_type):
+            steps = self._run(self._obs_slots(views), runner, block_steps, hist, stop)
+        if block is not None:  # a random batch: the actions of every step at once, steps first
+            nb = len(self.batch_shape)
+            hist.out = [{k: v[:steps].movedim(0, nb) for k, v in block.items()}]
+        return self._finish(batch, views, steps, hist, block is not None, into)
+
+    def _obs_slots(self, views: dict[Any, np.ndarray]) -> list[tuple[NestedKey, np.ndarray, np.ndarray]]:
+        """Per observation key: (key, its slot of ``"observation"``, of ``("next", "observation")``), as
+        views with time first, so that ``slot[t] = array`` is one copy whatever the batch dims."""
+        nb = len(self.batch_shape)
+        return [
+            (key, np.moveaxis(views[key], nb, 0), np.moveaxis(views[_key_tuple("next", key)], nb, 0))
+            for key in self.env.obs_specs
+        ]
+
+    def _random_block(self, runner: Runner) -> tuple[dict[NestedKey, torch.Tensor] | None, Any]:
+        """Random actions for every step at once (steps first), one draw per batch, and their per-step
+        entries; ``(None, None)`` for a policy that is called per step."""
+        sample_steps = getattr(runner, "sample_steps", None)
+        if sample_steps is None:
+            return None, None
+        block: dict[NestedKey, torch.Tensor] = sample_steps(self.steps_per_batch)
+        # a GymEnv takes numpy actions: indexing an array per step is ~10x cheaper than a tensor
+        as_numpy = self.env.numpy_actions and all(v.dtype != torch.bfloat16 for v in block.values())
+        return block, {k: list(v.numpy()) if as_numpy else v.unbind(0) for k, v in block.items()}
+
+    def _run(
+        self,
+        obs_slots: list[tuple[NestedKey, np.ndarray, np.ndarray]],
+        runner: Runner,
+        block_steps: dict[NestedKey, Any] | None,
+        hist: _Steps,
+        stop: StopSignal | None,
+    ) -> int:
+        """The hot loop: step the env ``steps_per_batch`` times (fewer if ``stop`` is set); returns the
+        steps taken. Everything it reads per step is a local."""
         env = self.env
         env_step = env.step
         action_from = env.action_from
+        new_ids = self._new_ids
         batched = bool(self.batch_shape)
-        nb = len(self.batch_shape)
-        T = self.steps_per_batch
-        # per observation key: (key, this step's slot of "observation", of ("next", "observation")),
-        # as views with time first, so that ``slot[t] = array`` is one copy whatever the batch dims
-        obs_slots = [
-            (key, np.moveaxis(views[key], nb, 0), np.moveaxis(views[_key_tuple("next", key)], nb, 0))
-            for key in env.obs_specs
-        ]
-        out_keys = list(self.output_specs())
-        runner = self.random_runner if random else self.policy
-        sample_steps = getattr(runner, "sample_steps", None)
-        # random actions for every step at once (steps first): one draw per batch, not per step
-        block = sample_steps(T) if sample_steps is not None else None
-        block_steps = None
-        if block is not None:
-            # a GymEnv takes numpy actions: indexing an array per step is ~10x cheaper than a tensor
-            as_numpy = env.numpy_actions and all(v.dtype != torch.bfloat16 for v in block.values())
-            block_steps = {k: list(v.numpy()) if as_numpy else v.unbind(0) for k, v in block.items()}
-        out_hist: list[dict[NestedKey, torch.Tensor]] = []
-        rew_hist: list[Any] = []
-        term_hist: list[Any] = []
-        trunc_hist: list[Any] = []
-        ids_hist: list[Any] = []
-        max_steps = cfg.max_frames_per_traj
+        out_hist, rew_hist, term_hist, trunc_hist, ids_hist = (
+            hist.out,
+            hist.reward,
+            hist.terminated,
+            hist.truncated,
+            hist.ids,
+        )
+        max_steps = self.options.max_frames_per_traj
         ep_length = self._ep_length
         traj_ids = self._traj_ids
-        steps = T
         root = self._root
-        with torch.no_grad(), set_interaction_type(cfg.exploration_type):
-            for t in range(T):
-                if stop is not None and stop.is_set():
-                    steps = t
-                    break
-                for key, slot, _ in obs_slots:
-                    slot[t] = root[key]
-                if block_steps is None:
-                    out = runner({k: torch.from_numpy(v) for k, v in root.items()})
-                    out_hist.append(out)
+        steps = T = self.steps_per_batch
+        for t in range(T):
+            if stop is not None and stop.is_set():
+                steps = t
+                break
+            for key, slot, _ in obs_slots:
+                slot[t] = root[key]
+            if block_steps is None:
+                out = runner({k: torch.from_numpy(v) for k, v in root.items()})
+                out_hist.append(out)
+            else:
+                out = {k: v[t] for k, v in block_steps.items()}
+            next_obs, reward, terminated, truncated, next_root = env_step(action_from(out))
+            for key, _, next_slot in obs_slots:
+                next_slot[t] = next_obs[key]
+            forced = None
+            if max_steps is not None:
+                ep_length = ep_length + 1
+                forced = (ep_length >= max_steps) & ~np.logical_or(terminated, truncated)
+                if forced.any():
+                    truncated = truncated | forced
                 else:
-                    out = {k: v[t] for k, v in block_steps.items()}
-                next_obs, reward, terminated, truncated, next_root = env_step(action_from(out))
-                for key, _, next_slot in obs_slots:
-                    next_slot[t] = next_obs[key]
-                forced = None
-                if max_steps is not None:
-                    ep_length = ep_length + 1
-                    forced = (ep_length >= max_steps) & ~np.logical_or(terminated, truncated)
-                    if forced.any():
-                        truncated = truncated | forced
-                    else:
-                        forced = None
-                rew_hist.append(reward)
-                term_hist.append(terminated)
-                trunc_hist.append(truncated)
-                ids_hist.append(traj_ids)
-                root = next_root
-                if batched:
-                    done = terminated | truncated
-                    n_done = np.count_nonzero(done)  # ~3x cheaper than done.any() then done.sum()
-                    if n_done:
-                        traj_ids = traj_ids.copy()
-                        traj_ids[done] = self._new_ids(n_done)
-                        if max_steps is not None:
-                            ep_length = np.where(done, 0, ep_length)
-                        if forced is not None:
-                            root = env.reset(forced)
-                elif terminated or truncated:
-                    traj_ids = self._new_ids(1).reshape(())
+                    forced = None
+            rew_hist.append(reward)
+            term_hist.append(terminated)
+            trunc_hist.append(truncated)
+            ids_hist.append(traj_ids)
+            root = next_root
+            if batched:
+                done = terminated | truncated
+                n_done = np.count_nonzero(done)  # ~3x cheaper than done.any() then done.sum()
+                if n_done:
+                    traj_ids = traj_ids.copy()
+                    traj_ids[done] = new_ids(n_done)
                     if max_steps is not None:
-                        ep_length = np.zeros_like(ep_length)
+                        ep_length = np.where(done, 0, ep_length)
                     if forced is not None:
                         root = env.reset(forced)
+            elif terminated or truncated:
+                traj_ids = new_ids(1).reshape(())
+                if max_steps is not None:
+                    ep_length = np.zeros_like(ep_length)
+                if forced is not None:
+                    root = env.reset(forced)
         self._root = root
         self._traj_ids = traj_ids
         self._ep_length = ep_length
-        if block is not None:  # a random batch: the actions of every step at once, steps first
-            out_hist = [{k: v[:steps].movedim(0, nb) for k, v in block.items()}]
-        return self._finish(
-            batch,
-            views,
-            steps,
-            out_keys,
-            out_hist,
-            block is not None,
-            rew_hist,
-            term_hist,
-            trunc_hist,
-            ids_hist,
-            into,
-        )
+        return steps
 
     def _finish(
         self,
         batch: TensorDict,
         views: dict[Any, np.ndarray],
         steps: int,
-        out_keys: list[NestedKey],
-        out_hist: list[dict[NestedKey, torch.Tensor]],
+        hist: _Steps,
         out_stacked: bool,
-        rew_hist: list[Any],
-        term_hist: list[Any],
-        trunc_hist: list[Any],
-        ids_hist: list[Any],
         into: TensorDictBase | None = None,
     ) -> RolloutResult:
         """Stack the per-step lists into the batch (time dim last) and compute episode statistics.
 
-        ``out_stacked``: ``out_hist`` holds one entry with the time dim in place already."""
-        cfg = self.config
+        ``out_stacked``: ``hist.out`` holds one entry with the time dim in place already."""
         nb = len(self.batch_shape)
         lead = (slice(None),) * nb
         valid = (*lead, slice(0, steps))
         traj_v = views[("collector", "traj_ids")]
         if steps:
-            for key in out_keys:
-                target = views[key][valid]
-                if key not in out_hist[0]:  # a random batch: the policy's other outputs are zeros
-                    target[...] = 0
-                    continue
-                values = out_hist[0][key] if out_stacked else torch.stack([o[key] for o in out_hist], dim=nb)
-                # reshape: a random action of shape () fills a policy's (1,) action slot
-                values = values.cpu().reshape(target.shape)
-                if isinstance(target, np.ndarray):
-                    target[...] = values.numpy()
-                else:
-                    target.copy_(values)
-            _stack_into(views[("next", "reward")][valid], rew_hist, nb)
-            _stack_into(views[("next", "terminated")][valid], term_hist, nb)
-            _stack_into(views[("next", "truncated")][valid], trunc_hist, nb)
-            _stack_into(traj_v[valid], ids_hist, nb)
+            self._write_outputs(views, valid, hist.out, out_stacked)
+            _stack_into(views[("next", "reward")][valid], hist.reward, nb)
+            _stack_into(views[("next", "terminated")][valid], hist.terminated, nb)
+            _stack_into(views[("next", "truncated")][valid], hist.truncated, nb)
+            _stack_into(traj_v[valid], hist.ids, nb)
             done_v = views[("next", "done")]
             np.logical_or(
                 views[("next", "terminated")][valid],
@@ -361,18 +362,18 @@ class Rollout:
         returns, lengths = self._episode_stats(
             views[("next", "reward")][valid], views[("next", "done")][valid]
         )
-        if cfg.set_truncated and steps > 0:
+        if self.options.set_truncated and steps > 0:
             last: tuple[slice | int, ...] = (*lead, steps - 1)
             views[("next", "truncated")][last] = True
             views[("next", "done")][last] = True
-        if cfg.track_policy_version:
+        if self.track_policy_version:
             version = into.get(("collector", "policy_version"), None) if into is not None else None
             if version is None:
                 version = torch.empty(batch.batch_size, dtype=torch.int64)
             batch.set(("collector", "policy_version"), version.fill_(self.policy_version))
         batch.names = [None] * nb + ["time"]
-        if cfg.storing_device is not None and cfg.storing_device != torch.device("cpu"):
-            batch = batch.to(cfg.storing_device)
+        if self.storing_device is not None:
+            batch = batch.to(self.storing_device)
         return RolloutResult(
             batch=batch,
             steps=steps,
@@ -381,6 +382,28 @@ class Rollout:
             episode_lengths=lengths,
             policy_version=self.policy_version,
         )
+
+    def _write_outputs(
+        self,
+        views: dict[Any, np.ndarray],
+        valid: tuple[slice, ...],
+        out_hist: list[dict[NestedKey, torch.Tensor]],
+        out_stacked: bool,
+    ) -> None:
+        """The policy's outputs of every step, stacked along time into their slots."""
+        nb = len(self.batch_shape)
+        for key in self.output_specs():
+            target = views[key][valid]
+            if key not in out_hist[0]:  # a random batch: the policy's other outputs are zeros
+                target[...] = 0
+                continue
+            values = out_hist[0][key] if out_stacked else torch.stack([o[key] for o in out_hist], dim=nb)
+            # reshape: a random action of shape () fills a policy's (1,) action slot
+            values = values.cpu().reshape(target.shape)
+            if isinstance(target, np.ndarray):
+                target[...] = values.numpy()
+            else:
+                target.copy_(values)
 
     def _episode_stats(self, reward: np.ndarray, done: np.ndarray) -> tuple[list[float], list[int]]:
         """Returns and lengths of the episodes that ended in this batch (carrying partial ones over)."""
@@ -410,3 +433,74 @@ class Rollout:
         self._ep_return = carry_ret.reshape(self.batch_shape)
         self._ep_steps = carry_len.reshape(self.batch_shape)
         return returns, lengths
+
+
+def own_policy(policy: Any, random_policy: Any, options: RolloutOptions, *, copy_module: bool) -> Any:
+    """The policy a rollout runs: the random policy for ``None``; an ``nn.Module`` (a copy with
+    ``copy_module``: no aliasing with the trainer's) on the policy device; compiled if asked for."""
+    if policy is None:
+        policy = random_policy
+    elif isinstance(policy, torch.nn.Module):
+        if copy_module:
+            try:
+                policy = copy.deepcopy(policy)
+            except Exception as exc:
+                raise TypeError(
+                    f"policy {type(policy).__name__} cannot be copied ({exc}); the collector needs its "
+                    "own copy of the weights"
+                ) from exc
+        if options.devices.policy is not None:
+            policy = policy.to(options.devices.policy)
+    return compile_policy(policy, options.compile_policy)
+
+
+def build_rollout(
+    env: Any,
+    policy: Any,
+    options: RolloutOptions,
+    schedule: WeightSchedule,
+    *,
+    copy_module: bool,
+    storing_device: torch.device | None = None,
+) -> tuple[Rollout, Any, Any]:
+    """The rollout of ``env`` (checked already) with ``policy`` (see :func:`own_policy`), for ``Collector``
+    and the workers alike: returns ``(rollout, the policy it runs, the env's random policy)``."""
+    array_env = ArrayEnv(env)
+    # unseeded: it samples with the collector's torch RNG state (RolloutRNG), like the policy
+    random_policy = random_policy_for(array_env)
+    policy = own_policy(policy, random_policy, options, copy_module=copy_module)
+    runner_kwargs: dict[str, Any] = {
+        "batch_shape": array_env.batch_shape,
+        "obs_keys": list(array_env.obs_specs),
+        "module_keys": array_env.module_obs_keys,
+        "device": options.devices.policy,
+    }
+    rollout = Rollout(
+        array_env,
+        make_runner(policy, **runner_kwargs),
+        make_runner(random_policy, **runner_kwargs),
+        options,
+        schedule,
+        storing_device=storing_device,
+    )
+    return rollout, policy, random_policy
+
+
+def open_env(create_env_fn: Any, options: RolloutOptions) -> Any:
+    """The env of an in-process collector: an env instance as is, else ``create_env_fn()`` (a function,
+    a class, a partial); checked, and seeded with ``options.seed``. Closed again if a check fails."""
+    is_env = hasattr(create_env_fn, "step") and not isinstance(create_env_fn, type)
+    env = create_env_fn if is_env else create_env_fn()
+    check_env(env)
+    try:
+        if options.set_truncated and not getattr(env, "has_truncated", True):
+            raise ValueError(
+                f"set_truncated=True but {type(env).__name__} has no truncation "
+                "(has_truncated=False); drop set_truncated"
+            )
+        if options.seed is not None:
+            env.set_seed(options.seed)
+    except BaseException:
+        env.close()
+        raise
+    return env

@@ -1,4 +1,8 @@
-"""Argument checks shared by the collectors: each error names the argument and the fix."""
+"""Argument checks shared by the collectors: each error names the argument and the fix.
+
+A value of the wrong type raises ``TypeError``; a value of the right type out of range, ``ValueError``.
+The options objects (``_options.py``) are built from these checks.
+"""
 
 from __future__ import annotations
 
@@ -7,45 +11,97 @@ from dataclasses import dataclass
 from typing import Any, overload
 
 import torch
+from tensordict.nn import InteractionType
+
+__all__ = [
+    "Devices",
+    "compile_arg",
+    "device_arg",
+    "exploration_type_arg",
+    "flag",
+    "init_random_frames_arg",
+    "int_type",
+    "is_int",
+    "lag_arg",
+    "non_negative_int",
+    "optional_callable",
+    "optional_positive_int",
+    "policy_arg",
+    "positive_int",
+    "replay_buffer_arg",
+    "seed_arg",
+    "timeout_arg",
+    "total_frames_arg",
+    "traj_ids_arg",
+    "weight_sync_arg",
+]
+
+
+def is_int(value: Any) -> bool:
+    """An ``int`` that is not a ``bool``."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def int_type(name: str, value: Any, what: str) -> None:
+    """``TypeError`` naming ``name`` unless ``value`` is an int (``what``: the values it takes)."""
+    if not is_int(value):
+        raise TypeError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
 
 
 def positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    int_type(name, value, "a positive int")
+    if value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+    return int(value)
 
 
 def optional_positive_int(name: str, value: Any, *, fix: str = "use None to disable it") -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    int_type(name, value, f"a positive int or None ({fix})")
+    if value <= 0:
         raise ValueError(f"{name} must be a positive int or None ({fix}), got {value!r}")
-    return value
+    return int(value)
 
 
 def non_negative_int(name: str, value: Any, *, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    int_type(name, value, f"an int >= 0 ({fix})")
+    if value < 0:
         raise ValueError(f"{name} must be an int >= 0 ({fix}), got {value!r}")
-    return value
+    return int(value)
 
 
 def total_frames_arg(value: Any) -> int:
     """``-1`` or ``None``: endless; otherwise a positive int."""
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value == -1):
+    what = "a positive int, or -1 (or None) for an endless collector"
+    if value is None:
         return -1
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(
-            f"total_frames must be a positive int, or -1 (or None) for an endless collector, got {value!r}"
-        )
-    return value
+    int_type("total_frames", value, what)
+    if value == -1:
+        return -1
+    if value <= 0:
+        raise ValueError(f"total_frames must be {what}, got {value!r}")
+    return int(value)
 
 
 def init_random_frames_arg(value: Any) -> int:
-    if value is None or (value == 0 and not isinstance(value, bool)):
+    if value is None:
         return 0
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"init_random_frames must be a non-negative int or None, got {value!r}")
-    return value
+    return non_negative_int("init_random_frames", value, fix="None or 0: no random frames")
+
+
+_EXPLORATION = {t.value: t for t in InteractionType}
+
+
+def exploration_type_arg(value: Any) -> InteractionType:
+    """``"random"``, ``"deterministic"``, ``"mode"``, ``"mean"``, ``"median"`` or an ``InteractionType``."""
+    if isinstance(value, InteractionType):
+        return value
+    if not isinstance(value, str) or value.lower() not in _EXPLORATION:
+        # one error type for any value outside the choices (as before the options objects)
+        choices = f"one of {sorted(_EXPLORATION)} or a tensordict.nn.InteractionType"
+        raise ValueError(f"exploration_type={value!r} is not {choices}")
+    return _EXPLORATION[value.lower()]
 
 
 def flag(name: str, value: Any) -> bool:
@@ -71,8 +127,16 @@ def seed_arg(value: int) -> int: ...
 @overload
 def seed_arg(value: Any) -> int | None: ...
 def seed_arg(value: Any) -> int | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+    if value is not None and not is_int(value):
         raise TypeError(f"seed must be an int or None, got {value!r}")
+    return value
+
+
+def policy_arg(value: Any) -> Any:
+    if value is not None and not callable(value):
+        raise TypeError(
+            f"policy must be a TensorDictModule, an nn.Module, a callable td -> td or None, got {value!r}"
+        )
     return value
 
 
@@ -108,20 +172,11 @@ class Devices:
     policy: torch.device | None = None
     storing: torch.device | None = None
 
-    @classmethod
-    def from_args(cls, *, device: Any, env_device: Any, policy_device: Any, storing_device: Any) -> Devices:
-        default = device_arg("device", device)
-        return cls(
-            env=device_arg("env_device", env_device) or default,
-            policy=device_arg("policy_device", policy_device) or default,
-            storing=device_arg("storing_device", storing_device) or default,
-        )
-
 
 def lag_arg(value: Any) -> int | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"max_policy_lag must be a non-negative int (batches) or None, got {value!r}")
-    return value
+    if value is None:
+        return None
+    return non_negative_int("max_policy_lag", value, fix="batches a worker may run behind; None: no limit")
 
 
 def weight_sync_arg(value: Any) -> Any:
@@ -139,14 +194,15 @@ def weight_sync_arg(value: Any) -> Any:
 
 def traj_ids_arg(start: Any, stride: Any) -> tuple[int, int]:
     """``traj_id_start`` (a non-negative int) and ``traj_id_stride`` (a positive int)."""
-    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-        raise ValueError(f"traj_id_start must be a non-negative int, got {start!r}")
+    start = non_negative_int("traj_id_start", start, fix="the first trajectory id")
     return start, positive_int("traj_id_stride", stride)
 
 
 def timeout_arg(value: Any, name: str = "worker_timeout") -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a positive number of seconds or None, got {value!r}")
+    if not value > 0:
         raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
     return float(value)

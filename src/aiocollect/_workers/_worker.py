@@ -21,10 +21,10 @@ import cloudpickle
 import numpy as np
 import torch
 
-from .._envs._adapter import ArrayEnv, check_env
-from .._policies import compile_policy, make_runner, parse_exploration_type, random_policy_for
+from .._envs._adapter import check_env
+from .._options import RolloutOptions, WeightSchedule
 from .._rng import RolloutRNG
-from .._rollout import Rollout, RolloutConfig
+from .._rollout import build_rollout
 from .._torch_settings import TorchSettings
 from .._transport._flat import FlatLayout, layout_of
 from .._transport._messages import (
@@ -74,25 +74,24 @@ class WorkerSpec:
     #: the env constructor and the policy, cloudpickled (the policy once, shared by every worker's spec)
     payload: bytes
     policy_payload: bytes
-    frames_per_batch: int
-    rollout: dict[str, Any]
-    exploration_type: str
-    policy_device: str | None
-    compile_policy: Any
-    num_threads: int | None
+    #: this worker's options: its own ``frames_per_batch`` and trajectory ids
+    #: (:meth:`RolloutOptions.for_member`); batches stay in the shared-memory slots (no storing device)
+    rollout: RolloutOptions
+    schedule: WeightSchedule
     control_name: str
     #: a weight-sync receiver spec (``spec.open(index)``), or None for a policy without weights
     weights: Any
-    max_policy_lag: int | None
+    #: torch's intra-op threads in a worker process (``num_sub_threads``)
+    num_threads: int | None
     in_process: bool
     show_warnings: bool
-    #: the collector's trajectory ids are ``traj_id_start + k * traj_id_stride``; this worker takes
-    #: ``k = index, index + num_workers, ...`` (disjoint over workers, and over collectors that split ids)
-    traj_id_start: int = 0
-    traj_id_stride: int = 1
     #: the torch settings of the thread that entered the collector: a serial worker's thread takes them
     #: (a process sets ``num_threads``)
     torch_settings: TorchSettings | None = None
+
+    @property
+    def max_policy_lag(self) -> int | None:
+        return self.schedule.max_policy_lag
 
 
 def build_env(create_env_fn: Any) -> Any:
@@ -149,30 +148,8 @@ class Worker:
         self.env = env
         try:
             check_env(env)
-            array_env = ArrayEnv(env)
-            self.random_policy = random_policy_for(array_env)
-            if policy is None:
-                policy = self.random_policy
-            device = torch.device(spec.policy_device) if spec.policy_device else None
-            if device is not None and isinstance(policy, torch.nn.Module):
-                policy = policy.to(device)
-            self.policy = compile_policy(policy, spec.compile_policy)
-            kw: dict[str, Any] = {
-                "batch_shape": array_env.batch_shape,
-                "obs_keys": list(array_env.obs_specs),
-                "module_keys": array_env.module_obs_keys,
-            }
-            self.rollout = Rollout(
-                array_env,
-                make_runner(self.policy, device=device, **kw),
-                make_runner(self.random_policy, device=None, **kw),
-                RolloutConfig(
-                    frames_per_batch=spec.frames_per_batch,
-                    exploration_type=parse_exploration_type(spec.exploration_type),
-                    traj_id_start=spec.traj_id_start + spec.index * spec.traj_id_stride,
-                    traj_id_stride=spec.traj_id_stride * spec.num_workers,
-                    **spec.rollout,
-                ),
+            self.rollout, self.policy, self.random_policy = build_rollout(
+                env, policy, spec.rollout, spec.schedule, copy_module=False
             )
             self.rollout.output_specs()
             self.rng = RolloutRNG()

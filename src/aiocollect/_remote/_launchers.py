@@ -51,7 +51,7 @@ RENDEZVOUS_ENV = "AIOCOLLECT_RENDEZVOUS"
 #: environment variable overriding the address nodes use to reach the trainer
 HOST_ENV = "AIOCOLLECT_TRAINER_HOST"
 #: modules the node forkserver imports once
-_PRELOAD = ["torch", "tensordict", "gymnasium", "aiocollect._distributed._torchdist"]
+_PRELOAD = ["torch", "tensordict", "gymnasium", "aiocollect._remote._gloo"]
 
 
 @dataclass(frozen=True)
@@ -160,13 +160,14 @@ def _leaf(exc: BaseException) -> BaseException:
 
 async def _serve(sock: socket.socket, rank: int) -> None:
     from .._errors import RemoteFailure
-    from .._workers._wire import AsyncChannel, Failed
+    from .._transport._messages import Failed
+    from .._transport._wire import AsyncChannel
 
     chan = AsyncChannel(sock)
     where = f"node {rank - 1} ({socket.gethostname()}, pid {os.getpid()})"
     try:
         setup = await chan.receive()
-        module = importlib.import_module(f"aiocollect._distributed.{setup.engine}")
+        module = importlib.import_module(f"aiocollect._remote.{setup.engine}")
         await module.run_node(chan, setup, where)
     except (EOFError, ConnectionError):
         pass  # the trainer is gone: just exit
@@ -554,3 +555,27 @@ def submitit_delayed_launcher(
         return launch
 
     return decorator
+
+
+__all__ = [
+    "HELLO_SIZE",
+    "HOST_ENV",
+    "RENDEZVOUS_ENV",
+    "DelayedLauncher",
+    "Launcher",
+    "MPLauncher",
+    "NodeProcess",
+    "SubmititLauncher",
+    "TrainerAddress",
+    "check_hello",
+    "connect",
+    "delayed_node_entry",
+    "hello",
+    "make_launcher",
+    "new_token",
+    "node_entry",
+    "private_files",
+    "private_folder",
+    "routable_host",
+    "submitit_delayed_launcher",
+]

@@ -9,11 +9,13 @@ overview dropped it as no longer supported); it gets no new features. Prefer
 Design: the same nodes, launchers and control connection as :class:`DistributedCollector` (the
 connection carries set-up, "close", weight acknowledgements and errors, and its EOF is how a dead node
 is noticed at once: TensorPipe only notices at the next call, or at a timeout). What RPC carries:
-``"next"`` (a batch comes back as a dict of tensors, which TensorPipe sends without pickling them),
-``"weights"`` (the tensors), and the calls (seed, state dict). The trainer waits for each RPC future in a
-thread; nothing is polled. Every collector gets worker names of its own (``aiocollect-<token>-node1``...)
-and its own store, so that collectors can follow each other in one process; only **one** RPC agent
-can exist per process, so one ``RPCCollector`` at a time, and not beside an ``init_rpc`` of your own.
+the typed operations of ``_messages``: ``NextBatch`` (a batch comes back as a dict of tensors, which
+TensorPipe sends without pickling them), ``StageWeights`` (the tensors), and the control operations
+(seed, state dict...), all answered by the node's :class:`~._node.NodeCore`. The trainer waits for each
+RPC future in a thread; nothing is polled. Every collector gets worker names of its own
+(``aiocollect-<token>-node1``...) and its own store, so that collectors can follow each other in one
+process; only **one** RPC agent can exist per process, so one ``RPCCollector`` at a time, and not beside
+an ``init_rpc`` of your own.
 """
 
 from __future__ import annotations
@@ -31,25 +33,27 @@ import anyio.from_thread
 import anyio.to_thread
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDictBase
 
 from .._daemon import run_abandonable
-from .._distributed_weights import master_store
 from .._errors import RemoteFailure, as_error
 from .._gather import gather
-from .._workers._wire import AsyncChannel
-from ._torchdist import (
+from .._transport._flat import rebuild
+from .._transport._groups import client_store, master_store
+from .._transport._wire import AsyncChannel
+from ._messages import (
     Close,
+    ControlOp,
     Loaded,
-    NodeCore,
+    NextBatch,
+    NodeBatch,
     NodeReady,
-    RemoteCollectorBase,
-    RemoteNode,
     Setup,
-    _NodeBatch,
-    _timedelta,
-    rebuild,
+    StageWeights,
 )
+from ._node import NodeCore
+from ._nodes import RemoteNode
+from ._trainer import RemoteCollectorBase
 
 _TIMEOUT = 120.0
 _NODE: NodeCore | None = None
@@ -78,7 +82,7 @@ def _init_agent(t: Mapping[str, Any], rank: int) -> None:
 
     store = t.get("store")
     if store is None:
-        store = dist.TCPStore(t["host"], t["port"], is_master=False, timeout=_timedelta(t["timeout"]))
+        store = client_store(t["host"], t["port"], t["timeout"])
     prefixed = dist.PrefixStore(t["prefix"], store)
     dist_autograd._init(rank)
     with warnings.catch_warnings():
@@ -101,47 +105,42 @@ def _shutdown_agent() -> None:
 
 
 # -- node side -------------------------------------------------------------------------------------
-def _rpc_call(op: str, *args: Any) -> tuple[bool, Any]:
-    """Runs in one of the node's RPC threads: hand the call to the node's event loop."""
+def _rpc_call(op: ControlOp) -> tuple[bool, Any]:
+    """Runs in one of the node's RPC threads: hand the operation to the node's event loop."""
     portal = _PORTAL
     if portal is None:
         return False, RuntimeError("the node is not serving")
     try:
-        return True, portal.call(_handle, op, args)
+        return True, portal.call(_handle, op)
     except Exception as exc:
         return False, RemoteFailure(exc, _WHERE)
 
 
-async def _handle(op: str, args: tuple[Any, ...]) -> Any:
+async def _handle(op: ControlOp) -> Any:
     core = _NODE
     assert core is not None
-    if op == "next":
-        batch, frames, episodes, version = await core.next_batch()
+    value = await core.call(op)
+    if isinstance(value, NodeBatch):  # as tensors TensorPipe sends without pickling them
+        batch = value.batch
         leaves = {
             (k,) if isinstance(k, str) else tuple(k): v.contiguous()
             for k, v in batch.items(include_nested=True, leaves_only=True)
         }
         names = tuple(batch.names) if batch.names is not None else None
-        return leaves, (tuple(batch.batch_size), names), frames, episodes, version
-    if op == "weights":
-        plain, version = args
-        core.stage(version, TensorDict(plain, batch_size=[]).unflatten_keys("."))
-        return None
-    return await core.call(op, args)
+        return leaves, (tuple(batch.batch_size), names), value.frames, value.episodes, value.policy_version
+    return value
 
 
 async def run_node(chan: AsyncChannel, setup: Setup, where: str) -> None:
     """An RPC node: join the collector's RPC group and serve calls until ``Close`` or EOF."""
     global _NODE, _PORTAL, _WHERE
     t = setup.transport
-    core = NodeCore(setup)
+    core = NodeCore.from_spec(setup.spec)
     async with core, anyio.from_thread.BlockingPortal() as portal:
         _NODE, _PORTAL, _WHERE = core, portal, where
         try:
             await anyio.to_thread.run_sync(_init_agent, t, setup.index + 1)
-            await chan.send(
-                NodeReady(os.getpid(), socket.gethostname(), int(core.collector.frames_per_batch))
-            )
+            await chan.send(NodeReady(os.getpid(), socket.gethostname(), core.frames_per_batch))
 
             async def loaded(version: int) -> None:
                 await chan.send(Loaded(version))
@@ -249,14 +248,12 @@ class RPCCollector(RemoteCollectorBase):
         self._agent = True
         await run_abandonable(_init_agent, t, 0)  # a daemon thread: an abandoned one cannot hold the exit
 
-    async def _rpc_async(
-        self, node: RemoteNode, op: str, *args: Any, rpc_timeout: float | None = None
-    ) -> Any:
+    async def _rpc_async(self, node: RemoteNode, op: ControlOp, rpc_timeout: float | None = None) -> Any:
         rpc = _rpc()
         future = rpc.rpc_async(
             self._names[node.rank],
             _rpc_call,
-            args=(op, *args),
+            args=(op,),
             timeout=self._rpc_timeout if rpc_timeout is None else rpc_timeout,
         )
         try:
@@ -275,21 +272,22 @@ class RPCCollector(RemoteCollectorBase):
             raise as_error(value)
         return value
 
-    async def _fetch_batch(self, node: RemoteNode) -> _NodeBatch:
+    async def _fetch_batch(self, node: RemoteNode) -> NodeBatch:
         # no timeout: a batch takes what it takes; a dead node is noticed by its connection
         leaves, layout, frames, episodes, version = await self._within_progress_timeout(
-            node, partial(self._rpc_async, node, "next", rpc_timeout=0)
+            node, partial(self._rpc_async, node, NextBatch(), rpc_timeout=0)
         )
-        return _NodeBatch(rebuild(leaves, layout), frames, episodes, version)
+        return NodeBatch(rebuild(leaves, *layout), frames, episodes, version)
 
     async def _send_weights(self, weights: TensorDictBase, version: int, ids: list[int]) -> None:
         plain = await anyio.to_thread.run_sync(
             lambda: {k: cast("torch.Tensor", v).detach().to("cpu", copy=True) for k, v in weights.items()}
         )
-        await gather(*[partial(self._rpc_async, self._nodes[i], "weights", plain, version) for i in ids])
+        op = StageWeights(plain, version)
+        await gather(*[partial(self._rpc_async, self._nodes[i], op) for i in ids])
 
-    async def _call(self, node: RemoteNode, op: str, *args: Any) -> Any:
-        return await self._rpc_async(node, op, *args, rpc_timeout=0)
+    async def _call(self, node: RemoteNode, op: ControlOp) -> Any:
+        return await self._rpc_async(node, op, rpc_timeout=0)
 
     def _close_transport(self) -> None:
         if self._agent:

@@ -1,0 +1,583 @@
+"""What the multi-process collectors share (``MultiCollectorBase``): start-up, shutdown, iteration,
+control, weights and statistics.
+
+Each worker (a process, or a thread with ``worker_backend="serial"``) runs the rollout core and writes
+batches into shared-memory slots; the parent's task group merges their notices into one ``async for``.
+``MultiSyncCollector`` (``_multi_sync.py``) and ``MultiAsyncCollector`` (``_multi_async.py``) say how a
+batch is gathered.
+"""
+
+from __future__ import annotations
+
+import abc
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Literal
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import cloudpickle
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import InteractionType
+
+from ._errors import CollectorClosedError, WorkerTimeoutError
+from ._events import WeightsPublished
+from ._fleet import FleetCollector, Member
+from ._gather import gather
+from ._options import (
+    RolloutOptions,
+    WeightSchedule,
+    collector_options,
+    refuse_schedule,
+    worker_backend_arg,
+)
+from ._stats import WorkerStatistics
+from ._torch_settings import TorchSettings
+from ._trajectories import split_trajectories
+from ._validation import (
+    optional_callable,
+    optional_positive_int,
+    policy_arg,
+    positive_int,
+    replay_buffer_arg,
+    timeout_arg,
+    weight_sync_arg,
+)
+from ._weightsync import WeightSender, WeightSync, flat_weights
+from ._workers._paths import parse_path
+from ._workers._pool import WorkerPool
+from ._workers._shm import SharedBlock
+from ._workers._worker import WorkerSpec, control_layout
+
+__all__ = [
+    "Delivery",
+    "MultiCollectorBase",
+    "env_fns_arg",
+    "episodes_of",
+    "pickled_env_fns",
+    "set_worker_warnings",
+    "start_method_arg",
+]
+
+#: set by set_worker_warnings(); None: the AIOCOLLECT_WORKER_WARNINGS environment variable decides
+_WORKER_WARNINGS: bool | None = None
+_ENV_SWITCH = "AIOCOLLECT_WORKER_WARNINGS"
+
+
+def set_worker_warnings(show: bool | None) -> None:
+    """Show (``True``) or hide (``False``, the default) warnings raised inside worker processes.
+
+    Worker processes ignore every warning by default (optional dependencies make them noisy, once per
+    worker). When shown, a worker's warnings print on its stderr, which is the trainer's. The environment
+    variable ``AIOCOLLECT_WORKER_WARNINGS=1`` shows them too; a call here takes precedence over it
+    (``None`` hands the choice back to the variable). Collectors read the setting when they are
+    constructed. Workers of ``worker_backend="serial"`` and the in-process ``Collector`` are threads of the
+    trainer: their warnings go through the trainer's own filters, whatever this says.
+    """
+    global _WORKER_WARNINGS
+    if show is not None and not isinstance(show, bool):
+        raise TypeError(f"set_worker_warnings takes True, False or None, got {show!r}")
+    _WORKER_WARNINGS = show
+
+
+def _show_worker_warnings() -> bool:
+    if _WORKER_WARNINGS is not None:
+        return _WORKER_WARNINGS
+    return os.environ.get(_ENV_SWITCH, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def env_fns_arg(create_env_fns: Any) -> Sequence[Any]:
+    """``create_env_fns``: a non-empty list of env constructors, one per worker."""
+    if isinstance(create_env_fns, (str, bytes)) or not isinstance(create_env_fns, Sequence):
+        raise TypeError(
+            f"create_env_fns must be a list of env constructors, one per worker, got {create_env_fns!r}"
+        )
+    if not create_env_fns:
+        raise ValueError("create_env_fns is empty: give one env constructor per worker")
+    for i, fn in enumerate(create_env_fns):
+        if not callable(fn):
+            raise TypeError(f"create_env_fns[{i}] must be a callable returning an env, got {fn!r}")
+    return create_env_fns
+
+
+def pickled_env_fns(create_env_fns: Sequence[Any]) -> list[bytes]:
+    """The env constructors, cloudpickled for the worker processes (a bad one fails here)."""
+    payloads = []
+    for i, fn in enumerate(create_env_fns):
+        try:
+            payloads.append(cloudpickle.dumps(fn))
+        except Exception as exc:
+            raise TypeError(f"create_env_fns[{i}] cannot be pickled for the worker processes: {exc}") from exc
+    return payloads
+
+
+def start_method_arg(start_method: Any) -> str:
+    """A multiprocessing start method available here (``None``: forkserver on Linux, else spawn)."""
+    if start_method is None:
+        return "forkserver" if sys.platform.startswith("linux") else "spawn"
+    if start_method not in multiprocessing.get_all_start_methods():
+        raise ValueError(
+            f"start_method={start_method!r} is not available here; use one of "
+            f"{multiprocessing.get_all_start_methods()}"
+        )
+    return str(start_method)
+
+
+@dataclass
+class Delivery:
+    batch: TensorDictBase
+    frames: int
+    per_worker_episodes: list[list[tuple[int, float, int]]]
+    worker_id: int | None
+    policy_version: int
+
+    @property
+    def episodes(self) -> list[tuple[int, float, int]]:
+        return [e for episodes in self.per_worker_episodes for e in episodes]
+
+
+def episodes_of(worker_id: int, notice: Any) -> list[tuple[int, float, int]]:
+    return [(worker_id, r, n) for r, n in zip(notice.episode_returns, notice.episode_lengths, strict=True)]
+
+
+async def _first_exit(pool: WorkerPool) -> None:
+    """Return when any worker has exited (its reader has recorded why)."""
+    async with anyio.create_task_group() as tg:
+
+        async def wait(exited: anyio.Event) -> None:
+            await exited.wait()
+            tg.cancel_scope.cancel()
+
+        for handle in pool.workers:
+            tg.start_soon(wait, handle.exited)
+
+
+class MultiCollectorBase(FleetCollector, abc.ABC):
+    """What the multi-worker collectors share: start-up, shutdown, control, weights, statistics."""
+
+    _sync: bool
+
+    def __init__(
+        self,
+        create_env_fns: Sequence[Any],
+        policy: Any = None,
+        *,
+        frames_per_batch: int | Sequence[int] | None = None,
+        total_frames: int | None = -1,
+        max_frames_per_traj: int | None = None,
+        init_random_frames: int | None = None,
+        reset_at_each_iter: bool = False,
+        split_trajs: bool = False,
+        postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
+        exploration_type: str | InteractionType = "random",
+        set_truncated: bool = False,
+        seed: int | None = None,
+        device: Any = None,
+        env_device: Any = None,
+        policy_device: Any = None,
+        storing_device: Any = None,
+        replay_buffer: Any = None,
+        track_policy_version: bool = False,
+        compile_policy: bool | Mapping[str, Any] = False,
+        update_at_each_batch: bool = False,
+        num_threads: int | None = None,
+        num_sub_threads: int = 1,
+        worker_backend: Literal["process", "serial"] = "process",
+        start_method: str | None = None,
+        weight_sync: WeightSync | None = None,
+        max_policy_lag: int | None = None,
+        progress: Any = None,
+        traj_id_start: int = 0,
+        traj_id_stride: int = 1,
+        worker_timeout: float | None = None,
+        rollout: RolloutOptions | None = None,
+        weights: WeightSchedule | None = None,
+        backend: Literal["process", "serial"] | None = None,
+    ) -> None:
+        env_fns = env_fns_arg(create_env_fns)
+        options, self._schedule = collector_options(locals())
+        self._options = options
+        refuse_schedule(self._schedule, type(self).__name__, update_at_each_batch=True)
+        self.num_workers = n = len(env_fns)
+        self.total_frames = options.total_frames
+        self._seed = options.seed
+        self._per_worker_fpb = self._split_frames(options.frames_per_batch, n)
+        self._postproc = optional_callable("postproc", postproc)
+        self.replay_buffer = replay_buffer_arg(replay_buffer)
+        self._num_threads = optional_positive_int("num_threads", num_threads, fix="None leaves it")
+        self._num_sub_threads = positive_int("num_sub_threads", num_sub_threads)
+        self._backend = worker_backend_arg(worker_backend, backend)
+        self._start_method = start_method_arg(start_method)
+        self._source_policy = policy_arg(policy)
+        self._weight_sync: WeightSync = weight_sync_arg(weight_sync)
+        self._sender: WeightSender | None = None
+        self._weights_template = flat_weights(policy) if isinstance(policy, torch.nn.Module) else None
+        # the env constructors are pickled here (small: a bad one fails now); the policy, which can be
+        # large, once and in a thread when the collector is entered (never on the event loop)
+        self._payloads = pickled_env_fns(env_fns)
+        self._show_warnings = _show_worker_warnings()
+        self._init_base(progress)
+        self._worker_timeout = timeout_arg(worker_timeout)
+        self._pool: WorkerPool | None = None
+        self._last_workers: tuple[WorkerStatistics, ...] = ()
+        self._closed_before = False
+        self._control: SharedBlock | None = None
+        self._entered = False
+        self._version = 0
+        self._issued = 0  # the last version number handed to a publish (interrupted ones included)
+        self._weights_lock = anyio.Lock()
+        self._saved_threads: int | None = None
+        self.frames_per_batch = sum(self._per_worker_fpb) if self._sync else self._per_worker_fpb[0]
+
+    @staticmethod
+    @abc.abstractmethod
+    def _split_frames(frames_per_batch: int | Sequence[int], n: int) -> list[int]:
+        """Frames per batch of each of the ``n`` workers."""
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def _on_enter(self) -> None:
+        if self._entered:
+            raise RuntimeError("the collector was entered already")
+        self._entered = True
+        try:
+            await self._start_workers()
+        except Exception as exc:  # closed on the way out of __aenter__: say why on any further use
+            self._closed_reason = f"it failed to start with {type(exc).__name__}: {exc}"
+            raise
+
+    async def _start_workers(self) -> None:
+        assert self._task_group is not None
+        n = self.num_workers
+        policy_payload = await self._pickled_policy("the worker processes")
+        self._control = SharedBlock(control_layout(n), ())
+        self._control.td.zero_()
+        receivers: list[Any] = [None] * n
+        if self._weights_template is not None:
+            template = self._weights_template
+            self._sender = await anyio.to_thread.run_sync(
+                lambda: self._weight_sync.open_sender(template.clone(), n, self._send_to)
+            )
+            receivers = self._sender.receivers()
+        settings = TorchSettings.capture()  # this (the entering) thread's: serial workers take them
+        specs = [
+            WorkerSpec(
+                index=i,
+                num_workers=n,
+                payload=self._payloads[i],
+                policy_payload=policy_payload,
+                # worker i's ids: traj_id_start + traj_id_stride * (i + num_workers * k)
+                rollout=self._options.for_member(i, n, frames_per_batch=self._per_worker_fpb[i]),
+                schedule=self._schedule,
+                control_name=self._control.name,
+                weights=receivers[i],
+                num_threads=self._num_sub_threads,
+                in_process=self._backend == "serial",
+                show_warnings=self._show_warnings,
+                torch_settings=settings,
+            )
+            for i in range(n)
+        ]
+        if self._num_threads is not None:
+            self._saved_threads = torch.get_num_threads()
+            torch.set_num_threads(self._num_threads)
+        self._pool = WorkerPool(
+            specs,
+            backend=self._backend,
+            start_method=self._start_method,
+            slots_per_worker=1 if self._sync else 2,
+            on_event=self._hub.publish,
+            timeout=self._worker_timeout,
+        )
+        if self._sender is not None:
+            await gather(
+                partial(self._pool.start, self._task_group),
+                self._sender.connect,
+            )
+        else:
+            await self._pool.start(self._task_group)
+        ready = [w.ready for w in self._pool.workers]
+        self._check_layouts(ready)
+        self._worker_frames = [r.frames_per_batch for r in ready if r is not None]
+        if self._sync:
+            self.frames_per_batch = sum(self._worker_frames)
+        else:
+            self.frames_per_batch = self._worker_frames[0]
+        await self._members_started()
+
+    @abc.abstractmethod
+    def _check_layouts(self, ready: list[Any]) -> None:
+        """Raise ``ValueError`` if the workers' batches cannot be delivered as this collector does."""
+
+    async def _shutdown(self) -> None:
+        with anyio.CancelScope(shield=True):
+            if self._background is not None:
+                self._background.cancel()
+            if self._control is not None:
+                # workers mid-batch stop at their next step instead of finishing it
+                self._control.td["stop"].fill_(1)
+            async with self._lock:
+                self._closed = True
+                pool, self._pool = self._pool, None
+                if pool is not None:
+                    await pool.aclose()
+                    self._last_workers = tuple(
+                        WorkerStatistics(w.index, w.state, w.frames, w.policy_version) for w in pool.workers
+                    )
+                if self._control is not None:
+                    self._control.unlink()
+                    self._control.close()
+                    self._control = None
+                if self._sender is not None:
+                    self._sender.close()
+                    self._sender = None
+                if self._saved_threads is not None:
+                    torch.set_num_threads(self._saved_threads)
+                    self._saved_threads = None
+                self._hub.close()
+                if not self._closed_before:
+                    self._closed_before = True
+                    self._finish_progress()
+
+    async def aclose(self) -> None:
+        """Stop and reap every worker and free every shared-memory segment. Idempotent.
+
+        ``async with`` does this on exit; the collector cannot be used afterwards.
+        """
+        await self._shutdown()
+
+    def _active_pool(self) -> WorkerPool:
+        self._check_open()
+        if self._pool is None:
+            raise RuntimeError(
+                f"{type(self).__name__} starts its workers in `async with`: write "
+                f"`async with {type(self).__name__}(...) as collector: async for batch in collector:`"
+            )
+        return self._pool
+
+    # -- iteration --------------------------------------------------------------------------------
+    async def __anext__(self) -> TensorDictBase | None:
+        self._active_pool()
+        if self._budget_reached():
+            raise StopAsyncIteration
+        await self._acquire_batch_lock()
+        try:
+            pool = self._active_pool()
+            if self._budget_reached():  # another consumer took the last batch while we waited
+                raise StopAsyncIteration
+            try:
+                out = await self._next_batch(pool)
+            except Exception as exc:
+                if pool.failure is not None:  # closed for good: any further use says so
+                    self._closed_reason = f"a worker failed with {type(exc).__name__}: {exc}"
+                    self._closed = True
+                raise
+            self._record(out.frames, out.episodes, worker_id=out.worker_id, policy_version=out.policy_version)
+            batch = out.batch
+            if self._options.split_trajs:
+                batch = split_trajectories(batch)
+            if self._postproc is not None:
+                batch = self._postproc(batch)
+            if self._options.devices.storing is not None:
+                batch = batch.to(self._options.devices.storing)
+            if self.replay_buffer is not None:
+                await anyio.to_thread.run_sync(self.replay_buffer.extend, self._frames_for_buffer(batch))
+                return None
+            return batch
+        finally:
+            self._lock.release()
+
+    async def _receive(self, pool: WorkerPool) -> tuple[int, Any]:
+        """The next batch notice, or :class:`WorkerTimeoutError` once a worker that should be collecting
+        has delivered nothing for ``worker_timeout`` seconds (while others may keep delivering)."""
+        timeout = self._worker_timeout
+        if timeout is None:
+            return await pool.receive()
+        while True:
+            now = anyio.current_time()
+            due = [
+                (w.expected_since + timeout, w.index) for w in pool.workers if w.expected_since is not None
+            ]
+            deadline = min(due)[0] if due else now + timeout
+            with anyio.move_on_after(max(0.0, deadline - now)):
+                return await pool.receive()
+            late = [i for d, i in due if d <= anyio.current_time()]
+            if late:
+                error = WorkerTimeoutError(
+                    f"workers {late} delivered no batch within worker_timeout={timeout} s "
+                    "(a hung env or policy?)"
+                )
+                pool.fail(error)
+                raise error
+
+    @abc.abstractmethod
+    async def _next_batch(self, pool: WorkerPool) -> Delivery:
+        """One batch, its valid frames and the episodes that ended in it."""
+
+    def _frames_for_buffer(self, batch: TensorDictBase) -> TensorDictBase:
+        """What ``replay_buffer.extend`` gets: the batch as delivered (one worker's rollout, as torchrl's
+        workers extend theirs)."""
+        return batch
+
+    # -- control ----------------------------------------------------------------------------------
+    @property
+    def _fleet_size(self) -> int:
+        return self.num_workers
+
+    def _members(self) -> Sequence[Member]:
+        pool = self._pool
+        return pool.workers if pool is not None else ()
+
+    def _active(self) -> None:
+        self._active_pool()
+
+    async def _call_member(self, index: int, method: str, *args: Any) -> Any:
+        return await self._active_pool().call(index, method, *args)
+
+    async def reset(self) -> None:
+        """Reset every worker's env: the next batch starts new episodes."""
+        async with self._lock:
+            await self._active_pool().call_all("reset")
+
+    async def state_dict(self) -> dict[str, Any]:
+        """Per-worker state (trajectory-id counters, policy versions, frames) plus the counters."""
+        async with self._lock:
+            workers = await self._active_pool().call_all("state_dict")
+        state: dict[str, Any] = {f"worker{i}": sd for i, sd in enumerate(workers)}
+        state.update(self._counters())
+        weights = workers and await self._active_pool().call(0, "policy_weights")
+        if weights is not None:
+            state["policy"] = weights
+        return state
+
+    async def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; the frame budget continues from the saved count."""
+        self._check_state(state, "worker")
+        async with self._lock:
+            pool = self._active_pool()
+            for i in range(self.num_workers):
+                await pool.call(i, "load_state_dict", dict(state[f"worker{i}"]))
+            self._load_counters(state)
+            self._issued = max(self._issued, self._version)  # version numbers are never reused
+        if "policy" in state and self._weights_template is not None:
+            await self.update_weights(state["policy"], wait=True)
+
+    async def getattr_policy(self, name: str) -> Any:
+        """An attribute of worker 0's policy."""
+        return await self._active_pool().call(0, "getattr_policy", name)
+
+    async def getattr_env(self, name: str) -> Any:
+        """An attribute of worker 0's env."""
+        return await self._active_pool().call(0, "getattr_env", name)
+
+    async def get_distant_attr(self, path: str) -> list[Any]:
+        """The object at ``path`` in every worker, in worker order (torchrl's ``get_distant_attr``).
+
+        ``path`` starts with ``env`` or ``policy`` and goes on with attribute names and ``[int]`` /
+        ``['key']`` subscripts, e.g. ``"env.transform[0].max_steps"``; it is parsed, never evaluated. The
+        value is pickled back from each worker.
+        """
+        parse_path(path)
+        return await self._active_pool().call_all("get_distant_attr", path)
+
+    async def map_fn(
+        self,
+        path: str,
+        list_of_args: Sequence[Sequence[Any]] | None = None,
+        list_of_kwargs: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[Any]:
+        """Call the method at ``path`` (see :meth:`get_distant_attr`) in every worker, between batches, with
+        worker ``i``'s ``list_of_args[i]`` and ``list_of_kwargs[i]`` (default: no arguments); the results in
+        worker order (torchrl's ``map_fn``, on the workers' env and policy)."""
+        parse_path(path)
+        n = self.num_workers
+        args = [tuple(a) for a in list_of_args] if list_of_args is not None else [()] * n
+        kwargs = [dict(k) for k in list_of_kwargs] if list_of_kwargs is not None else [{}] * n
+        if len(args) != n or len(kwargs) != n:
+            raise ValueError(
+                f"map_fn: list_of_args and list_of_kwargs take one entry per worker ({n}), got "
+                f"{len(args)} and {len(kwargs)}"
+            )
+        async with self._lock:
+            pool = self._active_pool()
+            calls = [partial(pool.call, i, "map_fn", path, args[i], kwargs[i]) for i in range(n)]
+            return await gather(*calls)
+
+    async def _send_to(self, index: int, message: Any) -> None:
+        await self._active_pool().send(index, message)
+
+    async def update_weights(
+        self,
+        policy_or_weights: Any = None,
+        *,
+        worker_ids: Sequence[int] | None = None,
+        wait: bool = False,
+    ) -> int:
+        """Publish weights to the workers (through ``weight_sync``) and return the new policy version.
+
+        Workers load them at their next batch boundary (never mid-step); ``wait=True`` returns only when
+        every targeted worker runs the new version. Concurrent calls are serialised: versions strictly
+        increase.
+
+        Args:
+            policy_or_weights: an ``nn.Module``, a TensorDict of weights or a state dict; ``None`` means
+                the policy the collector was built with (its current weights). Parameters and buffers.
+            worker_ids: the workers to update (default: all).
+            wait: wait until those workers run the new weights.
+        """
+        pool = self._active_pool()
+        weights = self._weights_to_publish(policy_or_weights)
+        assert self._sender is not None  # a collector with weights has a sender
+        ids = self._target_ids(worker_ids)
+        async with self._weights_lock:
+            # numbers are never reused: an update interrupted midway may still reach some workers
+            version = self._issued = self._issued + 1
+            await self._publish(pool, weights, version, ids)
+            self._version = version
+            self._hub.publish(WeightsPublished(version))
+            if self._control is not None:
+                published = self._control.td["published"]
+                for i in ids:
+                    published[i] = version
+        if wait:
+            loaded = await gather(*[partial(pool.call, i, "load_weights") for i in ids])
+            for i, worker_version in zip(ids, loaded, strict=True):
+                pool.note_version(i, worker_version)
+        return version
+
+    async def _publish(self, pool: WorkerPool, weights: TensorDictBase, version: int, ids: list[int]) -> None:
+        """``sender.publish`` raced against the workers' exits: a worker that fails or dies while an update
+        is in flight (a collective transfer waits for every worker) ends it with that worker's error."""
+        sender = self._sender
+        assert sender is not None
+        outcome: list[Exception | None] = []
+
+        async with anyio.create_task_group() as tg:
+
+            async def run() -> None:
+                try:
+                    await sender.publish(weights, version, ids)
+                    outcome.append(None)
+                except Exception as exc:
+                    outcome.append(exc)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(run)
+            await _first_exit(pool)
+            tg.cancel_scope.cancel()
+        if outcome == [None]:
+            return
+        if pool.failure is None and outcome:
+            # the transfer failed, typically because a worker died: its reader is about to say so
+            with anyio.move_on_after(2.0):
+                await _first_exit(pool)
+        if pool.failure is not None:
+            raise pool.failure
+        if outcome and outcome[0] is not None:
+            raise outcome[0]
+        raise CollectorClosedError("a worker stopped while weights were being published")

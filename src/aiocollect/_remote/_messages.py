@@ -1,0 +1,223 @@
+"""What the trainer and a hosted collector (a torch.distributed or RPC node, a Ray actor) say to each other.
+
+Two kinds: the **messages** of a node's control connection (set-up, batch requests and notices, weight
+acknowledgements, close) and the **control operations** a trainer asks of a hosted collector (seed, reset,
+state dict, an attribute of its env or policy...), one frozen dataclass per operation. Every engine sends
+the same operation objects; :meth:`aiocollect._remote._node.NodeCore.call` answers them, dispatching on
+their type (never on a string).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from tensordict import TensorDictBase
+
+from .._errors import RemoteFailure
+from .._options import RolloutOptions
+
+
+# -- the set-up of a hosted collector ---------------------------------------------------------------
+@dataclass(frozen=True)
+class HostSpec:
+    """What a node or actor builds: its rollout options (typed, checked on the trainer: frames per batch,
+    its slice of the trajectory ids, the rollout keywords of ``collector_kwargs``), and the pickled env
+    constructor(s), collector class, other collector keywords and policy (unpickled there, never on the
+    way)."""
+
+    index: int
+    num_nodes: int
+    payload: bytes  # cloudpickle of (the collector's first argument, collector_class, other kwargs)
+    policy_payload: bytes  # cloudpickle of the policy (the same bytes for every node)
+    rollout: RolloutOptions
+
+    @property
+    def frames_per_batch(self) -> int:
+        return self.rollout.batch_frames()
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Trainer -> node, first message: what to build and how to reach the data plane."""
+
+    engine: str  # module of aiocollect._remote that runs the node (``_gloo``, ``_rpc``)
+    spec: HostSpec
+    transport: dict[str, Any]
+
+    @property
+    def index(self) -> int:
+        return self.spec.index
+
+    @property
+    def num_nodes(self) -> int:
+        return self.spec.num_nodes
+
+
+# -- node -> trainer ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NodeReady:
+    """The node's collector runs; its own ``frames_per_batch``."""
+
+    pid: int
+    host: str
+    frames_per_batch: int
+
+
+@dataclass(frozen=True)
+class BatchNotice:
+    """A batch is on its way over the data plane (``layout`` ``None``: the previous one)."""
+
+    seq: int
+    frames: int
+    layout: Any
+    episodes: list[tuple[float, int]]
+    policy_version: int
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """The node's collector runs the trainer's weights ``version``."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class CallFailed:
+    """A call raised on the node; the node goes on."""
+
+    error: RemoteFailure
+
+
+@dataclass
+class NodeBatch:
+    """One batch of a hosted collector as the trainer counts it."""
+
+    batch: TensorDictBase
+    frames: int
+    episodes: list[tuple[float, int]]
+    policy_version: int
+
+
+# -- trainer -> node ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Collect:
+    """Collect one batch and send it (the reply is a :class:`BatchNotice` with the same ``seq``)."""
+
+    seq: int
+
+
+@dataclass(frozen=True)
+class Close:
+    """Close the collector and exit."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """A control operation; the reply is a ``Result`` with the same ``request_id`` (its value, or a
+    :class:`CallFailed`)."""
+
+    request_id: int
+    op: ControlOp
+
+
+# -- control operations --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SetSeed:
+    """Seed the collector; the reply is the last seed it used."""
+
+    seed: int
+
+
+@dataclass(frozen=True)
+class Reset:
+    """Reset the collector's envs: its next batch starts new episodes."""
+
+
+@dataclass(frozen=True)
+class GetState:
+    """The collector's state dict (``versioned``: with the trainer's version map, the policy apart)."""
+
+    versioned: bool = False
+
+
+@dataclass(frozen=True)
+class LoadState:
+    """Load a state dict of :class:`GetState` (``versioned`` as there)."""
+
+    state: dict[str, Any]
+    versioned: bool = False
+
+
+@dataclass(frozen=True)
+class WaitLoaded:
+    """Wait until the collector runs the trainer's weights ``version``; the reply is the version it runs."""
+
+    version: int
+
+
+@dataclass(frozen=True)
+class GetAttr:
+    """An attribute of the collector's env or policy (worker 0's, for a multi-process collector)."""
+
+    of: Literal["env", "policy"]
+    name: str
+
+
+@dataclass(frozen=True)
+class NextBatch:
+    """RPC only: collect one batch and return it."""
+
+
+@dataclass(frozen=True)
+class StageWeights:
+    """RPC only: load these flat weights (``{"a.b": tensor}``) as the trainer's ``version`` before the
+    next batch."""
+
+    weights: dict[str, Any]
+    version: int
+
+
+#: the operations :meth:`NodeCore.call` answers
+ControlOp = SetSeed | Reset | GetState | LoadState | WaitLoaded | GetAttr | NextBatch | StageWeights
+
+#: the operation of :meth:`FleetCollector._call_member`'s method names
+OPS_BY_NAME: dict[str, type] = {
+    "set_seed": SetSeed,
+    "reset": Reset,
+    "state_dict": GetState,
+    "load_state_dict": LoadState,
+}
+
+
+def control_op(method: str, *args: Any) -> ControlOp:
+    """The operation of a collector method called by name (``FleetCollector``'s seed chain)."""
+    cls = OPS_BY_NAME.get(method)
+    if cls is None:
+        raise ValueError(f"no control operation for {method!r}: one of {sorted(OPS_BY_NAME)}")
+    return cls(*args)
+
+
+__all__ = [
+    "OPS_BY_NAME",
+    "BatchNotice",
+    "CallFailed",
+    "Close",
+    "Collect",
+    "ControlOp",
+    "GetAttr",
+    "GetState",
+    "HostSpec",
+    "LoadState",
+    "Loaded",
+    "NextBatch",
+    "NodeBatch",
+    "NodeReady",
+    "Request",
+    "Reset",
+    "SetSeed",
+    "Setup",
+    "StageWeights",
+    "WaitLoaded",
+    "control_op",
+]

@@ -1,0 +1,480 @@
+"""The trainer's view of its nodes (``DistributedCollector``, ``RPCCollector``): launching them, their
+control connections, replies, failures and shutdown. :class:`~._trainer.RemoteCollectorBase` builds the
+collector surface on it; an engine supplies the transport hooks.
+
+Roles: the trainer is rank 0, node ``i`` is rank ``i + 1``. The **control** channel is one TCP connection
+per node (see ``_launchers``), framed pickles both ways: set-up, batch requests, control operations,
+weight-transfer notices, close, and from the node its batch notices, results and errors. The trainer waits
+on it with ``anyio.wait_readable``; EOF means the node died. Nothing is polled.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import itertools
+import math
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from tensordict import TensorDictBase
+
+from .._errors import WorkerTimeoutError, as_error, worker_died
+from .._events import WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
+from .._fleet import FleetCollector
+from .._gather import gather
+from .._options import RolloutOptions
+from .._stats import WorkerState
+from .._transport._messages import Failed, Result
+from .._transport._waiters import Waiter, WaiterTable
+from .._transport._wire import AsyncChannel
+from ._launchers import (
+    HELLO_SIZE,
+    Launcher,
+    NodeProcess,
+    TrainerAddress,
+    check_hello,
+    new_token,
+    routable_host,
+)
+from ._messages import (
+    CallFailed,
+    Close,
+    ControlOp,
+    HostSpec,
+    Loaded,
+    NodeBatch,
+    NodeReady,
+    Request,
+    Setup,
+)
+
+#: seconds a node gets to close its collector (and reap its processes) after ``Close``
+_CLOSE_GRACE = 15.0
+#: the same for a hung node (it missed ``progress_timeout``): leaving ``async with`` takes about 3 s
+_FAILED_CLOSE_GRACE = 2.0
+#: default ``progress_timeout``: seconds a node may take to deliver one batch before it counts as hung
+DEFAULT_PROGRESS_TIMEOUT = 600.0
+
+
+@dataclass
+class Failure:
+    error: BaseException
+
+
+@dataclass
+class RemoteNode:
+    """The trainer's view of one node."""
+
+    index: int
+    process: NodeProcess | None = None
+    channel: AsyncChannel | None = None
+    pid: int | None = None
+    host: str | None = None
+    ready: NodeReady | None = None
+    state: WorkerState = WorkerState.STARTING
+    frames: int = 0
+    policy_version: int = 0
+    #: batches delivered since its last weight update
+    since_update: int = 0
+    #: delivered a batch since its last weight update (update_at_each_batch)
+    fresh: bool = False
+    in_flight: bool = False
+    #: missed progress_timeout: stopped without the full grace period
+    hung: bool = False
+    buffer: Any = None
+    connected: anyio.Event = field(default_factory=anyio.Event)
+    gone: anyio.Event = field(default_factory=anyio.Event)
+    ready_event: anyio.Event = field(default_factory=anyio.Event)
+    loaded_event: anyio.Event = field(default_factory=anyio.Event)
+
+    @property
+    def rank(self) -> int:
+        return self.index + 1
+
+
+class NodeFleet(FleetCollector):
+    """The nodes of a remote collector, their connections and the transport hooks of an engine."""
+
+    _member_noun = "node"
+    #: the module that runs a node (``_gloo``, ``_rpc``), and the engine's name in errors
+    _engine: str
+    _engine_name: str
+    num_collectors: int
+    _sync: bool
+    _node_fpb: int
+    _payloads: list[bytes]
+    _rollouts: list[RolloutOptions]
+    _policy_payload: bytes
+    _launcher: Launcher
+    _tcp_port: int
+    _trainer_address: str | None
+    _progress_timeout: float | None
+
+    def _init_state(self) -> None:
+        self._nodes = [RemoteNode(i) for i in range(self.num_collectors)]
+        self._version = 0
+        self._weights_lock = anyio.Lock()
+        self._failure: BaseException | None = None
+        self._failed_event = anyio.Event()
+        self._entered = False
+        self._closing = False
+        self._listener: socket.socket | None = None
+        self._address: TrainerAddress | None = None
+        #: callers waiting for a node's reply: ("call", id) -> Result value, ("batch", node, seq) -> notice
+        self._waiters = WaiterTable(on_orphan=self._on_orphan)
+        self._ids = itertools.count(1)
+        # the batches of async mode: opened when the collector is entered (one never entered leaks none)
+        send, receive = anyio.create_memory_object_stream[Any](math.inf)
+        send.close()
+        receive.close()
+        self._deliveries_send: MemoryObjectSendStream[Any] = send
+        self._deliveries: MemoryObjectReceiveStream[Any] = receive
+        self._outstanding = 0  # frames requested from nodes and not yet delivered to the consumer
+        self._io: anyio.abc.TaskGroup | None = None
+        self._io_stop = anyio.Event()
+        self._io_closed = anyio.Event()
+
+    # -- transport hooks ----------------------------------------------------------------------------
+    async def _open_transport(self, host: str) -> None:
+        """Trainer side of the data plane, before nodes are set up."""
+
+    def _transport_setup(self, index: int) -> dict[str, Any]:
+        return {}
+
+    async def _connect_transport(self) -> None:
+        """Runs while the nodes join the data plane."""
+
+    @abc.abstractmethod
+    async def _fetch_batch(self, node: RemoteNode) -> NodeBatch:
+        """``node``'s next batch."""
+
+    @abc.abstractmethod
+    async def _send_weights(self, weights: TensorDictBase, version: int, ids: list[int]) -> None:
+        """Send ``weights`` as ``version`` to the nodes ``ids``."""
+
+    async def _call(self, node: RemoteNode, op: ControlOp) -> Any:
+        """Run a control operation on ``node``'s collector and return its reply."""
+        request_id = next(self._ids)
+        with self._expect(("call", request_id)) as waiter:
+            assert node.channel is not None
+            await node.channel.send(Request(request_id, op))
+            value = await waiter.wait()
+        if isinstance(value, CallFailed):
+            raise as_error(value.error)
+        return value
+
+    async def _on_notice(self, node: RemoteNode, msg: Any) -> None:
+        raise TypeError(f"unexpected message from node {node.index}: {msg!r}")
+
+    def _close_transport(self) -> None:
+        """Release the trainer's side of the data plane (nodes are gone)."""
+
+    # -- waiting --------------------------------------------------------------------------------------
+    def _expect(self, key: Any) -> Waiter:
+        if self._failure is not None:
+            raise self._failure
+        return self._waiters.expect(key)
+
+    def _on_orphan(self, key: Any, value: Any) -> None:
+        """A reply nobody takes (its caller was cancelled): a batch is still taken off the wire, or its
+        node would block in its send for ever; a call's result is dropped."""
+        if key[0] == "batch" and self._io is not None and not self._io_closed.is_set():
+            self._io.start_soon(self._drain, self._nodes[key[1]], value)
+
+    async def _drain(self, node: RemoteNode, notice: Any) -> None:
+        """Receive a batch nobody waits for any more, and drop it (transports with a data plane)."""
+
+    async def _guard(self, fn: Callable[[], Any]) -> Any:
+        """``await fn()``, ended by a node failure (raised instead)."""
+        out: list[tuple[bool, Any]] = []
+        async with anyio.create_task_group() as tg:
+
+            async def run() -> None:
+                try:
+                    out.append((True, await fn()))
+                except Exception as exc:
+                    out.append((False, exc))
+                tg.cancel_scope.cancel()
+
+            async def watch() -> None:
+                await self._failed_event.wait()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(run)
+            tg.start_soon(watch)
+        if out:
+            ok, value = out[0]
+            if ok:
+                return value
+            if self._failure is not None and not isinstance(value, type(self._failure)):
+                raise self._failure from None
+            raise value
+        assert self._failure is not None
+        raise self._failure
+
+    def _died(
+        self, node: RemoteNode, exitcode: int | None, cause: BaseException | None = None
+    ) -> BaseException:
+        return worker_died(
+            node.index,
+            exitcode,
+            member="node",
+            engine=self._engine_name,
+            rank=node.rank,
+            host=node.host,
+            cause=cause,
+        )
+
+    async def _within_progress_timeout(self, node: RemoteNode, fn: Callable[[], Any]) -> Any:
+        """``await fn()`` (a node's next batch); a node that takes longer than ``progress_timeout``
+        fails the collector with ``WorkerTimeoutError`` naming it."""
+        timeout = self._progress_timeout
+        if timeout is None:
+            return await fn()
+        with anyio.move_on_after(timeout) as scope:
+            return await fn()
+        assert scope.cancelled_caught
+        node.hung = True
+        where = f"node {node.index} ({self._engine_name} rank {node.rank}" + (
+            f", {node.host}, pid {node.pid})" if node.host else ")"
+        )
+        error = WorkerTimeoutError(
+            f"{where} delivered no batch within progress_timeout={timeout:g} s: a hung env or policy? "
+            "(give a larger progress_timeout for slower batches, or None for no limit)"
+        )
+        self._fail(node, error)
+        raise error
+
+    def _fail(self, node: RemoteNode | None, error: BaseException) -> None:
+        if node is not None and node.state not in (WorkerState.FAILED, WorkerState.STOPPED):
+            node.state = WorkerState.FAILED
+            self._hub.publish(WorkerFailed(node.index, f"{type(error).__name__}: {error}"))
+        if self._failure is not None:
+            return
+        self._failure = error
+        self._failed = True
+        self._closed_reason = f"a node failed with {type(error).__name__}: {error}"
+        self._failed_event.set()
+        self._waiters.fail(error)
+        self._deliveries_send.send_nowait(Failure(error))
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    async def _on_enter(self) -> None:
+        if self._entered:
+            raise RuntimeError("the collector was entered already")
+        self._entered = True
+        assert self._task_group is not None
+        self._deliveries_send, self._deliveries = anyio.create_memory_object_stream[Any](math.inf)
+        self._policy_payload = await self._pickled_policy("the nodes")
+        await self._task_group.start(self._io_host)
+        await self._start()
+
+    async def _io_host(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        """Owns the collector's I/O tasks (listener, connections, transfers); once they ended at
+        shutdown, closes the sockets they waited on."""
+        try:
+            async with anyio.create_task_group() as tg:
+                self._io = tg
+                task_status.started()
+                await self._io_stop.wait()
+                tg.cancel_scope.cancel()
+        finally:
+            for node in self._nodes:
+                if node.channel is not None:
+                    node.channel.close()
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
+            self._io_closed.set()
+
+    async def aclose(self) -> None:
+        """Stop every node (each closes its collector and reaps its processes), then reap the nodes."""
+        await self._shutdown()
+
+    async def _start(self) -> None:
+        tg = self._io
+        assert tg is not None
+        launcher = self._launcher
+        # the address every port of the trainer binds and the nodes connect to: loopback for nodes on
+        # this machine; for jobs on other machines the interface that routes out (or trainer_address)
+        host = self._trainer_address or ("127.0.0.1" if launcher.local else routable_host())
+        listener = socket.create_server((host, self._tcp_port), backlog=max(16, self.num_collectors))
+        listener.setblocking(False)
+        self._listener = listener
+        self._address = address = TrainerAddress(host, listener.getsockname()[1], new_token())
+        tg.start_soon(self._accept_loop, listener, address.token)
+        await self._open_transport(host)
+        processes = await launcher.launch(address, [node.rank for node in self._nodes])
+        for node in self._nodes:
+            node.process = processes[node.rank]
+            tg.start_soon(self._watch_process, node)
+
+        async def all_ready() -> None:
+            for node in self._nodes:
+                await node.connected.wait()
+            for node in self._nodes:
+                spec = HostSpec(
+                    index=node.index,
+                    num_nodes=self.num_collectors,
+                    payload=self._payloads[node.index],
+                    policy_payload=self._policy_payload,
+                    rollout=self._rollouts[node.index],
+                )
+                setup = Setup(self._engine, spec, self._transport_setup(node.index))
+                assert node.channel is not None
+                await node.channel.send(setup, encode_in_thread=True)  # it carries the pickled policy
+
+            async def ready() -> None:
+                for node in self._nodes:
+                    await node.ready_event.wait()
+
+            await gather(self._connect_transport, ready)
+
+        await self._guard(all_ready)
+        for node in self._nodes:
+            assert node.ready is not None
+            node.state = WorkerState.COLLECTING
+            self._hub.publish(WorkerStarted(node.index))
+        fpbs = {node.ready.frames_per_batch for node in self._nodes if node.ready is not None}
+        if self._sync:
+            self.frames_per_batch = sum(n.ready.frames_per_batch for n in self._nodes if n.ready is not None)
+        elif len(fpbs) == 1:
+            self.frames_per_batch = fpbs.pop()
+        await self._members_started()
+
+    async def _accept_loop(self, listener: socket.socket, token: str) -> None:
+        assert self._io is not None
+        while True:
+            await anyio.wait_readable(listener)
+            try:
+                sock, _ = listener.accept()
+            except BlockingIOError:
+                continue
+            self._io.start_soon(self._handshake, sock, token)
+
+    async def _handshake(self, sock: socket.socket, token: str) -> None:
+        sock.setblocking(False)
+        data = b""
+        with anyio.move_on_after(30):
+            while len(data) < HELLO_SIZE:
+                await anyio.wait_readable(sock)
+                try:
+                    chunk = sock.recv(HELLO_SIZE - len(data))
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    break
+                data += chunk
+        hello = check_hello(data, token)
+        rank = hello[0] if hello else -1
+        if hello is None or not 1 <= rank <= self.num_collectors or self._nodes[rank - 1].channel is not None:
+            sock.close()  # not one of ours (nothing of it was unpickled)
+            return
+        node = self._nodes[rank - 1]
+        node.pid = hello[1]
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        node.channel = AsyncChannel(sock)
+        node.connected.set()
+        await self._reader(node)
+
+    async def _watch_process(self, node: RemoteNode) -> None:
+        """A node that ends before it connected (import error, killed, job failed) fails the start."""
+        assert node.process is not None
+        await node.process.wait()
+        if not node.connected.is_set() and not self._closing:
+            self._fail(node, self._died(node, node.process.exitcode))
+
+    async def _reader(self, node: RemoteNode) -> None:
+        channel = node.channel
+        assert channel is not None
+        failed = False
+        try:
+            while True:
+                try:
+                    msg = await channel.receive()
+                except (EOFError, OSError):
+                    break
+                if isinstance(msg, Result):
+                    self._waiters.resolve(("call", msg.request_id), msg.value)
+                elif isinstance(msg, Loaded):
+                    if msg.version > node.policy_version:
+                        node.policy_version = msg.version
+                        self._hub.publish(WeightsLoaded(msg.version, node.index))
+                    node.loaded_event.set()
+                    node.loaded_event = anyio.Event()
+                elif isinstance(msg, NodeReady):
+                    node.ready, node.pid, node.host = msg, msg.pid, msg.host
+                    node.ready_event.set()
+                elif isinstance(msg, Failed):
+                    failed = True
+                    self._fail(node, as_error(msg.error))
+                else:
+                    await self._on_notice(node, msg)
+        finally:
+            node.gone.set()
+            if not failed and not self._closing:
+                exitcode = None
+                if node.process is not None:
+                    with anyio.move_on_after(2.0, shield=True):
+                        await node.process.wait()
+                    exitcode = node.process.exitcode
+                self._fail(node, self._died(node, exitcode))
+            elif not failed and node.state != WorkerState.FAILED:
+                node.state = WorkerState.STOPPED
+                self._hub.publish(WorkerStopped(node.index))
+
+    async def _shutdown(self) -> None:
+        with anyio.CancelScope(shield=True):
+            if self._background is not None:
+                self._background.cancel()
+            if self._closing:
+                return
+            self._closing = True
+            self._closed = True
+            for node in self._nodes:
+                if node.channel is not None and not node.gone.is_set():
+                    with contextlib.suppress(Exception):
+                        await node.channel.send(Close())
+
+            # a node closes its collector (reaping its workers) in the grace period; a hung one (it
+            # missed progress_timeout) gets a short one, then is terminated
+            async def close(node: RemoteNode) -> None:
+                grace = _FAILED_CLOSE_GRACE if node.hung else _CLOSE_GRACE
+                if node.channel is not None:
+                    with anyio.move_on_after(grace):
+                        await node.gone.wait()
+                if node.process is not None:
+                    await node.process.stop(0.5 if node.hung else 5.0)
+
+            await gather(*[partial(close, node) for node in self._nodes])
+            for node in self._nodes:
+                if node.state not in (WorkerState.FAILED, WorkerState.STOPPED):
+                    node.state = WorkerState.STOPPED
+            await anyio.to_thread.run_sync(self._close_transport)
+            if self._io is not None:
+                self._io_stop.set()
+                await self._io_closed.wait()
+            self._deliveries_send.close()
+            self._deliveries.close()
+            self._hub.close()
+            self._finish_progress()
+
+    def _active(self) -> None:
+        self._check_open()
+        if self._task_group is None:
+            name = type(self).__name__
+            raise RuntimeError(
+                f"{name} starts its nodes in `async with`: write "
+                f"`async with {name}(...) as collector: async for batch in collector:`"
+            )
+
+
+__all__ = ["DEFAULT_PROGRESS_TIMEOUT", "Failure", "NodeFleet", "RemoteNode"]
