@@ -17,7 +17,7 @@ import time
 
 import anyio
 
-from aiocollect._workers._wire import AsyncChannel, BlockingChannel
+from aiocollect._transport._wire import AsyncChannel, BlockingChannel
 
 
 def echo_worker(sock: socket.socket) -> None:

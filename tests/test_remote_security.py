@@ -10,8 +10,8 @@ import psutil
 import pytest
 
 from aiocollect import DistributedCollector, GymEnv
-from aiocollect._distributed_weights import master_store
 from aiocollect._remote._launchers import private_files, private_folder
+from aiocollect._transport._groups import master_store
 
 
 def pendulum():

@@ -46,10 +46,10 @@ from ._weightsync import (
 )
 
 if typing.TYPE_CHECKING:  # the lazy names below, for type checkers (imported on first use at run time)
-    from ._distributed._launchers import submitit_delayed_launcher
-    from ._distributed._ray import RayCollector
-    from ._distributed._rpc import RPCCollector
-    from ._distributed._torchdist import DistributedCollector, DistributedSyncCollector
+    from ._remote._gloo import DistributedCollector, DistributedSyncCollector
+    from ._remote._launchers import submitit_delayed_launcher
+    from ._remote._ray import RayCollector
+    from ._remote._rpc import RPCCollector
 
 __version__ = "0.1.0"
 

@@ -37,9 +37,9 @@ from ._validation import (
     replay_buffer_arg,
     seed_arg,
     timeout_arg,
-    weight_sync_arg,
 )
 from ._weights import as_weights, check_compatible, copy_weights, module_weights
+from ._weightsync import weight_sync_arg
 
 __all__ = ["Collector"]
 

@@ -46,7 +46,7 @@ from ._transport._groups import check_backend, client_store, local_address, mast
 from ._weights import copy_weights, flat_weights
 from ._weightsync import SendFn, WeightReceiver, WeightSender, WeightSync
 
-__all__ = ["DistributedWeightSync", "master_store"]
+__all__ = ["DistributedWeightSync"]
 
 
 def _broadcast_options() -> Any:

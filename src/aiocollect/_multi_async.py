@@ -10,8 +10,8 @@ import anyio
 import torch
 
 from ._multi_base import Delivery, MultiCollectorBase, episodes_of
+from ._transport._messages import Release, RunFree
 from ._workers._pool import WorkerPool
-from ._workers._wire import Release, RunFree
 
 __all__ = ["MultiAsyncCollector", "ProcessCollector"]
 

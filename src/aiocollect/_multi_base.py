@@ -40,6 +40,7 @@ from ._options import (
 from ._stats import WorkerStatistics
 from ._torch_settings import TorchSettings
 from ._trajectories import split_trajectories
+from ._transport._shm import SharedBlock
 from ._validation import (
     optional_callable,
     optional_positive_int,
@@ -47,12 +48,11 @@ from ._validation import (
     positive_int,
     replay_buffer_arg,
     timeout_arg,
-    weight_sync_arg,
 )
-from ._weightsync import WeightSender, WeightSync, flat_weights
+from ._weights import flat_weights
+from ._weightsync import WeightSender, WeightSync, weight_sync_arg
 from ._workers._paths import parse_path
 from ._workers._pool import WorkerPool
-from ._workers._shm import SharedBlock
 from ._workers._worker import WorkerSpec, control_layout
 
 __all__ = [

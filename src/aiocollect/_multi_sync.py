@@ -12,8 +12,8 @@ import torch
 from tensordict import TensorDictBase
 
 from ._multi_base import Delivery, MultiCollectorBase, episodes_of
+from ._transport._messages import Collect
 from ._workers._pool import WorkerPool
-from ._workers._wire import Collect
 
 __all__ = ["MultiSyncCollector"]
 

@@ -33,7 +33,6 @@ __all__ = [
     "timeout_arg",
     "total_frames_arg",
     "traj_ids_arg",
-    "weight_sync_arg",
 ]
 
 
@@ -177,19 +176,6 @@ def lag_arg(value: Any) -> int | None:
     if value is None:
         return None
     return non_negative_int("max_policy_lag", value, fix="batches a worker may run behind; None: no limit")
-
-
-def weight_sync_arg(value: Any) -> Any:
-    from ._weightsync import SharedMemoryWeightSync, WeightSync
-
-    if value is None:
-        return SharedMemoryWeightSync()
-    if not isinstance(value, WeightSync):
-        raise TypeError(
-            "weight_sync must be a WeightSync scheme (SharedMemoryWeightSync(), PipeWeightSync(), "
-            f"DistributedWeightSync(...)), got {value!r}"
-        )
-    return value
 
 
 def traj_ids_arg(start: Any, stride: Any) -> tuple[int, int]:

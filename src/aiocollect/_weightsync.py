@@ -257,6 +257,17 @@ __all__ = [
     "WeightSender",
     "WeightSync",
     "WeightsMessage",
-    # re-exported until the collectors import it from ._weights
-    "flat_weights",
+    "weight_sync_arg",
 ]
+
+
+def weight_sync_arg(value: Any) -> WeightSync:
+    """The ``weight_sync=`` argument of a collector: a scheme, or ``None`` for shared memory."""
+    if value is None:
+        return SharedMemoryWeightSync()
+    if not isinstance(value, WeightSync):
+        raise TypeError(
+            "weight_sync must be a WeightSync scheme (SharedMemoryWeightSync(), PipeWeightSync(), "
+            f"DistributedWeightSync(...)), got {value!r}"
+        )
+    return value
