@@ -8,7 +8,7 @@ baseline is the in-process ``Collector`` with ``GymEnv("CartPole-v1", num_envs=6
 with ``torch.set_num_threads(1)`` in this (the parent) process. Measured:
 
 1. throughput: frames/s of ``MultiSyncCollector``, ``MultiAsyncCollector`` and (threads, for comparison)
-   ``MultiSyncCollector(backend="serial")``, each divided by the in-process ``Collector``'s. Every
+   ``MultiSyncCollector(worker_backend="serial")``, each divided by the in-process ``Collector``'s. Every
    measurement builds and enters a fresh collector, collects one untimed warm-up batch, then collects
    for ``--seconds``; the variants alternate over ``--rounds`` rounds (the order reversed every other
    round) and ratios are medians of per-round ratios, so that each compares numbers taken seconds apart
@@ -253,9 +253,9 @@ def variants(policy: nn.Module) -> list[Variant]:
             multi=True,
         ),
         Variant(
-            'MultiSyncCollector backend="serial"',
+            'MultiSyncCollector worker_backend="serial"',
             lambda: MultiSyncCollector(
-                fns, policy, frames_per_batch=FRAMES_PER_BATCH, seed=0, backend="serial"
+                fns, policy, frames_per_batch=FRAMES_PER_BATCH, seed=0, worker_backend="serial"
             ),
             multi=False,
         ),
@@ -757,7 +757,7 @@ async def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str,
         ("idle loop (no collector)", None),
         ("MultiSyncCollector", msync),
         ("MultiAsyncCollector", masync),
-        ('MultiSyncCollector backend="serial"', serial),
+        ('MultiSyncCollector worker_backend="serial"', serial),
         ("Collector (in-process, 64 envs)", base),
     ]
     lags = {name: Lag(name) for name, _ in lag_variants}

@@ -69,7 +69,7 @@ def cases(task: str, n: int) -> dict[str, Callable[[int], Any]]:
         f"MultiSyncCollector, 2 processes x {n // 2} envs": lambda fpb: MultiSyncCollector(
             [partial(vector, SyncVectorEnv, task, n // 2, AutoresetMode.SAME_STEP)] * 2,
             frames_per_batch=fpb,
-            backend="process",
+            worker_backend="process",
         ),
     }
     try:

@@ -78,7 +78,7 @@ async def main(args: Args) -> None:
         total_frames=args.total_frames,
         seed=args.seed,
         track_policy_version=True,
-        backend=args.backend,
+        worker_backend=args.backend,
     ) as collector:
         async for batch in collector:  # [workers, envs, time]
             # on-policy: every frame was produced by the weights we published last

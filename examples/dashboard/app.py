@@ -121,7 +121,7 @@ async def main(
         frames_per_batch=args.frames_per_batch,
         total_frames=args.total_frames,
         seed=args.seed,
-        backend=args.backend,
+        worker_backend=args.backend,
     ) as collector:
         app = create_app(collector, title=f"CartPole-v1 · {args.num_workers} workers")
         async with serve(app, host=args.host, port=args.port) as server:
