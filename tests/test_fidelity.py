@@ -385,10 +385,13 @@ async def test_serial_and_process_workers_give_the_same_seeded_batches(sync: boo
     with anyio.fail_after(120):
         runs = [await run("serial"), await run("serial"), await run("process")]
     for run_ in runs[1:]:
+        compared = 0
         for worker, actions in runs[0].items():
-            n = min(len(actions), len(run_[worker]))  # async: a worker's share of the batches varies
-            assert n > 0
-            assert all(torch.equal(a, b) for a, b in zip(actions[:n], run_[worker][:n], strict=True))
+            # async: a worker's share of the batches varies (one worker may deliver them all)
+            n = min(len(actions), len(run_.get(worker, [])))
+            assert all(torch.equal(a, b) for a, b in zip(actions[:n], run_.get(worker, [])[:n], strict=True))
+            compared += n
+        assert compared > 0
 
 
 # -- the trainer killed: the worker hung in env.step and its env's process go too -----------------------
