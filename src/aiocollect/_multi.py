@@ -20,9 +20,6 @@ __all__ = [
     "set_worker_warnings",
 ]
 
-#: the base's name before it became public (compat.py and the Ray collector still use it)
-_MultiCollectorBase = MultiCollectorBase
-
 
 def MultiCollector(
     create_env_fns: Sequence[Any], policy: Any = None, *, sync: bool, **kwargs: Any
