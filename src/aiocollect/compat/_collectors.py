@@ -75,7 +75,7 @@ class Collector(CompatCollector):
         if backend is not None:
             raise TypeError(
                 f"{owner}: backend={backend!r} dispatch is not implemented (no metaclass): build "
-                "MultiSyncCollector or MultiAsyncCollector (their backend='process'|'serial' picks "
+                "MultiSyncCollector or MultiAsyncCollector (their worker_backend='process'|'serial' picks "
                 "processes or threads)"
             )
         if isinstance(create_env_fn, Sequence) and not isinstance(create_env_fn, str):
