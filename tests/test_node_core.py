@@ -10,18 +10,9 @@ import pytest
 import torch
 
 from aiocollect import Collector, GymEnv, RolloutOptions
-from aiocollect._remote._messages import (
-    GetAttr,
-    GetState,
-    HostSpec,
-    LoadState,
-    Reset,
-    SetSeed,
-    StageWeights,
-    WaitLoaded,
-    control_op,
-)
+from aiocollect._remote._messages import HostSpec, StageWeights, WaitLoaded
 from aiocollect._remote._node import NodeCore
+from aiocollect._transport._messages import GetAttr, GetState, LoadState, Reset, SetSeed
 
 pytestmark = pytest.mark.anyio
 
@@ -75,7 +66,7 @@ async def test_batches_weights_and_versions_in_the_trainers_numbers():
 async def test_control_operations_are_typed():
     core = NodeCore.from_spec(spec())
     async with core:
-        assert await core.call(SetSeed(3)) == await core.call(control_op("set_seed", 3))
+        assert await core.call(SetSeed(3)) == await core.call(SetSeed(3))
         await core.call(Reset())
         state = await core.call(GetState())
         versioned = await core.call(GetState(versioned=True))
@@ -84,5 +75,3 @@ async def test_control_operations_are_typed():
         await core.call(LoadState(versioned, versioned=True))
         assert await core.call(GetAttr("env", "batch_size")) == core.collector.env.batch_size
         assert isinstance(await core.call(GetAttr("policy", "value")), torch.nn.Parameter)
-    with pytest.raises(ValueError, match="no control operation"):
-        control_op("close")
