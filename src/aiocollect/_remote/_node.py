@@ -19,6 +19,7 @@ import torch
 from tensordict import TensorDict
 
 from .._events import BatchDelivered, EpisodeFinished
+from .._multi_base import MultiCollectorBase
 from .._transport._messages import GetAttr, GetState, LoadState, Reset, SetSeed
 from ._messages import ControlOp, HostSpec, NextBatch, NodeBatch, StageWeights, WaitLoaded
 
@@ -170,6 +171,12 @@ class NodeCore:
         self.outer_of_inner = {int(k): int(v) for k, v in state["version_map"].items()}
         self.applied = self.received = int(state["version"])
 
+    async def get_attr(self, op: GetAttr) -> Any:
+        c = self.collector
+        if isinstance(c, MultiCollectorBase):  # its env and policy live in its workers: ask worker 0
+            return await (c.getattr_env(op.name) if op.root == "env" else c.getattr_policy(op.name))
+        return getattr(c.env if op.root == "env" else c.policy, op.name)
+
     # -- control operations -------------------------------------------------------------------------
     async def call(self, op: ControlOp) -> Any:
         """Answer one control operation."""
@@ -185,11 +192,8 @@ class NodeCore:
                 return await self.load_state(state, versioned)
             case WaitLoaded(version=version):
                 return await self.wait_applied(version)
-            case GetAttr(root=root, name=name):
-                remote = getattr(c, f"getattr_{root}", None)  # a multi-process collector asks worker 0
-                if remote is None:
-                    return getattr(getattr(c, root), name)
-                return await remote(name)
+            case GetAttr():
+                return await self.get_attr(op)
             case NextBatch():
                 return await self.next_batch()
             case StageWeights(weights=weights, version=version):
