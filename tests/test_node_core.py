@@ -9,7 +9,7 @@ import cloudpickle
 import pytest
 import torch
 
-from aiocollect import Collector, GymEnv, RolloutOptions
+from aiocollect import Collector, GymEnv, MultiSyncCollector, RolloutOptions
 from aiocollect._remote._messages import HostSpec, StageWeights, WaitLoaded
 from aiocollect._remote._node import NodeCore
 from aiocollect._transport._messages import GetAttr, GetState, LoadState, Reset, SetSeed
@@ -30,10 +30,10 @@ def pendulum():
     return GymEnv("Pendulum-v1")
 
 
-def spec(index: int = 1, count: int = 3, keys: dict | None = None) -> HostSpec:
+def spec(index: int = 1, count: int = 3, keys: dict | None = None, hosted=None) -> HostSpec:
     given = dict(keys or {})
     rollout = RolloutOptions(frames_per_batch=8, total_frames=-1, **given).for_member(index, count)
-    payload = cloudpickle.dumps((pendulum, Collector, {}))
+    payload = cloudpickle.dumps(hosted or (pendulum, Collector, {}))
     return HostSpec(index, count, payload, cloudpickle.dumps(ConstantPolicy()), rollout)
 
 
@@ -75,3 +75,13 @@ async def test_control_operations_are_typed():
         await core.call(LoadState(versioned, versioned=True))
         assert await core.call(GetAttr("env", "batch_size")) == core.collector.env.batch_size
         assert isinstance(await core.call(GetAttr("policy", "value")), torch.nn.Parameter)
+
+
+async def test_a_hosted_multi_process_collector_answers_from_worker_0():
+    hosted = ([pendulum, pendulum], MultiSyncCollector, {"worker_backend": "serial"})
+    core = NodeCore.from_spec(spec(hosted=hosted))
+    async with core:
+        assert await core.call(GetAttr("env", "batch_size")) == torch.Size([])
+        assert isinstance(await core.call(GetAttr("policy", "value")), torch.nn.Parameter)
+        assert await core.call(SetSeed(3)) == 4  # the seed chain over its two workers
+        await core.call(LoadState(await core.call(GetState(versioned=True)), versioned=True))
