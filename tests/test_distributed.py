@@ -197,6 +197,9 @@ async def test_distributed_interval_seed_and_state_dict():
             # each node got the weights after its second batch without an update, unasked
             assert seen[-1] == 0.5 and c.policy_version >= 1
             assert await c.set_seed(10) == 11
+            await c.reset()
+            assert await c.getattr_env("batch_size", node=1) == torch.Size([])
+            assert (await c.getattr_policy("value")).tolist() == [0.5]
             state = await c.state_dict()
             assert set(state) >= {"node0", "node1", "frames", "policy_version"}
             await c.load_state_dict(state)

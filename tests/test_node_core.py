@@ -9,19 +9,10 @@ import cloudpickle
 import pytest
 import torch
 
-from aiocollect import Collector, GymEnv, RolloutOptions
-from aiocollect._remote._messages import (
-    GetAttr,
-    GetState,
-    HostSpec,
-    LoadState,
-    Reset,
-    SetSeed,
-    StageWeights,
-    WaitLoaded,
-    control_op,
-)
+from aiocollect import Collector, GymEnv, MultiSyncCollector, RolloutOptions
+from aiocollect._remote._messages import HostSpec, StageWeights, WaitLoaded
 from aiocollect._remote._node import NodeCore
+from aiocollect._transport._messages import GetAttr, GetState, LoadState, Reset, SetSeed
 
 pytestmark = pytest.mark.anyio
 
@@ -39,10 +30,10 @@ def pendulum():
     return GymEnv("Pendulum-v1")
 
 
-def spec(index: int = 1, count: int = 3, keys: dict | None = None) -> HostSpec:
+def spec(index: int = 1, count: int = 3, keys: dict | None = None, hosted=None) -> HostSpec:
     given = dict(keys or {})
     rollout = RolloutOptions(frames_per_batch=8, total_frames=-1, **given).for_member(index, count)
-    payload = cloudpickle.dumps((pendulum, Collector, {}))
+    payload = cloudpickle.dumps(hosted or (pendulum, Collector, {}))
     return HostSpec(index, count, payload, cloudpickle.dumps(ConstantPolicy()), rollout)
 
 
@@ -75,7 +66,7 @@ async def test_batches_weights_and_versions_in_the_trainers_numbers():
 async def test_control_operations_are_typed():
     core = NodeCore.from_spec(spec())
     async with core:
-        assert await core.call(SetSeed(3)) == await core.call(control_op("set_seed", 3))
+        assert await core.call(SetSeed(3)) == await core.call(SetSeed(3))
         await core.call(Reset())
         state = await core.call(GetState())
         versioned = await core.call(GetState(versioned=True))
@@ -84,5 +75,13 @@ async def test_control_operations_are_typed():
         await core.call(LoadState(versioned, versioned=True))
         assert await core.call(GetAttr("env", "batch_size")) == core.collector.env.batch_size
         assert isinstance(await core.call(GetAttr("policy", "value")), torch.nn.Parameter)
-    with pytest.raises(ValueError, match="no control operation"):
-        control_op("close")
+
+
+async def test_a_hosted_multi_process_collector_answers_from_worker_0():
+    hosted = ([pendulum, pendulum], MultiSyncCollector, {"worker_backend": "serial"})
+    core = NodeCore.from_spec(spec(hosted=hosted))
+    async with core:
+        assert await core.call(GetAttr("env", "batch_size")) == torch.Size([])
+        assert isinstance(await core.call(GetAttr("policy", "value")), torch.nn.Parameter)
+        assert await core.call(SetSeed(3)) == 4  # the seed chain over its two workers
+        await core.call(LoadState(await core.call(GetState(versioned=True)), versioned=True))

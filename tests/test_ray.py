@@ -326,6 +326,7 @@ async def test_seed_state_dict_replay_buffer_and_pause(ray_cluster):
         assert (rb.batches[-1]["action"] == first["action"]).all()  # reproducible from a seed
         assert not (first["action"][0] == first["action"][1]).all()  # distinct seeds per actor
 
+        await c.reset()
         state = await c.state_dict()
         assert state["frames"] == 32 and set(state) >= {"worker0", "worker1", "batches"}
         await c.load_state_dict({**state, "frames": 16})

@@ -5,7 +5,8 @@
 One copy of the control surface: policy versions, per-member statistics, the seed chain, the frame and
 version counters of ``state_dict``, and the checks of ``update_weights``' arguments. A subclass says how
 to list its members and how to call one (:meth:`FleetCollector._members`,
-:meth:`FleetCollector._call_member`); the transport is its own.
+:meth:`FleetCollector._call_member`, which takes a typed operation of :data:`FleetOp`); the transport is
+its own.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import abc
 import warnings
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any, ClassVar, Protocol
 
 import anyio
@@ -21,7 +23,9 @@ import cloudpickle
 from tensordict import TensorDictBase
 
 from ._base import CollectorBase
+from ._gather import gather
 from ._stats import CollectorStatistics, WorkerState, WorkerStatistics
+from ._transport._messages import FleetOp, Reset, SetSeed
 from ._validation import seed_arg
 from ._weights import as_weights, check_compatible
 
@@ -67,9 +71,13 @@ class FleetCollector(CollectorBase):
         """Raise unless the collector is open and entered (``async with``)."""
 
     @abc.abstractmethod
-    async def _call_member(self, index: int, method: str, *args: Any) -> Any:
-        """Call ``method(*args)`` on member ``index``'s collector or worker and return its result; a
-        remote exception is raised with its own type."""
+    async def _call_member(self, index: int, op: FleetOp) -> Any:
+        """Run ``op`` on member ``index`` (its worker or hosted collector) and return its reply; a remote
+        exception is raised with its own type."""
+
+    async def _call_all(self, op: FleetOp) -> list[Any]:
+        """Run ``op`` on every member concurrently; the replies in member order."""
+        return await gather(*[partial(self._call_member, i, op) for i in range(self._fleet_size)])
 
     # -- arguments ------------------------------------------------------------------------------------
     def _target_ids(self, worker_ids: Sequence[int] | None) -> list[int]:
@@ -156,7 +164,7 @@ class FleetCollector(CollectorBase):
         """Seed member ``i`` with the seed after the last one member ``i - 1`` used; the last seed used."""
         last = seed - 1
         for i in range(self._fleet_size):
-            last = int(await self._call_member(i, "set_seed", last + 1))
+            last = int(await self._call_member(i, SetSeed(last + 1)))
         return last
 
     async def set_seed(self, seed: int) -> int:
@@ -168,6 +176,12 @@ class FleetCollector(CollectorBase):
         self._active()
         async with self._lock:
             return await self._seed_chain(seed)
+
+    async def reset(self) -> None:
+        """Reset every member's envs: the next batches start new episodes."""
+        self._active()
+        async with self._lock:
+            await self._call_all(Reset())
 
     # -- state dict -----------------------------------------------------------------------------------
     def _counters(self) -> dict[str, int]:

@@ -40,6 +40,16 @@ from ._options import (
 from ._stats import WorkerStatistics
 from ._torch_settings import TorchSettings
 from ._trajectories import split_trajectories
+from ._transport._messages import (
+    FleetOp,
+    GetAttr,
+    GetPath,
+    GetState,
+    GetWeights,
+    LoadState,
+    LoadWeights,
+    MapFn,
+)
 from ._transport._shm import SharedBlock
 from ._validation import (
     optional_callable,
@@ -436,21 +446,16 @@ class MultiCollectorBase(FleetCollector, abc.ABC):
     def _active(self) -> None:
         self._active_pool()
 
-    async def _call_member(self, index: int, method: str, *args: Any) -> Any:
-        return await self._active_pool().call(index, method, *args)
-
-    async def reset(self) -> None:
-        """Reset every worker's env: the next batch starts new episodes."""
-        async with self._lock:
-            await self._active_pool().call_all("reset")
+    async def _call_member(self, index: int, op: FleetOp) -> Any:
+        return await self._active_pool().call(index, op)
 
     async def state_dict(self) -> dict[str, Any]:
         """Per-worker state (trajectory-id counters, policy versions, frames) plus the counters."""
         async with self._lock:
-            workers = await self._active_pool().call_all("state_dict")
+            workers = await self._active_pool().call_all(GetState())
         state: dict[str, Any] = {f"worker{i}": sd for i, sd in enumerate(workers)}
         state.update(self._counters())
-        weights = workers and await self._active_pool().call(0, "policy_weights")
+        weights = workers and await self._active_pool().call(0, GetWeights())
         if weights is not None:
             state["policy"] = weights
         return state
@@ -461,7 +466,7 @@ class MultiCollectorBase(FleetCollector, abc.ABC):
         async with self._lock:
             pool = self._active_pool()
             for i in range(self.num_workers):
-                await pool.call(i, "load_state_dict", dict(state[f"worker{i}"]))
+                await pool.call(i, LoadState(dict(state[f"worker{i}"])))
             self._load_counters(state)
             self._issued = max(self._issued, self._version)  # version numbers are never reused
         if "policy" in state and self._weights_template is not None:
@@ -469,11 +474,11 @@ class MultiCollectorBase(FleetCollector, abc.ABC):
 
     async def getattr_policy(self, name: str) -> Any:
         """An attribute of worker 0's policy."""
-        return await self._active_pool().call(0, "getattr_policy", name)
+        return await self._active_pool().call(0, GetAttr("policy", name))
 
     async def getattr_env(self, name: str) -> Any:
         """An attribute of worker 0's env."""
-        return await self._active_pool().call(0, "getattr_env", name)
+        return await self._active_pool().call(0, GetAttr("env", name))
 
     async def get_distant_attr(self, path: str) -> list[Any]:
         """The object at ``path`` in every worker, in worker order (torchrl's ``get_distant_attr``).
@@ -483,7 +488,7 @@ class MultiCollectorBase(FleetCollector, abc.ABC):
         value is pickled back from each worker.
         """
         parse_path(path)
-        return await self._active_pool().call_all("get_distant_attr", path)
+        return await self._active_pool().call_all(GetPath(path))
 
     async def map_fn(
         self,
@@ -505,7 +510,7 @@ class MultiCollectorBase(FleetCollector, abc.ABC):
             )
         async with self._lock:
             pool = self._active_pool()
-            calls = [partial(pool.call, i, "map_fn", path, args[i], kwargs[i]) for i in range(n)]
+            calls = [partial(pool.call, i, MapFn(path, args[i], kwargs[i])) for i in range(n)]
             return await gather(*calls)
 
     async def _send_to(self, index: int, message: Any) -> None:
@@ -545,7 +550,7 @@ class MultiCollectorBase(FleetCollector, abc.ABC):
                 for i in ids:
                     published[i] = version
         if wait:
-            loaded = await gather(*[partial(pool.call, i, "load_weights") for i in ids])
+            loaded = await gather(*[partial(pool.call, i, LoadWeights()) for i in ids])
             for i, worker_version in zip(ids, loaded, strict=True):
                 pool.note_version(i, worker_version)
         return version

@@ -1,21 +1,24 @@
 """What the trainer and a hosted collector (a torch.distributed or RPC node, a Ray actor) say to each other.
 
 Two kinds: the **messages** of a node's control connection (set-up, batch requests and notices, weight
-acknowledgements, close) and the **control operations** a trainer asks of a hosted collector (seed, reset,
-state dict, an attribute of its env or policy...), one frozen dataclass per operation. Every engine sends
-the same operation objects; :meth:`aiocollect._remote._node.NodeCore.call` answers them, dispatching on
-their type (never on a string).
+acknowledgements, close) and the **control operations** a trainer asks of a hosted collector: the fleet's
+own (seed, reset, state dict, an attribute of its env or policy), the same classes a worker answers, from
+:mod:`aiocollect._transport._messages`, and the remote-only ones here (``WaitLoaded``, ``NextBatch``,
+``StageWeights``), one frozen dataclass per operation. Every engine sends the same operation objects;
+:meth:`aiocollect._remote._node.NodeCore.call` answers them, dispatching on their type (never on a
+string).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from tensordict import TensorDictBase
 
 from .._errors import RemoteFailure
 from .._options import RolloutOptions
+from .._transport._messages import GetAttr, GetState, LoadState, Operation, Reset, SetSeed
 
 
 # -- the set-up of a hosted collector ---------------------------------------------------------------
@@ -121,56 +124,21 @@ class Request:
     op: ControlOp
 
 
-# -- control operations --------------------------------------------------------------------------------
+# -- control operations: the fleet's (``FleetOp``, from the transport layer) and the remote-only ones ----
 @dataclass(frozen=True)
-class SetSeed:
-    """Seed the collector; the reply is the last seed it used."""
-
-    seed: int
-
-
-@dataclass(frozen=True)
-class Reset:
-    """Reset the collector's envs: its next batch starts new episodes."""
-
-
-@dataclass(frozen=True)
-class GetState:
-    """The collector's state dict (``versioned``: with the trainer's version map, the policy apart)."""
-
-    versioned: bool = False
-
-
-@dataclass(frozen=True)
-class LoadState:
-    """Load a state dict of :class:`GetState` (``versioned`` as there)."""
-
-    state: dict[str, Any]
-    versioned: bool = False
-
-
-@dataclass(frozen=True)
-class WaitLoaded:
+class WaitLoaded(Operation):
     """Wait until the collector runs the trainer's weights ``version``; the reply is the version it runs."""
 
     version: int
 
 
 @dataclass(frozen=True)
-class GetAttr:
-    """An attribute of the collector's env or policy (worker 0's, for a multi-process collector)."""
-
-    of: Literal["env", "policy"]
-    name: str
-
-
-@dataclass(frozen=True)
-class NextBatch:
+class NextBatch(Operation):
     """RPC only: collect one batch and return it."""
 
 
 @dataclass(frozen=True)
-class StageWeights:
+class StageWeights(Operation):
     """RPC only: load these flat weights (``{"a.b": tensor}``) as the trainer's ``version`` before the
     next batch."""
 
@@ -179,45 +147,22 @@ class StageWeights:
 
 
 #: the operations :meth:`NodeCore.call` answers
-ControlOp = SetSeed | Reset | GetState | LoadState | WaitLoaded | GetAttr | NextBatch | StageWeights
-
-#: the operation of :meth:`FleetCollector._call_member`'s method names
-OPS_BY_NAME: dict[str, type] = {
-    "set_seed": SetSeed,
-    "reset": Reset,
-    "state_dict": GetState,
-    "load_state_dict": LoadState,
-}
-
-
-def control_op(method: str, *args: Any) -> ControlOp:
-    """The operation of a collector method called by name (``FleetCollector``'s seed chain)."""
-    cls = OPS_BY_NAME.get(method)
-    if cls is None:
-        raise ValueError(f"no control operation for {method!r}: one of {sorted(OPS_BY_NAME)}")
-    return cls(*args)
+ControlOp = SetSeed | Reset | GetState | LoadState | GetAttr | WaitLoaded | NextBatch | StageWeights
 
 
 __all__ = [
-    "OPS_BY_NAME",
     "BatchNotice",
     "CallFailed",
     "Close",
     "Collect",
     "ControlOp",
-    "GetAttr",
-    "GetState",
     "HostSpec",
-    "LoadState",
     "Loaded",
     "NextBatch",
     "NodeBatch",
     "NodeReady",
     "Request",
-    "Reset",
-    "SetSeed",
     "Setup",
     "StageWeights",
     "WaitLoaded",
-    "control_op",
 ]

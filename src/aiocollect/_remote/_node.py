@@ -3,13 +3,14 @@
 :class:`NodeCore` builds one of our collectors from a :class:`~._messages.HostSpec`, numbers the weights it
 runs as the trainer does (the trainer's versions, not the inner collector's), loads weights between
 batches, produces batches with their frames, episodes and version, and answers the typed control
-operations of :mod:`._messages`. The engines only carry its inputs and outputs.
+operations (:mod:`aiocollect._transport._messages`' fleet operations and the remote-only ones of
+:mod:`._messages`). The engines only carry its inputs and outputs.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import anyio
@@ -18,19 +19,9 @@ import torch
 from tensordict import TensorDict
 
 from .._events import BatchDelivered, EpisodeFinished
-from ._messages import (
-    ControlOp,
-    GetAttr,
-    GetState,
-    HostSpec,
-    LoadState,
-    NextBatch,
-    NodeBatch,
-    Reset,
-    SetSeed,
-    StageWeights,
-    WaitLoaded,
-)
+from .._multi_base import MultiCollectorBase
+from .._transport._messages import GetAttr, GetState, LoadState, Reset, SetSeed
+from ._messages import ControlOp, HostSpec, NextBatch, NodeBatch, StageWeights, WaitLoaded
 
 _VERSION_KEY = ("collector", "policy_version")
 
@@ -172,13 +163,19 @@ class NodeCore:
             "policy": policy,
         }
 
-    async def load_state(self, state: dict[str, Any], versioned: bool) -> None:
+    async def load_state(self, state: Mapping[str, Any], versioned: bool) -> None:
         if not versioned:
             await self.collector.load_state_dict(state)
             return
         await self.collector.load_state_dict(state["inner"])
         self.outer_of_inner = {int(k): int(v) for k, v in state["version_map"].items()}
         self.applied = self.received = int(state["version"])
+
+    async def get_attr(self, op: GetAttr) -> Any:
+        c = self.collector
+        if isinstance(c, MultiCollectorBase):  # its env and policy live in its workers: ask worker 0
+            return await (c.getattr_env(op.name) if op.root == "env" else c.getattr_policy(op.name))
+        return getattr(c.env if op.root == "env" else c.policy, op.name)
 
     # -- control operations -------------------------------------------------------------------------
     async def call(self, op: ControlOp) -> Any:
@@ -195,11 +192,8 @@ class NodeCore:
                 return await self.load_state(state, versioned)
             case WaitLoaded(version=version):
                 return await self.wait_applied(version)
-            case GetAttr(of=of, name=name):
-                remote = getattr(c, f"getattr_{of}", None)  # a multi-process collector asks worker 0
-                if remote is None:
-                    return getattr(getattr(c, of), name)
-                return await remote(name)
+            case GetAttr():
+                return await self.get_attr(op)
             case NextBatch():
                 return await self.next_batch()
             case StageWeights(weights=weights, version=version):

@@ -35,6 +35,7 @@ from .._multi_async import MultiAsyncCollector, ProcessCollector
 from .._multi_sync import MultiSyncCollector
 from .._options import WeightSchedule
 from .._stats import WorkerState
+from .._transport._messages import FleetOp, GetState, LoadState
 from .._validation import flag, positive_int, replay_buffer_arg, total_frames_arg
 from ._args import (
     UNSET,
@@ -47,7 +48,7 @@ from ._args import (
     split_frames,
     weight_plan,
 )
-from ._messages import ControlOp, GetState, LoadState, Reset, control_op
+from ._messages import ControlOp
 from ._ray_actor import unwrap_ray_error
 from ._ray_fleet import DEFAULT_REMOTE_CONFIG, Actor, ActorFleet
 from ._ray_wire import from_wires, weights_to_wire
@@ -412,30 +413,19 @@ class RayCollector(ActorFleet):
     def _members(self) -> Sequence[Actor]:
         return self._actors
 
-    async def _call_member(self, index: int, method: str, *args: Any) -> Any:
-        return await self._control(self._actors[index], control_op(method, *args), what=method)
+    async def _call_member(self, index: int, op: FleetOp) -> Any:
+        return await self._control(self._actors[index], op)
 
-    async def _control(self, actor: Actor, op: ControlOp, *, what: str) -> Any:
+    async def _control(self, actor: Actor, op: ControlOp) -> Any:
         """Run a control operation on ``actor``'s collector."""
-        return await self._call(actor, actor.handle.call.remote, op, what=what)
-
-    async def reset(self) -> None:
-        """Reset every actor's envs: their next batches start new episodes."""
-        self._active()
-        async with self._lock:
-            await gather(*[partial(self._control, a, Reset(), what="reset") for a in self._actors])
+        return await self._call(actor, actor.handle.call.remote, op, what=type(op).__name__)
 
     async def state_dict(self) -> dict[str, Any]:
         """Each actor's collector state (trajectory-id counters, versions), the counters, and the
         policy's weights (from actor 0)."""
         self._active()
         async with self._lock:
-            states = await gather(
-                *[
-                    partial(self._control, a, GetState(versioned=True), what="state_dict")
-                    for a in self._actors
-                ]
-            )
+            states = await self._call_all(GetState(versioned=True))
         state: dict[str, Any] = {
             f"worker{i}": {k: v for k, v in s.items() if k != "policy"} for i, s in enumerate(states)
         }
@@ -452,12 +442,7 @@ class RayCollector(ActorFleet):
         async with self._lock:
             await gather(
                 *[
-                    partial(
-                        self._control,
-                        a,
-                        LoadState(dict(state[f"worker{a.index}"]), versioned=True),
-                        what="load_state_dict",
-                    )
+                    partial(self._control, a, LoadState(dict(state[f"worker{a.index}"]), versioned=True))
                     for a in self._actors
                 ]
             )

@@ -19,6 +19,7 @@ from .._multi_async import MultiAsyncCollector
 from .._multi_sync import MultiSyncCollector
 from .._options import WeightSchedule
 from .._stats import WorkerState
+from .._transport._messages import FleetOp, GetAttr, GetState, LoadState
 from .._validation import flag, positive_int, total_frames_arg
 from ._args import (
     UNSET,
@@ -35,14 +36,7 @@ from ._launchers import (
     Launcher,
     make_launcher,
 )
-from ._messages import (
-    GetAttr,
-    GetState,
-    LoadState,
-    NodeBatch,
-    Reset,
-    control_op,
-)
+from ._messages import NodeBatch
 from ._nodes import DEFAULT_PROGRESS_TIMEOUT, Failure, NodeFleet, RemoteNode
 
 _COLLECTOR_CLASSES = (Collector, MultiSyncCollector, MultiAsyncCollector)
@@ -309,22 +303,20 @@ class RemoteCollectorBase(NodeFleet):
     def _members(self) -> Sequence[Member]:
         return self._nodes
 
-    async def _call_member(self, index: int, method: str, *args: Any) -> Any:
-        return await self._guard(partial(self._call, self._nodes[index], control_op(method, *args)))
+    async def _call_member(self, index: int, op: FleetOp) -> Any:
+        return await self._guard(partial(self._call, self._nodes[index], op))
 
-    async def reset(self) -> None:
-        """Reset every node's envs: the next batches start new episodes."""
-        self._active()
-        async with self._lock:
-            await self._guard(lambda: gather(*[partial(self._call, n, Reset()) for n in self._nodes]))
+    async def _call_all(self, op: FleetOp) -> list[Any]:
+        # one guard over the gather: a node failure ends every call at once
+        calls = [partial(self._call, n, op) for n in self._nodes]
+        replies: list[Any] = await self._guard(lambda: gather(*calls))
+        return replies
 
     async def state_dict(self) -> dict[str, Any]:
         """Each node's collector state (``"node{i}"``) plus the counters and the policy version."""
         self._active()
         async with self._lock:
-            states = await self._guard(
-                lambda: gather(*[partial(self._call, n, GetState()) for n in self._nodes])
-            )
+            states = await self._call_all(GetState())
         out: dict[str, Any] = {f"node{i}": s for i, s in enumerate(states)}
         out.update(self._counters())
         return out

@@ -1,7 +1,10 @@
-"""Messages on the control channel between the trainer and a worker, and the worker operations.
+"""Messages on the control channel between the trainer and a worker, and the collector control operations.
 
-Each message is one frozen dataclass; each control operation (``Call.op``) is one :class:`Operation`
-subclass, dispatched by type (a table keyed by the class, never by a string).
+Each message is one frozen dataclass; each control operation is one :class:`Operation` subclass,
+dispatched by type (never by a string). :data:`FleetOp` are the operations that mean the same for every
+member of a collector (a worker process, a torch.distributed or RPC node, a Ray actor: seed, reset, state
+dict, an attribute of its env or policy); :data:`WorkerOp` adds the worker-only ones (``Call.op``); the
+remote-only ones live in :mod:`aiocollect._remote._messages`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ __all__ = [
     "Close",
     "Collect",
     "Failed",
+    "FleetOp",
     "GetAttr",
     "GetPath",
     "GetState",
@@ -35,8 +39,8 @@ __all__ = [
     "Result",
     "RunFree",
     "SetSeed",
+    "WorkerOp",
     "failure",
-    "operation",
 ]
 
 
@@ -72,13 +76,10 @@ class Release:
 
 @dataclass(frozen=True)
 class Call:
-    """Run control operation ``op`` (an :class:`Operation`) between batches and reply with ``Result``.
-
-    ``args``: the arguments of a string-named operation (remote nodes' own calls); empty for a typed one."""
+    """Run control operation ``op`` between batches and reply with ``Result``."""
 
     request_id: int
-    op: Any
-    args: tuple[Any, ...] = ()
+    op: WorkerOp
 
 
 @dataclass(frozen=True)
@@ -134,36 +135,52 @@ def failure(exc: BaseException, where: str) -> Failed:
     return Failed(exc)
 
 
-# -- control operations (``Call.op``) ----------------------------------------------------------------
+# -- control operations (``Call.op``, the remote ``Request.op``) --------------------------------------
 @dataclass(frozen=True)
 class Operation:
-    """A control operation a worker runs between batches; its reply is the operation's value."""
+    """A control operation a collector member runs between batches; its reply is the operation's value."""
 
 
+# the fleet-level operations: the same meaning for a worker, a node and an actor
 @dataclass(frozen=True)
 class SetSeed(Operation):
-    """Seed the env, the random policy and the rollout's RNG; reply: the last seed the env used."""
+    """Seed the member (its env, random policy and rollout RNG); reply: the last seed its env used."""
 
     seed: int
 
 
 @dataclass(frozen=True)
 class Reset(Operation):
-    """Reset the env: the next batch starts new episodes."""
+    """Reset the member's envs: its next batch starts new episodes."""
 
 
 @dataclass(frozen=True)
 class GetState(Operation):
-    """Reply: the rollout's state dict (and the worker's frame count)."""
+    """Reply: the member's state dict. ``versioned`` (hosted collectors only): the hosted collector's
+    state with the trainer's version map, the policy's weights apart; off, a worker's rollout state and
+    frame count, or a hosted collector's own ``state_dict()``."""
+
+    versioned: bool = False
 
 
 @dataclass(frozen=True)
 class LoadState(Operation):
-    """Restore a :class:`GetState` reply."""
+    """Restore a :class:`GetState` reply (``versioned`` as there)."""
 
     state: Mapping[str, Any]
+    versioned: bool = False
 
 
+@dataclass(frozen=True)
+class GetAttr(Operation):
+    """Reply: attribute ``name`` of the member's ``env`` or ``policy`` (worker 0's, for a hosted
+    multi-process collector)."""
+
+    root: Literal["env", "policy"]
+    name: str
+
+
+# the worker-only operations
 @dataclass(frozen=True)
 class LoadWeights(Operation):
     """Load the newest published weights now; reply: the policy version the worker runs."""
@@ -172,14 +189,6 @@ class LoadWeights(Operation):
 @dataclass(frozen=True)
 class GetWeights(Operation):
     """Reply: the policy's weights (flat keys, CPU copies), or ``None`` for a policy without any."""
-
-
-@dataclass(frozen=True)
-class GetAttr(Operation):
-    """Reply: attribute ``name`` of the worker's ``env`` or ``policy``."""
-
-    root: Literal["env", "policy"]
-    name: str
 
 
 @dataclass(frozen=True)
@@ -198,29 +207,8 @@ class MapFn(Operation):
     kwargs: Mapping[str, Any] = field(default_factory=dict)
 
 
-#: the operations by the names the collectors' string-keyed helpers used (``call(i, "reset")``)
-_BY_NAME: dict[str, Any] = {
-    "set_seed": SetSeed,
-    "reset": Reset,
-    "state_dict": GetState,
-    "load_state_dict": LoadState,
-    "load_weights": LoadWeights,
-    "policy_weights": GetWeights,
-    "getattr_env": lambda name: GetAttr("env", name),
-    "getattr_policy": lambda name: GetAttr("policy", name),
-    "get_distant_attr": GetPath,
-    "map_fn": MapFn,
-}
+#: the operations every member of a collector answers (``FleetCollector._call_member``)
+FleetOp = SetSeed | Reset | GetState | LoadState | GetAttr
 
-
-def operation(op: Operation | str, *args: Any) -> Operation:
-    """``op`` itself, or the operation a name stands for (``operation("set_seed", 3) == SetSeed(3)``)."""
-    if isinstance(op, Operation):
-        if args:
-            raise TypeError(f"{op!r} carries its own arguments; got more: {args!r}")
-        return op
-    make = _BY_NAME.get(op)
-    if make is None:
-        raise ValueError(f"unknown worker operation {op!r}; one of {sorted(_BY_NAME)} or an Operation")
-    result: Operation = make(*args)
-    return result
+#: the operations a worker answers (``Call.op``)
+WorkerOp = SetSeed | Reset | GetState | LoadState | GetAttr | LoadWeights | GetWeights | GetPath | MapFn

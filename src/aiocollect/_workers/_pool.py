@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, get_args
 
 import anyio
 import anyio.abc
@@ -40,10 +40,9 @@ from .._transport._messages import (
     Call,
     Close,
     Failed,
-    Operation,
     Ready,
     Result,
-    operation,
+    WorkerOp,
 )
 from .._transport._shm import SharedBlock
 from .._transport._waiters import WaiterTable
@@ -82,6 +81,13 @@ def _kill_leftover_workers() -> None:
         with contextlib.suppress(Exception):
             signal_group(process, signal.SIGKILL)
             process.join(5)
+
+
+def _check_op(op: object) -> None:
+    """Raise ``TypeError`` unless ``op`` is an operation a worker answers."""
+    if not isinstance(op, WorkerOp):
+        names = ", ".join(t.__name__ for t in get_args(WorkerOp))
+        raise TypeError(f"op must be a worker operation ({names}), got {op!r}")
 
 
 @dataclass
@@ -318,10 +324,9 @@ class WorkerPool:
             self.check()
             raise
 
-    async def call(self, index: int, op: Operation | str, *args: Any) -> Any:
-        """Run ``op`` (an :class:`Operation`; a name with ``args`` is converted by ``operation``) in worker
-        ``index`` between batches and return its result."""
-        op = operation(op, *args)
+    async def call(self, index: int, op: WorkerOp) -> Any:
+        """Run ``op`` in worker ``index`` between batches and return its result."""
+        _check_op(op)
         self.check()
         request_id = next(self._ids)
         with self._replies.expect(request_id) as waiter:
@@ -334,8 +339,9 @@ class WorkerPool:
         self.fail(error)
         raise error
 
-    async def call_all(self, op: Operation | str, *args: Any) -> list[Any]:
-        op = operation(op, *args)
+    async def call_all(self, op: WorkerOp) -> list[Any]:
+        """Run ``op`` in every worker (concurrently); the results in worker order."""
+        _check_op(op)
         return await gather(*[partial(self.call, i, op) for i in range(len(self.workers))])
 
     async def receive(self) -> tuple[int, BatchReady]:

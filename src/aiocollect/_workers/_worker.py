@@ -239,9 +239,11 @@ class Worker:
         self.rollout.reset()
 
     def get_state(self, op: GetState) -> dict[str, Any]:
+        _unversioned(op)
         return {**self.rollout.state_dict(), "frames": self.frames}
 
     def load_state(self, op: LoadState) -> None:
+        _unversioned(op)
         state = dict(op.state)
         self.rollout.load_state_dict(state)
         self.frames = int(state.get("frames", 0))
@@ -303,6 +305,14 @@ class Worker:
         if self.weights is not None:
             self.weights.close()
         self.env.close()
+
+
+def _unversioned(op: GetState | LoadState) -> None:
+    if op.versioned:
+        raise ValueError(
+            f"{type(op).__name__}(versioned=True) is for hosted collectors (nodes, actors); a worker's "
+            "state carries the trainer's versions already: send versioned=False"
+        )
 
 
 #: the worker's method for each control operation
