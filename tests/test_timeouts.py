@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import anyio
@@ -12,6 +13,10 @@ import pytest
 from aiocollect import Collector, GymEnv, MultiAsyncCollector, MultiSyncCollector, WorkerTimeoutError
 
 pytestmark = pytest.mark.anyio
+
+#: ends an in-process hang when its test is done (a stuck thread cannot be killed; left alone it would
+#: outlive the test and show up in the next test's leak check)
+RELEASE = threading.Event()
 
 
 class HangingEnv(gym.Env):
@@ -32,7 +37,7 @@ class HangingEnv(gym.Env):
     def step(self, action):
         self.t += 1
         if self.t == self.hang_at:
-            time.sleep(self.hang_s)
+            RELEASE.wait(self.hang_s)
         return np.zeros(2, np.float32), 0.0, False, False, {}
 
 
@@ -58,14 +63,22 @@ async def test_hung_worker_process_raises_named_error(cls):
 
 
 async def test_hung_in_process_collector_raises_named_error():
+    RELEASE.clear()
     c = Collector(hanging_briefly, frames_per_batch=20, worker_timeout=0.5)
     start = time.monotonic()
-    with anyio.fail_after(30), pytest.raises(WorkerTimeoutError):
-        async with c:
-            async for _ in c:
-                pass
-    assert time.monotonic() - start < 15  # well before the 20 s hang ends
-    assert c.closed
+    try:
+        with anyio.fail_after(30), pytest.raises(WorkerTimeoutError):
+            async with c:
+                async for _ in c:
+                    pass
+        assert time.monotonic() - start < 15  # well before the 20 s hang ends
+        assert c.closed
+    finally:
+        RELEASE.set()  # the abandoned rollout thread returns from the env's step and ends
+    with anyio.fail_after(10):
+        for thread in threading.enumerate():
+            if thread.name.startswith("aiocollect-rollout"):
+                await anyio.to_thread.run_sync(thread.join)
 
 
 def test_bad_worker_timeout():
