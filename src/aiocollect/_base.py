@@ -79,6 +79,10 @@ class CollectorBase(abc.ABC):
     def _budget_reached(self) -> bool:
         return 0 < self.total_frames <= self._stats.frames
 
+    def _active(self) -> None:
+        """Raise unless the collector can deliver a batch (open; fleets: also entered)."""
+        self._check_open()
+
     def __len__(self) -> int:
         if self.total_frames < 0:
             raise TypeError("an endless collector (total_frames=-1) has no len()")
@@ -128,6 +132,22 @@ class CollectorBase(abc.ABC):
                 "batches: `async for batch in collector:`"
             )
         return _Fill(self)
+
+    async def _batch_turn(self) -> None:
+        """The start of every ``__anext__``: ``StopAsyncIteration`` once the budget is spent, else wait
+        for the batch lock (after any ``pause()``) and check again, since another consumer may have taken
+        the last batch or closed the collector meanwhile. The caller releases ``self._lock`` when done."""
+        self._active()
+        if self._budget_reached():
+            raise StopAsyncIteration
+        await self._acquire_batch_lock()
+        try:
+            self._active()
+            if self._budget_reached():
+                raise StopAsyncIteration
+        except BaseException:
+            self._lock.release()
+            raise
 
     async def _acquire_batch_lock(self) -> None:
         """Wait until no ``pause()`` holds the collector, then take the batch lock."""

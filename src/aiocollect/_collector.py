@@ -269,18 +269,8 @@ class Collector(CollectorBase):
 
     # -- the iterator ---------------------------------------------------------------------------
     async def __anext__(self) -> TensorDictBase | None:
-        self._check_open()
-        if self._budget_reached():
-            raise StopAsyncIteration
-        batch = await self._next_batch()
-        return batch
-
-    async def _next_batch(self) -> TensorDictBase | None:
-        await self._acquire_batch_lock()
+        await self._batch_turn()
         try:
-            self._check_open()  # closed while we waited: keep the reason it was closed for
-            if self._budget_reached():  # another consumer took the last batch while we waited
-                raise StopAsyncIteration
             job = self._pending.popleft() if self._pending else self._submit_batch()
             try:
                 out = await job.wait(timeout=self._worker_timeout)

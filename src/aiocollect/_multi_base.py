@@ -372,14 +372,9 @@ class MultiCollectorBase(FleetCollector, abc.ABC):
 
     # -- iteration --------------------------------------------------------------------------------
     async def __anext__(self) -> TensorDictBase | None:
-        self._active_pool()
-        if self._budget_reached():
-            raise StopAsyncIteration
-        await self._acquire_batch_lock()
+        await self._batch_turn()
         try:
             pool = self._active_pool()
-            if self._budget_reached():  # another consumer took the last batch while we waited
-                raise StopAsyncIteration
             try:
                 out = await self._next_batch(pool)
             except Exception as exc:

@@ -223,14 +223,8 @@ class RayCollector(ActorFleet):
         self._delivered = 0
 
     async def __anext__(self) -> TensorDictBase | None:
-        self._active()
-        if self._budget_reached():
-            raise StopAsyncIteration
-        await self._acquire_batch_lock()
+        await self._batch_turn()
         try:
-            self._active()
-            if self._budget_reached():
-                raise StopAsyncIteration
             try:
                 out = await (self._next_sync() if self._sync else self._next_async())
             except Exception as exc:

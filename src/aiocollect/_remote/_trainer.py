@@ -152,14 +152,8 @@ class RemoteCollectorBase(NodeFleet):
 
     # -- iteration ------------------------------------------------------------------------------------
     async def __anext__(self) -> TensorDictBase | None:
-        self._active()
-        if self._budget_reached():
-            raise StopAsyncIteration
-        await self._acquire_batch_lock()
+        await self._batch_turn()
         try:
-            self._active()
-            if self._budget_reached():
-                raise StopAsyncIteration
             if self._failure is not None:
                 raise self._failure
             if self._sync:
