@@ -32,14 +32,18 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: name -> (collector, number of envs, policy kind)
-WORKLOADS: dict[str, tuple[str, int, str]] = {
-    "collector-module1": ("Collector", 1, "module"),
-    "collector-td8": ("Collector", 8, "tdseq"),
-    "collector-random32": ("Collector", 32, "random"),
-    "multisync-td8": ("MultiSyncCollector", 8, "tdseq"),
-    "multiasync-td8": ("MultiAsyncCollector", 8, "tdseq"),
+#: name -> (collector, env id, number of envs, policy kind)
+WORKLOADS: dict[str, tuple[str, str, int, str]] = {
+    "collector-module1": ("Collector", "CartPole-v1", 1, "module"),
+    "collector-td8": ("Collector", "CartPole-v1", 8, "tdseq"),
+    "collector-random32": ("Collector", "CartPole-v1", 32, "random"),
+    "multisync-td8": ("MultiSyncCollector", "CartPole-v1", 8, "tdseq"),
+    "multiasync-td8": ("MultiAsyncCollector", "CartPole-v1", 8, "tdseq"),
+    # pixels (210x160x3 uint8) and MuJoCo: need the bench extra (ale-py, mujoco); not in the default set
+    "collector-pong1": ("Collector", "ALE/Pong-v5", 1, "random"),
+    "multisync-halfcheetah4": ("MultiSyncCollector", "HalfCheetah-v5", 4, "random"),
 }
+DEFAULT_WORKLOADS = [w for w, (_, env_id, _, _) in WORKLOADS.items() if env_id == "CartPole-v1"]
 
 
 def child(workload: str, seconds: float) -> dict[str, float]:
@@ -51,8 +55,13 @@ def child(workload: str, seconds: float) -> dict[str, float]:
     import aiocollect
 
     torch.set_num_threads(1)
-    kind, num_envs, policy_kind = WORKLOADS[workload]
-    env_fn = make_env_fn(num_envs)
+    kind, env_id, num_envs, policy_kind = WORKLOADS[workload]
+    if env_id.startswith("ALE/"):
+        import ale_py
+        import gymnasium as gym
+
+        gym.register_envs(ale_py)
+    env_fn = make_env_fn(env_id, num_envs)
     policy: Any
     if policy_kind == "random":
         policy = None
@@ -102,14 +111,14 @@ class Argmax(nn.Module):
         return logits.argmax(-1)
 
 
-def make_env_fn(num_envs: int) -> Any:
+def make_env_fn(env_id: str, num_envs: int) -> Any:
     import functools
 
     import aiocollect
 
     if num_envs == 1:
-        return functools.partial(aiocollect.GymEnv, "CartPole-v1")
-    return functools.partial(aiocollect.GymEnv, "CartPole-v1", num_envs=num_envs)
+        return functools.partial(aiocollect.GymEnv, env_id)
+    return functools.partial(aiocollect.GymEnv, env_id, num_envs=num_envs)
 
 
 def base_tree(rev: str) -> Path:
@@ -138,7 +147,7 @@ def main() -> None:
     parser.add_argument("--base", help="git revision to compare against (e.g. a commit before a refactor)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=3.0)
-    parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="*", default=DEFAULT_WORKLOADS, choices=list(WORKLOADS))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
