@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import abc
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection, Mapping
 from contextlib import asynccontextmanager
 from math import ceil
 from types import TracebackType
@@ -22,6 +22,7 @@ from ._events import (
     EventHub,
     EventStream,
     LoopLag,
+    MetricsLogged,
     Paused,
     Resumed,
 )
@@ -53,7 +54,7 @@ class CollectorBase(abc.ABC):
 
     def _init_base(self, progress: Any = None) -> None:
         self._progress = Progress(progress, self.total_frames)
-        self._stats = StatsTracker()
+        self._stats = StatsTracker(total_frames=self.total_frames)
         self._lock = anyio.Lock()
         self._paused = 0
         self._unpaused: anyio.Event | None = None
@@ -228,8 +229,9 @@ class CollectorBase(abc.ABC):
         self._task_group.start_soon(self._lag.run)
 
     # -- events -----------------------------------------------------------------------------------
-    def events(self, max_buffer: int = 1024) -> EventStream:
-        """An async iterator over this collector's events (batches, episodes, weights, workers, pauses).
+    def events(self, max_buffer: int = 1024, kinds: Collection[str] | None = None) -> EventStream:
+        """An async iterator over this collector's events (batches, episodes, weights, workers, pauses,
+        the trainer's metrics); ``kinds`` (e.g. ``{"metrics"}``): only those.
 
         Bounded: a reader that falls ``max_buffer`` events behind loses the oldest, so a stuck dashboard
         never slows collection. The stream ends when the collector closes.
@@ -240,7 +242,39 @@ class CollectorBase(abc.ABC):
             ...         async for event in events:
             ...             print(event.kind, event.to_dict())
         """
-        return self._hub.subscribe(max_buffer)
+        return self._hub.subscribe(max_buffer, kinds)
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Put the trainer's own numbers (loss, KL, learning rate, ...) beside the collector's: they go,
+        stamped with the frames collected so far, to the dashboard (plotted, kept in its history) and to
+        the logging sinks (:meth:`add_sink`), as a ``metrics`` event. Cheap; never blocks.
+
+        Example:
+            >>> async def train(collector):  # doctest: +SKIP
+            ...     async for batch in collector:
+            ...         loss, kl = update(batch)
+            ...         collector.log_metrics({"loss": loss.item(), "kl": kl}, step=updates)
+        """
+        event = MetricsLogged.of(metrics, frames=self._stats.frames, step=step)
+        self._hub.publish(event)
+
+    async def add_sink(self, sink: Any) -> None:
+        """Write ``statistics()`` and the logged metrics to ``sink`` (e.g. ``TensorBoardSink(logdir)``,
+        ``WandbSink(project=...)``) on its schedule while the collector is entered; the sink is flushed and
+        closed with the collector. Returns once the sink is open (its errors are raised here).
+
+        Example:
+            >>> async def main(collector):  # doctest: +SKIP
+            ...     async with collector:
+            ...         await collector.add_sink(TensorBoardSink("runs/ppo", every=5))
+        """
+        self._check_open()
+        if self._task_group is None:
+            name = type(self).__name__
+            raise RuntimeError(
+                f"add_sink() needs an entered collector: `async with {name}(...) as c: await c.add_sink(s)`"
+            )
+        await self._task_group.start(sink.run, self)
 
     def _record(
         self,
@@ -257,7 +291,7 @@ class CollectorBase(abc.ABC):
         self._progress.update(frames, stats.frames, stats.frames_per_second(), stats.mean_return())
         if self._hub.active:
             for worker, ret, length in episodes:
-                self._hub.publish(EpisodeFinished(ret, length, worker))
+                self._hub.publish(EpisodeFinished(ret, length, worker, frames=stats.frames))
             self._hub.publish(BatchDelivered(frames, worker_id, policy_version))
 
     # -- background collection and pause ----------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, ClassVar
@@ -21,6 +22,7 @@ __all__ = [
     "EventHub",
     "EventStream",
     "LoopLag",
+    "MetricsLogged",
     "Paused",
     "Resumed",
     "WeightsLoaded",
@@ -57,10 +59,13 @@ class BatchDelivered(Event):
 
 @dataclass(frozen=True)
 class EpisodeFinished(Event):
+    """An episode ended; ``frames``: the collector's frame count once its batch was delivered."""
+
     kind: ClassVar[str] = "episode"
     episode_return: float
     length: int
     worker_id: int
+    frames: int = field(default=0, kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,46 @@ class Resumed(Event):
     kind: ClassVar[str] = "resumed"
 
 
+@dataclass(frozen=True)
+class MetricsLogged(Event):
+    """The trainer's own numbers (``collector.log_metrics``): ``metrics`` maps names to floats, ``frames`` is
+    the collector's frame count when they were logged, ``step`` the trainer's step (``None``: not given).
+
+    Example:
+        >>> MetricsLogged.of({"loss": 0.5}, frames=1000).to_dict()["metrics"]
+        {'loss': 0.5}
+    """
+
+    kind: ClassVar[str] = "metrics"
+    metrics: dict[str, float]
+    frames: int
+    step: int | None = None
+
+    @classmethod
+    def of(cls, metrics: Mapping[str, Any], *, frames: int, step: int | None = None) -> MetricsLogged:
+        """Checked: names are non-empty strings, values real numbers (Python, NumPy or one-element torch
+        scalars), ``step`` an int or ``None``."""
+        if not isinstance(metrics, Mapping):
+            raise TypeError(
+                f"metrics must be a mapping of names to numbers, e.g. {{'loss': 0.5}}, got {metrics!r}"
+            )
+        values: dict[str, float] = {}
+        for name, value in metrics.items():
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"metric names must be non-empty strings, got {name!r}")
+            if isinstance(value, bool | str | bytes):
+                raise TypeError(f"metric {name!r} must be a real number, got {value!r}")
+            try:
+                values[name] = float(value)
+            except (TypeError, ValueError, RuntimeError):
+                raise TypeError(
+                    f"metric {name!r} must be a real number (or a one-element tensor), got {value!r}"
+                ) from None
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+            raise TypeError(f"step must be an int or None, got {step!r}")
+        return cls(values, int(frames), step)
+
+
 class EventStream:
     """One reader's events: ``async for event in stream``; ends when the collector closes.
 
@@ -117,16 +162,22 @@ class EventStream:
         ...             print(event.to_dict())
     """
 
-    def __init__(self, hub: EventHub, max_buffer: int) -> None:
+    def __init__(self, hub: EventHub, max_buffer: int, kinds: Collection[str] | None = None) -> None:
         if isinstance(max_buffer, bool) or not isinstance(max_buffer, int) or max_buffer < 1:
             raise ValueError(f"max_buffer must be a positive int, got {max_buffer!r}")
+        if kinds is not None and (isinstance(kinds, str) or not all(isinstance(k, str) for k in kinds)):
+            raise TypeError(f"kinds must be a collection of event kinds, e.g. {{'metrics'}}, got {kinds!r}")
         self._hub = hub
+        #: the event kinds this stream receives (``None``: all)
+        self.kinds = None if kinds is None else frozenset(kinds)
         self._buffer: deque[Event] = deque(maxlen=max_buffer)
         self._wake = anyio.Event()
         self._closed = False
         self.dropped = 0
 
     def _push(self, event: Event) -> None:
+        if self.kinds is not None and event.kind not in self.kinds:
+            return
         if len(self._buffer) == self._buffer.maxlen:
             self.dropped += 1
         self._buffer.append(event)
@@ -176,8 +227,8 @@ class EventHub:
         """Whether anyone listens: build events only then."""
         return bool(self._streams)
 
-    def subscribe(self, max_buffer: int = 1024) -> EventStream:
-        stream = EventStream(self, max_buffer)
+    def subscribe(self, max_buffer: int = 1024, kinds: Collection[str] | None = None) -> EventStream:
+        stream = EventStream(self, max_buffer, kinds)
         if self._closed:
             stream._end()
         else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 __all__ = ["WORKER_STATES", "CollectorStatistics", "StatsTracker", "WorkerState", "WorkerStatistics"]
@@ -81,15 +81,17 @@ class CollectorStatistics:
 class StatsTracker:
     """Accumulates per-batch figures; read with :meth:`snapshot`. Used from the event loop only."""
 
-    def __init__(self, window: int = 100, rate_window_s: float = 10.0) -> None:
+    def __init__(self, window: int = 100, rate_window_s: float = 10.0, total_frames: int = -1) -> None:
         self.frames = 0
         self.batches = 0
         self.episodes = 0
+        self.total_frames = total_frames
         self._returns: deque[float] = deque(maxlen=window)
         self._lengths: deque[int] = deque(maxlen=window)
         self._deliveries: deque[tuple[float, int]] = deque()
         self._rate_window_s = rate_window_s
         self._started = time.monotonic()
+        self._first: float | None = None  # when the first batch was delivered
 
     def record(self, frames: int, returns: list[float], lengths: list[int]) -> None:
         now = time.monotonic()
@@ -98,8 +100,14 @@ class StatsTracker:
         self.episodes += len(returns)
         self._returns.extend(returns)
         self._lengths.extend(lengths)
+        if self._first is None:
+            self._first = now
         self._deliveries.append((now, frames))
-        while len(self._deliveries) > 2 and now - self._deliveries[0][0] > self._rate_window_s:
+        self._forget(now)
+
+    def _forget(self, now: float) -> None:
+        """Drop the deliveries older than the rate window."""
+        while self._deliveries and now - self._deliveries[0][0] > self._rate_window_s:
             self._deliveries.popleft()
 
     def mean_return(self) -> float | None:
@@ -108,16 +116,27 @@ class StatsTracker:
     def load(self, frames: int, batches: int, episodes: int) -> None:
         self.frames, self.batches, self.episodes = frames, batches, episodes
 
-    def frames_per_second(self) -> float:
-        if not self._deliveries:
+    @property
+    def finished(self) -> bool:
+        """Whether ``total_frames`` (when positive) are delivered: the run has ended."""
+        return 0 < self.total_frames <= self.frames
+
+    def frames_per_second(self, now: float | None = None) -> float:
+        """Frames delivered over the last ``rate_window_s`` seconds (or since the first batch, in a younger
+        run), per second. It decays to 0 within the window once batches stop coming (a pause, a stalled
+        trainer, the end of the run), instead of holding the last rate."""
+        if self._first is None:
             return 0.0
-        now = time.monotonic()
-        first_t = self._deliveries[0][0]
-        if len(self._deliveries) == 1:
-            # one batch so far: rate since the tracker started
-            return self._deliveries[0][1] / max(first_t - self._started, 1e-9)
-        frames = sum(f for _, f in list(self._deliveries)[1:])
-        return frames / max(max(now, self._deliveries[-1][0]) - first_t, 1e-9)
+        now = time.monotonic() if now is None else now
+        self._forget(now)
+        start = now - self._rate_window_s
+        if self._first > start:  # a run younger than the window
+            if len(self._deliveries) == 1:  # one batch so far: the rate since the tracker started
+                return self._deliveries[0][1] / max(now - self._started, 1e-9)
+            # the first batch is the time base (start-up before it is not collection)
+            frames = sum(f for t, f in self._deliveries if t > self._first)
+            return frames / max(now - self._first, 1e-9)
+        return sum(f for _, f in self._deliveries) / self._rate_window_s
 
     def snapshot(
         self,
@@ -127,8 +146,17 @@ class StatsTracker:
         paused: bool = False,
         loop_lag_ms: dict[str, float] | None = None,
     ) -> CollectorStatistics:
+        """The statistics now: frames/s reads 0 while ``paused``, and once the run has ended (``total_frames``
+        delivered) every worker that did not fail reads ``stopped``."""
         returns = self._returns
         lengths = self._lengths
+        if self.finished:
+            workers = tuple(
+                w
+                if w.state in (WorkerState.STOPPED, WorkerState.FAILED)
+                else replace(w, state=WorkerState.STOPPED)
+                for w in workers
+            )
         return CollectorStatistics(
             min_return=min(returns) if returns else None,
             max_return=max(returns) if returns else None,
@@ -140,6 +168,6 @@ class StatsTracker:
             episodes=self.episodes,
             mean_return=sum(returns) / len(returns) if returns else None,
             mean_length=sum(lengths) / len(lengths) if lengths else None,
-            frames_per_second=self.frames_per_second(),
+            frames_per_second=0.0 if paused else self.frames_per_second(),
             policy_version=policy_version,
         )
