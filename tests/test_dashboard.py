@@ -3,7 +3,9 @@ stream, ``serve()`` with uvicorn on a loopback port, and the page end to end in 
 
 from __future__ import annotations
 
+import csv
 import importlib.util
+import io
 import json
 import math
 import re
@@ -351,7 +353,8 @@ async def test_event_stream_yields_statistics_and_events():
                         published = True
                     if len(seen.get("statistics", [])) >= 3 and {"episode", "weights_published"} <= kinds:
                         break  # and disconnect
-            await wait_until(lambda: not c._hub.active)  # the stream's subscription is closed
+            # the stream's subscription is closed (the history's, for the app's lifespan, remains)
+            await wait_until(lambda: len(c._hub._streams) == 1)
         stats = seen["statistics"]
         assert set(c.statistics().to_dict()) | {"time", "pause_held"} == set(stats[0])
         assert stats[-1]["frames"] >= stats[0]["frames"] and stats[-1]["frames"] > 0
@@ -435,6 +438,144 @@ def test_create_app_checks_its_arguments():
         create_app(object(), token="short")
 
 
+# -- the server's history, the trainer's metrics, downloads ------------------------------------------
+async def test_a_late_stream_gets_the_whole_run_first():
+    """A page opened late (or reloaded) asks for ``events?history=1``: the server's record of the run comes
+    first (statistics samples, episodes stamped with frames, the trainer's metrics, the other events),
+    then the live stream, with nothing doubled between the two."""
+    async with dashboard(in_process(), interval=0.02) as d:
+        c = d.collector
+        await wait_until(lambda: c.statistics().episodes > 0)
+        for step in range(3):
+            c.log_metrics({"loss": 1.0 / (step + 1), "kl": torch.tensor(0.01 * step)}, step=step)
+        await d.client.post("/update-weights")
+        await wait_until(lambda: len(d.app.state.dashboard.history.samples) >= 5)
+        with anyio.fail_after(10):
+            async with d.events("/events?history=1") as response:
+                name, history = await anext(response)
+                c.log_metrics({"loss": 0.1}, step=3)  # live, after the history
+                live: list[Any] = []
+                async for name, data in response:
+                    live.append((name, data))
+                    if name == "event" and data["kind"] == "metrics":
+                        break
+        assert name == "event" and live[-1][1]["metrics"] == {"loss": 0.1}
+        samples = history["samples"]
+        assert len(samples) >= 5 and set(c.statistics().to_dict()) <= set(samples[0])
+        assert [s["time"] for s in samples] == sorted(s["time"] for s in samples)
+        assert samples[-1]["frames"] >= samples[0]["frames"] > 0 or samples[0]["frames"] == 0
+        _, frames, ret, length, worker = history["episodes"][0]
+        assert frames > 0 and frames % 64 == 0 and ret == length and worker == 0
+        assert [m["step"] for m in history["metrics"]] == [0, 1, 2]
+        assert history["metrics"][1]["metrics"] == {"loss": 0.5, "kl": pytest.approx(0.01)}
+        assert {e["kind"] for e in history["events"]} >= {"weights_published"}
+        # the live stream does not repeat the history's metrics
+        assert [d["step"] for n, d in live if n == "event" and d["kind"] == "metrics"] == [3]
+
+
+async def test_history_downloads_as_json_and_csv():
+    async with dashboard(in_process(), interval=0.02) as d:
+        c = d.collector
+        await wait_until(lambda: c.statistics().frames >= 256)
+        c.log_metrics({"loss": 0.25, "frames": 7.0}, step=1)  # a metric named like a column stays apart
+        await wait_until(lambda: len(d.app.state.dashboard.history.samples) >= 3)
+        response = await d.client.get("/history.json")
+        assert response.status_code == 200
+        assert response.headers["content-type"] == "application/json"
+        assert 'filename="aiocollect-history.json"' in response.headers["content-disposition"]
+        record = response.json()
+        assert record["samples"] and record["metrics"][0]["metrics"] == {"loss": 0.25, "frames": 7.0}
+        response = await d.client.get("/history.csv")
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/csv")
+        assert 'filename="aiocollect-history.csv"' in response.headers["content-disposition"]
+        rows = list(csv.DictReader(io.StringIO(response.text)))
+        stats = [r for r in rows if r["kind"] == "statistics"]
+        (metric,) = [r for r in rows if r["kind"] == "metrics"]
+        assert len(stats) >= 3 and all(int(r["frames"]) >= 0 for r in stats)
+        assert float(stats[-1]["frames_per_second"]) >= 0 and stats[-1]["loss"] == ""
+        assert metric["loss"] == "0.25" and metric["metric:frames"] == "7.0" and metric["step"] == "1"
+        assert [float(r["time"]) for r in rows] == sorted(float(r["time"]) for r in rows)
+
+
+async def test_history_is_bounded_and_keeps_the_whole_run():
+    from aiocollect.dashboard._history import History, Series
+
+    series = Series(8)
+    for i in range(1000):
+        series.add(i)
+    items = series.items()
+    assert 4 <= len(items) <= 9 and items[0] == 0 and items[-1] == 999 and series.stride >= 128
+    assert items == sorted(items)
+    async with Collector(cartpole, Policy(), frames_per_batch=32) as c:
+        history = History(c, interval=0.01, max_samples=16, max_episodes=16, max_metrics=16, max_events=4)
+        history.open()
+        first = history.sample()
+        for i in range(40):
+            await c.__anext__()
+            c.log_metrics({"i": i})
+            await c.update_weights()
+            history.sample()
+        record = history.to_dict()
+    assert len(record["samples"]) <= 17 and record["samples"][0] is first
+    assert record["samples"][-1]["frames"] == 40 * 32  # the newest is always there
+    assert record["resolution"]["samples"] > 1
+    assert len(record["metrics"]) <= 17 and record["metrics"][-1]["metrics"] == {"i": 39.0}
+    assert len(record["events"]) == 4  # the newest other events
+    assert len(record["episodes"]) <= 17
+
+
+async def test_frames_per_second_is_zero_while_paused_and_workers_stop_at_the_end():
+    async with dashboard(Collector(cartpole, Policy(), frames_per_batch=64, total_frames=640)) as d:
+        c = d.collector
+        await wait_until(lambda: c.statistics().frames >= 128)
+        assert (await d.client.post("/pause")).json()["held"]
+        body = (await d.client.get("/statistics")).json()
+        assert body["paused"] and body["frames_per_second"] == 0
+        assert (await d.client.post("/resume")).json()["held"] is False
+        await wait_until(lambda: c.statistics().frames == 640)
+        body = (await d.client.get("/statistics")).json()  # the run ended, the collector is still open
+        assert not c.closed and [w["state"] for w in body["workers"]] == ["stopped"]
+
+
+def test_frames_per_second_decays_to_zero_after_the_last_batch():
+    from aiocollect._stats import StatsTracker
+
+    tracker = StatsTracker(rate_window_s=10.0)
+    start = tracker._started
+    for i in range(1, 21):  # 100 frames every 0.5 s for 10 s
+        tracker._deliveries.append((start + 0.5 * i, 100))
+        tracker._first = tracker._first or start + 0.5
+        tracker.frames += 100
+    end = start + 10.0
+    assert tracker.frames_per_second(end) == pytest.approx(1900 / 9.5)
+    assert tracker.frames_per_second(end + 5.25) == pytest.approx(1000 / 10)  # half the window is empty
+    assert tracker.frames_per_second(end + 10.01) == 0.0
+    assert tracker.snapshot(0, paused=True).frames_per_second == 0.0
+
+
+async def test_log_metrics_checks_its_arguments():
+    async with Collector(cartpole, Policy(), frames_per_batch=64) as c:
+        with pytest.raises(TypeError, match="metric 'loss' must be a real number"):
+            c.log_metrics({"loss": "low"})
+        with pytest.raises(TypeError, match="metric 'loss' must be a real number"):
+            c.log_metrics({"loss": torch.ones(3)})
+        with pytest.raises(TypeError, match="metrics must be a mapping"):
+            c.log_metrics([("loss", 1.0)])  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="metric names must be non-empty strings"):
+            c.log_metrics({"": 1.0})
+        with pytest.raises(TypeError, match="step must be an int"):
+            c.log_metrics({"loss": 1.0}, step=1.5)  # type: ignore[arg-type]
+        async with c.events(kinds={"metrics"}) as events:
+            await c.__anext__()
+            c.log_metrics({"loss": torch.tensor(0.5), "lr": 3e-4}, step=7)
+            event = events.receive_nowait()
+        assert event is not None and event.kind == "metrics"
+        assert event.to_dict()["metrics"] == {"loss": 0.5, "lr": 3e-4}
+        assert (event.frames, event.step) == (64, 7)
+        assert events.receive_nowait() is None  # the batch and episodes were not for this stream
+
+
 # -- the guard: other web pages in the browser (cross-origin requests, DNS rebinding) ----------------
 async def test_state_changing_routes_need_the_token():
     async with dashboard(in_process()) as d:
@@ -480,7 +621,14 @@ async def test_dns_rebinding_is_refused_by_host():
     requests say ``Host: evil.example``, and are refused, reads included."""
     async with dashboard(in_process()) as d:
         rebound = {"Host": "evil.example:8000", "Origin": "http://evil.example:8000"}
-        for method, path in (("GET", "/"), ("GET", "/statistics"), ("GET", "/events"), ("POST", "/pause")):
+        for method, path in (
+            ("GET", "/"),
+            ("GET", "/statistics"),
+            ("GET", "/events"),
+            ("GET", "/history.json"),
+            ("GET", "/history.csv"),
+            ("POST", "/pause"),
+        ):
             response = await d.client.request(method, path, headers=rebound)
             assert response.status_code == 400, path
             assert "host 'evil.example:8000' is not allowed" in response.json()["error"]
@@ -675,6 +823,24 @@ async def test_dashboard_in_chromium(tmp_path: Path):
                 await page.click("#resume")
                 await page.wait_for_function("() => document.body.dataset.paused === 'false'", timeout=10_000)
                 assert await grows() > frozen
+
+                # the trainer's metrics are plotted; a reload shows the whole run again (the server's
+                # history), against frames or, toggled, against time
+                await page.wait_for_selector("#metric-charts canvas[data-metric='loss']", timeout=10_000)
+                before = await plotted()
+                await page.reload()
+                await page.wait_for_function(
+                    "() => window.aiocollectDashboard.history !== null"
+                    " && window.aiocollectDashboard.samples.length >= 4",
+                    timeout=10_000,
+                )
+                first = await page.evaluate("() => window.aiocollectDashboard.samples[0].frames")
+                assert first <= before and await plotted() >= before
+                assert await page.evaluate("() => window.aiocollectDashboard.metrics.loss.length") > 0
+                assert await page.evaluate("() => window.aiocollectDashboard.xMode") == "frames"
+                await page.click("#x-axis")
+                assert await page.text_content("#x-axis") == "x: time"
+                assert await page.evaluate("() => window.aiocollectDashboard.xMode") == "time"
 
                 await page.click("#update-weights")
                 await page.wait_for_function(

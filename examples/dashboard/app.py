@@ -9,9 +9,11 @@ One ``anyio.run`` (asyncio) event loop runs three things:
 * a ``MultiSyncCollector`` whose two worker processes (started by forkserver) step CartPole-v1 with a
   small MLP policy;
 * a trainer task: REINFORCE on every batch (the gradient step runs in a worker thread, so it does not hold
-  the loop) and ``collector.update_weights(policy)`` every ``--update-every`` batches;
+  the loop), ``collector.log_metrics({"loss": ..., "entropy": ...})`` (plotted beside the collector's
+  numbers) and ``collector.update_weights(policy)`` every ``--update-every`` batches;
 * uvicorn serving ``aiocollect.dashboard.create_app(collector)`` on 127.0.0.1: live plots, worker states,
-  and buttons that pause/resume collection and publish the weights.
+  and buttons that pause/resume collection and publish the weights. The server keeps the run's history:
+  open the page late, or reload it, and it shows the whole run (CSV/JSON downloads in the header).
 
 Stop it with Ctrl-C, ``--seconds`` or ``--total-frames``. Needs ``pip install 'aiocollect[dashboard]'``.
 """
@@ -71,8 +73,10 @@ def make_env(envs_per_worker: int) -> Callable[[], GymEnv]:
     return lambda: GymEnv("CartPole-v1", num_envs=envs_per_worker)
 
 
-def reinforce_step(policy: Policy, optim: torch.optim.Optimizer, batch: TensorDictBase, gamma: float) -> None:
-    """One REINFORCE step with a batch-mean baseline (runs in a worker thread)."""
+def reinforce_step(
+    policy: Policy, optim: torch.optim.Optimizer, batch: TensorDictBase, gamma: float
+) -> dict[str, float]:
+    """One REINFORCE step with a batch-mean baseline (runs in a worker thread); the loss and entropy."""
     obs, action = batch["observation"], batch["action"]
     reward = batch["next", "reward"].squeeze(-1)
     done = batch["next", "done"].squeeze(-1)
@@ -86,6 +90,9 @@ def reinforce_step(policy: Policy, optim: torch.optim.Optimizer, batch: TensorDi
     optim.zero_grad()
     loss.backward()
     optim.step()
+    with torch.no_grad():
+        entropy = torch.distributions.Categorical(logits=policy.net(obs)).entropy().mean()
+    return {"loss": loss.item(), "entropy": entropy.item()}
 
 
 async def train(
@@ -95,8 +102,9 @@ async def train(
     optim = torch.optim.Adam(policy.parameters(), lr=args.lr)
     batches = 0
     async for batch in collector:
-        await anyio.to_thread.run_sync(reinforce_step, policy, optim, batch, args.gamma)
+        metrics = await anyio.to_thread.run_sync(reinforce_step, policy, optim, batch, args.gamma)
         batches += 1
+        collector.log_metrics(metrics, step=batches)  # plotted by the dashboard, beside the collector's
         if batches % args.update_every == 0:
             await collector.update_weights(policy)
         if should_stop():

@@ -202,9 +202,18 @@ class EventStream:
         """The next buffered event, or ``None``."""
         return self._buffer.popleft() if self._buffer else None
 
-    async def aclose(self) -> None:
+    @property
+    def ended(self) -> bool:
+        """Whether the stream has ended (the collector closed, or :meth:`close`) and every event was read."""
+        return self._closed and not self._buffer
+
+    def close(self) -> None:
+        """Stop receiving events (synchronous twin of :meth:`aclose`)."""
         self._hub.unsubscribe(self)
         self._end()
+
+    async def aclose(self) -> None:
+        self.close()
 
     async def __aenter__(self) -> EventStream:
         return self

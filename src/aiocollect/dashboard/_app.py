@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.abc
 
+from ._history import History
+
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
@@ -64,10 +66,13 @@ class DashboardControls:
     The app keeps it in ``app.state.dashboard``.
     """
 
-    def __init__(self, collector: Any, policy: Any = None) -> None:
+    def __init__(self, collector: Any, policy: Any = None, *, interval: float = 0.5) -> None:
         self.collector = collector
         #: the hosts the app answers to and its token (a ``_guard.HostPolicy``; ``serve`` adds its host)
         self.policy = policy
+        #: the run as the server saw it while the lifespan ran (a statistics sample every ``interval`` s)
+        self.history = History(collector, interval=interval, pause_held=lambda: self.pause_held)
+        self._history_scope: anyio.CancelScope | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
         self._lock: anyio.Lock | None = None
         self._release: anyio.Event | None = None
@@ -84,12 +89,26 @@ class DashboardControls:
         task_group = anyio.create_task_group()
         await task_group.__aenter__()
         self._task_group = task_group
+        self.history.open()  # from now on, no event is missed
+        self._history_scope = anyio.CancelScope()
+        task_group.start_soon(self._keep_history, self._history_scope)
         return self
+
+    async def _keep_history(self, scope: anyio.CancelScope) -> None:
+        with scope:
+            try:
+                await self.history.run()
+            except Exception:  # a collector whose statistics() fails must not take the app down
+                logger.exception("the dashboard's history stopped")
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool | None:
         self.close_streams()
+        if self._history_scope is not None:
+            self._history_scope.cancel()
+            self._history_scope = None
+        self.history.close()
         task_group, self._task_group = self._task_group, None
         assert task_group is not None
         with anyio.CancelScope(shield=True):
@@ -204,7 +223,13 @@ def create_app(
     * ``GET /events``: Server-Sent Events: ``event: statistics`` (``collector.statistics().to_dict()`` plus
       ``time`` and ``pause_held``) every ``interval`` seconds, ``event: event`` (``event.to_dict()``) for
       each collector event, and ``event: shutdown`` before the stream ends at server shutdown.
-      ``?kinds=episode,weights_published`` forwards only those event kinds.
+      ``?kinds=episode,weights_published`` forwards only those event kinds; ``?history=1`` sends the
+      server's record of the run first (``event: history``, as ``/history.json``), so that a page opened
+      late or reloaded shows the whole run. ``event: event`` includes the trainer's
+      ``collector.log_metrics(...)`` (kind ``metrics``).
+    * ``GET /history.json``, ``GET /history.csv``: the server's record of the run, kept while the app's
+      lifespan runs: a statistics sample every ``interval`` seconds, the episodes, the trainer's metrics
+      and the other events; each series halves its resolution when full (bounded memory for any run).
     * ``GET /statistics``: ``collector.statistics().to_dict()`` as JSON.
     * ``POST /pause``, ``POST /resume``: a pause held by the app (``collector.pause()`` entered in a task of
       the app's lifespan, released on resume or at shutdown); both answer ``{"held", "paused"}``.
@@ -253,5 +278,5 @@ def create_app(
         raise ImportError(
             f"aiocollect.dashboard needs starlette ({exc}): pip install 'aiocollect[dashboard]'"
         ) from exc
-    controls = DashboardControls(collector, HostPolicy(allowed_hosts, token))
+    controls = DashboardControls(collector, HostPolicy(allowed_hosts, token), interval=float(interval))
     return build_app(controls, title=title, interval=float(interval), max_buffer=max_buffer)

@@ -26,6 +26,11 @@ __all__ = ["PAGE", "SSE_HEADERS", "EventStreamResponse", "build_app", "json_resp
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+def download(filename: str) -> dict[str, str]:
+    """Headers of a download (``Content-Disposition: attachment``) that is never cached."""
+    return {"Content-Disposition": f'attachment; filename="{filename}"', "Cache-Control": "no-cache"}
+
+
 def json_response(obj: Any, status_code: int = 200) -> Response:
     return Response(to_json(obj), status_code=status_code, media_type="application/json")
 
@@ -39,9 +44,16 @@ class EventStreamResponse(StreamingResponse):
     """
 
     def __init__(
-        self, controls: DashboardControls, *, interval: float, max_buffer: int, kinds: set[str] | None
+        self,
+        controls: DashboardControls,
+        *,
+        interval: float,
+        max_buffer: int,
+        kinds: set[str] | None,
+        history: bool = False,
     ) -> None:
         self._controls = controls
+        self._history = history
         self._interval = interval
         self._max_buffer = max_buffer
         self._kinds = kinds
@@ -69,6 +81,12 @@ class EventStreamResponse(StreamingResponse):
     async def _body(self) -> AsyncIterator[str]:
         controls, events, kinds, interval = self._controls, self._events, self._kinds, self._interval
         yield "retry: 2000\n\n"
+        if self._history:
+            # what the stream holds so far is in the history (both synchronous: nothing lost or doubled)
+            while events.receive_nowait() is not None:
+                pass
+            record = controls.history.to_dict()
+            yield await anyio.to_thread.run_sync(sse, "history", record)  # a long run: encode off the loop
         events_open = True
         next_statistics = anyio.current_time()
         pending: list[Any] = []
@@ -124,7 +142,22 @@ def build_app(controls: DashboardControls, *, title: str, interval: float, max_b
             return json_response({"error": "the dashboard is shutting down"}, 503)
         raw = request.query_params.get("kinds")
         kinds = {k.strip() for k in raw.split(",") if k.strip()} if raw else None
-        return EventStreamResponse(controls, interval=interval, max_buffer=max_buffer, kinds=kinds)
+        history = request.query_params.get("history", "") not in ("", "0", "false")
+        return EventStreamResponse(
+            controls, interval=interval, max_buffer=max_buffer, kinds=kinds, history=history
+        )
+
+    async def history_json(request: Request) -> Response:
+        record = controls.history.to_dict()
+        body = await anyio.to_thread.run_sync(to_json, record)  # a long run's record: encoded off the loop
+        return Response(body, media_type="application/json", headers=download("aiocollect-history.json"))
+
+    async def history_csv(request: Request) -> Response:
+        record = controls.history.to_dict()
+        body = await anyio.to_thread.run_sync(controls.history.to_csv, record)
+        return Response(
+            body, media_type="text/csv; charset=utf-8", headers=download("aiocollect-history.csv")
+        )
 
     def pause_state() -> dict[str, bool]:
         return {"held": controls.pause_held, "paused": bool(collector.statistics().paused)}
@@ -159,6 +192,8 @@ def build_app(controls: DashboardControls, *, title: str, interval: float, max_b
             Route("/", index, methods=["GET"]),
             Route("/events", events, methods=["GET"]),
             Route("/statistics", statistics, methods=["GET"]),
+            Route("/history.json", history_json, methods=["GET"]),
+            Route("/history.csv", history_csv, methods=["GET"]),
             Route("/pause", pause, methods=["POST"]),
             Route("/resume", resume, methods=["POST"]),
             Route("/update-weights", update_weights, methods=["POST"]),
