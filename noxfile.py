@@ -1,5 +1,5 @@
 """Developer sessions: ``nox -s tests``, ``lint``, ``typecheck``, ``docs``, ``bench``, ``bench_core``,
-``slow``, ``distributed``, ``realenvs``, ``torchrl``, ``bench_torchrl``, ``browser``, ``bench_dashboard``,
+``slow``, ``sinks``, ``distributed``, ``realenvs``, ``torchrl``, ``bench_torchrl``, ``browser``, ``bench_dashboard``,
 ``soak``.
 
 torch is pinned in the same pip command as everything that depends on it, so pip takes the CPU wheel that
@@ -42,6 +42,14 @@ def bench_dashboard(session: nox.Session) -> None:
     """Frames/s with and without two connected dashboard clients (benchmarks/dashboard.py)."""
     install(session, "dashboard")
     session.run("python", "benchmarks/dashboard.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def sinks(session: nox.Session) -> None:
+    """The logging sinks with both backends installed (tests/test_sinks.py and examples/logging_sinks.py;
+    the default suite has tensorboard only, and skips the W&B tests)."""
+    install(session, "test", "tensorboard", "wandb")
+    session.run("python", "-m", "pytest", "tests/test_sinks.py", "-v", *session.posargs)
 
 
 @nox.session(python=PYTHON)

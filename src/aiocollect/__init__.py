@@ -18,6 +18,7 @@ from ._events import (
     EpisodeFinished,
     Event,
     EventStream,
+    MetricsLogged,
     Paused,
     Resumed,
     WeightsLoaded,
@@ -35,6 +36,7 @@ from ._multi import (
 )
 from ._options import RolloutOptions, WeightSchedule
 from ._policies import RandomPolicy
+from ._sinks import Sink, TensorBoardSink, WandbSink
 from ._stats import CollectorStatistics, WorkerState, WorkerStatistics
 from ._trajectories import split_trajectories
 from ._weightsync import (
@@ -119,6 +121,10 @@ __all__ = [
     "WeightSender",
     "WeightSync",
     "WeightSchedule",
+    "MetricsLogged",
+    "Sink",
+    "TensorBoardSink",
+    "WandbSink",
     "__version__",
     "set_worker_warnings",
     "split_trajectories",

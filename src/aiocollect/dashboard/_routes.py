@@ -21,7 +21,7 @@ from .._errors import CollectorClosedError
 from ._app import DashboardControls, LifespanNotRunning, sse, to_json
 from ._guard import Guard
 
-__all__ = ["PAGE", "SSE_HEADERS", "EventStreamResponse", "build_app", "json_response"]
+__all__ = ["PAGE", "SSE_HEADERS", "EventStreamResponse", "build_app", "history_routes", "json_response"]
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -122,6 +122,27 @@ class EventStreamResponse(StreamingResponse):
 PAGE = resources.files(__package__).joinpath("index.html")
 
 
+def history_routes(controls: DashboardControls) -> list[Route]:
+    """``/history.json`` and ``/history.csv``: the server's record of the run, encoded off the loop."""
+
+    async def history_json(request: Request) -> Response:
+        record = controls.history.to_dict()
+        body = await anyio.to_thread.run_sync(to_json, record)
+        return Response(body, media_type="application/json", headers=download("aiocollect-history.json"))
+
+    async def history_csv(request: Request) -> Response:
+        record = controls.history.to_dict()
+        body = await anyio.to_thread.run_sync(controls.history.to_csv, record)
+        return Response(
+            body, media_type="text/csv; charset=utf-8", headers=download("aiocollect-history.csv")
+        )
+
+    return [
+        Route("/history.json", history_json, methods=["GET"]),
+        Route("/history.csv", history_csv, methods=["GET"]),
+    ]
+
+
 def build_app(controls: DashboardControls, *, title: str, interval: float, max_buffer: int) -> Starlette:
     collector = controls.collector
     policy = controls.policy
@@ -145,18 +166,6 @@ def build_app(controls: DashboardControls, *, title: str, interval: float, max_b
         history = request.query_params.get("history", "") not in ("", "0", "false")
         return EventStreamResponse(
             controls, interval=interval, max_buffer=max_buffer, kinds=kinds, history=history
-        )
-
-    async def history_json(request: Request) -> Response:
-        record = controls.history.to_dict()
-        body = await anyio.to_thread.run_sync(to_json, record)  # a long run's record: encoded off the loop
-        return Response(body, media_type="application/json", headers=download("aiocollect-history.json"))
-
-    async def history_csv(request: Request) -> Response:
-        record = controls.history.to_dict()
-        body = await anyio.to_thread.run_sync(controls.history.to_csv, record)
-        return Response(
-            body, media_type="text/csv; charset=utf-8", headers=download("aiocollect-history.csv")
         )
 
     def pause_state() -> dict[str, bool]:
@@ -192,8 +201,7 @@ def build_app(controls: DashboardControls, *, title: str, interval: float, max_b
             Route("/", index, methods=["GET"]),
             Route("/events", events, methods=["GET"]),
             Route("/statistics", statistics, methods=["GET"]),
-            Route("/history.json", history_json, methods=["GET"]),
-            Route("/history.csv", history_csv, methods=["GET"]),
+            *history_routes(controls),
             Route("/pause", pause, methods=["POST"]),
             Route("/resume", resume, methods=["POST"]),
             Route("/update-weights", update_weights, methods=["POST"]),
