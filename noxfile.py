@@ -1,5 +1,5 @@
 """Developer sessions: ``nox -s tests``, ``lint``, ``typecheck``, ``docs``, ``bench``, ``bench_core``,
-``slow``, ``sinks``, ``distributed``, ``realenvs``, ``torchrl``, ``bench_torchrl``, ``browser``, ``bench_dashboard``,
+``slow``, ``distributed``, ``realenvs``, ``torchrl``, ``bench_torchrl``, ``browser``, ``bench_dashboard``,
 ``soak``.
 
 torch is pinned in the same pip command as everything that depends on it, so pip takes the CPU wheel that
