@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,9 @@ CASES = {
     "vector_envs": ["vector_envs.py", "--total-frames", "2000", "--vectorization", "async"],
     "multi_sync_ppo_style": ["multi_sync_ppo_style.py", "--total-frames", "2048"]
     + ["--frames-per-batch", "1024", "--envs-per-worker", "4", "--backend", "serial"],
+    # the sinks that are installed (tensorboard: the test extra; wandb: nox -s sinks), into a temp dir
+    "logging_sinks": ["logging_sinks.py", "--total-frames", "2000", "--frames-per-batch", "400"]
+    + ["--every", "0.2", "--logdir", str(Path(tempfile.gettempdir()) / "aiocollect-example-runs")],
 }
 
 
