@@ -48,10 +48,12 @@ class CollectorStatistics:
         episodes: episodes completed.
         mean_return: mean return of the last ``window`` completed episodes (``None`` before the first).
         mean_length: mean length of the same episodes.
-        frames_per_second: delivery rate over the last ~10 seconds.
+        frames_per_second: delivery rate over the last ~10 seconds (since the first batch in a younger
+            run): it decays to 0 within that window once batches stop coming, and reads 0 while paused.
         policy_version: the newest version published (by ``update_weights``).
         min_return, max_return: extremes of the same recent episodes.
-        workers: one :class:`WorkerStatistics` per worker (one for the in-process ``Collector``).
+        workers: one :class:`WorkerStatistics` per worker (one for the in-process ``Collector``); each
+            reads ``stopped`` once the run has ended (``total_frames`` delivered), unless it failed.
         paused: whether ``pause()`` holds the collector.
         loop_lag_ms: the event loop's recent lag, ``{"p50": ..., "p99": ...}`` in ms, measured while the
             collector is entered (``async with``); ``None`` before.
