@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Collection, Mapping
 from contextlib import asynccontextmanager
 from math import ceil
 from types import TracebackType
-from typing import Any, Self, cast
+from typing import TYPE_CHECKING, Any, Self, cast
 
 import anyio
 import anyio.abc
@@ -28,6 +28,9 @@ from ._events import (
 )
 from ._progress import Progress
 from ._stats import StatsTracker
+
+if TYPE_CHECKING:
+    from ._sinks import Sink
 
 __all__ = ["CollectorBase"]
 
@@ -258,7 +261,7 @@ class CollectorBase(abc.ABC):
         event = MetricsLogged.of(metrics, frames=self._stats.frames, step=step)
         self._hub.publish(event)
 
-    async def add_sink(self, sink: Any) -> None:
+    async def add_sink(self, sink: Sink) -> None:
         """Write ``statistics()`` and the logged metrics to ``sink`` (e.g. ``TensorBoardSink(logdir)``,
         ``WandbSink(project=...)``) on its schedule while the collector is entered; the sink is flushed and
         closed with the collector. Returns once the sink is open (its errors are raised here).
