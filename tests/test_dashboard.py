@@ -25,7 +25,7 @@ import torch
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
-from aiocollect import Collector, CollectorClosedError, MultiSyncCollector
+from aiocollect import Collector, CollectorClosedError, MultiAsyncCollector, MultiSyncCollector
 from aiocollect.dashboard import create_app, serve
 from support import cartpole2 as cartpole
 
@@ -536,6 +536,17 @@ async def test_frames_per_second_is_zero_while_paused_and_workers_stop_at_the_en
         await wait_until(lambda: c.statistics().frames == 640)
         body = (await d.client.get("/statistics")).json()  # the run ended, the collector is still open
         assert not c.closed and [w["state"] for w in body["workers"]] == ["stopped"]
+
+
+async def test_workers_of_a_multi_collector_stop_at_the_end_of_the_run():
+    async with MultiAsyncCollector(
+        [cartpole, cartpole], Policy(), frames_per_batch=64, total_frames=512, worker_backend="serial"
+    ) as c:
+        assert {w.state for w in c.statistics().workers} == {"collecting"}
+        async for _ in c:
+            pass
+        stats = c.statistics()  # still entered: the run has ended, nobody collects any more
+        assert stats.frames == 512 and [w.state for w in stats.workers] == ["stopped", "stopped"]
 
 
 def test_frames_per_second_decays_to_zero_after_the_last_batch():
