@@ -93,8 +93,8 @@ class _LineBar:
     def _wrap(self) -> None:
         for name in ("stdout", "stderr"):
             original = getattr(sys, name)
-            if original is None or isinstance(original, _Around):
-                continue
+            if original is None or isinstance(original, _Around) or not _isatty(original):
+                continue  # output to a file or a pipe never shares the bar's line
             around = _Around(original, self)
             setattr(sys, name, around)
             self._wrapped.append((name, around, original))
@@ -107,6 +107,13 @@ class _LineBar:
 
 
 _CLEAR_LINE = "\x1b[2K"  # ANSI: erase the whole line (the cursor stays)
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # no isatty, or a closed stream
+        return False
 
 
 class _Around:
