@@ -122,7 +122,11 @@ class Sink(abc.ABC):
     async def _flush(self, collector: Any, pending: list[MetricsLogged]) -> None:
         """Write the statistics (if they changed) and ``pending``; the metrics leave ``pending`` only once
         written (a write cancelled before it ran is made by the last flush instead)."""
-        stats = collector.statistics()
+        try:
+            stats = collector.statistics()
+        except Exception:  # the sink is a task of the collector's task group: it never raises
+            logger.exception("%r could not read the statistics", self)
+            return
         key = (stats.frames, stats.batches, stats.episodes)
         fresh = stats if key != self._last else None
         if fresh is None and not pending:
