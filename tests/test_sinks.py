@@ -175,6 +175,8 @@ def wandb_records(run_dir: Path) -> list[Any]:
         if kind == 0:  # padding to the end of the block
             pos += left
             continue
+        if pos + 7 + length > len(data):  # being written
+            break
         chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         partial = chunk if kind in (1, 2) else partial + chunk
@@ -209,6 +211,9 @@ async def test_wandb_sink_offline_run(tmp_path: Path):
             c.log_metrics({"loss": 1.0 / step}, step=step)
     assert sink.run_ is None  # finished
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    with anyio.fail_after(30):  # W&B's service writes the file on its own: wait for the run's end record
+        while not any(r.WhichOneof("record_type") == "exit" for r in wandb_records(run_dir)):  # noqa: ASYNC110
+            await anyio.sleep(0.1)
     history = wandb_history(run_dir)
     losses = [h for h in history if "loss" in h]
     assert [h["trainer/step"] for h in losses] == list(range(1, 11))
