@@ -10,7 +10,7 @@ A runner takes the current observations as ``{key: Tensor}`` (batch dims first) 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -207,11 +207,13 @@ class _TensorDictRunner:
         batch_shape: tuple[int, ...],
         obs_keys: list[NestedKey],
         device: torch.device | None,
+        next_keys: Sequence[NestedKey] = (),
     ) -> None:
         self.policy = policy
         self.batch_shape = batch_shape
         self.obs_keys = obs_keys
         self.device = device
+        self.next_keys = list(next_keys)  # ("next", state) outputs of a recurrent policy, kept
         self.out_keys: list[NestedKey] | None = None
 
     def __call__(self, obs: Mapping[NestedKey, torch.Tensor]) -> dict[NestedKey, torch.Tensor]:
@@ -235,6 +237,13 @@ class _TensorDictRunner:
                 and not _is_private(k)
                 and (k if isinstance(k, str) else k[0]) not in ("next", "collector")
             ]
+            missing = [k for k in self.next_keys if out.get(k, None) is None]
+            if missing:
+                raise KeyError(
+                    f"policy {self.policy!r} did not write {missing}: a recurrent policy writes the next "
+                    "value of each of its states"
+                )
+            self.out_keys += self.next_keys
             if not any((k if isinstance(k, str) else k[0]) == "action" for k in self.out_keys):
                 raise KeyError(
                     f"policy {self.policy!r} did not write an 'action' entry; it wrote {self.out_keys}"
@@ -249,24 +258,28 @@ def make_runner(
     obs_keys: list[NestedKey],
     device: torch.device | None,
     module_keys: list[NestedKey] | None = None,
+    next_keys: Sequence[NestedKey] = (),
 ) -> Runner:
     """The per-step callable for ``policy`` (see the module docstring).
 
     ``module_keys``: the entries a plain ``nn.Module`` is called on (default ``obs_keys``); the env's
-    info entries are observations for the batch but not arguments of a plain module."""
+    info entries are observations for the batch but not arguments of a plain module. ``next_keys``:
+    the ``("next", state)`` outputs of a recurrent policy to return too (``_recurrent.py``)."""
     if isinstance(policy, RandomPolicy):
         return _RandomRunner(policy, batch_shape)
     # a torch.compile'd TensorDictModule is an nn.Module wrapper: it still takes a TensorDict
     if isinstance(unwrap_compiled(policy), TensorDictModuleBase):
-        slow = _TensorDictRunner(policy, batch_shape, obs_keys, device)
+        slow = _TensorDictRunner(policy, batch_shape, obs_keys, device, next_keys)
         if unwrap_compiled(policy) is not policy:  # compiled: keeps the TensorDict path
             return slow
         # the key graph compiled into a function of tensors, checked against ``slow`` on the first call
-        return lazy_fast_runner(policy, slow, obs_keys=obs_keys, batch_shape=batch_shape, device=device)
+        return lazy_fast_runner(
+            policy, slow, obs_keys=obs_keys, batch_shape=batch_shape, device=device, next_keys=next_keys
+        )
     if isinstance(policy, torch.nn.Module):
         return _ModuleRunner(policy, obs_keys if module_keys is None else module_keys, device)
     if callable(policy):
-        return _TensorDictRunner(policy, batch_shape, obs_keys, device)
+        return _TensorDictRunner(policy, batch_shape, obs_keys, device, next_keys)
     raise TypeError(
         f"policy must be a TensorDictModule, an nn.Module, a callable td -> td or None, got {policy!r}"
     )

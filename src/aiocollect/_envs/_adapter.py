@@ -73,6 +73,14 @@ class ArrayEnv:
         self.action_spec: LeafSpec = next(iter(self.action_specs.values()))
         self._action_keys = list(self.action_specs)
         self._one_action = self._action_keys == ["action"]
+        self._state_keys: list[NestedKey] = []  # ("next", state) entries the env takes with the action
+
+    def pass_to_env(self, state_keys: list[NestedKey]) -> None:
+        """Recurrent states the env carries (a TorchRL env with a ``TensorDictPrimer``): the policy's
+        ``("next", key)`` goes to the env with the action."""
+        if state_keys:
+            self._state_keys = [("next", k) if isinstance(k, str) else ("next", *k) for k in state_keys]
+            self._one_action = False
 
     # -- the policy side: which outputs are actions -----------------------------------------------
     def check_policy_outputs(self, specs: dict[NestedKey, LeafSpec]) -> None:
@@ -103,7 +111,11 @@ class ArrayEnv:
         ``{key: tensor}`` of the entries of a Dict/Tuple action space."""
         if self._one_action:
             return out["action"]
-        return {key: out[key] for key in self._action_keys}
+        step = {key: out[key] for key in self._action_keys}
+        for key in self._state_keys:  # none in random frames: the env keeps the state (TorchRL's primer)
+            if key in out:
+                step[key] = out[key]
+        return step
 
     @property
     def torchrl_arrays(self) -> TorchRLArrays | None:

@@ -182,19 +182,17 @@ class TorchRLArrays:
         self._root = root
         return self._arrays(root, "reset()")
 
-    def _step_arrays(self, action: torch.Tensor) -> ArrayStep:
+    def _step_arrays(self, action: torch.Tensor | dict[NestedKey, torch.Tensor]) -> ArrayStep:
         root = self._root
         if root is None:
             raise RuntimeError(f"{type(self.env).__name__} was stepped before a reset")
-        spec = self.action_spec
-        action = action.reshape((*self.batch_shape, *spec.shape))
-        if action.dtype != spec.dtype:
-            if not (spec.dtype.is_floating_point or action.dtype.is_floating_point):
-                _check_integer_range(action, spec.dtype, self.action_torch_spec)
-            action = action.to(spec.dtype)
-        if self._device is not None and action.device != self._device:
-            action = action.to(self._device, non_blocking=True)
-        root.set("action", action)
+        entries = action.items() if isinstance(action, dict) else [("action", action)]
+        for key, value in entries:
+            if key == "action":
+                value = self._action(value)
+            elif self._device is not None and value.device != self._device:  # ("next", state)
+                value = value.to(self._device, non_blocking=True)
+            root.set(key, value)
         stepped, self._root = self.env.step_and_maybe_reset(root)
         nxt = stepped.get("next")
         next_obs = self._arrays(nxt, "step()['next']")
@@ -210,6 +208,17 @@ class TorchRLArrays:
         if not bs:  # one env: python scalars, as GymEnv gives
             return ArrayStep(next_obs, float(reward), bool(terminated), bool(truncated), root_obs)
         return ArrayStep(next_obs, reward.copy(), terminated, truncated, root_obs)
+
+    def _action(self, action: torch.Tensor) -> torch.Tensor:
+        spec = self.action_spec
+        action = action.reshape((*self.batch_shape, *spec.shape))
+        if action.dtype != spec.dtype:
+            if not (spec.dtype.is_floating_point or action.dtype.is_floating_point):
+                _check_integer_range(action, spec.dtype, self.action_torch_spec)
+            action = action.to(spec.dtype)
+        if self._device is not None and action.device != self._device:
+            action = action.to(self._device, non_blocking=True)
+        return action
 
     def rand_action(self) -> torch.Tensor:
         """A random action from ``env.rand_action`` (which may depend on the current root state)."""
