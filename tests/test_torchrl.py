@@ -183,13 +183,13 @@ class SpecEnv(EnvBase):
         ),
         ({"observation": {"collector": Composite(x=Unbounded(shape=(1,)))}}, "collide with the batch keys"),
         (
-            {"action": Composite(agents=Composite(action=Unbounded(shape=(1,))))},
-            r"action keys \[\('agents', 'action'\)\]",
+            {"action": Composite(agents=Composite(act=Unbounded(shape=(1,))))},
+            r"action keys \[\('agents', 'act'\)\]",
         ),
         ({"action": Composite(act=Unbounded(shape=(1,)))}, r"action keys \['act'\]"),
         ({"reward": Unbounded(shape=(2,))}, "one reward per env"),
     ],
-    ids=["non-tensor", "bfloat16", "reserved-key", "multi-agent", "action-key", "vector-reward"],
+    ids=["non-tensor", "bfloat16", "reserved-key", "group-action-key", "action-key", "vector-reward"],
 )
 def test_unsupported_specs_raise_clear_errors(kwargs, message) -> None:
     env = SpecEnv(**kwargs)

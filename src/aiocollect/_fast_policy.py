@@ -427,7 +427,9 @@ def _compile(
         and not _is_private(k)
         and (k if isinstance(k, str) else k[0]) not in ("next", "collector")
     ]
-    if "action" not in out_keys:  # the TensorDict path raises the error
+    if not any(
+        "action" in ((k,) if isinstance(k, str) else k) for k in out_keys
+    ):  # the TensorDict path raises
         return None, "no 'action' output"
     leaves = set(compiler.leaves())
     next_keys = [unravel_key(k) for k in next_keys]

@@ -81,6 +81,8 @@ class RandomPolicy:
 
     #: ``sample(batch_shape)`` takes any batch shape (a subclass may draw one env batch at a time)
     samples_any_shape = True
+    #: the keys the entries are written at, where not ``action_specs``'s (an env's agent groups)
+    rename: dict[NestedKey, NestedKey] | None = None
 
     def set_seed(self, seed: int) -> None:
         """Draw from an own generator seeded with ``seed`` from now on."""
@@ -90,7 +92,10 @@ class RandomPolicy:
 
     def sample_entries(self, batch_shape: tuple[int, ...] = ()) -> dict[NestedKey, torch.Tensor]:
         """The action entries (``{"action": tensor}``, or one nested key per leaf of a Dict/Tuple space)."""
-        return sample(self.action_space, tuple(batch_shape), self.generator)
+        entries = sample(self.action_space, tuple(batch_shape), self.generator)
+        if self.rename:
+            return {self.rename.get(k, k): v for k, v in entries.items()}
+        return entries
 
     def sample(self, batch_shape: tuple[int, ...] = ()) -> torch.Tensor | TensorDict:
         """Actions of shape ``batch_shape + action shape``: a tensor, or for a Dict/Tuple space a
@@ -130,11 +135,15 @@ class TorchRLRandomPolicy(RandomPolicy):
         """Nothing to do: the samples come from torch's RNG, which the collectors seed."""
 
     def sample_entries(self, batch_shape: tuple[int, ...] = ()) -> dict[NestedKey, torch.Tensor]:
-        return {"action": self.sample(batch_shape)}
+        """Every action entry (``"action"``, or ``(group, "action")`` per agent group)."""
+        specs = self.arrays.action_specs
+        return {k: v.reshape((*batch_shape, *specs[k].shape)) for k, v in self.arrays.rand_action().items()}
 
-    def sample(self, batch_shape: tuple[int, ...] = ()) -> torch.Tensor:
-        action = self.arrays.rand_action()
-        return action.reshape((*batch_shape, *self.arrays.action_spec.shape))
+    def sample(self, batch_shape: tuple[int, ...] = ()) -> torch.Tensor | TensorDict:
+        entries = self.sample_entries(batch_shape)
+        if list(entries) == ["action"]:
+            return entries["action"]
+        return TensorDict(entries, batch_size=batch_shape)
 
     def __repr__(self) -> str:
         return f"TorchRLRandomPolicy({type(self.arrays.env).__name__})"
@@ -146,7 +155,9 @@ def random_policy_for(env: ArrayEnv) -> RandomPolicy:
     arrays = env.torchrl_arrays
     if arrays is not None:
         return TorchRLRandomPolicy(arrays)
-    return RandomPolicy(env.action_space)
+    policy = RandomPolicy(env.action_space)
+    policy.rename = env.action_rename  # agent groups: ("agents", "action"), not ("action", "agents", ...)
+    return policy
 
 
 def _is_private(key: NestedKey) -> bool:
@@ -244,7 +255,7 @@ class _TensorDictRunner:
                     "value of each of its states"
                 )
             self.out_keys += self.next_keys
-            if not any((k if isinstance(k, str) else k[0]) == "action" for k in self.out_keys):
+            if not any("action" in ((k,) if isinstance(k, str) else k) for k in self.out_keys):
                 raise KeyError(
                     f"policy {self.policy!r} did not write an 'action' entry; it wrote {self.out_keys}"
                 )

@@ -27,6 +27,7 @@ from ._storage import StoragePool
 __all__ = ["Rollout", "RolloutResult", "StopSignal", "build_rollout", "open_env"]
 
 _FLAGS = ("done", "terminated", "truncated")
+_ONE_VALUE = frozenset({*_FLAGS, *(("next", f) for f in (*_FLAGS, "reward"))})
 
 
 @dataclass
@@ -198,11 +199,14 @@ class Rollout:
         shapes: dict[Any, tuple[tuple[int, ...], torch.dtype]] = {}
         for key, spec in self._obs_specs.items():
             shapes[key] = shapes[_key_tuple("next", key)] = ((*bt, *spec.shape), spec.dtype)
+        for key, spec in self.env.next_specs.items():  # per-agent rewards
+            shapes[_key_tuple("next", key)] = ((*bt, *spec.shape), spec.dtype)
         for key, spec in self.output_specs().items():
             shapes[key] = ((*bt, *spec.shape), spec.dtype)
         for flag in _FLAGS:
             shapes[flag] = shapes[("next", flag)] = ((*bt, 1), torch.bool)
-        shapes[("next", "reward")] = ((*bt, 1), torch.float32)
+        if self.env.has_reward:
+            shapes[("next", "reward")] = ((*bt, 1), torch.float32)
         shapes[("collector", "traj_ids")] = (bt, torch.int64)
         # one buffer for the batch, reused once the consumer has dropped an earlier batch (_storage.py)
         if into is not None:
@@ -217,7 +221,7 @@ class Rollout:
                 view = tensor.numpy()
             except TypeError:  # dtypes numpy lacks (bfloat16): written through torch
                 view = tensor
-            if key in _FLAGS or (isinstance(key, tuple) and key[-1] in (*_FLAGS, "reward")):
+            if key in _ONE_VALUE:  # the env's flags and reward: one value per frame
                 view = view[..., 0]
             views[key] = view
         return TensorDict(tensors, batch_size=bt), views
@@ -255,14 +259,19 @@ class Rollout:
             hist.out = [{k: v[:steps].movedim(0, nb) for k, v in block.items()}]
         return self._finish(batch, views, steps, hist, block is not None, into)
 
-    def _obs_slots(self, views: dict[Any, np.ndarray]) -> list[tuple[NestedKey, np.ndarray, np.ndarray]]:
-        """Per observation key: (key, its slot of ``"observation"``, of ``("next", "observation")``), as
-        views with time first, so that ``slot[t] = array`` is one copy whatever the batch dims."""
+    def _obs_slots(
+        self, views: dict[Any, np.ndarray]
+    ) -> tuple[list[tuple[NestedKey, np.ndarray]], list[tuple[NestedKey, np.ndarray]]]:
+        """The slots of the observations (key, ``"observation"``'s slot) and of the entries of the next
+        step (key, ``("next", "observation")``'s slot; per-agent rewards too), as views with time first,
+        so that ``slot[t] = array`` is one copy whatever the batch dims."""
         nb = len(self.batch_shape)
-        return [
-            (key, np.moveaxis(views[key], nb, 0), np.moveaxis(views[_key_tuple("next", key)], nb, 0))
-            for key in self._obs_specs
+        roots = [(key, np.moveaxis(views[key], nb, 0)) for key in self._obs_specs]
+        nexts = [
+            (key, np.moveaxis(views[_key_tuple("next", key)], nb, 0))
+            for key in (*self._obs_specs, *self.env.next_specs)
         ]
+        return roots, nexts
 
     def _random_block(self, runner: Runner) -> tuple[dict[NestedKey, torch.Tensor] | None, Any]:
         """Random actions for every step at once (steps first), one draw per batch, and their per-step
@@ -277,7 +286,7 @@ class Rollout:
 
     def _run(
         self,
-        obs_slots: list[tuple[NestedKey, np.ndarray, np.ndarray]],
+        obs_slots: tuple[list[tuple[NestedKey, np.ndarray]], list[tuple[NestedKey, np.ndarray]]],
         runner: Runner,
         block_steps: dict[NestedKey, Any] | None,
         hist: _Steps,
@@ -292,6 +301,7 @@ class Rollout:
         batched = bool(self.batch_shape)
         out_hist, rew_hist, term_hist, trunc_hist = hist.out, hist.reward, hist.terminated, hist.truncated
         ids_hist, carry = hist.ids, self._carry
+        root_slots, next_slots = obs_slots
         max_steps = self.options.max_frames_per_traj
         ep_length = self._ep_length
         traj_ids = self._traj_ids
@@ -301,7 +311,7 @@ class Rollout:
             if stop is not None and stop.is_set():
                 steps = t
                 break
-            for key, slot, _ in obs_slots:
+            for key, slot in root_slots:
                 slot[t] = root[key]
             if block_steps is None:
                 out = runner({k: torch.from_numpy(v) for k, v in root.items()})
@@ -319,8 +329,8 @@ class Rollout:
                     forced = None
             if carry is not None:  # recurrent states: ("next", key) from the policy, reset where done
                 next_obs, next_root = carry.step(out, next_obs, next_root, terminated | truncated)
-            for key, _, next_slot in obs_slots:
-                next_slot[t] = next_obs[key]
+            for key, slot in next_slots:
+                slot[t] = next_obs[key]
             rew_hist.append(reward)
             term_hist.append(terminated)
             trunc_hist.append(truncated)
@@ -363,9 +373,12 @@ class Rollout:
         lead = (slice(None),) * nb
         valid = (*lead, slice(0, steps))
         traj_v = views[("collector", "traj_ids")]
+        reward = views.get(("next", "reward"))
+        if reward is None:  # per-agent rewards only: their mean per env, for the statistics
+            reward = np.empty((*self.batch_shape, self.steps_per_batch), dtype=np.float32)
         if steps:
             self._write_outputs(views, valid, hist.out, out_stacked)
-            _stack_into(views[("next", "reward")][valid], hist.reward, nb)
+            _stack_into(reward[valid], hist.reward, nb)
             _stack_into(views[("next", "terminated")][valid], hist.terminated, nb)
             _stack_into(views[("next", "truncated")][valid], hist.truncated, nb)
             _stack_into(traj_v[valid], hist.ids, nb)
@@ -378,9 +391,7 @@ class Rollout:
         if steps < self.steps_per_batch:
             # frames never collected: traj id -1 marks them invalid (their other entries are garbage)
             traj_v[(*lead, slice(steps, None))] = -1
-        returns, lengths = self._episode_stats(
-            views[("next", "reward")][valid], views[("next", "done")][valid]
-        )
+        returns, lengths = self._episode_stats(reward[valid], views[("next", "done")][valid])
         if self.options.set_truncated and steps > 0:
             last: tuple[slice | int, ...] = (*lead, steps - 1)
             views[("next", "truncated")][last] = True
