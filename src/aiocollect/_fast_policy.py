@@ -33,6 +33,7 @@ from tensordict.utils import unravel_key
 from torch import Tensor
 
 from ._envs._spaces import NestedKey
+from ._rng import TORCH_RNG_LOCK
 
 __all__ = ["compile_tensordict_policy", "lazy_fast_runner", "verify_fast_runner"]
 
@@ -502,7 +503,7 @@ def verify_fast_runner(fast: Runner, slow: Runner, obs: Mapping[NestedKey, Tenso
     """
     policy = getattr(fast, "policy", None)
     snapshot = _BufferSnapshot(policy)
-    with torch.random.fork_rng(devices=_rng_devices()):
+    with TORCH_RNG_LOCK, torch.random.fork_rng(devices=_rng_devices()):
         state = torch.get_rng_state()
         try:
             fast_out = fast(obs)
@@ -545,7 +546,7 @@ class LazyFastRunner:
         fast_out = None
         if not skip_existing():
             snapshot = _BufferSnapshot(policy)
-            with torch.random.fork_rng(devices=_rng_devices()):
+            with TORCH_RNG_LOCK, torch.random.fork_rng(devices=_rng_devices()):
                 try:
                     fast_out = self.fast(obs)
                 except Exception:
