@@ -24,6 +24,7 @@ CASES = {
     "vector_envs": ["vector_envs.py", "--total-frames", "2000", "--vectorization", "async"],
     "multi_sync_ppo_style": ["multi_sync_ppo_style.py", "--total-frames", "2048"]
     + ["--frames-per-batch", "1024", "--envs-per-worker", "4", "--backend", "serial"],
+    "recurrent_policy": ["recurrent_policy.py", "--total-frames", "2000", "--frames-per-batch", "400"],
 }
 
 

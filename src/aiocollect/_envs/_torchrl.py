@@ -9,10 +9,17 @@ What is supported (anything else raises a ``TypeError`` that says why and what t
 * observations: every leaf of ``env.full_observation_spec`` (nested keys become tuple keys) whose spec is
   ``Bounded``, ``Unbounded``, ``Categorical``/``Binary``, ``MultiCategorical``, ``OneHot`` or
   ``MultiOneHot`` with a dtype numpy has (not ``NonTensor``, ``Stacked``/heterogeneous, bfloat16);
-* one action, at the key ``"action"``, of one of those specs (``OneHot`` actions keep their one-hot shape);
-* one reward, at the key ``"reward"``, with one value per env;
-* top-level done keys among ``"done"``, ``"terminated"``, ``"truncated"`` (a ``StepCounter`` adds
-  ``"truncated"``); nested (multi-agent) done, reward or action keys are not supported.
+* one action, at the key ``"action"``, of one of those specs (``OneHot`` actions keep their one-hot shape),
+  or one per agent group at ``(group, "action")`` (TorchRL's multi-agent convention);
+* one reward, at the key ``"reward"``, with one value per env, and/or per-agent rewards at
+  ``(group, "reward")`` (batch entries of ``("next", ...)``; their mean is the env's reward in the
+  episode statistics when there is no top-level one);
+* done keys among ``"done"``, ``"terminated"``, ``"truncated"`` (a ``StepCounter`` adds ``"truncated"``),
+  top-level or per group (group flags are batch entries like observations; the env-level flags are the
+  top-level ones, or any agent's where there are none).
+
+A recurrent policy's ``("next", state)`` outputs are set in the root before the step when the env carries
+them (its ``TensorDictPrimer``): ``step`` keeps a preset ``"next"`` entry, as in TorchRL's collector.
 
 Steps go through ``env.step_and_maybe_reset``: ``("next", ...)`` holds the final observation of an ended
 episode and the next root the reset one, which is exactly the rollout's same-step autoreset. The root
