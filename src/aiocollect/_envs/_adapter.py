@@ -204,10 +204,10 @@ class ArrayEnv:
         no_flag = np.zeros(bs, dtype=bool) if self._terminated_keys else None  # groups only: fine
         terminated = entry("terminated", bool, entry("done", bool) if has_done else no_flag)
         truncated = entry("truncated", bool, np.zeros(bs, dtype=bool))
-        for key in self._terminated_keys:  # agent groups: any agent's flag is the env's
-            terminated = terminated | next_obs[key].reshape(*bs, -1).any(-1)
-        for key in self._truncated_keys:
-            truncated = truncated | next_obs[key].reshape(*bs, -1).any(-1)
+        for flag in self._terminated_keys:  # agent groups: any agent's flag is the env's
+            terminated = terminated | next_obs[flag].reshape(*bs, -1).any(-1)
+        for flag in self._truncated_keys:
+            truncated = truncated | next_obs[flag].reshape(*bs, -1).any(-1)
         if self.next_specs:
             next_obs.update(self._obs_arrays(nxt, "step()['next']", self.next_specs))
         if self.has_reward:
@@ -219,8 +219,10 @@ class ArrayEnv:
         root = next_obs
         if done.any():
             root = self.reset(done)
-            for key in self._flag_keys:  # the groups' flags go on in the sub-envs not reset
-                root[key] = next_obs[key] & ~np.reshape(done, (*bs, *(1,) * (next_obs[key].ndim - len(bs))))
+            for flag in self._flag_keys:  # the groups' flags go on in the sub-envs not reset
+                root[flag] = next_obs[flag] & ~np.reshape(
+                    done, (*bs, *(1,) * (next_obs[flag].ndim - len(bs)))
+                )
         if not bs:  # one env: python scalars, as GymEnv gives
             return ArrayStep(next_obs, float(reward), bool(terminated), bool(truncated), root)
         return ArrayStep(next_obs, reward, terminated, truncated, root)
