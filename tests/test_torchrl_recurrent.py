@@ -136,3 +136,32 @@ async def test_worker_processes_carry_the_state(make_env: Any) -> None:
         )
     )
     assert_same([b[0] for b in ours], theirs)
+
+
+async def test_compat_auto_register_policy_transforms_gives_torchrls_batches() -> None:
+    """TorchRL appends InitTracker and the primer for ``auto_register_policy_transforms=True``; compat
+    accepts the keyword and the collector carries the state itself: the same batches."""
+    from aiocollect import compat
+
+    theirs = TorchRLCollector(
+        plain_env,
+        recurrent_policy(),
+        frames_per_batch=20,
+        total_frames=40,
+        auto_register_policy_transforms=True,
+    )
+    try:
+        reference = [b.clone() for b in theirs]
+    finally:
+        theirs.shutdown()
+    collector = compat.Collector(
+        plain_env,
+        recurrent_policy(),
+        frames_per_batch=20,
+        total_frames=40,
+        auto_register_policy_transforms=True,
+    )
+    with anyio.fail_after(60):
+        ours = [await collector.next(), await collector.next()]
+        await collector.shutdown()
+    assert_same(ours, reference)
