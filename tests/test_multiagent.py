@@ -133,9 +133,17 @@ async def test_group_keys_have_an_agent_dim() -> None:
     assert ("next", "reward") not in layout  # the env has per-agent rewards only, as in TorchRL's batch
 
 
-async def test_values_follow_the_env() -> None:
+@pytest.mark.parametrize("max_steps", [None, 3], ids=["env-ends", "max_frames_per_traj"])
+async def test_values_follow_the_env(max_steps: int | None) -> None:
     (batch,) = await collect(
-        Collector(walkers, homing_policy(), frames_per_batch=40, total_frames=40, seed=3)
+        Collector(
+            walkers,
+            homing_policy(),
+            frames_per_batch=40,
+            total_frames=40,
+            seed=3,
+            max_frames_per_traj=max_steps,
+        )
     )
     obs = batch["agents", "observation"][..., 0]
     nxt = batch["next", "agents", "observation"][..., 0]

@@ -38,6 +38,12 @@ def check_env(env: Any, *, argument: str = "create_env_fn") -> None:
         )
 
 
+def _expand(mask: Any, ndim: int) -> np.ndarray:
+    """A per-env mask with trailing dims of 1, to ``ndim`` dims."""
+    mask = np.asarray(mask, dtype=bool)
+    return mask.reshape(*mask.shape, *(1,) * (ndim - mask.ndim))
+
+
 def _last(key: NestedKey) -> str:
     return key if isinstance(key, str) else key[-1]
 
@@ -86,6 +92,7 @@ class ArrayEnv:
         self._state_keys: list[NestedKey] = []  # ("next", state) entries the env takes with the action
 
     action_rename: dict[NestedKey, NestedKey] | None = None
+    _group_flags: dict[NestedKey, np.ndarray] = {}  # noqa: RUF012 (the last root's group flags)
     _flag_keys: list[NestedKey] = []  # noqa: RUF012 (read-only class defaults)
     _terminated_keys: list[NestedKey] = []  # noqa: RUF012
     _truncated_keys: list[NestedKey] = []  # noqa: RUF012
@@ -176,7 +183,14 @@ class ArrayEnv:
                 batch_size=self.batch_shape,
             )
             td = self.env.reset(reset_td)
-        return self._obs_arrays(td, "reset()")
+        root = self._obs_arrays(td, "reset()")
+        if mask is not None and self._flag_keys and self._group_flags:
+            # a group's flags the env's reset left out go on in the sub-envs not reset
+            for flag in self._flag_keys:
+                if td.get(flag, None) is None:
+                    root[flag] = self._group_flags[flag] & ~_expand(mask, root[flag].ndim)
+        self._group_flags = {flag: root[flag] for flag in self._flag_keys}
+        return root
 
     def step(self, action: torch.Tensor) -> ArrayStep:
         if self._gym is not None:
@@ -217,12 +231,9 @@ class ArrayEnv:
             reward = np.concatenate(values, axis=-1).mean(-1)
         done = terminated | truncated
         root = next_obs
+        self._group_flags = {flag: next_obs[flag] for flag in self._flag_keys}
         if done.any():
             root = self.reset(done)
-            for flag in self._flag_keys:  # the groups' flags go on in the sub-envs not reset
-                root[flag] = next_obs[flag] & ~np.reshape(
-                    done, (*bs, *(1,) * (next_obs[flag].ndim - len(bs)))
-                )
         if not bs:  # one env: python scalars, as GymEnv gives
             return ArrayStep(next_obs, float(reward), bool(terminated), bool(truncated), root)
         return ArrayStep(next_obs, reward, terminated, truncated, root)
