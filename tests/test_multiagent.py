@@ -15,7 +15,7 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 from torch import nn
 
-from aiocollect import Collector, MultiSyncCollector
+from aiocollect import Collector, MultiAsyncCollector, MultiSyncCollector
 
 pytestmark = pytest.mark.anyio
 
@@ -195,3 +195,13 @@ async def test_a_group_action_of_the_wrong_shape_is_refused() -> None:
     )
     with pytest.raises(ValueError, match=r"\('agents', 'action'\) has shape \(\)"):
         Collector(walkers, policy, frames_per_batch=8)
+
+
+async def test_multi_async_collects_groups() -> None:
+    out = await collect(
+        MultiAsyncCollector([walkers] * 2, homing_policy(), frames_per_batch=16, total_frames=64)
+    )
+    assert len(out) == 4
+    for batch in out:
+        assert batch["agents", "action"].shape == (2, 8, AGENTS)
+        assert batch["next", "agents", "reward"].shape == (2, 8, AGENTS, 1)

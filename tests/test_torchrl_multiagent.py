@@ -37,9 +37,10 @@ class Walkers(EnvBase):
     """``AGENTS`` walkers on a line stepping -1, 0 or +1 towards 0; reward ``-|position|`` per agent; the
     episode terminates when all are at 0 and truncates after ``max_steps``."""
 
-    def __init__(self, max_steps: int = 7) -> None:
+    def __init__(self, max_steps: int = 7, top_flags: bool = True) -> None:
         super().__init__(batch_size=())
         self.max_steps = max_steps
+        self.top_flags = top_flags
         n = AGENTS
         flag = Categorical(2, shape=(1,), dtype=torch.bool)
         agent_flag = Categorical(2, shape=(n, 1), dtype=torch.bool)
@@ -49,12 +50,17 @@ class Walkers(EnvBase):
         )
         self.full_action_spec = Composite(agents=Composite(action=Categorical(3, shape=(n,)), shape=(n,)))
         self.full_reward_spec = Composite(agents=Composite(reward=Unbounded(shape=(n, 1)), shape=(n,)))
-        self.full_done_spec = Composite(
-            done=flag.clone(),
-            terminated=flag.clone(),
-            truncated=flag.clone(),
-            agents=Composite(done=agent_flag.clone(), terminated=agent_flag.clone(), shape=(n,)),
-        )
+        group = {"done": agent_flag.clone(), "terminated": agent_flag.clone()}
+        if top_flags:
+            self.full_done_spec = Composite(
+                done=flag.clone(),
+                terminated=flag.clone(),
+                truncated=flag.clone(),
+                agents=Composite(group, shape=(n,)),
+            )
+        else:  # PettingZoo's layout: the flags of the group only
+            group["truncated"] = agent_flag.clone()
+            self.full_done_spec = Composite(agents=Composite(group, shape=(n,)))
         self.generator = torch.Generator().manual_seed(0)
 
     def _set_seed(self, seed: int | None) -> None:
@@ -73,6 +79,9 @@ class Walkers(EnvBase):
             },
             batch_size=(AGENTS,),
         )
+        if not self.top_flags:
+            group["truncated"] = truncated.expand(AGENTS, 1).clone()
+            return TensorDict({"agents": group, "steps": steps}, batch_size=())
         return TensorDict(
             {"agents": group, "steps": steps, "done": done, "terminated": terminated, "truncated": truncated},
             batch_size=(),
@@ -91,6 +100,12 @@ class Walkers(EnvBase):
 
 def walkers() -> Walkers:
     env = Walkers()
+    env.set_seed(3)
+    return env
+
+
+def group_flag_walkers() -> Walkers:
+    env = Walkers(top_flags=False)
     env.set_seed(3)
     return env
 
@@ -164,3 +179,20 @@ async def test_random_frames_draw_every_group_action() -> None:
     ours = await our_batches(Collector(walkers, frames_per_batch=30, total_frames=30))
     action = ours[0]["agents", "action"]
     assert action.shape == (30, AGENTS) and set(action.unique().tolist()) == {0, 1, 2}
+
+
+async def test_an_env_with_group_flags_only() -> None:
+    """PettingZoo's layout (no top-level done flags): TorchRL's keys and values, plus the env-level flags
+    (any agent's), which TorchRL's batch does not have."""
+    theirs = torchrl_batches(group_flag_walkers, 24, 2)
+    ours = await our_batches(Collector(group_flag_walkers, homing(), frames_per_batch=24, total_frames=48))
+    for a, b in zip(ours, theirs, strict=True):
+        extra = set(leaves(a)) - set(leaves(b))
+        assert extra == {flag for flag in ("done", "terminated", "truncated")} | {
+            ("next", flag) for flag in ("done", "terminated", "truncated")
+        }
+        for key in b.keys(include_nested=True, leaves_only=True):
+            if key != ("collector", "traj_ids"):
+                assert torch.equal(a[key], b[key]), key
+        assert torch.equal(a["next", "done"], b["next", "agents", "done"].any(-2))
+    assert torch.cat(ours)["next", "done"].any()
