@@ -28,6 +28,7 @@ CASES = {
     # the sinks that are installed (tensorboard: the test extra; wandb: nox -s sinks), into a temp dir
     "logging_sinks": ["logging_sinks.py", "--total-frames", "2000", "--frames-per-batch", "400"]
     + ["--every", "0.2", "--logdir", str(Path(tempfile.gettempdir()) / "aiocollect-example-runs")],
+    "recurrent_policy": ["recurrent_policy.py", "--total-frames", "2000", "--frames-per-batch", "400"],
 }
 
 

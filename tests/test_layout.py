@@ -42,6 +42,7 @@ LAYERS: dict[str, int] = {
     # the wire and the rollout core
     "_transport": 3,
     "_rollout": 3,
+    "_recurrent": 3,
     "_rollout_thread": 3,
     "_storage": 3,
     "_trajectories": 3,

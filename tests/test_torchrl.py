@@ -183,13 +183,13 @@ class SpecEnv(EnvBase):
         ),
         ({"observation": {"collector": Composite(x=Unbounded(shape=(1,)))}}, "collide with the batch keys"),
         (
-            {"action": Composite(agents=Composite(action=Unbounded(shape=(1,))))},
-            r"action keys \[\('agents', 'action'\)\]",
+            {"action": Composite(agents=Composite(act=Unbounded(shape=(1,))))},
+            r"action keys \[\('agents', 'act'\)\]",
         ),
         ({"action": Composite(act=Unbounded(shape=(1,)))}, r"action keys \['act'\]"),
         ({"reward": Unbounded(shape=(2,))}, "one reward per env"),
     ],
-    ids=["non-tensor", "bfloat16", "reserved-key", "multi-agent", "action-key", "vector-reward"],
+    ids=["non-tensor", "bfloat16", "reserved-key", "group-action-key", "action-key", "vector-reward"],
 )
 def test_unsupported_specs_raise_clear_errors(kwargs, message) -> None:
     env = SpecEnv(**kwargs)
@@ -575,3 +575,31 @@ def test_torchrl_doc_example(where: str, source: str, expected: str | None, caps
     exec(compile(source, where, "exec"), {"__name__": "__main__"})
     if expected is not None:
         assert capsys.readouterr().out.strip() == expected.strip()
+
+
+def cartpole_steps_seeded() -> TransformedEnv:
+    env = cartpole_steps()
+    env.set_seed(0)
+    return env
+
+
+async def test_step_count_of_a_step_counter_matches_torchrl() -> None:
+    """A TorchRL env with StepCounter: "step_count" and ("next", "step_count") flow through as TorchRL's
+    collector writes them (values too, with a deterministic policy on a seeded env)."""
+    policy = cartpole_qvalue()
+    async with Collector(cartpole_steps_seeded, policy, frames_per_batch=24, total_frames=24) as c:
+        ours = await first_batch(c)
+    theirs = TorchRLCollector(
+        cartpole_steps_seeded,
+        policy,
+        frames_per_batch=24,
+        total_frames=24,
+        auto_register_policy_transforms=False,
+    )
+    try:
+        reference = next(iter(theirs))
+    finally:
+        theirs.shutdown()
+    for key in ("step_count", ("next", "step_count"), ("next", "truncated"), ("next", "done"), "observation"):
+        assert torch.equal(ours[key], reference[key]), key
+    assert ours["next", "step_count"].max() == 5 and ours["next", "truncated"].any()

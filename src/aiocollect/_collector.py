@@ -24,7 +24,7 @@ from ._base import CollectorBase
 from ._errors import WorkerTimeoutError
 from ._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
 from ._options import RolloutOptions, WeightSchedule, collector_options, refuse_schedule
-from ._rng import RolloutRNG
+from ._rng import RolloutRNG, forked_rng
 from ._rollout import RolloutResult, build_rollout, open_env
 from ._rollout_thread import Doorbell, Job, RolloutThread
 from ._stats import CollectorStatistics, WorkerStatistics
@@ -198,7 +198,7 @@ class Collector(CollectorBase):
         self._rng = RolloutRNG(self._seed)
         # one dry policy call: a broken policy fails here, not later. It draws from a forked RNG so
         # that the first batch is the one a later set_seed(seed) gives (no number drawn here).
-        with torch.random.fork_rng(devices=[]):
+        with forked_rng():
             self._rollout.output_specs()
 
     def _rounded_budgets(self, env: Any) -> int:

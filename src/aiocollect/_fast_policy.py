@@ -33,6 +33,7 @@ from tensordict.utils import unravel_key
 from torch import Tensor
 
 from ._envs._spaces import NestedKey
+from ._rng import TORCH_RNG_LOCK
 
 __all__ = ["compile_tensordict_policy", "lazy_fast_runner", "verify_fast_runner"]
 
@@ -383,14 +384,16 @@ def compile_tensordict_policy(
     obs_keys: Sequence[NestedKey],
     batch_shape: tuple[int, ...],
     device: torch.device | None,
+    next_keys: Sequence[NestedKey] = (),
 ) -> FastRunner | None:
     """A runner doing what ``policy(TensorDict(obs))`` does without the TensorDict, or ``None``.
 
     Supports ``TensorDictModule``, ``TensorDictSequential``, ``ProbabilisticTensorDictModule`` and
     ``ProbabilisticTensorDictSequential`` (exact classes, nested freely) with default options; any
-    other construct returns ``None``.
+    other construct returns ``None``. ``next_keys``: ``("next", state)`` outputs returned too (the
+    recurrent states of the policy).
     """
-    return _compile(policy, obs_keys, batch_shape, device)[0]
+    return _compile(policy, obs_keys, batch_shape, device, next_keys)[0]
 
 
 def unsupported_reason(
@@ -401,7 +404,11 @@ def unsupported_reason(
 
 
 def _compile(
-    policy: Any, obs_keys: Sequence[NestedKey], batch_shape: tuple[int, ...], device: torch.device | None
+    policy: Any,
+    obs_keys: Sequence[NestedKey],
+    batch_shape: tuple[int, ...],
+    device: torch.device | None,
+    next_keys: Sequence[NestedKey] = (),
 ) -> tuple[FastRunner | None, str | None]:
     if any(getattr(torch.nn.modules.module, name, None) for name in _GLOBAL_HOOKS):
         return None, "global module hooks"
@@ -421,8 +428,15 @@ def _compile(
         and not _is_private(k)
         and (k if isinstance(k, str) else k[0]) not in ("next", "collector")
     ]
-    if "action" not in out_keys:  # the TensorDict path raises the error
+    if not any(
+        "action" in ((k,) if isinstance(k, str) else k) for k in out_keys
+    ):  # the TensorDict path raises
         return None, "no 'action' output"
+    leaves = set(compiler.leaves())
+    next_keys = [unravel_key(k) for k in next_keys]
+    if any(k not in leaves for k in next_keys):  # the TensorDict path raises the error
+        return None, "a recurrent state's ('next', ...) output is not written"
+    out_keys += next_keys
     # only the observations the policy reads travel (and move to the device)
     needed = compiler.reads
     pairs = [(k, unravel_key(k)) for k in obs_keys]
@@ -489,7 +503,7 @@ def verify_fast_runner(fast: Runner, slow: Runner, obs: Mapping[NestedKey, Tenso
     """
     policy = getattr(fast, "policy", None)
     snapshot = _BufferSnapshot(policy)
-    with torch.random.fork_rng(devices=_rng_devices()):
+    with TORCH_RNG_LOCK, torch.random.fork_rng(devices=_rng_devices()):
         state = torch.get_rng_state()
         try:
             fast_out = fast(obs)
@@ -532,7 +546,7 @@ class LazyFastRunner:
         fast_out = None
         if not skip_existing():
             snapshot = _BufferSnapshot(policy)
-            with torch.random.fork_rng(devices=_rng_devices()):
+            with TORCH_RNG_LOCK, torch.random.fork_rng(devices=_rng_devices()):
                 try:
                     fast_out = self.fast(obs)
                 except Exception:
@@ -555,11 +569,12 @@ def lazy_fast_runner(
     obs_keys: Sequence[NestedKey],
     batch_shape: tuple[int, ...],
     device: torch.device | None,
+    next_keys: Sequence[NestedKey] = (),
 ) -> Runner:
     """``slow`` wrapped with the fast path when ``policy`` compiles, else ``slow`` itself."""
     if not ENABLED:
         return slow
-    fast = compile_tensordict_policy(policy, obs_keys, batch_shape, device)
+    fast = compile_tensordict_policy(policy, obs_keys, batch_shape, device, next_keys)
     if fast is None:
         return slow
     return LazyFastRunner(fast, slow)

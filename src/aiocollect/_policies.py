@@ -10,7 +10,7 @@ A runner takes the current observations as ``{key: Tensor}`` (batch dims first) 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -81,6 +81,8 @@ class RandomPolicy:
 
     #: ``sample(batch_shape)`` takes any batch shape (a subclass may draw one env batch at a time)
     samples_any_shape = True
+    #: the keys the entries are written at, where not ``action_specs``'s (an env's agent groups)
+    rename: dict[NestedKey, NestedKey] | None = None
 
     def set_seed(self, seed: int) -> None:
         """Draw from an own generator seeded with ``seed`` from now on."""
@@ -90,7 +92,10 @@ class RandomPolicy:
 
     def sample_entries(self, batch_shape: tuple[int, ...] = ()) -> dict[NestedKey, torch.Tensor]:
         """The action entries (``{"action": tensor}``, or one nested key per leaf of a Dict/Tuple space)."""
-        return sample(self.action_space, tuple(batch_shape), self.generator)
+        entries = sample(self.action_space, tuple(batch_shape), self.generator)
+        if self.rename:
+            return {self.rename.get(k, k): v for k, v in entries.items()}
+        return entries
 
     def sample(self, batch_shape: tuple[int, ...] = ()) -> torch.Tensor | TensorDict:
         """Actions of shape ``batch_shape + action shape``: a tensor, or for a Dict/Tuple space a
@@ -130,11 +135,15 @@ class TorchRLRandomPolicy(RandomPolicy):
         """Nothing to do: the samples come from torch's RNG, which the collectors seed."""
 
     def sample_entries(self, batch_shape: tuple[int, ...] = ()) -> dict[NestedKey, torch.Tensor]:
-        return {"action": self.sample(batch_shape)}
+        """Every action entry (``"action"``, or ``(group, "action")`` per agent group)."""
+        specs = self.arrays.action_specs
+        return {k: v.reshape((*batch_shape, *specs[k].shape)) for k, v in self.arrays.rand_action().items()}
 
-    def sample(self, batch_shape: tuple[int, ...] = ()) -> torch.Tensor:
-        action = self.arrays.rand_action()
-        return action.reshape((*batch_shape, *self.arrays.action_spec.shape))
+    def sample(self, batch_shape: tuple[int, ...] = ()) -> torch.Tensor | TensorDict:
+        entries = self.sample_entries(batch_shape)
+        if list(entries) == ["action"]:
+            return entries["action"]
+        return TensorDict(entries, batch_size=batch_shape)
 
     def __repr__(self) -> str:
         return f"TorchRLRandomPolicy({type(self.arrays.env).__name__})"
@@ -146,7 +155,9 @@ def random_policy_for(env: ArrayEnv) -> RandomPolicy:
     arrays = env.torchrl_arrays
     if arrays is not None:
         return TorchRLRandomPolicy(arrays)
-    return RandomPolicy(env.action_space)
+    policy = RandomPolicy(env.action_space)
+    policy.rename = env.action_rename  # agent groups: ("agents", "action"), not ("action", "agents", ...)
+    return policy
 
 
 def _is_private(key: NestedKey) -> bool:
@@ -207,11 +218,13 @@ class _TensorDictRunner:
         batch_shape: tuple[int, ...],
         obs_keys: list[NestedKey],
         device: torch.device | None,
+        next_keys: Sequence[NestedKey] = (),
     ) -> None:
         self.policy = policy
         self.batch_shape = batch_shape
         self.obs_keys = obs_keys
         self.device = device
+        self.next_keys = list(next_keys)  # ("next", state) outputs of a recurrent policy, kept
         self.out_keys: list[NestedKey] | None = None
 
     def __call__(self, obs: Mapping[NestedKey, torch.Tensor]) -> dict[NestedKey, torch.Tensor]:
@@ -235,7 +248,14 @@ class _TensorDictRunner:
                 and not _is_private(k)
                 and (k if isinstance(k, str) else k[0]) not in ("next", "collector")
             ]
-            if not any((k if isinstance(k, str) else k[0]) == "action" for k in self.out_keys):
+            missing = [k for k in self.next_keys if out.get(k, None) is None]
+            if missing:
+                raise KeyError(
+                    f"policy {self.policy!r} did not write {missing}: a recurrent policy writes the next "
+                    "value of each of its states"
+                )
+            self.out_keys += self.next_keys
+            if not any("action" in ((k,) if isinstance(k, str) else k) for k in self.out_keys):
                 raise KeyError(
                     f"policy {self.policy!r} did not write an 'action' entry; it wrote {self.out_keys}"
                 )
@@ -249,24 +269,28 @@ def make_runner(
     obs_keys: list[NestedKey],
     device: torch.device | None,
     module_keys: list[NestedKey] | None = None,
+    next_keys: Sequence[NestedKey] = (),
 ) -> Runner:
     """The per-step callable for ``policy`` (see the module docstring).
 
     ``module_keys``: the entries a plain ``nn.Module`` is called on (default ``obs_keys``); the env's
-    info entries are observations for the batch but not arguments of a plain module."""
+    info entries are observations for the batch but not arguments of a plain module. ``next_keys``:
+    the ``("next", state)`` outputs of a recurrent policy to return too (``_recurrent.py``)."""
     if isinstance(policy, RandomPolicy):
         return _RandomRunner(policy, batch_shape)
     # a torch.compile'd TensorDictModule is an nn.Module wrapper: it still takes a TensorDict
     if isinstance(unwrap_compiled(policy), TensorDictModuleBase):
-        slow = _TensorDictRunner(policy, batch_shape, obs_keys, device)
+        slow = _TensorDictRunner(policy, batch_shape, obs_keys, device, next_keys)
         if unwrap_compiled(policy) is not policy:  # compiled: keeps the TensorDict path
             return slow
         # the key graph compiled into a function of tensors, checked against ``slow`` on the first call
-        return lazy_fast_runner(policy, slow, obs_keys=obs_keys, batch_shape=batch_shape, device=device)
+        return lazy_fast_runner(
+            policy, slow, obs_keys=obs_keys, batch_shape=batch_shape, device=device, next_keys=next_keys
+        )
     if isinstance(policy, torch.nn.Module):
         return _ModuleRunner(policy, obs_keys if module_keys is None else module_keys, device)
     if callable(policy):
-        return _TensorDictRunner(policy, batch_shape, obs_keys, device)
+        return _TensorDictRunner(policy, batch_shape, obs_keys, device, next_keys)
     raise TypeError(
         f"policy must be a TensorDictModule, an nn.Module, a callable td -> td or None, got {policy!r}"
     )

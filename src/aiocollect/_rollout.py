@@ -21,11 +21,13 @@ from ._envs._adapter import ArrayEnv, check_env
 from ._envs._spaces import LeafSpec, NestedKey
 from ._options import RolloutOptions, WeightSchedule
 from ._policies import Runner, compile_policy, make_runner, random_policy_for
+from ._recurrent import Carry, Recurrence, find_recurrence
 from ._storage import StoragePool
 
 __all__ = ["Rollout", "RolloutResult", "StopSignal", "build_rollout", "open_env"]
 
 _FLAGS = ("done", "terminated", "truncated")
+_ONE_VALUE = frozenset({*_FLAGS, *(("next", f) for f in (*_FLAGS, "reward"))})
 
 
 @dataclass
@@ -89,6 +91,7 @@ class Rollout:
         schedule: WeightSchedule | None = None,
         *,
         storing_device: torch.device | None = None,
+        recurrence: Recurrence | None = None,
     ) -> None:
         if not isinstance(options.frames_per_batch, int):
             raise TypeError(f"a rollout collects one frames_per_batch, got {options.frames_per_batch!r}")
@@ -106,6 +109,10 @@ class Rollout:
         self._root: dict[NestedKey, np.ndarray] = {}
         self._out_specs: dict[NestedKey, LeafSpec] | None = None
         self._storage = StoragePool()
+        #: the policy's recurrent states (``_recurrent.py``): those the rollout carries are observations too
+        self.recurrence = recurrence if recurrence is not None else Recurrence()
+        self._carry = Carry(self.recurrence, self.batch_shape) if self.recurrence.specs else None
+        self._obs_specs = {**env.obs_specs, **self.recurrence.specs}
         self.reset()
 
     # -- state ------------------------------------------------------------------------------------
@@ -118,6 +125,8 @@ class Rollout:
     def reset(self) -> None:
         """Reset every env and start new trajectories."""
         self._root = self.env.reset()
+        if self._carry is not None:
+            self._root = self._carry.start(self._root)
         shape = self.batch_shape
         self._traj_ids = self._new_ids(max(self.env.numel, 1)).reshape(shape)
         self._ep_return = np.zeros(shape, dtype=np.float64)
@@ -155,6 +164,9 @@ class Rollout:
             specs = {}
             for key, value in out.items():
                 value = value.detach()
+                if isinstance(key, tuple) and key[0] == "next":  # a recurrent state: an observation slot
+                    self._check_state_output(key, value)
+                    continue
                 if tuple(value.shape[:nb]) != self.batch_shape:
                     raise ValueError(
                         f"policy output {key!r} has shape {tuple(value.shape)}, which does not start with "
@@ -165,6 +177,17 @@ class Rollout:
             self._out_specs = specs
         return self._out_specs
 
+    def _check_state_output(self, key: tuple[str, ...], value: torch.Tensor) -> None:
+        state = key[1] if len(key) == 2 else key[1:]
+        spec = self._obs_specs[state]
+        shape = (*self.batch_shape, *spec.shape)
+        if tuple(value.shape) != shape or value.dtype != spec.dtype:
+            raise ValueError(
+                f"policy output {key!r} has shape {tuple(value.shape)} and dtype {value.dtype}; the "
+                f"recurrent state {state!r} it updates has shape {shape} and dtype {spec.dtype} (its "
+                "initial value, batch dims first)"
+            )
+
     def _obs_tensors(self) -> dict[NestedKey, torch.Tensor]:
         return {k: torch.from_numpy(v) for k, v in self._root.items()}
 
@@ -174,13 +197,16 @@ class Rollout:
         T = self.steps_per_batch
         bt = (*self.batch_shape, T)
         shapes: dict[Any, tuple[tuple[int, ...], torch.dtype]] = {}
-        for key, spec in self.env.obs_specs.items():
+        for key, spec in self._obs_specs.items():
             shapes[key] = shapes[_key_tuple("next", key)] = ((*bt, *spec.shape), spec.dtype)
+        for key, spec in self.env.next_specs.items():  # per-agent rewards
+            shapes[_key_tuple("next", key)] = ((*bt, *spec.shape), spec.dtype)
         for key, spec in self.output_specs().items():
             shapes[key] = ((*bt, *spec.shape), spec.dtype)
         for flag in _FLAGS:
             shapes[flag] = shapes[("next", flag)] = ((*bt, 1), torch.bool)
-        shapes[("next", "reward")] = ((*bt, 1), torch.float32)
+        if self.env.has_reward:
+            shapes[("next", "reward")] = ((*bt, 1), torch.float32)
         shapes[("collector", "traj_ids")] = (bt, torch.int64)
         # one buffer for the batch, reused once the consumer has dropped an earlier batch (_storage.py)
         if into is not None:
@@ -195,7 +221,7 @@ class Rollout:
                 view = tensor.numpy()
             except TypeError:  # dtypes numpy lacks (bfloat16): written through torch
                 view = tensor
-            if key in _FLAGS or (isinstance(key, tuple) and key[-1] in (*_FLAGS, "reward")):
+            if key in _ONE_VALUE:  # the env's flags and reward: one value per frame
                 view = view[..., 0]
             views[key] = view
         return TensorDict(tensors, batch_size=bt), views
@@ -233,14 +259,19 @@ class Rollout:
             hist.out = [{k: v[:steps].movedim(0, nb) for k, v in block.items()}]
         return self._finish(batch, views, steps, hist, block is not None, into)
 
-    def _obs_slots(self, views: dict[Any, np.ndarray]) -> list[tuple[NestedKey, np.ndarray, np.ndarray]]:
-        """Per observation key: (key, its slot of ``"observation"``, of ``("next", "observation")``), as
-        views with time first, so that ``slot[t] = array`` is one copy whatever the batch dims."""
+    def _obs_slots(
+        self, views: dict[Any, np.ndarray]
+    ) -> tuple[list[tuple[NestedKey, np.ndarray]], list[tuple[NestedKey, np.ndarray]]]:
+        """The slots of the observations (key, ``"observation"``'s slot) and of the entries of the next
+        step (key, ``("next", "observation")``'s slot; per-agent rewards too), as views with time first,
+        so that ``slot[t] = array`` is one copy whatever the batch dims."""
         nb = len(self.batch_shape)
-        return [
-            (key, np.moveaxis(views[key], nb, 0), np.moveaxis(views[_key_tuple("next", key)], nb, 0))
-            for key in self.env.obs_specs
+        roots = [(key, np.moveaxis(views[key], nb, 0)) for key in self._obs_specs]
+        nexts = [
+            (key, np.moveaxis(views[_key_tuple("next", key)], nb, 0))
+            for key in (*self._obs_specs, *self.env.next_specs)
         ]
+        return roots, nexts
 
     def _random_block(self, runner: Runner) -> tuple[dict[NestedKey, torch.Tensor] | None, Any]:
         """Random actions for every step at once (steps first), one draw per batch, and their per-step
@@ -255,7 +286,7 @@ class Rollout:
 
     def _run(
         self,
-        obs_slots: list[tuple[NestedKey, np.ndarray, np.ndarray]],
+        obs_slots: tuple[list[tuple[NestedKey, np.ndarray]], list[tuple[NestedKey, np.ndarray]]],
         runner: Runner,
         block_steps: dict[NestedKey, Any] | None,
         hist: _Steps,
@@ -268,13 +299,9 @@ class Rollout:
         action_from = env.action_from
         new_ids = self._new_ids
         batched = bool(self.batch_shape)
-        out_hist, rew_hist, term_hist, trunc_hist, ids_hist = (
-            hist.out,
-            hist.reward,
-            hist.terminated,
-            hist.truncated,
-            hist.ids,
-        )
+        out_hist, rew_hist, term_hist, trunc_hist = hist.out, hist.reward, hist.terminated, hist.truncated
+        ids_hist, carry = hist.ids, self._carry
+        root_slots, next_slots = obs_slots
         max_steps = self.options.max_frames_per_traj
         ep_length = self._ep_length
         traj_ids = self._traj_ids
@@ -284,7 +311,7 @@ class Rollout:
             if stop is not None and stop.is_set():
                 steps = t
                 break
-            for key, slot, _ in obs_slots:
+            for key, slot in root_slots:
                 slot[t] = root[key]
             if block_steps is None:
                 out = runner({k: torch.from_numpy(v) for k, v in root.items()})
@@ -292,8 +319,6 @@ class Rollout:
             else:
                 out = {k: v[t] for k, v in block_steps.items()}
             next_obs, reward, terminated, truncated, next_root = env_step(action_from(out))
-            for key, _, next_slot in obs_slots:
-                next_slot[t] = next_obs[key]
             forced = None
             if max_steps is not None:
                 ep_length = ep_length + 1
@@ -302,6 +327,10 @@ class Rollout:
                     truncated = truncated | forced
                 else:
                     forced = None
+            if carry is not None:  # recurrent states: ("next", key) from the policy, reset where done
+                next_obs, next_root = carry.step(out, next_obs, next_root, terminated | truncated)
+            for key, slot in next_slots:
+                slot[t] = next_obs[key]
             rew_hist.append(reward)
             term_hist.append(terminated)
             trunc_hist.append(truncated)
@@ -316,13 +345,13 @@ class Rollout:
                     if max_steps is not None:
                         ep_length = np.where(done, 0, ep_length)
                     if forced is not None:
-                        root = env.reset(forced)
+                        root = env.reset(forced) if carry is None else carry.keep(env.reset(forced))
             elif terminated or truncated:
                 traj_ids = new_ids(1).reshape(())
                 if max_steps is not None:
                     ep_length = np.zeros_like(ep_length)
                 if forced is not None:
-                    root = env.reset(forced)
+                    root = env.reset(forced) if carry is None else carry.keep(env.reset(forced))
         self._root = root
         self._traj_ids = traj_ids
         self._ep_length = ep_length
@@ -344,9 +373,12 @@ class Rollout:
         lead = (slice(None),) * nb
         valid = (*lead, slice(0, steps))
         traj_v = views[("collector", "traj_ids")]
+        reward = views.get(("next", "reward"))
+        if reward is None:  # per-agent rewards only: their mean per env, for the statistics
+            reward = np.empty((*self.batch_shape, self.steps_per_batch), dtype=np.float32)
         if steps:
             self._write_outputs(views, valid, hist.out, out_stacked)
-            _stack_into(views[("next", "reward")][valid], hist.reward, nb)
+            _stack_into(reward[valid], hist.reward, nb)
             _stack_into(views[("next", "terminated")][valid], hist.terminated, nb)
             _stack_into(views[("next", "truncated")][valid], hist.truncated, nb)
             _stack_into(traj_v[valid], hist.ids, nb)
@@ -359,9 +391,7 @@ class Rollout:
         if steps < self.steps_per_batch:
             # frames never collected: traj id -1 marks them invalid (their other entries are garbage)
             traj_v[(*lead, slice(steps, None))] = -1
-        returns, lengths = self._episode_stats(
-            views[("next", "reward")][valid], views[("next", "done")][valid]
-        )
+        returns, lengths = self._episode_stats(reward[valid], views[("next", "done")][valid])
         if self.options.set_truncated and steps > 0:
             last: tuple[slice | int, ...] = (*lead, steps - 1)
             views[("next", "truncated")][last] = True
@@ -469,19 +499,24 @@ def build_rollout(
     # unseeded: it samples with the collector's torch RNG state (RolloutRNG), like the policy
     random_policy = random_policy_for(array_env)
     policy = own_policy(policy, random_policy, options, copy_module=copy_module)
+    recurrence = find_recurrence(
+        policy, array_env.obs_specs, env_carries=array_env.torchrl_arrays is not None
+    )
+    array_env.pass_to_env(recurrence.env_keys)
     runner_kwargs: dict[str, Any] = {
         "batch_shape": array_env.batch_shape,
-        "obs_keys": list(array_env.obs_specs),
+        "obs_keys": [*array_env.obs_specs, *recurrence.specs],
         "module_keys": array_env.module_obs_keys,
         "device": options.devices.policy,
     }
     rollout = Rollout(
         array_env,
-        make_runner(policy, **runner_kwargs),
+        make_runner(policy, **runner_kwargs, next_keys=recurrence.next_outputs),
         make_runner(random_policy, **runner_kwargs),
         options,
         schedule,
         storing_device=storing_device,
+        recurrence=recurrence,
     )
     return rollout, policy, random_policy
 

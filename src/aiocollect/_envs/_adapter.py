@@ -17,11 +17,12 @@ from tensordict import TensorDict
 
 from ._gym import ArrayStep, GymEnv, overrides_gym_env
 from ._protocol import EnvProtocol
-from ._spaces import LeafSpec, NestedKey, action_specs, observation_specs
+from ._spaces import LeafSpec, NestedKey, action_specs, group_specs, grouped_action_keys, observation_specs
 from ._torchrl import TorchRLArrays, is_torchrl_env
 
 __all__ = ["ArrayEnv", "check_env"]
 
+_FLAGS = ("done", "terminated", "truncated")
 _REQUIRED = ("batch_size", "observation_space", "action_space", "reset", "step", "set_seed", "close")
 
 
@@ -37,6 +38,16 @@ def check_env(env: Any, *, argument: str = "create_env_fn") -> None:
         )
 
 
+def _expand(mask: Any, ndim: int) -> np.ndarray:
+    """A per-env mask with trailing dims of 1, to ``ndim`` dims."""
+    mask = np.asarray(mask, dtype=bool)
+    return mask.reshape(*mask.shape, *(1,) * (ndim - mask.ndim))
+
+
+def _last(key: NestedKey) -> str:
+    return key if isinstance(key, str) else key[-1]
+
+
 class ArrayEnv:
     """The rollout's view of an env: numpy arrays in and out, batch dims first."""
 
@@ -49,18 +60,23 @@ class ArrayEnv:
             arrays = TorchRLArrays(env)
             self.action_space: Any = arrays.action_torch_spec
             self.obs_specs: dict[NestedKey, LeafSpec] = arrays.obs_specs
-            self.action_specs: dict[NestedKey, LeafSpec] = {"action": arrays.action_spec}
+            self.action_specs: dict[NestedKey, LeafSpec] = arrays.action_specs
+            self.next_specs: dict[NestedKey, LeafSpec] = arrays.next_specs
+            self.has_reward = arrays.has_reward
             self.has_truncated = arrays.has_truncated
             self._gym: Any = arrays  # the array fast path: a GymEnv, or this adapter
         else:
             self.action_space = env.action_space
             gym_env = isinstance(env, GymEnv)
+            self.next_specs = {}
+            self.has_reward = True
             if isinstance(env, GymEnv):
                 self.obs_specs = env.obs_specs
                 self.action_specs = env.action_specs
             else:
                 self.obs_specs = observation_specs(env.observation_space)
                 self.action_specs = action_specs(env.action_space)
+                self._init_groups(env)
             self.has_truncated = bool(getattr(env, "has_truncated", True))
             fast = gym_env and not (overrides_gym_env(env, "step") or overrides_gym_env(env, "reset"))
             self._gym = env if fast else None
@@ -73,6 +89,47 @@ class ArrayEnv:
         self.action_spec: LeafSpec = next(iter(self.action_specs.values()))
         self._action_keys = list(self.action_specs)
         self._one_action = self._action_keys == ["action"]
+        self._state_keys: list[NestedKey] = []  # ("next", state) entries the env takes with the action
+
+    action_rename: dict[NestedKey, NestedKey] | None = None
+    _group_flags: dict[NestedKey, np.ndarray] = {}  # noqa: RUF012 (the last root's group flags)
+    _flag_keys: list[NestedKey] = []  # noqa: RUF012 (read-only class defaults)
+    _terminated_keys: list[NestedKey] = []  # noqa: RUF012
+    _truncated_keys: list[NestedKey] = []  # noqa: RUF012
+
+    def _init_groups(self, env: Any) -> None:
+        """Agent groups of a protocol env (TorchRL's multi-agent keys): grouped actions (a Dict action
+        space whose leaves are all named ``"action"``: ``{"agents": {"action": ...}}`` is written at
+        ``("agents", "action")``), and the optional ``reward_space`` / ``done_space`` (Dict spaces of the
+        reward and done entries of ``step()["next"]``, nested per group)."""
+        self.action_rename = grouped_action_keys(env.action_space)
+        if self.action_rename:
+            self.action_specs = {self.action_rename[k]: v for k, v in self.action_specs.items()}
+        reward_space = getattr(env, "reward_space", None)
+        if reward_space is not None:
+            rewards = group_specs(reward_space, "reward", ("reward",))
+            self.has_reward = "reward" in rewards
+            self.next_specs = {k: v for k, v in rewards.items() if not isinstance(k, str)}
+        done_space = getattr(env, "done_space", None)
+        flags = group_specs(done_space, "done", _FLAGS) if done_space is not None else {}
+        self._flag_keys = [k for k in flags if not isinstance(k, str)]
+        self.obs_specs = {
+            **self.obs_specs,
+            **{k: LeafSpec(flags[k].shape, torch.bool) for k in self._flag_keys},
+        }
+        # the env's own flags are its top-level ones; an env without them ends when any agent does
+        nested = [] if {"done", "terminated"} & set(flags) else self._flag_keys
+        self._terminated_keys = [k for k in nested if k[-1] == "terminated"] or [
+            k for k in nested if k[-1] == "done"
+        ]
+        self._truncated_keys = [] if "truncated" in flags else [k for k in nested if k[-1] == "truncated"]
+
+    def pass_to_env(self, state_keys: list[NestedKey]) -> None:
+        """Recurrent states the env carries (a TorchRL env with a ``TensorDictPrimer``): the policy's
+        ``("next", key)`` goes to the env with the action."""
+        if state_keys:
+            self._state_keys = [("next", k) if isinstance(k, str) else ("next", *k) for k in state_keys]
+            self._one_action = False
 
     # -- the policy side: which outputs are actions -----------------------------------------------
     def check_policy_outputs(self, specs: dict[NestedKey, LeafSpec]) -> None:
@@ -103,7 +160,11 @@ class ArrayEnv:
         ``{key: tensor}`` of the entries of a Dict/Tuple action space."""
         if self._one_action:
             return out["action"]
-        return {key: out[key] for key in self._action_keys}
+        step = {key: out[key] for key in self._action_keys}
+        for key in self._state_keys:  # none in random frames: the env keeps the state (TorchRL's primer)
+            if key in out:
+                step[key] = out[key]
+        return step
 
     @property
     def torchrl_arrays(self) -> TorchRLArrays | None:
@@ -122,7 +183,14 @@ class ArrayEnv:
                 batch_size=self.batch_shape,
             )
             td = self.env.reset(reset_td)
-        return self._obs_arrays(td, "reset()")
+        root = self._obs_arrays(td, "reset()")
+        if mask is not None and self._flag_keys and self._group_flags:
+            # a group's flags the env's reset left out go on in the sub-envs not reset
+            for flag in self._flag_keys:
+                if td.get(flag, None) is None:
+                    root[flag] = self._group_flags[flag] & ~_expand(mask, root[flag].ndim)
+        self._group_flags = {flag: root[flag] for flag in self._flag_keys}
+        return root
 
     def step(self, action: torch.Tensor) -> ArrayStep:
         if self._gym is not None:
@@ -145,13 +213,25 @@ class ArrayEnv:
                 raise KeyError(f"{type(self.env).__name__}.step() returned no ('next', {name!r}) entry")
             return np.array(torch.as_tensor(value).detach().cpu().reshape(bs).numpy(), dtype=dtype)
 
-        has_done = nxt.get("done", None) is not None
-        terminated = entry("terminated", bool, entry("done", bool) if has_done else None)
-        truncated = entry("truncated", bool, np.zeros(bs, dtype=bool))
-        reward = entry("reward", np.float32)
         next_obs = self._obs_arrays(nxt, "step()['next']")
+        has_done = nxt.get("done", None) is not None
+        no_flag = np.zeros(bs, dtype=bool) if self._terminated_keys else None  # groups only: fine
+        terminated = entry("terminated", bool, entry("done", bool) if has_done else no_flag)
+        truncated = entry("truncated", bool, np.zeros(bs, dtype=bool))
+        for flag in self._terminated_keys:  # agent groups: any agent's flag is the env's
+            terminated = terminated | next_obs[flag].reshape(*bs, -1).any(-1)
+        for flag in self._truncated_keys:
+            truncated = truncated | next_obs[flag].reshape(*bs, -1).any(-1)
+        if self.next_specs:
+            next_obs.update(self._obs_arrays(nxt, "step()['next']", self.next_specs))
+        if self.has_reward:
+            reward = entry("reward", np.float32)
+        else:  # per-agent rewards only: their mean, for the episode statistics
+            values = [next_obs[k].reshape(*bs, -1).astype(np.float32) for k in self.next_specs]
+            reward = np.concatenate(values, axis=-1).mean(-1)
         done = terminated | truncated
         root = next_obs
+        self._group_flags = {flag: next_obs[flag] for flag in self._flag_keys}
         if done.any():
             root = self.reset(done)
         if not bs:  # one env: python scalars, as GymEnv gives
@@ -164,10 +244,15 @@ class ArrayEnv:
     def close(self) -> None:
         self.env.close()
 
-    def _obs_arrays(self, td: TensorDict, where: str) -> dict[NestedKey, np.ndarray]:
+    def _obs_arrays(
+        self, td: TensorDict, where: str, specs: dict[NestedKey, LeafSpec] | None = None
+    ) -> dict[NestedKey, np.ndarray]:
         out = {}
-        for key in self.obs_specs:
+        specs = self.obs_specs if specs is None else specs
+        for key in specs:
             value = td.get(key, None)
+            if value is None and key in self._flag_keys:  # a group's done flag left out: not done
+                value = torch.zeros((*self.batch_shape, *specs[key].shape), dtype=torch.bool)
             if value is None:
                 raise KeyError(
                     f"{type(self.env).__name__}.{where} has no {key!r} entry; the observation space "
@@ -175,5 +260,5 @@ class ArrayEnv:
                 )
             value = torch.as_tensor(value).detach()
             # a copy in the spec dtype: the env may update its tensors in place later
-            out[key] = value.to("cpu", self.obs_specs[key].dtype, copy=True).numpy()
+            out[key] = value.to("cpu", specs[key].dtype, copy=True).numpy()
         return out

@@ -24,6 +24,8 @@ __all__ = [
     "action_spec",
     "action_specs",
     "flatten_obs",
+    "group_specs",
+    "grouped_action_keys",
     "leaf_spec",
     "observation_specs",
     "sample",
@@ -120,6 +122,30 @@ def _action_leaves(space: spaces.Space[Any], path: tuple[str, ...]) -> list[tupl
     if isinstance(space, spaces.Box) and spec.dtype.is_floating_point:
         spec = LeafSpec(spec.shape, torch.float32)
     return [(path, spec)]
+
+
+def grouped_action_keys(space: spaces.Space[Any]) -> dict[NestedKey, NestedKey] | None:
+    """For a Dict action space whose leaves are all named ``"action"`` (TorchRL's agent groups:
+    ``{"agents": {"action": Box(...)}}``), the key of each leaf under :func:`action_specs`'s convention
+    (``("action", "agents", "action")``) mapped to its own key (``("agents", "action")``); else ``None``."""
+    if not isinstance(space, spaces.Dict):
+        return None
+    keys = list(action_leaf_spaces(space))
+    if not all(isinstance(k, tuple) and len(k) > 2 and k[-1] == "action" for k in keys):
+        return None
+    return {k: k[1:] for k in keys}
+
+
+def group_specs(space: Any, what: str, names: tuple[str, ...]) -> dict[NestedKey, LeafSpec]:
+    """The leaves of a protocol env's ``reward_space`` / ``done_space``: a (nested) Dict space whose leaf
+    names are among ``names`` (``("agents", "reward")`` ...); ``what`` names it in errors."""
+    if not isinstance(space, spaces.Dict):
+        raise TypeError(f"an env's {what}_space must be a gymnasium Dict space, got {space!r}")
+    out = _dict_specs(space)
+    odd = [k for k in out if (k if isinstance(k, str) else k[-1]) not in names]
+    if odd:
+        raise TypeError(f"the {what}_space entries {odd} are not named {' or '.join(map(repr, names))}")
+    return out
 
 
 def action_spec(space: spaces.Space[Any]) -> LeafSpec:

@@ -9,10 +9,17 @@ What is supported (anything else raises a ``TypeError`` that says why and what t
 * observations: every leaf of ``env.full_observation_spec`` (nested keys become tuple keys) whose spec is
   ``Bounded``, ``Unbounded``, ``Categorical``/``Binary``, ``MultiCategorical``, ``OneHot`` or
   ``MultiOneHot`` with a dtype numpy has (not ``NonTensor``, ``Stacked``/heterogeneous, bfloat16);
-* one action, at the key ``"action"``, of one of those specs (``OneHot`` actions keep their one-hot shape);
-* one reward, at the key ``"reward"``, with one value per env;
-* top-level done keys among ``"done"``, ``"terminated"``, ``"truncated"`` (a ``StepCounter`` adds
-  ``"truncated"``); nested (multi-agent) done, reward or action keys are not supported.
+* one action, at the key ``"action"``, of one of those specs (``OneHot`` actions keep their one-hot shape),
+  or one per agent group at ``(group, "action")`` (TorchRL's multi-agent convention);
+* one reward, at the key ``"reward"``, with one value per env, and/or per-agent rewards at
+  ``(group, "reward")`` (batch entries of ``("next", ...)``; their mean is the env's reward in the
+  episode statistics when there is no top-level one);
+* done keys among ``"done"``, ``"terminated"``, ``"truncated"`` (a ``StepCounter`` adds ``"truncated"``),
+  top-level or per group (group flags are batch entries like observations; the env-level flags are the
+  top-level ones, or any agent's where there are none).
+
+A recurrent policy's ``("next", state)`` outputs are set in the root before the step when the env carries
+them (its ``TensorDictPrimer``): ``step`` keeps a preset ``"next"`` entry, as in TorchRL's collector.
 
 Steps go through ``env.step_and_maybe_reset``: ``("next", ...)`` holds the final observation of an ended
 episode and the next root the reset one, which is exactly the rollout's same-step autoreset. The root
@@ -84,14 +91,18 @@ def _composite_leaves(composite: Any, batch_shape: tuple[int, ...], what: str) -
     return out
 
 
-def _check_integer_range(action: torch.Tensor, dtype: torch.dtype, spec: Any) -> None:
+def _last(key: NestedKey) -> str:
+    return key if isinstance(key, str) else key[-1]
+
+
+def _check_integer_range(key: NestedKey, action: torch.Tensor, dtype: torch.dtype, spec: Any) -> None:
     """Raise if an integer action does not fit ``dtype`` (a cast would wrap it around silently)."""
     low, high = (0, 1) if dtype == torch.bool else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
     bad = (action < low) | (action > high)
     if bool(bad.any()):
         values = torch.unique(action[bad])[:5].tolist()
         raise ValueError(
-            f"policy output 'action' has {action.dtype} values {values} that do not fit the action spec's "
+            f"policy output {key!r} has {action.dtype} values {values} that do not fit the action spec's "
             f"dtype {dtype} (values in [{low}, {high}]); the spec is {spec}. Integer actions are checked, "
             "never wrapped to fit: write actions in the spec's range (or its dtype)"
         )
@@ -121,43 +132,84 @@ class TorchRLArrays:
                 f"{type(env).__name__}'s observation entries {clash} collide with the batch keys "
                 f"{sorted(RESERVED_KEYS)}; rename them with torchrl.envs.RenameTransform"
             )
-        action_keys = list(env.full_action_spec.keys(include_nested=True, leaves_only=True))
-        if action_keys != ["action"]:
-            raise TypeError(
-                f"{type(env).__name__} has the action keys {action_keys}; aiocollect collects envs with one "
-                "action at the key 'action' (rename it with torchrl.envs.RenameTransform; multi-agent "
-                "envs are not supported)"
-            )
-        self.action_torch_spec = env.full_action_spec["action"]
-        self.action_spec = _leaf_spec("action", self.action_torch_spec, bs, "action")
-        reward_keys = list(env.reward_keys)
-        if reward_keys != ["reward"]:
-            raise TypeError(
-                f"{type(env).__name__} has the reward keys {reward_keys}; aiocollect needs one reward at "
-                "the key 'reward' (rename it with torchrl.envs.RenameTransform)"
-            )
-        reward_shape = tuple(env.full_reward_spec["reward"].shape)
-        if prod(reward_shape[len(bs) :]) != 1:
-            raise TypeError(
-                f"{type(env).__name__}'s reward has shape {list(reward_shape)}: aiocollect needs one reward "
-                f"per env (shape {[*bs, 1]})"
-            )
-        done_keys = list(env.done_keys)
-        unsupported = [k for k in done_keys if k not in _DONE_KEYS]
-        if unsupported or not done_keys:
-            raise TypeError(
-                f"{type(env).__name__} has the done keys {done_keys}; aiocollect supports top-level "
-                f"{sorted(_DONE_KEYS)} only (nested done keys belong to multi-agent envs, not supported)"
-            )
-        self._terminated_key = "terminated" if "terminated" in done_keys else "done"
-        self.has_truncated = "truncated" in done_keys
+        self._init_actions(env)
+        self._init_rewards(env)
+        self._init_dones(env)
         self._device = env.device
         self._root: TensorDictBase | None = None
 
+    def _init_actions(self, env: Any) -> None:
+        """Actions: ``"action"``, or one per agent group at ``(group, "action")`` (TorchRL's convention)."""
+        bs = self.batch_shape
+        keys = list(env.full_action_spec.keys(include_nested=True, leaves_only=True))
+        odd = [k for k in keys if _last(k) != "action"]
+        if odd or not keys:
+            raise TypeError(
+                f"{type(env).__name__} has the action keys {keys}; aiocollect collects an action at the key "
+                "'action', or one per agent group at (group, 'action') (rename it with "
+                "torchrl.envs.RenameTransform)"
+            )
+        self.action_torch_specs = {k: env.full_action_spec[k] for k in keys}
+        self.action_specs = {
+            k: _leaf_spec(k, spec, bs, "action") for k, spec in self.action_torch_specs.items()
+        }
+        self.action_torch_spec = (
+            self.action_torch_specs["action"] if keys == ["action"] else env.full_action_spec
+        )
+        self.action_spec = next(iter(self.action_specs.values()))
+
+    def _init_rewards(self, env: Any) -> None:
+        """One reward per env at ``"reward"``; nested (per-agent) rewards are batch entries of their own,
+        and their mean is the env's reward in the episode statistics."""
+        bs = self.batch_shape
+        keys = list(env.reward_keys)
+        odd = [k for k in keys if _last(k) != "reward"]
+        if odd or not keys:
+            raise TypeError(
+                f"{type(env).__name__} has the reward keys {keys}; aiocollect needs a reward at the key "
+                "'reward' or (group, 'reward') (rename it with torchrl.envs.RenameTransform)"
+            )
+        self.has_reward = "reward" in keys
+        if self.has_reward:
+            reward_shape = tuple(env.full_reward_spec["reward"].shape)
+            if prod(reward_shape[len(bs) :]) != 1:
+                raise TypeError(
+                    f"{type(env).__name__}'s reward has shape {list(reward_shape)}: aiocollect needs one "
+                    f"reward per env at 'reward' (shape {[*bs, 1]}); per-agent rewards at (group, 'reward')"
+                )
+        #: entries of ("next", ...) only: the nested rewards
+        self.next_specs = {
+            k: _leaf_spec(k, env.full_reward_spec[k], bs, "reward") for k in keys if not isinstance(k, str)
+        }
+
+    def _init_dones(self, env: Any) -> None:
+        """Top-level done flags, and nested (per-agent) ones, which are batch entries like observations;
+        the env's flags in the rollout are any of them."""
+        bs = self.batch_shape
+        keys = list(env.done_keys)
+        odd = [k for k in keys if _last(k) not in _DONE_KEYS]
+        if odd or not keys:
+            raise TypeError(
+                f"{type(env).__name__} has the done keys {keys}; aiocollect supports {sorted(_DONE_KEYS)}, "
+                "at the top level or in agent groups"
+            )
+        for key in keys:
+            if not isinstance(key, str):
+                self.obs_specs[key] = _leaf_spec(key, env.full_done_spec[key], bs, "done flag")
+        # the env's own flags are its top-level ones; an env without them ends when any agent does
+        top = [k for k in keys if isinstance(k, str)]
+        ends = top if {"done", "terminated"} & set(top) else keys
+        terminated = [k for k in ends if _last(k) == "terminated"]
+        self._terminated_keys = terminated or [k for k in ends if _last(k) == "done"]
+        self._truncated_keys = [k for k in (top if "truncated" in top else keys) if _last(k) == "truncated"]
+        self.has_truncated = bool(self._truncated_keys)
+
     # -- the array interface ----------------------------------------------------------------------
-    def _arrays(self, td: TensorDictBase, where: str) -> dict[NestedKey, np.ndarray]:
+    def _arrays(
+        self, td: TensorDictBase, where: str, specs: dict[NestedKey, LeafSpec] | None = None
+    ) -> dict[NestedKey, np.ndarray]:
         out = {}
-        for key, spec in self.obs_specs.items():
+        for key, spec in (self.obs_specs if specs is None else specs).items():
             value = td.get(key, None)
             if value is None:
                 raise KeyError(
@@ -166,6 +218,16 @@ class TorchRLArrays:
                 )
             # a copy: batched torchrl envs write their next step into the same (shared) tensors
             out[key] = value.detach().to("cpu", spec.dtype, copy=True).numpy()
+        return out
+
+    def _any(self, td: TensorDictBase, keys: list[NestedKey]) -> np.ndarray:
+        """Whether any of the flags ``keys`` (per env: any agent's) is set."""
+        bs = self.batch_shape
+        out = np.zeros(bs, dtype=bool)
+        for key in keys:
+            value = td.get(key, None)
+            if value is not None:
+                out |= value.detach().reshape(*bs, -1).any(-1).cpu().numpy()
         return out
 
     def _reset_arrays(self, mask: np.ndarray | None = None) -> dict[NestedKey, np.ndarray]:
@@ -182,37 +244,49 @@ class TorchRLArrays:
         self._root = root
         return self._arrays(root, "reset()")
 
-    def _step_arrays(self, action: torch.Tensor) -> ArrayStep:
+    def _step_arrays(self, action: torch.Tensor | dict[NestedKey, torch.Tensor]) -> ArrayStep:
         root = self._root
         if root is None:
             raise RuntimeError(f"{type(self.env).__name__} was stepped before a reset")
-        spec = self.action_spec
-        action = action.reshape((*self.batch_shape, *spec.shape))
-        if action.dtype != spec.dtype:
-            if not (spec.dtype.is_floating_point or action.dtype.is_floating_point):
-                _check_integer_range(action, spec.dtype, self.action_torch_spec)
-            action = action.to(spec.dtype)
-        if self._device is not None and action.device != self._device:
-            action = action.to(self._device, non_blocking=True)
-        root.set("action", action)
+        entries = action.items() if isinstance(action, dict) else [("action", action)]
+        for key, value in entries:
+            if key in self.action_specs:
+                value = self._action(key, value)
+            elif self._device is not None and value.device != self._device:  # ("next", state)
+                value = value.to(self._device, non_blocking=True)
+            root.set(key, value)
         stepped, self._root = self.env.step_and_maybe_reset(root)
         nxt = stepped.get("next")
         next_obs = self._arrays(nxt, "step()['next']")
+        if self.next_specs:
+            next_obs.update(self._arrays(nxt, "step()['next']", self.next_specs))
         root_obs = self._arrays(self._root, "step_and_maybe_reset()[1]")
         bs = self.batch_shape
-        reward = nxt.get("reward").detach().reshape(bs).to("cpu", torch.float32).numpy()
-        terminated = nxt.get(self._terminated_key).detach().reshape(bs).cpu().numpy().astype(bool)
-        truncated_t = nxt.get("truncated", None) if self.has_truncated else None
-        if truncated_t is None:
-            truncated = np.zeros(bs, dtype=bool)
-        else:
-            truncated = truncated_t.detach().reshape(bs).cpu().numpy().astype(bool)
+        if self.has_reward:
+            reward = nxt.get("reward").detach().reshape(bs).to("cpu", torch.float32).numpy().copy()
+        else:  # per-agent rewards only: their mean, for the episode statistics
+            values = [next_obs[k].reshape(*bs, -1).astype(np.float32) for k in self.next_specs]
+            reward = np.concatenate(values, axis=-1).mean(-1)
+        terminated = self._any(nxt, self._terminated_keys)
+        truncated = self._any(nxt, self._truncated_keys)
         if not bs:  # one env: python scalars, as GymEnv gives
             return ArrayStep(next_obs, float(reward), bool(terminated), bool(truncated), root_obs)
-        return ArrayStep(next_obs, reward.copy(), terminated, truncated, root_obs)
+        return ArrayStep(next_obs, reward, terminated, truncated, root_obs)
 
-    def rand_action(self) -> torch.Tensor:
-        """A random action from ``env.rand_action`` (which may depend on the current root state)."""
+    def _action(self, key: NestedKey, action: torch.Tensor) -> torch.Tensor:
+        spec = self.action_specs[key]
+        action = action.reshape((*self.batch_shape, *spec.shape))
+        if action.dtype != spec.dtype:
+            if not (spec.dtype.is_floating_point or action.dtype.is_floating_point):
+                _check_integer_range(key, action, spec.dtype, self.action_torch_specs[key])
+            action = action.to(spec.dtype)
+        if self._device is not None and action.device != self._device:
+            action = action.to(self._device, non_blocking=True)
+        return action
+
+    def rand_action(self) -> dict[NestedKey, torch.Tensor]:
+        """Random actions from ``env.rand_action`` (which may depend on the current root state)."""
         root = self._root
         td = root.copy() if root is not None else TensorDict({}, batch_size=self.batch_shape)
-        return self.env.rand_action(td).get("action")
+        drawn = self.env.rand_action(td)
+        return {key: drawn.get(key) for key in self.action_specs}

@@ -64,10 +64,6 @@ ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
         (None, False),
         "wrap the policy in tensordict.nn.CudaGraphModule yourself, or use compile_policy",
     ),
-    "auto_register_policy_transforms": (
-        (None, False),
-        "add the InitTracker / TensorDictPrimer transforms to the env yourself",
-    ),
 }
 
 #: torchrl keywords that change nothing in aiocollect (any value is accepted)
@@ -75,6 +71,9 @@ IGNORED = frozenset(
     {
         # batches are never reused: each one is a fresh TensorDict, so there is no buffer to share
         "return_same_td",
+        # a recurrent policy's state and "is_init" are carried by the collector where the env lacks
+        # InitTracker / TensorDictPrimer: the batches are those of an env with the transforms appended
+        "auto_register_policy_transforms",
         # batches are always preallocated
         "use_buffers",
         # the policy is wrapped by type (TensorDictModule / nn.Module / callable), never checked further

@@ -1,0 +1,93 @@
+"""Seeded in-process collectors share torch's global RNG (issue 18): each swaps its own state in around a
+batch under one process-wide lock, so several running at once give the batches each gives alone, and the
+caller's RNG state is left as it was."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import pytest
+import torch
+from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModule, TensorDictSequential
+from torch.distributions import Categorical
+
+from aiocollect import Collector, GymEnv
+from aiocollect._rng import TORCH_RNG_LOCK, RolloutRNG
+
+pytestmark = pytest.mark.anyio
+
+
+def sampling_policy() -> TensorDictSequential:
+    torch.manual_seed(0)
+    return TensorDictSequential(
+        TensorDictModule(torch.nn.Linear(4, 2), ["observation"], ["logits"]),
+        ProbabilisticTensorDictModule(
+            in_keys=["logits"], out_keys=["action"], distribution_class=Categorical
+        ),
+    )
+
+
+def vector_cartpole() -> GymEnv:
+    return GymEnv("CartPole-v1", num_envs=4)
+
+
+async def actions(seed: int, policy: TensorDictSequential, into: list[torch.Tensor]) -> None:
+    async with Collector(vector_cartpole, policy, frames_per_batch=400, total_frames=2000, seed=seed) as c:
+        async for batch in c:
+            into.append(batch["action"].clone())
+            await anyio.lowlevel.checkpoint()
+
+
+async def test_concurrent_seeded_collectors_are_reproducible() -> None:
+    policy = sampling_policy()  # built first: it seeds torch's RNG
+    alone: dict[int, list[torch.Tensor]] = {1: [], 2: []}
+    with anyio.fail_after(120):
+        for seed, out in alone.items():
+            await actions(seed, policy, out)
+        caller = torch.get_rng_state()
+        together: list[list[torch.Tensor]] = [[], [], []]
+        async with anyio.create_task_group() as tg:
+            for seed, out in zip((1, 2, 1), together, strict=True):  # all three at once, two with seed 1
+                tg.start_soon(actions, seed, policy, out)
+    assert torch.equal(torch.get_rng_state(), caller)
+    for seed, out in zip((1, 2, 1), together, strict=True):
+        assert len(out) == len(alone[seed]) == 5
+        assert all(torch.equal(a, b) for a, b in zip(out, alone[seed], strict=True))
+
+
+def test_rollout_rngs_in_threads_keep_their_own_streams() -> None:
+    """The swap itself, from many threads at once: each RNG's draws are those it makes alone."""
+
+    def draws(rng: RolloutRNG, n: int) -> list[torch.Tensor]:
+        # a draw long enough for the interpreter to switch threads in the middle of it
+        return [rng.run(lambda: torch.stack([torch.rand(8) for _ in range(50)])) for _ in range(n)]
+
+    expected = {seed: draws(RolloutRNG(seed), 100) for seed in range(4)}
+    got: dict[int, list[torch.Tensor]] = {}
+    caller = torch.get_rng_state()
+
+    def worker(seed: int) -> None:
+        got[seed] = draws(RolloutRNG(seed), 100)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert torch.equal(torch.get_rng_state(), caller)
+    for seed in range(4):
+        assert all(torch.equal(a, b) for a, b in zip(got[seed], expected[seed], strict=True))
+
+
+def test_the_lock_is_held_while_a_seeded_batch_runs() -> None:
+    rng = RolloutRNG(0)
+    held = rng.run(lambda: not TORCH_RNG_LOCK.acquire(blocking=False) or TORCH_RNG_LOCK.release())
+    assert held is not False  # acquired re-entrantly by the same thread: an RLock
+    other: list[bool] = []
+
+    def probe() -> None:
+        other.append(TORCH_RNG_LOCK.acquire(blocking=False))
+
+    rng.run(lambda: (thread := threading.Thread(target=probe), thread.start(), thread.join()))
+    assert other == [False]
