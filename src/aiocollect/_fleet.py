@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any, ClassVar, Protocol
 
@@ -129,9 +130,16 @@ class FleetCollector(CollectorBase):
         """A frozen record of what the collector and each member (``workers[i]``) have done (see
         :class:`CollectorStatistics`)."""
         workers = self._worker_stats() or self._last_workers
-        return self._stats.snapshot(
+        snapshot = self._stats.snapshot(
             self._version, workers=workers, paused=self.paused, loop_lag_ms=self._lag.percentiles_ms()
         )
+        discarded = self._frames_discarded()
+        return replace(snapshot, frames_discarded=discarded) if discarded else snapshot
+
+    def _frames_discarded(self) -> int:
+        """Frames collected and never delivered because newer weights overtook them (0 unless a subclass
+        flushes: ``update_weights(flush=True)``)."""
+        return 0
 
     # -- start-up -------------------------------------------------------------------------------------
     async def _pickled_policy(self, for_whom: str) -> bytes:
