@@ -157,7 +157,7 @@ class FleetCollector(CollectorBase):
     async def _members_started(self) -> None:
         """Once every member runs and ``frames_per_batch`` is known: say if the budget is not a whole
         number of batches, then seed the members (``seed=`` given to the constructor)."""
-        if self.total_frames > 0 and self.total_frames % self.frames_per_batch:
+        if self.total_frames > 0 and not self._budget_fits_batches():
             warnings.warn(
                 f"total_frames={self.total_frames} is not a multiple of the batch size "
                 f"{self.frames_per_batch}: the last batch is not cut",
@@ -166,6 +166,10 @@ class FleetCollector(CollectorBase):
             )
         if self._seed is not None:
             await self._seed_chain(self._seed)
+
+    def _budget_fits_batches(self) -> bool:
+        """Whether ``total_frames`` is a whole number of batches (else a warning at start-up)."""
+        return self.total_frames % self.frames_per_batch == 0
 
     # -- seeds ----------------------------------------------------------------------------------------
     async def _seed_chain(self, seed: int) -> int:

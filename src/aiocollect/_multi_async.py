@@ -63,6 +63,10 @@ class MultiAsyncCollector(MultiCollectorBase):
             return list(frames_per_batch)
         return [frames_per_batch] * n
 
+    def _budget_fits_batches(self) -> bool:
+        # batches of different sizes (per-worker frames_per_batch) arrive in no set order: no warning
+        return len(set(self._worker_frames)) > 1 or super()._budget_fits_batches()
+
     def _check_layouts(self, ready: list[Any]) -> None:
         """Batches are delivered one worker at a time: any layouts go."""
 

@@ -181,6 +181,10 @@ class Worker:
             self._published = self.control.td["published"].numpy()
             self._floor = self.control.td["floor"].numpy()
             self._discarded = self.control.td["discarded"].numpy()
+            #: the policy version of the last batch sent; whether the trajectories in flight took new ids
+            #: since (see ``collect``)
+            self._sent_version = 0
+            self._split = False
             self._stop_or_stale = _StopOrStale(
                 self.control.td["stop"].numpy(), self._floor, spec.index, self.rollout
             )
@@ -247,17 +251,24 @@ class Worker:
             raise TypeError(f"unexpected message {msg!r}")
 
     def collect(self, chan: BlockingChannel, slot: int, random: bool) -> BatchReady:
-        """One batch into ``slot``, collected with weights no older than the version floor: a rollout
-        overtaken by newer weights stops at its next step, its frames are discarded (and counted), and
-        it starts again on the new weights. The env is not reset: the trajectories in flight go on under
-        fresh trajectory ids (the discarded steps would leave a gap in the old ones); the episodes that
-        ended in the discarded part are still reported with the batch."""
+        """One batch into ``slot``, collected with weights no older than the version floor.
+
+        A rollout overtaken by newer weights stops at its next step, its frames are discarded (and
+        counted) and it starts again on the new weights. The env is never reset for this: the
+        trajectories in flight go on under fresh trajectory ids whenever frames of theirs will be
+        missing (discarded here, or in a batch the parent drops as stale: any batch sent with a version
+        below the floor), so that one id never spans a gap. The episodes that ended in discarded frames
+        are still reported, with this batch."""
         into = self.slots[slot].td  # the batch is written straight into the shared-memory slot
         stop = self._stop_or_stale if self.weights is not None else self.stop
         returns: list[float] = []
         lengths: list[int] = []
         while True:
             self.load_within_lag(chan)
+            if self._sent_version < int(self._floor[self.spec.index]) and not self._split:
+                # frames since the last batch sent will be missing: new ids (the env is not reset)
+                self.rollout.load_state_dict(self.rollout.state_dict())
+                self._split = True
             run = lambda: self.rng.run(  # noqa: E731
                 lambda: self.rollout.collect(random=random, stop=stop, into=into)
             )
@@ -270,10 +281,11 @@ class Worker:
             lengths += result.episode_lengths
             if self.stop.is_set() or self.weights is None or not self._below_floor():
                 break
-            # overtaken by newer weights: discard, and go on with fresh ids (the env is not reset)
-            self._discarded[self.spec.index] += result.frames
-            self.rollout.load_state_dict(self.rollout.state_dict())
+            self._discarded[self.spec.index] += result.frames  # overtaken by newer weights
+            self._split = False
         self.frames += result.frames
+        self._sent_version = self.rollout.policy_version
+        self._split = False
         return BatchReady(
             slot=slot,
             steps=result.steps,
