@@ -51,6 +51,9 @@ class MultiAsyncCollector(MultiCollectorBase):
         super().__init__(create_env_fns, policy, **kwargs)
         #: batch notices a flush took from the pool's stream and kept (fresh ones, a failure)
         self._backlog: deque[Any] = deque()
+        #: on-policy (max_policy_lag=0): slots delivered and not yet handed back (until the next batch
+        #: is asked for)
+        self._held: list[tuple[int, int]] = []
 
     @staticmethod
     def _split_frames(frames_per_batch: int | Sequence[int], n: int) -> list[int]:
@@ -62,6 +65,17 @@ class MultiAsyncCollector(MultiCollectorBase):
                 )
             return list(frames_per_batch)
         return [frames_per_batch] * n
+
+    @property
+    def _on_demand(self) -> bool:
+        """On-policy (``max_policy_lag=0``): a batch collected while the trainer trains is dropped at its
+        next update, and takes CPU from it. So each worker has one slot, handed back when the trainer
+        asks for its next batch: the workers collect while the trainer waits for batches, and wait
+        while it trains."""
+        return self._schedule.max_policy_lag == 0
+
+    def _slots_per_worker(self) -> int:
+        return 1 if self._on_demand else 2
 
     def _budget_fits_batches(self) -> bool:
         # batches of different sizes (per-worker frames_per_batch) arrive in no set order: no warning
@@ -131,10 +145,16 @@ class MultiAsyncCollector(MultiCollectorBase):
             await self._release(pool, index, notice.slot)
 
     async def _next_batch(self, pool: WorkerPool) -> Delivery:
+        held, self._held = self._held, []
+        for index, slot in held:  # the trainer asks for a batch: the workers collect again
+            await self._release(pool, index, slot)
         while True:
             index, notice = await self._next_notice(pool)
             handle = pool.workers[index]
             batch = handle.slots[notice.slot].td.clone()  # the one copy out of shared memory
+            if not self._stale(index, notice.policy_version) and self._on_demand:
+                self._held.append((index, notice.slot))
+                break
             await self._release(pool, index, notice.slot)
             if not self._stale(index, notice.policy_version):
                 break

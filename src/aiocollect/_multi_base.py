@@ -308,7 +308,7 @@ class MultiCollectorBase(FleetCollector, abc.ABC):
             specs,
             backend=self._backend,
             start_method=self._start_method,
-            slots_per_worker=1 if self._sync else 2,
+            slots_per_worker=self._slots_per_worker(),
             on_event=self._hub.publish,
             timeout=self._worker_timeout,
         )
@@ -327,6 +327,11 @@ class MultiCollectorBase(FleetCollector, abc.ABC):
         else:
             self.frames_per_batch = max(self._worker_frames)
         await self._members_started()
+
+    def _slots_per_worker(self) -> int:
+        """Shared-memory batch slots per worker: one (sync: a worker collects when asked), or two (async:
+        a worker collects its next batch while the trainer reads this one)."""
+        return 1 if self._sync else 2
 
     @abc.abstractmethod
     def _check_layouts(self, ready: list[Any]) -> None:
