@@ -24,6 +24,8 @@ CASES = {
     "vector_envs": ["vector_envs.py", "--total-frames", "2000", "--vectorization", "async"],
     "multi_sync_ppo_style": ["multi_sync_ppo_style.py", "--total-frames", "2048"]
     + ["--frames-per-batch", "1024", "--envs-per-worker", "4", "--backend", "serial"],
+    "multi_async_onpolicy": ["multi_async_onpolicy.py", "--total-frames", "2048"]
+    + ["--frames-per-update", "512", "--backend", "serial"],
 }
 
 
