@@ -19,6 +19,10 @@ trainer. Advantages are computed per delivered batch, bootstrapped from the crit
   weights; stale batches are dropped and rollouts in flight restarted at each update, and the frames
   that costs are counted (``statistics().frames_discarded``).
 
+``--slow-worker-ms X`` makes the last worker's envs sleep ``X`` ms per step: a straggler (a slower
+machine, a heavier scene), where ``sync`` waits for the slowest worker at every batch and the async
+variants take batches as they come.
+
 Per variant: frames/s over the whole run (collection and training: the trainer's throughput), its ratio
 to ``sync``'s in the same round (the variants' order rotates every round, so each ratio compares runs
 moments apart on this shared machine), the fraction of collected frames discarded, the fraction of
@@ -35,9 +39,11 @@ import platform
 import statistics
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import anyio
+import gymnasium as gym
 import numpy as np
 import psutil
 import torch
@@ -60,6 +66,8 @@ class Args:
     envs_per_worker: int = 2
     frames_per_update: int = 512
     onpolicy_batch: int = 64
+    #: the last worker's envs sleep this long per step (0: every worker alike)
+    slow_worker_ms: float = 0.0
     learning_rate: float = 2.5e-4
     gamma: float = 0.99
     gae_lambda: float = 0.95
@@ -107,7 +115,25 @@ def critic() -> nn.Module:
     )
 
 
-def make_env(n: int) -> Any:
+class SlowStep(gym.Wrapper):
+    """Sleeps ``delay`` seconds per step (a slower worker: another machine, a heavier simulator)."""
+
+    def __init__(self, env: gym.Env, delay: float) -> None:
+        super().__init__(env)
+        self.delay = delay
+
+    def step(self, action: Any) -> Any:
+        time.sleep(self.delay)
+        return self.env.step(action)
+
+
+def slow_cartpole(n: int, delay: float) -> GymEnv:
+    return GymEnv(gym.vector.SyncVectorEnv([lambda: SlowStep(gym.make("CartPole-v1"), delay)] * n))
+
+
+def make_env(n: int, delay: float = 0.0) -> Any:
+    if delay:
+        return partial(slow_cartpole, n, delay)
     return lambda: GymEnv("CartPole-v1", num_envs=n)
 
 
@@ -206,7 +232,8 @@ class PPO:
 
 
 def build(variant: str, ppo: PPO, args: Args, seed: int) -> Any:
-    envs = [make_env(args.envs_per_worker)] * args.num_workers
+    envs = [make_env(args.envs_per_worker)] * (args.num_workers - 1)
+    envs.append(make_env(args.envs_per_worker, args.slow_worker_ms / 1000))
     common: dict[str, Any] = {"total_frames": args.total_frames, "seed": seed, "track_policy_version": True}
     if variant == "sync":
         return MultiSyncCollector(envs, ppo.policy, frames_per_batch=args.frames_per_update, **common)
