@@ -177,6 +177,28 @@ async def test_max_policy_lag_zero_flushes_every_update(workers):
         assert stats.frames_discarded >= seen.gaps
 
 
+async def test_max_policy_lag_zero_serial_workers():
+    """The same worker code as threads (``worker_backend="serial"``)."""
+    policy = ConstantPolicy(0.0)
+    seen = Continuity()
+    with anyio.fail_after(60):
+        async with MultiAsyncCollector(
+            [counter_env] * 2,
+            policy,
+            frames_per_batch=10,
+            track_policy_version=True,
+            max_policy_lag=0,
+            total_frames=10 * 8,
+            worker_backend="serial",
+        ) as c:
+            async for batch in c:
+                check_batch(batch, c.policy_version)
+                seen.add(batch)
+                set_value(policy, float(c.policy_version + 1))
+                await c.update_weights(policy)
+            assert c.statistics().frames_discarded >= seen.gaps
+
+
 async def test_max_policy_lag_one_allows_one_version_behind():
     policy = ConstantPolicy(0.0)
     with anyio.fail_after(60):
