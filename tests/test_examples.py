@@ -29,6 +29,8 @@ CASES = {
     "logging_sinks": ["logging_sinks.py", "--total-frames", "2000", "--frames-per-batch", "400"]
     + ["--every", "0.2", "--logdir", str(Path(tempfile.gettempdir()) / "aiocollect-example-runs")],
     "recurrent_policy": ["recurrent_policy.py", "--total-frames", "2000", "--frames-per-batch", "400"],
+    "multi_async_onpolicy": ["multi_async_onpolicy.py", "--total-frames", "2048"]
+    + ["--frames-per-update", "512", "--backend", "serial"],
 }
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any, ClassVar, Protocol
 
@@ -129,9 +130,16 @@ class FleetCollector(CollectorBase):
         """A frozen record of what the collector and each member (``workers[i]``) have done (see
         :class:`CollectorStatistics`)."""
         workers = self._worker_stats() or self._last_workers
-        return self._stats.snapshot(
+        snapshot = self._stats.snapshot(
             self._version, workers=workers, paused=self.paused, loop_lag_ms=self._lag.percentiles_ms()
         )
+        discarded = self._frames_discarded()
+        return replace(snapshot, frames_discarded=discarded) if discarded else snapshot
+
+    def _frames_discarded(self) -> int:
+        """Frames collected and never delivered because newer weights overtook them (0 unless a subclass
+        flushes: ``update_weights(flush=True)``)."""
+        return 0
 
     # -- start-up -------------------------------------------------------------------------------------
     async def _pickled_policy(self, for_whom: str) -> bytes:
@@ -149,7 +157,7 @@ class FleetCollector(CollectorBase):
     async def _members_started(self) -> None:
         """Once every member runs and ``frames_per_batch`` is known: say if the budget is not a whole
         number of batches, then seed the members (``seed=`` given to the constructor)."""
-        if self.total_frames > 0 and self.total_frames % self.frames_per_batch:
+        if self.total_frames > 0 and not self._budget_fits_batches():
             warnings.warn(
                 f"total_frames={self.total_frames} is not a multiple of the batch size "
                 f"{self.frames_per_batch}: the last batch is not cut",
@@ -158,6 +166,10 @@ class FleetCollector(CollectorBase):
             )
         if self._seed is not None:
             await self._seed_chain(self._seed)
+
+    def _budget_fits_batches(self) -> bool:
+        """Whether ``total_frames`` is a whole number of batches (else a warning at start-up)."""
+        return self.total_frames % self.frames_per_batch == 0
 
     # -- seeds ----------------------------------------------------------------------------------------
     async def _seed_chain(self, seed: int) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +23,14 @@ class MultiAsyncCollector(MultiCollectorBase):
 
     Every frame carries ``("collector", "worker_id")``. Arguments are :class:`MultiSyncCollector`'s
     without ``preemptive_threshold`` and ``cat_results``; ``frames_per_batch`` is per batch (each worker
-    collects that many).
+    collects that many), or a list of one value per worker (worker ``i``'s batches hold
+    ``frames_per_batch[i]`` frames).
+
+    For on-policy training, ``max_policy_lag=0`` (or ``update_weights(..., flush=True)``) delivers only
+    batches collected entirely with the newest weights: at each update, batches waiting in the slots
+    are dropped and rollouts in flight restart on the new weights (the envs are not reset); the frames
+    this discards are counted in ``statistics().frames_discarded``. ``max_policy_lag=k`` delivers
+    nothing more than ``k`` versions old.
 
     Example:
         >>> import anyio
@@ -39,11 +47,39 @@ class MultiAsyncCollector(MultiCollectorBase):
 
     _sync = False
 
+    def __init__(self, create_env_fns: Sequence[Any], policy: Any = None, **kwargs: Any) -> None:
+        super().__init__(create_env_fns, policy, **kwargs)
+        #: batch notices a flush took from the pool's stream and kept (fresh ones, a failure)
+        self._backlog: deque[Any] = deque()
+        #: on-policy (max_policy_lag=0): slots delivered and not yet handed back (until the next batch
+        #: is asked for)
+        self._held: list[tuple[int, int]] = []
+
     @staticmethod
     def _split_frames(frames_per_batch: int | Sequence[int], n: int) -> list[int]:
-        if not isinstance(frames_per_batch, int):
-            raise TypeError("MultiAsyncCollector takes one frames_per_batch (each batch is one worker's)")
+        if not isinstance(frames_per_batch, int):  # checked already (RolloutOptions): positive ints
+            if len(frames_per_batch) != n:
+                raise ValueError(
+                    f"frames_per_batch has {len(frames_per_batch)} values for {n} workers: give one per "
+                    "worker (worker i's batches hold frames_per_batch[i] frames) or one int for all"
+                )
+            return list(frames_per_batch)
         return [frames_per_batch] * n
+
+    @property
+    def _on_demand(self) -> bool:
+        """On-policy (``max_policy_lag=0``): a batch collected while the trainer trains is dropped at its
+        next update, and takes CPU from it. So each worker has one slot, handed back when the trainer
+        asks for its next batch: the workers collect while the trainer waits for batches, and wait
+        while it trains."""
+        return self._schedule.max_policy_lag == 0
+
+    def _slots_per_worker(self) -> int:
+        return 1 if self._on_demand else 2
+
+    def _budget_fits_batches(self) -> bool:
+        # batches of different sizes (per-worker frames_per_batch) arrive in no set order: no warning
+        return len(set(self._worker_frames)) > 1 or super()._budget_fits_batches()
 
     def _check_layouts(self, ready: list[Any]) -> None:
         """Batches are delivered one worker at a time: any layouts go."""
@@ -57,14 +93,73 @@ class MultiAsyncCollector(MultiCollectorBase):
             await pool.send(i, RunFree(random_frames=per_worker_random))
             pool.workers[i].expected_since = anyio.current_time()
 
-    async def _next_batch(self, pool: WorkerPool) -> Delivery:
-        index, notice = await self._receive(pool)
+    def _floor_after(self, version: int, flush: bool) -> int | None:
+        lag = self._schedule.max_policy_lag
+        if flush or lag == 0:
+            return version
+        return version - lag if lag is not None and version > lag else None
+
+    async def _release(self, pool: WorkerPool, index: int, slot: int) -> None:
+        """Hand ``slot`` back to worker ``index``, which collects into it again (shielded: a slot
+        received and not handed back would stop that worker for good)."""
         handle = pool.workers[index]
-        batch = handle.slots[notice.slot].td.clone()  # the one copy out of shared memory
-        await pool.send(index, Release(notice.slot))
+        with anyio.CancelScope(shield=True):
+            await pool.send(index, Release(slot))
         handle.held_slots -= 1
         if handle.expected_since is None:  # it was blocked on full slots: it collects again now
             handle.expected_since = anyio.current_time()
+
+    async def _drop_stale(self, pool: WorkerPool) -> None:
+        # the batches already waiting are dropped now, not when next read: their workers may be blocked
+        # on full slots, and collect again as soon as a slot is free
+        with anyio.CancelScope(shield=True):
+            waiting = list(self._backlog)
+            self._backlog.clear()
+            while True:
+                try:
+                    waiting.append(pool.deliveries.receive_nowait())
+                except anyio.WouldBlock:
+                    break
+            for item in waiting:
+                if isinstance(item, tuple) and self._stale(item[0], item[1].policy_version):
+                    self._dropped_frames += item[1].frames
+                    await self._release(pool, item[0], item[1].slot)
+                else:  # fresh already (loaded before the floor was raised), or the pool's failure
+                    self._backlog.append(item)
+
+    async def _next_notice(self, pool: WorkerPool) -> tuple[int, Any]:
+        """The next fresh batch notice; stale ones (below their worker's floor) are dropped and their
+        slots released, without a delivery."""
+        while True:
+            if self._backlog:
+                item = self._backlog.popleft()
+                if not isinstance(item, tuple):  # the pool failed: raise its error
+                    self._backlog.appendleft(item)
+                    pool.check()
+                index, notice = item
+            else:
+                index, notice = await self._receive(pool)
+            if not self._stale(index, notice.policy_version):
+                return index, notice
+            self._dropped_frames += notice.frames
+            await self._release(pool, index, notice.slot)
+
+    async def _next_batch(self, pool: WorkerPool) -> Delivery:
+        held, self._held = self._held, []
+        for index, slot in held:  # the trainer asks for a batch: the workers collect again
+            await self._release(pool, index, slot)
+        while True:
+            index, notice = await self._next_notice(pool)
+            handle = pool.workers[index]
+            batch = handle.slots[notice.slot].td.clone()  # the one copy out of shared memory
+            if not self._stale(index, notice.policy_version) and self._on_demand:
+                self._held.append((index, notice.slot))
+                break
+            await self._release(pool, index, notice.slot)
+            if not self._stale(index, notice.policy_version):
+                break
+            # overtaken while it was being read (a concurrent update_weights(flush=True))
+            self._dropped_frames += notice.frames
         batch.set(("collector", "worker_id"), torch.full(batch.batch_size, index, dtype=torch.int64))
         batch.names = [None] * (batch.ndim - 1) + ["time"]
         if self._schedule.update_at_each_batch and self._sender is not None:

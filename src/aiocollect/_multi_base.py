@@ -243,7 +243,15 @@ class MultiCollectorBase(FleetCollector, abc.ABC):
         self._issued = 0  # the last version number handed to a publish (interrupted ones included)
         self._weights_lock = anyio.Lock()
         self._saved_threads: int | None = None
-        self.frames_per_batch = sum(self._per_worker_fpb) if self._sync else self._per_worker_fpb[0]
+        #: per worker, the oldest policy version a delivered batch may have (update_weights(flush=True),
+        #: max_policy_lag on MultiAsyncCollector); mirrored in the shared control block's "floor"
+        self._floors = [0] * n
+        #: frames of stale batches dropped here; frames the workers discarded (the control block's
+        #: "discarded"), as they were when the collector closed
+        self._dropped_frames = 0
+        self._last_discarded = 0
+        # async: the largest worker batch (all equal unless frames_per_batch is a per-worker list)
+        self.frames_per_batch = sum(self._per_worker_fpb) if self._sync else max(self._per_worker_fpb)
 
     @staticmethod
     @abc.abstractmethod
@@ -300,7 +308,7 @@ class MultiCollectorBase(FleetCollector, abc.ABC):
             specs,
             backend=self._backend,
             start_method=self._start_method,
-            slots_per_worker=1 if self._sync else 2,
+            slots_per_worker=self._slots_per_worker(),
             on_event=self._hub.publish,
             timeout=self._worker_timeout,
         )
@@ -317,8 +325,13 @@ class MultiCollectorBase(FleetCollector, abc.ABC):
         if self._sync:
             self.frames_per_batch = sum(self._worker_frames)
         else:
-            self.frames_per_batch = self._worker_frames[0]
+            self.frames_per_batch = max(self._worker_frames)
         await self._members_started()
+
+    def _slots_per_worker(self) -> int:
+        """Shared-memory batch slots per worker: one (sync: a worker collects when asked), or two (async:
+        a worker collects its next batch while the trainer reads this one)."""
+        return 1 if self._sync else 2
 
     @abc.abstractmethod
     def _check_layouts(self, ready: list[Any]) -> None:
@@ -340,6 +353,7 @@ class MultiCollectorBase(FleetCollector, abc.ABC):
                         WorkerStatistics(w.index, w.state, w.frames, w.policy_version) for w in pool.workers
                     )
                 if self._control is not None:
+                    self._last_discarded = int(self._control.td["discarded"].sum())
                     self._control.unlink()
                     self._control.close()
                     self._control = None
@@ -517,6 +531,7 @@ class MultiCollectorBase(FleetCollector, abc.ABC):
         *,
         worker_ids: Sequence[int] | None = None,
         wait: bool = False,
+        flush: bool = False,
     ) -> int:
         """Publish weights to the workers (through ``weight_sync``) and return the new policy version.
 
@@ -524,12 +539,28 @@ class MultiCollectorBase(FleetCollector, abc.ABC):
         every targeted worker runs the new version. Concurrent calls are serialised: versions strictly
         increase.
 
+        ``flush=True`` makes every batch delivered from then on (from the targeted workers) one
+        collected entirely with the new weights: batches waiting in the workers' slots are dropped
+        (their slots freed at once), and rollouts in flight stop at their next step and start again on
+        the new weights, their partial frames discarded. The envs are not reset. Discarded frames are
+        counted in ``statistics().frames_discarded``. ``max_policy_lag=0`` on ``MultiAsyncCollector``
+        flushes at every update.
+
         Args:
             policy_or_weights: an ``nn.Module``, a TensorDict of weights or a state dict; ``None`` means
                 the policy the collector was built with (its current weights). Parameters and buffers.
             worker_ids: the workers to update (default: all).
             wait: wait until those workers run the new weights.
+            flush: deliver nothing collected with older weights from now on (see above).
+
+        Example:
+            >>> async def train(collector, policy):  # doctest: +SKIP
+            ...     async for batch in collector:
+            ...         ppo_update(policy, batch)
+            ...         await collector.update_weights(policy, flush=True)  # the next batch is on-policy
         """
+        if not isinstance(flush, bool):
+            raise TypeError(f"flush must be True or False, got {flush!r}")
         pool = self._active_pool()
         weights = self._weights_to_publish(policy_or_weights)
         assert self._sender is not None  # a collector with weights has a sender
@@ -544,11 +575,47 @@ class MultiCollectorBase(FleetCollector, abc.ABC):
                 published = self._control.td["published"]
                 for i in ids:
                     published[i] = version
+                floor = self._floor_after(version, flush)
+                if floor is not None and self._raise_floors(ids, floor):
+                    await self._drop_stale(pool)
         if wait:
             loaded = await gather(*[partial(pool.call, i, LoadWeights()) for i in ids])
             for i, worker_version in zip(ids, loaded, strict=True):
                 pool.note_version(i, worker_version)
         return version
+
+    def _floor_after(self, version: int, flush: bool) -> int | None:
+        """The oldest version a batch may be delivered with once ``version`` is published (``None``: no
+        floor). ``flush`` asks for ``version`` itself."""
+        return version if flush else None
+
+    def _raise_floors(self, ids: list[int], floor: int) -> bool:
+        """Workers ``ids`` deliver nothing older than ``floor`` from now on: the shared floor makes their
+        rollouts in flight restart (the weights are published already); ``True`` if a floor rose."""
+        assert self._control is not None
+        floors = self._control.td["floor"]
+        raised = False
+        for i in ids:
+            if floor > self._floors[i]:
+                self._floors[i] = floor
+                floors[i] = floor
+                raised = True
+        return raised
+
+    async def _drop_stale(self, pool: WorkerPool) -> None:
+        """Drop the batches waiting to be read that are now below their worker's floor (a collector
+        whose workers hold batches while the trainer works)."""
+
+    def _stale(self, index: int, policy_version: int) -> bool:
+        """Whether a batch of worker ``index`` collected with ``policy_version`` is below its floor."""
+        return policy_version < self._floors[index]
+
+    def _frames_discarded(self) -> int:
+        """Frames collected and not delivered: rollouts the workers restarted on newer weights, and
+        batches dropped here as stale."""
+        control = self._control
+        in_workers = int(control.td["discarded"].sum()) if control is not None else self._last_discarded
+        return in_workers + self._dropped_frames
 
     async def _publish(self, pool: WorkerPool, weights: TensorDictBase, version: int, ids: list[int]) -> None:
         """``sender.publish`` raced against the workers' exits: a worker that fails or dies while an update

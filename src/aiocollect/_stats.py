@@ -57,6 +57,8 @@ class CollectorStatistics:
         paused: whether ``pause()`` holds the collector.
         loop_lag_ms: the event loop's recent lag, ``{"p50": ..., "p99": ...}`` in ms, measured while the
             collector is entered (``async with``); ``None`` before.
+        frames_discarded: frames collected and never delivered because newer weights overtook them
+            (``update_weights(flush=True)``, ``max_policy_lag=0`` on ``MultiAsyncCollector``).
 
     Example:
         >>> CollectorStatistics(0, 0, 0, None, None, 0.0, 0).to_dict()["frames"]
@@ -75,6 +77,7 @@ class CollectorStatistics:
     workers: tuple[WorkerStatistics, ...] = ()
     paused: bool = False
     loop_lag_ms: dict[str, float] | None = None
+    frames_discarded: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -105,6 +105,10 @@ class RemoteCollectorBase(NodeFleet):
         self.replay_buffer = None
         self._init_base(progress)
         self._init_state()
+        #: per node, the oldest trainer version a delivered batch may have (update_weights(flush=True)),
+        #: and the frames of the batches dropped below it
+        self._floors = [0] * n
+        self._dropped_frames = 0
 
     @staticmethod
     def _env_fns_arg(create_env_fn: Any, num_collectors: int | None) -> list[Any]:
@@ -231,14 +235,19 @@ class RemoteCollectorBase(NodeFleet):
         self._deliveries_send.send_nowait((node.index, result))
 
     async def _next_async(self) -> tuple[TensorDictBase, int, list[Any], int | None, int]:
-        await self._top_up(eager=False)
-        item = await self._deliveries.receive()
-        if isinstance(item, Failure):
-            self._deliveries_send.send_nowait(item)
-            raise item.error
-        index, result = item
-        node = self._nodes[index]
-        self._outstanding -= self._node_frames(node)
+        while True:
+            await self._top_up(eager=False)
+            item = await self._deliveries.receive()
+            if isinstance(item, Failure):
+                self._deliveries_send.send_nowait(item)
+                raise item.error
+            index, result = item
+            node = self._nodes[index]
+            self._outstanding -= self._node_frames(node)
+            if result.policy_version >= self._floors[index]:
+                break
+            # collected before an update_weights(flush=True) reached its node: dropped, asked for again
+            self._dropped_frames += result.frames
         batch = result.batch
         batch.set(("collector", "node_id"), torch.full(batch.batch_size, index, dtype=torch.int64))
         batch.names = [None] * (batch.ndim - 1) + ["time"]
@@ -253,21 +262,28 @@ class RemoteCollectorBase(NodeFleet):
         *,
         worker_ids: Sequence[int] | None = None,
         wait: bool = False,
+        flush: bool = False,
     ) -> int:
         """Send weights to the nodes and return the new policy version.
 
         A node loads them into its collector before its next batch; ``wait=True`` returns once every
         targeted node's collector runs them. Concurrent calls are serialised (versions strictly increase).
+        ``flush=True`` (``sync=False``): a batch a targeted node collected with older weights is dropped
+        when it arrives (counted in ``statistics().frames_discarded``) and the node asked for another, so
+        every batch delivered afterwards runs the new weights. Rollouts in flight on the nodes finish
+        before they are dropped (they are not preempted, as in ``MultiAsyncCollector``).
 
         Args:
             policy_or_weights: an ``nn.Module``, a TensorDict of weights or a state dict; ``None``: the
                 policy the collector was built with (its current weights).
             worker_ids: the nodes to update (indices ``0 .. num_collectors - 1``; default: all).
             wait: also wait until those nodes run the new weights.
+            flush: deliver nothing collected with older weights from now on.
         """
         self._active()
         weights = self._weights_to_publish(policy_or_weights)
         flag("wait", wait)
+        flag("flush", flush)
         ids = self._target_ids(worker_ids)
         async with self._weights_lock:
             if self._failure is not None:
@@ -278,12 +294,17 @@ class RemoteCollectorBase(NodeFleet):
             for i in ids:
                 self._nodes[i].since_update = 0
                 self._nodes[i].fresh = False
+                if flush:
+                    self._floors[i] = version
             self._hub.publish(WeightsPublished(version))
         if wait:
             await self._guard(
                 lambda: gather(*[partial(self._wait_loaded, self._nodes[i], version) for i in ids])
             )
         return version
+
+    def _frames_discarded(self) -> int:
+        return self._dropped_frames
 
     async def _wait_loaded(self, node: RemoteNode, version: int) -> None:
         while node.policy_version < version:

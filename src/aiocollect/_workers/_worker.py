@@ -122,14 +122,21 @@ class _Closing(Exception):
 
 
 def control_layout(num_workers: int) -> FlatLayout:
-    """Per-worker stop flags (preemption) and published weight versions, shared with the parent."""
+    """Per-worker arrays shared with the parent: stop flags (preemption), published weight versions,
+    version floors (the oldest version a batch may still be delivered with: a rollout that falls below
+    its floor is restarted on the newer weights) and the frames each worker discarded that way."""
     return FlatLayout.build(
-        [("stop", (num_workers,), torch.int64), ("published", (num_workers,), torch.int64)]
+        [
+            ("stop", (num_workers,), torch.int64),
+            ("published", (num_workers,), torch.int64),
+            ("floor", (num_workers,), torch.int64),
+            ("discarded", (num_workers,), torch.int64),
+        ]
     )
 
 
 class _StopFlag:
-    """``is_set()`` reads this worker's byte of the shared stop array (preemption)."""
+    """``is_set()`` reads this worker's entry of the shared stop array (preemption)."""
 
     def __init__(self, array: np.ndarray, index: int) -> None:
         self._array = array
@@ -137,6 +144,22 @@ class _StopFlag:
 
     def is_set(self) -> bool:
         return bool(self._array[self._index])
+
+
+class _StopOrStale:
+    """Set when the parent stops the worker (preemption, shutdown) or when the weights the rollout runs
+    fall below the worker's version floor (``update_weights(flush=True)``, ``max_policy_lag``): read at
+    every step, two array reads."""
+
+    def __init__(self, stop: np.ndarray, floor: np.ndarray, index: int, rollout: Any) -> None:
+        self._stop = stop
+        self._floor = floor
+        self._index = index
+        self._rollout = rollout
+
+    def is_set(self) -> bool:
+        i = self._index
+        return bool(self._stop[i]) or int(self._floor[i]) > self._rollout.policy_version
 
 
 class Worker:
@@ -156,6 +179,15 @@ class Worker:
             self.control = SharedBlock(control_layout(spec.num_workers), (), name=spec.control_name)
             self.stop = _StopFlag(self.control.td["stop"].numpy(), spec.index)
             self._published = self.control.td["published"].numpy()
+            self._floor = self.control.td["floor"].numpy()
+            self._discarded = self.control.td["discarded"].numpy()
+            #: the policy version of the last batch sent; whether the trajectories in flight took new ids
+            #: since (see ``collect``)
+            self._sent_version = 0
+            self._split = False
+            self._stop_or_stale = _StopOrStale(
+                self.control.td["stop"].numpy(), self._floor, spec.index, self.rollout
+            )
             self.weights = spec.weights.open(spec.index) if spec.weights is not None else None
             self.slots: list[SharedBlock] = []
             self.free: set[int] = set()
@@ -178,13 +210,25 @@ class Worker:
             self.rollout.policy_version = self.weights.load(self.policy, self.rollout.policy_version)
         return self.rollout.policy_version
 
-    def load_within_lag(self, chan: BlockingChannel) -> None:
-        """Load new weights; with ``max_policy_lag`` set, wait for them while too far behind."""
-        self.load_weights()
+    def _below_floor(self) -> bool:
+        """Whether the policy runs weights older than the version floor the parent set: a batch collected
+        with them is not delivered."""
+        return int(self._floor[self.spec.index]) > self.rollout.policy_version
+
+    def _behind(self) -> bool:
+        """Whether a batch must not start yet: the weights are below the version floor, or more than
+        ``max_policy_lag`` behind the published version."""
         lag = self.spec.max_policy_lag
-        if lag is None or self.weights is None:
+        i = self.spec.index
+        stale = lag is not None and int(self._published[i]) - self.rollout.policy_version > lag
+        return stale or self._below_floor()
+
+    def load_within_lag(self, chan: BlockingChannel) -> None:
+        """Load new weights; wait for them while too far behind (``max_policy_lag``, a version floor)."""
+        self.load_weights()
+        if self.weights is None:
             return
-        while int(self._published[self.spec.index]) - self.rollout.policy_version > lag:
+        while self._behind():
             # the newer weights are on their way (a message, a write in progress): take them in
             incoming = chan.recv(timeout=0.001)
             if incoming is not None:
@@ -207,24 +251,48 @@ class Worker:
             raise TypeError(f"unexpected message {msg!r}")
 
     def collect(self, chan: BlockingChannel, slot: int, random: bool) -> BatchReady:
-        self.load_within_lag(chan)
+        """One batch into ``slot``, collected with weights no older than the version floor.
+
+        A rollout overtaken by newer weights stops at its next step, its frames are discarded (and
+        counted) and it starts again on the new weights. The env is never reset for this: the
+        trajectories in flight go on under fresh trajectory ids whenever frames of theirs will be
+        missing (discarded here, or in a batch the parent drops as stale: any batch sent with a version
+        below the floor), so that one id never spans a gap. The episodes that ended in discarded frames
+        are still reported, with this batch."""
         into = self.slots[slot].td  # the batch is written straight into the shared-memory slot
-        run = lambda: self.rng.run(  # noqa: E731
-            lambda: self.rollout.collect(random=random, stop=self.stop, into=into)
-        )
-        if self.spec.in_process and self.rng.state is not None:
-            with _SERIAL_RNG_LOCK:
+        stop = self._stop_or_stale if self.weights is not None else self.stop
+        returns: list[float] = []
+        lengths: list[int] = []
+        while True:
+            self.load_within_lag(chan)
+            if self._sent_version < int(self._floor[self.spec.index]) and not self._split:
+                # frames since the last batch sent will be missing: new ids (the env is not reset)
+                self.rollout.load_state_dict(self.rollout.state_dict())
+                self._split = True
+            run = lambda: self.rng.run(  # noqa: E731
+                lambda: self.rollout.collect(random=random, stop=stop, into=into)
+            )
+            if self.spec.in_process and self.rng.state is not None:
+                with _SERIAL_RNG_LOCK:
+                    result = run()
+            else:
                 result = run()
-        else:
-            result = run()
+            returns += result.episode_returns
+            lengths += result.episode_lengths
+            if self.stop.is_set() or self.weights is None or not self._below_floor():
+                break
+            self._discarded[self.spec.index] += result.frames  # overtaken by newer weights
+            self._split = False
         self.frames += result.frames
+        self._sent_version = self.rollout.policy_version
+        self._split = False
         return BatchReady(
             slot=slot,
             steps=result.steps,
             frames=result.frames,
             policy_version=self.rollout.policy_version,
-            episode_returns=result.episode_returns,
-            episode_lengths=result.episode_lengths,
+            episode_returns=returns,
+            episode_lengths=lengths,
         )
 
     # -- control operations (Call.op): one method per Operation type, dispatched by _OPERATIONS --------
