@@ -77,7 +77,7 @@ async def batches(collector: Any) -> list[TensorDict]:
             return [b async for b in c]
 
 
-def check_carried(batches_: list[TensorDict]) -> None:
+def check_carried(batches_: list[TensorDict], *, both_cases: bool = True) -> tuple[bool, bool]:
     """Within and across batches: the next frame's state is this frame's ("next", state), or zeros with
     ``is_init`` after an episode end; the state fed is the one the policy used."""
     data = torch.cat(batches_, dim=-1)  # [*B, T * batches]: consecutive batches continue each row
@@ -92,7 +92,8 @@ def check_carried(batches_: list[TensorDict]) -> None:
     cont = ~done[..., :-1]
     assert torch.equal(hidden[..., 1:, :][cont], nxt[..., :-1, :][cont])
     assert not hidden[..., 1:, :][done[..., :-1]].any()  # reset to zeros at an episode end
-    assert done.any() and cont.any()
+    if both_cases:
+        assert done.any() and cont.any()
     # ("next", "hidden") is the policy's output for this frame's observation and state
     net = GRUNet()
     net.load_state_dict(gru_policy()[0].module.state_dict())
@@ -100,6 +101,7 @@ def check_carried(batches_: list[TensorDict]) -> None:
         _, expected = net(data["observation"], hidden)
     assert torch.allclose(nxt, expected, atol=1e-5)
     assert nxt.abs().sum() > 0
+    return bool(done.any()), bool(cont.any())
 
 
 @pytest.mark.parametrize("make_env", [masked_single, masked_vector], ids=["single", "vector"])
@@ -163,8 +165,9 @@ async def test_multi_async_carries_the_state_per_worker() -> None:
     by_worker: dict[int, list[TensorDict]] = {}
     for batch in out:
         by_worker.setdefault(int(batch["collector", "worker_id"].flatten()[0]), []).append(batch)
-    for rows in by_worker.values():
-        check_carried(rows)
+    # a worker may deliver a single short batch (the other one the rest): the cases are checked overall
+    seen = [check_carried(rows, both_cases=False) for rows in by_worker.values()]
+    assert any(d for d, _ in seen) and any(c for _, c in seen)
 
 
 def test_fast_path_and_tensordict_path_agree() -> None:

@@ -10,9 +10,6 @@ batch is gathered.
 from __future__ import annotations
 
 import abc
-import multiprocessing
-import os
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -21,7 +18,6 @@ from typing import Any, Literal
 import anyio
 import anyio.abc
 import anyio.to_thread
-import cloudpickle
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
@@ -30,6 +26,14 @@ from ._errors import CollectorClosedError, WorkerTimeoutError
 from ._events import WeightsPublished
 from ._fleet import FleetCollector, Member
 from ._gather import gather
+from ._multi_args import (
+    env_fns_arg,
+    pickled_env_fns,
+    set_worker_warnings,
+    show_worker_warnings,
+    start_method_arg,
+)
+from ._multi_floors import StalenessFloors
 from ._options import (
     RolloutOptions,
     WeightSchedule,
@@ -75,69 +79,6 @@ __all__ = [
     "start_method_arg",
 ]
 
-#: set by set_worker_warnings(); None: the AIOCOLLECT_WORKER_WARNINGS environment variable decides
-_WORKER_WARNINGS: bool | None = None
-_ENV_SWITCH = "AIOCOLLECT_WORKER_WARNINGS"
-
-
-def set_worker_warnings(show: bool | None) -> None:
-    """Show (``True``) or hide (``False``, the default) warnings raised inside worker processes.
-
-    Worker processes ignore every warning by default (optional dependencies make them noisy, once per
-    worker). When shown, a worker's warnings print on its stderr, which is the trainer's. The environment
-    variable ``AIOCOLLECT_WORKER_WARNINGS=1`` shows them too; a call here takes precedence over it
-    (``None`` hands the choice back to the variable). Collectors read the setting when they are
-    constructed. Workers of ``worker_backend="serial"`` and the in-process ``Collector`` are threads of the
-    trainer: their warnings go through the trainer's own filters, whatever this says.
-    """
-    global _WORKER_WARNINGS
-    if show is not None and not isinstance(show, bool):
-        raise TypeError(f"set_worker_warnings takes True, False or None, got {show!r}")
-    _WORKER_WARNINGS = show
-
-
-def _show_worker_warnings() -> bool:
-    if _WORKER_WARNINGS is not None:
-        return _WORKER_WARNINGS
-    return os.environ.get(_ENV_SWITCH, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def env_fns_arg(create_env_fns: Any) -> Sequence[Any]:
-    """``create_env_fns``: a non-empty list of env constructors, one per worker."""
-    if isinstance(create_env_fns, (str, bytes)) or not isinstance(create_env_fns, Sequence):
-        raise TypeError(
-            f"create_env_fns must be a list of env constructors, one per worker, got {create_env_fns!r}"
-        )
-    if not create_env_fns:
-        raise ValueError("create_env_fns is empty: give one env constructor per worker")
-    for i, fn in enumerate(create_env_fns):
-        if not callable(fn):
-            raise TypeError(f"create_env_fns[{i}] must be a callable returning an env, got {fn!r}")
-    return create_env_fns
-
-
-def pickled_env_fns(create_env_fns: Sequence[Any]) -> list[bytes]:
-    """The env constructors, cloudpickled for the worker processes (a bad one fails here)."""
-    payloads = []
-    for i, fn in enumerate(create_env_fns):
-        try:
-            payloads.append(cloudpickle.dumps(fn))
-        except Exception as exc:
-            raise TypeError(f"create_env_fns[{i}] cannot be pickled for the worker processes: {exc}") from exc
-    return payloads
-
-
-def start_method_arg(start_method: Any) -> str:
-    """A multiprocessing start method available here (``None``: forkserver on Linux, else spawn)."""
-    if start_method is None:
-        return "forkserver" if sys.platform.startswith("linux") else "spawn"
-    if start_method not in multiprocessing.get_all_start_methods():
-        raise ValueError(
-            f"start_method={start_method!r} is not available here; use one of "
-            f"{multiprocessing.get_all_start_methods()}"
-        )
-    return str(start_method)
-
 
 @dataclass
 class Delivery:
@@ -168,7 +109,7 @@ async def _first_exit(pool: WorkerPool) -> None:
             tg.start_soon(wait, handle.exited)
 
 
-class MultiCollectorBase(FleetCollector, abc.ABC):
+class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
     """What the multi-worker collectors share: start-up, shutdown, control, weights, statistics."""
 
     _sync: bool
@@ -231,7 +172,7 @@ class MultiCollectorBase(FleetCollector, abc.ABC):
         # the env constructors are pickled here (small: a bad one fails now); the policy, which can be
         # large, once and in a thread when the collector is entered (never on the event loop)
         self._payloads = pickled_env_fns(env_fns)
-        self._show_warnings = _show_worker_warnings()
+        self._show_warnings = show_worker_warnings()
         self._init_base(progress)
         self._worker_timeout = timeout_arg(worker_timeout)
         self._pool: WorkerPool | None = None
@@ -583,39 +524,6 @@ class MultiCollectorBase(FleetCollector, abc.ABC):
             for i, worker_version in zip(ids, loaded, strict=True):
                 pool.note_version(i, worker_version)
         return version
-
-    def _floor_after(self, version: int, flush: bool) -> int | None:
-        """The oldest version a batch may be delivered with once ``version`` is published (``None``: no
-        floor). ``flush`` asks for ``version`` itself."""
-        return version if flush else None
-
-    def _raise_floors(self, ids: list[int], floor: int) -> bool:
-        """Workers ``ids`` deliver nothing older than ``floor`` from now on: the shared floor makes their
-        rollouts in flight restart (the weights are published already); ``True`` if a floor rose."""
-        assert self._control is not None
-        floors = self._control.td["floor"]
-        raised = False
-        for i in ids:
-            if floor > self._floors[i]:
-                self._floors[i] = floor
-                floors[i] = floor
-                raised = True
-        return raised
-
-    async def _drop_stale(self, pool: WorkerPool) -> None:
-        """Drop the batches waiting to be read that are now below their worker's floor (a collector
-        whose workers hold batches while the trainer works)."""
-
-    def _stale(self, index: int, policy_version: int) -> bool:
-        """Whether a batch of worker ``index`` collected with ``policy_version`` is below its floor."""
-        return policy_version < self._floors[index]
-
-    def _frames_discarded(self) -> int:
-        """Frames collected and not delivered: rollouts the workers restarted on newer weights, and
-        batches dropped here as stale."""
-        control = self._control
-        in_workers = int(control.td["discarded"].sum()) if control is not None else self._last_discarded
-        return in_workers + self._dropped_frames
 
     async def _publish(self, pool: WorkerPool, weights: TensorDictBase, version: int, ids: list[int]) -> None:
         """``sender.publish`` raced against the workers' exits: a worker that fails or dies while an update
