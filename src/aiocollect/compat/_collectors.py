@@ -222,7 +222,8 @@ class MultiAsyncCollector(CompatMulti):
     """torchrl's ``MultiAsyncCollector`` (``MultiaSyncDataCollector``) on
     :class:`aiocollect.MultiAsyncCollector`.
 
-    ``frames_per_batch`` is the size of each batch (one worker's); a per-worker list is refused.
+    ``frames_per_batch`` is the size of each batch (one worker's); a list gives worker ``i`` batches of
+    ``frames_per_batch[i]`` frames (torchrl's documented meaning of a per-worker sequence).
     """
 
     _cls = NativeMultiAsync
