@@ -10,6 +10,7 @@ import typing
 
 from ._collector import Collector
 from ._distributed_weights import DistributedWeightSync
+from ._envs._async import AsyncEnvProtocol, ThreadedAsyncEnv
 from ._envs._gym import GymEnv
 from ._envs._protocol import EnvProtocol
 from ._errors import CollectorClosedError, WorkerDiedError, WorkerError, WorkerTimeoutError
@@ -81,6 +82,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AsyncEnvProtocol",
     "BatchDelivered",
     "Collector",
     "CollectorClosedError",
@@ -105,6 +107,7 @@ __all__ = [
     "Resumed",
     "RolloutOptions",
     "SharedMemoryWeightSync",
+    "ThreadedAsyncEnv",
     "WorkerDiedError",
     "WorkerError",
     "WorkerFailed",
