@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import typing
 
+from ._async_collector import AsyncEnvCollector
 from ._collector import Collector
 from ._distributed_weights import DistributedWeightSync
 from ._envs._async import AsyncEnvProtocol, ThreadedAsyncEnv
@@ -82,6 +83,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AsyncEnvCollector",
     "AsyncEnvProtocol",
     "BatchDelivered",
     "Collector",
