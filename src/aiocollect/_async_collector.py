@@ -289,13 +289,9 @@ class AsyncEnvCollector(CollectorBase):
 
     async def _deliver(self, engine: Engine) -> TensorDictBase | None:
         frames = engine.take_batch()
+        version = frames.version
         batch: TensorDictBase = frames.finish()
-        self._record(
-            batch.shape[0],
-            frames.episodes,
-            worker_id=None,
-            policy_version=max(frames.versions, default=engine.version),
-        )
+        self._record(batch.shape[0], frames.episodes, worker_id=None, policy_version=version)
         if self._split_trajs:
             order = torch.sort(batch.get(("collector", "traj_ids")), stable=True).indices
             batch = split_trajectories(batch[order])
