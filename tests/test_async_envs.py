@@ -8,6 +8,7 @@ import threading
 import traceback
 
 import anyio
+import anyio.lowlevel
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -442,3 +443,36 @@ async def test_pause_stops_new_steps() -> None:
             await anyio.sleep(0.02)
             assert [e.steps for e in envs] == steps
         await take(c, 1)
+
+
+class Reach:
+    """Dict observations, a Box action: the multi-key path."""
+
+    observation_space = spaces.Dict(
+        {"pos": spaces.Box(-100, 100, (2,), np.float32), "t": spaces.Discrete(50)}
+    )
+    action_space = spaces.Box(-1, 1, (2,), np.float32)
+
+    async def reset(self, *, seed=None, options=None):
+        self.pos, self.t = np.zeros(2, np.float32), 0
+        return {"pos": self.pos, "t": self.t}, {}
+
+    async def step(self, action):
+        assert action.shape == (2,) and action.dtype == np.float32
+        await anyio.lowlevel.checkpoint()
+        self.pos, self.t = self.pos + action, self.t + 1
+        return {"pos": self.pos, "t": self.t}, 0.0, False, self.t == 5, {}
+
+    async def close(self):
+        pass
+
+
+async def test_dict_observations_and_box_actions() -> None:
+    async with AsyncEnvCollector([Reach] * 3, frames_per_batch=30, total_frames=30) as c:
+        (batch,) = await take(c)
+    assert batch["pos"].shape == (30, 2) and batch["t"].dtype == torch.int64
+    assert batch["action"].shape == (30, 2) and batch["action"].dtype == torch.float32
+    for e in range(3):
+        rows = batch[batch["collector", "env_id"] == e]
+        assert torch.allclose(rows["next", "pos"], rows["pos"] + rows["action"])
+        assert torch.equal(rows["next", "t"], rows["t"] + 1)
