@@ -35,7 +35,10 @@ from ._validation import (
     total_frames_arg,
 )
 
-__all__ = ["AsyncEnvCollector"]
+__all__ = ["ENV_THREADS", "AsyncEnvCollector"]
+
+#: worker threads shared by the gymnasium envs an ``AsyncEnvCollector`` wraps in ``ThreadedAsyncEnv``
+ENV_THREADS = 32
 
 
 def _max_wait_arg(value: Any) -> float:
@@ -72,8 +75,8 @@ class AsyncEnvCollector(CollectorBase):
 
     Args:
         env_fns: callables (one per env) returning an async env (:class:`AsyncEnvProtocol`) or a gymnasium
-            env (wrapped in :class:`ThreadedAsyncEnv`); called when the collector is entered, in a worker
-            thread. Every env must have the same spaces.
+            env (wrapped in :class:`ThreadedAsyncEnv`, these envs sharing 32 worker threads); called when
+            the collector is entered, in a worker thread. Every env must have the same spaces.
         policy: a ``TensorDictModule``, an ``nn.Module`` (called on the observations, returns the action;
             copied: the collector runs its own weights, changed by :meth:`update_weights`), a callable
             ``td -> td`` (these three run in the collector's thread), an async policy (an ``async def``
@@ -182,7 +185,9 @@ class AsyncEnvCollector(CollectorBase):
         envs: list[Any] = []
         try:
             with anyio.CancelScope(shield=True):  # never leave a half-built env behind
-                await anyio.to_thread.run_sync(open_envs, self._env_fns, envs)
+                # gymnasium envs given as env_fns: their steps share ENV_THREADS worker threads
+                limiter = anyio.CapacityLimiter(ENV_THREADS)
+                await anyio.to_thread.run_sync(open_envs, self._env_fns, envs, limiter)
             spec = EnvSet(envs)
             policy = BatchPolicy(
                 self._source_policy,

@@ -35,7 +35,7 @@ def env_fns_arg(env_fns: Any) -> list[Any]:
     return list(env_fns)
 
 
-def _open(fn: Any, i: int) -> Any:
+def _open(fn: Any, i: int, limiter: Any) -> Any:
     env = fn if hasattr(fn, "step") and not isinstance(fn, type) else fn()
     if _is_async_env(env):
         for member in ("observation_space", "action_space", "close"):
@@ -45,17 +45,18 @@ def _open(fn: Any, i: int) -> Any:
                 )
         return env
     if all(hasattr(env, m) for m in ("step", "reset", "observation_space", "action_space")):
-        return ThreadedAsyncEnv(env)  # a gymnasium env: its calls run in a worker thread
+        return ThreadedAsyncEnv(env, limiter=limiter)  # a gymnasium env: its calls run in worker threads
     raise TypeError(
         f"env_fns[{i}] gave {env!r}: neither an async env (AsyncEnvProtocol: coroutines reset/step/close, "
         "observation_space, action_space) nor a gymnasium env"
     )
 
 
-def open_envs(env_fns: list[Any], into: list[Any]) -> None:
-    """Build every env into ``into`` (which holds the envs built so far if one fails, to be closed)."""
+def open_envs(env_fns: list[Any], into: list[Any], limiter: Any) -> None:
+    """Build every env into ``into`` (which holds the envs built so far if one fails, to be closed); the
+    gymnasium envs among them share the threads of ``limiter``."""
     for i, fn in enumerate(env_fns):
-        into.append(_open(fn, i))
+        into.append(_open(fn, i, limiter))
 
 
 class EnvSet:
