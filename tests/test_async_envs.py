@@ -476,3 +476,22 @@ async def test_dict_observations_and_box_actions() -> None:
         rows = batch[batch["collector", "env_id"] == e]
         assert torch.allclose(rows["next", "pos"], rows["pos"] + rows["action"])
         assert torch.equal(rows["next", "t"], rows["t"] + 1)
+
+
+async def test_replay_buffer_fill_and_start() -> None:
+    from support import ListBuffer
+
+    buffer = ListBuffer()
+    _, fns = make_envs(4)
+    async with AsyncEnvCollector(fns, frames_per_batch=20, total_frames=60, replay_buffer=buffer) as c:
+        written = [frames async for frames in c.fill()]
+    assert written == [20, 20, 20] and len(buffer.batches) == 3
+    check_invariants(buffer.batches, 4)
+
+    buffer = ListBuffer()
+    _, fns = make_envs(4)
+    async with AsyncEnvCollector(fns, frames_per_batch=20, total_frames=40, replay_buffer=buffer) as c:
+        await c.start()
+        with anyio.fail_after(10):
+            await buffer.wait_for(2)
+    assert c.statistics().frames == 40

@@ -237,6 +237,10 @@ class AsyncEnvCollector(CollectorBase):
         """Stop the env tasks and the policy (after the steps and the policy call in flight), close every
         env and end the policy thread. Idempotent."""
         with anyio.CancelScope(shield=True):
+            if self._background is not None:  # start()'s background collection: stop after its batch
+                self._background.cancel()
+                async with self._lock:
+                    pass
             if not self._closed:
                 self._closed = True
                 self._closed_reason = "it was closed"
