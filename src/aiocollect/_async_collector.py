@@ -379,7 +379,7 @@ class AsyncEnvCollector(CollectorBase):
 
     @property
     def policy_batch_sizes(self) -> list[int]:
-        """The number of envs in each policy call so far (the dynamic batching at work)."""
+        """The number of envs in each of the last 10,000 policy calls (the dynamic batching at work)."""
         return list(self._engine.batch_sizes) if self._engine is not None else []
 
     def statistics(self) -> CollectorStatistics:

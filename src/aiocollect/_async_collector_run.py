@@ -90,7 +90,7 @@ class Engine:
         self.env_frames = [0] * n
         self.dropped: set[int] = set()
         self.version = 0
-        self.batch_sizes: list[int] = []  # of the policy calls (benchmarks read it)
+        self.batch_sizes: deque[int] = deque(maxlen=10_000)  # of the recent policy calls
         self.error: BaseException | None = None
         # hand-offs between the env tasks and the policy task
         self._ready: list[int] = []
