@@ -96,7 +96,10 @@ class Engine:
         self._ready: list[int] = []
         self._first_ready = 0.0
         self._actions: list[Any] = [None] * n  # an env's action while it steps (None: not stepping)
-        self._call_of: list[Any] = [None] * n  # (policy call, index in it) of each env's action
+        # the policy call of each env's action and its index in it (two lists: no tuple per step for the
+        # cyclic GC to track)
+        self._call_of: list[Any] = [None] * n
+        self._index_in_call = [0] * n
         self._episodes: list[tuple[int, float, int]] = []  # of the batch being filled
         self._waiters: list[Any] = [None] * n  # what each ready env awaits (see _waiters_for)
         self._new_waiter: Callable[[], Any] = anyio.Event
@@ -262,7 +265,7 @@ class Engine:
             batch = self._filling = FrameBatch(self._layout, self.config.frames_per_batch)
             self._episodes = batch.episodes
         row = batch.filled
-        call, j = self._call_of[i]
+        call, j = self._call_of[i], self._index_in_call[i]
         offset = batch.calls.get(call)
         batch.source.append((batch.offset(call) if offset is None else offset) + j)
         if len(batch.next_obs) == 1:
@@ -353,11 +356,18 @@ class Engine:
             raise KeyError(f"the policy wrote {list(outputs)}, and {self._layout.out_keys} at its first call")
         call = PolicyCall(obs, list(outputs.values()), idx, self.traj_ids[idx], version)
         env_actions = self.codec.actions(out, n)
-        actions, waiters, call_of, wake = self._actions, self._waiters, self._call_of, self._wake
+        actions, waiters, call_of, index, wake = (
+            self._actions,
+            self._waiters,
+            self._call_of,
+            self._index_in_call,
+            self._wake,
+        )
         self._in_flight += n
         for j, i in enumerate(ids):
             actions[i] = env_actions[j]
-            call_of[i] = (call, j)
+            call_of[i] = call
+            index[i] = j
             wake(waiters[i])
 
     def _make_layout(self, outputs: dict[NestedKey, Any]) -> Layout:
