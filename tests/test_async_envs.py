@@ -409,6 +409,8 @@ async def test_arguments_are_checked_first(kwargs, error, match) -> None:
     assert not built
     with pytest.raises(TypeError, match="env_fns"):
         AsyncEnvCollector([], frames_per_batch=10)
+    with pytest.warns(UserWarning, match="the others wait"):
+        AsyncEnvCollector([lambda: built.append(1)] * 30, frames_per_batch=10)
 
 
 async def test_mismatched_spaces_are_refused_and_closed() -> None:

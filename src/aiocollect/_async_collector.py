@@ -164,6 +164,14 @@ class AsyncEnvCollector(CollectorBase):
         self._source_policy = policy_arg(policy)
         self._async_policy = is_async_policy(policy)
         self._init_base(progress)  # checks `progress`
+        ahead = (1 + self._prefetch) * self.frames_per_batch
+        if ahead < n:
+            warnings.warn(
+                f"(1 + prefetch) * frames_per_batch = {ahead} frames may be collected or stepping at once, "
+                f"fewer than the {n} envs: the others wait. Raise frames_per_batch or prefetch",
+                UserWarning,
+                stacklevel=2,
+            )
         if self.total_frames > 0 and self.total_frames % self.frames_per_batch:
             warnings.warn(
                 f"total_frames={self.total_frames} is not a multiple of frames_per_batch="
