@@ -170,6 +170,11 @@ async def test_protocol_and_threaded_env() -> None:
     assert seen and loop_thread not in seen  # stepped off the loop
     with pytest.raises(TypeError, match="gymnasium env"):
         ThreadedAsyncEnv(object())
+    from gymnasium.envs.classic_control import CartPoleEnv
+
+    env = ThreadedAsyncEnv(CartPoleEnv)  # a class is a factory
+    assert isinstance(env.env, CartPoleEnv)
+    await env.close()
 
 
 # -- data ---------------------------------------------------------------------------------------------
