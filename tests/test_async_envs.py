@@ -295,9 +295,13 @@ async def test_min_batch_and_max_wait() -> None:
 async def test_async_policy() -> None:
     seen = []
 
-    class Remote:
+    class Client:
         async def __call__(self, td):
             await anyio.sleep(0.001)  # a round trip to a policy server
+            return self.answer(td)
+
+    class Remote(Client):  # an inherited async __call__ makes an async policy too
+        def answer(self, td):
             seen.append(td.shape[0])
             td["action"] = td["observation"][:, 2].long() % 4
             td["value"] = torch.zeros(td.shape[0], 1)
