@@ -395,12 +395,6 @@ def _waiters_for_this_loop() -> tuple[Callable[[], Any], Callable[[Any], Any]]:
     return anyio.Event, _set_event
 
 
-def _zeros(n: int, like: Any) -> Any:
-    if isinstance(like, torch.Tensor):
-        return torch.zeros((n, *like.shape[1:]), dtype=like.dtype)
-    return np.zeros((n, *like.shape[1:]), like.dtype)
-
-
 def _as_numpy(value: torch.Tensor, n: int) -> Any:
     if not isinstance(value, torch.Tensor) or not value.shape or value.shape[0] != n:
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
