@@ -17,6 +17,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import numpy as np
 import sniffio
 import torch
@@ -27,7 +28,7 @@ from ._async_collector_policy import ActionCodec, BatchPolicy
 from ._envs._spaces import LeafSpec, NestedKey
 from ._events import WorkerFailed
 
-__all__ = ["Engine", "EngineConfig", "Signal"]
+__all__ = ["DISPATCH_CHUNK", "Engine", "EngineConfig", "Signal"]
 
 
 class Signal:
@@ -369,6 +370,10 @@ class Engine:
             call_of[i] = call
             index[i] = j
             wake(waiters[i])
+            if j % DISPATCH_CHUNK == DISPATCH_CHUNK - 1 and j < n - 1:
+                # let the loop run these envs (and anything else waiting) before waking more: a burst of
+                # hundreds of steps at once (and of their sleeps ending together) would hold the loop
+                await anyio.lowlevel.checkpoint()
 
     def _make_layout(self, outputs: dict[NestedKey, Any]) -> Layout:
         specs = {key: LeafSpec(tuple(value.shape[1:]), _dtype(value)) for key, value in outputs.items()}
@@ -376,6 +381,9 @@ class Engine:
 
 
 _END = object()  # the action of an env that is to stop
+
+#: envs woken per loop iteration after a policy call (see ``Engine._act``)
+DISPATCH_CHUNK = 64
 
 
 def _wake_future(future: asyncio.Future[None]) -> None:
