@@ -102,7 +102,7 @@ class Engine:
         self._call_of: list[Any] = [None] * n
         self._index_in_call = [0] * n
         self._episodes: list[tuple[int, float, int]] = []  # of the batch being filled
-        self._waiters: list[Any] = [None] * n  # what each ready env awaits (see _waiters_for)
+        self._waiters: list[Any] = [None] * n  # what each ready env awaits (see _waiters_for_this_loop)
         self._new_waiter: Callable[[], Any] = anyio.Event
         self._wake: Callable[[Any], Any] = _set_event
         self._no_more_actions = False
@@ -151,6 +151,7 @@ class Engine:
         if self._scope is not None:
             self._scope.cancel()
         self.consumer_signal.set()
+        self.idle_signal.set()  # a pause() waiting for the steps in flight
 
     @property
     def idle(self) -> bool:
@@ -196,6 +197,8 @@ class Engine:
         self.hub.publish(WorkerFailed(i, f"{type(exc).__name__}: {exc}"))
         if stepping:  # it failed mid-step: that frame is not collected (another env's step makes it up)
             self._in_flight -= 1
+            if self.idle:
+                self.idle_signal.set()
         if len(self.dropped) == len(self.envs):
             error = RuntimeError(
                 f"every env was dropped (on_env_error='drop'); the last one, env {i}, raised "
