@@ -181,7 +181,6 @@ class AsyncEnvCollector(CollectorBase):
             )
         self._engine: Engine | None = None
         self._policy: BatchPolicy | None = None
-        self._run_scope: anyio.CancelScope | None = None
 
     def _target(self) -> int:
         if self.total_frames < 0:
@@ -207,7 +206,10 @@ class AsyncEnvCollector(CollectorBase):
         except BaseException:
             with anyio.CancelScope(shield=True):
                 for env in envs:
-                    await env.close()
+                    try:
+                        await env.close()
+                    except Exception:  # best effort: the error that stopped us goes on
+                        pass
             raise
         policy.start()  # the thread gets the entering thread's torch settings
         self._policy = policy
