@@ -506,3 +506,22 @@ async def test_replay_buffer_fill_and_start() -> None:
         with anyio.fail_after(10):
             await buffer.wait_for(2)
     assert c.statistics().frames == 40
+
+
+async def test_events_and_statistics() -> None:
+    from aiocollect import BatchDelivered, EpisodeFinished, WorkerStarted
+
+    _, fns = make_envs(3)
+    collector = AsyncEnvCollector(fns, StepPolicy(), frames_per_batch=30, total_frames=60)
+    async with collector.events() as events, collector as c:
+        await take(c)
+        stats = c.statistics()
+    seen = [event async for event in events]  # the stream ends when the collector closes
+    assert [e.frames for e in seen if isinstance(e, BatchDelivered)] == [30, 30]
+    assert sorted(e.worker_id for e in seen if isinstance(e, WorkerStarted)) == [0, 1, 2]
+    episodes = [e for e in seen if isinstance(e, EpisodeFinished)]
+    assert len(episodes) == stats.episodes > 0
+    assert all(e.length == 3 + e.worker_id % 5 for e in episodes)  # Counter's episode lengths
+    assert stats.frames == 60 and sum(w.frames for w in stats.workers) == 60
+    assert {w.state for w in stats.workers} == {"collecting"}
+    assert c.statistics().workers[0].state == "stopped"
