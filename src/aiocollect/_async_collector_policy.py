@@ -36,6 +36,16 @@ def is_async_policy(policy: Any) -> bool:
     return inspect.iscoroutinefunction(call)
 
 
+def _parameter_device(policy: Any) -> torch.device | None:
+    """The device of a module's parameters when it is not the CPU (``None``: leave inputs where they are)."""
+    if not isinstance(policy, torch.nn.Module):
+        return None
+    param = next(iter(policy.parameters()), None)
+    if param is None or param.device.type == "cpu":
+        return None
+    return param.device
+
+
 def _out_keys(out: TensorDictBase, obs_keys: set[NestedKey]) -> list[NestedKey]:
     """The policy's outputs: its new leaves, without private, ``next`` or ``collector`` entries."""
     keys = []
@@ -88,7 +98,9 @@ class BatchPolicy:
                 ) from exc
             self.module = policy
         self.policy = policy
-        self._runner = make_runner(policy, batch_shape=(1,), obs_keys=obs_keys, device=None)
+        # a module on an accelerator gets its inputs there (central inference on a GPU)
+        device = _parameter_device(policy)
+        self._runner = make_runner(policy, batch_shape=(1,), obs_keys=obs_keys, device=device)
         # the TensorDict path builds its TensorDict with a batch size: ours changes at every call
         self._sized = getattr(self._runner, "slow", self._runner)
         self._thread = RolloutThread(name)
