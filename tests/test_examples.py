@@ -31,6 +31,8 @@ CASES = {
     "recurrent_policy": ["recurrent_policy.py", "--total-frames", "2000", "--frames-per-batch", "400"],
     "multi_async_onpolicy": ["multi_async_onpolicy.py", "--total-frames", "2048"]
     + ["--frames-per-update", "512", "--backend", "serial"],
+    "async_envs": ["async_envs.py", "--total-frames", "4000", "--num-envs", "200"]
+    + ["--frames-per-batch", "1000"],
 }
 
 
@@ -106,7 +108,7 @@ def test_every_example_is_tested() -> None:
 ROOT = EXAMPLES.parent
 # pages whose every ```python block is a complete program (a block after <!-- continue --> extends the one
 # before it; <!-- skip --> before a block leaves out a fragment): add a page here once its blocks run
-RUNNABLE_PAGES = ["index", "conventions", "collector", "envs", "policies"]
+RUNNABLE_PAGES = ["index", "conventions", "collector", "envs", "policies", "async-envs"]
 DOC_PAGES = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in RUNNABLE_PAGES)]
 _BLOCK = re.compile(r"(<!-- (continue|skip) -->\s*\n)?^```python[^\n]*\n(.*?)^```", re.S | re.M)
 

@@ -56,6 +56,7 @@ LAYERS: dict[str, int] = {
     "_multi": 5,
     "_fleet": 5,
     "_sinks": 5,
+    "_async": 5,
     # remote collectors: their nodes and actors host local collectors
     "_remote": 6,
     # the public surface
