@@ -24,6 +24,8 @@ CASES = {
     "vector_envs": ["vector_envs.py", "--total-frames", "2000", "--vectorization", "async"],
     "multi_sync_ppo_style": ["multi_sync_ppo_style.py", "--total-frames", "2048"]
     + ["--frames-per-batch", "1024", "--envs-per-worker", "4", "--backend", "serial"],
+    "async_envs": ["async_envs.py", "--total-frames", "4000", "--num-envs", "200"]
+    + ["--frames-per-batch", "1000"],
 }
 
 
@@ -99,7 +101,7 @@ def test_every_example_is_tested() -> None:
 ROOT = EXAMPLES.parent
 # pages whose every ```python block is a complete program (a block after <!-- continue --> extends the one
 # before it; <!-- skip --> before a block leaves out a fragment): add a page here once its blocks run
-RUNNABLE_PAGES = ["index", "conventions", "collector", "envs", "policies"]
+RUNNABLE_PAGES = ["index", "conventions", "collector", "envs", "policies", "async-envs"]
 DOC_PAGES = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in RUNNABLE_PAGES)]
 _BLOCK = re.compile(r"(<!-- (continue|skip) -->\s*\n)?^```python[^\n]*\n(.*?)^```", re.S | re.M)
 

@@ -54,6 +54,7 @@ LAYERS: dict[str, int] = {
     "_collector": 5,
     "_multi": 5,
     "_fleet": 5,
+    "_async": 5,
     # remote collectors: their nodes and actors host local collectors
     "_remote": 6,
     # envs and policies served over WebSocket (issue 16): servers host envs and policies

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import typing
 
+from ._async_collector import AsyncEnvCollector
 from ._collector import Collector
 from ._distributed_weights import DistributedWeightSync
+from ._envs._async import AsyncEnvProtocol, ThreadedAsyncEnv
 from ._envs._gym import GymEnv
 from ._envs._protocol import EnvProtocol
 from ._errors import CollectorClosedError, WorkerDiedError, WorkerError, WorkerTimeoutError
@@ -98,6 +100,8 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AsyncEnvCollector",
+    "AsyncEnvProtocol",
     "BatchDelivered",
     "Collector",
     "CollectorClosedError",
@@ -122,6 +126,7 @@ __all__ = [
     "Resumed",
     "RolloutOptions",
     "SharedMemoryWeightSync",
+    "ThreadedAsyncEnv",
     "WorkerDiedError",
     "WorkerError",
     "WorkerFailed",

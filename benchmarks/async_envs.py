@@ -1,0 +1,234 @@
+"""Central batched inference over I/O-bound envs (issue 16): ``AsyncEnvCollector`` on one event loop
+against a pool of threads stepping the same envs.
+
+    python benchmarks/async_envs.py                  # 1,000 envs, 3 interleaved rounds
+    python benchmarks/async_envs.py --quick          # smoke run
+    python benchmarks/async_envs.py --profile        # cProfile of one asyncio run (the hot path)
+
+Each env is a CartPole (gymnasium's ``CartPoleEnv``) whose step also waits 5 ms: ``await anyio.sleep``
+for the async envs (1,000 of them on one loop: the limit is 1,000 / 5 ms = 200k steps/s), a blocking
+``time.sleep`` in the thread baseline (``--threads`` threads, each stepping its share of the envs one
+after another, its share's actions from one batched policy call). Every variant runs the same MLP
+policy (4 -> 64 -> 64 -> 2, tanh, argmax) and stores full batches (``--frames-per-batch`` frames) in
+preallocated tensors. Rounds interleave the variants; the table prints each variant's median frames/s
+and its ratio to the thread pool measured in the same round. Also printed: the event loop's lag (a
+task that sleeps 1 ms and records how late it wakes) while the 1,000 envs run on asyncio, and the
+distribution of the policy's batch sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import threading
+import time
+from typing import Any
+
+import anyio
+import numpy as np
+import torch
+from gymnasium.envs.classic_control import CartPoleEnv
+from torch import nn
+
+from aiocollect import AsyncEnvCollector
+
+STEP_DELAY = 0.005
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 2))
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        return self.net(observation).argmax(-1)
+
+
+class SlowCartPole:
+    """An I/O-bound async env: a CartPole step plus a 5 ms wait (a network round trip)."""
+
+    def __init__(self) -> None:
+        self.env = CartPoleEnv()
+        self.observation_space = self.env.observation_space
+        self.action_space = self.env.action_space
+
+    async def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        return self.env.reset(seed=seed)
+
+    async def step(self, action: int) -> Any:
+        await anyio.sleep(STEP_DELAY)
+        return self.env.step(action)
+
+    async def close(self) -> None:
+        self.env.close()
+
+
+# -- the async collector ------------------------------------------------------------------------------
+async def lag_ticker(lags: list[float], stop: anyio.Event) -> None:
+    while not stop.is_set():
+        start = time.perf_counter()
+        await anyio.sleep(0.001)
+        lags.append(time.perf_counter() - start - 0.001)
+
+
+async def run_async(args: argparse.Namespace, policy: nn.Module, out: dict[str, Any]) -> None:
+    lags: list[float] = []
+    stop = anyio.Event()
+    collector = AsyncEnvCollector(
+        [SlowCartPole] * args.envs,
+        policy,
+        frames_per_batch=args.frames_per_batch,
+        min_batch=args.min_batch,
+        max_wait=args.max_wait,
+        seed=0,
+    )
+    async with anyio.create_task_group() as tg, collector:
+        it = aiter(collector)
+        await anext(it)  # warm-up: every env reset, the policy thread up
+        tg.start_soon(lag_ticker, lags, stop)
+        warm_calls = len(collector.policy_batch_sizes)
+        start, frames = time.perf_counter(), 0
+        while frames < args.frames:
+            frames += (await anext(it)).numel()
+        out["fps"] = frames / (time.perf_counter() - start)
+        stop.set()
+        out["lags"] = lags
+        out["sizes"] = collector.policy_batch_sizes[warm_calls:]
+
+
+def measure_async(args: argparse.Namespace, policy: nn.Module, uvloop: bool, freeze: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if freeze:  # the objects made so far (torch, gymnasium, ...) leave the cyclic GC's scans
+        gc.collect()
+        gc.freeze()
+    try:
+        anyio.run(run_async, args, policy, out, backend="asyncio", backend_options={"use_uvloop": uvloop})
+    finally:
+        gc.unfreeze()
+    return out
+
+
+# -- the thread-pool baseline -------------------------------------------------------------------------
+def measure_threads(args: argparse.Namespace, policy: nn.Module) -> dict[str, Any]:
+    """``--threads`` threads, each stepping ``envs / threads`` envs with blocking 5 ms steps; one policy
+    call per thread per round over its envs; frames written into a shared preallocated buffer."""
+    n_threads = args.threads
+    shares = np.array_split(np.arange(args.envs), n_threads)
+    fpb = args.frames_per_batch
+    buf_obs = torch.empty(fpb, 4)
+    buf_next = torch.empty(fpb, 4)
+    buf_act = torch.empty(fpb, dtype=torch.int64)
+    buf_rew = torch.empty(fpb, 1)
+    buf_done = torch.empty(fpb, 1, dtype=torch.bool)
+    views = [t.numpy() for t in (buf_obs, buf_next, buf_act, buf_rew, buf_done)]
+    lock = threading.Lock()
+    state = {"row": 0, "frames": 0}
+    done_ev = threading.Event()
+    started = threading.Barrier(n_threads + 1)
+    target = args.frames + fpb  # one batch of warm-up
+
+    def worker(ids: np.ndarray) -> None:
+        envs = [CartPoleEnv() for _ in ids]
+        obs = np.stack([env.reset(seed=int(i))[0] for env, i in zip(envs, ids, strict=True)])
+        started.wait()
+        while not done_ev.is_set():
+            with torch.no_grad():
+                actions = policy(torch.from_numpy(obs)).numpy()
+            for j, env in enumerate(envs):
+                time.sleep(STEP_DELAY)
+                nxt, reward, term, trunc, _ = env.step(int(actions[j]))
+                with lock:
+                    row = state["row"]
+                    state["row"] = (row + 1) % fpb
+                    state["frames"] += 1
+                    if state["frames"] >= target:
+                        done_ev.set()
+                o, nx, a, r, d = views
+                o[row], nx[row], a[row], r[row], d[row] = obs[j], nxt, actions[j], reward, term or trunc
+                obs[j] = env.reset()[0] if term or trunc else nxt
+
+    threads = [threading.Thread(target=worker, args=(ids,), daemon=True) for ids in shares]
+    for t in threads:
+        t.start()
+    started.wait()
+    while state["frames"] < fpb:  # warm-up batch
+        time.sleep(0.001)
+    start, first = time.perf_counter(), state["frames"]
+    done_ev.wait()
+    fps = (state["frames"] - first) / (time.perf_counter() - start)
+    for t in threads:
+        t.join()
+    return {"fps": fps}
+
+
+# -- report -------------------------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--envs", type=int, default=1000)
+    parser.add_argument("--threads", type=int, default=64)
+    parser.add_argument("--frames", type=int, default=200_000, help="frames measured per variant and round")
+    parser.add_argument("--frames-per-batch", type=int, default=10_000)
+    parser.add_argument("--min-batch", type=int, default=None)
+    parser.add_argument("--max-wait", type=float, default=0.002)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="100 envs, 20k frames, 1 round")
+    parser.add_argument("--profile", action="store_true", help="cProfile one asyncio run and exit")
+    args = parser.parse_args()
+    if args.quick:
+        args.envs, args.frames, args.frames_per_batch, args.rounds, args.threads = 100, 20_000, 2_000, 1, 16
+    torch.set_num_threads(1)
+    policy = MLP()
+    if args.profile:
+        import cProfile
+        import pstats
+
+        cProfile.runctx(
+            "measure_async(args, policy, False, True)", globals(), locals(), "/tmp/async_envs.prof"
+        )
+        pstats.Stats("/tmp/async_envs.prof").sort_stats("tottime").print_stats(25)
+        return
+    variants = {
+        "asyncio": (False, False),
+        "uvloop": (True, False),
+        "asyncio, gc.freeze()": (False, True),
+        "uvloop, gc.freeze()": (True, True),
+    }
+    results: dict[str, list[float]] = {name: [] for name in [*variants, "threads"]}
+    ratios: dict[str, list[float]] = {name: [] for name in variants}
+    lags: dict[str, list[float]] = {name: [] for name in variants}
+    sizes: list[int] = []
+    for r in range(args.rounds):
+        base = measure_threads(args, policy)["fps"]
+        results["threads"].append(base)
+        for name, (uv, freeze) in variants.items():
+            out = measure_async(args, policy, uv, freeze)
+            results[name].append(out["fps"])
+            ratios[name].append(out["fps"] / base)
+            lags[name] += [x * 1e3 for x in out["lags"]]
+            if name == "asyncio":
+                sizes += out["sizes"]
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in results.items()), flush=True)
+    fpb = args.frames_per_batch
+    print(f"\n{args.envs} envs, {STEP_DELAY * 1e3:.0f} ms a step, MLP policy, batches of {fpb}")
+    print(
+        f"| variant | frames/s (median of {args.rounds}) | x threads (median of ratios) | loop lag p50 / p99 |"
+    )
+    print("|---|---|---|---|")
+    for name in variants:
+        fps, ratio = statistics.median(results[name]), statistics.median(ratios[name])
+        lag = f"{percentile(lags[name], 50):.1f} / {percentile(lags[name], 99):.1f} ms"
+        print(f"| AsyncEnvCollector, {name} | {fps:,.0f} | {ratio:.2f} | {lag} |")
+    print(f"| {args.threads} threads | {statistics.median(results['threads']):,.0f} | 1.00 | |")
+    qs = "/".join(f"{percentile([float(s) for s in sizes], q):.0f}" for q in (5, 25, 50, 75, 95))
+    print(f"\npolicy batch sizes (asyncio): {len(sizes)} calls, p5/p25/p50/p75/p95 = {qs}")
+
+
+if __name__ == "__main__":
+    main()

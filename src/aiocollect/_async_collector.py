@@ -1,0 +1,406 @@
+"""``AsyncEnvCollector``: many async envs stepped concurrently on the collector's event loop, the policy
+called on batches of the envs that are ready (central inference, as in SEED RL)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from math import ceil
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import InteractionType
+
+from ._async_collector_envs import EnvSet, env_fns_arg, open_envs
+from ._async_collector_policy import BatchPolicy, is_async_policy
+from ._async_collector_run import Engine, EngineConfig
+from ._base import CollectorBase
+from ._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
+from ._stats import CollectorStatistics, WorkerStatistics
+from ._trajectories import split_trajectories
+from ._validation import (
+    exploration_type_arg,
+    flag,
+    non_negative_int,
+    optional_callable,
+    optional_positive_int,
+    policy_arg,
+    positive_int,
+    replay_buffer_arg,
+    seed_arg,
+    total_frames_arg,
+)
+
+__all__ = ["ENV_THREADS", "AsyncEnvCollector"]
+
+#: worker threads shared by the gymnasium envs an ``AsyncEnvCollector`` wraps in ``ThreadedAsyncEnv``
+ENV_THREADS = 32
+
+
+def _max_wait_arg(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"max_wait must be a number of seconds (e.g. 0.002), got {value!r}")
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(
+            f"max_wait must be >= 0 and finite (seconds the oldest ready env may wait), got {value!r}"
+        )
+    return float(value)
+
+
+def _on_env_error_arg(value: Any) -> bool:
+    if value not in ("raise", "drop"):
+        raise ValueError(
+            f"on_env_error must be 'raise' (an env's error ends the collector) or 'drop' (the env is closed "
+            f"and dropped, the others go on), got {value!r}"
+        )
+    return value == "drop"
+
+
+class AsyncEnvCollector(CollectorBase):
+    """Step many async envs concurrently on the event loop and batch the policy over the envs that are
+    ready; ``async for batch in collector`` gives flat ``[frames]`` batches.
+
+    Each env runs in a task of the collector's task group; a ready env waits for the policy, which is
+    called once ``min_batch`` envs wait or the oldest has waited ``max_wait`` seconds. A torch policy
+    runs in the collector's own thread (never on the loop), an async policy is awaited. Envs progress at
+    their own rates, so a batch interleaves them: ``("collector", "env_id")`` says which env a frame is
+    from and ``("collector", "traj_ids")`` which trajectory (unique over the collector's life); frames of
+    one env are in time order. A frame is written when its step returns, so a slow env never holds a
+    batch back; at most ``(1 + prefetch) * frames_per_batch`` frames are collected or in flight ahead of
+    ``async for`` (then the envs wait). Everything the collector starts ends with ``async with``.
+
+    Args:
+        env_fns: callables (one per env) returning an async env (:class:`AsyncEnvProtocol`) or a gymnasium
+            env (wrapped in :class:`ThreadedAsyncEnv`, these envs sharing 32 worker threads); called when
+            the collector is entered, in a worker thread. Every env must have the same spaces.
+        policy: a ``TensorDictModule``, an ``nn.Module`` (called on the observations, returns the action;
+            copied: the collector runs its own weights, changed by :meth:`update_weights`), a callable
+            ``td -> td`` (these three run in the collector's thread), an async policy (an ``async def``
+            callable ``td -> td``, awaited on the loop), or ``None`` for random actions.
+        frames_per_batch: frames in each batch.
+        total_frames: frames to collect (rounded up to whole batches); ``-1`` (default): endless.
+        min_batch: envs waiting that start a policy call (default: half of the envs).
+        max_wait: seconds the oldest waiting env waits before a policy call on fewer than ``min_batch``
+            envs (default 0.002).
+        max_frames_per_traj: truncate episodes after this many steps (``("next", "truncated")`` set).
+        split_trajs: deliver the batch as zero-padded trajectories ``[n_traj, max_len]`` with a mask.
+        exploration_type: the ``tensordict.nn`` interaction type for torch policies (default ``"random"``).
+        seed: env ``i`` is first reset with ``seed + i``.
+        track_policy_version: write ``("collector", "policy_version")``: the version each frame's action
+            was computed with.
+        on_env_error: ``"raise"`` (default): an env's error ends the collector and is raised from
+            ``async for`` with its type and traceback; ``"drop"``: that env is closed and dropped, a
+            :class:`WorkerFailed` event (``worker_id`` = the env index) is published and the others go on
+            (the failed step is no frame; when every env is dropped, ``RuntimeError``).
+        prefetch: batches collected ahead of ``async for`` (default 1); then the envs wait.
+        postproc: a callable applied to each batch.
+        replay_buffer: anything with ``extend(batch)`` (called in a worker thread); see :meth:`fill`.
+        progress: a progress bar (see :class:`Collector`).
+
+    Example:
+        >>> import anyio, numpy as np
+        >>> from gymnasium import spaces
+        >>> from aiocollect import AsyncEnvCollector
+        >>> class Ping:
+        ...     observation_space = spaces.Box(0, 1, (1,), np.float32)
+        ...     action_space = spaces.Discrete(2)
+        ...     async def reset(self, *, seed=None, options=None):
+        ...         return np.zeros(1, np.float32), {}
+        ...     async def step(self, action):
+        ...         await anyio.sleep(0.001)  # a network call
+        ...         return np.ones(1, np.float32), 1.0, False, False, {}
+        ...     async def close(self):
+        ...         pass
+        >>> async def main():
+        ...     async with AsyncEnvCollector([Ping] * 100, frames_per_batch=500, total_frames=1000) as c:
+        ...         async for batch in c:
+        ...             print(batch.batch_size, batch["collector", "env_id"].unique().numel())
+        >>> anyio.run(main)
+        torch.Size([500]) 100
+        torch.Size([500]) 100
+    """
+
+    def __init__(
+        self,
+        env_fns: Sequence[Callable[[], Any]],
+        policy: Any = None,
+        *,
+        frames_per_batch: int,
+        total_frames: int | None = -1,
+        min_batch: int | None = None,
+        max_wait: float = 0.002,
+        max_frames_per_traj: int | None = None,
+        split_trajs: bool = False,
+        exploration_type: str | InteractionType = "random",
+        seed: int | None = None,
+        track_policy_version: bool = False,
+        on_env_error: str = "raise",
+        prefetch: int = 1,
+        postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
+        replay_buffer: Any = None,
+        progress: Any = None,
+    ) -> None:
+        # every argument is checked here, before any env is built
+        self._env_fns = env_fns_arg(env_fns)
+        n = len(self._env_fns)
+        self.frames_per_batch = positive_int("frames_per_batch", frames_per_batch)
+        self.total_frames = total_frames_arg(total_frames)
+        min_batch = optional_positive_int("min_batch", min_batch, fix="None: half of the envs")
+        self._min_batch = max(1, n // 2) if min_batch is None else min(min_batch, n)
+        self._max_wait = _max_wait_arg(max_wait)
+        self._max_frames_per_traj = optional_positive_int("max_frames_per_traj", max_frames_per_traj)
+        self._split_trajs = flag("split_trajs", split_trajs)
+        self._exploration_type = exploration_type_arg(exploration_type)
+        self._seed = seed_arg(seed)
+        self._track_policy_version = flag("track_policy_version", track_policy_version)
+        self._drop_failed = _on_env_error_arg(on_env_error)
+        self._prefetch = non_negative_int("prefetch", prefetch, fix="0: a batch is collected when asked for")
+        self._postproc = optional_callable("postproc", postproc)
+        self.replay_buffer = replay_buffer_arg(replay_buffer)
+        self._source_policy = policy_arg(policy)
+        self._async_policy = is_async_policy(policy)
+        self._init_base(progress)  # checks `progress`
+        if self.total_frames > 0 and self.total_frames % self.frames_per_batch:
+            warnings.warn(
+                f"total_frames={self.total_frames} is not a multiple of frames_per_batch="
+                f"{self.frames_per_batch}: the last batch is not cut, {self._target()} frames are collected",
+                UserWarning,
+                stacklevel=2,
+            )
+        self._engine: Engine | None = None
+        self._policy: BatchPolicy | None = None
+        self._run_scope: anyio.CancelScope | None = None
+
+    def _target(self) -> int:
+        if self.total_frames < 0:
+            return -1
+        return ceil(self.total_frames / self.frames_per_batch) * self.frames_per_batch
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def _on_enter(self) -> None:
+        envs: list[Any] = []
+        try:
+            with anyio.CancelScope(shield=True):  # never leave a half-built env behind
+                # gymnasium envs given as env_fns: their steps share ENV_THREADS worker threads
+                limiter = anyio.CapacityLimiter(ENV_THREADS)
+                await anyio.to_thread.run_sync(open_envs, self._env_fns, envs, limiter)
+            spec = EnvSet(envs)
+            policy = BatchPolicy(
+                self._source_policy,
+                action_space=spec.action_space,
+                obs_keys=spec.obs_keys,
+                exploration_type=self._exploration_type,
+                name=f"aiocollect-policy-{id(self):x}",
+            )
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                for env in envs:
+                    await env.close()
+            raise
+        policy.start()  # the thread gets the entering thread's torch settings
+        self._policy = policy
+        config = EngineConfig(
+            frames_per_batch=self.frames_per_batch,
+            target=self._target(),
+            min_batch=self._min_batch,
+            max_wait=self._max_wait,
+            prefetch=self._prefetch,
+            max_frames_per_traj=self._max_frames_per_traj,
+            seed=self._seed,
+            drop_failed_envs=self._drop_failed,
+            track_policy_version=self._track_policy_version,
+        )
+        self._engine = Engine(
+            envs,
+            spec,
+            policy,
+            config,
+            hub=self._hub,
+            is_paused=lambda: self._paused > 0,
+            resumed=self._resumed,
+        )
+        for i in range(len(envs)):
+            self._hub.publish(WorkerStarted(i))
+        assert self._task_group is not None
+        await self._task_group.start(self._engine.run)
+
+    async def _resumed(self) -> None:
+        event = self._unpaused
+        if event is not None:
+            await event.wait()
+
+    async def aclose(self) -> None:
+        """Stop the env tasks and the policy (after the steps and the policy call in flight), close every
+        env and end the policy thread. Idempotent."""
+        with anyio.CancelScope(shield=True):
+            if not self._closed:
+                self._closed = True
+                self._closed_reason = "it was closed"
+                if self._engine is not None:
+                    for i in range(len(self._engine.envs)):
+                        self._hub.publish(WorkerStopped(i))
+                self._finish_progress()
+            await self._shutdown()
+            self._hub.close()
+
+    async def _shutdown(self) -> None:
+        engine = self._engine
+        if engine is not None:
+            engine.consumer_signal.set()  # a consumer waiting for a batch sees the collector closed
+            await engine.stop()
+            async with anyio.create_task_group() as tg:
+                for i in range(len(engine.envs)):
+                    tg.start_soon(engine.close_env, i)
+        if self._policy is not None:
+            await self._policy.stop()
+
+    async def _fail(self, exc: BaseException) -> None:
+        self._closed_reason = f"an env or the policy failed with {type(exc).__name__}: {exc}"
+        self._closed = True
+        self._failed = True
+        self._hub.publish(WorkerFailed(-1, f"{type(exc).__name__}: {exc}"))
+        await self._shutdown()
+        self._hub.close()
+
+    # -- the iterator -----------------------------------------------------------------------------
+    def _budget_reached(self) -> bool:
+        engine = self._engine
+        return engine is not None and engine.exhausted
+
+    async def __anext__(self) -> TensorDictBase | None:
+        if self._engine is None and not self._closed:
+            raise RuntimeError(
+                "an AsyncEnvCollector is iterated inside `async with AsyncEnvCollector(...) as c:`"
+            )
+        await self._batch_turn()
+        try:
+            engine = self._engine
+            assert engine is not None
+            while not engine.complete and engine.error is None:
+                self._active()
+                await engine.consumer_signal.wait()
+            if engine.error is not None:
+                error = engine.error
+                with anyio.CancelScope(shield=True):
+                    await self._fail(error)
+                raise error
+            return await self._deliver(engine)
+        finally:
+            self._lock.release()
+
+    async def _deliver(self, engine: Engine) -> TensorDictBase | None:
+        frames = engine.take_batch()
+        version = frames.version
+        batch: TensorDictBase = frames.finish()
+        self._record(batch.shape[0], frames.episodes, worker_id=None, policy_version=version)
+        if self._split_trajs:
+            order = torch.sort(batch.get(("collector", "traj_ids")), stable=True).indices
+            batch = split_trajectories(batch[order])
+        if self._postproc is not None:
+            batch = self._postproc(batch)
+        if self.replay_buffer is None:
+            return batch
+        with anyio.CancelScope(shield=True):  # counted already: it goes to the buffer
+            await anyio.to_thread.run_sync(self.replay_buffer.extend, batch)
+        return None
+
+    async def _wait_idle(self) -> None:
+        """``pause()``: wait for the batch being delivered, then for the steps and policy call in flight."""
+        async with self._lock:
+            pass
+        engine = self._engine
+        while engine is not None and not engine.idle and engine.error is None and not self._closed:
+            await engine.idle_signal.wait()
+
+    # -- weights ----------------------------------------------------------------------------------
+    async def update_weights(
+        self,
+        policy_or_weights: Any = None,
+        *,
+        worker_ids: Sequence[int] | None = None,
+        wait: bool = False,
+    ) -> int:
+        """Copy weights into the collector's policy, between two policy calls, and return the new version.
+
+        Args:
+            policy_or_weights: an ``nn.Module``, a TensorDict of weights or a state dict; ``None``: the
+                policy the collector was built with (its current weights).
+            worker_ids: ``None`` (every env shares the one policy).
+            wait: accepted for a uniform signature; the update is applied on return.
+        """
+        self._check_open()
+        flag("wait", wait)
+        if worker_ids is not None:
+            raise ValueError(f"worker_ids must be None (the envs share one policy), got {worker_ids!r}")
+        if self._async_policy:
+            raise TypeError(
+                "update_weights needs an nn.Module policy; an async policy updates its own weights"
+            )
+        if not isinstance(self._source_policy, torch.nn.Module):
+            raise TypeError(
+                f"the collector's policy ({type(self._source_policy).__name__}) has no weights to update; "
+                "update_weights needs an nn.Module policy"
+            )
+        engine = self._engine
+        if engine is None or self._policy is None:
+            raise RuntimeError(
+                "update_weights needs an entered collector: `async with AsyncEnvCollector(...) as c:`"
+            )
+        async with engine.policy_lock:
+            await self._policy.load_weights(policy_or_weights)
+            engine.version += 1
+            version = engine.version
+        self._hub.publish(WeightsPublished(version))
+        self._hub.publish(WeightsLoaded(version, 0))
+        return version
+
+    # -- state ------------------------------------------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        return self._engine.version if self._engine is not None else 0
+
+    @property
+    def policy(self) -> Any:
+        """The policy the collector runs (its own copy of an ``nn.Module``; ``None`` before entering)."""
+        return self._policy.policy if self._policy is not None else None
+
+    @property
+    def envs(self) -> list[Any]:
+        """The envs (as async envs), once the collector is entered."""
+        return list(self._engine.envs) if self._engine is not None else []
+
+    @property
+    def policy_batch_sizes(self) -> list[int]:
+        """The number of envs in each policy call so far (the dynamic batching at work)."""
+        return list(self._engine.batch_sizes) if self._engine is not None else []
+
+    def statistics(self) -> CollectorStatistics:
+        """A frozen record of what the collector has done; one worker per env (``worker_id`` = its index,
+        a dropped env ``"failed"``)."""
+        engine = self._engine
+        version = self.policy_version
+        if self._failed:
+            state = "failed"
+        elif self._closed:
+            state = "stopped"
+        else:
+            state = "paused" if self.paused else ("collecting" if engine is not None else "starting")
+        workers: tuple[WorkerStatistics, ...] = ()
+        if engine is not None:
+            workers = tuple(
+                WorkerStatistics(i, "failed" if i in engine.dropped else state, frames, version)
+                for i, frames in enumerate(engine.env_frames)
+            )
+        return self._stats.snapshot(
+            version, workers=workers, paused=self.paused, loop_lag_ms=self._lag.percentiles_ms()
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"AsyncEnvCollector(envs={len(self._env_fns)}, frames_per_batch={self.frames_per_batch}, "
+            f"total_frames={self.total_frames}, closed={self._closed})"
+        )

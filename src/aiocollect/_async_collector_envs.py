@@ -1,0 +1,94 @@
+"""The envs of ``AsyncEnvCollector``: building them from ``env_fns`` (gymnasium envs wrapped in
+``ThreadedAsyncEnv``), checking that they agree, and turning their values into arrays."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+
+from ._envs._async import ThreadedAsyncEnv
+from ._envs._spaces import LeafSpec, NestedKey, action_specs, flatten_obs, observation_specs
+
+__all__ = ["EnvSet", "env_fns_arg", "open_envs"]
+
+
+def _is_async_env(env: Any) -> bool:
+    return inspect.iscoroutinefunction(getattr(env, "step", None)) and inspect.iscoroutinefunction(
+        getattr(env, "reset", None)
+    )
+
+
+def env_fns_arg(env_fns: Any) -> list[Any]:
+    """``env_fns``: a non-empty sequence of callables returning an env (or of envs)."""
+    if isinstance(env_fns, (str, bytes)) or not isinstance(env_fns, Sequence) or not env_fns:
+        raise TypeError(
+            "env_fns must be a non-empty list of callables, each returning an async env (AsyncEnvProtocol) "
+            f"or a gymnasium env, e.g. [lambda: MyEnv() for _ in range(100)]; got {env_fns!r}"
+        )
+    for i, fn in enumerate(env_fns):
+        if not callable(fn) and not hasattr(fn, "step"):
+            raise TypeError(f"env_fns[{i}] must be a callable returning an env, or an env; got {fn!r}")
+    return list(env_fns)
+
+
+def _open(fn: Any, i: int, limiter: Any) -> Any:
+    env = fn if hasattr(fn, "step") and not isinstance(fn, type) else fn()
+    if _is_async_env(env):
+        for member in ("observation_space", "action_space", "close"):
+            if not hasattr(env, member):
+                raise TypeError(
+                    f"env_fns[{i}] gave {env!r}, an async env without {member!r} (AsyncEnvProtocol)"
+                )
+        return env
+    if all(hasattr(env, m) for m in ("step", "reset", "observation_space", "action_space")):
+        return ThreadedAsyncEnv(env, limiter=limiter)  # a gymnasium env: its calls run in worker threads
+    raise TypeError(
+        f"env_fns[{i}] gave {env!r}: neither an async env (AsyncEnvProtocol: coroutines reset/step/close, "
+        "observation_space, action_space) nor a gymnasium env"
+    )
+
+
+def open_envs(env_fns: list[Any], into: list[Any], limiter: Any) -> None:
+    """Build every env into ``into`` (which holds the envs built so far if one fails, to be closed); the
+    gymnasium envs among them share the threads of ``limiter``."""
+    for i, fn in enumerate(env_fns):
+        into.append(_open(fn, i, limiter))
+
+
+class EnvSet:
+    """What the collector needs to know of its envs' spaces, checked to be the same for all of them."""
+
+    def __init__(self, envs: list[Any]) -> None:
+        first = envs[0]
+        self.observation_space: spaces.Space[Any] = first.observation_space
+        self.action_space: spaces.Space[Any] = first.action_space
+        for i, env in enumerate(envs[1:], 1):
+            if env.observation_space != self.observation_space or env.action_space != self.action_space:
+                raise ValueError(
+                    f"env_fns[{i}] has the spaces {env.observation_space}, {env.action_space}, and "
+                    f"env_fns[0] {self.observation_space}, {self.action_space}: every env of a collector "
+                    "needs the same spaces (collect different envs with different collectors)"
+                )
+        self.obs_specs: dict[NestedKey, LeafSpec] = observation_specs(self.observation_space)
+        action_specs(self.action_space)  # raises on an unsupported action space
+        self.obs_keys = list(self.obs_specs)
+        self._dtypes = [spec.numpy_dtype for spec in self.obs_specs.values()]
+        self._dict = isinstance(self.observation_space, spaces.Dict)
+
+    def arrays(self, obs: Any) -> list[np.ndarray]:
+        """A raw observation as one array per key (in ``obs_keys`` order)."""
+        if not self._dict:
+            return [obs]
+        flat = flatten_obs(self.observation_space, obs)
+        return [flat[key] for key in self.obs_keys]
+
+    def staging(self, n: int) -> list[np.ndarray]:
+        """Arrays ``[n, ...]`` holding each env's current observation, per key."""
+        return [
+            np.zeros((n, *spec.shape), dtype)
+            for spec, dtype in zip(self.obs_specs.values(), self._dtypes, strict=True)
+        ]

@@ -1,0 +1,142 @@
+"""The frames of ``AsyncEnvCollector``: preallocated flat batches, a frame added per env step as it
+returns (in the order steps return, so a slow env never holds a batch back)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from ._envs._spaces import LeafSpec, NestedKey
+
+__all__ = ["FrameBatch", "Layout", "PolicyCall"]
+
+_FLAGS = ("done", "terminated", "truncated")
+
+
+def _next(key: NestedKey) -> tuple[str, ...]:
+    return ("next", key) if isinstance(key, str) else ("next", *key)
+
+
+class Layout:
+    """Keys, shapes and dtypes of a batch's entries (per frame)."""
+
+    def __init__(
+        self,
+        obs_specs: dict[NestedKey, LeafSpec],
+        out_specs: dict[NestedKey, LeafSpec],
+        *,
+        track_policy_version: bool,
+    ) -> None:
+        self.obs_keys = list(obs_specs)
+        self.out_keys = list(out_specs)
+        entries: dict[Any, tuple[tuple[int, ...], torch.dtype]] = {}
+        for key, spec in obs_specs.items():
+            entries[key] = entries[_next(key)] = (spec.shape, spec.dtype)
+        for key, spec in out_specs.items():
+            entries[key] = (spec.shape, spec.dtype)
+        for flag in _FLAGS:
+            entries[flag] = entries[("next", flag)] = ((1,), torch.bool)
+        entries[("next", "reward")] = ((1,), torch.float32)
+        entries[("collector", "traj_ids")] = ((), torch.int64)
+        entries[("collector", "env_id")] = ((), torch.int64)
+        if track_policy_version:
+            entries[("collector", "policy_version")] = ((), torch.int64)
+        self.entries = entries
+        self.track_policy_version = track_policy_version
+
+
+class PolicyCall:
+    """What one policy call saw and wrote, for ``n`` envs: the frames of its envs' steps read it."""
+
+    __slots__ = ("env_ids", "n", "obs", "outputs", "traj_ids", "version")
+
+    def __init__(
+        self,
+        obs: list[np.ndarray],
+        outputs: list[Any],
+        env_ids: np.ndarray,
+        traj_ids: np.ndarray,
+        version: int,
+    ) -> None:
+        self.obs = obs
+        self.outputs = outputs
+        self.env_ids = env_ids
+        self.traj_ids = traj_ids
+        self.version = version
+        self.n = len(env_ids)
+
+
+class FrameBatch:
+    """One batch of ``size`` frames, a frame added as each step returns (its next observation written in
+    place; its observation, policy outputs, env and trajectory ids gathered from its :class:`PolicyCall`
+    when the batch is complete, in one vectorised copy per key)."""
+
+    def __init__(self, layout: Layout, size: int) -> None:
+        self.size = size
+        self.filled = 0
+        self.episodes: list[tuple[int, float, int]] = []  # (env id, return, length) that ended here
+        self.tensors = {
+            key: torch.empty((size, *shape), dtype=dtype) for key, (shape, dtype) in layout.entries.items()
+        }
+        self._views = {key: _numpy(t) for key, t in self.tensors.items()}
+        self.next_obs = [self._views[_next(key)] for key in layout.obs_keys]
+        self._layout = layout
+        # per frame, in order: where its call's entries are (offset of the call + index in it), the step
+        self.calls: dict[PolicyCall, int] = {}  # call -> offset in the calls' concatenation
+        self._offset = 0
+        self.source: list[int] = []
+        self.reward: list[float] = []
+        self.terminated: list[bool] = []
+        self.truncated: list[bool] = []
+
+    def offset(self, call: PolicyCall) -> int:
+        """Where ``call``'s entries start in this batch's concatenation of its calls."""
+        offset = self.calls.get(call)
+        if offset is None:
+            offset = self.calls[call] = self._offset
+            self._offset += call.n
+        return offset
+
+    @property
+    def version(self) -> int:
+        """The newest policy version among the batch's frames."""
+        return max((call.version for call in self.calls), default=0)
+
+    def finish(self) -> TensorDict:
+        """The complete batch as a TensorDict ``[frames]``."""
+        layout, views, t = self._layout, self._views, self.tensors
+        calls = list(self.calls)
+        src = np.asarray(self.source, dtype=np.int64)
+
+        def gather(key: Any, parts: list[Any]) -> None:
+            if isinstance(views[key], np.ndarray):
+                views[key][...] = np.concatenate(parts)[src].reshape(views[key].shape)
+            else:  # a dtype numpy lacks
+                t[key].copy_(torch.cat(parts)[torch.from_numpy(src)].reshape(t[key].shape))
+
+        for k, key in enumerate(layout.obs_keys):
+            gather(key, [c.obs[k] for c in calls])
+        for k, key in enumerate(layout.out_keys):
+            gather(key, [c.outputs[k] for c in calls])
+        gather(("collector", "env_id"), [c.env_ids for c in calls])
+        gather(("collector", "traj_ids"), [c.traj_ids for c in calls])
+        if layout.track_policy_version:
+            gather(("collector", "policy_version"), [np.full(c.n, c.version, np.int64) for c in calls])
+        views[("next", "reward")][:, 0] = self.reward
+        views[("next", "terminated")][:, 0] = self.terminated
+        views[("next", "truncated")][:, 0] = self.truncated
+        for flag in _FLAGS:  # the reset step is never a frame: the root flags are always False
+            t[flag].zero_()
+        torch.logical_or(t[("next", "terminated")], t[("next", "truncated")], out=t[("next", "done")])
+        self.calls = {}  # the calls' arrays are freed with the batch's last reference to them
+        return TensorDict(t, batch_size=[self.size])
+
+
+def _numpy(tensor: torch.Tensor) -> Any:
+    try:
+        return tensor.numpy()
+    except TypeError:  # dtypes numpy lacks (bfloat16): written through torch
+        return tensor

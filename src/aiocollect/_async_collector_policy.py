@@ -1,0 +1,214 @@
+"""The policy side of ``AsyncEnvCollector``: one call per batch of ready envs (a torch policy in the
+collector's own thread, an async policy awaited on the loop), and the conversion of its actions into what
+each env's ``step`` takes."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from gymnasium import spaces
+from tensordict import TensorDict, TensorDictBase
+from tensordict.nn import InteractionType, set_interaction_type
+
+from ._envs._spaces import NestedKey, action_bounds, action_leaf_spaces, action_outside_space
+from ._policies import RandomPolicy, make_runner
+from ._rollout_thread import Doorbell, RolloutThread
+from ._weights import as_weights, check_compatible, copy_weights, module_weights
+
+__all__ = ["ActionCodec", "BatchPolicy", "is_async_policy"]
+
+
+def is_async_policy(policy: Any) -> bool:
+    """An ``async def`` function, or an object whose ``__call__`` is one (not an ``nn.Module``)."""
+    if policy is None or isinstance(policy, torch.nn.Module):
+        return False
+    call = type(policy).__dict__.get("__call__") if not inspect.isfunction(policy) else None
+    return inspect.iscoroutinefunction(policy) or inspect.iscoroutinefunction(call)
+
+
+def _out_keys(out: TensorDictBase, obs_keys: set[NestedKey]) -> list[NestedKey]:
+    """The policy's outputs: its new leaves, without private, ``next`` or ``collector`` entries."""
+    keys = []
+    for key in out.keys(include_nested=True, leaves_only=True):
+        parts = (key,) if isinstance(key, str) else key
+        if key in obs_keys or any(p.startswith("_") for p in parts) or parts[0] in ("next", "collector"):
+            continue
+        keys.append(key)
+    return keys
+
+
+class BatchPolicy:
+    """Calls ``policy`` on ``{key: Tensor[k, ...]}`` observations and returns ``{key: Tensor[k, ...]}``.
+
+    A torch policy (``nn.Module``, ``TensorDictModule``, a plain callable ``td -> td``, ``RandomPolicy``)
+    runs in one long-lived thread (the torch settings of the thread that entered the collector), under
+    ``torch.no_grad()`` and ``exploration_type``; an ``nn.Module`` is copied, so the collector runs its own
+    weights. An async policy (see :func:`is_async_policy`) is awaited on the loop with a TensorDict.
+    """
+
+    def __init__(
+        self,
+        policy: Any,
+        *,
+        action_space: spaces.Space[Any],
+        obs_keys: list[NestedKey],
+        exploration_type: InteractionType,
+        name: str,
+    ) -> None:
+        self.source = policy
+        self.obs_keys = obs_keys
+        self.exploration_type = exploration_type
+        self.is_async = is_async_policy(policy)
+        self._thread: RolloutThread | None = None
+        self._bell: Doorbell | None = None
+        self._out_keys: list[NestedKey] | None = None
+        self.module: torch.nn.Module | None = None
+        if self.is_async:
+            self.policy = policy
+            return
+        if policy is None:
+            policy = RandomPolicy(action_space)
+        elif isinstance(policy, torch.nn.Module):
+            try:
+                policy = copy.deepcopy(policy)
+            except Exception as exc:
+                raise TypeError(
+                    f"policy {type(policy).__name__} cannot be copied ({exc}); the collector needs its own "
+                    "copy of the weights"
+                ) from exc
+            self.module = policy
+        self.policy = policy
+        self._runner = make_runner(policy, batch_shape=(1,), obs_keys=obs_keys, device=None)
+        # the TensorDict path builds its TensorDict with a batch size: ours changes at every call
+        self._sized = getattr(self._runner, "slow", self._runner)
+        self._thread = RolloutThread(name)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the thread (a torch policy) with the calling thread's torch settings."""
+        if self._thread is not None and self._bell is None:
+            self._bell = Doorbell()
+            self._thread.start()
+
+    async def stop(self) -> None:
+        """End the thread (after a call in flight) and close its doorbell; idempotent."""
+        if self._thread is not None:
+            await self._thread.stop()
+        if self._bell is not None:
+            self._bell.close()
+            self._bell = None
+
+    async def in_thread(self, fn: Any) -> Any:
+        """Run ``fn()`` in the policy thread, between policy calls."""
+        assert self._thread is not None
+        assert self._bell is not None
+        return await self._thread.submit(lambda stop: fn(), self._bell).wait()
+
+    # -- calls ------------------------------------------------------------------------------------
+    async def __call__(self, obs: dict[NestedKey, torch.Tensor], n: int) -> dict[NestedKey, torch.Tensor]:
+        if self.is_async:
+            return await self._call_async(obs, n)
+        return await self.in_thread(lambda: self._call_torch(obs, n))
+
+    def _call_torch(self, obs: dict[NestedKey, torch.Tensor], n: int) -> dict[NestedKey, torch.Tensor]:
+        if hasattr(self._sized, "batch_shape"):
+            self._sized.batch_shape = (n,)
+        with torch.no_grad(), set_interaction_type(self.exploration_type):
+            out = self._runner(obs)
+        return {key: value.detach() for key, value in out.items()}
+
+    async def _call_async(self, obs: dict[NestedKey, torch.Tensor], n: int) -> dict[NestedKey, torch.Tensor]:
+        td = TensorDict(obs, batch_size=[n])
+        out = await self.policy(td)
+        if out is None:
+            out = td
+        if not isinstance(out, TensorDictBase):
+            raise TypeError(
+                f"async policy {self.policy!r} returned {type(out).__name__}; it must return a TensorDict "
+                "with an 'action' entry (or None after writing into the one it was given)"
+            )
+        if self._out_keys is None:
+            keys = _out_keys(out, set(obs))
+            if not any((k if isinstance(k, str) else k[0]) == "action" for k in keys):
+                raise KeyError(
+                    f"async policy {self.policy!r} did not write an 'action' entry; it wrote {keys}"
+                )
+            self._out_keys = keys
+        return {key: out.get(key) for key in self._out_keys}
+
+    # -- weights ----------------------------------------------------------------------------------
+    async def load_weights(self, source: Any) -> None:
+        """Copy ``source`` (a module, weights TensorDict or state dict; ``None``: the policy given) into
+        the collector's copy, in its thread, between two policy calls."""
+        if self.module is None:
+            raise TypeError(
+                f"the collector's policy ({type(self.policy).__name__}) has no weights to update; "
+                "update_weights needs an nn.Module policy (an async policy updates its own weights)"
+            )
+        module = self.module
+        source = self.source if source is None else source
+
+        def apply() -> None:
+            weights = as_weights(source)
+            target = module_weights(module)
+            check_compatible(target, weights)
+            copy_weights(target, weights)
+
+        await self.in_thread(apply)
+
+
+class ActionCodec:
+    """The policy's action entries of a batch -> one action per env, in the form gymnasium takes (a python
+    int for ``Discrete``, an array of the space's dtype, a dict/tuple for ``Dict``/``Tuple`` spaces).
+    Integer actions outside the space raise ``ValueError`` (never wrapped by a cast)."""
+
+    def __init__(self, space: spaces.Space[Any]) -> None:
+        self.space = space
+        self.leaves = action_leaf_spaces(space)
+        self.bounds = {key: action_bounds(sub) for key, sub in self.leaves.items()}
+        self.composite = list(self.leaves) != ["action"]
+
+    def _leaf(self, key: NestedKey, value: torch.Tensor, n: int) -> np.ndarray:
+        sub = self.leaves[key]
+        array = value.numpy(force=True).reshape((n, *(sub.shape or ())))
+        bounds = self.bounds[key]
+        if bounds is not None and array.size:
+            low, high = bounds
+            if np.ndim(low) == 0:
+                outside = array.min() < low or array.max() > high
+            else:
+                outside = bool((array < low).any() or (array > high).any())
+            if outside:
+                raise action_outside_space(sub, array, key)
+        dtype = np.int64 if isinstance(sub, spaces.Discrete) else sub.dtype
+        return array.astype(dtype, copy=False)
+
+    def actions(self, out: Mapping[NestedKey, torch.Tensor], n: int) -> list[Any]:
+        """``n`` env actions from the policy's outputs."""
+        if not self.composite:
+            array = self._leaf("action", out["action"], n)
+            if isinstance(self.space, spaces.Discrete):
+                return array.tolist()
+            return list(array)
+        missing = [key for key in self.leaves if key not in out]
+        if missing:
+            raise KeyError(
+                f"no action entries {missing}; the action space {self.space} needs {list(self.leaves)}"
+            )
+        arrays = {key: self._leaf(key, out[key], n) for key in self.leaves}
+        return [self._assemble(self.space, ("action",), arrays, j) for j in range(n)]
+
+    def _assemble(self, space: spaces.Space[Any], path: tuple[str, ...], arrays: Any, j: int) -> Any:
+        if isinstance(space, spaces.Dict):
+            return {name: self._assemble(sub, (*path, name), arrays, j) for name, sub in space.spaces.items()}
+        if isinstance(space, spaces.Tuple):
+            return tuple(
+                self._assemble(sub, (*path, str(i)), arrays, j) for i, sub in enumerate(space.spaces)
+            )
+        value = arrays[path]
+        return int(value[j]) if isinstance(space, spaces.Discrete) else value[j]

@@ -1,0 +1,406 @@
+"""The engine of ``AsyncEnvCollector``: a task per env and one policy task, on the collector's loop.
+
+Each env task stages its observation, queues itself as ready and waits for its action; the policy task
+takes the ready envs in one batch (once ``min_batch`` of them wait, or the oldest has waited ``max_wait``),
+calls the policy once, hands each env its action and a row of the batch being filled, and goes on. The env
+task steps its env, writes the rest of its row and queues itself again. Completed batches wait, in order,
+for the consumer; at most ``1 + prefetch`` batches are in flight (then the envs wait: backpressure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.abc
+import numpy as np
+import sniffio
+import torch
+
+from ._async_collector_envs import EnvSet
+from ._async_collector_frames import FrameBatch, Layout, PolicyCall
+from ._async_collector_policy import ActionCodec, BatchPolicy
+from ._envs._spaces import LeafSpec, NestedKey
+from ._events import WorkerFailed
+
+__all__ = ["Engine", "EngineConfig", "Signal"]
+
+
+class Signal:
+    """Wakes the tasks waiting on it (no state: a waiter checks its condition first, then waits)."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        self._event: anyio.Event | None = None
+
+    def set(self) -> None:
+        event, self._event = self._event, None
+        if event is not None:
+            event.set()
+
+    async def wait(self) -> None:
+        if self._event is None:
+            self._event = anyio.Event()
+        await self._event.wait()
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    frames_per_batch: int
+    #: frames to collect in all (a multiple of frames_per_batch), or -1
+    target: int
+    min_batch: int
+    max_wait: float
+    prefetch: int
+    max_frames_per_traj: int | None
+    seed: int | None
+    drop_failed_envs: bool
+    track_policy_version: bool
+
+
+class Engine:
+    """The running state of one entered ``AsyncEnvCollector`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        envs: list[Any],
+        spec: EnvSet,
+        policy: BatchPolicy,
+        config: EngineConfig,
+        *,
+        hub: Any,
+        is_paused: Callable[[], bool],
+        resumed: Callable[[], Awaitable[None]],
+    ) -> None:
+        n = len(envs)
+        self.envs = envs
+        self.spec = spec
+        self.policy = policy
+        self.codec = ActionCodec(spec.action_space)
+        self.config = config
+        self.hub = hub
+        self.stage = spec.staging(n)
+        self.traj_ids = np.arange(n, dtype=np.int64)
+        self.next_traj = n
+        self.env_frames = [0] * n
+        self.dropped: set[int] = set()
+        self.version = 0
+        self.batch_sizes: list[int] = []  # of the policy calls (benchmarks read it)
+        self.error: BaseException | None = None
+        # hand-offs between the env tasks and the policy task
+        self._ready: list[int] = []
+        self._first_ready = 0.0
+        self._actions: list[Any] = [None] * n  # an env's action while it steps (None: not stepping)
+        self._call_of: list[Any] = [None] * n  # (policy call, index in it) of each env's action
+        self._episodes: list[tuple[int, float, int]] = []  # of the batch being filled
+        self._waiters: list[Any] = [None] * n  # what each ready env awaits (see _waiters_for)
+        self._new_waiter: Callable[[], Any] = anyio.Event
+        self._wake: Callable[[Any], Any] = _set_event
+        self._no_more_actions = False
+        self._in_flight = 0  # envs with an action, stepping
+        self._acting = False  # a policy call in flight
+        self._layout: Layout | None = None
+        self._filling: FrameBatch | None = None
+        self.complete: deque[FrameBatch] = deque()  # ready for the consumer, in order
+        self._completed = 0  # frames written
+        self.delivered = 0  # frames delivered
+        self.policy_signal = Signal()
+        self.consumer_signal = Signal()
+        self.idle_signal = Signal()
+        self.policy_lock = anyio.Lock()
+        self.is_paused = is_paused
+        self._resumed = resumed
+        self.closed_envs: set[int] = set()
+        self._scope: anyio.CancelScope | None = None
+        self._ended = anyio.Event()
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Run every env task and the policy task until cancelled or failed."""
+        self._new_waiter, self._wake = _waiters_for_this_loop()
+        try:
+            with anyio.CancelScope() as scope:
+                self._scope = scope
+                async with anyio.create_task_group() as tg:
+                    for i, env in enumerate(self.envs):
+                        tg.start_soon(self._env_task, i, env)
+                    tg.start_soon(self._policy_task)
+                    task_status.started()
+        finally:
+            self._ended.set()
+
+    async def stop(self) -> None:
+        """Cancel the tasks and wait until they have ended (their steps in threads included)."""
+        if self._scope is not None:
+            self._scope.cancel()
+            with anyio.CancelScope(shield=True):
+                await self._ended.wait()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        if self._scope is not None:
+            self._scope.cancel()
+        self.consumer_signal.set()
+
+    @property
+    def idle(self) -> bool:
+        return not self._in_flight and not self._acting
+
+    @property
+    def exhausted(self) -> bool:
+        """Every frame of the budget was delivered."""
+        return 0 < self.config.target <= self.delivered
+
+    def take_batch(self) -> FrameBatch:
+        """The next complete batch; its frames no longer count against the frames in flight."""
+        batch = self.complete.popleft()
+        self.delivered += batch.size
+        self.policy_signal.set()
+        return batch
+
+    # -- env tasks --------------------------------------------------------------------------------
+    async def _env_task(self, i: int, env: Any) -> None:
+        try:
+            await self._env_loop(i, env)
+        except Exception as exc:
+            if not self.config.drop_failed_envs:
+                self._fail(exc)
+                return
+            self._drop(i, exc)
+            await self.close_env(i)
+
+    async def close_env(self, i: int) -> None:
+        """Close env ``i`` (once), shielded; an error closing it is dropped (it failed, or we are ending)."""
+        if i in self.closed_envs:
+            return
+        self.closed_envs.add(i)
+        with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+            try:
+                await self.envs[i].close()
+            except Exception:  # closing is best effort: the env's own error was reported
+                pass
+
+    def _drop(self, i: int, exc: Exception) -> None:
+        stepping, self._actions[i] = self._actions[i] is not None, None
+        self.dropped.add(i)
+        self.hub.publish(WorkerFailed(i, f"{type(exc).__name__}: {exc}"))
+        if stepping:  # it failed mid-step: that frame is not collected (another env's step makes it up)
+            self._in_flight -= 1
+        if len(self.dropped) == len(self.envs):
+            error = RuntimeError(
+                f"every env was dropped (on_env_error='drop'); the last one, env {i}, raised "
+                f"{type(exc).__name__}: {exc}"
+            )
+            error.__cause__ = exc
+            self._fail(error)
+        self.policy_signal.set()  # fewer envs to wait for
+
+    async def _env_loop(self, i: int, env: Any) -> None:  # the hot loop, in one piece
+        seed = None if self.config.seed is None else self.config.seed + i
+        obs, _ = await env.reset(seed=seed)
+        stage = self.stage
+        single = stage[0] if len(stage) == 1 else None
+        arrays = self.spec.arrays
+        ready = self._ready
+        actions = self._actions
+        waiters = self._waiters
+        new_waiter = self._new_waiter
+        is_future = new_waiter is not anyio.Event
+        policy_signal = self.policy_signal
+        min_batch = self.config.min_batch
+        max_len = self.config.max_frames_per_traj
+        current_time = anyio.current_time
+        write = self._write
+        ret, length = 0.0, 0
+        while not self._no_more_actions:
+            if single is not None:
+                single[i] = obs
+            else:
+                for slot, value in zip(stage, arrays(obs), strict=True):
+                    slot[i] = value
+            waiter = waiters[i] = new_waiter()
+            ready.append(i)
+            if len(ready) == 1:
+                self._first_ready = current_time()
+                policy_signal.set()
+            elif len(ready) >= min_batch:
+                policy_signal.set()
+            if is_future:
+                await waiter
+            else:
+                await waiter.wait()
+            action = actions[i]
+            if action is _END:  # the budget is spent
+                return
+            obs, reward, terminated, truncated, _ = await env.step(action)
+            actions[i] = None
+            self._in_flight -= 1
+            length += 1
+            ret += reward
+            done = terminated or truncated
+            if max_len is not None and length >= max_len and not done:
+                truncated = done = True
+            write(i, obs, reward, terminated, truncated)
+            if done:
+                self._episodes.append((i, ret, length))
+                ret, length = 0.0, 0
+                self.traj_ids[i] = self.next_traj
+                self.next_traj += 1
+                obs, _ = await env.reset()
+
+    def _write(self, i: int, next_obs: Any, reward: Any, terminated: Any, truncated: Any) -> None:
+        """Add env ``i``'s step to the batch being filled."""
+        batch = self._filling
+        if batch is None:
+            assert self._layout is not None
+            batch = self._filling = FrameBatch(self._layout, self.config.frames_per_batch)
+            self._episodes = batch.episodes
+        row = batch.filled
+        call, j = self._call_of[i]
+        offset = batch.calls.get(call)
+        batch.source.append((batch.offset(call) if offset is None else offset) + j)
+        if len(batch.next_obs) == 1:
+            batch.next_obs[0][row] = next_obs
+        else:
+            for slot, value in zip(batch.next_obs, self.spec.arrays(next_obs), strict=True):
+                slot[row] = value
+        batch.reward.append(reward)
+        batch.terminated.append(terminated)
+        batch.truncated.append(truncated)
+        self.env_frames[i] += 1
+        self._completed += 1
+        batch.filled = row + 1
+        if row + 1 == batch.size:
+            self._filling = None
+            self._episodes = []
+            self.complete.append(batch)
+            self.consumer_signal.set()
+            self.policy_signal.set()
+        if self.is_paused() and self.idle:
+            self.idle_signal.set()
+
+    # -- the policy task --------------------------------------------------------------------------
+    async def _policy_task(self) -> None:
+        try:
+            while True:
+                n = await self._next_batch_size()
+                if n == 0:
+                    self._end_actions()
+                    return
+                await self._act(n)
+        except Exception as exc:
+            self._fail(exc)
+
+    def _end_actions(self) -> None:
+        """The budget is collected: the waiting envs stop, and so do the others after their step."""
+        self._no_more_actions = True
+        for i in self._ready:
+            self._actions[i] = _END
+            self._wake(self._waiters[i])
+        self._ready.clear()
+
+    async def _next_batch_size(self) -> int:
+        """Wait until a batch should run; how many ready envs it takes (0: the budget is collected)."""
+        config = self.config
+        cap = (1 + config.prefetch) * config.frames_per_batch
+        while True:
+            if 0 < config.target <= self._completed:
+                return 0
+            room = cap - (self._completed - self.delivered) - self._in_flight
+            if config.target > 0:
+                room = min(room, config.target - self._completed - self._in_flight)
+            if self.is_paused():
+                await self._resumed()
+                continue
+            waiting = len(self._ready)
+            if room > 0 and waiting:
+                need = min(config.min_batch, len(self.envs) - len(self.dropped), room)
+                late = self._first_ready + config.max_wait - anyio.current_time()
+                if waiting >= need or late <= 0:
+                    return min(waiting, room)
+                with anyio.move_on_after(late):
+                    await self.policy_signal.wait()
+                continue
+            await self.policy_signal.wait()
+
+    async def _act(self, n: int) -> None:
+        """One policy call on the first ``n`` ready envs, and their actions handed out."""
+        ids = self._ready[:n]
+        del self._ready[:n]
+        if self._ready:
+            self._first_ready = anyio.current_time()
+        idx = np.asarray(ids, dtype=np.int64)
+        obs = [slot[idx] for slot in self.stage]
+        self._acting = True
+        try:
+            async with self.policy_lock:
+                version = self.version
+                tensors = {key: torch.from_numpy(a) for key, a in zip(self.spec.obs_keys, obs, strict=True)}
+                out = await self.policy(tensors, n)
+        finally:
+            self._acting = False
+        self.batch_sizes.append(n)
+        outputs = {key: _as_numpy(value, n) for key, value in out.items()}
+        if self._layout is None:
+            self._layout = self._make_layout(outputs)
+        elif list(outputs) != self._layout.out_keys:
+            raise KeyError(f"the policy wrote {list(outputs)}, and {self._layout.out_keys} at its first call")
+        call = PolicyCall(obs, list(outputs.values()), idx, self.traj_ids[idx], version)
+        env_actions = self.codec.actions(out, n)
+        actions, waiters, call_of, wake = self._actions, self._waiters, self._call_of, self._wake
+        self._in_flight += n
+        for j, i in enumerate(ids):
+            actions[i] = env_actions[j]
+            call_of[i] = (call, j)
+            wake(waiters[i])
+
+    def _make_layout(self, outputs: dict[NestedKey, Any]) -> Layout:
+        specs = {key: LeafSpec(tuple(value.shape[1:]), _dtype(value)) for key, value in outputs.items()}
+        return Layout(self.spec.obs_specs, specs, track_policy_version=self.config.track_policy_version)
+
+
+_END = object()  # the action of an env that is to stop
+
+
+def _wake_future(future: asyncio.Future[None]) -> None:
+    if not future.done():  # done: its task was cancelled
+        future.set_result(None)
+
+
+def _set_event(event: anyio.Event) -> None:
+    event.set()
+
+
+def _waiters_for_this_loop() -> tuple[Callable[[], Any], Callable[[Any], Any]]:
+    """How a ready env waits for its action: a bare future on asyncio (a third of an ``anyio.Event``'s
+    cost, paid at every step), else an ``anyio.Event``. Returns ``(new_waiter, wake)``."""
+    if sniffio.current_async_library() == "asyncio":
+        return asyncio.get_running_loop().create_future, _wake_future
+    return anyio.Event, _set_event
+
+
+def _zeros(n: int, like: Any) -> Any:
+    if isinstance(like, torch.Tensor):
+        return torch.zeros((n, *like.shape[1:]), dtype=like.dtype)
+    return np.zeros((n, *like.shape[1:]), like.dtype)
+
+
+def _as_numpy(value: torch.Tensor, n: int) -> Any:
+    if not isinstance(value, torch.Tensor) or not value.shape or value.shape[0] != n:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"a policy output has shape {shape}; it must start with the batch of {n} envs")
+    value = value.detach().cpu()
+    try:
+        return value.numpy()
+    except TypeError:  # bfloat16: kept as a tensor
+        return value
+
+
+def _dtype(value: Any) -> torch.dtype:
+    return value.dtype if isinstance(value, torch.Tensor) else torch.from_numpy(value[:0]).dtype
