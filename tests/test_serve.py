@@ -23,6 +23,7 @@ from tensordict import TensorDict
 from tensordict.nn import TensorDictModule
 
 from aiocollect import (
+    AsyncEnvCollector,
     RemoteConnectionError,
     RemoteEnv,
     RemotePolicy,
@@ -322,3 +323,44 @@ async def test_weight_update_changes_outputs(clean: Any) -> None:
     torch.testing.assert_close(after, new(x).detach())
     assert not torch.allclose(before, after)
     assert server.version == 1
+
+
+# -- with AsyncEnvCollector: remote envs, central inference ---------------------------------------------
+async def test_collector_over_remote_envs_and_a_remote_policy(clean: Any) -> None:
+    policy = TensorDictModule(torch.nn.Linear(4, 2), ["observation"], ["logits"])
+
+    def argmax(td: Any) -> Any:
+        td["action"] = policy(td)["logits"].argmax(-1)
+        return td
+
+    server = serve_policy(argmax, token=TOKEN, max_wait=0.001)
+    async with serve_envs([lambda: gym.make("CartPole-v1")] * 4, token=TOKEN) as envs, server:
+        remote = RemotePolicy(server.url, token=TOKEN)
+        env_fns = [lambda i=i: RemoteEnv(envs.url, index=i, token=TOKEN) for i in range(4)]
+        frames = []
+        async with remote, AsyncEnvCollector(env_fns, remote, frames_per_batch=64, total_frames=256) as c:
+            with anyio.fail_after(30):
+                async for batch in c:
+                    frames.append(batch)
+    batch = torch.cat(frames)
+    assert batch.batch_size == (256,) and server.forward_calls > 0
+    for env_id in range(4):
+        mine = batch[batch["collector", "env_id"] == env_id]
+        done = mine["next", "done"].squeeze(-1)
+        # next observation == the following frame's observation unless the episode ended
+        same = (mine["next", "observation"][:-1] == mine["observation"][1:]).all(-1)
+        assert bool((same | done[:-1]).all())
+        traj = mine["collector", "traj_ids"]
+        assert bool(((traj[1:] != traj[:-1]) == done[:-1]).all())
+
+
+async def test_collector_fails_fast_when_a_server_dies(clean: Any) -> None:
+    async with serve_envs_process([lambda: CountingEnv(step_delay=0.001)] * 2, token=TOKEN) as server:
+        env_fns = [lambda i=i: RemoteEnv(server.url, index=i, token=TOKEN) for i in range(2)]
+        collector = AsyncEnvCollector(env_fns, frames_per_batch=32)
+        with pytest.raises(RemoteConnectionError):
+            async with collector:
+                async for _ in collector:
+                    killed_at = time.monotonic()
+                    server.kill()
+        assert time.monotonic() - killed_at < 2.0

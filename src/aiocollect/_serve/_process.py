@@ -71,6 +71,8 @@ class EnvServerProcess:
         self.start_method, self.startup_timeout = start_method, startup_timeout
         self.process: Any = None
         self._conn: Any = None
+        #: the process's exit code once it was reaped (negative: killed by that signal)
+        self.exitcode: int | None = None
 
     @property
     def url(self) -> str:
@@ -119,12 +121,18 @@ class EnvServerProcess:
                 self._conn.close()
                 self._conn = None
             process = self.process
-            if process is None or process.pid is None:
+            if process is None:
+                return
+            if process.pid is None:  # never started
+                self.process = None
                 return
             await anyio.to_thread.run_sync(process.join, 5)
             if process.exitcode is None:
                 process.kill()
                 await anyio.to_thread.run_sync(process.join)
+            self.exitcode = process.exitcode
+            process.close()  # its sentinel and pipe fds, now rather than at garbage collection
+            self.process = None
 
     def kill(self) -> None:
         """SIGKILL the server process (its clients see their connections drop)."""

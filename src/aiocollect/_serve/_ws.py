@@ -62,6 +62,7 @@ class WebSocket:
         self._parts: list[bytes] = []
         self._size = 0
         self.closed = False
+        self._close_reason: str | None = None
 
     async def send(self, message: bytes) -> None:
         if self.closed:
@@ -83,7 +84,7 @@ class WebSocket:
             if self._pending:
                 return self._pending.popleft()
             if self.closed:
-                raise RemoteConnectionError(f"connection to {self.peer} is closed")
+                raise RemoteConnectionError(self._close_reason or f"connection to {self.peer} is closed")
             try:
                 data = await self._stream.receive(_CHUNK)
             except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
@@ -114,7 +115,8 @@ class WebSocket:
                     f"closed by {self.peer} (code {event.code}{f': {event.reason}' if event.reason else ''})"
                 )
                 await self.aclose(event.code)
-                raise RemoteConnectionError(reason)
+                self._close_reason = reason  # raised once the messages before the close are read
+                return
 
     async def aclose(self, code: int = 1000, reason: str | None = None) -> None:
         """Send a close frame (best effort, at most 1 s) and close the socket."""
