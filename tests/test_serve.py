@@ -26,6 +26,7 @@ from aiocollect import (
     AsyncEnvCollector,
     RemoteConnectionError,
     RemoteEnv,
+    RemoteEnvPool,
     RemotePolicy,
     WorkerError,
     serve_envs,
@@ -364,3 +365,64 @@ async def test_collector_fails_fast_when_a_server_dies(clean: Any) -> None:
                     killed_at = time.monotonic()
                     server.kill()
         assert time.monotonic() - killed_at < 2.0
+
+
+# -- RemoteEnvPool: many envs on one connection ----------------------------------------------------------
+async def test_pool_round_trip_equals_local_envs(clean: Any) -> None:
+    server = serve_envs([lambda: gym.make("Pendulum-v1")] * 4, token=TOKEN)
+    async with server, RemoteEnvPool(server.url, token=TOKEN, start=1) as pool:
+        assert [env.index for env in pool] == [1, 2, 3] and len(pool) == 3
+        locals_ = [gym.make("Pendulum-v1") for _ in pool]
+        for seed, (local, env) in enumerate(zip(locals_, pool, strict=True)):
+            np.testing.assert_array_equal((await env.reset(seed=seed))[0], local.reset(seed=seed)[0])
+        results: dict[int, Any] = {}
+
+        async def step(i: int, env: Any, action: Any) -> None:
+            results[i] = await env.step(action)
+
+        for t in range(5):
+            action = np.full(1, 0.1 * t, np.float32)
+            async with anyio.create_task_group() as tg:  # concurrent calls: one message
+                for i, env in enumerate(pool):
+                    tg.start_soon(step, i, env, action)
+            for i, local in enumerate(locals_):
+                want = local.step(action)
+                np.testing.assert_array_equal(results[i][0], want[0])
+                assert results[i][1:4] == tuple(want[1:4])
+
+
+async def test_pool_env_error_fails_only_its_call(clean: Any) -> None:
+    fns = [lambda: CountingEnv(), lambda: CountingEnv(fail=ValueError)]
+    async with serve_envs(fns, token=TOKEN) as server, RemoteEnvPool(server.url, token=TOKEN) as pool:
+        for env in pool:
+            await env.reset()
+        with pytest.raises(ValueError, match="the env failed"):
+            await pool[1].step(0)
+        obs, *_ = await pool[0].step(0)
+        assert obs.shape == (4,)
+        # its envs are taken while it is open: another client waits for them (then gets HTTP 409)
+        with pytest.raises(TimeoutError):
+            await RemoteEnv.open(server.url, index=0, token=TOKEN, connect_timeout=0.2)
+
+
+async def test_pool_server_killed_fails_pending_calls(clean: Any) -> None:
+    fns = [lambda: CountingEnv(step_delay=5.0)] * 2
+    async with serve_envs_process(fns, token=TOKEN) as server, RemoteEnvPool(server.url, token=TOKEN) as pool:
+        for env in pool:
+            await env.reset()
+        errors: list[float] = []
+
+        async def step(env: Any) -> None:
+            with pytest.raises(RemoteConnectionError):
+                await env.step(0)
+            errors.append(time.monotonic())
+
+        async with anyio.create_task_group() as tg:
+            for env in pool:
+                tg.start_soon(step, env)
+            await anyio.sleep(0.3)
+            killed_at = time.monotonic()
+            server.kill()
+        assert len(errors) == 2 and max(errors) - killed_at < 2.0
+        with pytest.raises(RemoteConnectionError):
+            await pool[0].reset()

@@ -56,8 +56,10 @@ if typing.TYPE_CHECKING:  # the lazy names below, for type checkers (imported on
         EnvServer,
         EnvServerProcess,
         PolicyServer,
+        PooledRemoteEnv,
         RemoteConnectionError,
         RemoteEnv,
+        RemoteEnvPool,
         RemotePolicy,
         serve_envs,
         serve_envs_process,
@@ -77,8 +79,8 @@ _LAZY = {
     "submitit_delayed_launcher": "._remote._launchers",
     # the serve extra (wsproto) is imported on first use of these
     **dict.fromkeys(
-        ["EnvServer", "EnvServerProcess", "PolicyServer", "RemoteConnectionError", "RemoteEnv"]
-        + ["RemotePolicy", "serve_envs", "serve_envs_process", "serve_policy"],
+        ["EnvServer", "EnvServerProcess", "PolicyServer", "PooledRemoteEnv", "RemoteConnectionError"]
+        + ["RemoteEnv", "RemoteEnvPool", "RemotePolicy", "serve_envs", "serve_envs_process", "serve_policy"],
         "._serve",
     ),
 }
@@ -149,8 +151,10 @@ __all__ = [
     "EnvServer",
     "EnvServerProcess",
     "PolicyServer",
+    "PooledRemoteEnv",
     "RemoteConnectionError",
     "RemoteEnv",
+    "RemoteEnvPool",
     "RemotePolicy",
     "serve_envs",
     "serve_envs_process",

@@ -9,14 +9,17 @@ from ._policy_server import PolicyServer, serve_policy
 from ._process import EnvServerProcess, serve_envs_process
 from ._remote_env import RemoteEnv
 from ._remote_policy import RemotePolicy
+from ._remote_pool import PooledRemoteEnv, RemoteEnvPool
 from ._ws import RemoteConnectionError
 
 __all__ = [
     "EnvServer",
     "EnvServerProcess",
     "PolicyServer",
+    "PooledRemoteEnv",
     "RemoteConnectionError",
     "RemoteEnv",
+    "RemoteEnvPool",
     "RemotePolicy",
     "serve_envs",
     "serve_envs_process",

@@ -9,7 +9,7 @@ from typing import Any
 
 from ._wire import encode
 
-__all__ = ["check_host_port", "check_token", "error_message", "remote_error"]
+__all__ = ["check_host_port", "check_token", "error_header", "error_message", "remote_error"]
 
 _TOKEN_CHARS = set(string.ascii_letters + string.digits + "-._~+/=")
 
@@ -33,17 +33,20 @@ def check_host_port(host: str, port: int) -> None:
         raise ValueError(f"port must be an int in [0, 65535] (0: any free port), got {port!r}")
 
 
-def error_message(exc: BaseException) -> bytes:
-    """The reply telling a client its request raised ``exc`` (type name, message, traceback text)."""
+def error_header(exc: BaseException) -> dict[str, Any]:
+    """The answer telling a client its call raised ``exc`` (type name, message, traceback text)."""
     kind = type(exc)
-    return encode(
-        {
-            "op": "error",
-            "type": f"{kind.__module__}.{kind.__qualname__}",
-            "message": str(exc),
-            "traceback": "".join(traceback.format_exception(exc)),
-        }
-    )
+    return {
+        "op": "error",
+        "type": f"{kind.__module__}.{kind.__qualname__}",
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+    }
+
+
+def error_message(exc: BaseException) -> bytes:
+    """:func:`error_header` as a whole message."""
+    return encode(error_header(exc))
 
 
 def remote_error(header: dict[str, Any], where: str) -> BaseException:

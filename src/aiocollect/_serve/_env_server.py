@@ -19,11 +19,12 @@ import anyio.abc
 import anyio.to_thread
 import gymnasium as gym
 
-from ._actions import check_action
+from ._actions import action_checker
 from ._common import check_host_port, check_token, error_message
+from ._env_jobs import Job, parse_calls, run_job
 from ._spaces import describe_space
 from ._tcp import listen
-from ._wire import ProtocolError, decode, encode, pack_tree, unpack_tree
+from ._wire import ProtocolError, decode, encode, pack_tree
 from ._ws import RemoteConnectionError, WebSocket, accept
 
 __all__ = ["EnvServer", "local_spaces", "serve_envs"]
@@ -50,15 +51,6 @@ def local_spaces(port: int, index: int, token: str) -> tuple[Any, Any] | None:
     return env.observation_space, env.action_space
 
 
-class _Job:
-    __slots__ = ("done", "header", "index", "reply", "value")
-
-    def __init__(self, index: int, header: dict[str, Any], value: Any) -> None:
-        self.index, self.header, self.value = index, header, value
-        self.done = anyio.Event()
-        self.reply = b""
-
-
 class EnvServer:
     """A running env server (see :func:`serve_envs`): ``url``, ``token``, ``port``, ``num_envs``."""
 
@@ -73,10 +65,11 @@ class EnvServer:
         self.num_envs = len(self.env_fns)
         self.envs: list[gym.Env[Any, Any]] = []
         self._hello: list[bytes] = []
+        self._checkers: list[Callable[[Any], Any]] = []
         self._owner: dict[int, anyio.abc.ByteStream] = {}  # env index -> the connection that has it
-        self._claims: dict[anyio.abc.ByteStream, int] = {}
+        self._claims: dict[anyio.abc.ByteStream, range] = {}
         self._freed: dict[int, anyio.Event] = {}
-        self._jobs: list[_Job] = []
+        self._jobs: list[Job] = []
         self._wake = anyio.Event()
         self._limiter = anyio.CapacityLimiter(1)
         self._stack: contextlib.AsyncExitStack | None = None
@@ -92,6 +85,7 @@ class EnvServer:
             self.envs = await anyio.to_thread.run_sync(self._make_envs, limiter=self._limiter)
             stack.push_async_callback(self._close_envs)
             self._hello = [self._describe(i, env) for i, env in enumerate(self.envs)]
+            self._checkers = [action_checker(env.action_space) for env in self.envs]
             listener, self.port = await listen(self.host, self.port)
             stack.push_async_callback(listener.aclose)
             tg = await stack.enter_async_context(anyio.create_task_group())
@@ -132,6 +126,17 @@ class EnvServer:
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(_close_all, envs, limiter=self._limiter)
 
+    def _hello_batch(self, start: int, stop: int) -> bytes:
+        arrays: list[Any] = []
+        envs = [
+            {
+                "observation_space": pack_tree(describe_space(self.envs[i].observation_space), arrays),
+                "action_space": pack_tree(describe_space(self.envs[i].action_space), arrays),
+            }
+            for i in range(start, stop)
+        ]
+        return encode({"op": "spaces", "start": start, "num_envs": self.num_envs, "envs": envs}, arrays)
+
     def _describe(self, index: int, env: gym.Env[Any, Any]) -> bytes:
         arrays: list[Any] = []
         header = {
@@ -145,28 +150,31 @@ class EnvServer:
 
     # -- connections ------------------------------------------------------------------------------------
     async def _route(self, stream: anyio.abc.ByteStream, path: str) -> int | None:
-        """Accept ``/spaces/<i>``; accept ``/envs/<i>`` once env ``i`` is free (a client reconnecting
-        after a cancelled call waits for its old connection's last step), claiming it for ``stream``."""
-        kind, index = _parse_path(path)
-        if kind is None or not 0 <= index < self.num_envs:
+        """Accept ``/spaces/<i>``; accept ``/envs/<i>`` (or ``/batch/<start>/<stop>``) once its envs are
+        free (a client reconnecting after a cancelled call waits for its old connection's last step),
+        claiming them for ``stream``."""
+        kind, start, stop = _parse_path(path)
+        if kind is None or not 0 <= start < stop <= self.num_envs:
             return 404
-        if kind == "envs":
+        if kind != "spaces":
+            wanted = range(start, stop)
             with anyio.move_on_after(HANDOVER_TIMEOUT):
-                while index in self._owner:
-                    await self._freed.setdefault(index, anyio.Event()).wait()
-            if index in self._owner:
+                while (busy := next((i for i in wanted if i in self._owner), None)) is not None:
+                    await self._freed.setdefault(busy, anyio.Event()).wait()
+            if any(i in self._owner for i in wanted):
                 return 409
-            self._owner[index] = stream
-            self._claims[stream] = index
+            for i in wanted:
+                self._owner[i] = stream
+            self._claims[stream] = wanted
         return None
 
     def _release(self, stream: anyio.abc.ByteStream) -> None:
-        index = self._claims.pop(stream, None)
-        if index is not None and self._owner.get(index) is stream:
-            del self._owner[index]
-            freed = self._freed.pop(index, None)
-            if freed is not None:
-                freed.set()
+        for index in self._claims.pop(stream, ()):
+            if self._owner.get(index) is stream:
+                del self._owner[index]
+                freed = self._freed.pop(index, None)
+                if freed is not None:
+                    freed.set()
 
     async def _handle(self, stream: anyio.abc.ByteStream) -> None:
         try:
@@ -177,29 +185,27 @@ class EnvServer:
             self._release(stream)
 
     async def _converse(self, ws: WebSocket, path: str) -> None:
-        kind, index = _parse_path(path)
+        kind, start, stop = _parse_path(path)
+        batch = kind == "batch"
         try:
-            await ws.send(self._hello[index])
+            await ws.send(self._hello_batch(start, stop) if batch else self._hello[start])
             if kind == "spaces":  # a look at the spaces only (RemoteEnv's constructor)
                 await ws.aclose()
                 return
             while True:
                 message = await ws.receive()
-                await ws.send(await self._serve_one(index, message))
+                await ws.send(await self._serve_one(message, start, stop, batch))
         except RemoteConnectionError:
             pass
         finally:
             await ws.abort()
 
-    async def _serve_one(self, index: int, message: bytes) -> bytes:
+    async def _serve_one(self, message: bytes, start: int, stop: int, batch: bool) -> bytes:
         try:
             header, arrays = decode(message)
-            if header["op"] not in ("reset", "step"):
-                raise ProtocolError(f"unknown op {header['op']!r} (reset, step)")
-            value = unpack_tree(header.get("value"), arrays)
+            job = Job(parse_calls(header, arrays, start, stop, batch), batch)
         except ProtocolError as exc:
             return error_message(exc)
-        job = _Job(index, header, value)
         self._jobs.append(job)
         self._wake.set()
         await job.done.wait()
@@ -215,36 +221,12 @@ class EnvServer:
             for job in jobs:
                 job.done.set()
 
-    def _run_jobs(self, jobs: list[_Job]) -> None:
+    def _run_jobs(self, jobs: list[Job]) -> None:
         for job in jobs:
             try:
-                job.reply = self._run(job)
+                job.reply = run_job(self.envs, self._checkers, job)
             except Exception as exc:
                 job.reply = error_message(exc)
-
-    def _run(self, job: _Job) -> bytes:
-        env = self.envs[job.index]
-        arrays: list[Any] = []
-        if job.header["op"] == "reset":
-            seed, options = job.header.get("seed"), job.value
-            if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-                raise ProtocolError(f"reset seed must be an int or null, got {seed!r}")
-            if options is not None and not isinstance(options, dict):
-                raise ProtocolError("reset options must be a dict or null")
-            obs, info = env.reset(seed=seed, options=options)
-            return encode(
-                {"op": "reset", "obs": pack_tree(obs, arrays), "info": pack_tree(info, arrays)}, arrays
-            )
-        obs, reward, terminated, truncated, info = env.step(check_action(env.action_space, job.value))
-        header = {
-            "op": "step",
-            "obs": pack_tree(obs, arrays),
-            "reward": float(reward),
-            "terminated": bool(terminated),
-            "truncated": bool(truncated),
-            "info": pack_tree(info, arrays),
-        }
-        return encode(header, arrays)
 
 
 def _close_all(envs: list[gym.Env[Any, Any]]) -> None:
@@ -252,13 +234,19 @@ def _close_all(envs: list[gym.Env[Any, Any]]) -> None:
         env.close()
 
 
-def _parse_path(path: str) -> tuple[str | None, int]:
-    """``/envs/3`` -> ("envs", 3), ``/spaces/3`` -> ("spaces", 3), anything else (None, -1)."""
-    head, _, tail = path.rpartition("/")
-    kind = head.rpartition("/")[2]
-    if kind not in ("envs", "spaces") or not (tail.isdigit() and len(tail) < 10):
-        return None, -1
-    return kind, int(tail)
+def _parse_path(path: str) -> tuple[str | None, int, int]:
+    """``(kind, start, stop)``: ``/envs/3`` -> ("envs", 3, 4), ``/spaces/3`` -> ("spaces", 3, 4),
+    ``/batch/0/64`` -> ("batch", 0, 64); anything else (None, 0, 0)."""
+    parts = path.rsplit("/", 3)
+    if len(parts) >= 3 and parts[-3] == "batch" and _number(parts[-2]) and _number(parts[-1]):
+        return "batch", int(parts[-2]), int(parts[-1])
+    if len(parts) >= 2 and parts[-2] in ("envs", "spaces") and _number(parts[-1]):
+        return parts[-2], int(parts[-1]), int(parts[-1]) + 1
+    return None, 0, 0
+
+
+def _number(text: str) -> bool:
+    return text.isdigit() and len(text) < 10
 
 
 def serve_envs(

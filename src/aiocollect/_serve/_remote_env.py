@@ -9,14 +9,14 @@ from typing import Any, TypeVar
 import anyio
 from gymnasium import spaces
 
-from ._actions import as_action_value
+from ._actions import action_encoder
 from ._common import remote_error
 from ._env_server import local_spaces
 from ._spaces import rebuild_space
 from ._wire import ProtocolError, decode, encode, pack_tree, unpack_tree
 from ._ws import WebSocket, connect, split_url
 
-__all__ = ["RemoteEnv", "run_blocking"]
+__all__ = ["RemoteEnv", "fetch_spaces", "run_blocking"]
 
 T = TypeVar("T")
 
@@ -44,15 +44,27 @@ def _is_local(url: str) -> bool:
     return split_url(url)[0] in ("127.0.0.1", "localhost", "::1")
 
 
-async def _hello(ws: WebSocket, where: str) -> tuple[spaces.Space[Any], spaces.Space[Any]]:
+async def _hello(ws: WebSocket, where: str) -> tuple[spaces.Space[Any], spaces.Space[Any], int]:
+    """The spaces message a server starts a connection with: (observation space, action space, num_envs)."""
     header, arrays = decode(await ws.receive())
     if header["op"] == "error":
         raise remote_error(header, where)
-    if header["op"] != "spaces":
+    if header["op"] != "spaces" or not isinstance(header.get("num_envs"), int):
         raise ProtocolError(f"{where} did not start with its spaces (got {header['op']!r})")
     obs = rebuild_space(unpack_tree(header.get("observation_space"), arrays))
     act = rebuild_space(unpack_tree(header.get("action_space"), arrays))
-    return obs, act
+    return obs, act, header["num_envs"]
+
+
+async def fetch_spaces(
+    url: str, index: int, token: str, connect_timeout: float
+) -> tuple[spaces.Space[Any], spaces.Space[Any], int]:
+    """Env ``index``'s spaces and the server's number of envs, from a short ``/spaces`` connection."""
+    ws = await connect(url, f"/spaces/{index}", token, connect_timeout=connect_timeout)
+    try:
+        return await _hello(ws, f"{url} env {index}")
+    finally:
+        await ws.abort()
 
 
 class RemoteEnv:
@@ -112,13 +124,14 @@ class RemoteEnv:
             observation_space, action_space = here or run_blocking(self._fetch_spaces)
         self.observation_space: spaces.Space[Any] = observation_space
         self.action_space: spaces.Space[Any] = action_space
+        self._encode = action_encoder(action_space)
 
     @classmethod
     async def open(cls, url: str, *, index: int, token: str, connect_timeout: float = 10.0) -> RemoteEnv:
         """A connected ``RemoteEnv`` whose spaces were fetched without blocking the event loop."""
         ws = await connect(url, f"/envs/{index}", token, connect_timeout=connect_timeout)
         try:
-            obs_space, act_space = await _hello(ws, f"{url} env {index}")
+            obs_space, act_space, _ = await _hello(ws, f"{url} env {index}")
             env = cls(url, index=index, token=token, observation_space=obs_space, action_space=act_space)
         except BaseException:
             await ws.aclose()
@@ -127,13 +140,8 @@ class RemoteEnv:
         return env
 
     async def _fetch_spaces(self) -> tuple[spaces.Space[Any], spaces.Space[Any]]:
-        ws = await connect(
-            self.url, f"/spaces/{self.index}", self._token, connect_timeout=self.connect_timeout
-        )
-        try:
-            return await _hello(ws, f"{self.url} env {self.index}")
-        finally:
-            await ws.abort()
+        obs, act, _ = await fetch_spaces(self.url, self.index, self._token, self.connect_timeout)
+        return obs, act
 
     async def _connection(self) -> WebSocket:
         if self._closed:
@@ -143,7 +151,7 @@ class RemoteEnv:
                 self.url, f"/envs/{self.index}", self._token, connect_timeout=self.connect_timeout
             )
             try:
-                obs_space, act_space = await _hello(ws, f"{self.url} env {self.index}")
+                obs_space, act_space, _ = await _hello(ws, f"{self.url} env {self.index}")
                 if obs_space != self.observation_space or act_space != self.action_space:
                     raise ValueError(
                         f"env {self.index} at {self.url} has spaces {obs_space}, {act_space}; this RemoteEnv "
@@ -187,7 +195,7 @@ class RemoteEnv:
 
     async def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
         """``env.step(action)`` on the server: ``(obs, reward, terminated, truncated, info)``."""
-        reply, arrays = await self._call({"op": "step"}, as_action_value(self.action_space, action))
+        reply, arrays = await self._call({"op": "step"}, self._encode(action))
         obs, info = unpack_tree(reply["obs"], arrays), unpack_tree(reply["info"], arrays)
         return obs, reply["reward"], reply["terminated"], reply["truncated"], info
 

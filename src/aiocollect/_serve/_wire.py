@@ -121,11 +121,20 @@ def _array_meta(entry: Any) -> tuple[np.dtype[Any], tuple[int, ...]]:
 
 
 # -- trees of JSON values and arrays ----------------------------------------------------------------------
+_EMPTY: dict[str, Any] = {"{}": {}}  # an empty dict (an env's usual info), packed
+
+
 def pack_tree(value: Any, arrays: list[np.ndarray]) -> Any:
     """``value`` as JSON, its numpy arrays (and numpy scalars) appended to ``arrays`` as ``{"@": i}``.
 
     Dicts (string keys), lists, tuples, ``None``, bools, ints, floats and strings travel as themselves;
     anything else (an object in an ``info`` dict) travels as its ``repr`` text."""
+    kind = type(value)
+    if kind is np.ndarray and value.dtype.kind in "biuf":  # the common case first
+        arrays.append(value)
+        return {"@": len(arrays) - 1}
+    if kind is dict and not value:
+        return _EMPTY
     if value is None or isinstance(value, bool | int | float | str):
         return value
     if isinstance(value, np.ndarray | np.generic) and np.asarray(value).dtype.kind in "biuf":
@@ -142,6 +151,14 @@ def pack_tree(value: Any, arrays: list[np.ndarray]) -> Any:
 
 def unpack_tree(tree: Any, arrays: list[np.ndarray]) -> Any:
     """The inverse of :func:`pack_tree` (a 0-d array comes back as a numpy scalar)."""
+    if (
+        type(tree) is dict
+        and len(tree) == 1
+        and type(index := tree.get("@")) is int
+        and 0 <= index < len(arrays)
+    ):
+        array = arrays[index]  # the common case first
+        return array[()] if array.ndim == 0 else array
     if isinstance(tree, list):
         return [unpack_tree(v, arrays) for v in tree]
     if not isinstance(tree, dict):

@@ -206,7 +206,19 @@ async def accept(
     """The server side of the handshake: ``(websocket, path)``, or ``None`` when refused (and closed).
 
     ``await route(path)`` returns ``None`` to accept or an HTTP status to refuse with; it is only called
-    once the token has been checked, so a client without the token learns nothing about the paths."""
+    once the token has been checked, so a client without the token learns nothing about the paths.
+    The stream is closed on every way out but success (refusal, error, cancellation)."""
+    try:
+        return await _accept(stream, token, route, handshake_timeout)
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await stream.aclose()
+        raise
+
+
+async def _accept(
+    stream: anyio.abc.ByteStream, token: str, route: Route, handshake_timeout: float
+) -> tuple[WebSocket, str] | None:
     _nodelay(stream)
     ws = WSConnection(ConnectionType.SERVER)
     request = None
@@ -224,7 +236,11 @@ async def accept(
     if status is not None:
         await _refuse(stream, ws, status)
         return None
-    await stream.send(ws.send(AcceptConnection()))
+    try:
+        await stream.send(ws.send(AcceptConnection()))
+    except (anyio.BrokenResourceError, OSError):
+        await stream.aclose()
+        return None
     return WebSocket(stream, ws, "client"), request.target
 
 
