@@ -6,6 +6,7 @@ socket, thread or process is left.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import socket
 import threading
@@ -426,3 +427,24 @@ async def test_pool_server_killed_fails_pending_calls(clean: Any) -> None:
         assert len(errors) == 2 and max(errors) - killed_at < 2.0
         with pytest.raises(RemoteConnectionError):
             await pool[0].reset()
+
+
+@pytest.mark.parametrize("client", ["env", "pool"])
+async def test_collector_cancelled_mid_step_leaves_nothing(clean: Any, client: str) -> None:
+    async with serve_envs([lambda: CountingEnv(step_delay=0.02)] * 4, token=TOKEN) as server:
+        async with contextlib.AsyncExitStack() as stack:
+            if client == "pool":
+                pool = await stack.enter_async_context(RemoteEnvPool(server.url, token=TOKEN))
+                envs: list[Any] = list(pool)
+            else:
+                envs = [lambda i=i: RemoteEnv(server.url, index=i, token=TOKEN) for i in range(4)]
+            with anyio.fail_after(20):
+                async with AsyncEnvCollector(envs, frames_per_batch=8) as collector:
+                    async for _ in collector:
+                        break  # envs are mid-step now: their calls are cancelled
+            assert isinstance(collector.statistics().frames, int)
+        if client == "env":  # the envs are free again: new clients get them at once
+            with anyio.fail_after(5):
+                env = await RemoteEnv.open(server.url, index=0, token=TOKEN)
+                await env.reset()
+                await env.close()
