@@ -11,9 +11,13 @@ for the async envs (1,000 of them on one loop: the limit is 1,000 / 5 ms = 200k 
 after another, its share's actions from one batched policy call). Every variant runs the same MLP
 policy (4 -> 64 -> 64 -> 2, tanh, argmax) and stores full batches (``--frames-per-batch`` frames) in
 preallocated tensors. Rounds interleave the variants; the table prints each variant's median frames/s
-and its ratio to the thread pool measured in the same round. Also printed: the event loop's lag (a
-task that sleeps 1 ms and records how late it wakes) while the 1,000 envs run on asyncio, and the
-distribution of the policy's batch sizes.
+and its ratio to the thread pool measured in the same round, and the CPU time per frame of the whole
+process (all its threads): on a loaded machine the loop gets a fraction of a core, so frames/s falls
+while the CPU time per frame says what one free core would give (about 1e6 / µs frames/s for the
+loop-bound async variants; the thread pool is bound by its sleeps, 64 / 5 ms = 12.8k). Also printed:
+the event loop's lag (a task that sleeps 1 ms and records how late it wakes) while the 1,000 envs run,
+and the distribution of the policy's batch sizes. ``gc.freeze()`` variants freeze the objects made
+before the run (see docs/async-envs.md, "Performance").
 """
 
 from __future__ import annotations
@@ -88,10 +92,11 @@ async def run_async(args: argparse.Namespace, policy: nn.Module, out: dict[str, 
         await anext(it)  # warm-up: every env reset, the policy thread up
         tg.start_soon(lag_ticker, lags, stop)
         warm_calls = len(collector.policy_batch_sizes)
-        start, frames = time.perf_counter(), 0
+        start, cpu, frames = time.perf_counter(), time.process_time(), 0
         while frames < args.frames:
             frames += (await anext(it)).numel()
         out["fps"] = frames / (time.perf_counter() - start)
+        out["cpu_us"] = (time.process_time() - cpu) / frames * 1e6
         stop.set()
         out["lags"] = lags
         out["sizes"] = collector.policy_batch_sizes[warm_calls:]
@@ -154,12 +159,14 @@ def measure_threads(args: argparse.Namespace, policy: nn.Module) -> dict[str, An
     started.wait()
     while state["frames"] < fpb:  # warm-up batch
         time.sleep(0.001)
-    start, first = time.perf_counter(), state["frames"]
+    start, cpu, first = time.perf_counter(), time.process_time(), state["frames"]
     done_ev.wait()
-    fps = (state["frames"] - first) / (time.perf_counter() - start)
+    frames = state["frames"] - first
+    fps = frames / (time.perf_counter() - start)
+    cpu_us = (time.process_time() - cpu) / frames * 1e6
     for t in threads:
         t.join()
-    return {"fps": fps}
+    return {"fps": fps, "cpu_us": cpu_us}
 
 
 # -- report -------------------------------------------------------------------------------------------
@@ -201,15 +208,19 @@ def main() -> None:
         "uvloop, gc.freeze()": (True, True),
     }
     results: dict[str, list[float]] = {name: [] for name in [*variants, "threads"]}
+    cpu: dict[str, list[float]] = {name: [] for name in [*variants, "threads"]}
     ratios: dict[str, list[float]] = {name: [] for name in variants}
     lags: dict[str, list[float]] = {name: [] for name in variants}
     sizes: list[int] = []
     for r in range(args.rounds):
-        base = measure_threads(args, policy)["fps"]
+        out = measure_threads(args, policy)
+        base = out["fps"]
         results["threads"].append(base)
+        cpu["threads"].append(out["cpu_us"])
         for name, (uv, freeze) in variants.items():
             out = measure_async(args, policy, uv, freeze)
             results[name].append(out["fps"])
+            cpu[name].append(out["cpu_us"])
             ratios[name].append(out["fps"] / base)
             lags[name] += [x * 1e3 for x in out["lags"]]
             if name == "asyncio":
@@ -217,15 +228,16 @@ def main() -> None:
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in results.items()), flush=True)
     fpb = args.frames_per_batch
     print(f"\n{args.envs} envs, {STEP_DELAY * 1e3:.0f} ms a step, MLP policy, batches of {fpb}")
-    print(
-        f"| variant | frames/s (median of {args.rounds}) | x threads (median of ratios) | loop lag p50 / p99 |"
-    )
-    print("|---|---|---|---|")
+    head = f"| variant | frames/s (median of {args.rounds}) | x threads (median of ratios) | CPU µs/frame |"
+    print(head + " loop lag p50 / p99 |")
+    print("|---|---|---|---|---|")
     for name in variants:
         fps, ratio = statistics.median(results[name]), statistics.median(ratios[name])
         lag = f"{percentile(lags[name], 50):.1f} / {percentile(lags[name], 99):.1f} ms"
-        print(f"| AsyncEnvCollector, {name} | {fps:,.0f} | {ratio:.2f} | {lag} |")
-    print(f"| {args.threads} threads | {statistics.median(results['threads']):,.0f} | 1.00 | |")
+        us = statistics.median(cpu[name])
+        print(f"| AsyncEnvCollector, {name} | {fps:,.0f} | {ratio:.2f} | {us:.1f} | {lag} |")
+    fps, us = statistics.median(results["threads"]), statistics.median(cpu["threads"])
+    print(f"| {args.threads} threads | {fps:,.0f} | 1.00 | {us:.1f} | |")
     qs = "/".join(f"{percentile([float(s) for s in sizes], q):.0f}" for q in (5, 25, 50, 75, 95))
     print(f"\npolicy batch sizes (asyncio): {len(sizes)} calls, p5/p25/p50/p75/p95 = {qs}")
 

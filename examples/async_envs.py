@@ -55,7 +55,7 @@ class RemoteCartPole:
     """An async env (see ``aiocollect.AsyncEnvProtocol``): a CartPole whose step waits for the network."""
 
     def __init__(self, latency: float) -> None:
-        self.sim = CartPoleEnv()
+        self.sim: Any = CartPoleEnv()  # gymnasium is untyped
         self.latency = latency
         self.observation_space = self.sim.observation_space
         self.action_space = self.sim.action_space

@@ -170,6 +170,11 @@ async def test_protocol_and_threaded_env() -> None:
     assert seen and loop_thread not in seen  # stepped off the loop
     with pytest.raises(TypeError, match="gymnasium env"):
         ThreadedAsyncEnv(object())
+    from gymnasium.envs.classic_control import CartPoleEnv
+
+    env = ThreadedAsyncEnv(CartPoleEnv)  # a class is a factory
+    assert isinstance(env.env, CartPoleEnv)
+    await env.close()
 
 
 # -- data ---------------------------------------------------------------------------------------------
@@ -290,9 +295,13 @@ async def test_min_batch_and_max_wait() -> None:
 async def test_async_policy() -> None:
     seen = []
 
-    class Remote:
+    class Client:
         async def __call__(self, td):
             await anyio.sleep(0.001)  # a round trip to a policy server
+            return self.answer(td)
+
+    class Remote(Client):  # an inherited async __call__ makes an async policy too
+        def answer(self, td):
             seen.append(td.shape[0])
             td["action"] = td["observation"][:, 2].long() % 4
             td["value"] = torch.zeros(td.shape[0], 1)
@@ -409,6 +418,8 @@ async def test_arguments_are_checked_first(kwargs, error, match) -> None:
     assert not built
     with pytest.raises(TypeError, match="env_fns"):
         AsyncEnvCollector([], frames_per_batch=10)
+    with pytest.warns(UserWarning, match="the others wait"):
+        AsyncEnvCollector([lambda: built.append(1)] * 30, frames_per_batch=10)
 
 
 async def test_mismatched_spaces_are_refused_and_closed() -> None:
@@ -476,3 +487,22 @@ async def test_dict_observations_and_box_actions() -> None:
         rows = batch[batch["collector", "env_id"] == e]
         assert torch.allclose(rows["next", "pos"], rows["pos"] + rows["action"])
         assert torch.equal(rows["next", "t"], rows["t"] + 1)
+
+
+async def test_replay_buffer_fill_and_start() -> None:
+    from support import ListBuffer
+
+    buffer = ListBuffer()
+    _, fns = make_envs(4)
+    async with AsyncEnvCollector(fns, frames_per_batch=20, total_frames=60, replay_buffer=buffer) as c:
+        written = [frames async for frames in c.fill()]
+    assert written == [20, 20, 20] and len(buffer.batches) == 3
+    check_invariants(buffer.batches, 4)
+
+    buffer = ListBuffer()
+    _, fns = make_envs(4)
+    async with AsyncEnvCollector(fns, frames_per_batch=20, total_frames=40, replay_buffer=buffer) as c:
+        await c.start()
+        with anyio.fail_after(10):
+            await buffer.wait_for(2)
+    assert c.statistics().frames == 40

@@ -164,6 +164,14 @@ class AsyncEnvCollector(CollectorBase):
         self._source_policy = policy_arg(policy)
         self._async_policy = is_async_policy(policy)
         self._init_base(progress)  # checks `progress`
+        ahead = (1 + self._prefetch) * self.frames_per_batch
+        if ahead < n:
+            warnings.warn(
+                f"(1 + prefetch) * frames_per_batch = {ahead} frames may be collected or stepping at once, "
+                f"fewer than the {n} envs: the others wait. Raise frames_per_batch or prefetch",
+                UserWarning,
+                stacklevel=2,
+            )
         if self.total_frames > 0 and self.total_frames % self.frames_per_batch:
             warnings.warn(
                 f"total_frames={self.total_frames} is not a multiple of frames_per_batch="
@@ -237,6 +245,10 @@ class AsyncEnvCollector(CollectorBase):
         """Stop the env tasks and the policy (after the steps and the policy call in flight), close every
         env and end the policy thread. Idempotent."""
         with anyio.CancelScope(shield=True):
+            if self._background is not None:  # start()'s background collection: stop after its batch
+                self._background.cancel()
+                async with self._lock:
+                    pass
             if not self._closed:
                 self._closed = True
                 self._closed_reason = "it was closed"
@@ -375,7 +387,7 @@ class AsyncEnvCollector(CollectorBase):
 
     @property
     def policy_batch_sizes(self) -> list[int]:
-        """The number of envs in each policy call so far (the dynamic batching at work)."""
+        """The number of envs in each of the last 10,000 policy calls (the dynamic batching at work)."""
         return list(self._engine.batch_sizes) if self._engine is not None else []
 
     def statistics(self) -> CollectorStatistics:

@@ -27,8 +27,13 @@ def is_async_policy(policy: Any) -> bool:
     """An ``async def`` function, or an object whose ``__call__`` is one (not an ``nn.Module``)."""
     if policy is None or isinstance(policy, torch.nn.Module):
         return False
-    call = type(policy).__dict__.get("__call__") if not inspect.isfunction(policy) else None
-    return inspect.iscoroutinefunction(policy) or inspect.iscoroutinefunction(call)
+    if inspect.iscoroutinefunction(policy):
+        return True
+    try:
+        call = type(policy).__call__  # a class's own or inherited async __call__
+    except AttributeError:
+        return False
+    return inspect.iscoroutinefunction(call)
 
 
 def _out_keys(out: TensorDictBase, obs_keys: set[NestedKey]) -> list[NestedKey]:

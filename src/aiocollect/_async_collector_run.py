@@ -17,6 +17,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import numpy as np
 import sniffio
 import torch
@@ -27,7 +28,7 @@ from ._async_collector_policy import ActionCodec, BatchPolicy
 from ._envs._spaces import LeafSpec, NestedKey
 from ._events import WorkerFailed
 
-__all__ = ["Engine", "EngineConfig", "Signal"]
+__all__ = ["DISPATCH_CHUNK", "Engine", "EngineConfig", "Signal"]
 
 
 class Signal:
@@ -90,13 +91,16 @@ class Engine:
         self.env_frames = [0] * n
         self.dropped: set[int] = set()
         self.version = 0
-        self.batch_sizes: list[int] = []  # of the policy calls (benchmarks read it)
+        self.batch_sizes: deque[int] = deque(maxlen=10_000)  # of the recent policy calls
         self.error: BaseException | None = None
         # hand-offs between the env tasks and the policy task
         self._ready: list[int] = []
         self._first_ready = 0.0
         self._actions: list[Any] = [None] * n  # an env's action while it steps (None: not stepping)
-        self._call_of: list[Any] = [None] * n  # (policy call, index in it) of each env's action
+        # the policy call of each env's action and its index in it (two lists: no tuple per step for the
+        # cyclic GC to track)
+        self._call_of: list[Any] = [None] * n
+        self._index_in_call = [0] * n
         self._episodes: list[tuple[int, float, int]] = []  # of the batch being filled
         self._waiters: list[Any] = [None] * n  # what each ready env awaits (see _waiters_for)
         self._new_waiter: Callable[[], Any] = anyio.Event
@@ -262,7 +266,7 @@ class Engine:
             batch = self._filling = FrameBatch(self._layout, self.config.frames_per_batch)
             self._episodes = batch.episodes
         row = batch.filled
-        call, j = self._call_of[i]
+        call, j = self._call_of[i], self._index_in_call[i]
         offset = batch.calls.get(call)
         batch.source.append((batch.offset(call) if offset is None else offset) + j)
         if len(batch.next_obs) == 1:
@@ -353,12 +357,23 @@ class Engine:
             raise KeyError(f"the policy wrote {list(outputs)}, and {self._layout.out_keys} at its first call")
         call = PolicyCall(obs, list(outputs.values()), idx, self.traj_ids[idx], version)
         env_actions = self.codec.actions(out, n)
-        actions, waiters, call_of, wake = self._actions, self._waiters, self._call_of, self._wake
+        actions, waiters, call_of, index, wake = (
+            self._actions,
+            self._waiters,
+            self._call_of,
+            self._index_in_call,
+            self._wake,
+        )
         self._in_flight += n
         for j, i in enumerate(ids):
             actions[i] = env_actions[j]
-            call_of[i] = (call, j)
+            call_of[i] = call
+            index[i] = j
             wake(waiters[i])
+            if j % DISPATCH_CHUNK == DISPATCH_CHUNK - 1 and j < n - 1:
+                # let the loop run these envs (and anything else waiting) before waking more: a burst of
+                # hundreds of steps at once (and of their sleeps ending together) would hold the loop
+                await anyio.lowlevel.checkpoint()
 
     def _make_layout(self, outputs: dict[NestedKey, Any]) -> Layout:
         specs = {key: LeafSpec(tuple(value.shape[1:]), _dtype(value)) for key, value in outputs.items()}
@@ -366,6 +381,9 @@ class Engine:
 
 
 _END = object()  # the action of an env that is to stop
+
+#: envs woken per loop iteration after a policy call (see ``Engine._act``)
+DISPATCH_CHUNK = 64
 
 
 def _wake_future(future: asyncio.Future[None]) -> None:
@@ -383,12 +401,6 @@ def _waiters_for_this_loop() -> tuple[Callable[[], Any], Callable[[Any], Any]]:
     if sniffio.current_async_library() == "asyncio":
         return asyncio.get_running_loop().create_future, _wake_future
     return anyio.Event, _set_event
-
-
-def _zeros(n: int, like: Any) -> Any:
-    if isinstance(like, torch.Tensor):
-        return torch.zeros((n, *like.shape[1:]), dtype=like.dtype)
-    return np.zeros((n, *like.shape[1:]), like.dtype)
 
 
 def _as_numpy(value: torch.Tensor, n: int) -> Any:

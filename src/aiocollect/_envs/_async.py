@@ -91,8 +91,8 @@ class ThreadedAsyncEnv:
     def __init__(self, env: Any, *, limiter: anyio.CapacityLimiter | None = None) -> None:
         if limiter is not None and not isinstance(limiter, anyio.CapacityLimiter):
             raise TypeError(f"limiter must be an anyio.CapacityLimiter or None, got {limiter!r}")
-        if not hasattr(env, "step") and callable(env):
-            env = env()
+        if isinstance(env, type) or (not hasattr(env, "step") and callable(env)):
+            env = env()  # a factory (a class too)
         for member in ("reset", "step", "observation_space", "action_space"):
             if not hasattr(env, member):
                 raise TypeError(
