@@ -401,6 +401,9 @@ async def test_pool_env_error_fails_only_its_call(clean: Any) -> None:
             await pool[1].step(0)
         obs, *_ = await pool[0].step(0)
         assert obs.shape == (4,)
+        with pytest.raises(TypeError, match="cannot be sent"):  # refused here, the connection goes on
+            await pool[0].reset(options={"x": np.zeros(1, np.longdouble)})
+        obs, *_ = await pool[0].step(0)
         # its envs are taken while it is open: another client waits for them (then gets HTTP 409)
         with pytest.raises(TimeoutError):
             await RemoteEnv.open(server.url, index=0, token=TOKEN, connect_timeout=0.2)

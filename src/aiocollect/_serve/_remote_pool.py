@@ -179,7 +179,9 @@ class RemoteEnvPool:
         self._wake.set()
         await round_.event.wait()
         if round_.error is not None:
-            raise RemoteConnectionError(f"{self.url}: {round_.error}")
+            if isinstance(round_.error, TypeError):  # raised here, before sending
+                raise TypeError(str(round_.error)) from round_.error
+            raise RemoteConnectionError(f"{self.url}: {round_.error}") from round_.error
         answer = round_.answers[position]
         if answer["op"] == "error":
             raise remote_error(answer, f"{self.url} env {index}")
@@ -194,14 +196,20 @@ class RemoteEnvPool:
             self._wake = anyio.Event()
             round_, self._next = self._next, _Round()
             assert round_ is not None
-            arrays: list[Any] = []
-            items = []
-            for header, value in round_.calls:
-                header["value"] = pack_tree(value, arrays)
-                items.append(header)
+            try:
+                arrays: list[Any] = []
+                items = []
+                for header, value in round_.calls:
+                    header["value"] = pack_tree(value, arrays)
+                    items.append(header)
+                message = encode({"op": "batch", "items": items}, arrays)
+            except Exception as exc:  # a value that cannot travel: its round's callers get the error
+                round_.error = exc
+                round_.event.set()
+                continue
             self._in_flight.append(round_)
             try:
-                await ws.send(encode({"op": "batch", "items": items}, arrays))
+                await ws.send(message)
             except RemoteConnectionError as exc:
                 self._fail(exc)
                 return
