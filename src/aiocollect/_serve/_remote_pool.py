@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import anyio
+import numpy as np
 from gymnasium import spaces
 
 from ._actions import action_encoder
@@ -29,13 +30,14 @@ class _Round:
     """The calls that go out in one message, and (once answered) their answers: all its callers wait on
     one event."""
 
-    __slots__ = ("answers", "arrays", "calls", "error", "event")
+    __slots__ = ("answers", "arrays", "calls", "columns", "error", "event")
 
     def __init__(self) -> None:
         self.calls: list[tuple[dict[str, Any], Any]] = []
         self.event = anyio.Event()
         self.answers: list[Any] = []
         self.arrays: list[Any] = []
+        self.columns: list[Any] | None = None  # a columnar answer: one info tree per call
         self.error: BaseException | None = None
 
 
@@ -54,14 +56,15 @@ class PooledRemoteEnv:
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[Any, dict[str, Any]]:
         """``env.reset(seed=seed, options=options)`` on the server: ``(obs, info)``."""
-        answer, arrays = await self._pool.call(self.index, {"op": "reset", "seed": seed}, options)
-        return unpack_tree(answer["obs"], arrays), unpack_tree(answer["info"], arrays)
+        obs, info = await self._pool.call(self.index, {"op": "reset", "seed": seed}, options)
+        return obs, info
 
     async def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
         """``env.step(action)`` on the server: ``(obs, reward, terminated, truncated, info)``."""
-        answer, arrays = await self._pool.call(self.index, {"op": "step"}, self._encode(action))
-        obs, info = unpack_tree(answer["obs"], arrays), unpack_tree(answer["info"], arrays)
-        return obs, answer["reward"], answer["terminated"], answer["truncated"], info
+        obs, reward, terminated, truncated, info = await self._pool.call(
+            self.index, {"op": "step"}, self._encode(action)
+        )
+        return obs, reward, terminated, truncated, info
 
     async def close(self) -> None:
         """Nothing to do: the pool's ``async with`` closes the connection."""
@@ -166,8 +169,9 @@ class RemoteEnvPool:
         if ws is not None:
             await ws.aclose()
 
-    async def call(self, index: int, header: dict[str, Any], value: Any) -> tuple[dict[str, Any], list[Any]]:
-        """Send one env call with the next message and wait for its answer."""
+    async def call(self, index: int, header: dict[str, Any], value: Any) -> tuple[Any, ...]:
+        """Send one env call with the next message and wait for its answer: ``(obs, info)`` for a
+        reset, ``(obs, reward, terminated, truncated, info)`` for a step."""
         if self._error is not None:
             raise RemoteConnectionError(f"{self.url}: {self._error}")
         if self._wake is None or self._next is None:
@@ -182,12 +186,21 @@ class RemoteEnvPool:
             if isinstance(round_.error, TypeError):  # raised here, before sending
                 raise TypeError(str(round_.error)) from round_.error
             raise RemoteConnectionError(f"{self.url}: {round_.error}") from round_.error
+        arrays = round_.arrays
+        if round_.columns is not None:  # a batch of steps, in columns
+            obs = arrays[0][position]
+            obs = obs.copy() if type(obs) is np.ndarray else obs
+            flags = bool(arrays[2][position]), bool(arrays[3][position])
+            return obs, float(arrays[1][position]), *flags, unpack_tree(round_.columns[position], arrays)
         answer = round_.answers[position]
         if answer["op"] == "error":
             raise remote_error(answer, f"{self.url} env {index}")
         if answer["op"] != header["op"]:
             raise ProtocolError(f"expected a {header['op']!r} answer, got {answer['op']!r}")
-        return answer, round_.arrays
+        obs, info = unpack_tree(answer["obs"], arrays), unpack_tree(answer["info"], arrays)
+        if answer["op"] == "reset":
+            return obs, info
+        return obs, answer["reward"], answer["terminated"], answer["truncated"], info
 
     async def _sender(self, ws: WebSocket) -> None:
         assert self._wake is not None
@@ -219,16 +232,17 @@ class RemoteEnvPool:
             try:
                 header, arrays = decode(await ws.receive())
                 round_ = self._in_flight.popleft()
-                items = header.get("items") if header["op"] == "batch" else None
                 if header["op"] == "error":
                     raise remote_error(header, self.url)
-                if not isinstance(items, list) or len(items) != len(round_.calls):
+                items = header.get("items") if header["op"] == "batch" else None
+                columns = _columns(header, arrays, round_) if items is None else None
+                if columns is None and (not isinstance(items, list) or len(items) != len(round_.calls)):
                     raise ProtocolError(f"{self.url} answered {len(round_.calls)} calls with {header!r:.200}")
             except Exception as exc:  # lost, malformed or refused: every call fails
                 self._fail(exc)
                 await ws.abort()
                 return
-            round_.answers, round_.arrays = items, arrays
+            round_.answers, round_.columns, round_.arrays = items or [], columns, arrays
             round_.event.set()
 
     def _fail(self, exc: BaseException) -> None:
@@ -243,3 +257,17 @@ class RemoteEnvPool:
             round_.event.set()
         if self._wake is not None:
             self._wake.set()
+
+
+def _columns(header: dict[str, Any], arrays: list[Any], round_: _Round) -> list[Any] | None:
+    """The info trees of a columnar answer to ``round_`` (``None``: not one, or not a valid one)."""
+    columns = header.get("columns") if header["op"] == "batch" else None
+    n = len(round_.calls)
+    if not isinstance(columns, dict) or columns.get("n") != n or len(arrays) < 4:
+        return None
+    infos = columns.get("info")
+    if not isinstance(infos, list) or len(infos) != n or any(c[0].get("op") != "step" for c in round_.calls):
+        return None
+    if arrays[0].ndim < 1 or arrays[0].shape[0] != n or any(a.shape != (n,) for a in arrays[1:4]):
+        return None
+    return infos
