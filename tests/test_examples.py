@@ -33,6 +33,9 @@ CASES = {
     + ["--frames-per-update", "512", "--backend", "serial"],
     "async_envs": ["async_envs.py", "--total-frames", "4000", "--num-envs", "200"]
     + ["--frames-per-batch", "1000"],
+    # 2 env server processes, the policy served too
+    "remote_envs": ["remote_envs.py", "--total-frames", "2000", "--frames-per-batch", "500"]
+    + ["--envs-per-server", "4", "--remote-policy"],
 }
 
 
@@ -108,7 +111,7 @@ def test_every_example_is_tested() -> None:
 ROOT = EXAMPLES.parent
 # pages whose every ```python block is a complete program (a block after <!-- continue --> extends the one
 # before it; <!-- skip --> before a block leaves out a fragment): add a page here once its blocks run
-RUNNABLE_PAGES = ["index", "conventions", "collector", "envs", "policies", "async-envs"]
+RUNNABLE_PAGES = ["index", "conventions", "collector", "envs", "policies", "async-envs", "serve"]
 DOC_PAGES = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in RUNNABLE_PAGES)]
 _BLOCK = re.compile(r"(<!-- (continue|skip) -->\s*\n)?^```python[^\n]*\n(.*?)^```", re.S | re.M)
 

@@ -59,6 +59,8 @@ LAYERS: dict[str, int] = {
     "_async": 5,
     # remote collectors: their nodes and actors host local collectors
     "_remote": 6,
+    # envs and policies served over WebSocket (issue 16): servers host envs and policies
+    "_serve": 6,
     # the public surface
     "compat": 7,
     "dashboard": 7,

@@ -54,6 +54,19 @@ if typing.TYPE_CHECKING:  # the lazy names below, for type checkers (imported on
     from ._remote._launchers import submitit_delayed_launcher
     from ._remote._ray import RayCollector
     from ._remote._rpc import RPCCollector
+    from ._serve import (
+        EnvServer,
+        EnvServerProcess,
+        PolicyServer,
+        PooledRemoteEnv,
+        RemoteConnectionError,
+        RemoteEnv,
+        RemoteEnvPool,
+        RemotePolicy,
+        serve_envs,
+        serve_envs_process,
+        serve_policy,
+    )
 
 __version__ = "0.1.0"
 
@@ -66,6 +79,12 @@ _LAZY = {
     "RPCCollector": "._remote._rpc",
     # submitit is imported when the decorator is called, never by import
     "submitit_delayed_launcher": "._remote._launchers",
+    # the serve extra (wsproto) is imported on first use of these
+    **dict.fromkeys(
+        ["EnvServer", "EnvServerProcess", "PolicyServer", "PooledRemoteEnv", "RemoteConnectionError"]
+        + ["RemoteEnv", "RemoteEnvPool", "RemotePolicy", "serve_envs", "serve_envs_process", "serve_policy"],
+        "._serve",
+    ),
 }
 
 
@@ -134,4 +153,16 @@ __all__ = [
     "set_worker_warnings",
     "split_trajectories",
     "submitit_delayed_launcher",
+    # serve (issue 16): envs and policies over WebSocket
+    "EnvServer",
+    "EnvServerProcess",
+    "PolicyServer",
+    "PooledRemoteEnv",
+    "RemoteConnectionError",
+    "RemoteEnv",
+    "RemoteEnvPool",
+    "RemotePolicy",
+    "serve_envs",
+    "serve_envs_process",
+    "serve_policy",
 ]

@@ -1,0 +1,27 @@
+"""Serving envs and policies over WebSocket: ``serve_envs``/``RemoteEnv``, ``serve_policy``/``RemotePolicy``.
+
+The wire is documented in ``docs/serve.md``: binary frames of a JSON header and raw array bytes, a shared
+token checked in the handshake, never a pickle from the network. Needs the ``serve`` extra (wsproto).
+"""
+
+from ._env_server import EnvServer, serve_envs
+from ._policy_server import PolicyServer, serve_policy
+from ._process import EnvServerProcess, serve_envs_process
+from ._remote_env import RemoteEnv
+from ._remote_policy import RemotePolicy
+from ._remote_pool import PooledRemoteEnv, RemoteEnvPool
+from ._ws import RemoteConnectionError
+
+__all__ = [
+    "EnvServer",
+    "EnvServerProcess",
+    "PolicyServer",
+    "PooledRemoteEnv",
+    "RemoteConnectionError",
+    "RemoteEnv",
+    "RemoteEnvPool",
+    "RemotePolicy",
+    "serve_envs",
+    "serve_envs_process",
+    "serve_policy",
+]

@@ -1,0 +1,71 @@
+"""What the env and policy servers share: argument checks, the listener, error replies."""
+
+from __future__ import annotations
+
+import secrets
+import string
+import traceback
+from typing import Any
+
+from ._wire import encode
+
+__all__ = ["check_host_port", "check_token", "error_header", "error_message", "remote_error"]
+
+_TOKEN_CHARS = set(string.ascii_letters + string.digits + "-._~+/=")
+
+
+def check_token(token: str | None) -> str:
+    """The token to use: ``token`` checked, or a fresh random one when ``None``."""
+    if token is None:
+        return secrets.token_urlsafe(24)
+    if not isinstance(token, str) or len(token) < 16 or not set(token) <= _TOKEN_CHARS:
+        raise ValueError(
+            "token must be a string of at least 16 URL-safe characters (letters, digits, '-._~+/='), "
+            "e.g. secrets.token_urlsafe(24); or None for a random one (read it back as server.token)"
+        )
+    return token
+
+
+def check_host_port(host: str, port: int) -> None:
+    if not isinstance(host, str) or not host:
+        raise ValueError(f"host must be an address to listen on such as '127.0.0.1', got {host!r}")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port < 65536:
+        raise ValueError(f"port must be an int in [0, 65535] (0: any free port), got {port!r}")
+
+
+def error_header(exc: BaseException) -> dict[str, Any]:
+    """The answer telling a client its call raised ``exc`` (type name, message, traceback text)."""
+    kind = type(exc)
+    return {
+        "op": "error",
+        "type": f"{kind.__module__}.{kind.__qualname__}",
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc)),
+    }
+
+
+def error_message(exc: BaseException) -> bytes:
+    """:func:`error_header` as a whole message."""
+    return encode(error_header(exc))
+
+
+def remote_error(header: dict[str, Any], where: str) -> BaseException:
+    """The exception an ``error`` reply stands for: a builtin exception type is raised as itself
+    (``ValueError``, ``KeyError``...), any other as a :class:`aiocollect.WorkerError` with its fields."""
+    import builtins
+
+    from .._errors import worker_error
+
+    type_name, message = str(header.get("type", "")), str(header.get("message", ""))
+    tb = str(header.get("traceback", ""))
+    module, _, name = type_name.rpartition(".")
+    kind = getattr(builtins, name, None) if module == "builtins" else None
+    if isinstance(kind, type) and issubclass(kind, Exception):
+        try:
+            exc = kind(message)
+        except Exception:
+            pass
+        else:
+            exc.add_note(f"--- raised in {where}; remote traceback ---\n{tb}")
+            return exc
+    return worker_error(type_name, message, tb, where)

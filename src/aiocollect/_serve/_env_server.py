@@ -1,0 +1,277 @@
+"""``serve_envs``: gymnasium envs stepped on request over WebSocket, for :class:`aiocollect.RemoteEnv`.
+
+One connection per env (path ``/envs/<index>``), one request at a time on it. Requests from all
+connections meet in one queue; a stepper task takes whatever has arrived and runs it in one worker thread
+hop (reset/step, then the reply's encoding), so many envs cost one thread hop per round, and the event
+loop never steps an env.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hmac
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import gymnasium as gym
+
+from ._actions import action_checker
+from ._common import check_host_port, check_token, error_message
+from ._env_jobs import Job, parse_calls, run_job
+from ._spaces import describe_space
+from ._tcp import listen
+from ._wire import ProtocolError, decode, encode, pack_tree
+from ._ws import RemoteConnectionError, WebSocket, accept
+
+__all__ = ["EnvServer", "local_spaces", "serve_envs"]
+
+#: seconds a connection to an env waits for the env's previous connection to end before it is refused
+HANDOVER_TIMEOUT = 5.0
+
+#: the env servers running in this process, by port: a RemoteEnv made on the loop that runs one of them
+#: reads its spaces here (a blocking fetch from its own loop would wait for itself)
+_RUNNING: dict[int, EnvServer] = {}
+
+
+def local_spaces(port: int, index: int, token: str) -> tuple[Any, Any] | None:
+    """The spaces of env ``index`` of this process's server on ``port`` (``None``: no such server here);
+    ``PermissionError`` for a wrong token, ``ValueError`` for an index out of range."""
+    server = _RUNNING.get(port)
+    if server is None:
+        return None
+    if not hmac.compare_digest(token.encode(), server.token.encode()):
+        raise PermissionError(f"{server.url} refused the token: pass the server's token= to the client")
+    if not 0 <= index < server.num_envs:
+        raise ValueError(f"{server.url} has {server.num_envs} envs; index {index} is out of range")
+    env = server.envs[index]
+    return env.observation_space, env.action_space
+
+
+class EnvServer:
+    """A running env server (see :func:`serve_envs`): ``url``, ``token``, ``port``, ``num_envs``."""
+
+    def __init__(
+        self, env_fns: Sequence[Callable[[], gym.Env[Any, Any]]], host: str, port: int, token: str | None
+    ):
+        if not isinstance(env_fns, Sequence) or not env_fns or not all(callable(fn) for fn in env_fns):
+            raise TypeError("env_fns must be a non-empty list of callables, each returning a gymnasium env")
+        check_host_port(host, port)
+        self.env_fns = list(env_fns)
+        self.host, self.port, self.token = host, port, check_token(token)
+        self.num_envs = len(self.env_fns)
+        self.envs: list[gym.Env[Any, Any]] = []
+        self._hello: list[bytes] = []
+        self._checkers: list[Callable[[Any], Any]] = []
+        self._owner: dict[int, anyio.abc.ByteStream] = {}  # env index -> the connection that has it
+        self._claims: dict[anyio.abc.ByteStream, range] = {}
+        self._freed: dict[int, anyio.Event] = {}
+        self._jobs: list[Job] = []
+        self._wake = anyio.Event()
+        self._limiter = anyio.CapacityLimiter(1)
+        self._stack: contextlib.AsyncExitStack | None = None
+
+    @property
+    def url(self) -> str:
+        """``ws://host:port`` for :class:`aiocollect.RemoteEnv`."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"ws://{host}:{self.port}"
+
+    async def __aenter__(self) -> EnvServer:
+        async with contextlib.AsyncExitStack() as stack:
+            self.envs = await anyio.to_thread.run_sync(self._make_envs, limiter=self._limiter)
+            stack.push_async_callback(self._close_envs)
+            self._hello = [self._describe(i, env) for i, env in enumerate(self.envs)]
+            self._checkers = [action_checker(env.action_space) for env in self.envs]
+            listener, self.port = await listen(self.host, self.port)
+            stack.push_async_callback(listener.aclose)
+            tg = await stack.enter_async_context(anyio.create_task_group())
+            stack.callback(tg.cancel_scope.cancel)
+            tg.start_soon(listener.serve, self._handle)
+            tg.start_soon(self._stepper)
+            _RUNNING[self.port] = self
+            stack.callback(_RUNNING.pop, self.port, None)
+            self._stack = stack.pop_all()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            await stack.__aexit__(*exc_info)
+
+    async def serve_forever(self) -> None:
+        """Wait until cancelled (the server runs meanwhile): for a script that only serves."""
+        await anyio.sleep_forever()
+
+    # -- envs ---------------------------------------------------------------------------------------------
+    def _make_envs(self) -> list[gym.Env[Any, Any]]:
+        envs: list[gym.Env[Any, Any]] = []
+        try:
+            for fn in self.env_fns:
+                env = fn()
+                if not isinstance(env, gym.Env):
+                    raise TypeError(f"env_fns must return gymnasium envs, got {type(env).__name__}")
+                envs.append(env)
+        except BaseException:
+            for env in envs:
+                env.close()
+            raise
+        return envs
+
+    async def _close_envs(self) -> None:
+        envs, self.envs = self.envs, []
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(_close_all, envs, limiter=self._limiter)
+
+    def _hello_batch(self, start: int, stop: int) -> bytes:
+        arrays: list[Any] = []
+        envs = [
+            {
+                "observation_space": pack_tree(describe_space(self.envs[i].observation_space), arrays),
+                "action_space": pack_tree(describe_space(self.envs[i].action_space), arrays),
+            }
+            for i in range(start, stop)
+        ]
+        return encode({"op": "spaces", "start": start, "num_envs": self.num_envs, "envs": envs}, arrays)
+
+    def _describe(self, index: int, env: gym.Env[Any, Any]) -> bytes:
+        arrays: list[Any] = []
+        header = {
+            "op": "spaces",
+            "index": index,
+            "num_envs": self.num_envs,
+            "observation_space": pack_tree(describe_space(env.observation_space), arrays),
+            "action_space": pack_tree(describe_space(env.action_space), arrays),
+        }
+        return encode(header, arrays)
+
+    # -- connections ------------------------------------------------------------------------------------
+    async def _route(self, stream: anyio.abc.ByteStream, path: str) -> int | None:
+        """Accept ``/spaces/<i>``; accept ``/envs/<i>`` (or ``/batch/<start>/<stop>``) once its envs are
+        free (a client reconnecting after a cancelled call waits for its old connection's last step),
+        claiming them for ``stream``."""
+        kind, start, stop = _parse_path(path)
+        if kind is None or not 0 <= start < stop <= self.num_envs:
+            return 404
+        if kind != "spaces":
+            wanted = range(start, stop)
+            with anyio.move_on_after(HANDOVER_TIMEOUT):
+                while (busy := next((i for i in wanted if i in self._owner), None)) is not None:
+                    await self._freed.setdefault(busy, anyio.Event()).wait()
+            if any(i in self._owner for i in wanted):
+                return 409
+            for i in wanted:
+                self._owner[i] = stream
+            self._claims[stream] = wanted
+        return None
+
+    def _release(self, stream: anyio.abc.ByteStream) -> None:
+        for index in self._claims.pop(stream, ()):
+            if self._owner.get(index) is stream:
+                del self._owner[index]
+                freed = self._freed.pop(index, None)
+                if freed is not None:
+                    freed.set()
+
+    async def _handle(self, stream: anyio.abc.ByteStream) -> None:
+        try:
+            accepted = await accept(stream, self.token, functools.partial(self._route, stream))
+            if accepted is not None:
+                await self._converse(*accepted)
+        finally:
+            self._release(stream)
+
+    async def _converse(self, ws: WebSocket, path: str) -> None:
+        kind, start, stop = _parse_path(path)
+        batch = kind == "batch"
+        try:
+            await ws.send(self._hello_batch(start, stop) if batch else self._hello[start])
+            if kind == "spaces":  # a look at the spaces only (RemoteEnv's constructor)
+                await ws.aclose()
+                return
+            while True:
+                message = await ws.receive()
+                await ws.send(await self._serve_one(message, start, stop, batch))
+        except RemoteConnectionError:
+            pass
+        finally:
+            await ws.abort()
+
+    async def _serve_one(self, message: bytes, start: int, stop: int, batch: bool) -> bytes:
+        try:
+            header, arrays = decode(message)
+            job = Job(parse_calls(header, arrays, start, stop, batch), batch)
+        except ProtocolError as exc:
+            return error_message(exc)
+        self._jobs.append(job)
+        self._wake.set()
+        await job.done.wait()
+        return job.reply
+
+    async def _stepper(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake = anyio.Event()
+            jobs, self._jobs = self._jobs, []
+            with anyio.CancelScope(shield=True):  # a job is never left half done
+                await anyio.to_thread.run_sync(self._run_jobs, jobs, limiter=self._limiter)
+            for job in jobs:
+                job.done.set()
+
+    def _run_jobs(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            try:
+                job.reply = run_job(self.envs, self._checkers, job)
+            except Exception as exc:
+                job.reply = error_message(exc)
+
+
+def _close_all(envs: list[gym.Env[Any, Any]]) -> None:
+    for env in envs:
+        env.close()
+
+
+def _parse_path(path: str) -> tuple[str | None, int, int]:
+    """``(kind, start, stop)``: ``/envs/3`` -> ("envs", 3, 4), ``/spaces/3`` -> ("spaces", 3, 4),
+    ``/batch/0/64`` -> ("batch", 0, 64); anything else (None, 0, 0)."""
+    parts = path.rsplit("/", 3)
+    if len(parts) >= 3 and parts[-3] == "batch" and _number(parts[-2]) and _number(parts[-1]):
+        return "batch", int(parts[-2]), int(parts[-1])
+    if len(parts) >= 2 and parts[-2] in ("envs", "spaces") and _number(parts[-1]):
+        return parts[-2], int(parts[-1]), int(parts[-1]) + 1
+    return None, 0, 0
+
+
+def _number(text: str) -> bool:
+    return text.isdigit() and len(text) < 10
+
+
+def serve_envs(
+    env_fns: Sequence[Callable[[], gym.Env[Any, Any]]],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str | None = None,
+) -> EnvServer:
+    """A WebSocket server stepping the gymnasium envs ``env_fns`` make, for :class:`aiocollect.RemoteEnv`.
+
+    An async context manager: entering it makes the envs (in a worker thread) and starts listening on
+    ``host``:``port`` (loopback and a free port by default); leaving it stops serving and closes the envs.
+    Every connection must present ``token`` (``None``: a random one, read back as ``server.token``).
+
+    Example:
+        >>> import anyio, gymnasium as gym
+        >>> from aiocollect import RemoteEnv, serve_envs
+        >>> async def main():
+        ...     async with serve_envs([lambda: gym.make("CartPole-v1")] * 2) as server:
+        ...         env = await RemoteEnv.open(server.url, index=1, token=server.token)
+        ...         obs, info = await env.reset(seed=0)
+        ...         await env.close()
+        ...         return obs.shape
+        >>> anyio.run(main)
+        (4,)
+    """
+    return EnvServer(env_fns, host, port, token)

@@ -1,0 +1,169 @@
+"""``serve_envs_process``: a :func:`serve_envs` server in a process of its own, owned by ``async with``.
+
+The parent sends the env factories to the child (cloudpickle, over a local pipe: parent to child, never
+from the network); the child serves them and reports its port. The child stops when the parent closes
+its end of the pipe (leaving ``async with``) or dies.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import signal
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import cloudpickle
+
+from .._errors import worker_died
+from ._common import check_host_port, check_token
+from ._env_server import serve_envs
+
+__all__ = ["EnvServerProcess", "serve_envs_process"]
+
+#: what the forkserver imports once (so that a server process starts in a fraction of a second)
+_PRELOAD = ["torch", "tensordict", "gymnasium", "aiocollect._serve._process"]
+
+
+def _child_main(conn: Any, payload: bytes, host: str, port: int, token: str) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the terminal is the parent's to handle
+    try:
+        env_fns = cloudpickle.loads(payload)
+        anyio.run(_serve_child, conn, env_fns, host, port, token)
+    except BaseException as exc:
+        try:
+            conn.send(("error", cloudpickle.dumps(exc)))
+        except Exception:
+            conn.send(("error", cloudpickle.dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))))
+        raise SystemExit(1) from None
+
+
+async def _serve_child(conn: Any, env_fns: Any, host: str, port: int, token: str) -> None:
+    async with serve_envs(env_fns, host=host, port=port, token=token) as server:
+        conn.send(("ready", server.port))
+        await anyio.wait_readable(conn.fileno())  # the parent closed its end (or died): stop
+
+
+class EnvServerProcess:
+    """A :func:`serve_envs` server in its own process (see :func:`serve_envs_process`): ``url``,
+    ``token``, ``port``, ``pid``; :meth:`kill` ends it abruptly (a crash, for tests)."""
+
+    def __init__(
+        self,
+        env_fns: Sequence[Callable[[], Any]],
+        *,
+        host: str,
+        port: int,
+        token: str | None,
+        start_method: str,
+        startup_timeout: float,
+    ) -> None:
+        if not isinstance(env_fns, Sequence) or not env_fns or not all(callable(fn) for fn in env_fns):
+            raise TypeError("env_fns must be a non-empty list of callables, each returning a gymnasium env")
+        check_host_port(host, port)
+        if start_method not in mp.get_all_start_methods():
+            raise ValueError(
+                f"start_method must be one of {mp.get_all_start_methods()}, got {start_method!r}"
+            )
+        self._payload = cloudpickle.dumps(list(env_fns))
+        self.host, self.port, self.token = host, port, check_token(token)
+        self.start_method, self.startup_timeout = start_method, startup_timeout
+        self.process: Any = None
+        self._conn: Any = None
+        #: the process's exit code once it was reaped (negative: killed by that signal)
+        self.exitcode: int | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"ws://{host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    async def __aenter__(self) -> EnvServerProcess:
+        ctx: Any = mp.get_context(self.start_method)
+        if self.start_method == "forkserver":
+            ctx.set_forkserver_preload(_PRELOAD)
+        self._conn, child = ctx.Pipe()
+        args = (child, self._payload, self.host, self.port, self.token)
+        self.process = ctx.Process(target=_child_main, args=args, name="aiocollect-env-server", daemon=True)
+        try:
+            try:
+                await anyio.to_thread.run_sync(self.process.start)
+            finally:
+                child.close()
+            with anyio.fail_after(self.startup_timeout):
+                await anyio.wait_readable(self._conn.fileno())
+            try:
+                kind, value = self._conn.recv()
+            except EOFError:
+                await anyio.to_thread.run_sync(self.process.join, 5)
+                raise worker_died(0, self.process.exitcode, member="env server") from None
+            if kind == "error":
+                raise cloudpickle.loads(value)
+            self.port = value
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop the server (its envs are closed) and reap its process; idempotent."""
+        with anyio.CancelScope(shield=True):
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+            process = self.process
+            if process is None:
+                return
+            if process.pid is None:  # never started
+                self.process = None
+                return
+            await anyio.to_thread.run_sync(process.join, 5)
+            if process.exitcode is None:
+                process.kill()
+                await anyio.to_thread.run_sync(process.join)
+            self.exitcode = process.exitcode
+            process.close()  # its sentinel and pipe fds, now rather than at garbage collection
+            self.process = None
+
+    def kill(self) -> None:
+        """SIGKILL the server process (its clients see their connections drop)."""
+        if self.process is not None and self.process.pid is not None:
+            self.process.kill()
+
+
+def serve_envs_process(
+    env_fns: Sequence[Callable[[], Any]],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str | None = None,
+    start_method: str = "forkserver",
+    startup_timeout: float = 60.0,
+) -> EnvServerProcess:
+    """:func:`serve_envs` in a new process; ``async with`` starts it (and waits until it listens) and
+    stops it. ``env_fns`` travel to the process with cloudpickle (lambdas are fine).
+
+    Example:
+        >>> import anyio, gymnasium as gym
+        >>> from aiocollect import RemoteEnv, serve_envs_process
+        >>> async def main():
+        ...     async with serve_envs_process([lambda: gym.make("CartPole-v1")] * 4) as server:
+        ...         env = await RemoteEnv.open(server.url, index=3, token=server.token)
+        ...         obs, info = await env.reset(seed=0)
+        ...         await env.close()
+        ...         return obs.shape
+        >>> anyio.run(main)
+        (4,)
+    """
+    return EnvServerProcess(
+        env_fns, host=host, port=port, token=token, start_method=start_method, startup_timeout=startup_timeout
+    )

@@ -1,0 +1,216 @@
+"""``RemoteEnv``: an :class:`aiocollect.AsyncEnvProtocol` env stepped by a :func:`serve_envs` server."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+from gymnasium import spaces
+
+from ._actions import action_encoder
+from ._common import remote_error
+from ._env_server import local_spaces
+from ._spaces import rebuild_space
+from ._wire import ProtocolError, decode, encode, pack_tree, unpack_tree
+from ._ws import WebSocket, connect, split_url
+
+__all__ = ["RemoteEnv", "fetch_spaces", "run_blocking"]
+
+T = TypeVar("T")
+
+
+def run_blocking(fn: Callable[[], Awaitable[T]]) -> T:
+    """``fn()`` run to completion on a fresh event loop in a new thread (never on the caller's loop)."""
+    box: dict[str, Any] = {}
+
+    def main() -> None:
+        try:
+            box["value"] = anyio.run(fn)
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=main, name="aiocollect-serve-probe")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    value: T = box["value"]
+    return value
+
+
+def _is_local(url: str) -> bool:
+    return split_url(url)[0] in ("127.0.0.1", "localhost", "::1")
+
+
+async def _hello(ws: WebSocket, where: str) -> tuple[spaces.Space[Any], spaces.Space[Any], int]:
+    """The spaces message a server starts a connection with: (observation space, action space, num_envs)."""
+    header, arrays = decode(await ws.receive())
+    if header["op"] == "error":
+        raise remote_error(header, where)
+    if header["op"] != "spaces" or not isinstance(header.get("num_envs"), int):
+        raise ProtocolError(f"{where} did not start with its spaces (got {header['op']!r})")
+    obs = rebuild_space(unpack_tree(header.get("observation_space"), arrays))
+    act = rebuild_space(unpack_tree(header.get("action_space"), arrays))
+    return obs, act, header["num_envs"]
+
+
+async def fetch_spaces(
+    url: str, index: int, token: str, connect_timeout: float
+) -> tuple[spaces.Space[Any], spaces.Space[Any], int]:
+    """Env ``index``'s spaces and the server's number of envs, from a short ``/spaces`` connection."""
+    ws = await connect(url, f"/spaces/{index}", token, connect_timeout=connect_timeout)
+    try:
+        return await _hello(ws, f"{url} env {index}")
+    finally:
+        await ws.abort()
+
+
+class RemoteEnv:
+    """A gymnasium env that lives in a :func:`aiocollect.serve_envs` server, behind
+    :class:`aiocollect.AsyncEnvProtocol`: ``await reset()``, ``await step()``, ``await close()``.
+
+    Args:
+        url: the server's ``ws://host:port`` (``server.url``).
+        index: which of the server's envs (0-based); one client per env at a time.
+        token: the server's shared secret (``server.token``).
+        observation_space, action_space: the env's spaces, if known; otherwise the constructor fetches
+            them from the server (a short blocking request, in a helper thread). On an event loop prefer
+            ``await RemoteEnv.open(...)``, which fetches them without blocking.
+        connect_timeout: seconds to connect and complete the WebSocket handshake.
+
+    The connection opens on the first call and closes with :meth:`close` (or ``async with``). A call
+    cancelled mid-way closes it too (its answer would arrive out of turn); the next call reconnects.
+    A server that goes away fails the pending call with :class:`aiocollect.RemoteConnectionError` (a
+    ``ConnectionError``) as soon as the socket reports it; a wrong token with ``PermissionError``. An env
+    that raises on the server raises here too: builtin exception types as themselves, others as
+    :class:`aiocollect.WorkerError` with the remote type name and traceback.
+
+    Example:
+        >>> import anyio, gymnasium as gym
+        >>> from aiocollect import RemoteEnv, serve_envs
+        >>> async def main():
+        ...     async with serve_envs([lambda: gym.make("CartPole-v1")], token="t" * 16) as server:
+        ...         async with await RemoteEnv.open(server.url, index=0, token="t" * 16) as env:
+        ...             obs, info = await env.reset(seed=1)
+        ...             obs, reward, terminated, truncated, info = await env.step(0)
+        ...             return env.action_space, reward
+        >>> anyio.run(main)
+        (Discrete(2), 1.0)
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        index: int,
+        token: str,
+        observation_space: spaces.Space[Any] | None = None,
+        action_space: spaces.Space[Any] | None = None,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            raise ValueError(f"index must be the env's position on the server (an int >= 0), got {index!r}")
+        if not isinstance(token, str) or not token:
+            raise ValueError("token must be the server's token (server.token), a non-empty string")
+        self.url, self.index, self.connect_timeout = url, index, connect_timeout
+        self._token = token
+        self._ws: WebSocket | None = None
+        self._busy = False
+        self._closed = False
+        if observation_space is None or action_space is None:
+            here = local_spaces(split_url(url)[1], index, token) if _is_local(url) else None
+            observation_space, action_space = here or run_blocking(self._fetch_spaces)
+        self.observation_space: spaces.Space[Any] = observation_space
+        self.action_space: spaces.Space[Any] = action_space
+        self._encode = action_encoder(action_space)
+
+    @classmethod
+    async def open(cls, url: str, *, index: int, token: str, connect_timeout: float = 10.0) -> RemoteEnv:
+        """A connected ``RemoteEnv`` whose spaces were fetched without blocking the event loop."""
+        ws = await connect(url, f"/envs/{index}", token, connect_timeout=connect_timeout)
+        try:
+            obs_space, act_space, _ = await _hello(ws, f"{url} env {index}")
+            env = cls(url, index=index, token=token, observation_space=obs_space, action_space=act_space)
+        except BaseException:
+            await ws.aclose()
+            raise
+        env.connect_timeout, env._ws = connect_timeout, ws
+        return env
+
+    async def _fetch_spaces(self) -> tuple[spaces.Space[Any], spaces.Space[Any]]:
+        obs, act, _ = await fetch_spaces(self.url, self.index, self._token, self.connect_timeout)
+        return obs, act
+
+    async def _connection(self) -> WebSocket:
+        if self._closed:
+            raise RuntimeError(f"RemoteEnv({self.url!r}, index={self.index}) is closed")
+        if self._ws is None or self._ws.closed:
+            ws = await connect(
+                self.url, f"/envs/{self.index}", self._token, connect_timeout=self.connect_timeout
+            )
+            try:
+                obs_space, act_space, _ = await _hello(ws, f"{self.url} env {self.index}")
+                if obs_space != self.observation_space or act_space != self.action_space:
+                    raise ValueError(
+                        f"env {self.index} at {self.url} has spaces {obs_space}, {act_space}; this RemoteEnv "
+                        f"was given {self.observation_space}, {self.action_space}"
+                    )
+            except BaseException:
+                await ws.abort()
+                raise
+            self._ws = ws
+        return self._ws
+
+    async def _call(self, header: dict[str, Any], value: Any) -> tuple[dict[str, Any], list[Any]]:
+        if self._busy:
+            raise RuntimeError("RemoteEnv calls must not overlap: await each reset/step before the next")
+        self._busy = True
+        done = False
+        try:
+            ws = await self._connection()
+            arrays: list[Any] = []
+            header["value"] = pack_tree(value, arrays)
+            await ws.send(encode(header, arrays))
+            reply, arrays = decode(await ws.receive())
+            done = True
+        finally:
+            self._busy = False
+            if not done and self._ws is not None:  # cancelled or failed mid-call: the stream is out of turn
+                ws, self._ws = self._ws, None
+                await ws.abort()
+        if reply["op"] == "error":
+            raise remote_error(reply, f"{self.url} env {self.index}")
+        if reply["op"] != header["op"]:
+            raise ProtocolError(f"expected a {header['op']!r} reply, got {reply['op']!r}")
+        return reply, arrays
+
+    async def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        """``env.reset(seed=seed, options=options)`` on the server: ``(obs, info)``."""
+        reply, arrays = await self._call({"op": "reset", "seed": seed}, options)
+        return unpack_tree(reply["obs"], arrays), unpack_tree(reply["info"], arrays)
+
+    async def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+        """``env.step(action)`` on the server: ``(obs, reward, terminated, truncated, info)``."""
+        reply, arrays = await self._call({"op": "step"}, self._encode(action))
+        obs, info = unpack_tree(reply["obs"], arrays), unpack_tree(reply["info"], arrays)
+        return obs, reply["reward"], reply["terminated"], reply["truncated"], info
+
+    async def close(self) -> None:
+        """Close the connection (the env itself stays on the server, which owns it); idempotent."""
+        self._closed = True
+        ws, self._ws = self._ws, None
+        if ws is not None:
+            await ws.aclose()
+
+    async def __aenter__(self) -> RemoteEnv:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"RemoteEnv({self.url!r}, index={self.index})"

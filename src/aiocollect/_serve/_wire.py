@@ -1,0 +1,175 @@
+"""The serve wire: one message per WebSocket binary frame, a JSON header and raw array bytes.
+
+A message is ``MAGIC`` (4 bytes), the header's length (``uint32``, little-endian), the header (UTF-8 JSON,
+an object) and the arrays' bytes, back to back. The header lists the arrays as ``[dtype, shape]`` pairs
+in ``"arrays"``; a dtype is one of :data:`DTYPES` (plain little-endian numbers and bools). Nothing from
+the network is ever unpickled: a frame that does not start with ``MAGIC``, lists a dtype outside the
+table, or whose sizes do not add up is refused with :class:`ProtocolError`.
+
+Nested values (an observation dict, an ``info`` dict) travel as a JSON tree whose arrays are
+``{"@": i}`` references to the ``i``-th array (:func:`pack_tree`, :func:`unpack_tree`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "DTYPES",
+    "MAGIC",
+    "MAX_MESSAGE",
+    "ProtocolError",
+    "decode",
+    "encode",
+    "pack_tree",
+    "unpack_tree",
+]
+
+MAGIC = b"AIOC"
+_LEN = struct.Struct("<I")
+#: the largest message either side accepts (bytes): a bigger one is refused, not buffered
+MAX_MESSAGE = 64 * 1024 * 1024
+
+#: the dtypes that cross the wire, by their little-endian ``dtype.str``; nothing else is accepted
+_NAMES = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64"]
+_NAMES += ["float16", "float32", "float64"]
+DTYPES: dict[str, np.dtype[Any]] = {
+    np.dtype(name).newbyteorder("<").str: np.dtype(name).newbyteorder("<") for name in _NAMES
+}
+
+
+class ProtocolError(ValueError):
+    """A message that is not a valid serve message (not ours, malformed, or an unsupported dtype)."""
+
+
+def encode(header: dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> bytes:
+    """One message: ``header`` (JSON-able) plus ``arrays`` (listed in the header as ``"arrays"``)."""
+    contiguous = []
+    described = []
+    for array in arrays:
+        array = np.asarray(array)
+        if not array.flags.c_contiguous:  # (np.ascontiguousarray would make a 0-d array 1-d)
+            array = array.copy(order="C")
+        if array.dtype.str not in DTYPES:
+            array = array.astype(array.dtype.newbyteorder("<"))
+            if array.dtype.str not in DTYPES:
+                raise TypeError(
+                    f"arrays of dtype {array.dtype} cannot be sent (plain numbers and bools only)"
+                )
+        contiguous.append(array)
+        described.append([array.dtype.str, list(array.shape)])
+    head = json.dumps({**header, "arrays": described}, separators=(",", ":"), allow_nan=True).encode()
+    return b"".join([MAGIC, _LEN.pack(len(head)), head, *(a.tobytes() for a in contiguous)])
+
+
+def decode(message: bytes) -> tuple[dict[str, Any], list[np.ndarray]]:
+    """The header and arrays of ``message`` (arrays are fresh, writable copies)."""
+    if message[:4] != MAGIC:
+        raise ProtocolError(
+            "not an aiocollect serve message (bad magic: pickles and other formats are refused)"
+        )
+    if len(message) < 8:
+        raise ProtocolError("truncated message")
+    (size,) = _LEN.unpack_from(message, 4)
+    end = 8 + size
+    if end > len(message):
+        raise ProtocolError("truncated message header")
+    try:
+        header = json.loads(message[8:end])
+    except ValueError as exc:
+        raise ProtocolError(f"message header is not JSON: {exc}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("op"), str):
+        raise ProtocolError("message header must be a JSON object with an 'op' string")
+    arrays = []
+    for entry in _described(header):
+        dtype, shape = _array_meta(entry)
+        nbytes = dtype.itemsize * math.prod(shape)
+        if end + nbytes > len(message):
+            raise ProtocolError("message shorter than the arrays its header lists")
+        arrays.append(np.frombuffer(message, dtype=dtype, count=math.prod(shape), offset=end).reshape(shape))
+        end += nbytes
+    if end != len(message):
+        raise ProtocolError("message longer than the arrays its header lists")
+    return header, [a.copy() for a in arrays]
+
+
+def _described(header: dict[str, Any]) -> list[Any]:
+    listed = header.get("arrays", [])
+    if not isinstance(listed, list):
+        raise ProtocolError("'arrays' must be a list of [dtype, shape] pairs")
+    return listed
+
+
+def _array_meta(entry: Any) -> tuple[np.dtype[Any], tuple[int, ...]]:
+    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list)):
+        raise ProtocolError(f"array description {entry!r} is not a [dtype, shape] pair")
+    dtype = DTYPES.get(entry[0]) if isinstance(entry[0], str) else None
+    if dtype is None:
+        raise ProtocolError(f"dtype {entry[0]!r} is not accepted (one of {sorted(DTYPES)})")
+    shape = entry[1]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**31 for n in shape):
+        raise ProtocolError(f"bad array shape {shape!r}")
+    if len(shape) > 32:
+        raise ProtocolError(f"array shape {shape!r} has too many dimensions")
+    return dtype, tuple(shape)
+
+
+# -- trees of JSON values and arrays ----------------------------------------------------------------------
+_EMPTY: dict[str, Any] = {"{}": {}}  # an empty dict (an env's usual info), packed
+
+
+def pack_tree(value: Any, arrays: list[np.ndarray]) -> Any:
+    """``value`` as JSON, its numpy arrays (and numpy scalars) appended to ``arrays`` as ``{"@": i}``.
+
+    Dicts (string keys), lists, tuples, ``None``, bools, ints, floats and strings travel as themselves;
+    anything else (an object in an ``info`` dict) travels as its ``repr`` text."""
+    kind = type(value)
+    if kind is np.ndarray and value.dtype.kind in "biuf":  # the common case first
+        arrays.append(value)
+        return {"@": len(arrays) - 1}
+    if kind is dict and not value:
+        return _EMPTY
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, np.ndarray | np.generic) and np.asarray(value).dtype.kind in "biuf":
+        arrays.append(np.asarray(value))
+        return {"@": len(arrays) - 1}
+    if hasattr(value, "numpy") and hasattr(value, "detach"):  # a torch tensor
+        return pack_tree(value.detach().cpu().numpy(), arrays)
+    if isinstance(value, dict):
+        return {"{}": {str(k): pack_tree(v, arrays) for k, v in value.items()}}
+    if isinstance(value, list | tuple):
+        return [pack_tree(v, arrays) for v in value]
+    return repr(value)
+
+
+def unpack_tree(tree: Any, arrays: list[np.ndarray]) -> Any:
+    """The inverse of :func:`pack_tree` (a 0-d array comes back as a numpy scalar)."""
+    if (
+        type(tree) is dict
+        and len(tree) == 1
+        and type(index := tree.get("@")) is int
+        and 0 <= index < len(arrays)
+    ):
+        array = arrays[index]  # the common case first
+        return array[()] if array.ndim == 0 else array
+    if isinstance(tree, list):
+        return [unpack_tree(v, arrays) for v in tree]
+    if not isinstance(tree, dict):
+        return tree
+    if "@" in tree:
+        index = tree["@"]
+        if not isinstance(index, int) or not 0 <= index < len(arrays):
+            raise ProtocolError(f"array reference {index!r} out of range")
+        array = arrays[index]
+        return array[()] if array.ndim == 0 else array
+    inner = tree.get("{}")
+    if not isinstance(inner, dict):
+        raise ProtocolError("a tree node must be {'@': index} or {'{}': {...}}")
+    return {k: unpack_tree(v, arrays) for k, v in inner.items()}

@@ -1,0 +1,453 @@
+"""Envs and policies served over WebSocket: ``serve_envs``/``RemoteEnv``, ``serve_policy``/``RemotePolicy``.
+
+Every async test runs under asyncio, asyncio+uvloop and trio; the ``leaks`` fixture checks that no
+socket, thread or process is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import socket
+import threading
+import time
+from typing import Any
+
+import anyio
+import anyio.abc
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from gymnasium import spaces
+from tensordict import TensorDict
+from tensordict.nn import TensorDictModule
+
+from aiocollect import (
+    AsyncEnvCollector,
+    RemoteConnectionError,
+    RemoteEnv,
+    RemoteEnvPool,
+    RemotePolicy,
+    WorkerError,
+    serve_envs,
+    serve_envs_process,
+    serve_policy,
+)
+from aiocollect._serve._spaces import describe_space, rebuild_space
+from aiocollect._serve._wire import decode, encode, pack_tree, unpack_tree
+from aiocollect._serve._ws import connect
+
+pytestmark = pytest.mark.anyio
+
+TOKEN = "serve-test-token-0123456789"
+
+
+@pytest.fixture
+async def warm_loop() -> None:
+    """uvloop (libuv) opens one fd of its own (``/dev/null``) with a loop's first TCP transport, kept
+    until the loop closes: made here, before the leak baseline."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        accepted, _ = server.accept()
+        accepted.setblocking(False)
+        stream = await anyio.abc.SocketStream.from_socket(accepted)
+        await stream.aclose()
+        client.close()
+
+
+@pytest.fixture
+def clean(warm_loop: None, leaks: Any) -> Any:
+    """The leak check (``leaks``), its baseline taken on a warmed loop."""
+    return leaks
+
+
+class CountingEnv(gym.Wrapper):
+    """Counts resets and steps; ``step_delay`` seconds of (threaded) work per step; ``fail`` raises."""
+
+    def __init__(
+        self, env_id: str = "CartPole-v1", step_delay: float = 0.0, fail: type | None = None
+    ) -> None:
+        super().__init__(gym.make(env_id))
+        self.resets = self.steps = 0
+        self.step_delay, self.fail = step_delay, fail
+        self.stepping = threading.Event()
+
+    def reset(self, **kwargs: Any) -> Any:
+        self.resets += 1
+        return self.env.reset(**kwargs)
+
+    def step(self, action: Any) -> Any:
+        self.steps += 1
+        self.stepping.set()
+        if self.step_delay:
+            time.sleep(self.step_delay)
+        if self.fail is not None:
+            raise self.fail("the env failed")
+        return self.env.step(action)
+
+
+class Custom(Exception):
+    """An exception type the client cannot rebuild (not a builtin)."""
+
+
+def made(envs: list[CountingEnv], **kwargs: Any) -> Any:
+    def make() -> CountingEnv:
+        envs.append(CountingEnv(**kwargs))
+        return envs[-1]
+
+    return make
+
+
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "Pendulum-v1"])
+async def test_round_trip_equals_local_env(clean: Any, env_id: str) -> None:
+    local = gym.make(env_id)
+    async with serve_envs([lambda: gym.make(env_id)] * 2, token=TOKEN) as server:
+        env = await RemoteEnv.open(server.url, index=1, token=TOKEN)
+        assert env.observation_space == local.observation_space
+        assert env.action_space == local.action_space
+        local.action_space.seed(0)
+        for episode in range(2):
+            obs, info = await env.reset(seed=episode)
+            expected, expected_info = local.reset(seed=episode)
+            np.testing.assert_array_equal(obs, expected)
+            assert info == expected_info
+            for _ in range(30):
+                action = local.action_space.sample()
+                got = await env.step(action)
+                want = local.step(action)
+                np.testing.assert_array_equal(got[0], want[0])
+                assert got[1:4] == tuple(want[1:4])
+                assert got[0].dtype == want[0].dtype
+                if got[2] or got[3]:
+                    break
+        await env.close()
+
+
+async def test_constructor_fetches_spaces(clean: Any) -> None:
+    async with serve_envs([lambda: gym.make("Pendulum-v1")], token=TOKEN) as server:
+        env = RemoteEnv(server.url, index=0, token=TOKEN)  # this process's server: no blocking fetch
+        assert env.action_space == gym.make("Pendulum-v1").action_space
+        with anyio.fail_after(10):
+            obs, _ = await env.reset(seed=0)
+        assert obs.shape == (3,)
+        await env.close()
+        with pytest.raises(ValueError, match="out of range"):
+            RemoteEnv(server.url, index=1, token=TOKEN)
+
+
+@pytest.mark.parametrize(
+    "space",
+    [
+        spaces.Box(-1.0, 2.0, (3, 2), np.float32),
+        spaces.Box(np.array([0, -np.inf]), np.array([1, np.inf]), dtype=np.float64),
+        spaces.Box(0, 255, (4, 4, 3), np.uint8),
+        spaces.Discrete(5, start=-2),
+        spaces.MultiDiscrete([3, 4, 5]),
+        spaces.MultiBinary([2, 3]),
+        spaces.Dict({"pos": spaces.Box(-1, 1, (2,)), "mode": spaces.Discrete(3)}),
+        spaces.Tuple([spaces.Discrete(2), spaces.Box(0, 1, (1,))]),
+    ],
+    ids=repr,
+)
+def test_spaces_are_rebuilt_from_their_description(space: spaces.Space[Any]) -> None:
+    arrays: list[np.ndarray] = []
+    tree = pack_tree(describe_space(space), arrays)
+    header, got = decode(encode({"op": "spaces", "space": tree}, arrays))
+    rebuilt = rebuild_space(unpack_tree(header["space"], got))
+    assert rebuilt == space
+    assert type(rebuilt) is type(space)
+
+
+async def test_wrong_token_is_refused_before_the_env(clean: Any) -> None:
+    envs: list[CountingEnv] = []
+    async with serve_envs([made(envs)], token=TOKEN) as server:
+        with pytest.raises(PermissionError, match="token"):
+            await RemoteEnv.open(server.url, index=0, token="wrong-token-0123456789")
+        with pytest.raises(PermissionError):
+            await connect(server.url, "/envs/0", TOKEN[:-1])
+        # no token at all: a plain upgrade request gets HTTP 403
+        stream = await anyio.connect_tcp("127.0.0.1", server.port)
+        async with stream:
+            await stream.send(
+                b"GET /envs/0 HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+            )
+            assert (await stream.receive()).startswith(b"HTTP/1.1 403")
+        # an unknown index with a bad token: refused for the token, the path is not even looked at
+        with pytest.raises(PermissionError):
+            await connect(server.url, "/envs/7", "wrong")
+        assert (envs[0].resets, envs[0].steps) == (0, 0)
+        async with await RemoteEnv.open(server.url, index=0, token=TOKEN) as env:
+            await env.reset()
+        assert envs[0].resets == 1
+
+
+async def test_pickles_and_bad_arrays_are_refused(clean: Any) -> None:
+    envs: list[CountingEnv] = []
+    ran = []
+
+    class Payload:
+        def __reduce__(self) -> Any:
+            return ran.append, ("unpickled!",)
+
+    async with serve_envs([made(envs)], token=TOKEN) as server:
+        ws = await connect(server.url, "/envs/0", TOKEN)
+        try:
+            assert decode(await ws.receive())[0]["op"] == "spaces"
+            for frame in (
+                pickle.dumps({"op": "step", "value": Payload()}),
+                b"AIOC" + pickle.dumps(Payload()),
+                encode({"op": "step", "value": {"@": 0}}).replace(b'"arrays":[]', b'"arrays":[["|O",[1]]]'),
+                encode({"op": "step", "value": {"@": 0}}, [np.zeros(3)]),  # wrong shape for Discrete
+            ):
+                await ws.send(frame)
+                header, _ = decode(await ws.receive())
+                assert header["op"] == "error", header
+        finally:
+            await ws.aclose()
+        assert ran == []
+        assert envs[0].steps == 0
+
+
+async def test_env_errors_cross_with_their_type(clean: Any) -> None:
+    async with serve_envs(
+        [lambda: CountingEnv(fail=ValueError), lambda: CountingEnv(fail=Custom)], token=TOKEN
+    ) as server:
+        async with await RemoteEnv.open(server.url, index=0, token=TOKEN) as env:
+            await env.reset()
+            with pytest.raises(ValueError, match="the env failed"):
+                await env.step(0)
+        async with await RemoteEnv.open(server.url, index=1, token=TOKEN) as env:
+            await env.reset()
+            with pytest.raises(WorkerError, match="Custom: the env failed") as info:
+                await env.step(1)
+            assert info.value.type_name is not None and info.value.type_name.endswith("Custom")
+            with pytest.raises(ValueError, match="not in Discrete"):
+                await env.step(7)  # refused by the server before the env sees it
+
+
+async def test_cancelled_step_leaves_nothing_and_reconnects(clean: Any) -> None:
+    envs: list[CountingEnv] = []
+    async with serve_envs([made(envs, step_delay=0.3)], token=TOKEN) as server:
+        env = await RemoteEnv.open(server.url, index=0, token=TOKEN)
+        await env.reset(seed=0)
+        with anyio.move_on_after(0.05) as scope:
+            await env.step(0)
+        assert scope.cancelled_caught
+        with anyio.fail_after(10):
+            obs, _ = await env.reset(seed=1)  # a new connection (the old one was out of turn)
+            await env.step(1)
+        assert obs.shape == (4,)
+        await env.close()
+
+
+async def test_server_killed_error_arrives_within_two_seconds(clean: Any) -> None:
+    async with serve_envs_process([lambda: CountingEnv(step_delay=5.0)], token=TOKEN) as server:
+        env = await RemoteEnv.open(server.url, index=0, token=TOKEN)
+        try:
+            await env.reset()
+            errors: list[tuple[BaseException, float]] = []
+
+            async def step() -> None:
+                try:
+                    await env.step(0)
+                except RemoteConnectionError as exc:
+                    errors.append((exc, time.monotonic()))
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(step)
+                await anyio.sleep(0.3)
+                killed_at = time.monotonic()
+                server.kill()
+            assert len(errors) == 1
+            assert errors[0][1] - killed_at < 2.0
+            with pytest.raises(RemoteConnectionError):
+                await env.step(0)  # reconnecting fails too: the server is gone
+        finally:
+            await env.close()
+
+
+# -- policies -------------------------------------------------------------------------------------------
+class CountingPolicy(TensorDictModule):
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        super().__init__(torch.nn.Linear(4, 2), in_keys=["observation"], out_keys=["action"])
+        self.calls = 0
+
+    def forward(self, td: Any) -> Any:  # type: ignore[override]
+        self.calls += 1
+        return super().forward(td)
+
+
+async def test_policy_server_batches_concurrent_requests(clean: Any) -> None:
+    policy = CountingPolicy()
+    inputs = [torch.randn(4, 4) for _ in range(8)]
+    outputs: dict[int, torch.Tensor] = {}
+    server = serve_policy(policy, token=TOKEN, max_batch=32, max_wait=5.0)
+    async with server, RemotePolicy(server.url, token=TOKEN) as remote:
+
+        async def ask(i: int) -> None:
+            td = await remote(TensorDict(observation=inputs[i], batch_size=[4]))
+            outputs[i] = td["action"]
+
+        with anyio.fail_after(10):  # the 8 requests fill max_batch: one pass, long before max_wait
+            async with anyio.create_task_group() as tg:
+                for i in range(8):
+                    tg.start_soon(ask, i)
+    assert policy.calls == 1 and server.batch_sizes == [32]
+    for i, x in enumerate(inputs):
+        torch.testing.assert_close(outputs[i], policy.module(x).detach())
+
+
+async def test_policy_server_max_wait_bounds_latency(clean: Any) -> None:
+    server = serve_policy(CountingPolicy(), token=TOKEN, max_batch=1000, max_wait=0.01)
+    async with server, RemotePolicy(server.url, token=TOKEN) as remote:
+        with anyio.fail_after(5):
+            td = await remote(TensorDict(observation=torch.zeros(3, 4), batch_size=[3]))
+    assert td["action"].shape == (3, 2) and server.forward_calls == 1
+
+
+async def test_weight_update_changes_outputs(clean: Any) -> None:
+    policy = CountingPolicy()
+    new = torch.nn.Linear(4, 2)
+    x = torch.randn(5, 4)
+    async with serve_policy(policy, token=TOKEN, max_wait=0.0) as server:
+        async with RemotePolicy(server.url, token=TOKEN) as remote:
+            before = (await remote(TensorDict(observation=x, batch_size=[5])))["action"]
+            assert await remote.update_weights({"module.weight": new.weight, "module.bias": new.bias}) == 1
+            after = (await remote(TensorDict(observation=x, batch_size=[5])))["action"]
+            assert remote.version == 1 == server.version
+            with pytest.raises(ValueError, match="shape"):
+                await remote.update_weights({"module.weight": torch.zeros(3, 4), "module.bias": new.bias})
+        with pytest.raises(PermissionError):
+            await RemotePolicy(server.url, token="wrong-token-0123456789").update_weights(new)
+    torch.testing.assert_close(after, new(x).detach())
+    assert not torch.allclose(before, after)
+    assert server.version == 1
+
+
+# -- with AsyncEnvCollector: remote envs, central inference ---------------------------------------------
+async def test_collector_over_remote_envs_and_a_remote_policy(clean: Any) -> None:
+    policy = TensorDictModule(torch.nn.Linear(4, 2), ["observation"], ["logits"])
+
+    def argmax(td: Any) -> Any:
+        td["action"] = policy(td)["logits"].argmax(-1)
+        return td
+
+    server = serve_policy(argmax, token=TOKEN, max_wait=0.001)
+    async with serve_envs([lambda: gym.make("CartPole-v1")] * 4, token=TOKEN) as envs, server:
+        remote = RemotePolicy(server.url, token=TOKEN)
+        env_fns = [lambda i=i: RemoteEnv(envs.url, index=i, token=TOKEN) for i in range(4)]
+        frames = []
+        async with remote, AsyncEnvCollector(env_fns, remote, frames_per_batch=64, total_frames=256) as c:
+            with anyio.fail_after(30):
+                async for batch in c:
+                    frames.append(batch)
+    batch = torch.cat(frames)
+    assert batch.batch_size == (256,) and server.forward_calls > 0
+    for env_id in range(4):
+        mine = batch[batch["collector", "env_id"] == env_id]
+        done = mine["next", "done"].squeeze(-1)
+        # next observation == the following frame's observation unless the episode ended
+        same = (mine["next", "observation"][:-1] == mine["observation"][1:]).all(-1)
+        assert bool((same | done[:-1]).all())
+        traj = mine["collector", "traj_ids"]
+        assert bool(((traj[1:] != traj[:-1]) == done[:-1]).all())
+
+
+async def test_collector_fails_fast_when_a_server_dies(clean: Any) -> None:
+    async with serve_envs_process([lambda: CountingEnv(step_delay=0.001)] * 2, token=TOKEN) as server:
+        env_fns = [lambda i=i: RemoteEnv(server.url, index=i, token=TOKEN) for i in range(2)]
+        collector = AsyncEnvCollector(env_fns, frames_per_batch=32)
+        with pytest.raises(RemoteConnectionError):
+            async with collector:
+                async for _ in collector:
+                    killed_at = time.monotonic()
+                    server.kill()
+        assert time.monotonic() - killed_at < 2.0
+
+
+# -- RemoteEnvPool: many envs on one connection ----------------------------------------------------------
+async def test_pool_round_trip_equals_local_envs(clean: Any) -> None:
+    server = serve_envs([lambda: gym.make("Pendulum-v1")] * 4, token=TOKEN)
+    async with server, RemoteEnvPool(server.url, token=TOKEN, start=1) as pool:
+        assert [env.index for env in pool] == [1, 2, 3] and len(pool) == 3
+        locals_ = [gym.make("Pendulum-v1") for _ in pool]
+        for seed, (local, env) in enumerate(zip(locals_, pool, strict=True)):
+            np.testing.assert_array_equal((await env.reset(seed=seed))[0], local.reset(seed=seed)[0])
+        results: dict[int, Any] = {}
+
+        async def step(i: int, env: Any, action: Any) -> None:
+            results[i] = await env.step(action)
+
+        for t in range(5):
+            action = np.full(1, 0.1 * t, np.float32)
+            async with anyio.create_task_group() as tg:  # concurrent calls: one message
+                for i, env in enumerate(pool):
+                    tg.start_soon(step, i, env, action)
+            for i, local in enumerate(locals_):
+                want = local.step(action)
+                np.testing.assert_array_equal(results[i][0], want[0])
+                assert results[i][1:4] == tuple(want[1:4])
+
+
+async def test_pool_env_error_fails_only_its_call(clean: Any) -> None:
+    fns = [lambda: CountingEnv(), lambda: CountingEnv(fail=ValueError)]
+    async with serve_envs(fns, token=TOKEN) as server, RemoteEnvPool(server.url, token=TOKEN) as pool:
+        for env in pool:
+            await env.reset()
+        with pytest.raises(ValueError, match="the env failed"):
+            await pool[1].step(0)
+        obs, *_ = await pool[0].step(0)
+        assert obs.shape == (4,)
+        with pytest.raises(TypeError, match="cannot be sent"):  # refused here, the connection goes on
+            await pool[0].reset(options={"x": np.zeros(1, np.longdouble)})
+        obs, *_ = await pool[0].step(0)
+        # its envs are taken while it is open: another client waits for them (then gets HTTP 409)
+        with pytest.raises(TimeoutError):
+            await RemoteEnv.open(server.url, index=0, token=TOKEN, connect_timeout=0.2)
+
+
+async def test_pool_server_killed_fails_pending_calls(clean: Any) -> None:
+    fns = [lambda: CountingEnv(step_delay=5.0)] * 2
+    async with serve_envs_process(fns, token=TOKEN) as server, RemoteEnvPool(server.url, token=TOKEN) as pool:
+        for env in pool:
+            await env.reset()
+        errors: list[float] = []
+
+        async def step(env: Any) -> None:
+            with pytest.raises(RemoteConnectionError):
+                await env.step(0)
+            errors.append(time.monotonic())
+
+        async with anyio.create_task_group() as tg:
+            for env in pool:
+                tg.start_soon(step, env)
+            await anyio.sleep(0.3)
+            killed_at = time.monotonic()
+            server.kill()
+        assert len(errors) == 2 and max(errors) - killed_at < 2.0
+        with pytest.raises(RemoteConnectionError):
+            await pool[0].reset()
+
+
+@pytest.mark.parametrize("client", ["env", "pool"])
+async def test_collector_cancelled_mid_step_leaves_nothing(clean: Any, client: str) -> None:
+    async with serve_envs([lambda: CountingEnv(step_delay=0.02)] * 4, token=TOKEN) as server:
+        async with contextlib.AsyncExitStack() as stack:
+            if client == "pool":
+                pool = await stack.enter_async_context(RemoteEnvPool(server.url, token=TOKEN))
+                envs: list[Any] = list(pool)
+            else:
+                envs = [lambda i=i: RemoteEnv(server.url, index=i, token=TOKEN) for i in range(4)]
+            with anyio.fail_after(20):
+                async with AsyncEnvCollector(envs, frames_per_batch=8) as collector:
+                    async for _ in collector:
+                        break  # envs are mid-step now: their calls are cancelled
+            assert isinstance(collector.statistics().frames, int)
+        if client == "env":  # the envs are free again: new clients get them at once
+            with anyio.fail_after(5):
+                env = await RemoteEnv.open(server.url, index=0, token=TOKEN)
+                await env.reset()
+                await env.close()
