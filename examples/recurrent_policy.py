@@ -54,7 +54,9 @@ def parse_args() -> Args:
 def masked_cartpole() -> gym.Env[Any, Any]:
     """Cart position and pole angle only: the velocities must be remembered."""
     env = gym.make("CartPole-v1")
-    space = gym.spaces.Box(env.observation_space.low[[0, 2]], env.observation_space.high[[0, 2]])
+    box = env.observation_space
+    assert isinstance(box, gym.spaces.Box)
+    space = gym.spaces.Box(box.low[[0, 2]], box.high[[0, 2]])
     return gym.wrappers.TransformObservation(env, lambda obs: obs[[0, 2]], space)
 
 
@@ -83,7 +85,8 @@ def make_policy(hidden: int) -> TensorDictSequential:
             in_keys=["logits"], out_keys=["action"], distribution_class=Categorical, return_log_prob=True
         ),
     )
-    policy.recurrent_state = {"hidden": torch.zeros(hidden)}  # the initial state of one env
+    # the initial state of one env (nn.Module's attribute typing knows only tensors and modules)
+    policy.recurrent_state = {"hidden": torch.zeros(hidden)}  # type: ignore[assignment]
     return policy
 
 
@@ -102,7 +105,11 @@ def unroll(net: GRUNet, batch: TensorDict) -> torch.Tensor:
 async def main(args: Args) -> None:
     torch.manual_seed(args.seed)
     policy = make_policy(args.hidden)
-    kwargs = {"frames_per_batch": args.frames_per_batch, "total_frames": args.total_frames, "seed": args.seed}
+    kwargs: dict[str, Any] = {
+        "frames_per_batch": args.frames_per_batch,
+        "total_frames": args.total_frames,
+        "seed": args.seed,
+    }
     if args.workers:
         collector: Any = MultiSyncCollector(
             [partial(make_env, args.num_envs)] * args.workers, policy, **kwargs
@@ -120,8 +127,10 @@ async def main(args: Args) -> None:
         stats = collector.statistics()
     elapsed = time.perf_counter() - start
     print(f"batch {list(batch.batch_size)}: hidden {list(batch['hidden'].shape)}")
+    net = policy[0].module
+    assert isinstance(net, GRUNet)
     with torch.no_grad():
-        replayed = unroll(policy[0].module, batch)
+        replayed = unroll(net, batch)
     same = torch.allclose(replayed, batch["next", "hidden"], atol=1e-5)
     print(f"replayed states match the collected ones: {same}")
     print(f"{stats.frames} frames in {elapsed:.2f} s: {stats.frames / elapsed:,.0f} frames/s")
