@@ -5,16 +5,23 @@ Run with ``pytest -m distributed`` (``nox -s distributed``); the default run lea
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
+from typing import Any
 
 import anyio
 import cloudpickle
 import psutil
 import pytest
+import torch.distributed as dist
 
 from aiocollect import (
     DistributedCollector,
@@ -24,7 +31,10 @@ from aiocollect import (
     RPCCollector,
     WorkerDiedError,
     WorkerTimeoutError,
+    _distributed_weights,
 )
+from aiocollect._remote import _gloo, _rpc
+from aiocollect._transport._store import StoreServer
 from support import ConstantPolicy, pendulum
 from support import process_tree as _tree
 from support import wait_gone as _alive
@@ -165,6 +175,68 @@ async def test_nothing_of_the_trainer_listens_on_a_wildcard_address(engine):
     assert len(listening) >= 2  # the control port and the data store at least
     wild = [(ip, port) for ip, port in listening if ip in ("0.0.0.0", "::", "")]
     assert wild == [], f"listening on a wildcard address: {wild} (all: {listening})"
+
+
+def _torch_client(port: int, achieved: list[str]) -> None:
+    """torch's own store client, as one attacks a TCPStore."""
+    try:
+        rogue = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=1))
+    except Exception:
+        return
+    for key in ("abort", "go", "0/1"):  # pragma: no cover - the failure this test is for
+        rogue.set(key, "1")
+        achieved.append(f"TCPStore client set {key!r}")
+
+
+def _rogue(port: int, held: list[Any]) -> list[str]:
+    """A local client without the token: sets a rendezvous' abort key and a rank's address, and leaves a
+    connection open that never authenticates; what it achieved (``held``: what to close or join)."""
+    achieved: list[str] = []
+    thread = threading.Thread(target=_torch_client, args=(port, achieved))  # blocks: the store says nothing
+    thread.start()
+    held.append(thread)
+    for key, value in [(b"abort", b"1"), (b"go", b"1"), (b"0/1", b"garbage")]:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            request = b"\x01\x00\x00\x00\x02" + struct.pack("!I", len(key)) + key
+            sock.sendall(b"AIOSTOR1" + os.urandom(16) + request + struct.pack("!I", len(value)) + value)
+            with contextlib.suppress(OSError):
+                if sock.recv(64):  # pragma: no cover - the failure this test is for
+                    achieved.append(f"set {key!r}")
+    held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+    return achieved
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+async def test_a_local_client_without_the_token_cannot_disturb_the_rendezvous(engine, monkeypatch):
+    """Each store of the collector (data, weights; RPC's) is attacked the moment it listens, before the
+    nodes know its address, and a connection that never authenticates stays open through the rendezvous:
+    the collector starts, and batches and weights flow (a TCPStore took the keys: the abort key failed the
+    start, a forged address stalled gloo's rendezvous)."""
+    results: list[list[str]] = []
+    held: list[Any] = []
+
+    class Attacked(StoreServer):
+        def __init__(self, host: str, port: int = 0) -> None:
+            super().__init__(host, port)
+            results.append(_rogue(self.address.port, held))
+
+    for module in (_gloo, _rpc, _distributed_weights):
+        monkeypatch.setattr(module, "StoreServer", Attacked)
+    cls, _ = ENGINES[engine]
+    try:
+        with anyio.fail_after(90):
+            async with cls([pendulum, pendulum], ConstantPolicy(), frames_per_batch=32, total_frames=-1) as c:
+                await c.__anext__()
+                await c.update_weights(ConstantPolicy(0.5), wait=True)
+                for _ in range(4):  # a batch collected ahead may still have the old weights
+                    batch = await c.__anext__()
+                    if (batch["action"] == 0.5).all():
+                        break
+                assert (batch["action"] == 0.5).all()
+    finally:
+        for item in held:
+            item.join() if isinstance(item, threading.Thread) else item.close()
+    assert len(results) == (2 if engine == "distributed" else 1) and results == [[]] * len(results)
 
 
 class _Hanging:
