@@ -35,7 +35,7 @@ from aiocollect import (
 )
 from aiocollect._remote import _gloo, _rpc
 from aiocollect._transport._store import StoreServer
-from support import ConstantPolicy, pendulum
+from support import ConstantPolicy, fd_count, pendulum
 from support import process_tree as _tree
 from support import wait_gone as _alive
 
@@ -239,6 +239,56 @@ async def test_a_local_client_without_the_token_cannot_disturb_the_rendezvous(en
     assert len(results) == (2 if engine == "distributed" else 1) and results == [[]] * len(results)
 
 
+def _settled(expected: Any, seconds: float = 5.0) -> Any:
+    """:func:`_resources` once they equal ``expected``, or after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while (now := _resources()) != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return now
+
+
+def _resources() -> tuple[int, list[tuple[str, int]], int]:
+    """Open fds, listening sockets and torch's native pool threads of this process."""
+    pool = 0
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as comm:
+            pool += comm.read().strip() == "pt_thread_pool"
+    return fd_count(), _listening(os.getpid()), pool
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+async def test_nothing_of_a_collector_remains_after_async_with(engine, warm_forkserver):
+    """No fd, listening socket, thread pool or process is left once ``async with`` is over (a TCPStore, the
+    nodes' sentinel pipes and RPC's transport stayed open for the life of the process). torch keeps the
+    first RPC agent of a process for good (its RRef context holds it): the first collector runs before the
+    baseline, and what that one leaves is bounded below."""
+    cls, _ = ENGINES[engine]
+
+    async def run_with(cls: type) -> set[int]:
+        with anyio.fail_after(90):
+            async with cls([pendulum, pendulum], ConstantPolicy(), frames_per_batch=32, total_frames=-1) as c:
+                pids = _tree(c.node_pids())
+                await c.__anext__()
+                await c.update_weights(wait=True)
+                await c.state_dict()
+                await c.__anext__()
+        return pids
+
+    if engine == "rpc":  # the processes and pipes a first collector starts for good (the forkserver)
+        await run_with(DistributedCollector)
+    first = _resources()
+    pids = await run_with(cls)
+
+    assert _alive(pids) == []
+    after = await anyio.to_thread.run_sync(_settled, first)
+    if engine == "rpc":  # what torch keeps of the first RPC agent: the trainer's has 4 threads, TCP only
+        assert after[0] - first[0] <= 2 and after[1] == first[1] and after[2] - first[2] <= 4
+        first = after
+        pids = await run_with(cls)
+        assert _alive(pids) == []
+    assert await anyio.to_thread.run_sync(_settled, first) == first
+
+
 class _Hanging:
     """Pendulum that hangs (60 s) at its 40th step, in the node."""
 
@@ -278,6 +328,41 @@ async def test_a_hung_node_is_a_timeout_naming_it_and_leaving_is_prompt(engine):
     assert "a hung env or policy" in str(info.value)
     assert left_in < 8, f"leaving `async with` took {left_in:.1f} s"
     assert _alive(pids) == []
+
+
+@pytest.mark.parametrize("limit", ["progress_timeout", "worker_timeout"])
+async def test_a_hung_multi_worker_node_leaves_no_process(limit, anyio_backend):
+    """Both workers of node 1 hang in ``env.step``: after the timeout, every process of the collector (nodes,
+    their forkservers and workers) is gone by the time ``async with`` is left (a node's forkserver took 3-5
+    s to shut down, and outlived a killed node)."""
+    if (anyio_backend, limit) not in [("asyncio", "progress_timeout"), ("trio", "worker_timeout")]:
+        pytest.skip("one backend per timeout: starting 2 nodes of 2 workers each takes a while")
+    kwargs: dict[str, Any] = (
+        {"progress_timeout": 3}
+        if limit == "progress_timeout"
+        else {"progress_timeout": None, "collector_kwargs": {"worker_timeout": 2}}
+    )
+    with anyio.fail_after(90):
+        with pytest.raises(WorkerTimeoutError):
+            async with DistributedSyncCollector(
+                [pendulum, hanging],
+                frames_per_batch=32,
+                total_frames=-1,
+                collector_class=MultiSyncCollector,
+                num_workers_per_collector=2,
+                **kwargs,
+            ) as c:
+                await c.__anext__()
+                pids = _tree(c.node_pids())
+                assert len(pids) >= 8  # 2 nodes, each with a forkserver and 2 workers
+                try:
+                    async for _ in c:
+                        pass
+                finally:
+                    leaving = time.monotonic()
+        left = time.monotonic()
+    assert left - leaving < 5, f"leaving `async with` took {left - leaving:.1f} s"
+    assert _alive(pids, 0.5) == [], "processes left after `async with`"
 
 
 _FAILED_START = """

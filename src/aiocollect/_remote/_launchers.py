@@ -29,6 +29,7 @@ import hmac
 import importlib
 import json
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import secrets
 import signal
@@ -129,6 +130,9 @@ def node_entry(address: TrainerAddress, rank: int, ignore_sigint: bool = False) 
     stop or until the trainer goes away."""
     if ignore_sigint:  # a local node: Ctrl-C goes to the trainer, which stops us
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with contextlib.suppress(OSError):
+            # lead a process group: the trainer kills it once we ended, with what we left (a forkserver)
+            os.setpgid(0, 0)
     sock = connect(address, rank)
     try:
         anyio.run(_serve, sock, rank)
@@ -138,13 +142,17 @@ def node_entry(address: TrainerAddress, rank: int, ignore_sigint: bool = False) 
 
 def _stop_forkserver() -> None:
     """End the forkserver that started this node's workers now: left alone, it notices that the node
-    exited only seconds later (and outlives the collector's ``async with``)."""
+    exited only seconds later (and outlives the collector's ``async with``), and even a graceful stop
+    waits 3-5 s for its interpreter (torch preloaded) to shut down. Its workers are gone by now (the
+    collector reaped them), and it holds no state: it is killed, then reaped."""
     from multiprocessing import forkserver
 
     server = getattr(forkserver, "_forkserver", None)
-    if server is not None and getattr(server, "_forkserver_pid", None) is not None:
+    pid = getattr(server, "_forkserver_pid", None)
+    if server is not None and pid is not None:
         with contextlib.suppress(Exception):
-            server._stop()  # closes its "alive" pipe (it exits at once) and reaps it
+            os.kill(pid, signal.SIGKILL)
+            server._stop()  # closes its "alive" pipe and reaps it
 
 
 def _leaf(exc: BaseException) -> BaseException:
@@ -217,39 +225,74 @@ class NodeProcess(abc.ABC):
 
 
 class _MPNode(NodeProcess):
+    """A node process on this machine. It leads a process group of its own (``node_entry``), so that
+    whatever it leaves behind (its workers' forkserver, when it is killed) goes with it: the group is
+    killed once the node has ended, before it is reaped (its pid, the group's id, cannot be reused
+    until then)."""
+
     def __init__(self, process: Any) -> None:
         self.process = process
         self.pid = process.pid
         self._exited = anyio.Event()
         self._watching = False
+        self._exitcode: int | None = None
+        self._reaped = False
+        self._closed = False
+        self._close_when_done = False
+
+    def _ended(self, timeout: float | None = 0.0) -> bool:
+        """Whether the process ended (waiting up to ``timeout``; call it in a thread to wait): its
+        sentinel is readable; nothing is reaped."""
+        return self._reaped or bool(mp_connection.wait([self.process.sentinel], timeout))
+
+    def _reap(self) -> None:
+        """Once it ended: kill what is left of its process group, then reap it."""
+        if self._reaped or not self._ended():
+            return
+        with contextlib.suppress(OSError):
+            os.killpg(self.pid, signal.SIGKILL)  # its own group (node_entry): its forkserver, strays
+        self.process.join()
+        self._exitcode = self.process.exitcode
+        self._reaped = True
 
     @property
     def exitcode(self) -> int | None:
-        return self.process.exitcode
+        self._reap()
+        return self._exitcode
 
     async def wait(self) -> None:
-        if not self._watching:
+        if not self._watching and not self._reaped:
             self._watching = True
             try:
-                if self.process.exitcode is None:
-                    # the sentinel is readable once the process ended: no polling
-                    await anyio.wait_readable(self.process.sentinel)
-                await anyio.to_thread.run_sync(self.process.join)
+                # the sentinel is readable once the process ended: no polling
+                await anyio.wait_readable(self.process.sentinel)
             finally:
                 self._watching = False
+                if self._close_when_done:
+                    self._close()
+            self._reap()
             self._exited.set()
         await self._exited.wait()
 
     async def stop(self, grace: float) -> None:
         with anyio.CancelScope(shield=True):
-            if self.process.exitcode is None:
-                await anyio.to_thread.run_sync(self.process.join, grace)
-            if self.process.exitcode is None:
+            if not await anyio.to_thread.run_sync(self._ended, grace):
                 self.process.terminate()
-                await anyio.to_thread.run_sync(self.process.join, 2.0)
-            if self.process.exitcode is None:
-                self.process.kill()
-                await anyio.to_thread.run_sync(self.process.join)
+                if not await anyio.to_thread.run_sync(self._ended, 2.0):
+                    self.process.kill()
+                    await anyio.to_thread.run_sync(self._ended, None)
+            self._reap()
+            # release its sentinel pipe now (left to the garbage collector, 2 fds a node stayed open);
+            # a watcher still waiting on it closes it when it wakes (at once: the process ended)
+            if self._watching:
+                self._close_when_done = True
+            else:
+                self._close()
+
+    def _close(self) -> None:
+        if self._reaped and not self._closed:
+            self._closed = True
+            self.process.close()
 
     def describe(self) -> str:
         return f"pid {self.pid}"

@@ -69,6 +69,12 @@ def _rpc() -> Any:
     return rpc
 
 
+#: the trainer's agent: torch keeps the first agent of a process alive for good (its RRef context holds
+#: it, and ``rpc.shutdown`` cannot release it), so it gets few threads and the TCP transport only (the
+#: shared-memory one keeps dozens of memfds open per connection); its peers (nodes) agree on TCP with it
+_TRAINER_OPTIONS = {"num_worker_threads": 4, "_transports": ["uv"]}
+
+
 def _options(options: Mapping[str, Any]) -> Any:
     rpc = _rpc()
     return rpc.TensorPipeRpcBackendOptions(init_method="tcp://unused:1", **dict(options))
@@ -246,6 +252,7 @@ class RPCCollector(RemoteCollectorBase):
 
     async def _connect_transport(self) -> None:
         t = {**self._transport_setup(0), "client": self._store}
+        t["options"] = {**_TRAINER_OPTIONS, **self._tp_options}
         self._agent = True
         await run_abandonable(_init_agent, t, 0)  # a daemon thread: an abandoned one cannot hold the exit
 
