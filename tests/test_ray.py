@@ -29,6 +29,7 @@ from aiocollect import (
     MultiSyncCollector,
     RayCollector,
     WorkerDiedError,
+    WorkerTimeoutError,
 )
 from support import ConstantPolicy, ListBuffer, broken_factory, pendulum
 
@@ -462,6 +463,12 @@ def test_import_and_construction_do_not_import_ray():
         ({"ray_init_config": "auto"}, TypeError, "ray_init_config"),
         ({"create_env_fn": [pendulum]}, ValueError, "one per actor"),
         ({"create_env_fn": [pendulum, 3]}, TypeError, r"create_env_fn\[1\]"),
+        (
+            {"progress_timeout": 0},
+            ValueError,
+            "progress_timeout must be a positive number of seconds or None",
+        ),
+        ({"progress_timeout": "600"}, ValueError, "progress_timeout must be"),
     ],
 )
 def test_arguments_are_checked_before_anything_starts(kwargs, error, match):
@@ -579,4 +586,54 @@ async def test_a_killed_worker_inside_an_actor_keeps_its_type(ray_cluster):
                 async for _ in c:
                     pass
     assert info.value.exitcode == -9 and info.value.signal == 9
+    assert_gone(procs)
+
+
+class _Hanging(gym.Wrapper):
+    """Hangs (60 s) at its 40th step, in the actor."""
+
+    def __init__(self, env) -> None:
+        super().__init__(env)
+        self.steps = 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps == 40:
+            time.sleep(60)
+        return self.env.step(action)
+
+
+def hanging_pendulum():
+    return GymEnv(_Hanging(gym.make("Pendulum-v1")))
+
+
+@distributed
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+async def test_a_hung_actor_is_a_timeout_naming_it_and_is_killed(ray_cluster, sync):
+    """Liveness without configuration: an actor that delivers no batch within ``progress_timeout``
+    (default 600 s; 3 s here) fails the collector with ``WorkerTimeoutError`` naming it; it is killed
+    (not closed: its env is stuck), and leaving ``async with`` is prompt."""
+    with anyio.fail_after(120):
+        with pytest.raises(
+            WorkerTimeoutError, match=r"actor 1 \(Ray actor \w+, .*progress_timeout=3 s"
+        ) as info:
+            async with RayCollector(
+                [pendulum, hanging_pendulum],
+                None,
+                frames_per_batch=32,
+                total_frames=-1,
+                num_collectors=2,
+                sync=sync,
+                remote_config=REMOTE,
+                progress_timeout=3,
+            ) as c:
+                procs = ray_processes(c)
+                try:
+                    async for _ in c:
+                        pass
+                finally:
+                    leaving = time.monotonic()
+        left_in = time.monotonic() - leaving
+    assert "a hung env or policy" in str(info.value)
+    assert left_in < 5, f"leaving `async with` took {left_in:.1f} s"
     assert_gone(procs)

@@ -59,6 +59,8 @@ class Actor:
     pending: tuple[int, Any] | None = None
     #: processes that were still under the actor when its collector closed
     leftover: list[int] = field(default_factory=list)
+    #: it missed ``progress_timeout``: killed without a graceful close
+    hung: bool = False
 
 
 class ActorFleet(FleetCollector):
@@ -203,7 +205,7 @@ class ActorFleet(FleetCollector):
             actors = [a for a in self._actors if a.state != WorkerState.STOPPED]
             if actors:
                 with anyio.move_on_after(_CLOSE_GRACE):
-                    await gather(*[partial(self._close_one, a) for a in actors])
+                    await gather(*[partial(self._close_one, a) for a in actors if not a.hung])
                 await anyio.to_thread.run_sync(self._kill, actors)
                 for actor in actors:
                     if actor.state != WorkerState.FAILED:
