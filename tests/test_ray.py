@@ -8,6 +8,7 @@ collectors between checks to keep the file within a few minutes.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -637,3 +638,91 @@ async def test_a_hung_actor_is_a_timeout_naming_it_and_is_killed(ray_cluster, sy
     assert "a hung env or policy" in str(info.value)
     assert left_in < 5, f"leaving `async with` took {left_in:.1f} s"
     assert_gone(procs)
+
+
+# -- the trainer SIGKILLed: the cluster it started goes with it ----------------------------------------
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+@pytest.mark.parametrize("goodbye", [True, False], ids=["closed", "trainer-died"])
+def test_the_watchdog_kills_what_it_watches_only_when_the_trainer_dies(goodbye):
+    from aiocollect._remote._ray_reaper import start_watchdog
+
+    watched, other = _sleeper(), _sleeper()
+    try:
+        watchdog = start_watchdog()
+        assert watchdog is not None
+        watchdog.watch([watched.pid])
+        if goodbye:
+            watchdog.close()
+        else:  # what the trainer's death does: its end of the pipe closes without a goodbye
+            watchdog._process.stdin.close()
+            watchdog._process.wait(10)
+        assert watchdog._process.poll() == 0
+        if goodbye:
+            assert watched.poll() is None
+        else:
+            assert watched.wait(5) == -signal.SIGKILL
+        assert other.poll() is None  # not watched: left alone
+    finally:
+        for p in (watched, other):
+            p.kill()
+            p.wait()
+
+
+RAY_TRAINER = textwrap.dedent(
+    """
+    import json, os, anyio, psutil
+    from aiocollect import GymEnv, RayCollector
+
+    def pendulum():
+        return GymEnv("Pendulum-v1")
+
+    async def main():
+        init = {"num_cpus": 2, "object_store_memory": 80 * 2**20, "log_to_driver": False}
+        async with RayCollector(pendulum, frames_per_batch=32, num_collectors=2,
+                                remote_config={"num_cpus": 0}, ray_init_config=init) as c:
+            await c.__anext__()
+            tree = [p.pid for p in psutil.Process().children(recursive=True)]
+            print(json.dumps({"actors": [i["pid"] for i in c.actor_info()], "tree": tree}), flush=True)
+            await anyio.sleep(600)
+
+    anyio.run(main)
+    """
+)
+
+
+@distributed
+def test_a_sigkilled_trainer_takes_the_cluster_it_started_along(tmp_path):
+    """The trainer (which started its own Ray cluster) is SIGKILLed: its actors and every process of the
+    cluster are gone within seconds (Ray's dashboard and runtime-env agents lived 60 s, the actors 1.6 s)."""
+    pytest.importorskip("ray")
+    script = tmp_path / "trainer.py"
+    script.write_text(RAY_TRAINER)
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    trainer = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path, env=env
+    )
+    try:
+        line = trainer.stdout.readline()
+        assert line, "the trainer did not start"
+        started = json.loads(line)
+        procs = [
+            psutil.Process(pid) for pid in {*started["tree"], *started["actors"]} if psutil.pid_exists(pid)
+        ]
+        assert any("DashboardAgent" in " ".join(p.cmdline()) for p in procs), [p.cmdline() for p in procs]
+    finally:
+        trainer.kill()
+        trainer.wait()
+        trainer.stdout.close()
+    killed = time.monotonic()
+    alive = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    while alive and time.monotonic() - killed < 10:
+        time.sleep(0.05)
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    took = time.monotonic() - killed
+    for p in alive:  # not to leave them to the next test
+        p.kill()
+    assert not alive, f"left {took:.1f} s after the trainer's SIGKILL: {[p.cmdline()[:2] for p in alive]}"
+    print(f"every process of the cluster was gone {took:.2f} s after the trainer's SIGKILL")

@@ -217,6 +217,7 @@ class RayCollector(ActorFleet):
         self._init_base(progress)
         self._ray: Any = None
         self._started_ray = False
+        self._watchdog = None
         self._entered = False
         self._actors: list[Actor] = []
         self._version = 0
