@@ -114,8 +114,9 @@ ENGINES = {
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 @pytest.mark.parametrize("engine", list(ENGINES))
-async def test_a_killed_node_is_worker_died_error_whatever_the_engine(engine, how):
+async def test_a_killed_node_is_worker_died_error_whatever_the_engine(engine, how, warm_forkserver):
     cls, name = ENGINES[engine]
+    before = _resources()
     with anyio.fail_after(90):
         async with cls([pendulum, slow], frames_per_batch=32, total_frames=-1) as c:
             pids = _tree(c.node_pids())
@@ -128,6 +129,87 @@ async def test_a_killed_node_is_worker_died_error_whatever_the_engine(engine, ho
     assert "node 1" in str(error)
     assert seen - killed < 5, f"the fault took {seen - killed:.1f} s to surface"
     assert _alive(pids) == []
+    _assert_released(before, engine)
+
+
+def _assert_released(before: tuple[int, list[tuple[str, int]], int], engine: str) -> None:
+    """No fd, listening socket or torch pool thread more than ``before`` (RPC: but what torch keeps of
+    the first agent of the process, if this test ran the first)."""
+    fds, listening, pool = _settled(before)
+    slack = (2, 4) if engine == "rpc" else (0, 0)
+    assert fds <= before[0] + slack[0] and listening == before[1] and pool <= before[2] + slack[1], (
+        f"before: {before}, after: {(fds, listening, pool)}"
+    )
+
+
+class _ExplodingPolicy(ConstantPolicy):
+    """Raises at its 30th call, in the node."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0)
+        self.calls = 0
+
+    def forward(self, observation):
+        self.calls += 1
+        if self.calls >= 30:
+            raise ArithmeticError("the policy exploded")
+        return super().forward(observation)
+
+
+class _ExplodingEnv(_Slow):
+    """Raises at its 30th step, in the node."""
+
+    steps = 0
+
+    def step(self, td):
+        self.steps += 1
+        if self.steps >= 30:
+            raise FloatingPointError("the env exploded")
+        return self.env.step(td)
+
+
+def exploding():
+    return _ExplodingEnv()
+
+
+@pytest.mark.parametrize("what", ["env", "policy"])
+@pytest.mark.parametrize("engine", list(ENGINES))
+async def test_env_and_policy_errors_keep_their_type_under_both_backends(engine, what, anyio_backend):
+    if (anyio_backend, what) == ("asyncio", "env"):
+        pytest.skip("test_distributed.py covers an env error under asyncio")
+    cls, _ = ENGINES[engine]
+    env_fns, policy, error = (
+        ([pendulum, exploding], None, FloatingPointError)
+        if what == "env"
+        else ([pendulum, pendulum], _ExplodingPolicy(), ArithmeticError)
+    )
+    with anyio.fail_after(90):
+        async with cls(env_fns, policy, frames_per_batch=16, total_frames=-1) as c:
+            pids = _tree(c.node_pids())
+            raised, _ = await _until_error(c)
+    assert type(raised) is error and f"the {what} exploded" in str(raised), repr(raised)
+    assert "raised in node" in "".join(getattr(raised, "__notes__", []))
+    assert _alive(pids) == []
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+async def test_update_weights_to_a_dead_node_is_worker_died_error_at_once(engine, warm_forkserver):
+    cls, _ = ENGINES[engine]
+    before = _resources()
+    with anyio.fail_after(90):
+        async with cls([pendulum, pendulum], ConstantPolicy(), frames_per_batch=16, total_frames=-1) as c:
+            pids = _tree(c.node_pids())
+            await c.__anext__()
+            await c.update_weights(wait=True)
+            os.kill(c.node_pids()[1], signal.SIGKILL)
+            killed = time.monotonic()
+            with pytest.raises(WorkerDiedError, match="node 1") as info:
+                await c.update_weights(ConstantPolicy(1.0), wait=True)
+            took = time.monotonic() - killed
+    assert info.value.signal == signal.SIGKILL
+    assert took < 5, f"update_weights took {took:.1f} s to fail"
+    assert _alive(pids) == []
+    _assert_released(before, engine)
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
