@@ -50,12 +50,15 @@ def anyio_backend() -> tuple[str, dict]:
     return ("asyncio", {"use_uvloop": False})
 
 
-@pytest.fixture(scope="session")
-def ray_cluster():
+@pytest.fixture(scope="module")
+def _ray_module_cluster():
+    """One local cluster for this module's tests, shut down after them: a cluster kept for the session
+    left Ray's processes (children of the test process) and threads to the test files run after this one,
+    whose leak checks then failed, depending on the order the files ran in."""
     ray = pytest.importorskip("ray")  # here, not at import: the default suite collects this file
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     if ray.is_initialized():  # pragma: no cover - someone else's cluster: use it, leave it
-        yield
+        yield ray
         return
     ray.init(
         address="local",
@@ -67,9 +70,25 @@ def ray_cluster():
         _node_ip_address="127.0.0.1",
     )
     try:
-        yield
+        yield ray
     finally:
         ray.shutdown()
+
+
+def _alive_actors(ray) -> list[str]:
+    return list(ray._private.state.actors(actor_state_name="ALIVE"))
+
+
+@pytest.fixture
+def ray_cluster(_ray_module_cluster):
+    """The module's cluster; a test leaves no actor alive in it (or it fails: such an actor could
+    disturb the next test)."""
+    ray = _ray_module_cluster
+    yield
+    deadline = time.monotonic() + 10  # ray.kill is asynchronous: the GCS marks the actor dead soon after
+    while (alive := _alive_actors(ray)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive, f"actors left alive after the test: {alive}"
 
 
 # -- helpers (pickled by value into the actors; more in support) ------------------------------------

@@ -29,7 +29,6 @@ import hmac
 import importlib
 import json
 import multiprocessing as mp
-import multiprocessing.connection as mp_connection
 import os
 import secrets
 import signal
@@ -44,6 +43,8 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+
+from ._processes import ExternalNode, JobNode, MPNode, NodeProcess
 
 _MAGIC = b"AIOCOLL1"
 _HELLO = struct.Struct("!8s16sii")  # magic, token, rank (-1: any), pid
@@ -137,10 +138,10 @@ def node_entry(address: TrainerAddress, rank: int, ignore_sigint: bool = False) 
     try:
         anyio.run(_serve, sock, rank)
     finally:
-        _stop_forkserver()
+        stop_forkserver()
 
 
-def _stop_forkserver() -> None:
+def stop_forkserver() -> None:
     """End the forkserver that started this node's workers now: left alone, it notices that the node
     exited only seconds later (and outlives the collector's ``async with``), and even a graceful stop
     waits 3-5 s for its interpreter (torch preloaded) to shut down. Its workers are gone by now (the
@@ -203,168 +204,6 @@ def delayed_node_entry(rendezvous: str, rank: int, timeout: float) -> None:
     node_entry(TrainerAddress.from_json(path.read_text()), rank)
 
 
-# -- trainer side: started nodes -------------------------------------------------------------------
-class NodeProcess(abc.ABC):
-    """A started node, as its launcher sees it."""
-
-    @property
-    @abc.abstractmethod
-    def exitcode(self) -> int | None:
-        """The exit code once it ended, when the launcher knows it."""
-
-    @abc.abstractmethod
-    async def wait(self) -> None:
-        """Return when the node ended (never returns for a node the launcher cannot watch)."""
-
-    @abc.abstractmethod
-    async def stop(self, grace: float) -> None:
-        """Wait up to ``grace`` seconds for it to end, then end it (terminate, then kill)."""
-
-    def describe(self) -> str:
-        return ""
-
-
-class _MPNode(NodeProcess):
-    """A node process on this machine. It leads a process group of its own (``node_entry``), so that
-    whatever it leaves behind (its workers' forkserver, when it is killed) goes with it: the group is
-    killed once the node has ended, before it is reaped (its pid, the group's id, cannot be reused
-    until then)."""
-
-    def __init__(self, process: Any) -> None:
-        self.process = process
-        self.pid = process.pid
-        self._exited = anyio.Event()
-        self._watching = False
-        self._exitcode: int | None = None
-        self._reaped = False
-        self._closed = False
-        self._close_when_done = False
-
-    def _ended(self, timeout: float | None = 0.0) -> bool:
-        """Whether the process ended (waiting up to ``timeout``; call it in a thread to wait): its
-        sentinel is readable; nothing is reaped."""
-        return self._reaped or bool(mp_connection.wait([self.process.sentinel], timeout))
-
-    def _reap(self) -> None:
-        """Once it ended: kill what is left of its process group, then reap it."""
-        if self._reaped or not self._ended():
-            return
-        with contextlib.suppress(OSError):
-            os.killpg(self.pid, signal.SIGKILL)  # its own group (node_entry): its forkserver, strays
-        self.process.join()
-        self._exitcode = self.process.exitcode
-        self._reaped = True
-
-    @property
-    def exitcode(self) -> int | None:
-        self._reap()
-        return self._exitcode
-
-    async def wait(self) -> None:
-        if not self._watching and not self._reaped:
-            self._watching = True
-            try:
-                # the sentinel is readable once the process ended: no polling
-                await anyio.wait_readable(self.process.sentinel)
-            finally:
-                self._watching = False
-                if self._close_when_done:
-                    self._close()
-            self._reap()
-            self._exited.set()
-        await self._exited.wait()
-
-    async def stop(self, grace: float) -> None:
-        with anyio.CancelScope(shield=True):
-            if not await anyio.to_thread.run_sync(self._ended, grace):
-                self.process.terminate()
-                if not await anyio.to_thread.run_sync(self._ended, 2.0):
-                    self.process.kill()
-                    await anyio.to_thread.run_sync(self._ended, None)
-            self._reap()
-            # release its sentinel pipe now (left to the garbage collector, 2 fds a node stayed open);
-            # a watcher still waiting on it closes it when it wakes (at once: the process ended)
-            if self._watching:
-                self._close_when_done = True
-            else:
-                self._close()
-
-    def _close(self) -> None:
-        if self._reaped and not self._closed:
-            self._closed = True
-            self.process.close()
-
-    def describe(self) -> str:
-        return f"pid {self.pid}"
-
-
-class _JobNode(NodeProcess):
-    """A submitit job (local or Slurm)."""
-
-    def __init__(self, job: Any) -> None:
-        self.job = job
-        self._exited = anyio.Event()
-
-    @property
-    def _popen(self) -> Any:
-        return getattr(self.job, "_process", None)  # LocalJob keeps its subprocess.Popen there
-
-    @property
-    def pid(self) -> int | None:
-        popen = self._popen
-        return popen.pid if popen is not None else None
-
-    @property
-    def exitcode(self) -> int | None:
-        popen = self._popen
-        return popen.poll() if popen is not None else None
-
-    async def wait(self) -> None:
-        popen = self._popen
-        if popen is not None:
-            await anyio.to_thread.run_sync(popen.wait, abandon_on_cancel=True)
-        else:  # a Slurm job: submitit's own watcher polls the scheduler, in a thread
-            await anyio.to_thread.run_sync(self.job.wait, abandon_on_cancel=True)
-        self._exited.set()
-
-    async def stop(self, grace: float) -> None:
-        with anyio.CancelScope(shield=True):
-            popen = self._popen
-            if popen is not None:
-                with contextlib.suppress(Exception):
-                    await anyio.to_thread.run_sync(popen.wait, grace)
-                if popen.poll() is None:
-                    popen.terminate()
-                    with contextlib.suppress(Exception):
-                        await anyio.to_thread.run_sync(popen.wait, 2.0)
-                if popen.poll() is None:
-                    popen.kill()
-                    await anyio.to_thread.run_sync(popen.wait)
-                return
-            with anyio.move_on_after(grace):
-                await self._exited.wait()
-            if not self._exited.is_set():
-                with contextlib.suppress(Exception):
-                    await anyio.to_thread.run_sync(functools.partial(self.job.cancel, check=False))
-
-    def describe(self) -> str:
-        return f"submitit job {self.job.job_id}"
-
-
-class _ExternalNode(NodeProcess):
-    """A node started by someone else (the delayed launcher): only its connection tells it ended."""
-
-    @property
-    def exitcode(self) -> int | None:
-        return None
-
-    async def wait(self) -> None:
-        await anyio.sleep_forever()
-
-    async def stop(self, grace: float) -> None:
-        return None
-
-
 # -- launchers -------------------------------------------------------------------------------------
 class Launcher(abc.ABC):
     #: where the control listener binds and what address nodes are given
@@ -395,7 +234,7 @@ class MPLauncher(Launcher):
                 target=node_entry, args=(address, rank, True), name=f"aiocollect-node-{rank}", daemon=False
             )
             await anyio.to_thread.run_sync(process.start)
-            nodes[rank] = _MPNode(process)
+            nodes[rank] = MPNode(process)
         return nodes
 
 
@@ -477,7 +316,7 @@ class SubmititLauncher(Launcher):
             return jobs
 
         jobs = await anyio.to_thread.run_sync(submit)
-        return {rank: _JobNode(job) for rank, job in zip(ranks, jobs, strict=True)}
+        return {rank: JobNode(job) for rank, job in zip(ranks, jobs, strict=True)}
 
 
 class DelayedLauncher(Launcher):
@@ -502,7 +341,7 @@ class DelayedLauncher(Launcher):
             tmp.replace(self.path)  # atomic: a node never reads half a file
 
         await anyio.to_thread.run_sync(publish)
-        return {rank: _ExternalNode() for rank in ranks}
+        return {rank: ExternalNode() for rank in ranks}
 
 
 def make_launcher(launcher: Any, slurm_kwargs: Mapping[str, Any] | None) -> Launcher:
@@ -613,6 +452,7 @@ __all__ = [
     "check_hello",
     "connect",
     "delayed_node_entry",
+    "stop_forkserver",
     "hello",
     "make_launcher",
     "new_token",
