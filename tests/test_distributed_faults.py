@@ -5,16 +5,23 @@ Run with ``pytest -m distributed`` (``nox -s distributed``); the default run lea
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
+from typing import Any
 
 import anyio
 import cloudpickle
 import psutil
 import pytest
+import torch.distributed as dist
 
 from aiocollect import (
     DistributedCollector,
@@ -24,8 +31,11 @@ from aiocollect import (
     RPCCollector,
     WorkerDiedError,
     WorkerTimeoutError,
+    _distributed_weights,
 )
-from support import ConstantPolicy, pendulum
+from aiocollect._remote import _gloo, _rpc
+from aiocollect._transport._store import StoreServer
+from support import ConstantPolicy, fd_count, pendulum
 from support import process_tree as _tree
 from support import wait_gone as _alive
 
@@ -104,8 +114,9 @@ ENGINES = {
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 @pytest.mark.parametrize("engine", list(ENGINES))
-async def test_a_killed_node_is_worker_died_error_whatever_the_engine(engine, how):
+async def test_a_killed_node_is_worker_died_error_whatever_the_engine(engine, how, warm_forkserver):
     cls, name = ENGINES[engine]
+    before = _resources()
     with anyio.fail_after(90):
         async with cls([pendulum, slow], frames_per_batch=32, total_frames=-1) as c:
             pids = _tree(c.node_pids())
@@ -118,6 +129,87 @@ async def test_a_killed_node_is_worker_died_error_whatever_the_engine(engine, ho
     assert "node 1" in str(error)
     assert seen - killed < 5, f"the fault took {seen - killed:.1f} s to surface"
     assert _alive(pids) == []
+    _assert_released(before, engine)
+
+
+def _assert_released(before: tuple[int, list[tuple[str, int]], int], engine: str) -> None:
+    """No fd, listening socket or torch pool thread more than ``before`` (RPC: but what torch keeps of
+    the first agent of the process, if this test ran the first)."""
+    fds, listening, pool = _settled(before)
+    slack = (2, 4) if engine == "rpc" else (0, 0)
+    assert fds <= before[0] + slack[0] and listening == before[1] and pool <= before[2] + slack[1], (
+        f"before: {before}, after: {(fds, listening, pool)}"
+    )
+
+
+class _ExplodingPolicy(ConstantPolicy):
+    """Raises at its 30th call, in the node."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0)
+        self.calls = 0
+
+    def forward(self, observation):
+        self.calls += 1
+        if self.calls >= 30:
+            raise ArithmeticError("the policy exploded")
+        return super().forward(observation)
+
+
+class _ExplodingEnv(_Slow):
+    """Raises at its 30th step, in the node."""
+
+    steps = 0
+
+    def step(self, td):
+        self.steps += 1
+        if self.steps >= 30:
+            raise FloatingPointError("the env exploded")
+        return self.env.step(td)
+
+
+def exploding():
+    return _ExplodingEnv()
+
+
+@pytest.mark.parametrize("what", ["env", "policy"])
+@pytest.mark.parametrize("engine", list(ENGINES))
+async def test_env_and_policy_errors_keep_their_type_under_both_backends(engine, what, anyio_backend):
+    if (anyio_backend, what) == ("asyncio", "env"):
+        pytest.skip("test_distributed.py covers an env error under asyncio")
+    cls, _ = ENGINES[engine]
+    env_fns, policy, error = (
+        ([pendulum, exploding], None, FloatingPointError)
+        if what == "env"
+        else ([pendulum, pendulum], _ExplodingPolicy(), ArithmeticError)
+    )
+    with anyio.fail_after(90):
+        async with cls(env_fns, policy, frames_per_batch=16, total_frames=-1) as c:
+            pids = _tree(c.node_pids())
+            raised, _ = await _until_error(c)
+    assert type(raised) is error and f"the {what} exploded" in str(raised), repr(raised)
+    assert "raised in node" in "".join(getattr(raised, "__notes__", []))
+    assert _alive(pids) == []
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+async def test_update_weights_to_a_dead_node_is_worker_died_error_at_once(engine, warm_forkserver):
+    cls, _ = ENGINES[engine]
+    before = _resources()
+    with anyio.fail_after(90):
+        async with cls([pendulum, pendulum], ConstantPolicy(), frames_per_batch=16, total_frames=-1) as c:
+            pids = _tree(c.node_pids())
+            await c.__anext__()
+            await c.update_weights(wait=True)
+            os.kill(c.node_pids()[1], signal.SIGKILL)
+            killed = time.monotonic()
+            with pytest.raises(WorkerDiedError, match="node 1") as info:
+                await c.update_weights(ConstantPolicy(1.0), wait=True)
+            took = time.monotonic() - killed
+    assert info.value.signal == signal.SIGKILL
+    assert took < 5, f"update_weights took {took:.1f} s to fail"
+    assert _alive(pids) == []
+    _assert_released(before, engine)
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
@@ -167,6 +259,124 @@ async def test_nothing_of_the_trainer_listens_on_a_wildcard_address(engine):
     assert wild == [], f"listening on a wildcard address: {wild} (all: {listening})"
 
 
+def _torch_client(port: int, achieved: list[str]) -> None:
+    """torch's own store client, as one attacks a TCPStore."""
+    try:
+        rogue = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=1))
+    except Exception:
+        return
+    for key in ("abort", "go", "0/1"):  # pragma: no cover - the failure this test is for
+        rogue.set(key, "1")
+        achieved.append(f"TCPStore client set {key!r}")
+
+
+def _rogue(port: int, held: list[Any]) -> list[str]:
+    """A local client without the token: sets a rendezvous' abort key and a rank's address, and leaves a
+    connection open that never authenticates; what it achieved (``held``: what to close or join)."""
+    achieved: list[str] = []
+    thread = threading.Thread(target=_torch_client, args=(port, achieved))  # blocks: the store says nothing
+    thread.start()
+    held.append(thread)
+    for key, value in [(b"abort", b"1"), (b"go", b"1"), (b"0/1", b"garbage")]:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            request = b"\x01\x00\x00\x00\x02" + struct.pack("!I", len(key)) + key
+            sock.sendall(b"AIOSTOR1" + os.urandom(16) + request + struct.pack("!I", len(value)) + value)
+            with contextlib.suppress(OSError):
+                if sock.recv(64):  # pragma: no cover - the failure this test is for
+                    achieved.append(f"set {key!r}")
+    held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+    return achieved
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+async def test_a_local_client_without_the_token_cannot_disturb_the_rendezvous(
+    engine, monkeypatch, anyio_backend
+):
+    """Each store of the collector (data, weights; RPC's) is attacked the moment it listens, before the
+    nodes know its address, and a connection that never authenticates stays open through the rendezvous:
+    the collector starts, and batches and weights flow (a TCPStore took the keys: the abort key failed the
+    start, a forged address stalled gloo's rendezvous)."""
+    if anyio_backend != "trio":
+        pytest.skip("one backend is enough: the stores run in threads of their own")
+    results: list[list[str]] = []
+    held: list[Any] = []
+
+    class Attacked(StoreServer):
+        def __init__(self, host: str, port: int = 0) -> None:
+            super().__init__(host, port)
+            results.append(_rogue(self.address.port, held))
+
+    for module in (_gloo, _rpc, _distributed_weights):
+        monkeypatch.setattr(module, "StoreServer", Attacked)
+    cls, _ = ENGINES[engine]
+    try:
+        with anyio.fail_after(90):
+            async with cls([pendulum, pendulum], ConstantPolicy(), frames_per_batch=32, total_frames=-1) as c:
+                await c.__anext__()
+                await c.update_weights(ConstantPolicy(0.5), wait=True)
+                for _ in range(4):  # a batch collected ahead may still have the old weights
+                    batch = await c.__anext__()
+                    if (batch["action"] == 0.5).all():
+                        break
+                assert (batch["action"] == 0.5).all()
+    finally:
+        for item in held:
+            item.join() if isinstance(item, threading.Thread) else item.close()
+    assert len(results) == (2 if engine == "distributed" else 1) and results == [[]] * len(results)
+
+
+def _settled(expected: Any, seconds: float = 5.0) -> Any:
+    """:func:`_resources` once they equal ``expected``, or after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while (now := _resources()) != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return now
+
+
+def _resources() -> tuple[int, list[tuple[str, int]], int]:
+    """Open fds, listening sockets and torch's native pool threads of this process."""
+    pool = 0
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as comm:
+            pool += comm.read().strip() == "pt_thread_pool"
+    return fd_count(), _listening(os.getpid()), pool
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+async def test_nothing_of_a_collector_remains_after_async_with(engine, warm_forkserver, anyio_backend):
+    """No fd, listening socket, thread pool or process is left once ``async with`` is over (a TCPStore, the
+    nodes' sentinel pipes and RPC's transport stayed open for the life of the process). torch keeps the
+    first RPC agent of a process for good (its RRef context holds it): the first collector runs before the
+    baseline, and what that one leaves is bounded below."""
+    if anyio_backend != "asyncio":
+        pytest.skip("one backend is enough: what a collector holds does not depend on it")
+    cls, _ = ENGINES[engine]
+
+    async def run_with(cls: type) -> set[int]:
+        with anyio.fail_after(90):
+            async with cls([pendulum, pendulum], ConstantPolicy(), frames_per_batch=32, total_frames=-1) as c:
+                pids = _tree(c.node_pids())
+                await c.__anext__()
+                await c.update_weights(wait=True)
+                await c.state_dict()
+                await c.__anext__()
+        return pids
+
+    if engine == "rpc":  # the processes and pipes a first collector starts for good (the forkserver)
+        await run_with(DistributedCollector)
+    first = _resources()
+    pids = await run_with(cls)
+
+    assert _alive(pids) == []
+    after = await anyio.to_thread.run_sync(_settled, first)
+    if engine == "rpc":  # what torch keeps of the first RPC agent: the trainer's has 4 threads, TCP only
+        assert after[0] - first[0] <= 2 and after[1] == first[1] and after[2] - first[2] <= 4
+        first = after
+        pids = await run_with(cls)
+        assert _alive(pids) == []
+    assert await anyio.to_thread.run_sync(_settled, first) == first
+
+
 class _Hanging:
     """Pendulum that hangs (60 s) at its 40th step, in the node."""
 
@@ -206,6 +416,41 @@ async def test_a_hung_node_is_a_timeout_naming_it_and_leaving_is_prompt(engine):
     assert "a hung env or policy" in str(info.value)
     assert left_in < 8, f"leaving `async with` took {left_in:.1f} s"
     assert _alive(pids) == []
+
+
+@pytest.mark.parametrize("limit", ["progress_timeout", "worker_timeout"])
+async def test_a_hung_multi_worker_node_leaves_no_process(limit, anyio_backend):
+    """Both workers of node 1 hang in ``env.step``: after the timeout, every process of the collector (nodes,
+    their forkservers and workers) is gone by the time ``async with`` is left (a node's forkserver took 3-5
+    s to shut down, and outlived a killed node)."""
+    if (anyio_backend, limit) not in [("asyncio", "progress_timeout"), ("trio", "worker_timeout")]:
+        pytest.skip("one backend per timeout: starting 2 nodes of 2 workers each takes a while")
+    kwargs: dict[str, Any] = (
+        {"progress_timeout": 3}
+        if limit == "progress_timeout"
+        else {"progress_timeout": None, "collector_kwargs": {"worker_timeout": 2}}
+    )
+    with anyio.fail_after(90):
+        with pytest.raises(WorkerTimeoutError):
+            async with DistributedSyncCollector(
+                [pendulum, hanging],
+                frames_per_batch=32,
+                total_frames=-1,
+                collector_class=MultiSyncCollector,
+                num_workers_per_collector=2,
+                **kwargs,
+            ) as c:
+                await c.__anext__()
+                pids = _tree(c.node_pids())
+                assert len(pids) >= 8  # 2 nodes, each with a forkserver and 2 workers
+                try:
+                    async for _ in c:
+                        pass
+                finally:
+                    leaving = time.monotonic()
+        left = time.monotonic()
+    assert left - leaving < 5, f"leaving `async with` took {left - leaving:.1f} s"
+    assert _alive(pids, 0.5) == [], "processes left after `async with`"
 
 
 _FAILED_START = """

@@ -8,6 +8,7 @@ collectors between checks to keep the file within a few minutes.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -29,6 +30,7 @@ from aiocollect import (
     MultiSyncCollector,
     RayCollector,
     WorkerDiedError,
+    WorkerTimeoutError,
 )
 from support import ConstantPolicy, ListBuffer, broken_factory, pendulum
 
@@ -48,12 +50,15 @@ def anyio_backend() -> tuple[str, dict]:
     return ("asyncio", {"use_uvloop": False})
 
 
-@pytest.fixture(scope="session")
-def ray_cluster():
+@pytest.fixture(scope="module")
+def _ray_module_cluster():
+    """One local cluster for this module's tests, shut down after them: a cluster kept for the session
+    left Ray's processes (children of the test process) and threads to the test files run after this one,
+    whose leak checks then failed, depending on the order the files ran in."""
     ray = pytest.importorskip("ray")  # here, not at import: the default suite collects this file
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     if ray.is_initialized():  # pragma: no cover - someone else's cluster: use it, leave it
-        yield
+        yield ray
         return
     ray.init(
         address="local",
@@ -65,9 +70,25 @@ def ray_cluster():
         _node_ip_address="127.0.0.1",
     )
     try:
-        yield
+        yield ray
     finally:
         ray.shutdown()
+
+
+def _alive_actors(ray) -> list[str]:
+    return list(ray._private.state.actors(actor_state_name="ALIVE"))
+
+
+@pytest.fixture
+def ray_cluster(_ray_module_cluster):
+    """The module's cluster; a test leaves no actor alive in it (or it fails: such an actor could
+    disturb the next test)."""
+    ray = _ray_module_cluster
+    yield
+    deadline = time.monotonic() + 10  # ray.kill is asynchronous: the GCS marks the actor dead soon after
+    while (alive := _alive_actors(ray)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive, f"actors left alive after the test: {alive}"
 
 
 # -- helpers (pickled by value into the actors; more in support) ------------------------------------
@@ -462,6 +483,12 @@ def test_import_and_construction_do_not_import_ray():
         ({"ray_init_config": "auto"}, TypeError, "ray_init_config"),
         ({"create_env_fn": [pendulum]}, ValueError, "one per actor"),
         ({"create_env_fn": [pendulum, 3]}, TypeError, r"create_env_fn\[1\]"),
+        (
+            {"progress_timeout": 0},
+            ValueError,
+            "progress_timeout must be a positive number of seconds or None",
+        ),
+        ({"progress_timeout": "600"}, ValueError, "progress_timeout must be"),
     ],
 )
 def test_arguments_are_checked_before_anything_starts(kwargs, error, match):
@@ -580,3 +607,141 @@ async def test_a_killed_worker_inside_an_actor_keeps_its_type(ray_cluster):
                     pass
     assert info.value.exitcode == -9 and info.value.signal == 9
     assert_gone(procs)
+
+
+class _Hanging(gym.Wrapper):
+    """Hangs (60 s) at its 40th step, in the actor."""
+
+    def __init__(self, env) -> None:
+        super().__init__(env)
+        self.steps = 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps == 40:
+            time.sleep(60)
+        return self.env.step(action)
+
+
+def hanging_pendulum():
+    return GymEnv(_Hanging(gym.make("Pendulum-v1")))
+
+
+@distributed
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+async def test_a_hung_actor_is_a_timeout_naming_it_and_is_killed(ray_cluster, sync):
+    """Liveness without configuration: an actor that delivers no batch within ``progress_timeout``
+    (default 600 s; 3 s here) fails the collector with ``WorkerTimeoutError`` naming it; it is killed
+    (not closed: its env is stuck), and leaving ``async with`` is prompt."""
+    with anyio.fail_after(120):
+        with pytest.raises(
+            WorkerTimeoutError, match=r"actor 1 \(Ray actor \w+, .*progress_timeout=3 s"
+        ) as info:
+            async with RayCollector(
+                [pendulum, hanging_pendulum],
+                None,
+                frames_per_batch=32,
+                total_frames=-1,
+                num_collectors=2,
+                sync=sync,
+                remote_config=REMOTE,
+                progress_timeout=3,
+            ) as c:
+                procs = ray_processes(c)
+                try:
+                    async for _ in c:
+                        pass
+                finally:
+                    leaving = time.monotonic()
+        left_in = time.monotonic() - leaving
+    assert "a hung env or policy" in str(info.value)
+    assert left_in < 5, f"leaving `async with` took {left_in:.1f} s"
+    assert_gone(procs)
+
+
+# -- the trainer SIGKILLed: the cluster it started goes with it ----------------------------------------
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+@pytest.mark.parametrize("goodbye", [True, False], ids=["closed", "trainer-died"])
+def test_the_watchdog_kills_what_it_watches_only_when_the_trainer_dies(goodbye):
+    from aiocollect._remote._ray_reaper import start_watchdog
+
+    watched, other = _sleeper(), _sleeper()
+    try:
+        watchdog = start_watchdog()
+        assert watchdog is not None
+        watchdog.watch([watched.pid])
+        if goodbye:
+            watchdog.close()
+        else:  # what the trainer's death does: its end of the pipe closes without a goodbye
+            watchdog._process.stdin.close()
+            watchdog._process.wait(10)
+        assert watchdog._process.poll() == 0
+        if goodbye:
+            assert watched.poll() is None
+        else:
+            assert watched.wait(5) == -signal.SIGKILL
+        assert other.poll() is None  # not watched: left alone
+    finally:
+        for p in (watched, other):
+            p.kill()
+            p.wait()
+
+
+RAY_TRAINER = textwrap.dedent(
+    """
+    import json, os, anyio, psutil
+    from aiocollect import GymEnv, RayCollector
+
+    def pendulum():
+        return GymEnv("Pendulum-v1")
+
+    async def main():
+        init = {"num_cpus": 2, "object_store_memory": 80 * 2**20, "log_to_driver": False}
+        async with RayCollector(pendulum, frames_per_batch=32, num_collectors=2,
+                                remote_config={"num_cpus": 0}, ray_init_config=init) as c:
+            await c.__anext__()
+            tree = [p.pid for p in psutil.Process().children(recursive=True)]
+            print(json.dumps({"actors": [i["pid"] for i in c.actor_info()], "tree": tree}), flush=True)
+            await anyio.sleep(600)
+
+    anyio.run(main)
+    """
+)
+
+
+@distributed
+def test_a_sigkilled_trainer_takes_the_cluster_it_started_along(tmp_path):
+    """The trainer (which started its own Ray cluster) is SIGKILLed: its actors and every process of the
+    cluster are gone within seconds (Ray's dashboard and runtime-env agents lived 60 s, the actors 1.6 s)."""
+    pytest.importorskip("ray")
+    script = tmp_path / "trainer.py"
+    script.write_text(RAY_TRAINER)
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    trainer = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path, env=env
+    )
+    try:
+        line = trainer.stdout.readline()
+        assert line, "the trainer did not start"
+        started = json.loads(line)
+        procs = [
+            psutil.Process(pid) for pid in {*started["tree"], *started["actors"]} if psutil.pid_exists(pid)
+        ]
+        assert any("DashboardAgent" in " ".join(p.cmdline()) for p in procs), [p.cmdline() for p in procs]
+    finally:
+        trainer.kill()
+        trainer.wait()
+        trainer.stdout.close()
+    killed = time.monotonic()
+    alive = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    while alive and time.monotonic() - killed < 10:
+        time.sleep(0.05)
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    took = time.monotonic() - killed
+    for p in alive:  # not to leave them to the next test
+        p.kill()
+    assert not alive, f"left {took:.1f} s after the trainer's SIGKILL: {[p.cmdline()[:2] for p in alive]}"
+    print(f"every process of the cluster was gone {took:.2f} s after the trainer's SIGKILL")

@@ -1,17 +1,26 @@
 """The remote collectors' exposure, without starting nodes: argument checks, private submitit folders,
-stores that listen on the address they are given (not on every interface)."""
+stores that listen on the address they are given (not on every interface) and serve only clients with
+their token."""
 
 from __future__ import annotations
 
+import datetime
 import os
+import socket
 import stat
+import threading
+import time
 
 import psutil
 import pytest
+import torch
+import torch.distributed as dist
 
 from aiocollect import DistributedCollector, GymEnv
 from aiocollect._remote._launchers import private_files, private_folder
-from aiocollect._transport._groups import master_store
+from aiocollect._transport._groups import new_group
+from aiocollect._transport._store import StoreAddress, StoreClient, StoreServer
+from support import fd_count
 
 
 def pendulum():
@@ -24,20 +33,142 @@ def test_trainer_address_is_checked_before_anything_starts(bad):
         DistributedCollector(pendulum, frames_per_batch=8, num_collectors=1, trainer_address=bad)
 
 
-def test_master_store_listens_on_its_host_only():
-    before = {c.laddr for c in psutil.Process().net_connections(kind="inet") if c.status == "LISTEN"}
-    store = master_store("127.0.0.1", 0, 10.0)
+def _listening() -> set[tuple[str, int]]:
+    return {
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process().net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    }
+
+
+def _store_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("aiocollect-store")]
+
+
+def test_store_listens_on_its_host_only_and_leaves_nothing():
+    fds, before = fd_count(), _listening()
+    server = StoreServer("127.0.0.1")
+    client = server.client(10.0)
+    assert _listening() - before == {("127.0.0.1", server.address.port)}
+    client.set("k", "v")
+    assert client.get("k") == b"v"
+    client.close()
+    server.close()
+    server.close()  # idempotent
+    assert _store_threads() == []
+    assert _listening() == before
+    assert fd_count() == fds
+
+
+def _rogue_attempts(port: int) -> list[str]:
+    """What a local client without the token tries; the list of what it achieved (nothing, we hope)."""
+    achieved = []
+    try:  # torch's own client, as one would attack a TCPStore
+        rogue = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=1))
+    except Exception:
+        pass
+    else:  # pragma: no cover - the failure this test is for
+        rogue.set("abort", "1")
+        achieved.append("a TCPStore client connected and set 'abort'")
+    for token in (b"", bytes(16), os.urandom(16)):  # our protocol, with a wrong (or no) token
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(b"AIOSTOR1" + token)
+            if token:
+                # a request as an authenticated client would send it: SET "abort" = "1"
+                sock.sendall(b"\x01\x00\x00\x00\x02" + b"\x00\x00\x00\x05abort" + b"\x00\x00\x00\x011")
+            try:
+                sock.shutdown(socket.SHUT_WR)
+                reply = sock.recv(64)
+            except OSError:  # the store closed it already
+                reply = b""
+            if reply:  # pragma: no cover - the failure this test is for
+                achieved.append(f"token {token!r} got a reply: {reply!r}")
+    return achieved
+
+
+def test_store_serves_no_client_without_its_token():
+    """torch's TCPStore lets any local client list, set and delete keys (the abort key of a rendezvous, a
+    rank's address); our store closes a connection that does not start with its token, before reading a
+    request."""
+    fds = fd_count()
+    server = StoreServer("127.0.0.1")
     try:
-        listening = [
-            c.laddr
-            for c in psutil.Process().net_connections(kind="inet")
-            if c.status == psutil.CONN_LISTEN and c.laddr not in before
-        ]
-        assert [(a.ip, a.port) for a in listening] == [("127.0.0.1", store.port)]
-        store.set("k", "v")
-        assert store.get("k") == b"v"
+        # a client that connects and never authenticates holds nobody up (it is closed after 3 s)
+        idle = socket.create_connection(("127.0.0.1", server.address.port))
+        assert _rogue_attempts(server.address.port) == []
+        forged = StoreAddress("127.0.0.1", server.address.port, os.urandom(16))
+        with pytest.raises(PermissionError, match="refused this client"):
+            StoreClient(forged, 2.0)
+        client = server.client(5.0)
+        assert client.num_keys() == 0 and not client.check(["abort"])
+        client.close()
+        idle.close()
+        assert "token" not in repr(server.address)  # it stays out of logs and tracebacks
     finally:
-        del store
+        server.close()
+    assert _store_threads() == []
+    assert fd_count() == fds
+
+
+def test_store_is_a_torch_store_for_gloo_and_prefixes():
+    server = StoreServer("127.0.0.1")
+    clients = [server.client(10.0), server.client(10.0)]
+    try:
+        a = clients[0]
+        assert a.add("n", 2) == 2 and a.add("n", 3) == 5
+        assert a.compare_set("c", "", "x") == b"x" and a.compare_set("c", "y", "z") == b"x"
+        assert a.check(["n", "c"]) and a.delete_key("c") and not a.check(["c"])
+        dist.PrefixStore("p", a).set("k", b"\x00\xff")
+        assert a.get("p/k") == b"\x00\xff" and a.num_keys() == 2
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"not all set within 0\.2 s"):  # torch's DistStoreError
+            a.wait(["never"], datetime.timedelta(seconds=0.2))
+        assert time.monotonic() - start < 2
+        groups: list = [None, None]
+
+        def build(rank: int) -> None:
+            groups[rank] = new_group("gloo", clients[rank], rank, 2, timeout=20, host="127.0.0.1")
+
+        threads = [threading.Thread(target=build, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        received = torch.zeros(3)
+        work = groups[1].send([torch.arange(3.0)], 0, 7)
+        groups[0].recv([received], 1, 7).wait()
+        work.wait()
+        assert received.tolist() == [0.0, 1.0, 2.0]
+        groups.clear()
+        del work
+    finally:
+        for c in clients:
+            c.close()
+        server.close()
+
+
+def test_closing_a_client_wakes_a_thread_blocked_in_it():
+    """An abandoned rendezvous thread (a node failed meanwhile) ends when its store closes, instead of
+    holding the process until a timeout."""
+    server = StoreServer("127.0.0.1")
+    client = server.client(60.0)
+    errors: list[BaseException] = []
+
+    def blocked() -> None:
+        try:
+            client.wait(["never"])
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=blocked)
+    thread.start()
+    time.sleep(0.2)
+    start = time.monotonic()
+    client.close()
+    thread.join(5)
+    assert not thread.is_alive() and errors
+    assert time.monotonic() - start < 1
+    server.close()
 
 
 @pytest.mark.parametrize("pattern", ["%j", "job_%j", "sub/%j", ""])

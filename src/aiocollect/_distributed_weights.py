@@ -1,9 +1,11 @@
 """``DistributedWeightSync``: weights broadcast over a private ``torch.distributed`` process group.
 
-The trainer is rank 0, worker ``i`` is rank ``i + 1``. The group is **private**: a ``TCPStore`` of its
-own (a free port on 127.0.0.1, or ``init_method="tcp://host:port"``) and a process group built directly
-from it (``ProcessGroupGloo(store, rank, world_size, options)``; ``ProcessGroupNCCL`` for nccl). It never
-initialises or touches ``torch.distributed``'s default group, so the trainer can run its own (DDP).
+The trainer is rank 0, worker ``i`` is rank ``i + 1``. The group is **private**: an authenticated store
+of its own (``_transport._store``: a free port on 127.0.0.1, or ``init_method="tcp://host:port"``; its
+token travels to the workers with their receiver, on their authenticated control channel) and a
+process group built directly from it (``ProcessGroupGloo(store, rank, world_size, options)``;
+``ProcessGroupNCCL`` for nccl). It never initialises or touches ``torch.distributed``'s default group,
+so the trainer can run its own (DDP).
 
 How an update travels:
 
@@ -42,7 +44,8 @@ from tensordict import TensorDictBase
 
 from ._daemon import run_abandonable
 from ._transport._flat import FlatBuffer, FlatLayout, layout_of
-from ._transport._groups import check_backend, client_store, local_address, master_store, new_group, timedelta
+from ._transport._groups import check_backend, local_address, new_group, timedelta
+from ._transport._store import StoreAddress, StoreClient, StoreServer
 from ._weights import copy_weights, flat_weights
 from ._weightsync import SendFn, WeightReceiver, WeightSender, WeightSync
 
@@ -109,8 +112,13 @@ class _DistributedSender(WeightSender):
         self._buffer = FlatBuffer(self._layout, self._device)
         host, port = config._address()
         self._host = host
-        self._store: Any = master_store(host, port, config.timeout)
-        self._port = int(self._store.port)
+        self._server: StoreServer | None = StoreServer(host, port)
+        self._address = self._server.address
+        try:
+            self._store: StoreClient | None = self._server.client(config.timeout)
+        except BaseException:
+            self._server.close()
+            raise
         self._group: Any = None
         self._lock = threading.Lock()
         self._idle = threading.Event()  # no transfer in flight (set) or one is (cleared)
@@ -122,8 +130,7 @@ class _DistributedSender(WeightSender):
         return [
             _DistributedReceiverSpec(
                 backend=self._config.backend,
-                host=self._host,
-                port=self._port,
+                store=self._address,
                 world_size=self._num_workers + 1,
                 timeout=self._config.timeout,
                 interface=self._config.interface,
@@ -143,25 +150,31 @@ class _DistributedSender(WeightSender):
 
         def wait_ready() -> None:
             # a client of its own: a store client runs one operation at a time, and this one blocks
-            store = client_store(self._host, self._port, timeout)
+            store = StoreClient(self._address, timeout)
             try:
                 store.wait(ready, timedelta(timeout))
-            except RuntimeError as exc:  # torch's DistStoreError on timeout
+            except RuntimeError as exc:  # DistStoreError on timeout
                 raise TimeoutError(
                     f"DistributedWeightSync: {self._num_workers} workers did not all join within "
                     f"{timeout:g} s: {exc}"
                 ) from None
+            finally:
+                store.close()
 
+        store = self._store
+        assert store is not None
         try:
             await run_abandonable(wait_ready)
-            self._store.set("go", "1")
+            store.set("go", "1")
             await run_abandonable(self._build_group)
         except BaseException:
-            with contextlib.suppress(Exception):
-                self._store.set("abort", "1")
-                self._store.set("go", "1")  # wakes the workers that wait for it: they see the abort
+            # a fresh client: ours may be blocked in the abandoned group build
+            address = self._address
+            with contextlib.suppress(Exception), contextlib.closing(StoreClient(address, 5.0)) as aborter:
+                aborter.set("abort", "1")
+                aborter.set("go", "1")  # wakes the workers that wait for it: they see the abort
                 for key in ready:  # and our own waiting thread, if it still waits
-                    self._store.set(key, "abort")
+                    aborter.set(key, "abort")
             raise
 
     def _build_group(self) -> None:
@@ -265,17 +278,21 @@ class _DistributedSender(WeightSender):
         with self._lock:
             group, self._group = self._group, None
             store, self._store = self._store, None
+            server, self._server = self._server, None
             if self._broken is None:
                 self._broken = "it was closed"
-        del group, store
+        del group
+        if store is not None:
+            store.close()
+        if server is not None:
+            server.close()  # every worker's connection and thread ends here
 
 
 # -- worker side -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class _DistributedReceiverSpec:
     backend: str
-    host: str
-    port: int
+    store: StoreAddress  # with its token: the spec travels on an authenticated channel only
     world_size: int
     timeout: float
     interface: str | None
@@ -290,32 +307,40 @@ class _DistributedReceiver(WeightReceiver):
     def __init__(self, spec: _DistributedReceiverSpec, index: int) -> None:
         rank = index + 1
         self._device = torch.device(spec.device)
-        self._store: Any = client_store(spec.host, spec.port, spec.timeout)
-        # announce, then wait for the trainer's go (it also sets it after an abort, when another worker
-        # failed to start)
-        self._store.set(f"ready/{rank}", "1")
+        store = StoreClient(spec.store, spec.timeout)
+        self._store: StoreClient | None = store
         try:
-            self._store.wait(["go"], timedelta(spec.timeout))
-        except RuntimeError as exc:  # torch's DistStoreError on timeout
-            raise TimeoutError(
-                f"DistributedWeightSync: no rendezvous with the trainer within {spec.timeout:g} s: {exc}"
-            ) from None
-        if self._store.check(["abort"]):
-            raise RuntimeError("DistributedWeightSync: the trainer abandoned the rendezvous")
-        if self._device.type == "cuda":
-            torch.cuda.set_device(self._device)
-        self._group: Any = new_group(
-            spec.backend,
-            self._store,
-            rank,
-            spec.world_size,
-            timeout=spec.timeout,
-            host=local_address(spec.host, spec.port),
-            interface=spec.interface,
-        )
+            self._group: Any = self._join_group(spec, store, rank)
+        except BaseException:
+            store.close()
+            raise
         self._buffer = FlatBuffer(spec.layout, self._device)
         self._pending: int | None = None
         self._newest = 0
+
+    def _join_group(self, spec: _DistributedReceiverSpec, store: StoreClient, rank: int) -> Any:
+        # announce, then wait for the trainer's go (it also sets it after an abort, when another worker
+        # failed to start)
+        store.set(f"ready/{rank}", "1")
+        try:
+            store.wait(["go"], timedelta(spec.timeout))
+        except RuntimeError as exc:  # DistStoreError on timeout
+            raise TimeoutError(
+                f"DistributedWeightSync: no rendezvous with the trainer within {spec.timeout:g} s: {exc}"
+            ) from None
+        if store.check(["abort"]):
+            raise RuntimeError("DistributedWeightSync: the trainer abandoned the rendezvous")
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+        return new_group(
+            spec.backend,
+            store,
+            rank,
+            spec.world_size,
+            timeout=spec.timeout,
+            host=local_address(spec.store.host, spec.store.port),
+            interface=spec.interface,
+        )
 
     def on_message(self, message: Any) -> bool:
         if not isinstance(message, _Transfer):
@@ -360,7 +385,9 @@ class _DistributedReceiver(WeightReceiver):
 
     def close(self) -> None:
         self._group = None
-        self._store = None
+        store, self._store = self._store, None
+        if store is not None:
+            store.close()
 
 
 # -- the scheme ------------------------------------------------------------------------------------
@@ -368,7 +395,8 @@ class DistributedWeightSync(WeightSync):
     """Weights broadcast from the trainer (rank 0) to the workers (ranks 1..N) over a private
     ``torch.distributed`` process group; workers load them at their next batch boundary.
 
-    The group has its own ``TCPStore`` and never touches ``torch.distributed``'s default group, so the
+    The group has its own store (authenticated with a random token, unlike torch's ``TCPStore``) and
+    never touches ``torch.distributed``'s default group, so the
     trainer may run its own (DDP). All weights travel as one contiguous buffer; an update to every worker
     is one ``broadcast``, an update to a subset (``worker_ids=``) one point-to-point ``send`` per targeted
     worker. The trainer waits for the transfer in a thread: the event loop keeps running.

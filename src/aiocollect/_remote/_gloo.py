@@ -7,11 +7,11 @@ Roles: the trainer is rank 0, node ``i`` is rank ``i + 1``. Three channels conne
   "collect one batch", calls (seed, state dict), weight-transfer notices, "close", and from the node its
   batch notices, results and errors. The trainer waits on it with ``anyio.wait_readable``; EOF means the
   node died. No store is polled.
-* **data**: a process group of our own (a ``TCPStore`` and a ``ProcessGroupGloo``/``ProcessGroupNCCL``
-  built directly, never ``init_process_group``), so the trainer's default group (DDP) is untouched. A node
-  packs a batch into one contiguous byte buffer and ``send``s it; the first notice carries the layout
-  (keys, dtypes, shapes), the trainer allocates one receive buffer per node and ``recv``s into it; the
-  ``Work`` is waited on in a thread.
+* **data**: a process group of our own (an authenticated store, ``_transport._store``, and a
+  ``ProcessGroupGloo``/``ProcessGroupNCCL`` built directly, never ``init_process_group``), so the
+  trainer's default group (DDP) is untouched. A node packs a batch into one contiguous byte buffer and
+  ``send``s it; the first notice carries the layout (keys, dtypes, shapes), the trainer allocates one
+  receive buffer per node and ``recv``s into it; the ``Work`` is waited on in a thread.
 * **weights**: :class:`~aiocollect.DistributedWeightSync` (its own private group): one broadcast for all
   nodes, point-to-point sends for a subset; a node loads them into its collector between batches.
 """
@@ -36,14 +36,9 @@ from .._distributed_weights import DistributedWeightSync
 from .._errors import RemoteFailure
 from .._gather import gather
 from .._transport._flat import FlatBuffer, layout_of
-from .._transport._groups import (
-    check_backend,
-    client_store,
-    interface_from_env,
-    master_store,
-    new_group,
-)
+from .._transport._groups import check_backend, interface_from_env, new_group
 from .._transport._messages import Result
+from .._transport._store import StoreClient, StoreServer
 from .._transport._wire import AsyncChannel
 from .._weights import module_weights
 from ._messages import BatchNotice, CallFailed, Close, Collect, Loaded, NodeBatch, NodeReady, Request, Setup
@@ -96,7 +91,7 @@ async def run_node(chan: AsyncChannel, setup: Setup, where: str) -> None:
         my_host = chan.sock.getsockname()[0]  # the address that routes to the trainer
 
         def join() -> tuple[Any, Any]:
-            store = client_store(t["host"], t["port"], t["timeout"])
+            store = StoreClient(t["store"], t["timeout"])  # its address and token came on the control channel
             group = _data_group(t["backend"], store, rank, setup.num_nodes + 1, my_host, t["timeout"])
             return store, group
 
@@ -162,7 +157,8 @@ async def run_node(chan: AsyncChannel, setup: Setup, where: str) -> None:
             with contextlib.suppress(Exception):
                 if receiver is not None:
                     receiver.close()
-            store = group = None  # noqa: F841 - drop the node's side of the group before exiting
+            group = None  # drop the node's side of the group before exiting
+            store.close()
 
 
 class DistributedCollector(RemoteCollectorBase):
@@ -234,7 +230,8 @@ class DistributedCollector(RemoteCollectorBase):
         check_backend(backend)
         self.backend = backend
         super().__init__(create_env_fn, policy, **kwargs)
-        self._store: Any = None
+        self._store_server: StoreServer | None = None
+        self._store: StoreClient | None = None
         self._group: Any = None
         self._sender: Any = None
         self._receivers: list[Any] = []
@@ -244,7 +241,8 @@ class DistributedCollector(RemoteCollectorBase):
     async def _open_transport(self, host: str) -> None:
         self._host = host
 
-        self._store = await anyio.to_thread.run_sync(master_store, host, 0, _TIMEOUT)
+        self._store_server = server = StoreServer(host)
+        self._store = await anyio.to_thread.run_sync(server.client, _TIMEOUT)
         if self._weights_template is not None:
             scheme = DistributedWeightSync(
                 backend="nccl" if self.backend == "nccl" else "gloo",
@@ -259,8 +257,7 @@ class DistributedCollector(RemoteCollectorBase):
 
     def _transport_setup(self, index: int) -> dict[str, Any]:
         return {
-            "host": self._host,
-            "port": int(self._store.port),
+            "store": self._store_server.address if self._store_server is not None else None,
             "backend": self.backend,
             "timeout": _TIMEOUT,
             "weights": self._receivers[index] if self._receivers else None,
@@ -335,7 +332,12 @@ class DistributedCollector(RemoteCollectorBase):
             self._sender.close()
             self._sender = None
         self._group = None
-        self._store = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        if self._store_server is not None:
+            self._store_server.close()
+            self._store_server = None
 
 
 class DistributedSyncCollector(DistributedCollector):

@@ -44,6 +44,8 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from ._processes import ExternalNode, JobNode, MPNode, NodeProcess
+
 _MAGIC = b"AIOCOLL1"
 _HELLO = struct.Struct("!8s16sii")  # magic, token, rank (-1: any), pid
 #: environment variable naming the rendezvous file of a delayed launch
@@ -129,22 +131,29 @@ def node_entry(address: TrainerAddress, rank: int, ignore_sigint: bool = False) 
     stop or until the trainer goes away."""
     if ignore_sigint:  # a local node: Ctrl-C goes to the trainer, which stops us
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with contextlib.suppress(OSError):
+            # lead a process group: the trainer kills it once we ended, with what we left (a forkserver)
+            os.setpgid(0, 0)
     sock = connect(address, rank)
     try:
         anyio.run(_serve, sock, rank)
     finally:
-        _stop_forkserver()
+        stop_forkserver()
 
 
-def _stop_forkserver() -> None:
+def stop_forkserver() -> None:
     """End the forkserver that started this node's workers now: left alone, it notices that the node
-    exited only seconds later (and outlives the collector's ``async with``)."""
+    exited only seconds later (and outlives the collector's ``async with``), and even a graceful stop
+    waits 3-5 s for its interpreter (torch preloaded) to shut down. Its workers are gone by now (the
+    collector reaped them), and it holds no state: it is killed, then reaped."""
     from multiprocessing import forkserver
 
     server = getattr(forkserver, "_forkserver", None)
-    if server is not None and getattr(server, "_forkserver_pid", None) is not None:
+    pid = getattr(server, "_forkserver_pid", None)
+    if server is not None and pid is not None:
         with contextlib.suppress(Exception):
-            server._stop()  # closes its "alive" pipe (it exits at once) and reaps it
+            os.kill(pid, signal.SIGKILL)
+            server._stop()  # closes its "alive" pipe and reaps it
 
 
 def _leaf(exc: BaseException) -> BaseException:
@@ -195,133 +204,6 @@ def delayed_node_entry(rendezvous: str, rank: int, timeout: float) -> None:
     node_entry(TrainerAddress.from_json(path.read_text()), rank)
 
 
-# -- trainer side: started nodes -------------------------------------------------------------------
-class NodeProcess(abc.ABC):
-    """A started node, as its launcher sees it."""
-
-    @property
-    @abc.abstractmethod
-    def exitcode(self) -> int | None:
-        """The exit code once it ended, when the launcher knows it."""
-
-    @abc.abstractmethod
-    async def wait(self) -> None:
-        """Return when the node ended (never returns for a node the launcher cannot watch)."""
-
-    @abc.abstractmethod
-    async def stop(self, grace: float) -> None:
-        """Wait up to ``grace`` seconds for it to end, then end it (terminate, then kill)."""
-
-    def describe(self) -> str:
-        return ""
-
-
-class _MPNode(NodeProcess):
-    def __init__(self, process: Any) -> None:
-        self.process = process
-        self.pid = process.pid
-        self._exited = anyio.Event()
-        self._watching = False
-
-    @property
-    def exitcode(self) -> int | None:
-        return self.process.exitcode
-
-    async def wait(self) -> None:
-        if not self._watching:
-            self._watching = True
-            try:
-                if self.process.exitcode is None:
-                    # the sentinel is readable once the process ended: no polling
-                    await anyio.wait_readable(self.process.sentinel)
-                await anyio.to_thread.run_sync(self.process.join)
-            finally:
-                self._watching = False
-            self._exited.set()
-        await self._exited.wait()
-
-    async def stop(self, grace: float) -> None:
-        with anyio.CancelScope(shield=True):
-            if self.process.exitcode is None:
-                await anyio.to_thread.run_sync(self.process.join, grace)
-            if self.process.exitcode is None:
-                self.process.terminate()
-                await anyio.to_thread.run_sync(self.process.join, 2.0)
-            if self.process.exitcode is None:
-                self.process.kill()
-                await anyio.to_thread.run_sync(self.process.join)
-
-    def describe(self) -> str:
-        return f"pid {self.pid}"
-
-
-class _JobNode(NodeProcess):
-    """A submitit job (local or Slurm)."""
-
-    def __init__(self, job: Any) -> None:
-        self.job = job
-        self._exited = anyio.Event()
-
-    @property
-    def _popen(self) -> Any:
-        return getattr(self.job, "_process", None)  # LocalJob keeps its subprocess.Popen there
-
-    @property
-    def pid(self) -> int | None:
-        popen = self._popen
-        return popen.pid if popen is not None else None
-
-    @property
-    def exitcode(self) -> int | None:
-        popen = self._popen
-        return popen.poll() if popen is not None else None
-
-    async def wait(self) -> None:
-        popen = self._popen
-        if popen is not None:
-            await anyio.to_thread.run_sync(popen.wait, abandon_on_cancel=True)
-        else:  # a Slurm job: submitit's own watcher polls the scheduler, in a thread
-            await anyio.to_thread.run_sync(self.job.wait, abandon_on_cancel=True)
-        self._exited.set()
-
-    async def stop(self, grace: float) -> None:
-        with anyio.CancelScope(shield=True):
-            popen = self._popen
-            if popen is not None:
-                with contextlib.suppress(Exception):
-                    await anyio.to_thread.run_sync(popen.wait, grace)
-                if popen.poll() is None:
-                    popen.terminate()
-                    with contextlib.suppress(Exception):
-                        await anyio.to_thread.run_sync(popen.wait, 2.0)
-                if popen.poll() is None:
-                    popen.kill()
-                    await anyio.to_thread.run_sync(popen.wait)
-                return
-            with anyio.move_on_after(grace):
-                await self._exited.wait()
-            if not self._exited.is_set():
-                with contextlib.suppress(Exception):
-                    await anyio.to_thread.run_sync(functools.partial(self.job.cancel, check=False))
-
-    def describe(self) -> str:
-        return f"submitit job {self.job.job_id}"
-
-
-class _ExternalNode(NodeProcess):
-    """A node started by someone else (the delayed launcher): only its connection tells it ended."""
-
-    @property
-    def exitcode(self) -> int | None:
-        return None
-
-    async def wait(self) -> None:
-        await anyio.sleep_forever()
-
-    async def stop(self, grace: float) -> None:
-        return None
-
-
 # -- launchers -------------------------------------------------------------------------------------
 class Launcher(abc.ABC):
     #: where the control listener binds and what address nodes are given
@@ -352,7 +234,7 @@ class MPLauncher(Launcher):
                 target=node_entry, args=(address, rank, True), name=f"aiocollect-node-{rank}", daemon=False
             )
             await anyio.to_thread.run_sync(process.start)
-            nodes[rank] = _MPNode(process)
+            nodes[rank] = MPNode(process)
         return nodes
 
 
@@ -434,7 +316,7 @@ class SubmititLauncher(Launcher):
             return jobs
 
         jobs = await anyio.to_thread.run_sync(submit)
-        return {rank: _JobNode(job) for rank, job in zip(ranks, jobs, strict=True)}
+        return {rank: JobNode(job) for rank, job in zip(ranks, jobs, strict=True)}
 
 
 class DelayedLauncher(Launcher):
@@ -459,7 +341,7 @@ class DelayedLauncher(Launcher):
             tmp.replace(self.path)  # atomic: a node never reads half a file
 
         await anyio.to_thread.run_sync(publish)
-        return {rank: _ExternalNode() for rank in ranks}
+        return {rank: ExternalNode() for rank in ranks}
 
 
 def make_launcher(launcher: Any, slurm_kwargs: Mapping[str, Any] | None) -> Launcher:
@@ -570,6 +452,7 @@ __all__ = [
     "check_hello",
     "connect",
     "delayed_node_entry",
+    "stop_forkserver",
     "hello",
     "make_launcher",
     "new_token",

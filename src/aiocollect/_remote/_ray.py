@@ -24,7 +24,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from tensordict import TensorDictBase
 
 from .._collector import Collector
-from .._errors import CollectorClosedError
+from .._errors import CollectorClosedError, WorkerTimeoutError
 from .._events import (
     WeightsLoaded,
     WeightsPublished,
@@ -45,10 +45,12 @@ from ._args import (
     member_rollouts,
     payloads,
     per_member,
+    seconds_or_none,
     split_frames,
     weight_plan,
 )
 from ._messages import ControlOp
+from ._nodes import DEFAULT_PROGRESS_TIMEOUT
 from ._ray_actor import unwrap_ray_error
 from ._ray_fleet import DEFAULT_REMOTE_CONFIG, Actor, ActorFleet
 from ._ray_wire import from_wires, weights_to_wire
@@ -135,6 +137,9 @@ class RayCollector(ActorFleet):
         weights: a :class:`~aiocollect.WeightSchedule` instead of the two keywords above.
         replay_buffer: batches go there (``extend`` runs in a worker thread) and ``async for`` yields
             ``None``; :meth:`start` collects into it in the background.
+        progress_timeout: seconds an actor may take to deliver one batch (default 600: generous, so that
+            a hung env or policy is noticed without any setting); then the collector fails with
+            ``WorkerTimeoutError`` naming the actor, which is killed at once. ``None``: no limit.
         progress: as for :class:`Collector`.
 
     Example:
@@ -166,11 +171,13 @@ class RayCollector(ActorFleet):
         update_at_each_batch: bool = False,
         max_weight_update_interval: int | None = None,
         replay_buffer: Any = None,
+        progress_timeout: float | None = DEFAULT_PROGRESS_TIMEOUT,
         progress: Any = None,
         update_after_each_batch: Any = UNSET,
         weights: WeightSchedule | None = None,
     ) -> None:
         n = self.num_collectors = positive_int("num_collectors", num_collectors)
+        self._progress_timeout = seconds_or_none("progress_timeout", progress_timeout)
         self.total_frames = total_frames_arg(total_frames)
         self._sync = flag("sync", sync)
         self.replay_buffer = replay_buffer_arg(replay_buffer)
@@ -210,6 +217,7 @@ class RayCollector(ActorFleet):
         self._init_base(progress)
         self._ray: Any = None
         self._started_ray = False
+        self._watchdog = None
         self._entered = False
         self._actors: list[Actor] = []
         self._version = 0
@@ -262,7 +270,7 @@ class RayCollector(ActorFleet):
     async def _wait_one(self, actor: Actor, ref: Any) -> None:
         """Async mode, in the task group: await one batch and hand it (or its error) to ``__anext__``."""
         try:
-            out: Any = await self._await(ref)
+            out: Any = await self._await_batch(actor, ref)
         except Exception as exc:
             out = exc
         send = self._results_send
@@ -271,6 +279,25 @@ class RayCollector(ActorFleet):
                 await send.send((actor.index, out))
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 pass
+
+    async def _await_batch(self, actor: Actor, ref: Any) -> Any:
+        """``ref`` (an actor's next batch); an actor that takes longer than ``progress_timeout`` is
+        ``WorkerTimeoutError`` naming it (and is killed, not closed, when the collector closes)."""
+        timeout = self._progress_timeout
+        if timeout is None:
+            return await self._await(ref)
+        with anyio.move_on_after(timeout):
+            return await self._await(ref)
+        actor.hung = True
+        actor_id = getattr(getattr(actor.handle, "_actor_id", None), "hex", lambda: None)()
+        info = actor.info
+        where = f"actor {actor.index} (Ray actor {actor_id}" + (
+            f", {info['hostname']}, pid {info['pid']})" if "pid" in info else ")"
+        )
+        raise WorkerTimeoutError(
+            f"{where} delivered no batch within progress_timeout={timeout:g} s: a hung env or policy? "
+            "(give a larger progress_timeout for slower batches, or None for no limit)"
+        )
 
     def _delivered_by(self, actor: Actor, meta: dict[str, Any]) -> list[tuple[int, float, int]]:
         actor.frames += int(meta["frames"])
@@ -322,7 +349,7 @@ class RayCollector(ActorFleet):
 
         async def one(actor: Actor, ref: Any) -> Any:
             try:
-                return await self._await(ref)
+                return await self._await_batch(actor, ref)
             except Exception as exc:
                 error = self._failed_actor(actor, exc, "next batch")
                 raise error from error.__cause__

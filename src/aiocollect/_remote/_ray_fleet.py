@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import os
 import socket
 import time
 import warnings
@@ -29,6 +30,7 @@ from .._options import RolloutOptions
 from .._pids import pid_alive
 from .._stats import WorkerState
 from ._ray_actor import actor_class, import_ray, unwrap_ray_error
+from ._ray_reaper import Watchdog, descendants, start_watchdog
 
 #: remote options used unless ``remote_config`` says otherwise
 DEFAULT_REMOTE_CONFIG: dict[str, Any] = {"num_cpus": 1}
@@ -59,6 +61,8 @@ class Actor:
     pending: tuple[int, Any] | None = None
     #: processes that were still under the actor when its collector closed
     leftover: list[int] = field(default_factory=list)
+    #: it missed ``progress_timeout``: killed without a graceful close
+    hung: bool = False
 
 
 class ActorFleet(FleetCollector):
@@ -74,6 +78,7 @@ class ActorFleet(FleetCollector):
     _ray_init_config: dict[str, Any] | None
     _ray: Any
     _started_ray: bool
+    _watchdog: Watchdog | None
     _entered: bool
     _actors: list[Actor]
     _limiter: anyio.CapacityLimiter | None
@@ -111,6 +116,8 @@ class ActorFleet(FleetCollector):
                 )
             await anyio.to_thread.run_sync(partial(ray.init, **config))
             self._started_ray = True
+            # kills the cluster's processes should this process die without shutting it down
+            self._watchdog = await anyio.to_thread.run_sync(start_watchdog)
         elif self._ray_init_config is not None:
             warnings.warn(
                 "ray is initialised already: ray_init_config is ignored (this collector uses that cluster)",
@@ -144,6 +151,9 @@ class ActorFleet(FleetCollector):
             infos = await placed()
         for actor, info in zip(self._actors, infos, strict=True):
             actor.info = info
+        watchdog = self._watchdog
+        if watchdog is not None:  # the cluster we started runs, its agents and our actors with it
+            await anyio.to_thread.run_sync(lambda: watchdog.watch(descendants(os.getpid())))
         fpbs = await gather(
             *[partial(self._call, a, a.handle.start.remote, what="start") for a in self._actors]
         )
@@ -203,7 +213,7 @@ class ActorFleet(FleetCollector):
             actors = [a for a in self._actors if a.state != WorkerState.STOPPED]
             if actors:
                 with anyio.move_on_after(_CLOSE_GRACE):
-                    await gather(*[partial(self._close_one, a) for a in actors])
+                    await gather(*[partial(self._close_one, a) for a in actors if not a.hung])
                 await anyio.to_thread.run_sync(self._kill, actors)
                 for actor in actors:
                     if actor.state != WorkerState.FAILED:
@@ -211,7 +221,12 @@ class ActorFleet(FleetCollector):
                     self._hub.publish(WorkerStopped(actor.index))
             if self._started_ray:
                 self._started_ray = False
-                await anyio.to_thread.run_sync(self._ray.shutdown)
+                try:
+                    await anyio.to_thread.run_sync(self._ray.shutdown)
+                finally:
+                    if (watchdog := self._watchdog) is not None:
+                        self._watchdog = None
+                        await anyio.to_thread.run_sync(watchdog.close)
 
     async def _close_one(self, actor: Actor) -> None:
         try:

@@ -39,7 +39,7 @@ from .._daemon import run_abandonable
 from .._errors import RemoteFailure, as_error
 from .._gather import gather
 from .._transport._flat import rebuild
-from .._transport._groups import client_store, master_store
+from .._transport._store import StoreClient, StoreServer
 from .._transport._wire import AsyncChannel
 from ._messages import (
     Close,
@@ -69,6 +69,12 @@ def _rpc() -> Any:
     return rpc
 
 
+#: the trainer's agent: torch keeps the first agent of a process alive for good (its RRef context holds
+#: it, and ``rpc.shutdown`` cannot release it), so it gets few threads and the TCP transport only (the
+#: shared-memory one keeps dozens of memfds open per connection); its peers (nodes) agree on TCP with it
+_TRAINER_OPTIONS = {"num_worker_threads": 4, "_transports": ["uv"]}
+
+
 def _options(options: Mapping[str, Any]) -> Any:
     rpc = _rpc()
     return rpc.TensorPipeRpcBackendOptions(init_method="tcp://unused:1", **dict(options))
@@ -80,9 +86,9 @@ def _init_agent(t: Mapping[str, Any], rank: int) -> None:
     rpc = _rpc()
     import torch.distributed.autograd as dist_autograd
 
-    store = t.get("store")
-    if store is None:
-        store = client_store(t["host"], t["port"], t["timeout"])
+    store = t.get("client")
+    if store is None:  # a node: the store's address and token came on the control channel
+        store = StoreClient(t["store"], t["timeout"])
     prefixed = dist.PrefixStore(t["prefix"], store)
     dist_autograd._init(rank)
     with warnings.catch_warnings():
@@ -212,7 +218,8 @@ class RPCCollector(RemoteCollectorBase):
         super().__init__(create_env_fn, policy, **kwargs)
         self._tp_options = options
         self._rpc_timeout = float(rpc_timeout)
-        self._store: Any = None
+        self._store_server: StoreServer | None = None
+        self._store: StoreClient | None = None
         self._names: list[str] = []
         self._agent = False
         self._host = "127.0.0.1"
@@ -226,7 +233,8 @@ class RPCCollector(RemoteCollectorBase):
             )
         self._host = host
 
-        self._store = await anyio.to_thread.run_sync(master_store, host, 0, _TIMEOUT)
+        self._store_server = server = StoreServer(host)
+        self._store = await anyio.to_thread.run_sync(server.client, _TIMEOUT)
         tag = secrets.token_hex(4)
         self._prefix = f"aiocollect-{tag}"
         self._names = [f"aiocollect-{tag}-trainer"] + [
@@ -235,8 +243,7 @@ class RPCCollector(RemoteCollectorBase):
 
     def _transport_setup(self, index: int) -> dict[str, Any]:
         return {
-            "host": self._host,
-            "port": int(self._store.port),
+            "store": self._store_server.address if self._store_server is not None else None,
             "prefix": self._prefix,
             "names": self._names,
             "options": self._tp_options,
@@ -244,7 +251,8 @@ class RPCCollector(RemoteCollectorBase):
         }
 
     async def _connect_transport(self) -> None:
-        t = {**self._transport_setup(0), "store": self._store}
+        t = {**self._transport_setup(0), "client": self._store}
+        t["options"] = {**_TRAINER_OPTIONS, **self._tp_options}
         self._agent = True
         await run_abandonable(_init_agent, t, 0)  # a daemon thread: an abandoned one cannot hold the exit
 
@@ -293,7 +301,12 @@ class RPCCollector(RemoteCollectorBase):
         if self._agent:
             self._agent = False
             _shutdown_agent()
-        self._store = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        if self._store_server is not None:
+            self._store_server.close()
+            self._store_server = None
 
 
 __all__ = ["RPCCollector"]

@@ -1,13 +1,12 @@
-"""Private ``torch.distributed`` process groups: a master store bound to one address, and groups built on it.
+"""Private ``torch.distributed`` process groups, built on a store (``_store``'s authenticated one).
 
 A group made here is never registered with ``torch.distributed`` (its default group, if the trainer runs
-one for DDP, is untouched): it is built straight from a ``TCPStore`` with ``ProcessGroupGloo`` /
-``ProcessGroupNCCL`` / ``ProcessGroupUCC``. Used by ``DistributedWeightSync`` and by the
-``torch.distributed`` collectors.
+one for DDP, is untouched): it is built straight from a store (``_store.StoreClient``) with
+``ProcessGroupGloo`` / ``ProcessGroupNCCL`` / ``ProcessGroupUCC``. Used by ``DistributedWeightSync``
+and by the ``torch.distributed`` collectors.
 
 API: ``check_backend(backend, choices)`` (ValueError for a backend out of ``choices``, RuntimeError for
-one this torch lacks); ``master_store(host, port, timeout)`` (the rank-0 store, listening on ``host``
-only); ``client_store(host, port, timeout)``; ``new_group(backend, store, rank, world_size, timeout=...,
+one this torch lacks); ``new_group(backend, store, rank, world_size, timeout=...,
 host=..., interface=..., cuda_device=...)``; ``interface_from_env()`` (``GLOO_SOCKET_IFNAME``'s first
 entry); ``local_address(host, port)`` (this machine's address on the route to ``host``); ``timedelta``.
 """
@@ -26,10 +25,8 @@ import torch.distributed as dist
 __all__ = [
     "ALL_BACKENDS",
     "check_backend",
-    "client_store",
     "interface_from_env",
     "local_address",
-    "master_store",
     "new_group",
     "timedelta",
 ]
@@ -66,35 +63,6 @@ def check_backend(backend: str, choices: Sequence[str] = ALL_BACKENDS) -> None:
     available["ucc"] = getattr(dist, "is_ucc_available", lambda: False)()
     if not available[backend]:
         raise RuntimeError(f"this torch build has no {backend!r} backend (torch {torch.__version__})")
-
-
-def master_store(host: str, port: int, timeout: float) -> Any:
-    """The master ``TCPStore`` of a group, listening on ``host`` only (``port`` 0: a free one): torch's own
-    listens on every interface (``*``), whatever ``host`` says. We bind the socket and hand it over (the
-    store owns it and closes it)."""
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(1024)
-        bound_port = sock.getsockname()[1]
-    except BaseException:
-        sock.close()
-        raise
-    return dist.TCPStore(
-        host,
-        bound_port,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timedelta(timeout),
-        master_listen_fd=sock.detach(),
-    )
-
-
-def client_store(host: str, port: int, timeout: float) -> Any:
-    """A client of the ``TCPStore`` at ``host:port``."""
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(timeout))
 
 
 def interface_from_env() -> str | None:
