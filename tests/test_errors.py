@@ -11,7 +11,13 @@ import cloudpickle
 import pytest
 
 import aiocollect
-from aiocollect import CollectorClosedError, WorkerDiedError, WorkerError, WorkerTimeoutError
+from aiocollect import (
+    CollectorClosedError,
+    RemoteConnectionError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerTimeoutError,
+)
 from aiocollect._errors import RemoteFailure, worker_died, worker_error
 
 
@@ -21,6 +27,9 @@ def _examples() -> dict[type, BaseException]:
         WorkerTimeoutError: WorkerTimeoutError("worker 1 did not deliver within worker_timeout=5 s"),
         WorkerDiedError: WorkerDiedError(3, -9),
         WorkerError: worker_error("mymod.Boom", "it broke", "Traceback ...\nmymod.Boom: it broke\n"),
+        RemoteConnectionError: RemoteConnectionError(
+            "the env server at ws://127.0.0.1:1 closed the connection"
+        ),
     }
 
 
