@@ -166,7 +166,7 @@ async def test_sync_stacks_one_batch_per_actor(ray_cluster):
     assert sum(b.numel() for b in batches) == 128
     assert stats.frames == 128 and stats.batches == 4
     assert [w.frames for w in stats.workers] == [64, 64]
-    assert {w.state for w in stats.workers} == {"collecting"}  # read inside the block
+    assert {w.state for w in stats.workers} == {"stopped"}  # inside the block, budget delivered
     # the weights pushed after batch 1 run every later batch (sync: actors idle between batches)
     assert actions(batches[0]) == {0.0}
     for b in batches[1:]:

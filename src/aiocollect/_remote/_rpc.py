@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import threading
 import warnings
 from collections.abc import Mapping
 from functools import partial
@@ -56,6 +57,9 @@ from ._nodes import RemoteNode
 from ._trainer import RemoteCollectorBase
 
 _TIMEOUT = 120.0
+#: how long closing waits for an abandoned rendezvous (a node failed during start-up) to end once its store
+#: is closed, so that no agent thread outlives the interpreter (a joinable C++ thread aborts the exit)
+_ABANDONED_INIT_GRACE = 10.0
 _NODE: NodeCore | None = None
 _PORTAL: Any = None
 _WHERE = ""
@@ -222,6 +226,7 @@ class RPCCollector(RemoteCollectorBase):
         self._store: StoreClient | None = None
         self._names: list[str] = []
         self._agent = False
+        self._init_done: threading.Event | None = None
         self._host = "127.0.0.1"
 
     async def _open_transport(self, host: str) -> None:
@@ -254,7 +259,15 @@ class RPCCollector(RemoteCollectorBase):
         t = {**self._transport_setup(0), "client": self._store}
         t["options"] = {**_TRAINER_OPTIONS, **self._tp_options}
         self._agent = True
-        await run_abandonable(_init_agent, t, 0)  # a daemon thread: an abandoned one cannot hold the exit
+        self._init_done = done = threading.Event()
+
+        def init() -> None:
+            try:
+                _init_agent(t, 0)
+            finally:
+                done.set()
+
+        await run_abandonable(init)  # a daemon thread: an abandoned one cannot hold the exit
 
     async def _rpc_async(self, node: RemoteNode, op: ControlOp, rpc_timeout: float | None = None) -> Any:
         rpc = _rpc()
@@ -300,7 +313,16 @@ class RPCCollector(RemoteCollectorBase):
     def _close_transport(self) -> None:
         if self._agent:
             self._agent = False
+            if self._init_done is not None and not self._init_done.is_set():
+                # the rendezvous was abandoned (a node failed during start-up): closing the store ends
+                # it; whatever agent it made is then shut down, so none of its threads is still running
+                # (joinable) when the interpreter exits, which aborts the process
+                self._close_stores()
+                self._init_done.wait(_ABANDONED_INIT_GRACE)
             _shutdown_agent()
+        self._close_stores()
+
+    def _close_stores(self) -> None:
         if self._store is not None:
             self._store.close()
             self._store = None
