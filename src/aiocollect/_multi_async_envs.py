@@ -11,7 +11,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
-from ._async_collector import _max_wait_arg
+from ._async_collector import max_wait_arg
 from ._async_collector_envs import env_fns_arg as async_env_fns_arg
 from ._async_collector_worker import EnvShare, WorkerConfig, run_async_worker
 from ._multi_async import MultiAsyncCollector
@@ -152,7 +152,7 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
         self._async_config = WorkerConfig(
             offsets=tuple(offsets),
             min_batch=optional_positive_int("min_batch", min_batch, fix="None: half of a worker's envs"),
-            max_wait=_max_wait_arg(max_wait),
+            max_wait=max_wait_arg(max_wait),
             max_frames_per_traj=optional_positive_int("max_frames_per_traj", max_frames_per_traj),
             exploration_type=exploration_type_arg(exploration_type),
             seed=seed_arg(seed),
