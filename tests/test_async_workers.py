@@ -57,15 +57,22 @@ async def test_update_weights_reach_every_worker(leaks) -> None:
                 policy.offset.fill_(1)
             assert await c.update_weights(policy, wait=True) == 1
             assert c.policy_version == 1
-            later = [await c.__anext__() for _ in range(6)]
+            later: list = []
+            updated: set[int] = set()  # the workers that delivered frames of version 1
+            while updated != {0, 1}:
+                later.append(batch := await c.__anext__())
+                if (batch["collector", "policy_version"] == 1).any():
+                    updated.add(int(batch["collector", "worker_id"][0]))
             assert all(w.policy_version == 1 for w in c.statistics().workers)
     assert (first["collector", "policy_version"] == 0).all()
     data = torch.cat([first, *later])
     version = data["collector", "policy_version"]
     step = data["observation"][:, 2].long()
     assert torch.equal(data["action"], (step + version) % 4)  # each frame's action from its version
-    new = data[version == 1]
-    assert set(new["collector", "worker_id"].tolist()) == {0, 1}
+    # a worker's frames switch to version 1 once, and stay there
+    for w in (0, 1):
+        mine = version[data["collector", "worker_id"] == w]
+        assert mine[-1] == 1 and (mine.diff() >= 0).all()
     with pytest.raises(ValueError, match="flush"):
         await MultiAsyncEnvCollector(shares(1, 1), policy, frames_per_batch=4).update_weights(flush=True)
 
@@ -111,6 +118,8 @@ async def test_bad_input_before_any_process() -> None:
         MultiAsyncEnvCollector([[Counter]], frames_per_batch=8, loop="tornado")
     with pytest.raises(ValueError, match="max_wait"):
         MultiAsyncEnvCollector([[Counter]], frames_per_batch=8, max_wait=-1)
+    with pytest.warns(UserWarning, match="fewer than its 20 envs"):
+        MultiAsyncEnvCollector([[Counter] * 20], frames_per_batch=8)
     c = MultiAsyncEnvCollector([[Counter]], frames_per_batch=8)
     with pytest.raises(TypeError, match="set_seed"):
         await c.set_seed(1)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -144,6 +145,7 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
         traj_id_stride: int = 1,
     ) -> None:
         shares = _shares_arg(env_fns_per_worker)
+        frames_per_batch = positive_int("frames_per_batch", frames_per_batch)
         if loop not in _LOOPS:
             raise ValueError(f"loop must be one of {_LOOPS} (the workers' event loop), got {loop!r}")
         offsets = [0]
@@ -161,10 +163,19 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
             loop=loop,
         )
         self.num_envs = offsets[-1] + len(shares[-1])
+        ahead = (1 + self._async_config.prefetch) * frames_per_batch
+        most = max(len(share) for share in shares)
+        if ahead < most:
+            warnings.warn(
+                f"(1 + prefetch) * frames_per_batch = {ahead} frames may be collected or stepping at once in "
+                f"a worker, fewer than its {most} envs: the others wait. Raise frames_per_batch or prefetch",
+                UserWarning,
+                stacklevel=2,
+            )
         super().__init__(
             [EnvShare(share) for share in shares],
             policy,
-            frames_per_batch=positive_int("frames_per_batch", frames_per_batch),
+            frames_per_batch=frames_per_batch,
             total_frames=total_frames,
             postproc=_Finish(flag("split_trajs", split_trajs), optional_callable("postproc", postproc)),
             replay_buffer=replay_buffer,
