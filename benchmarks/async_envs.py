@@ -4,6 +4,7 @@ against a pool of threads stepping the same envs.
     python benchmarks/async_envs.py                  # 1,000 envs, 3 interleaved rounds
     python benchmarks/async_envs.py --quick          # smoke run
     python benchmarks/async_envs.py --profile        # cProfile of one asyncio run (the hot path)
+    python benchmarks/async_envs.py --processes 0    # without MultiAsyncEnvCollector (default: 2)
 
 Each env is a CartPole (gymnasium's ``CartPoleEnv``) whose step also waits 5 ms: ``await anyio.sleep``
 for the async envs (1,000 of them on one loop: the limit is 1,000 / 5 ms = 200k steps/s), a blocking
@@ -16,8 +17,10 @@ process (all its threads): on a loaded machine the loop gets a fraction of a cor
 while the CPU time per frame says what one free core would give (about 1e6 / µs frames/s for the
 loop-bound async variants; the thread pool is bound by its sleeps, 64 / 5 ms = 12.8k). Also printed:
 the event loop's lag (a task that sleeps 1 ms and records how late it wakes) while the 1,000 envs run,
-and the distribution of the policy's batch sizes. ``gc.freeze()`` variants freeze the objects made
-before the run (see docs/async-envs.md, "Performance").
+and the distribution of the policy's batch sizes. ``MultiAsyncEnvCollector`` splits the same envs over
+``--processes`` worker processes (uvloop in each), batches of ``frames_per_batch / processes`` frames per
+worker; its ratio is to the one-loop uvloop variant (no ``gc.freeze()``) of the same round.
+``gc.freeze()`` variants freeze the objects made before the run (see docs/async-envs.md, "Performance").
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch
 from gymnasium.envs.classic_control import CartPoleEnv
 from torch import nn
 
-from aiocollect import AsyncEnvCollector
+from aiocollect import AsyncEnvCollector, MultiAsyncEnvCollector
 
 STEP_DELAY = 0.005
 
@@ -114,6 +117,34 @@ def measure_async(args: argparse.Namespace, policy: nn.Module, uvloop: bool, fre
     return out
 
 
+# -- the envs split over worker processes, an event loop in each ------------------------------------
+async def run_processes(args: argparse.Namespace, policy: nn.Module, out: dict[str, Any]) -> None:
+    shares = np.array_split(np.arange(args.envs), args.processes)
+    collector = MultiAsyncEnvCollector(
+        [[SlowCartPole] * len(share) for share in shares],
+        policy,
+        frames_per_batch=args.frames_per_batch // args.processes,
+        min_batch=args.min_batch,
+        max_wait=args.max_wait,
+        seed=0,
+        loop="uvloop",
+    )
+    async with collector:
+        it = aiter(collector)
+        for _ in range(args.processes):  # warm-up: a batch of each worker
+            await anext(it)
+        start, frames = time.perf_counter(), 0
+        while frames < args.frames:
+            frames += (await anext(it)).numel()
+        out["fps"] = frames / (time.perf_counter() - start)
+
+
+def measure_processes(args: argparse.Namespace, policy: nn.Module) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    anyio.run(run_processes, args, policy, out, backend="asyncio", backend_options={"use_uvloop": True})
+    return out
+
+
 # -- the thread-pool baseline -------------------------------------------------------------------------
 def measure_threads(args: argparse.Namespace, policy: nn.Module) -> dict[str, Any]:
     """``--threads`` threads, each stepping ``envs / threads`` envs with blocking 5 ms steps; one policy
@@ -185,6 +216,9 @@ def main() -> None:
     parser.add_argument("--min-batch", type=int, default=None)
     parser.add_argument("--max-wait", type=float, default=0.002)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--processes", type=int, default=2, help="worker processes of MultiAsyncEnvCollector (0: skip it)"
+    )
     parser.add_argument("--quick", action="store_true", help="100 envs, 20k frames, 1 round")
     parser.add_argument("--profile", action="store_true", help="cProfile one asyncio run and exit")
     args = parser.parse_args()
@@ -212,6 +246,8 @@ def main() -> None:
     ratios: dict[str, list[float]] = {name: [] for name in variants}
     lags: dict[str, list[float]] = {name: [] for name in variants}
     sizes: list[int] = []
+    procs: list[float] = []  # MultiAsyncEnvCollector's frames/s
+    proc_ratios: list[float] = []  # ... / one loop's (uvloop, no gc.freeze()) in the same round
     for r in range(args.rounds):
         out = measure_threads(args, policy)
         base = out["fps"]
@@ -225,7 +261,12 @@ def main() -> None:
             lags[name] += [x * 1e3 for x in out["lags"]]
             if name == "asyncio":
                 sizes += out["sizes"]
-        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in results.items()), flush=True)
+        if args.processes:
+            fps = measure_processes(args, policy)["fps"]
+            procs.append(fps)
+            proc_ratios.append(fps / results["uvloop"][-1])
+        extra = f", {args.processes} processes {procs[-1]:,.0f}" if args.processes else ""
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in results.items()) + extra)
     fpb = args.frames_per_batch
     print(f"\n{args.envs} envs, {STEP_DELAY * 1e3:.0f} ms a step, MLP policy, batches of {fpb}")
     head = f"| variant | frames/s (median of {args.rounds}) | x threads (median of ratios) | CPU µs/frame |"
@@ -241,6 +282,13 @@ def main() -> None:
     fps, us = statistics.median(results["threads"]), statistics.median(cpu["threads"])
     top = f"{max(results['threads']):,.0f}"
     print(f"| {args.threads} threads | {fps:,.0f} | 1.00 | {us:.1f} | {top} | |")
+    if args.processes:
+        fps, ratio = statistics.median(procs), statistics.median(proc_ratios)
+        print(
+            f"| MultiAsyncEnvCollector, {args.processes} processes (uvloop) | {fps:,.0f} | "
+            f"{statistics.median(p / t for p, t in zip(procs, results['threads'], strict=True)):.2f} | | "
+            f"{max(procs):,.0f} | x one loop (uvloop), median of rounds: {ratio:.2f} |"
+        )
     qs = "/".join(f"{percentile([float(s) for s in sizes], q):.0f}" for q in (5, 25, 50, 75, 95))
     print(f"\npolicy batch sizes (asyncio): {len(sizes)} calls, p5/p25/p50/p75/p95 = {qs}")
 

@@ -3,6 +3,7 @@ inference: print frames/s and the mean return.
 
     python examples/async_envs.py
     python examples/async_envs.py --num-envs 2000 --uvloop
+    python examples/async_envs.py --processes 2     # the envs split over 2 worker processes, a loop in each
 
 Each env is a CartPole behind a fake 5 ms round trip (a simulator on another machine, say). Stepping
 them from threads would take one thread per env in flight; here each env is a task on the collector's
@@ -24,7 +25,7 @@ import torch
 from gymnasium.envs.classic_control import CartPoleEnv
 from torch import nn
 
-from aiocollect import AsyncEnvCollector
+from aiocollect import AsyncEnvCollector, MultiAsyncEnvCollector
 
 
 @dataclass
@@ -35,6 +36,10 @@ class Args:
     latency_ms: float = field(default=5.0, metadata={"help": "the simulated network call of each step"})
     uvloop: bool = field(default=False, metadata={"help": "run the asyncio loop on uvloop"})
     seed: int = field(default=1, metadata={"help": "seeds the envs and the policy weights"})
+    processes: int = field(
+        default=0,
+        metadata={"help": "worker processes, each a loop over its share of the envs (0: one loop here)"},
+    )
 
 
 def parse_args() -> Args:
@@ -85,13 +90,25 @@ async def main(args: Args) -> None:
     torch.manual_seed(args.seed)
     policy = CategoricalMLP()
     latency = args.latency_ms / 1000
-    collector = AsyncEnvCollector(
-        [lambda: RemoteCartPole(latency)] * args.num_envs,
-        policy,
-        frames_per_batch=args.frames_per_batch,
-        total_frames=args.total_frames,
-        seed=args.seed,
-    )
+    collector: AsyncEnvCollector | MultiAsyncEnvCollector
+    if args.processes:  # MultiAsyncEnvCollector: each worker process runs a loop over its share
+        share = args.num_envs // args.processes
+        collector = MultiAsyncEnvCollector(
+            [[lambda: RemoteCartPole(latency)] * share] * args.processes,
+            policy,
+            frames_per_batch=args.frames_per_batch // args.processes,
+            total_frames=args.total_frames,
+            seed=args.seed,
+            loop="uvloop" if args.uvloop else "asyncio",
+        )
+    else:
+        collector = AsyncEnvCollector(
+            [lambda: RemoteCartPole(latency)] * args.num_envs,
+            policy,
+            frames_per_batch=args.frames_per_batch,
+            total_frames=args.total_frames,
+            seed=args.seed,
+        )
     # thousands of envs and tasks: keep what exists now out of the cyclic GC's scans (see docs/async-envs.md)
     gc.freeze()
     start = time.perf_counter()
@@ -102,13 +119,15 @@ async def main(args: Args) -> None:
             print(f"batch of {batch.numel()} frames from {envs} envs, policy v{version}")
         stats = collector.statistics()
     elapsed = time.perf_counter() - start
-    sizes = collector.policy_batch_sizes
     mean_return = "n/a" if stats.mean_return is None else f"{stats.mean_return:.1f}"
+    calls = ""
+    if isinstance(collector, AsyncEnvCollector):  # the policy calls of the loop here
+        sizes = collector.policy_batch_sizes
+        calls = f"{len(sizes)} policy calls, {sum(sizes) / len(sizes):.0f} envs each on average; "
     print(
         f"{stats.frames} frames in {elapsed:.1f} s: {stats.frames / elapsed:,.0f} frames/s "
         f"({args.num_envs} envs, {args.latency_ms:g} ms a step: at most {args.num_envs / latency:,.0f}/s); "
-        f"{len(sizes)} policy calls, {sum(sizes) / len(sizes):.0f} envs each on average; "
-        f"{stats.episodes} episodes, mean return {mean_return}"
+        f"{calls}{stats.episodes} episodes, mean return {mean_return}"
     )
 
 

@@ -36,6 +36,7 @@ from ._multi import (
     ProcessCollector,
     set_worker_warnings,
 )
+from ._multi_async_envs import MultiAsyncEnvCollector
 from ._options import RolloutOptions, WeightSchedule
 from ._policies import RandomPolicy
 from ._sinks import Sink, TensorBoardSink, WandbSink
@@ -119,6 +120,7 @@ __all__ = [
     "EventStream",
     "GymEnv",
     "MultiAsyncCollector",
+    "MultiAsyncEnvCollector",
     "MultiCollector",
     "MultiSyncCollector",
     "Paused",

@@ -35,13 +35,13 @@ from ._validation import (
     total_frames_arg,
 )
 
-__all__ = ["ENV_THREADS", "AsyncEnvCollector"]
+__all__ = ["ENV_THREADS", "AsyncEnvCollector", "max_wait_arg"]
 
 #: worker threads shared by the gymnasium envs an ``AsyncEnvCollector`` wraps in ``ThreadedAsyncEnv``
 ENV_THREADS = 32
 
 
-def _max_wait_arg(value: Any) -> float:
+def max_wait_arg(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"max_wait must be a number of seconds (e.g. 0.002), got {value!r}")
     if not value >= 0 or value == float("inf"):
@@ -151,7 +151,7 @@ class AsyncEnvCollector(CollectorBase):
         self.total_frames = total_frames_arg(total_frames)
         min_batch = optional_positive_int("min_batch", min_batch, fix="None: half of the envs")
         self._min_batch = max(1, n // 2) if min_batch is None else min(min_batch, n)
-        self._max_wait = _max_wait_arg(max_wait)
+        self._max_wait = max_wait_arg(max_wait)
         self._max_frames_per_traj = optional_positive_int("max_frames_per_traj", max_frames_per_traj)
         self._split_trajs = flag("split_trajs", split_trajs)
         self._exploration_type = exploration_type_arg(exploration_type)

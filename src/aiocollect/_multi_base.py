@@ -239,6 +239,7 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
                 in_process=self._backend == "serial",
                 show_warnings=self._show_warnings,
                 torch_settings=settings,
+                run=self._worker_body(),
             )
             for i in range(n)
         ]
@@ -268,6 +269,10 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
         else:
             self.frames_per_batch = max(self._worker_frames)
         await self._members_started()
+
+    def _worker_body(self) -> Any:
+        """``WorkerSpec.run`` of the workers: None (the rollout worker), or another kind's body."""
+        return None
 
     def _slots_per_worker(self) -> int:
         """Shared-memory batch slots per worker: one (sync: a worker collects when asked), or two (async:

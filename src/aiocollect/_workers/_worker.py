@@ -88,6 +88,9 @@ class WorkerSpec:
     #: the torch settings of the thread that entered the collector: a serial worker's thread takes them
     #: (a process sets ``num_threads``)
     torch_settings: TorchSettings | None = None
+    #: a worker body of another kind, ``run(chan, spec)`` (it sends ``Ready`` and serves until ``Close``);
+    #: None: the rollout :class:`Worker`
+    run: Any = None
 
     @property
     def max_policy_lag(self) -> int | None:
@@ -452,6 +455,9 @@ def worker_main(sock: socket.socket, spec: WorkerSpec) -> None:
                 torch.set_num_threads(spec.num_threads)
         elif spec.torch_settings is not None:
             spec.torch_settings.apply()
+        if spec.run is not None:
+            spec.run(chan, spec)
+            return
         worker = Worker(spec)
         layout, batch_size = worker.layout()
         chan.send(

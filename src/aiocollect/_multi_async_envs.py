@@ -1,0 +1,243 @@
+"""``MultiAsyncEnvCollector``: async envs in worker processes, each process running its own event loop
+(an ``AsyncEnvCollector`` over its share of the envs), batches delivered as ``MultiAsyncCollector`` does."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import InteractionType
+
+from ._async_collector import max_wait_arg
+from ._async_collector_envs import env_fns_arg as async_env_fns_arg
+from ._async_collector_worker import EnvShare, WorkerConfig, run_async_worker
+from ._multi_async import MultiAsyncCollector
+from ._trajectories import split_trajectories
+from ._validation import (
+    exploration_type_arg,
+    flag,
+    non_negative_int,
+    optional_callable,
+    optional_positive_int,
+    positive_int,
+    seed_arg,
+)
+from ._weightsync import WeightSync
+
+__all__ = ["MultiAsyncEnvCollector"]
+
+_LOOPS = ("asyncio", "uvloop", "trio")
+
+
+def _shares_arg(value: Any) -> list[list[Any]]:
+    flat = isinstance(value, Sequence) and any(not isinstance(v, Sequence) for v in value)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value or flat:
+        raise TypeError(
+            "env_fns_per_worker must be a non-empty list with one list of env fns per worker process, e.g. "
+            f"[[make_env] * 500, [make_env] * 500] for 2 processes of 500 envs; got {value!r}"
+        )
+    shares = []
+    for i, share in enumerate(value):
+        try:
+            shares.append(async_env_fns_arg(share))
+        except TypeError as exc:
+            raise TypeError(f"env_fns_per_worker[{i}]: {exc}") from None
+    return shares
+
+
+class _Finish:
+    """The batch as delivered: trajectories split (sorted by trajectory first: a flat batch interleaves
+    its envs), then the user's ``postproc``."""
+
+    def __init__(
+        self, split_trajs: bool, postproc: Callable[[TensorDictBase], TensorDictBase] | None
+    ) -> None:
+        self.split_trajs = split_trajs
+        self.postproc = postproc
+
+    def __call__(self, batch: TensorDictBase) -> TensorDictBase:
+        batch.names = None  # a flat batch of frames, not a time dimension
+        if self.split_trajs:
+            order = torch.sort(batch.get(("collector", "traj_ids")), stable=True).indices
+            batch = split_trajectories(batch[order])
+        return self.postproc(batch) if self.postproc is not None else batch
+
+
+class MultiAsyncEnvCollector(MultiAsyncCollector):
+    """Async envs in worker processes: each process runs its own event loop, an
+    :class:`AsyncEnvCollector` over its share of the envs with its own policy copy (dynamic batching of
+    the ready envs), so that every core of the machine serves I/O-bound envs.
+
+    Each batch is one worker's ``frames_per_batch`` frames, flat ``[frames]`` as ``AsyncEnvCollector``'s,
+    first ready first served (as :class:`MultiAsyncCollector`); ``("collector", "env_id")`` is the env's
+    index over all workers (worker 0's envs first), ``("collector", "worker_id")`` the worker's, and
+    trajectory ids are unique over the workers. Weights reach a worker between two of its policy calls
+    (after each of its batches, or at once with ``update_weights(wait=True)``); ``statistics()`` has one
+    entry per worker process. A worker's env error is raised from ``async for`` with its type, a killed
+    worker raises :class:`WorkerDiedError`; ``async with`` ends every process and shared-memory segment.
+
+    Args:
+        env_fns_per_worker: one list of env fns per worker process (each as ``AsyncEnvCollector``'s
+            ``env_fns``; cloudpickled, called in the worker).
+        policy: as ``AsyncEnvCollector``'s (an ``nn.Module`` gets its weights from :meth:`update_weights`).
+        frames_per_batch: frames in each batch (each worker's batches).
+        total_frames, split_trajs, postproc, replay_buffer, progress, num_sub_threads, worker_backend,
+        start_method, weight_sync, worker_timeout, traj_id_start, traj_id_stride: as
+            :class:`MultiAsyncCollector`'s.
+        min_batch, max_wait, max_frames_per_traj, exploration_type, track_policy_version, prefetch: as
+            ``AsyncEnvCollector``'s, per worker.
+        seed: env ``i`` (over all workers) is first reset with ``seed + i``.
+        loop: the workers' event loop: ``"asyncio"`` (default), ``"uvloop"`` or ``"trio"``.
+
+    Example:
+        >>> import anyio, numpy as np
+        >>> from gymnasium import spaces
+        >>> from aiocollect import MultiAsyncEnvCollector
+        >>> class Ping:
+        ...     observation_space = spaces.Box(0, 1, (1,), np.float32)
+        ...     action_space = spaces.Discrete(2)
+        ...     async def reset(self, *, seed=None, options=None):
+        ...         return np.zeros(1, np.float32), {}
+        ...     async def step(self, action):
+        ...         await anyio.sleep(0.001)  # a network call
+        ...         return np.ones(1, np.float32), 1.0, False, False, {}
+        ...     async def close(self):
+        ...         pass
+        >>> async def main():
+        ...     async with MultiAsyncEnvCollector([[Ping] * 50] * 2, frames_per_batch=100,
+        ...                                       total_frames=200) as c:
+        ...         async for batch in c:
+        ...             print(batch.batch_size)
+        >>> anyio.run(main)
+        torch.Size([100])
+        torch.Size([100])
+    """
+
+    def __init__(
+        self,
+        env_fns_per_worker: Sequence[Sequence[Callable[[], Any]]],
+        policy: Any = None,
+        *,
+        frames_per_batch: int,
+        total_frames: int | None = -1,
+        min_batch: int | None = None,
+        max_wait: float = 0.002,
+        max_frames_per_traj: int | None = None,
+        split_trajs: bool = False,
+        exploration_type: str | InteractionType = "random",
+        seed: int | None = None,
+        track_policy_version: bool = False,
+        prefetch: int = 1,
+        loop: Literal["asyncio", "uvloop", "trio"] = "asyncio",
+        postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
+        replay_buffer: Any = None,
+        progress: Any = None,
+        num_sub_threads: int = 1,
+        worker_backend: Literal["process", "serial"] = "process",
+        start_method: str | None = None,
+        weight_sync: WeightSync | None = None,
+        worker_timeout: float | None = None,
+        traj_id_start: int = 0,
+        traj_id_stride: int = 1,
+    ) -> None:
+        shares = _shares_arg(env_fns_per_worker)
+        frames_per_batch = positive_int("frames_per_batch", frames_per_batch)
+        if loop not in _LOOPS:
+            raise ValueError(f"loop must be one of {_LOOPS} (the workers' event loop), got {loop!r}")
+        offsets = [0]
+        for share in shares[:-1]:
+            offsets.append(offsets[-1] + len(share))
+        self._async_config = WorkerConfig(
+            offsets=tuple(offsets),
+            min_batch=optional_positive_int("min_batch", min_batch, fix="None: half of a worker's envs"),
+            max_wait=max_wait_arg(max_wait),
+            max_frames_per_traj=optional_positive_int("max_frames_per_traj", max_frames_per_traj),
+            exploration_type=exploration_type_arg(exploration_type),
+            seed=seed_arg(seed),
+            track_policy_version=flag("track_policy_version", track_policy_version),
+            prefetch=non_negative_int("prefetch", prefetch, fix="0: a batch is collected when asked for"),
+            loop=loop,
+        )
+        self.num_envs = offsets[-1] + len(shares[-1])
+        ahead = (1 + self._async_config.prefetch) * frames_per_batch
+        most = max(len(share) for share in shares)
+        if ahead < most:
+            warnings.warn(
+                f"(1 + prefetch) * frames_per_batch = {ahead} frames may be collected or stepping at once in "
+                f"a worker, fewer than its {most} envs: the others wait. Raise frames_per_batch or prefetch",
+                UserWarning,
+                stacklevel=2,
+            )
+        super().__init__(
+            [EnvShare(share) for share in shares],
+            policy,
+            frames_per_batch=frames_per_batch,
+            total_frames=total_frames,
+            postproc=_Finish(flag("split_trajs", split_trajs), optional_callable("postproc", postproc)),
+            replay_buffer=replay_buffer,
+            progress=progress,
+            num_sub_threads=num_sub_threads,
+            worker_backend=worker_backend,
+            start_method=start_method,
+            weight_sync=weight_sync,
+            worker_timeout=worker_timeout,
+            traj_id_start=traj_id_start,
+            traj_id_stride=traj_id_stride,
+        )
+
+    def _worker_body(self) -> Any:
+        return functools.partial(run_async_worker, self._async_config)
+
+    async def update_weights(
+        self,
+        policy_or_weights: Any = None,
+        *,
+        worker_ids: Sequence[int] | None = None,
+        wait: bool = False,
+        flush: bool = False,
+    ) -> int:
+        """Publish weights to the workers and return the new version (see
+        :meth:`MultiAsyncCollector.update_weights`); each worker loads them between two policy calls, after
+        its next batch (``wait=True``: at once). ``flush`` is not supported: a worker's batch interleaves
+        many envs, ``("collector", "policy_version")`` (``track_policy_version``) says which frames are
+        new."""
+        if flush:
+            raise ValueError(
+                "update_weights(flush=True) is not supported by MultiAsyncEnvCollector; use "
+                "track_policy_version=True and keep the frames with the new version"
+            )
+        if not isinstance(self._source_policy, torch.nn.Module):
+            raise TypeError(
+                f"the collector's policy ({type(self._source_policy).__name__}) has no weights to update; "
+                "update_weights needs an nn.Module policy"
+            )
+        return await super().update_weights(policy_or_weights, worker_ids=worker_ids, wait=wait)
+
+    def _unsupported(self, what: str) -> TypeError:
+        return TypeError(
+            f"MultiAsyncEnvCollector does not support {what}: its envs are seeded once with seed= (env i "
+            "with seed + i) and keep no resumable state"
+        )
+
+    async def set_seed(self, seed: int) -> int:
+        raise self._unsupported("set_seed")
+
+    async def reset(self) -> None:
+        raise self._unsupported("reset")
+
+    async def state_dict(self) -> dict[str, Any]:
+        raise self._unsupported("state_dict")
+
+    async def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        raise self._unsupported("load_state_dict")
+
+    def __repr__(self) -> str:
+        return (
+            f"MultiAsyncEnvCollector(workers={self.num_workers}, envs={self.num_envs}, "
+            f"frames_per_batch={self.frames_per_batch}, total_frames={self.total_frames}, "
+            f"closed={self._closed})"
+        )
