@@ -232,6 +232,37 @@ async def test_async_each_actor_batch_and_weight_schedule(ray_cluster):
 
 
 @distributed
+async def test_async_flush_delivers_only_the_new_weights(ray_cluster):
+    """sync=False: after update_weights(flush=True) every batch runs the new weights; the batches the
+    actors had collected with the old ones are dropped and counted, not delivered (issue 15)."""
+    trainer = ConstantPolicy(0.0)
+    batches = []
+    async with RayCollector(
+        pendulum,
+        trainer,
+        frames_per_batch=16,
+        total_frames=16 * 8,
+        num_collectors=2,
+        remote_config=REMOTE,
+        collector_kwargs={"track_policy_version": True},
+    ) as c:
+        procs = ray_processes(c)
+        async for batch in c:
+            batches.append(batch)
+            if len(batches) == 2:
+                with torch.no_grad():
+                    trainer.value.fill_(1.0)
+                assert await c.update_weights(flush=True) == 1
+        stats = c.statistics()
+    assert_gone(procs)
+    assert len(batches) == 8 and stats.frames == 16 * 8
+    for b in batches[2:]:
+        assert actions(b) == {1.0}
+        assert (b["collector", "policy_version"] == 1).all()
+    assert stats.frames_discarded % 16 == 0
+
+
+@distributed
 async def test_multi_process_collectors_inside_actors(ray_cluster):
     """Each actor runs a MultiSyncCollector with 2 worker processes: ids unique over all 4 workers,
     and the workers are reaped when the RayCollector exits."""

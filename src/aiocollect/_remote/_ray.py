@@ -225,6 +225,10 @@ class RayCollector(ActorFleet):
         self._results_send: MemoryObjectSendStream[tuple[int, Any]] | None = None
         self._results_receive: MemoryObjectReceiveStream[tuple[int, Any]] | None = None
         self._due: list[int] = []  # async mode: actors to ask for their next batch
+        #: per actor, the oldest version a delivered batch may have (update_weights(flush=True)), and the
+        #: frames of the batches dropped below it
+        self._floors: dict[int, int] = {}
+        self._dropped_frames = 0
         self._limiter: anyio.CapacityLimiter | None = None
         self._torn_down = False
         self._progress_closed = False
@@ -321,12 +325,19 @@ class RayCollector(ActorFleet):
                 await self.update_weights(worker_ids=[index])
             await self._submit(self._actors[index])
         assert self._results_receive is not None
-        index, out = await self._results_receive.receive()
-        actor = self._actors[index]
-        if isinstance(out, BaseException):
-            error = self._failed_actor(actor, out, "next batch")
-            raise error from error.__cause__
-        wire, meta = out
+        while True:
+            index, out = await self._results_receive.receive()
+            actor = self._actors[index]
+            if isinstance(out, BaseException):
+                error = self._failed_actor(actor, out, "next batch")
+                raise error from error.__cause__
+            wire, meta = out
+            if int(meta["policy_version"]) >= self._floors.get(index, 0):
+                break
+            # collected before an update_weights(flush=True) reached this actor: dropped, and the actor
+            # asked again (its request carries the new weights, loaded before the batch)
+            self._dropped_frames += int(meta["frames"])
+            await self._submit(actor)
         batch = await anyio.to_thread.run_sync(from_wires, [wire], False)
         episodes = self._delivered_by(actor, meta)
         if self._update_at_each_batch:
@@ -382,6 +393,7 @@ class RayCollector(ActorFleet):
         *,
         worker_ids: Sequence[int] | None = None,
         wait: bool = False,
+        flush: bool = False,
     ) -> int:
         """Put the weights in Ray's object store once and return the new policy version.
 
@@ -394,10 +406,15 @@ class RayCollector(ActorFleet):
                 the policy the collector was built with (its current weights).
             worker_ids: the actors to update (default: all).
             wait: wait until those actors run the new weights.
+            flush: ``sync=False``: deliver nothing collected with older weights from now on: a batch an
+                actor collected before it had them is dropped when it arrives (counted in
+                ``statistics().frames_discarded``) and the actor asked for another. (``sync=True``
+                batches are asked for after the update, so they run it already.)
         """
         self._active()
         weights = self._weights_to_publish(policy_or_weights)
         flag("wait", wait)
+        flag("flush", flush)
         ids = self._target_ids(worker_ids)
 
         def put() -> Any:  # the copy out of the trainer's tensors and the pickling, off the loop
@@ -408,6 +425,8 @@ class RayCollector(ActorFleet):
             version = self._version = self._version + 1
             for i in ids:
                 self._actors[i].pending = (version, ref)
+                if flush:
+                    self._floors[i] = version
             self._hub.publish(WeightsPublished(version))
         if wait:
             actors = [self._actors[i] for i in ids]
@@ -425,6 +444,9 @@ class RayCollector(ActorFleet):
                     actor.policy_version = int(v)
                     self._hub.publish(WeightsLoaded(int(v), actor.index))
         return version
+
+    def _frames_discarded(self) -> int:
+        return self._dropped_frames
 
     # -- control ----------------------------------------------------------------------------------
     @property
