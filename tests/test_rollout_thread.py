@@ -4,6 +4,7 @@ waits for the loop, prefetch, and batch storage reused only once the consumer ha
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import time
 from typing import Any
@@ -104,7 +105,7 @@ async def tick_while(work: Any) -> tuple[float, float]:
 async def test_a_python_heavy_env_leaves_the_loop_free() -> None:
     """While an env that holds the GIL is collected, a 1 ms ticker keeps >= 80 % of the ticks it gets
     beside the same Python work in a plain worker thread (the GIL's switch interval is the limit), and
-    a p99 lag <= 10 ms."""
+    a p99 lag within two GIL switch intervals (about 10 ms)."""
 
     def spin() -> None:
         env = PythonHeavyEnv()
@@ -131,9 +132,14 @@ async def test_a_python_heavy_env_leaves_the_loop_free() -> None:
     rate = float(np.median([r[1][0] for r in rounds]))
     p99 = float(np.median([r[1][1] for r in rounds]))
     assert rate >= 0.8 * reference_rate, (rate, reference_rate)
-    # p99 <= 10 ms, unless the machine is so loaded that the plain worker thread's p99 is over 10 ms
-    # already (the loop then waits for a core, not for us): then no worse than that, with 50 % slack
-    assert p99 <= max(0.010, 1.5 * reference_p99), (p99, reference_p99)
+    # p99 within two GIL switch intervals (5 ms each: the loop waits for the GIL at most that long per
+    # switch, twice when the rollout thread takes it back at once) plus 1 ms of timer slack: about 10 ms;
+    # the median over rounds was 10.4-10.5 ms in about 1 run in 6 on an idle 2-core machine (with the code
+    # of the previous release too), so the bound is 11 ms. Unless the machine is so loaded that the plain
+    # worker thread's p99 is over that already (the loop then waits for a core, not for us): then no worse
+    # than that, with 50 % slack
+    bound = 2 * sys.getswitchinterval() + 0.001
+    assert p99 <= max(bound, 1.5 * reference_p99), (p99, reference_p99)
 
 
 class DropBuffer:
