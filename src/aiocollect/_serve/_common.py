@@ -1,15 +1,21 @@
-"""What the env and policy servers share: argument checks, the listener, error replies."""
+"""What the env and policy servers share: argument checks, the listener and its tasks, error replies."""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import string
 import traceback
+from collections.abc import Callable, Coroutine
 from typing import Any
 
+import anyio
+import anyio.abc
+
+from ._tcp import listen
 from ._wire import encode
 
-__all__ = ["check_host_port", "check_token", "error_header", "error_message", "remote_error"]
+__all__ = ["Server", "check_host_port", "check_token", "error_header", "error_message", "remote_error"]
 
 _TOKEN_CHARS = set(string.ascii_letters + string.digits + "-._~+/=")
 
@@ -69,3 +75,45 @@ def remote_error(header: dict[str, Any], where: str) -> BaseException:
             exc.add_note(f"--- raised in {where}; remote traceback ---\n{tb}")
             return exc
     return worker_error(type_name, message, tb, where)
+
+
+class Server:
+    """The part of :class:`EnvServer` and :class:`PolicyServer` that is the same: the address, and the
+    listener with the server's tasks, owned by one exit stack that ``async with`` leaves."""
+
+    host: str
+    port: int
+    token: str
+    _stack: contextlib.AsyncExitStack | None
+
+    @property
+    def url(self) -> str:
+        """``ws://host:port``: the address its clients (:class:`aiocollect.RemoteEnv`,
+        :class:`aiocollect.RemotePolicy`) connect to."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"ws://{host}:{self.port}"
+
+    async def _listen(
+        self,
+        stack: contextlib.AsyncExitStack,
+        handle: Callable[[anyio.abc.ByteStream], Coroutine[Any, Any, None]],
+        *tasks: Callable[[], Coroutine[Any, Any, None]],
+    ) -> None:
+        """Listen (``self.port`` becomes the bound port), serve each connection with ``handle`` and run
+        ``tasks``, all in a task group that ``stack`` cancels and closes."""
+        listener, self.port = await listen(self.host, self.port)
+        stack.push_async_callback(listener.aclose)
+        tg = await stack.enter_async_context(anyio.create_task_group())
+        stack.callback(tg.cancel_scope.cancel)
+        tg.start_soon(listener.serve, handle)
+        for task in tasks:
+            tg.start_soon(task)
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            await stack.__aexit__(*exc_info)
+
+    async def serve_forever(self) -> None:
+        """Wait until cancelled (the server runs meanwhile): for a script that only serves."""
+        await anyio.sleep_forever()

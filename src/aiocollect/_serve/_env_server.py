@@ -20,10 +20,9 @@ import anyio.to_thread
 import gymnasium as gym
 
 from ._actions import action_checker
-from ._common import check_host_port, check_token, error_message
+from ._common import Server, check_host_port, check_token, error_message
 from ._env_jobs import Job, parse_calls, run_job
 from ._spaces import describe_space
-from ._tcp import listen
 from ._wire import ProtocolError, decode, encode, pack_tree
 from ._ws import RemoteConnectionError, WebSocket, accept
 
@@ -51,7 +50,7 @@ def local_spaces(port: int, index: int, token: str) -> tuple[Any, Any] | None:
     return env.observation_space, env.action_space
 
 
-class EnvServer:
+class EnvServer(Server):
     """A running env server (see :func:`serve_envs`): ``url``, ``token``, ``port``, ``num_envs``."""
 
     def __init__(
@@ -74,37 +73,17 @@ class EnvServer:
         self._limiter = anyio.CapacityLimiter(1)
         self._stack: contextlib.AsyncExitStack | None = None
 
-    @property
-    def url(self) -> str:
-        """``ws://host:port`` for :class:`aiocollect.RemoteEnv`."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"ws://{host}:{self.port}"
-
     async def __aenter__(self) -> EnvServer:
         async with contextlib.AsyncExitStack() as stack:
             self.envs = await anyio.to_thread.run_sync(self._make_envs, limiter=self._limiter)
             stack.push_async_callback(self._close_envs)
             self._hello = [self._describe(i, env) for i, env in enumerate(self.envs)]
             self._checkers = [action_checker(env.action_space) for env in self.envs]
-            listener, self.port = await listen(self.host, self.port)
-            stack.push_async_callback(listener.aclose)
-            tg = await stack.enter_async_context(anyio.create_task_group())
-            stack.callback(tg.cancel_scope.cancel)
-            tg.start_soon(listener.serve, self._handle)
-            tg.start_soon(self._stepper)
+            await self._listen(stack, self._handle, self._stepper)
             _RUNNING[self.port] = self
             stack.callback(_RUNNING.pop, self.port, None)
             self._stack = stack.pop_all()
         return self
-
-    async def __aexit__(self, *exc_info: Any) -> None:
-        stack, self._stack = self._stack, None
-        if stack is not None:
-            await stack.__aexit__(*exc_info)
-
-    async def serve_forever(self) -> None:
-        """Wait until cancelled (the server runs meanwhile): for a script that only serves."""
-        await anyio.sleep_forever()
 
     # -- envs ---------------------------------------------------------------------------------------------
     def _make_envs(self) -> list[gym.Env[Any, Any]]:

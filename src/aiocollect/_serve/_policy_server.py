@@ -19,8 +19,7 @@ from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 
 from .._weights import check_compatible, copy_weights, flat_weights
-from ._common import check_host_port, check_token, error_message
-from ._tcp import listen
+from ._common import Server, check_host_port, check_token, error_message
 from ._tensors import leaves_to_wire, td_leaves, wire_keys, wire_to_tensors
 from ._wire import ProtocolError, decode, encode
 from ._ws import RemoteConnectionError, accept
@@ -38,7 +37,7 @@ class _Request:
         self.reply = b""
 
 
-class PolicyServer:
+class PolicyServer(Server):
     """A running policy server (see :func:`serve_policy`): ``url``, ``token``, ``port``; ``version``
     (weight updates so far), ``forward_calls`` and ``batch_sizes`` (rows per forward pass)."""
 
@@ -66,31 +65,11 @@ class PolicyServer:
         self._limiter = anyio.CapacityLimiter(1)
         self._stack: contextlib.AsyncExitStack | None = None
 
-    @property
-    def url(self) -> str:
-        """``ws://host:port`` for :class:`aiocollect.RemotePolicy`."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"ws://{host}:{self.port}"
-
     async def __aenter__(self) -> PolicyServer:
         async with contextlib.AsyncExitStack() as stack:
-            listener, self.port = await listen(self.host, self.port)
-            stack.push_async_callback(listener.aclose)
-            tg = await stack.enter_async_context(anyio.create_task_group())
-            stack.callback(tg.cancel_scope.cancel)
-            tg.start_soon(listener.serve, self._handle)
-            tg.start_soon(self._batcher)
+            await self._listen(stack, self._handle, self._batcher)
             self._stack = stack.pop_all()
         return self
-
-    async def __aexit__(self, *exc_info: Any) -> None:
-        stack, self._stack = self._stack, None
-        if stack is not None:
-            await stack.__aexit__(*exc_info)
-
-    async def serve_forever(self) -> None:
-        """Wait until cancelled (the server runs meanwhile): for a script that only serves."""
-        await anyio.sleep_forever()
 
     # -- connections ------------------------------------------------------------------------------------
     async def _handle(self, stream: anyio.abc.ByteStream) -> None:
