@@ -33,7 +33,7 @@ from aiocollect import (
     WorkerTimeoutError,
     _distributed_weights,
 )
-from aiocollect._remote import _gloo, _rpc
+from aiocollect._remote import _trainer
 from aiocollect._transport._store import StoreServer
 from support import ConstantPolicy, fd_count, pendulum
 from support import process_tree as _tree
@@ -306,7 +306,7 @@ async def test_a_local_client_without_the_token_cannot_disturb_the_rendezvous(
             super().__init__(host, port)
             results.append(_rogue(self.address.port, held))
 
-    for module in (_gloo, _rpc, _distributed_weights):
+    for module in (_trainer, _distributed_weights):  # the collectors' store, the weights' store
         monkeypatch.setattr(module, "StoreServer", Attacked)
     cls, _ = ENGINES[engine]
     try:

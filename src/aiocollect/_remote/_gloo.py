@@ -38,7 +38,7 @@ from .._gather import gather
 from .._transport._flat import FlatBuffer, layout_of
 from .._transport._groups import check_backend, interface_from_env, new_group
 from .._transport._messages import Result
-from .._transport._store import StoreClient, StoreServer
+from .._transport._store import StoreClient
 from .._transport._wire import AsyncChannel
 from .._weights import module_weights
 from ._messages import BatchNotice, CallFailed, Close, Collect, Loaded, NodeBatch, NodeReady, Request, Setup
@@ -230,8 +230,6 @@ class DistributedCollector(RemoteCollectorBase):
         check_backend(backend)
         self.backend = backend
         super().__init__(create_env_fn, policy, **kwargs)
-        self._store_server: StoreServer | None = None
-        self._store: StoreClient | None = None
         self._group: Any = None
         self._sender: Any = None
         self._receivers: list[Any] = []
@@ -241,8 +239,7 @@ class DistributedCollector(RemoteCollectorBase):
     async def _open_transport(self, host: str) -> None:
         self._host = host
 
-        self._store_server = server = StoreServer(host)
-        self._store = await anyio.to_thread.run_sync(server.client, _TIMEOUT)
+        await self._open_store(host, _TIMEOUT)
         if self._weights_template is not None:
             scheme = DistributedWeightSync(
                 backend="nccl" if self.backend == "nccl" else "gloo",
@@ -332,12 +329,7 @@ class DistributedCollector(RemoteCollectorBase):
             self._sender.close()
             self._sender = None
         self._group = None
-        if self._store is not None:
-            self._store.close()
-            self._store = None
-        if self._store_server is not None:
-            self._store_server.close()
-            self._store_server = None
+        self._close_store()
 
 
 class DistributedSyncCollector(DistributedCollector):

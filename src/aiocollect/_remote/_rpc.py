@@ -40,7 +40,7 @@ from .._daemon import run_abandonable
 from .._errors import RemoteFailure, as_error
 from .._gather import gather
 from .._transport._flat import rebuild
-from .._transport._store import StoreClient, StoreServer
+from .._transport._store import StoreClient
 from .._transport._wire import AsyncChannel
 from ._messages import (
     Close,
@@ -222,8 +222,6 @@ class RPCCollector(RemoteCollectorBase):
         super().__init__(create_env_fn, policy, **kwargs)
         self._tp_options = options
         self._rpc_timeout = float(rpc_timeout)
-        self._store_server: StoreServer | None = None
-        self._store: StoreClient | None = None
         self._names: list[str] = []
         self._agent = False
         self._init_done: threading.Event | None = None
@@ -238,8 +236,7 @@ class RPCCollector(RemoteCollectorBase):
             )
         self._host = host
 
-        self._store_server = server = StoreServer(host)
-        self._store = await anyio.to_thread.run_sync(server.client, _TIMEOUT)
+        await self._open_store(host, _TIMEOUT)
         tag = secrets.token_hex(4)
         self._prefix = f"aiocollect-{tag}"
         self._names = [f"aiocollect-{tag}-trainer"] + [
@@ -317,18 +314,10 @@ class RPCCollector(RemoteCollectorBase):
                 # the rendezvous was abandoned (a node failed during start-up): closing the store ends
                 # it; whatever agent it made is then shut down, so none of its threads is still running
                 # (joinable) when the interpreter exits, which aborts the process
-                self._close_stores()
+                self._close_store()
                 self._init_done.wait(_ABANDONED_INIT_GRACE)
             _shutdown_agent()
-        self._close_stores()
-
-    def _close_stores(self) -> None:
-        if self._store is not None:
-            self._store.close()
-            self._store = None
-        if self._store_server is not None:
-            self._store_server.close()
-            self._store_server = None
+        self._close_store()
 
 
 __all__ = ["RPCCollector"]

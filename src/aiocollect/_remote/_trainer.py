@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any, cast
 
+import anyio.to_thread
 import torch
 from tensordict import TensorDictBase
 
@@ -20,6 +21,7 @@ from .._multi_sync import MultiSyncCollector
 from .._options import WeightSchedule
 from .._stats import WorkerState
 from .._transport._messages import FleetOp, GetAttr, GetState, LoadState
+from .._transport._store import StoreClient, StoreServer
 from .._validation import flag, positive_int, total_frames_arg
 from ._args import (
     UNSET,
@@ -109,6 +111,9 @@ class RemoteCollectorBase(NodeFleet):
         #: and the frames of the batches dropped below it
         self._floors = [0] * n
         self._dropped_frames = 0
+        #: the authenticated store of the collector's groups, served here, and the trainer's own client
+        self._store_server: StoreServer | None = None
+        self._store: StoreClient | None = None
 
     @staticmethod
     def _env_fns_arg(create_env_fn: Any, num_collectors: int | None) -> list[Any]:
@@ -305,6 +310,20 @@ class RemoteCollectorBase(NodeFleet):
 
     def _frames_discarded(self) -> int:
         return self._dropped_frames
+
+    async def _open_store(self, host: str, client_timeout: float) -> None:
+        """Serve the collector's authenticated store on ``host`` and connect the trainer's client (whose
+        operations time out after ``client_timeout`` seconds)."""
+        self._store_server = server = StoreServer(host)
+        self._store = await anyio.to_thread.run_sync(server.client, client_timeout)
+
+    def _close_store(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        if self._store_server is not None:
+            self._store_server.close()
+            self._store_server = None
 
     async def _wait_loaded(self, node: RemoteNode, version: int) -> None:
         while node.policy_version < version:
