@@ -293,10 +293,15 @@ class DistributedCollector(RemoteCollectorBase):
         if notice.layout is not None:
             node.buffer = await anyio.to_thread.run_sync(FlatBuffer, notice.layout, self._device)
         buffer: FlatBuffer = node.buffer
-        group, tag = self._group, notice.seq & 0x7FFFFFFF
+        tag = notice.seq & 0x7FFFFFFF
 
         def recv() -> TensorDict:
-            group.recv([buffer.data], node.rank, tag).wait()
+            # the group is never a local of these frames: the error of a node killed mid-transfer keeps them
+            # (in its traceback) for as long as the user holds it, and with them the group's sockets, which
+            # close() could then not release
+            if self._group is None:
+                raise RuntimeError("the collector's process group is closed")
+            self._group.recv([buffer.data], node.rank, tag).wait()
             return buffer.unpack()
 
         try:
