@@ -3,12 +3,16 @@ env over the workers, weights, an env's error type, a killed worker, cancellatio
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 
 import anyio
 import pytest
 import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModule
+from torch import nn
 
 from aiocollect import MultiAsyncEnvCollector, WorkerDiedError
 from test_async_envs import Boom, Counter, StepPolicy, check_invariants
@@ -76,8 +80,6 @@ async def test_update_weights_reach_every_worker(leaks) -> None:
     for env_id in data["collector", "env_id"].unique().tolist():
         mine = version[data["collector", "env_id"] == env_id]
         assert (mine.diff() >= 0).all()
-    with pytest.raises(ValueError, match="flush"):
-        await MultiAsyncEnvCollector(shares(1, 1), policy, frames_per_batch=4).update_weights(flush=True)
 
 
 @ASYNCIO_ONLY
@@ -128,3 +130,160 @@ async def test_bad_input_before_any_process() -> None:
         await c.set_seed(1)
     with pytest.raises(TypeError, match="state_dict"):
         await c.state_dict()
+
+
+# -- flush, max_policy_lag, init_random_frames ---------------------------------------------------------
+def frame_index(data: TensorDictBase) -> torch.Tensor:
+    """Each frame's index in its env's life: episodes of env ``i`` have ``3 + i % 5`` frames."""
+    obs = data["observation"].long()
+    return obs[:, 1] * (3 + obs[:, 0] % 5) + obs[:, 2]
+
+
+def check_gaps(data: TensorDictBase) -> int:
+    """No frame delivered twice, and a trajectory id never spans a gap (its frames are consecutive steps
+    of one env, done only at its last frame); returns the frames missing between delivered ones."""
+    env_id, index = data["collector", "env_id"], frame_index(data)
+    traj, done = data["collector", "traj_ids"], data["next", "done"][:, 0]
+    missing = 0
+    for e in env_id.unique().tolist():
+        mine = index[env_id == e].sort().values
+        assert (mine.diff() > 0).all(), f"env {e}: a frame delivered twice"
+        missing += int(mine[-1] - mine[0] + 1) - len(mine)
+    for t in traj.unique().tolist():
+        rows = (traj == t).nonzero()[:, 0]
+        assert env_id[rows].unique().numel() == 1, f"trajectory {t} spans envs"
+        assert torch.equal(index[rows].diff(), torch.ones(len(rows) - 1, dtype=torch.long)), f"{t} has a gap"
+        assert not done[rows[:-1]].any()
+    return missing
+
+
+async def test_flush_delivers_only_frames_of_the_new_weights(request, leaks) -> None:
+    loop = LOOPS[request.node.callspec.id]
+    policy = StepPolicy()
+    async with MultiAsyncEnvCollector(
+        shares(2, 4), policy, frames_per_batch=20, track_policy_version=True, seed=0, loop=loop
+    ) as c:
+        with anyio.fail_after(30):
+            before = [await c.__anext__() for _ in range(3)]
+            await anyio.sleep(0.05)  # the workers fill their slots and go on collecting
+            with torch.no_grad():
+                policy.offset.fill_(1)
+            assert await c.update_weights(policy, flush=True) == 1
+            after = [await c.__anext__() for _ in range(8)]
+        discarded = c.statistics().frames_discarded
+    new = torch.cat(after)
+    assert (new["collector", "policy_version"] == 1).all()  # nothing collected before the flush
+    step = new["observation"][:, 2].long()
+    assert torch.equal(new["action"], (step + 1) % 4)  # every action from the new weights
+    assert all(b.batch_size == torch.Size([20]) for b in after)
+    # the frames lost between the batches are the ones dropped (the envs were not reset), and counted
+    missing = check_gaps(torch.cat([*before, *after]))
+    assert 0 < missing <= discarded
+
+
+async def test_max_policy_lag_0_is_on_policy(request, leaks) -> None:
+    loop = LOOPS[request.node.callspec.id]
+    policy = StepPolicy()
+    batches = []
+    async with MultiAsyncEnvCollector(
+        shares(2, 3), policy, frames_per_batch=12, max_policy_lag=0, track_policy_version=True, loop=loop
+    ) as c:
+        with anyio.fail_after(30):
+            for version in range(5):
+                batch = await c.__anext__()
+                assert (batch["collector", "policy_version"] == version).all()  # the newest weights only
+                batches.append(batch)
+                with torch.no_grad():
+                    policy.offset.fill_(version + 1)
+                assert await c.update_weights(policy) == version + 1  # no flush=: every update flushes
+        discarded = c.statistics().frames_discarded
+    assert check_gaps(torch.cat(batches)) <= discarded
+
+
+@ASYNCIO_ONLY
+async def test_max_policy_lag_1_delivers_nothing_older(leaks) -> None:
+    policy = StepPolicy()
+    seen = set()
+    async with MultiAsyncEnvCollector(
+        shares(2, 4), policy, frames_per_batch=[16, 8], max_policy_lag=1, track_policy_version=True
+    ) as c:
+        with anyio.fail_after(30):
+            for version in range(8):
+                batch = await c.__anext__()
+                worker = int(batch["collector", "worker_id"][0])
+                assert batch.batch_size == torch.Size([16 if worker == 0 else 8])
+                versions = batch["collector", "policy_version"]
+                assert (versions >= version - 1).all()  # at most one version behind the newest
+                seen |= set(versions.tolist())
+                await c.update_weights(policy)
+    assert len(seen) > 2
+
+
+class Marked(nn.Module):
+    """The step policy, with a second output that is 1 (random frames have zeros there)."""
+
+    def forward(self, observation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        action = observation[..., 2].long() % 4
+        return action, torch.ones(observation.shape[:-1])
+
+
+@ASYNCIO_ONLY
+async def test_init_random_frames_are_the_first_actions_of_each_worker(leaks) -> None:
+    policy = TensorDictModule(Marked(), in_keys=["observation"], out_keys=["action", "marker"])
+    per_worker: dict[int, list] = {0: [], 1: []}
+    async with MultiAsyncEnvCollector(
+        shares(2, 4), policy, frames_per_batch=10, init_random_frames=25, track_policy_version=True, seed=1
+    ) as c:
+        with anyio.fail_after(30):
+            while min(len(b) for b in per_worker.values()) < 6:
+                batch = await c.__anext__()
+                per_worker[int(batch["collector", "worker_id"][0])].append(batch)
+    for batches in per_worker.values():
+        data = torch.cat(batches)
+        random = data["marker"] == 0
+        # 25 frames over 2 workers: 13 each, rounded up to whole batches: 20 random actions per worker
+        assert int(random.sum()) == 20
+        assert (data["marker"][~random] == 1).all()
+        assert not torch.equal(data["action"][random], data["observation"][random][:, 2].long() % 4)
+        assert (data["collector", "policy_version"] == 0).all()
+        assert torch.equal(data["next", "reward"][:, 0], data["action"].float())  # the envs took them
+
+
+async def test_cancellation_mid_flush_leaves_nothing(request, leaks) -> None:
+    loop = LOOPS[request.node.callspec.id]
+    policy = StepPolicy()
+    with anyio.move_on_after(20) as outer:
+        async with MultiAsyncEnvCollector(shares(2, 4), policy, frames_per_batch=16, loop=loop) as c:
+            await c.__anext__()
+            with anyio.move_on_after(0):  # cancelled at its first checkpoint
+                await c.update_weights(policy, flush=True)
+            await c.__anext__()  # a cancelled update leaves a collector that works
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(functools.partial(c.update_weights, policy, flush=True))
+                await anyio.sleep(0.002)
+                outer.cancel()  # mid-flush, workers collecting
+    assert outer.cancel_called
+    # the leaks fixture checks: no child process, no /dev/shm segment, no thread, no fd left
+
+
+@ASYNCIO_ONLY
+async def test_arguments_of_multi_async_collector_it_does_not_take() -> None:
+    for name, value, match in [
+        ("reset_at_each_iter", True, "reset at the start"),
+        ("set_truncated", True, "no last step"),
+        ("policy_device", "cpu", r"policy.to\('cuda'\)"),
+        ("compile_policy", True, "drop compile_policy"),
+        ("on_env_error", "drop", "drop on_env_error"),
+    ]:
+        with pytest.raises(TypeError, match=f"does not take {name}: .*{match}"):
+            MultiAsyncEnvCollector([[Counter]], frames_per_batch=8, **{name: value})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'frames'"):
+        MultiAsyncEnvCollector([[Counter]], frames_per_batch=8, frames=8)
+    with pytest.raises(ValueError, match="2 values for 1 workers"):
+        MultiAsyncEnvCollector([[Counter]], frames_per_batch=[8, 8])
+    with pytest.raises(ValueError, match="max_policy_lag"):
+        MultiAsyncEnvCollector([[Counter]], frames_per_batch=8, max_policy_lag=-1)
+    with pytest.raises(ValueError, match="init_random_frames"):
+        MultiAsyncEnvCollector([[Counter]], frames_per_batch=8, init_random_frames=-1)
+    with pytest.raises(TypeError, match=r"nn\.Module"):
+        await MultiAsyncEnvCollector([[Counter]], frames_per_batch=8).update_weights(flush=True)

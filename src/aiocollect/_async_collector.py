@@ -227,7 +227,7 @@ class AsyncEnvCollector(CollectorBase):
         self._engine = Engine(
             envs,
             spec,
-            policy,
+            self._engine_policy(policy, spec),
             config,
             hub=self._hub,
             is_paused=lambda: self._paused > 0,
@@ -237,6 +237,10 @@ class AsyncEnvCollector(CollectorBase):
             self._hub.publish(WorkerStarted(i))
         assert self._task_group is not None
         await self._task_group.start(self._engine.run)
+
+    def _engine_policy(self, policy: BatchPolicy, spec: EnvSet) -> Any:
+        """What the engine calls on each batch of ready envs: ``policy`` (a subclass may wrap it)."""
+        return policy
 
     async def _resumed(self) -> None:
         event = self._unpaused

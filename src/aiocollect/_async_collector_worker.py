@@ -10,6 +10,7 @@ The control channel is read on the loop (fd readiness), never by a blocking call
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,10 @@ import torch
 from tensordict import TensorDictBase
 
 from ._async_collector import AsyncEnvCollector
+from ._async_collector_envs import EnvSet
+from ._async_collector_policy import BatchPolicy
+from ._async_worker_frames import VERSION, WorkerFrames
+from ._async_worker_random import RandomFirst
 from ._transport._flat import layout_of
 from ._transport._messages import (
     Attach,
@@ -41,12 +46,9 @@ from ._transport._shm import SharedBlock
 from ._transport._wire import BlockingChannel
 from ._weights import flat_weights
 from ._workers._paths import resolve
+from ._workers._worker import control_layout
 
 __all__ = ["EnvShare", "WorkerConfig", "run_async_worker"]
-
-_VERSION = ("collector", "policy_version")
-_ENV_ID = ("collector", "env_id")
-_TRAJ = ("collector", "traj_ids")
 
 
 class EnvShare:
@@ -69,16 +71,26 @@ class WorkerConfig:
     max_frames_per_traj: int | None
     exploration_type: Any
     seed: int | None
-    track_policy_version: bool
     prefetch: int
     loop: str  # "asyncio", "uvloop" or "trio"
+    #: init_random_frames per worker (each rounds it up to whole batches of its own)
+    random_frames: int = 0
+    #: on-policy (max_policy_lag=0): the worker's envs wait while its one slot is the trainer's
+    pause_when_held: bool = False
 
 
 class _Inner(AsyncEnvCollector):
-    """An ``AsyncEnvCollector`` that keeps each delivered batch's episodes and newest policy version."""
+    """An ``AsyncEnvCollector`` that keeps each delivered batch's episodes and whose first
+    ``random_actions`` actions are random (``init_random_frames``)."""
 
     episodes: list[tuple[int, float, int]] = []  # noqa: RUF012 - replaced per batch
-    batch_version = 0
+    random_actions = 0
+    random_seed: int | None = None
+
+    def _engine_policy(self, policy: BatchPolicy, spec: EnvSet) -> Any:
+        if not self.random_actions:
+            return policy
+        return RandomFirst(policy, spec.action_space, actions=self.random_actions, seed=self.random_seed)
 
     def _record(
         self,
@@ -89,7 +101,6 @@ class _Inner(AsyncEnvCollector):
         policy_version: int,
     ) -> None:
         self.episodes = list(episodes)
-        self.batch_version = policy_version
         super()._record(frames, episodes, worker_id=worker_id, policy_version=policy_version)
 
 
@@ -103,18 +114,28 @@ class _AsyncWorker:
         self.env_fns = cloudpickle.loads(spec.payload)()
         self.policy = cloudpickle.loads(spec.policy_payload)
         self.fpb = int(spec.rollout.frames_per_batch)
-        self.traj_start = spec.rollout.traj_id_start
-        self.traj_stride = spec.rollout.traj_id_stride
+        self.frames = WorkerFrames(
+            self.fpb,
+            env_offset=self.offset,
+            traj_start=spec.rollout.traj_id_start,
+            traj_stride=spec.rollout.traj_id_stride,
+        )
+        #: the episodes that ended in the frames taken in since the last batch sent
+        self.episodes: list[tuple[int, float, int]] = []
         self.weights = spec.weights.open(spec.index) if spec.weights is not None else None
         self.slots: list[SharedBlock] = []
         self.free: set[int] = set()
         self.attached = anyio.Event()
         self.running = anyio.Event()
         self.freed = anyio.Event()
+        # the version floor the trainer sets, and where this worker counts the frames it drops below it
+        self.control = SharedBlock(control_layout(spec.num_workers), (), name=spec.control_name)
+        self.floor = self.control.td["floor"].numpy()
+        self.discarded = self.control.td["discarded"].numpy()
         self.collector: _Inner | None = None
 
     # -- the control channel, read on the loop ----------------------------------------------------
-    async def control(self, scope: anyio.CancelScope) -> None:
+    async def control_loop(self, scope: anyio.CancelScope) -> None:
         """Serve the parent's messages until ``Close`` (or the parent is gone): then cancel ``scope``."""
         sock = self.chan.sock
         try:
@@ -187,13 +208,37 @@ class _AsyncWorker:
         return engine.version
 
     # -- batches ----------------------------------------------------------------------------------
-    def globalise(self, batch: TensorDictBase) -> TensorDictBase:
-        """Env ids offset by this worker's first env; trajectory ids unique over the workers."""
-        batch.set_(_ENV_ID, batch.get(_ENV_ID) + self.offset)
-        batch.set_(_TRAJ, batch.get(_TRAJ) * self.traj_stride + self.traj_start)
-        if not self.config.track_policy_version:
-            batch = batch.exclude(_VERSION)
-        return batch
+    async def next_batch(self) -> TensorDictBase:
+        """The next ``frames_per_batch`` frames of a version at or above the floor, ids globalised."""
+        collector = self.collector
+        assert collector is not None
+        while True:
+            batch = self.frames.take(int(self.floor[self.index]))
+            self.discarded[self.index] = self.frames.discarded
+            if batch is not None:
+                return batch
+            batch = await collector.__anext__()
+            assert batch is not None  # no replay buffer in a worker
+            self.frames.add(batch)
+            self.episodes += collector.episodes
+
+    async def wait_for_slot(self) -> None:
+        """Until the trainer hands a slot back; on-policy, the envs wait meanwhile (what they would
+        collect is dropped at the trainer's next update)."""
+        if self.free:
+            return
+        async with anyio.create_task_group() as tg:
+            if self.config.pause_when_held:
+                tg.start_soon(self.pause_collector)
+            while not self.free:
+                self.freed = anyio.Event()
+                await self.freed.wait()
+            tg.cancel_scope.cancel()
+
+    async def pause_collector(self) -> None:
+        assert self.collector is not None
+        async with self.collector.pause():
+            await anyio.sleep_forever()
 
     async def run(self) -> None:
         config = self.config
@@ -206,45 +251,52 @@ class _AsyncWorker:
             max_frames_per_traj=config.max_frames_per_traj,
             exploration_type=config.exploration_type,
             seed=None if config.seed is None else config.seed + self.offset,
-            track_policy_version=True,  # the batch's newest version, reported to the parent
+            track_policy_version=True,  # each frame's version: the floor, the trainer's checks
             prefetch=config.prefetch,
         )
+        # init_random_frames: this worker's share, rounded up to whole batches (as MultiAsyncCollector's)
+        collector.random_actions = math.ceil(config.random_frames / self.fpb) * self.fpb
+        collector.random_seed = None if config.seed is None else config.seed + self.offset
         async with anyio.create_task_group() as tg, collector:
-            tg.start_soon(self.control, tg.cancel_scope)
-            first = True
-            async for batch in collector:
-                assert batch is not None
-                batch = self.globalise(batch)
-                if first:  # the slots' layout is the first batch's
-                    first = False
-                    self.layout, self.batch_size = layout_of(batch), tuple(batch.batch_size)
-                    self.chan.send(
-                        Ready(self.layout, self.batch_size, self.fpb, policy_version=collector.policy_version)
-                    )
-                    await self.attached.wait()
-                    await self.running.wait()
-                while not self.free:
-                    self.freed = anyio.Event()
-                    await self.freed.wait()
-                slot = min(self.free)
-                self.free.discard(slot)
-                self.slots[slot].td.update_(batch)
-                episodes = collector.episodes
-                self.chan.send(
-                    BatchReady(
-                        slot=slot,
-                        steps=batch.shape[0],
-                        frames=batch.shape[0],
-                        policy_version=collector.batch_version,
-                        episode_returns=[e[1] for e in episodes],
-                        episode_lengths=[e[2] for e in episodes],
-                    )
-                )
+            tg.start_soon(self.control_loop, tg.cancel_scope)
+            batch: TensorDictBase | None = await self.next_batch()
+            assert batch is not None
+            # the slots' layout is the first batch's
+            self.layout, self.batch_size = layout_of(batch), tuple(batch.batch_size)
+            self.chan.send(
+                Ready(self.layout, self.batch_size, self.fpb, policy_version=collector.policy_version)
+            )
+            await self.attached.wait()
+            await self.running.wait()
+            while True:
+                await self.wait_for_slot()
+                if batch is None:
+                    batch = await self.next_batch()
+                self.send(batch)
+                batch = None
                 await self.load_weights()  # between batches, as the rollout workers do
+
+    def send(self, batch: TensorDictBase) -> None:
+        """Write ``batch`` into a free slot and tell the trainer."""
+        slot = min(self.free)
+        self.free.discard(slot)
+        self.slots[slot].td.update_(batch)
+        episodes, self.episodes = self.episodes, []
+        self.chan.send(
+            BatchReady(
+                slot=slot,
+                steps=batch.shape[0],
+                frames=batch.shape[0],
+                policy_version=int(batch.get(VERSION).max()),
+                episode_returns=[e[1] for e in episodes],
+                episode_lengths=[e[2] for e in episodes],
+            )
+        )
 
     def close(self) -> None:
         for slot in self.slots:
             slot.close()
+        self.control.close()
         if self.weights is not None:
             self.weights.close()
 

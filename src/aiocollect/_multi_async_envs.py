@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import functools
-import warnings
+import itertools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -13,40 +14,30 @@ from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
 from ._async_collector import max_wait_arg
-from ._async_collector_envs import env_fns_arg as async_env_fns_arg
 from ._async_collector_worker import EnvShare, WorkerConfig, run_async_worker
+from ._async_worker_frames import VERSION
+from ._gather import gather
 from ._multi_async import MultiAsyncCollector
+from ._multi_async_envs_args import frames_arg, refuse_unsupported, shares_arg, warn_envs_wait
+from ._multi_base import Delivery
 from ._trajectories import split_trajectories
+from ._transport._messages import LoadWeights
 from ._validation import (
     exploration_type_arg,
     flag,
+    init_random_frames_arg,
+    lag_arg,
     non_negative_int,
     optional_callable,
     optional_positive_int,
-    positive_int,
     seed_arg,
 )
 from ._weightsync import WeightSync
+from ._workers._pool import WorkerPool
 
 __all__ = ["MultiAsyncEnvCollector"]
 
 _LOOPS = ("asyncio", "uvloop", "trio")
-
-
-def _shares_arg(value: Any) -> list[list[Any]]:
-    flat = isinstance(value, Sequence) and any(not isinstance(v, Sequence) for v in value)
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value or flat:
-        raise TypeError(
-            "env_fns_per_worker must be a non-empty list with one list of env fns per worker process, e.g. "
-            f"[[make_env] * 500, [make_env] * 500] for 2 processes of 500 envs; got {value!r}"
-        )
-    shares = []
-    for i, share in enumerate(value):
-        try:
-            shares.append(async_env_fns_arg(share))
-        except TypeError as exc:
-            raise TypeError(f"env_fns_per_worker[{i}]: {exc}") from None
-    return shares
 
 
 class _Finish:
@@ -122,20 +113,25 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
         env_fns_per_worker: Sequence[Sequence[Callable[[], Any]]],
         policy: Any = None,
         *,
-        frames_per_batch: int,
+        frames_per_batch: int | Sequence[int],
         total_frames: int | None = -1,
         min_batch: int | None = None,
         max_wait: float = 0.002,
         max_frames_per_traj: int | None = None,
+        init_random_frames: int | None = None,
         split_trajs: bool = False,
         exploration_type: str | InteractionType = "random",
         seed: int | None = None,
         track_policy_version: bool = False,
-        prefetch: int = 1,
+        max_policy_lag: int | None = None,
+        update_at_each_batch: bool = False,
+        prefetch: int | None = None,
         loop: Literal["asyncio", "uvloop", "trio"] = "asyncio",
         postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
         replay_buffer: Any = None,
+        storing_device: Any = None,
         progress: Any = None,
+        num_threads: int | None = None,
         num_sub_threads: int = 1,
         worker_backend: Literal["process", "serial"] = "process",
         start_method: str | None = None,
@@ -143,14 +139,18 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
         worker_timeout: float | None = None,
         traj_id_start: int = 0,
         traj_id_stride: int = 1,
+        **unsupported: Any,
     ) -> None:
-        shares = _shares_arg(env_fns_per_worker)
-        frames_per_batch = positive_int("frames_per_batch", frames_per_batch)
+        refuse_unsupported(unsupported)
+        shares = shares_arg(env_fns_per_worker)
+        fpb = frames_arg(frames_per_batch, len(shares))
         if loop not in _LOOPS:
             raise ValueError(f"loop must be one of {_LOOPS} (the workers' event loop), got {loop!r}")
-        offsets = [0]
-        for share in shares[:-1]:
-            offsets.append(offsets[-1] + len(share))
+        lag = lag_arg(max_policy_lag)
+        if prefetch is None:  # on-policy: what a worker collects ahead is dropped at the next update
+            prefetch = 0 if lag == 0 else 1
+        random_frames = init_random_frames_arg(init_random_frames)
+        offsets = [0, *itertools.accumulate(len(share) for share in shares[:-1])]
         self._async_config = WorkerConfig(
             offsets=tuple(offsets),
             min_batch=optional_positive_int("min_batch", min_batch, fix="None: half of a worker's envs"),
@@ -158,28 +158,27 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
             max_frames_per_traj=optional_positive_int("max_frames_per_traj", max_frames_per_traj),
             exploration_type=exploration_type_arg(exploration_type),
             seed=seed_arg(seed),
-            track_policy_version=flag("track_policy_version", track_policy_version),
             prefetch=non_negative_int("prefetch", prefetch, fix="0: a batch is collected when asked for"),
             loop=loop,
+            random_frames=math.ceil(random_frames / len(shares)),
+            pause_when_held=lag == 0,
         )
+        self._track_versions = flag("track_policy_version", track_policy_version)
         self.num_envs = offsets[-1] + len(shares[-1])
-        ahead = (1 + self._async_config.prefetch) * frames_per_batch
-        most = max(len(share) for share in shares)
-        if ahead < most:
-            warnings.warn(
-                f"(1 + prefetch) * frames_per_batch = {ahead} frames may be collected or stepping at once in "
-                f"a worker, fewer than its {most} envs: the others wait. Raise frames_per_batch or prefetch",
-                UserWarning,
-                stacklevel=2,
-            )
+        warn_envs_wait(shares, fpb, self._async_config.prefetch)
         super().__init__(
             [EnvShare(share) for share in shares],
             policy,
-            frames_per_batch=frames_per_batch,
+            frames_per_batch=frames_per_batch if isinstance(frames_per_batch, int) else list(fpb),
             total_frames=total_frames,
+            init_random_frames=random_frames,
             postproc=_Finish(flag("split_trajs", split_trajs), optional_callable("postproc", postproc)),
             replay_buffer=replay_buffer,
+            storing_device=storing_device,
+            max_policy_lag=lag,
+            update_at_each_batch=update_at_each_batch,
             progress=progress,
+            num_threads=num_threads,
             num_sub_threads=num_sub_threads,
             worker_backend=worker_backend,
             start_method=start_method,
@@ -192,6 +191,20 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
     def _worker_body(self) -> Any:
         return functools.partial(run_async_worker, self._async_config)
 
+    async def _next_batch(self, pool: WorkerPool) -> Delivery:
+        """The next batch whose every frame is at or above its worker's floor: a batch sent before the
+        floor rose, its newest frames above it and older ones below, is dropped here whole."""
+        while True:
+            out = await super()._next_batch(pool)
+            versions = out.batch.get(VERSION)
+            assert out.worker_id is not None
+            if int(versions.min()) >= self._floors[out.worker_id]:
+                break
+            self._dropped_frames += out.frames
+        if not self._track_versions:
+            out.batch = out.batch.exclude(VERSION)
+        return out
+
     async def update_weights(
         self,
         policy_or_weights: Any = None,
@@ -201,21 +214,33 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
         flush: bool = False,
     ) -> int:
         """Publish weights to the workers and return the new version (see
-        :meth:`MultiAsyncCollector.update_weights`); each worker loads them between two policy calls, after
-        its next batch (``wait=True``: at once). ``flush`` is not supported: a worker's batch interleaves
-        many envs, ``("collector", "policy_version")`` (``track_policy_version``) says which frames are
-        new."""
-        if flush:
-            raise ValueError(
-                "update_weights(flush=True) is not supported by MultiAsyncEnvCollector; use "
-                "track_policy_version=True and keep the frames with the new version"
-            )
+        :meth:`MultiAsyncCollector.update_weights`); each worker loads them between two policy calls,
+        after its next batch, or at once with ``wait=True``.
+
+        ``flush=True`` (and every update under ``max_policy_lag``) delivers nothing older than the floor
+        from then on: the batches waiting in the slots are dropped, each worker drops the frames it holds
+        below the floor, and the workers below it load the new weights before this returns. The envs
+        are not reset; the frames dropped are counted in ``statistics().frames_discarded``."""
         if not isinstance(self._source_policy, torch.nn.Module):
             raise TypeError(
                 f"the collector's policy ({type(self._source_policy).__name__}) has no weights to update; "
                 "update_weights needs an nn.Module policy"
             )
-        return await super().update_weights(policy_or_weights, worker_ids=worker_ids, wait=wait)
+        floors = list(self._floors)
+        version = await super().update_weights(
+            policy_or_weights, worker_ids=worker_ids, wait=wait, flush=flush
+        )
+        pool = self._active_pool()
+        behind = [
+            i
+            for i, floor in enumerate(self._floors)
+            if floor > floors[i] and pool.workers[i].policy_version < floor and not wait
+        ]
+        if behind:  # they load the new weights now, not after their next batch (dropped otherwise)
+            loaded = await gather(*[functools.partial(pool.call, i, LoadWeights()) for i in behind])
+            for i, worker_version in zip(behind, loaded, strict=True):
+                pool.note_version(i, worker_version)
+        return version
 
     def _unsupported(self, what: str) -> TypeError:
         return TypeError(

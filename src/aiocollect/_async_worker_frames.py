@@ -1,0 +1,126 @@
+"""The batches a ``MultiAsyncEnvCollector`` worker sends: its ``AsyncEnvCollector``'s frames cut into batches
+of ``frames_per_batch``, without the frames below the worker's version floor (``update_weights(flush=True)``,
+``max_policy_lag``), with env ids over all workers and trajectory ids that are unique over the workers and
+never span a gap.
+
+Each frame carries the policy version its action was computed with, and one env's frames are in time
+order with versions that never go down: the frames below a floor are a prefix of each env's frames, so
+dropping them leaves each env's frames contiguous after one gap. The envs are not reset for this: a
+trajectory that loses frames (here, or in a batch the trainer drops as stale) goes on under a fresh id.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+from tensordict import TensorDictBase
+
+__all__ = ["VERSION", "WorkerFrames"]
+
+VERSION = ("collector", "policy_version")
+_ENV_ID = ("collector", "env_id")
+_TRAJ = ("collector", "traj_ids")
+_DONE = ("next", "done")
+_NONE_SENT = 2**62  # the oldest version of the batches sent since the last split: none yet
+
+
+class WorkerFrames:
+    """Frames in, batches of ``frames_per_batch`` fresh frames out.
+
+    The collector's trajectory id ``t`` becomes ``2 t`` in this worker's id space, a fresh id ``k`` becomes
+    ``2 k + 1`` (so fresh ids never meet the collector's); a worker id ``w`` becomes
+    ``traj_start + traj_stride * w`` over all workers.
+
+    Example:
+        >>> frames = WorkerFrames(4, env_offset=0, traj_start=0, traj_stride=1)
+        >>> frames.take(floor=0) is None  # nothing added yet
+        True
+    """
+
+    def __init__(self, frames_per_batch: int, *, env_offset: int, traj_start: int, traj_stride: int) -> None:
+        self.frames_per_batch = frames_per_batch
+        self.env_offset = env_offset
+        self.traj_start = traj_start
+        self.traj_stride = traj_stride
+        #: frames dropped below the floor here
+        self.discarded = 0
+        self._pending: TensorDictBase | None = None
+        #: collector trajectory id -> fresh id in this worker's id space (trajectories that lost frames)
+        self._renamed: dict[int, int] = {}
+        self._fresh = 0
+        #: the newest collector trajectory id taken in so far
+        self._newest = -1
+        #: after a batch sent may have been dropped: the collector ids up to this one take a fresh id at
+        #: their next frame (``_split_seen``: those that did already)
+        self._split_upto = -1
+        self._split_seen: set[int] = set()
+        self._sent_oldest = _NONE_SENT
+
+    @property
+    def pending(self) -> int:
+        """Frames taken in and not sent yet."""
+        return 0 if self._pending is None else self._pending.shape[0]
+
+    def add(self, batch: TensorDictBase) -> None:
+        """Take in a batch of the collector (flat ``[frames]``, every frame with its policy version)."""
+        self._newest = max(self._newest, int(batch.get(_TRAJ).max()))
+        if self._pending is None:
+            self._pending = batch
+        else:
+            self._pending = cast("TensorDictBase", torch.cat([self._pending, batch]))
+
+    def take(self, floor: int) -> TensorDictBase | None:
+        """The next batch of ``frames_per_batch`` frames of version ``floor`` or newer (older ones are
+        dropped and counted in :attr:`discarded`), or ``None`` until enough are added."""
+        if self._sent_oldest < floor:  # a batch sent may be dropped as stale: every trajectory so far
+            self._split_upto, self._split_seen = self._newest, set()
+            self._sent_oldest = _NONE_SENT
+        data = self._pending
+        if data is None:
+            return None
+        if floor > 0:
+            data = self._drop_stale(data, floor)
+        if data.shape[0] < self.frames_per_batch:
+            return None
+        if data.shape[0] == self.frames_per_batch:  # the common case: one collector batch, no copy
+            out, self._pending = data, None
+        else:
+            out, rest = data[: self.frames_per_batch], data[self.frames_per_batch :]
+            self._pending = rest if rest.shape[0] else None
+        self._sent_oldest = min(self._sent_oldest, int(out.get(VERSION).min()))
+        return self._globalise(out)
+
+    def _drop_stale(self, data: TensorDictBase, floor: int) -> TensorDictBase:
+        stale = data.get(VERSION) < floor
+        if not bool(stale.any()):
+            return data
+        for t in data.get(_TRAJ)[stale].unique().tolist():  # these go on after a gap: fresh ids
+            self._rename(t)
+        self.discarded += int(stale.sum())
+        data = data[~stale]
+        self._pending = data if data.shape[0] else None
+        return data
+
+    def _rename(self, t: int) -> None:
+        self._renamed[t] = 2 * self._fresh + 1
+        self._fresh += 1
+        self._split_seen.add(t)
+
+    def _globalise(self, out: TensorDictBase) -> TensorDictBase:
+        inner = out.get(_TRAJ)
+        if self._split_upto >= 0 and int(inner.min()) <= self._split_upto:
+            for t in inner[inner <= self._split_upto].unique().tolist():
+                if t not in self._split_seen:
+                    self._rename(t)
+        local = inner * 2
+        if self._renamed:
+            keys, values = torch.tensor(sorted(self._renamed.items()), dtype=torch.int64).unbind(1)
+            mask = torch.isin(inner, keys)
+            if bool(mask.any()):
+                local[mask] = values[torch.searchsorted(keys, inner[mask])]
+            for t in inner[out.get(_DONE).reshape(-1)].tolist():  # ended: never seen again
+                self._renamed.pop(t, None)
+        out.set_(_TRAJ, local * self.traj_stride + self.traj_start)
+        out.set_(_ENV_ID, out.get(_ENV_ID) + self.env_offset)
+        return out

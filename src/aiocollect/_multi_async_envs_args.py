@@ -1,0 +1,100 @@
+"""Arguments of ``MultiAsyncEnvCollector`` checked before any process starts: the env fns of each worker,
+``frames_per_batch``, and the arguments of ``MultiAsyncCollector`` it refuses, each with its fix."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._async_collector_envs import env_fns_arg
+from ._validation import positive_int
+
+__all__ = ["UNSUPPORTED", "frames_arg", "refuse_unsupported", "shares_arg", "warn_envs_wait"]
+
+_DEVICE = (
+    "a worker's torch policy runs where its parameters are (move the module, e.g. policy.to('cuda'), "
+    "before passing it) and its envs are async envs: drop {name} (storing_device= says where batches "
+    "are delivered)"
+)
+
+#: MultiAsyncCollector's arguments that MultiAsyncEnvCollector does not take: why, and what to do
+UNSUPPORTED: dict[str, str] = {
+    "create_env_fns": "MultiAsyncEnvCollector takes env_fns_per_worker: one list of async env fns per worker",
+    "reset_at_each_iter": (
+        "async envs are reset at the start and at the end of each episode only, never between batches "
+        "(a batch interleaves the envs): drop reset_at_each_iter"
+    ),
+    "set_truncated": (
+        "a batch interleaves the envs' steps, so it has no last step to mark: drop set_truncated "
+        "(trajectories go on across batches under their trajectory ids; split_trajs=True cuts them)"
+    ),
+    "device": _DEVICE.format(name="device"),
+    "env_device": _DEVICE.format(name="env_device"),
+    "policy_device": _DEVICE.format(name="policy_device"),
+    "compile_policy": "the workers run the policy as given: drop compile_policy",
+    "rollout": "give the rollout options as keywords (frames_per_batch=..., total_frames=...)",
+    "weights": "give the weight schedule as keywords (max_policy_lag=..., update_at_each_batch=...)",
+    "max_weight_update_interval": (
+        "workers load published weights after each batch: drop max_weight_update_interval and call "
+        "update_weights()"
+    ),
+    "backend": "backend= is the deprecated spelling of worker_backend=: use worker_backend",
+    "on_env_error": (
+        "an env's error ends a MultiAsyncEnvCollector, raised from `async for` with its type "
+        "(on_env_error='drop' is AsyncEnvCollector's): drop on_env_error"
+    ),
+}
+
+
+def refuse_unsupported(kwargs: Mapping[str, Any]) -> None:
+    """``TypeError`` naming the first keyword in ``kwargs`` and its fix."""
+    for name in kwargs:
+        fix = UNSUPPORTED.get(name)
+        if fix is None:
+            raise TypeError(f"MultiAsyncEnvCollector() got an unexpected keyword argument {name!r}")
+        raise TypeError(f"MultiAsyncEnvCollector does not take {name}: {fix}")
+
+
+def shares_arg(value: Any) -> list[list[Any]]:
+    """``env_fns_per_worker``: one non-empty list of env fns per worker."""
+    flat = isinstance(value, Sequence) and any(not isinstance(v, Sequence) for v in value)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value or flat:
+        raise TypeError(
+            "env_fns_per_worker must be a non-empty list with one list of env fns per worker process, e.g. "
+            f"[[make_env] * 500, [make_env] * 500] for 2 processes of 500 envs; got {value!r}"
+        )
+    shares = []
+    for i, share in enumerate(value):
+        try:
+            shares.append(env_fns_arg(share))
+        except TypeError as exc:
+            raise TypeError(f"env_fns_per_worker[{i}]: {exc}") from None
+    return shares
+
+
+def frames_arg(value: Any, workers: int) -> list[int]:
+    """``frames_per_batch``: an int (every worker's batches), or one int per worker."""
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        if len(value) != workers:
+            raise ValueError(
+                f"frames_per_batch has {len(value)} values for {workers} workers: give one per worker "
+                "(worker i's batches hold frames_per_batch[i] frames) or one int for all"
+            )
+        return [positive_int(f"frames_per_batch[{i}]", v) for i, v in enumerate(value)]
+    return [positive_int("frames_per_batch", value)] * workers
+
+
+def warn_envs_wait(shares: list[list[Any]], frames_per_batch: list[int], prefetch: int) -> None:
+    """Warn when a worker may hold fewer frames in flight than it has envs (the others wait)."""
+    for share, frames in zip(shares, frames_per_batch, strict=True):
+        ahead = (1 + prefetch) * frames
+        if ahead < len(share):
+            warnings.warn(
+                f"(1 + prefetch) * frames_per_batch = {ahead} frames may be collected or stepping at once "
+                f"in a worker, fewer than its {len(share)} envs: the others wait. Raise frames_per_batch "
+                "or prefetch",
+                UserWarning,
+                stacklevel=3,
+            )
+            return
