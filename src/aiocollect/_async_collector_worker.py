@@ -9,6 +9,7 @@ The control channel is read on the loop (fd readiness), never by a blocking call
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -223,22 +224,17 @@ class _AsyncWorker:
             self.episodes += collector.episodes
 
     async def wait_for_slot(self) -> None:
-        """Until the trainer hands a slot back; on-policy, the envs wait meanwhile (what they would
-        collect is dropped at the trainer's next update)."""
-        if self.free:
-            return
-        async with anyio.create_task_group() as tg:
-            if self.config.pause_when_held:
-                tg.start_soon(self.pause_collector)
-            while not self.free:
-                self.freed = anyio.Event()
-                await self.freed.wait()
-            tg.cancel_scope.cancel()
+        """Until the trainer hands a slot back."""
+        while not self.free:
+            self.freed = anyio.Event()
+            await self.freed.wait()
 
-    async def pause_collector(self) -> None:
+    def held(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """On-policy (one slot, the trainer's until it asks for the next batch): the envs wait while
+        this is open, as anything they collect is dropped at the trainer's next update. Entered right
+        after a batch is taken (no checkpoint between): the collector starts nothing new."""
         assert self.collector is not None
-        async with self.collector.pause():
-            await anyio.sleep_forever()
+        return self.collector.pause() if self.config.pause_when_held else contextlib.nullcontext()
 
     async def run(self) -> None:
         config = self.config
@@ -259,22 +255,21 @@ class _AsyncWorker:
         collector.random_seed = None if config.seed is None else config.seed + self.offset
         async with anyio.create_task_group() as tg, collector:
             tg.start_soon(self.control_loop, tg.cancel_scope)
-            batch: TensorDictBase | None = await self.next_batch()
-            assert batch is not None
-            # the slots' layout is the first batch's
-            self.layout, self.batch_size = layout_of(batch), tuple(batch.batch_size)
-            self.chan.send(
-                Ready(self.layout, self.batch_size, self.fpb, policy_version=collector.policy_version)
-            )
-            await self.attached.wait()
-            await self.running.wait()
+            batch = await self.next_batch()
+            async with self.held():
+                # the slots' layout is the first batch's
+                self.layout, self.batch_size = layout_of(batch), tuple(batch.batch_size)
+                self.chan.send(
+                    Ready(self.layout, self.batch_size, self.fpb, policy_version=collector.policy_version)
+                )
+                await self.attached.wait()
+                await self.running.wait()
             while True:
-                await self.wait_for_slot()
-                if batch is None:
-                    batch = await self.next_batch()
                 self.send(batch)
-                batch = None
-                await self.load_weights()  # between batches, as the rollout workers do
+                async with self.held():
+                    await self.load_weights()  # between batches, as the rollout workers do
+                    await self.wait_for_slot()
+                batch = await self.next_batch()
 
     def send(self, batch: TensorDictBase) -> None:
         """Write ``batch`` into a free slot and tell the trainer."""

@@ -56,6 +56,7 @@ class WorkerFrames:
         self._split_upto = -1
         self._split_seen: set[int] = set()
         self._sent_oldest = _NONE_SENT
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def pending(self) -> int:
@@ -95,8 +96,14 @@ class WorkerFrames:
         stale = data.get(VERSION) < floor
         if not bool(stale.any()):
             return data
-        for t in data.get(_TRAJ)[stale].unique().tolist():  # these go on after a gap: fresh ids
-            self._rename(t)
+        inner = data.get(_TRAJ)
+        ended = set(inner[stale & data.get(_DONE).reshape(-1)].tolist())
+        for t in inner[stale].unique().tolist():
+            if t in ended:  # it ended in the frames dropped: never seen again
+                self._renamed.pop(t, None)
+                self._table = None
+            else:  # it goes on after a gap: a fresh id
+                self._rename(t)
         self.discarded += int(stale.sum())
         data = data[~stale]
         self._pending = data if data.shape[0] else None
@@ -105,7 +112,16 @@ class WorkerFrames:
     def _rename(self, t: int) -> None:
         self._renamed[t] = 2 * self._fresh + 1
         self._fresh += 1
-        self._split_seen.add(t)
+        self._table = None
+        if t <= self._split_upto:
+            self._split_seen.add(t)
+
+    def _lookup(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The renamed ids, sorted, and their fresh ids."""
+        if self._table is None:
+            table = torch.tensor(sorted(self._renamed.items()), dtype=torch.int64)
+            self._table = table[:, 0].contiguous(), table[:, 1].contiguous()
+        return self._table
 
     def _globalise(self, out: TensorDictBase) -> TensorDictBase:
         inner = out.get(_TRAJ)
@@ -115,12 +131,13 @@ class WorkerFrames:
                     self._rename(t)
         local = inner * 2
         if self._renamed:
-            keys, values = torch.tensor(sorted(self._renamed.items()), dtype=torch.int64).unbind(1)
+            keys, values = self._lookup()
             mask = torch.isin(inner, keys)
             if bool(mask.any()):
                 local[mask] = values[torch.searchsorted(keys, inner[mask])]
             for t in inner[out.get(_DONE).reshape(-1)].tolist():  # ended: never seen again
-                self._renamed.pop(t, None)
+                if self._renamed.pop(t, None) is not None:
+                    self._table = None
         out.set_(_TRAJ, local * self.traj_stride + self.traj_start)
         out.set_(_ENV_ID, out.get(_ENV_ID) + self.env_offset)
         return out
