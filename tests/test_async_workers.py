@@ -287,3 +287,26 @@ async def test_arguments_of_multi_async_collector_it_does_not_take() -> None:
         MultiAsyncEnvCollector([[Counter]], frames_per_batch=8, init_random_frames=-1)
     with pytest.raises(TypeError, match=r"nn\.Module"):
         await MultiAsyncEnvCollector([[Counter]], frames_per_batch=8).update_weights(flush=True)
+
+
+@ASYNCIO_ONLY
+async def test_update_at_each_batch_republishes_the_policy(leaks) -> None:
+    policy = StepPolicy()
+    batches = []
+    async with MultiAsyncEnvCollector(
+        shares(2, 2),
+        policy,
+        frames_per_batch=8,
+        update_at_each_batch=True,
+        storing_device="cpu",
+        track_policy_version=True,
+    ) as c:
+        with anyio.fail_after(20):
+            batches.append(await c.__anext__())  # version 1 (offset 0) is published as it is delivered
+            with torch.no_grad():
+                policy.offset.fill_(1)  # no update_weights: the next delivery publishes it as version 2
+            while not (batches[-1]["collector", "policy_version"] >= 2).any():
+                batches.append(await c.__anext__())
+    data = torch.cat(batches)
+    version, step = data["collector", "policy_version"], data["observation"][:, 2].long()
+    assert torch.equal(data["action"], (step + (version >= 2).long()) % 4)

@@ -71,16 +71,30 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
     entry per worker process. A worker's env error is raised from ``async for`` with its type, a killed
     worker raises :class:`WorkerDiedError`; ``async with`` ends every process and shared-memory segment.
 
+    For on-policy training, ``update_weights(..., flush=True)`` (or ``max_policy_lag=0``, a flush at
+    every update) delivers from then on only frames collected with the new weights: batches waiting in
+    the slots are dropped, each worker drops the frames it holds below the new version (each frame
+    carries its version), and the envs are not reset; a trajectory that loses frames goes on under a
+    fresh trajectory id. The frames dropped are counted in ``statistics().frames_discarded``.
+    ``max_policy_lag=k`` delivers nothing more than ``k`` versions old. ``MultiAsyncCollector``'s
+    arguments that make no sense for async envs (``reset_at_each_iter``, ``set_truncated``, devices but
+    ``storing_device``, ``compile_policy``) raise ``TypeError`` with their fix.
+
     Args:
         env_fns_per_worker: one list of env fns per worker process (each as ``AsyncEnvCollector``'s
             ``env_fns``; cloudpickled, called in the worker).
         policy: as ``AsyncEnvCollector``'s (an ``nn.Module`` gets its weights from :meth:`update_weights`).
-        frames_per_batch: frames in each batch (each worker's batches).
-        total_frames, split_trajs, postproc, replay_buffer, progress, num_sub_threads, worker_backend,
-        start_method, weight_sync, worker_timeout, traj_id_start, traj_id_stride: as
-            :class:`MultiAsyncCollector`'s.
-        min_batch, max_wait, max_frames_per_traj, exploration_type, track_policy_version, prefetch: as
+        frames_per_batch: frames in each batch (each worker's batches), or one value per worker.
+        init_random_frames: the first ``ceil(init_random_frames / workers)`` actions of each worker
+            (rounded up to whole batches of it) are random, the policy's other outputs zeros.
+        max_policy_lag: deliver nothing more than this many versions older than the newest published;
+            ``0``: on-policy (each worker's envs wait while the trainer holds its batch).
+        total_frames, split_trajs, postproc, replay_buffer, storing_device, progress, num_threads,
+        num_sub_threads, update_at_each_batch, worker_backend, start_method, weight_sync,
+        worker_timeout, traj_id_start, traj_id_stride: as :class:`MultiAsyncCollector`'s.
+        min_batch, max_wait, max_frames_per_traj, exploration_type, track_policy_version: as
             ``AsyncEnvCollector``'s, per worker.
+        prefetch: as ``AsyncEnvCollector``'s, per worker (default 1; 0 with ``max_policy_lag=0``).
         seed: env ``i`` (over all workers) is first reset with ``seed + i``.
         loop: the workers' event loop: ``"asyncio"`` (default), ``"uvloop"`` or ``"trio"``.
 
