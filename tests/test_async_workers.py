@@ -310,3 +310,38 @@ async def test_update_at_each_batch_republishes_the_policy(leaks) -> None:
     data = torch.cat(batches)
     version, step = data["collector", "policy_version"], data["observation"][:, 2].long()
     assert torch.equal(data["action"], (step + (version >= 2).long()) % 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lag", [None, 0, 1, 2])
+async def test_many_updates_keep_every_rule(request, lag, leaks) -> None:
+    """Updates at random moments (flushes without a lag): versions within the floor, no frame twice, no
+    trajectory id across a gap, every frame lost counted."""
+    loop = LOOPS[request.node.callspec.id.split("-")[0]]
+    rng = torch.Generator().manual_seed(0)
+    policy = StepPolicy()
+    batches = []
+    async with MultiAsyncEnvCollector(
+        shares(3, 7),
+        policy,
+        frames_per_batch=[24, 16, 40],
+        max_policy_lag=lag,
+        track_policy_version=True,
+        split_trajs=False,
+        loop=loop,
+    ) as c:
+        with anyio.fail_after(120):
+            for _ in range(60):
+                batch = await c.__anext__()
+                versions = batch["collector", "policy_version"]
+                assert (versions >= c.policy_version - (lag or 0)).all()
+                batches.append(batch)
+                await anyio.sleep(float(torch.rand((), generator=rng)) * 0.01)
+                with torch.no_grad():
+                    policy.offset.fill_(c.policy_version + 1)
+                await c.update_weights(policy, flush=lag is None)
+        discarded = c.statistics().frames_discarded
+    data = torch.cat(batches)
+    step, version = data["observation"][:, 2].long(), data["collector", "policy_version"]
+    assert torch.equal(data["action"], (step + version) % 4)  # each frame's action from its version
+    assert check_gaps(data) <= discarded

@@ -16,9 +16,11 @@ from typing import cast
 import torch
 from tensordict import TensorDictBase
 
-__all__ = ["VERSION", "WorkerFrames"]
+__all__ = ["FLOOR", "VERSION", "WorkerFrames"]
 
 VERSION = ("collector", "policy_version")
+#: the floor the worker knew when it cut the batch (the trainer's check, removed before delivery)
+FLOOR = ("collector", "worker_floor")
 _ENV_ID = ("collector", "env_id")
 _TRAJ = ("collector", "traj_ids")
 _DONE = ("next", "done")
@@ -90,6 +92,7 @@ class WorkerFrames:
             out, rest = data[: self.frames_per_batch], data[self.frames_per_batch :]
             self._pending = rest if rest.shape[0] else None
         self._sent_oldest = min(self._sent_oldest, int(out.get(VERSION).min()))
+        out.set(FLOOR, torch.full((self.frames_per_batch,), floor, dtype=torch.int64))
         return self._globalise(out)
 
     def _drop_stale(self, data: TensorDictBase, floor: int) -> TensorDictBase:

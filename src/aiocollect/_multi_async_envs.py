@@ -15,7 +15,7 @@ from tensordict.nn import InteractionType
 
 from ._async_collector import max_wait_arg
 from ._async_collector_worker import EnvShare, WorkerConfig, run_async_worker
-from ._async_worker_frames import VERSION
+from ._async_worker_frames import FLOOR, VERSION
 from ._gather import gather
 from ._multi_async import MultiAsyncCollector
 from ._multi_async_envs_args import frames_arg, refuse_unsupported, shares_arg, warn_envs_wait
@@ -201,22 +201,36 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
             traj_id_start=traj_id_start,
             traj_id_stride=traj_id_stride,
         )
+        self._cut = [0] * self.num_workers  # per worker: the newest floor one of its batches was dropped at
 
     def _worker_body(self) -> Any:
         return functools.partial(run_async_worker, self._async_config)
 
+    def _stale(self, index: int, policy_version: int) -> bool:
+        stale = super()._stale(index, policy_version)
+        if stale:  # dropped: see _next_batch
+            self._cut[index] = max(self._cut[index], self._floors[index])
+        return stale
+
     async def _next_batch(self, pool: WorkerPool) -> Delivery:
-        """The next batch whose every frame is at or above its worker's floor: a batch sent before the
-        floor rose, its newest frames above it and older ones below, is dropped here whole."""
+        """The next batch whose every frame is at or above its worker's floor, and that continues no
+        trajectory of a batch dropped here under the same id.
+
+        A batch written before the floor rose, its newest frames above the floor and older ones below,
+        is dropped whole (batches keep their size). Once a batch of a worker is dropped at floor ``f``,
+        the ones it cut before it knew of ``f`` are dropped too: they may go on with trajectory ids of
+        the dropped one (from ``f`` on, the worker gives the trajectories in flight fresh ids)."""
         while True:
             out = await super()._next_batch(pool)
-            versions = out.batch.get(VERSION)
-            assert out.worker_id is not None
-            if int(versions.min()) >= self._floors[out.worker_id]:
+            index = out.worker_id
+            assert index is not None
+            batch, floor = out.batch, self._floors[index]
+            if int(batch.get(VERSION).min()) < floor:
+                self._cut[index] = max(self._cut[index], floor)
+            elif int(batch.get(FLOOR)[0]) >= self._cut[index]:
                 break
             self._dropped_frames += out.frames
-        if not self._track_versions:
-            out.batch = out.batch.exclude(VERSION)
+        out.batch = batch.exclude(FLOOR) if self._track_versions else batch.exclude(FLOOR, VERSION)
         return out
 
     async def update_weights(
