@@ -89,9 +89,11 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
             (rounded up to whole batches of it) are random, the policy's other outputs zeros.
         max_policy_lag: deliver nothing more than this many versions older than the newest published;
             ``0``: on-policy (each worker's envs wait while the trainer holds its batch).
-        total_frames, split_trajs, postproc, replay_buffer, storing_device, progress, num_threads,
-        num_sub_threads, update_at_each_batch, worker_backend, start_method, weight_sync,
-        worker_timeout, traj_id_start, traj_id_stride: as :class:`MultiAsyncCollector`'s.
+        total_frames, split_trajs, postproc, replay_buffer, storing_device, progress: as
+            :class:`MultiAsyncCollector`'s.
+        num_threads, num_sub_threads, update_at_each_batch, worker_backend, start_method: as
+            :class:`MultiAsyncCollector`'s.
+        weight_sync, worker_timeout, traj_id_start, traj_id_stride: as :class:`MultiAsyncCollector`'s.
         min_batch, max_wait, max_frames_per_traj, exploration_type, track_policy_version: as
             ``AsyncEnvCollector``'s, per worker.
         prefetch: as ``AsyncEnvCollector``'s, per worker (default 1; 0 with ``max_policy_lag=0``).
