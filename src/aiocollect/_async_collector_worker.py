@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +87,21 @@ class _Inner(AsyncEnvCollector):
     episodes: list[tuple[int, float, int]] = []  # noqa: RUF012 - replaced per batch
     random_actions = 0
     random_seed: int | None = None
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """No policy call starts while this is open (as in ``pause()``, without waiting for the steps in
+        flight: a hung env does not hold it back)."""
+        self._paused += 1
+        if self._unpaused is None:
+            self._unpaused = anyio.Event()
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            if not self._paused and self._unpaused is not None:
+                self._unpaused.set()
+                self._unpaused = None
 
     def _engine_policy(self, policy: BatchPolicy, spec: EnvSet) -> Any:
         if not self.random_actions:
@@ -229,12 +244,12 @@ class _AsyncWorker:
             self.freed = anyio.Event()
             await self.freed.wait()
 
-    def held(self) -> contextlib.AbstractAsyncContextManager[None]:
-        """On-policy (one slot, the trainer's until it asks for the next batch): the envs wait while
-        this is open, as anything they collect is dropped at the trainer's next update. Entered right
-        after a batch is taken (no checkpoint between): the collector starts nothing new."""
+    def held(self) -> contextlib.AbstractContextManager[None]:
+        """On-policy (one slot, the trainer's until it asks for the next batch): no policy call starts
+        while this is open, as what the envs would collect is dropped at the trainer's next update.
+        Entered right after a batch is taken (no checkpoint between); the steps in flight land."""
         assert self.collector is not None
-        return self.collector.pause() if self.config.pause_when_held else contextlib.nullcontext()
+        return self.collector.holding() if self.config.pause_when_held else contextlib.nullcontext()
 
     async def run(self) -> None:
         config = self.config
@@ -256,7 +271,7 @@ class _AsyncWorker:
         async with anyio.create_task_group() as tg, collector:
             tg.start_soon(self.control_loop, tg.cancel_scope)
             batch = await self.next_batch()
-            async with self.held():
+            with self.held():
                 # the slots' layout is the first batch's
                 self.layout, self.batch_size = layout_of(batch), tuple(batch.batch_size)
                 self.chan.send(
@@ -266,7 +281,7 @@ class _AsyncWorker:
                 await self.running.wait()
             while True:
                 self.send(batch)
-                async with self.held():
+                with self.held():
                     await self.load_weights()  # between batches, as the rollout workers do
                     await self.wait_for_slot()
                 batch = await self.next_batch()
