@@ -227,9 +227,21 @@ class Marked(nn.Module):
         return action, torch.ones(observation.shape[:-1])
 
 
+class AsyncMarked:
+    """The same as an async policy (awaited on the workers' loops: its random draws are made there)."""
+
+    async def __call__(self, td: TensorDictBase) -> TensorDictBase:
+        td["action"], td["marker"] = Marked()(td["observation"])
+        return td
+
+
 @ASYNCIO_ONLY
-async def test_init_random_frames_are_the_first_actions_of_each_worker(leaks) -> None:
-    policy = TensorDictModule(Marked(), in_keys=["observation"], out_keys=["action", "marker"])
+@pytest.mark.parametrize("kind", ["module", "async"])
+async def test_init_random_frames_are_the_first_actions_of_each_worker(kind, leaks) -> None:
+    if kind == "async":
+        policy = AsyncMarked()
+    else:
+        policy = TensorDictModule(Marked(), in_keys=["observation"], out_keys=["action", "marker"])
     per_worker: dict[int, list] = {0: [], 1: []}
     async with MultiAsyncEnvCollector(
         shares(2, 4), policy, frames_per_batch=10, init_random_frames=25, track_policy_version=True, seed=1
