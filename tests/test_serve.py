@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import signal
 import socket
 import threading
 import time
@@ -451,3 +452,134 @@ async def test_collector_cancelled_mid_step_leaves_nothing(clean: Any, client: s
                 env = await RemoteEnv.open(server.url, index=0, token=TOKEN)
                 await env.reset()
                 await env.close()
+
+
+# -- liveness: the heartbeat ------------------------------------------------------------------------------
+FAST = {"heartbeat_interval": 0.05, "heartbeat_timeout": 0.25}  # a dead peer is noticed in about 0.3 s
+
+
+@contextlib.asynccontextmanager
+async def stopped(server: Any) -> Any:
+    """The server process SIGSTOPped (alive, its sockets open, silent) until the block ends."""
+    server.send_signal(signal.SIGSTOP)
+    try:
+        yield time.monotonic()
+    finally:
+        server.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"heartbeat_interval": 0}, "heartbeat_interval must be seconds > 0"),
+        ({"heartbeat_timeout": -1.0}, "heartbeat_timeout must be seconds > 0"),
+        ({"heartbeat_interval": 5, "heartbeat_timeout": 5}, "must be longer than heartbeat_interval"),
+    ],
+)
+def test_heartbeat_arguments_are_checked(kwargs: dict[str, Any], match: str) -> None:
+    url = "ws://127.0.0.1:1"
+    for make in (
+        lambda: RemoteEnvPool(url, token=TOKEN, **kwargs),
+        lambda: RemoteEnv(
+            url,
+            index=0,
+            token=TOKEN,
+            observation_space=spaces.Discrete(2),
+            action_space=spaces.Discrete(2),
+            **kwargs,
+        ),
+        lambda: RemotePolicy(url, token=TOKEN, **kwargs),
+        lambda: serve_envs([lambda: gym.make("CartPole-v1")], **kwargs),
+        lambda: serve_policy(CountingPolicy(), **kwargs),
+        lambda: serve_envs_process([lambda: gym.make("CartPole-v1")], **kwargs),
+    ):
+        with pytest.raises(ValueError, match=match):
+            make()
+    RemoteEnvPool(url, token=TOKEN, heartbeat_interval=None)  # off
+
+
+@pytest.mark.parametrize("client", ["env", "pool"])
+async def test_a_stopped_server_fails_the_call_within_its_timeout(clean: Any, client: str) -> None:
+    server = serve_envs_process([lambda: CountingEnv()] * 2, token=TOKEN)
+    async with server, contextlib.AsyncExitStack() as stack:
+        if client == "pool":
+            env: Any = (await stack.enter_async_context(RemoteEnvPool(server.url, token=TOKEN, **FAST)))[1]
+        else:
+            env = await stack.enter_async_context(
+                await RemoteEnv.open(server.url, index=1, token=TOKEN, **FAST)
+            )
+        await env.reset(seed=0)
+        async with stopped(server) as stopped_at:
+            with anyio.fail_after(5), pytest.raises(RemoteConnectionError) as info:
+                await env.step(0)
+            assert time.monotonic() - stopped_at < 2.0
+        assert server.url in str(info.value) and "did not answer for" in str(info.value)
+        assert "heartbeat_timeout=0.25 s" in str(info.value)
+
+
+async def test_the_collector_ends_when_a_server_stops(clean: Any) -> None:
+    server = serve_envs_process([lambda: CountingEnv()] * 4, token=TOKEN)
+    async with server, RemoteEnvPool(server.url, token=TOKEN, **FAST) as pool:
+        collector = AsyncEnvCollector(pool.envs, frames_per_batch=32)
+        async with contextlib.AsyncExitStack() as stack:
+            with pytest.raises(RemoteConnectionError, match="did not answer"):
+                async with collector:
+                    with anyio.fail_after(10):
+                        async for _ in collector:  # the batch after the stop never comes: the error does
+                            stopped_at = await stack.enter_async_context(stopped(server))
+            assert time.monotonic() - stopped_at < 2.0
+
+
+async def test_long_steps_and_idle_clients_are_not_silence(clean: Any) -> None:
+    """Pings are answered while a step runs (0.6 s, over twice the timeout) and while a client idles."""
+    async with serve_envs([lambda: CountingEnv(step_delay=0.6)] * 2, token=TOKEN, **FAST) as server:
+        async with RemoteEnvPool(server.url, token=TOKEN, start=1, **FAST) as pool:
+            await pool[0].reset(seed=0)
+            with anyio.fail_after(5):
+                obs, *_ = await pool[0].step(0)
+            await anyio.sleep(0.6)  # idle: the pool's receiver answers the server's pings
+            with anyio.fail_after(5):
+                obs, *_ = await pool[0].step(1)
+            assert pool._ws is not None and not pool._ws.closed
+        async with await RemoteEnv.open(server.url, index=0, token=TOKEN, **FAST) as env:
+            await env.reset(seed=0)
+            with anyio.fail_after(5):
+                await env.step(0)
+            ws = env._ws
+            await anyio.sleep(0.6)  # nobody reads this idle connection: the server drops it (IDLE_CLOSE)
+            with anyio.fail_after(5):
+                obs, *_ = await env.step(1)  # on a new connection, sent once
+            assert env._ws is not ws and ws is not None and ws.close_code == 4408
+    assert obs.shape == (4,)
+
+
+async def test_the_server_drops_a_silent_client_and_frees_its_envs(clean: Any) -> None:
+    envs: list[CountingEnv] = []
+    async with serve_envs([made(envs)] * 2, token=TOKEN, **FAST) as server:
+        silent = await connect(server.url, "/batch/0/2", TOKEN)  # no heartbeat: it never reads again
+        try:
+            with anyio.fail_after(5):  # the envs are free again once the server gave up on it
+                async with RemoteEnvPool(server.url, token=TOKEN, **FAST) as pool:
+                    await pool[0].reset(seed=0)
+            with pytest.raises(RemoteConnectionError, match="4408"):
+                while True:
+                    await silent.receive()  # the spaces it did not read, then the server's close
+        finally:
+            await silent.abort()
+
+
+async def test_remote_policy_slow_forward_and_idle_connection(clean: Any) -> None:
+    def slow(td: Any) -> Any:
+        time.sleep(0.6)  # a forward pass over twice the heartbeat timeout
+        td["action"] = td["observation"].sum(-1)
+        return td
+
+    server = serve_policy(slow, token=TOKEN, max_wait=0.0, **FAST)
+    async with server, RemotePolicy(server.url, token=TOKEN, **FAST) as remote:
+        with anyio.fail_after(5):
+            td = await remote(TensorDict(observation=torch.ones(2, 3), batch_size=[2]))
+        assert td["action"].tolist() == [3.0, 3.0]
+        await anyio.sleep(0.6)  # its idle connection is dropped by the server; the next call reconnects
+        with anyio.fail_after(5):
+            td = await remote(TensorDict(observation=torch.ones(1, 3), batch_size=[1]))
+    assert server.forward_calls == 2

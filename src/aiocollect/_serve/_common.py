@@ -6,7 +6,8 @@ import contextlib
 import secrets
 import string
 import traceback
-from collections.abc import Callable, Coroutine
+from collections import deque
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import anyio
@@ -14,8 +15,20 @@ import anyio.abc
 
 from ._tcp import listen
 from ._wire import encode
+from ._ws import Heartbeat, RemoteConnectionError, WebSocket
 
-__all__ = ["Server", "check_host_port", "check_token", "error_header", "error_message", "remote_error"]
+__all__ = [
+    "Server",
+    "check_host_port",
+    "check_token",
+    "error_header",
+    "error_message",
+    "remote_error",
+]
+
+
+#: the most messages a connection may have waiting for their answers (a client sends one per call)
+_MAX_QUEUED = 4096
 
 _TOKEN_CHARS = set(string.ascii_letters + string.digits + "-._~+/=")
 
@@ -84,6 +97,7 @@ class Server:
     host: str
     port: int
     token: str
+    heartbeat: Heartbeat | None
     _stack: contextlib.AsyncExitStack | None
 
     @property
@@ -108,6 +122,45 @@ class Server:
         tg.start_soon(listener.serve, handle)
         for task in tasks:
             tg.start_soon(task)
+
+    async def _answer_in_order(self, ws: WebSocket, answer: Callable[[bytes], Awaitable[bytes]]) -> None:
+        """Answer each message of ``ws`` with ``await answer(message)``, in order, until the connection
+        ends. A reader task takes the messages in as they come (answering pings meanwhile, so that a long
+        step or forward pass never passes for silence) while this task answers them."""
+        queue: deque[bytes] = deque()
+        arrived = anyio.Event()
+
+        async def read() -> None:
+            nonlocal arrived
+            try:
+                while True:
+                    ws.idle = not queue and not answering
+                    message = await ws.receive()
+                    if len(queue) >= _MAX_QUEUED:
+                        await ws.aclose(1008, f"more than {_MAX_QUEUED} requests waiting")
+                        break
+                    queue.append(message)
+                    arrived.set()
+            except RemoteConnectionError:
+                pass
+            tg.cancel_scope.cancel()
+
+        answering = False
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read)
+            try:
+                while True:
+                    while not queue:
+                        await arrived.wait()
+                        arrived = anyio.Event()
+                    answering, ws.idle = True, False
+                    reply = await answer(queue.popleft())
+                    await ws.send(reply)
+                    answering = False
+                    ws.idle = not queue
+            except RemoteConnectionError:
+                pass
+            tg.cancel_scope.cancel()
 
     async def __aexit__(self, *exc_info: Any) -> None:
         stack, self._stack = self._stack, None

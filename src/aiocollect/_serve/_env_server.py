@@ -24,7 +24,7 @@ from ._common import Server, check_host_port, check_token, error_message
 from ._env_jobs import Job, parse_calls, run_job
 from ._spaces import describe_space
 from ._wire import ProtocolError, decode, encode, pack_tree
-from ._ws import RemoteConnectionError, WebSocket, accept
+from ._ws import SERVER_HEARTBEAT, Heartbeat, RemoteConnectionError, WebSocket, accept, heartbeat
 
 __all__ = ["EnvServer", "local_spaces", "serve_envs"]
 
@@ -54,13 +54,19 @@ class EnvServer(Server):
     """A running env server (see :func:`serve_envs`): ``url``, ``token``, ``port``, ``num_envs``."""
 
     def __init__(
-        self, env_fns: Sequence[Callable[[], gym.Env[Any, Any]]], host: str, port: int, token: str | None
+        self,
+        env_fns: Sequence[Callable[[], gym.Env[Any, Any]]],
+        host: str,
+        port: int,
+        token: str | None,
+        beat: Heartbeat | None = None,
     ):
         if not isinstance(env_fns, Sequence) or not env_fns or not all(callable(fn) for fn in env_fns):
             raise TypeError("env_fns must be a non-empty list of callables, each returning a gymnasium env")
         check_host_port(host, port)
         self.env_fns = list(env_fns)
         self.host, self.port, self.token = host, port, check_token(token)
+        self.heartbeat = beat
         self.num_envs = len(self.env_fns)
         self.envs: list[gym.Env[Any, Any]] = []
         self._hello: list[bytes] = []
@@ -157,7 +163,8 @@ class EnvServer(Server):
 
     async def _handle(self, stream: anyio.abc.ByteStream) -> None:
         try:
-            accepted = await accept(stream, self.token, functools.partial(self._route, stream))
+            route = functools.partial(self._route, stream)
+            accepted = await accept(stream, self.token, route, beat=self.heartbeat)
             if accepted is not None:
                 await self._converse(*accepted)
         finally:
@@ -171,15 +178,15 @@ class EnvServer(Server):
             if kind == "spaces":  # a look at the spaces only (RemoteEnv's constructor)
                 await ws.aclose()
                 return
-            while True:
-                message = await ws.receive()
-                await ws.send(await self._serve_one(message, start, stop, batch))
+            await self._answer_in_order(
+                ws, functools.partial(self._serve_one, start=start, stop=stop, batch=batch)
+            )
         except RemoteConnectionError:
             pass
         finally:
             await ws.abort()
 
-    async def _serve_one(self, message: bytes, start: int, stop: int, batch: bool) -> bytes:
+    async def _serve_one(self, message: bytes, *, start: int, stop: int, batch: bool) -> bytes:
         try:
             header, arrays = decode(message)
             job = Job(parse_calls(header, arrays, start, stop, batch), batch)
@@ -234,12 +241,17 @@ def serve_envs(
     host: str = "127.0.0.1",
     port: int = 0,
     token: str | None = None,
+    heartbeat_interval: float | None = SERVER_HEARTBEAT[0],
+    heartbeat_timeout: float | None = SERVER_HEARTBEAT[1],
 ) -> EnvServer:
     """A WebSocket server stepping the gymnasium envs ``env_fns`` make, for :class:`aiocollect.RemoteEnv`.
 
     An async context manager: entering it makes the envs (in a worker thread) and starts listening on
     ``host``:``port`` (loopback and a free port by default); leaving it stops serving and closes the envs.
     Every connection must present ``token`` (``None``: a random one, read back as ``server.token``).
+    A client connection quiet for ``heartbeat_interval`` seconds is pinged, and one silent for
+    ``heartbeat_timeout`` seconds (a client machine gone, a process stopped) is dropped, its envs freed
+    for the next client (either ``None``: never).
 
     Example:
         >>> import anyio, gymnasium as gym
@@ -253,4 +265,4 @@ def serve_envs(
         >>> anyio.run(main)
         (4,)
     """
-    return EnvServer(env_fns, host, port, token)
+    return EnvServer(env_fns, host, port, token, heartbeat(heartbeat_interval, heartbeat_timeout))

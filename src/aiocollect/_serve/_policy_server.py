@@ -22,7 +22,7 @@ from .._weights import check_compatible, copy_weights, flat_weights
 from ._common import Server, check_host_port, check_token, error_message
 from ._tensors import leaves_to_wire, td_leaves, wire_keys, wire_to_tensors
 from ._wire import ProtocolError, decode, encode
-from ._ws import RemoteConnectionError, accept
+from ._ws import SERVER_HEARTBEAT, Heartbeat, accept, heartbeat
 
 __all__ = ["PolicyServer", "serve_policy"]
 
@@ -42,7 +42,14 @@ class PolicyServer(Server):
     (weight updates so far), ``forward_calls`` and ``batch_sizes`` (rows per forward pass)."""
 
     def __init__(
-        self, policy: Any, host: str, port: int, token: str | None, max_batch: int, max_wait: float
+        self,
+        policy: Any,
+        host: str,
+        port: int,
+        token: str | None,
+        max_batch: int,
+        max_wait: float,
+        beat: Heartbeat | None = None,
     ) -> None:
         if not callable(policy):
             raise TypeError(
@@ -55,6 +62,7 @@ class PolicyServer(Server):
         check_host_port(host, port)
         self.policy = policy
         self.host, self.port, self.token = host, port, check_token(token)
+        self.heartbeat = beat
         self.max_batch, self.max_wait = max_batch, float(max_wait)
         self.version = 0
         self.forward_calls = 0
@@ -73,16 +81,12 @@ class PolicyServer(Server):
 
     # -- connections ------------------------------------------------------------------------------------
     async def _handle(self, stream: anyio.abc.ByteStream) -> None:
-        accepted = await accept(stream, self.token, _route)
+        accepted = await accept(stream, self.token, _route, beat=self.heartbeat)
         if accepted is None:
             return
         ws = accepted[0]
         try:
-            while True:
-                message = await ws.receive()
-                await ws.send(await self._answer(message))
-        except RemoteConnectionError:
-            pass
+            await self._answer_in_order(ws, self._answer)
         finally:
             await ws.abort()
 
@@ -195,6 +199,8 @@ def serve_policy(
     token: str | None = None,
     max_batch: int = 1024,
     max_wait: float = 0.002,
+    heartbeat_interval: float | None = SERVER_HEARTBEAT[0],
+    heartbeat_timeout: float | None = SERVER_HEARTBEAT[1],
 ) -> PolicyServer:
     """A WebSocket server running ``policy`` for many :class:`aiocollect.RemotePolicy` clients, batching
     their concurrent requests into one forward pass (in a worker thread, under ``torch.no_grad()``).
@@ -203,7 +209,9 @@ def serve_policy(
     plain ``nn.Module`` called on ``td["observation"]`` (its output is ``"action"``). A forward pass runs
     once ``max_batch`` rows wait or ``max_wait`` seconds after the first request, whichever first.
     ``RemotePolicy.update_weights`` replaces the weights of an ``nn.Module`` policy between passes.
-    An async context manager; ``token=None`` makes a random token (``server.token``).
+    An async context manager; ``token=None`` makes a random token (``server.token``). A client
+    connection silent for ``heartbeat_timeout`` seconds (pinged after ``heartbeat_interval`` quiet ones)
+    is dropped (either ``None``: never).
 
     Example:
         >>> import anyio, torch
@@ -219,4 +227,5 @@ def serve_policy(
         >>> anyio.run(main)
         torch.Size([3, 2])
     """
-    return PolicyServer(policy, host, port, token, max_batch, max_wait)
+    beat = heartbeat(heartbeat_interval, heartbeat_timeout)
+    return PolicyServer(policy, host, port, token, max_batch, max_wait, beat)

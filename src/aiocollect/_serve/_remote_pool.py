@@ -21,7 +21,7 @@ from ._common import remote_error
 from ._remote_env import fetch_spaces
 from ._spaces import rebuild_space
 from ._wire import ProtocolError, decode, encode, pack_tree, unpack_tree
-from ._ws import RemoteConnectionError, WebSocket, connect, split_url
+from ._ws import CLIENT_HEARTBEAT, RemoteConnectionError, WebSocket, connect, heartbeat, split_url
 
 __all__ = ["PooledRemoteEnv", "RemoteEnvPool"]
 
@@ -81,7 +81,10 @@ class RemoteEnvPool:
     The fast way to step many envs of one server: their concurrent calls travel together (see the
     module docs). :class:`aiocollect.RemoteEnv` opens a connection per env instead, and can be made by
     a plain ``lambda``. A lost connection fails every pending and later call with
-    :class:`aiocollect.RemoteConnectionError`.
+    :class:`aiocollect.RemoteConnectionError`: a server that goes away, or one silent for
+    ``heartbeat_timeout`` seconds (its machine gone, its process stopped, the network cut; the pool's
+    receiver pings it after ``heartbeat_interval`` quiet seconds and answers its pings, busy or idle;
+    ``None``: no heartbeat).
 
     Example:
         >>> import anyio, gymnasium as gym
@@ -97,7 +100,15 @@ class RemoteEnvPool:
     """
 
     def __init__(
-        self, url: str, *, token: str, start: int = 0, stop: int | None = None, connect_timeout: float = 10.0
+        self,
+        url: str,
+        *,
+        token: str,
+        start: int = 0,
+        stop: int | None = None,
+        connect_timeout: float = 10.0,
+        heartbeat_interval: float | None = CLIENT_HEARTBEAT[0],
+        heartbeat_timeout: float | None = CLIENT_HEARTBEAT[1],
     ) -> None:
         split_url(url)
         if not isinstance(token, str) or not token:
@@ -111,6 +122,7 @@ class RemoteEnvPool:
                 f"start and stop must be env indices with 0 <= start < stop, got {start!r}, {stop!r}"
             )
         self.url, self.start, self.stop, self.connect_timeout = url, start, stop, connect_timeout
+        self.heartbeat = heartbeat(heartbeat_interval, heartbeat_timeout)
         self._token = token
         self.envs: list[PooledRemoteEnv] = []
         self._ws: WebSocket | None = None
@@ -132,9 +144,15 @@ class RemoteEnvPool:
     async def __aenter__(self) -> RemoteEnvPool:
         stop = self.stop
         if stop is None:  # all the server's envs: ask how many there are
-            stop = (await fetch_spaces(self.url, self.start, self._token, self.connect_timeout))[2]
+            stop = (
+                await fetch_spaces(self.url, self.start, self._token, self.connect_timeout, self.heartbeat)
+            )[2]
         ws = await connect(
-            self.url, f"/batch/{self.start}/{stop}", self._token, connect_timeout=self.connect_timeout
+            self.url,
+            f"/batch/{self.start}/{stop}",
+            self._token,
+            connect_timeout=self.connect_timeout,
+            beat=self.heartbeat,
         )
         try:
             header, arrays = decode(await ws.receive())
