@@ -583,3 +583,66 @@ async def test_remote_policy_slow_forward_and_idle_connection(clean: Any) -> Non
         with anyio.fail_after(5):
             td = await remote(TensorDict(observation=torch.ones(1, 3), batch_size=[1]))
     assert server.forward_calls == 2
+
+
+# -- the pool's wire: steps in columns, and what does not fit in them -------------------------------------
+class DictEnv(gym.Env):
+    """Dict observations and Dict actions (no column fits them), an ``info`` that is not empty."""
+
+    observation_space = spaces.Dict({"x": spaces.Box(-10, 10, (2,), np.float32)})
+    action_space = spaces.Dict({"move": spaces.Discrete(3)})
+
+    def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
+        self.t = 0
+        return {"x": np.zeros(2, np.float32)}, {}
+
+    def step(self, action: Any) -> Any:
+        self.t += 1
+        return {"x": np.full(2, action["move"], np.float32)}, 0.5, False, self.t >= 3, {"t": self.t}
+
+
+async def test_pool_steps_that_do_not_stack_travel_one_by_one(clean: Any) -> None:
+    async with (
+        serve_envs([DictEnv] * 3, token=TOKEN) as server,
+        RemoteEnvPool(server.url, token=TOKEN) as pool,
+    ):
+        for env in pool:
+            await env.reset()
+        results: dict[int, Any] = {}
+
+        async def step(i: int) -> None:
+            results[i] = await pool[i].step({"move": i})
+
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(step, i)
+    for i in range(3):
+        obs, reward, terminated, truncated, info = results[i]
+        np.testing.assert_array_equal(obs["x"], [i, i])
+        assert (reward, terminated, truncated, info) == (0.5, False, False, {"t": 1})
+
+
+async def test_pool_column_of_steps_with_a_bad_action_and_infos(clean: Any) -> None:
+    """One bad action in a round of steps fails that call only; infos that are not empty come back."""
+    fns = [lambda: gym.wrappers.RecordEpisodeStatistics(gym.make("CartPole-v1"))] * 4
+    async with serve_envs(fns, token=TOKEN) as server, RemoteEnvPool(server.url, token=TOKEN) as pool:
+        for env in pool:
+            await env.reset(seed=0)
+        results: dict[int, Any] = {}
+
+        async def step(i: int, action: int) -> None:
+            try:
+                results[i] = await pool[i].step(action)
+            except ValueError as exc:
+                results[i] = exc
+
+        for _ in range(600):  # until some episode ends: its info carries the episode's statistics
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(step, i, 5 if i == 2 else 0)
+            assert isinstance(results[2], ValueError) and "not in Discrete" in str(results[2])
+            if any(r[2] or r[3] for i, r in results.items() if i != 2):
+                break
+            assert all(results[i][4] == {} for i in (0, 1, 3))
+        ended = [r for i, r in results.items() if i != 2 and (r[2] or r[3])]
+        assert ended and all(r[4]["episode"]["l"] > 0 for r in ended)

@@ -21,7 +21,7 @@ import gymnasium as gym
 
 from ._actions import action_checker
 from ._common import Server, check_host_port, check_token, error_message
-from ._env_jobs import Job, parse_calls, run_job
+from ._env_jobs import Job, Uniform, parse_calls, parse_steps, run_job, uniform_action_checker
 from ._spaces import describe_space
 from ._wire import ProtocolError, decode, encode, pack_tree
 from ._ws import SERVER_HEARTBEAT, Heartbeat, RemoteConnectionError, WebSocket, accept, heartbeat
@@ -71,6 +71,7 @@ class EnvServer(Server):
         self.envs: list[gym.Env[Any, Any]] = []
         self._hello: list[bytes] = []
         self._checkers: list[Callable[[Any], Any]] = []
+        self._uniform: Uniform | None = None  # checks a column of actions, when all envs share a space
         self._owner: dict[int, anyio.abc.ByteStream] = {}  # env index -> the connection that has it
         self._claims: dict[anyio.abc.ByteStream, range] = {}
         self._freed: dict[int, anyio.Event] = {}
@@ -85,6 +86,9 @@ class EnvServer(Server):
             stack.push_async_callback(self._close_envs)
             self._hello = [self._describe(i, env) for i, env in enumerate(self.envs)]
             self._checkers = [action_checker(env.action_space) for env in self.envs]
+            first = self.envs[0].action_space
+            if all(env.action_space == first for env in self.envs):
+                self._uniform = uniform_action_checker(first)
             await self._listen(stack, self._handle, self._stepper)
             _RUNNING[self.port] = self
             stack.callback(_RUNNING.pop, self.port, None)
@@ -189,7 +193,8 @@ class EnvServer(Server):
     async def _serve_one(self, message: bytes, *, start: int, stop: int, batch: bool) -> bytes:
         try:
             header, arrays = decode(message)
-            job = Job(parse_calls(header, arrays, start, stop, batch), batch)
+            steps = parse_steps(header, arrays, start, stop) if batch else None
+            job = Job(parse_calls(header, arrays, start, stop, batch), batch, steps)
         except ProtocolError as exc:
             return error_message(exc)
         self._jobs.append(job)
@@ -210,7 +215,7 @@ class EnvServer(Server):
     def _run_jobs(self, jobs: list[Job]) -> None:
         for job in jobs:
             try:
-                job.reply = run_job(self.envs, self._checkers, job)
+                job.reply = run_job(self.envs, self._checkers, job, self._uniform)
             except Exception as exc:
                 job.reply = error_message(exc)
 
