@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import shutil
 import signal
 import socket
+import ssl
+import subprocess
 import threading
 import time
 from typing import Any
@@ -646,3 +649,49 @@ async def test_pool_column_of_steps_with_a_bad_action_and_infos(clean: Any) -> N
             assert all(results[i][4] == {} for i in (0, 1, 3))
         ended = [r for i, r in results.items() if i != 2 and (r[2] or r[3])]
         assert ended and all(r[4]["episode"]["l"] > 0 for r in ended)
+
+
+# -- TLS --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """A self-signed certificate for 127.0.0.1 made here (openssl): (server context, client context)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is needed to make a test certificate")
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost"]
+        + ["-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+    )
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(cert, key)
+    return server, ssl.create_default_context(cafile=str(cert))
+
+
+async def test_tls_envs_and_policy(clean: Any, certificate: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    server_tls, client_tls = certificate
+    envs = serve_envs([lambda: gym.make("CartPole-v1")] * 3, token=TOKEN, ssl_context=server_tls)
+    policy = serve_policy(CountingPolicy(), token=TOKEN, max_wait=0.0, ssl_context=server_tls)
+    async with envs, policy:
+        assert envs.url.startswith("wss://") and policy.url.startswith("wss://")
+        async with (
+            RemoteEnvPool(envs.url, token=TOKEN, stop=2, ssl_context=client_tls) as pool,
+            await RemoteEnv.open(envs.url, index=2, token=TOKEN, ssl_context=client_tls) as env,
+            RemotePolicy(policy.url, token=TOKEN, ssl_context=client_tls) as remote,
+        ):
+            obs, _ = await env.reset(seed=0)
+            assert (await env.step(1))[0].shape == (4,)
+            for e in pool:
+                await e.reset(seed=0)
+            assert (await pool[1].step(0))[0].shape == (4,)
+            td = await remote(TensorDict(observation=torch.from_numpy(obs)[None], batch_size=[1]))
+            assert td["action"].shape == (1, 2)
+        # a client that does not trust the certificate, or speaks plain ws://, is refused
+        with pytest.raises(RemoteConnectionError, match="TLS handshake"):
+            await RemoteEnv.open(envs.url, index=2, token=TOKEN)
+        with pytest.raises(RemoteConnectionError):
+            await RemoteEnv.open(envs.url.replace("wss://", "ws://"), index=2, token=TOKEN)
+        with pytest.raises(ValueError, match="not a 'wss://' url"):
+            RemotePolicy(policy.url.replace("wss://", "ws://"), token=TOKEN, ssl_context=client_tls)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import ssl
 import string
 import traceback
 from collections import deque
@@ -20,6 +21,7 @@ from ._ws import Heartbeat, RemoteConnectionError, WebSocket
 __all__ = [
     "Server",
     "check_host_port",
+    "check_server_tls",
     "check_token",
     "error_header",
     "error_message",
@@ -43,6 +45,17 @@ def check_token(token: str | None) -> str:
             "e.g. secrets.token_urlsafe(24); or None for a random one (read it back as server.token)"
         )
     return token
+
+
+def check_server_tls(ssl_context: ssl.SSLContext | None) -> ssl.SSLContext | None:
+    """``ssl_context`` checked: ``None`` or a server-side ``ssl.SSLContext``."""
+    if ssl_context is not None and not isinstance(ssl_context, ssl.SSLContext):
+        raise TypeError(
+            "ssl_context must be an ssl.SSLContext with the server's certificate loaded "
+            "(ssl.create_default_context(ssl.Purpose.CLIENT_AUTH), then load_cert_chain(cert, key)), "
+            f"got {type(ssl_context).__name__}"
+        )
+    return ssl_context
 
 
 def check_host_port(host: str, port: int) -> None:
@@ -98,14 +111,15 @@ class Server:
     port: int
     token: str
     heartbeat: Heartbeat | None
+    ssl_context: ssl.SSLContext | None
     _stack: contextlib.AsyncExitStack | None
 
     @property
     def url(self) -> str:
-        """``ws://host:port``: the address its clients (:class:`aiocollect.RemoteEnv`,
+        """``ws://host:port`` (``wss://`` with TLS): the address its clients (:class:`aiocollect.RemoteEnv`,
         :class:`aiocollect.RemotePolicy`) connect to."""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"ws://{host}:{self.port}"
+        return f"{'wss' if self.ssl_context is not None else 'ws'}://{host}:{self.port}"
 
     async def _listen(
         self,

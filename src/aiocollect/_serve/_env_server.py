@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hmac
+import ssl
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ import anyio.to_thread
 import gymnasium as gym
 
 from ._actions import action_checker
-from ._common import Server, check_host_port, check_token, error_message
+from ._common import Server, check_host_port, check_server_tls, check_token, error_message
 from ._env_jobs import Job, Uniform, parse_calls, parse_steps, run_job, uniform_action_checker
 from ._spaces import describe_space
 from ._wire import ProtocolError, decode, encode, pack_tree
@@ -60,6 +61,7 @@ class EnvServer(Server):
         port: int,
         token: str | None,
         beat: Heartbeat | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ):
         if not isinstance(env_fns, Sequence) or not env_fns or not all(callable(fn) for fn in env_fns):
             raise TypeError("env_fns must be a non-empty list of callables, each returning a gymnasium env")
@@ -67,6 +69,7 @@ class EnvServer(Server):
         self.env_fns = list(env_fns)
         self.host, self.port, self.token = host, port, check_token(token)
         self.heartbeat = beat
+        self.ssl_context = check_server_tls(ssl_context)
         self.num_envs = len(self.env_fns)
         self.envs: list[gym.Env[Any, Any]] = []
         self._hello: list[bytes] = []
@@ -168,7 +171,9 @@ class EnvServer(Server):
     async def _handle(self, stream: anyio.abc.ByteStream) -> None:
         try:
             route = functools.partial(self._route, stream)
-            accepted = await accept(stream, self.token, route, beat=self.heartbeat)
+            accepted = await accept(
+                stream, self.token, route, beat=self.heartbeat, ssl_context=self.ssl_context
+            )
             if accepted is not None:
                 await self._converse(*accepted)
         finally:
@@ -248,6 +253,7 @@ def serve_envs(
     token: str | None = None,
     heartbeat_interval: float | None = SERVER_HEARTBEAT[0],
     heartbeat_timeout: float | None = SERVER_HEARTBEAT[1],
+    ssl_context: ssl.SSLContext | None = None,
 ) -> EnvServer:
     """A WebSocket server stepping the gymnasium envs ``env_fns`` make, for :class:`aiocollect.RemoteEnv`.
 
@@ -256,7 +262,8 @@ def serve_envs(
     Every connection must present ``token`` (``None``: a random one, read back as ``server.token``).
     A client connection quiet for ``heartbeat_interval`` seconds is pinged, and one silent for
     ``heartbeat_timeout`` seconds (a client machine gone, a process stopped) is dropped, its envs freed
-    for the next client (either ``None``: never).
+    for the next client (either ``None``: never). With ``ssl_context`` (a server-side
+    ``ssl.SSLContext`` holding its certificate) it speaks TLS: ``server.url`` is ``wss://...``.
 
     Example:
         >>> import anyio, gymnasium as gym
@@ -270,4 +277,5 @@ def serve_envs(
         >>> anyio.run(main)
         (4,)
     """
-    return EnvServer(env_fns, host, port, token, heartbeat(heartbeat_interval, heartbeat_timeout))
+    beat = heartbeat(heartbeat_interval, heartbeat_timeout)
+    return EnvServer(env_fns, host, port, token, beat, ssl_context)

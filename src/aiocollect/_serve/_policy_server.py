@@ -9,6 +9,7 @@ their concatenation in a worker thread, then answers each client with its rows. 
 from __future__ import annotations
 
 import contextlib
+import ssl
 from typing import Any
 
 import anyio
@@ -19,7 +20,7 @@ from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 
 from .._weights import check_compatible, copy_weights, flat_weights
-from ._common import Server, check_host_port, check_token, error_message
+from ._common import Server, check_host_port, check_server_tls, check_token, error_message
 from ._tensors import leaves_to_wire, td_leaves, wire_keys, wire_to_tensors
 from ._wire import ProtocolError, decode, encode
 from ._ws import SERVER_HEARTBEAT, Heartbeat, accept, heartbeat
@@ -50,6 +51,7 @@ class PolicyServer(Server):
         max_batch: int,
         max_wait: float,
         beat: Heartbeat | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         if not callable(policy):
             raise TypeError(
@@ -63,6 +65,7 @@ class PolicyServer(Server):
         self.policy = policy
         self.host, self.port, self.token = host, port, check_token(token)
         self.heartbeat = beat
+        self.ssl_context = check_server_tls(ssl_context)
         self.max_batch, self.max_wait = max_batch, float(max_wait)
         self.version = 0
         self.forward_calls = 0
@@ -81,7 +84,7 @@ class PolicyServer(Server):
 
     # -- connections ------------------------------------------------------------------------------------
     async def _handle(self, stream: anyio.abc.ByteStream) -> None:
-        accepted = await accept(stream, self.token, _route, beat=self.heartbeat)
+        accepted = await accept(stream, self.token, _route, beat=self.heartbeat, ssl_context=self.ssl_context)
         if accepted is None:
             return
         ws = accepted[0]
@@ -201,6 +204,7 @@ def serve_policy(
     max_wait: float = 0.002,
     heartbeat_interval: float | None = SERVER_HEARTBEAT[0],
     heartbeat_timeout: float | None = SERVER_HEARTBEAT[1],
+    ssl_context: ssl.SSLContext | None = None,
 ) -> PolicyServer:
     """A WebSocket server running ``policy`` for many :class:`aiocollect.RemotePolicy` clients, batching
     their concurrent requests into one forward pass (in a worker thread, under ``torch.no_grad()``).
@@ -211,7 +215,7 @@ def serve_policy(
     ``RemotePolicy.update_weights`` replaces the weights of an ``nn.Module`` policy between passes.
     An async context manager; ``token=None`` makes a random token (``server.token``). A client
     connection silent for ``heartbeat_timeout`` seconds (pinged after ``heartbeat_interval`` quiet ones)
-    is dropped (either ``None``: never).
+    is dropped (either ``None``: never). With ``ssl_context`` it speaks TLS (``wss://``).
 
     Example:
         >>> import anyio, torch
@@ -228,4 +232,4 @@ def serve_policy(
         torch.Size([3, 2])
     """
     beat = heartbeat(heartbeat_interval, heartbeat_timeout)
-    return PolicyServer(policy, host, port, token, max_batch, max_wait, beat)
+    return PolicyServer(policy, host, port, token, max_batch, max_wait, beat, ssl_context)

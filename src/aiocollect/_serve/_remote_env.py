@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -20,6 +21,7 @@ from ._ws import (
     UnreadError,
     WebSocket,
     ask,
+    check_client_tls,
     connect,
     heartbeat,
     split_url,
@@ -66,10 +68,17 @@ async def _hello(ws: WebSocket, where: str) -> tuple[spaces.Space[Any], spaces.S
 
 
 async def fetch_spaces(
-    url: str, index: int, token: str, connect_timeout: float, beat: Heartbeat | None = None
+    url: str,
+    index: int,
+    token: str,
+    connect_timeout: float,
+    beat: Heartbeat | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> tuple[spaces.Space[Any], spaces.Space[Any], int]:
     """Env ``index``'s spaces and the server's number of envs, from a short ``/spaces`` connection."""
-    ws = await connect(url, f"/spaces/{index}", token, connect_timeout=connect_timeout, beat=beat)
+    ws = await connect(
+        url, f"/spaces/{index}", token, connect_timeout=connect_timeout, beat=beat, ssl_context=ssl_context
+    )
     try:
         return await _hello(ws, f"{url} env {index}")
     finally:
@@ -93,6 +102,8 @@ class RemoteEnv:
             seconds (its machine gone, its process stopped, the network cut) fails the call with
             :class:`aiocollect.RemoteConnectionError`. A long env step is not silence: the server
             answers pings meanwhile. ``None``: no heartbeat.
+        ssl_context: for a ``wss://`` url (a server with TLS), the ``ssl.SSLContext`` that checks its
+            certificate (default: the system's certificate authorities).
 
     The connection opens on the first call and closes with :meth:`close` (or ``async with``). A call
     cancelled mid-way closes it too (its answer would arrive out of turn); the next call reconnects.
@@ -127,6 +138,7 @@ class RemoteEnv:
         connect_timeout: float = 10.0,
         heartbeat_interval: float | None = CLIENT_HEARTBEAT[0],
         heartbeat_timeout: float | None = CLIENT_HEARTBEAT[1],
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:
             raise ValueError(f"index must be the env's position on the server (an int >= 0), got {index!r}")
@@ -134,6 +146,8 @@ class RemoteEnv:
             raise ValueError("token must be the server's token (server.token), a non-empty string")
         self.url, self.index, self.connect_timeout = url, index, connect_timeout
         self.heartbeat = heartbeat(heartbeat_interval, heartbeat_timeout)
+        check_client_tls(url, ssl_context)
+        self.ssl_context = ssl_context
         self._token = token
         self._ws: WebSocket | None = None
         self._busy = False
@@ -155,10 +169,14 @@ class RemoteEnv:
         connect_timeout: float = 10.0,
         heartbeat_interval: float | None = CLIENT_HEARTBEAT[0],
         heartbeat_timeout: float | None = CLIENT_HEARTBEAT[1],
+        ssl_context: ssl.SSLContext | None = None,
     ) -> RemoteEnv:
         """A connected ``RemoteEnv`` whose spaces were fetched without blocking the event loop."""
         beat = heartbeat(heartbeat_interval, heartbeat_timeout)
-        ws = await connect(url, f"/envs/{index}", token, connect_timeout=connect_timeout, beat=beat)
+        check_client_tls(url, ssl_context)
+        ws = await connect(
+            url, f"/envs/{index}", token, connect_timeout=connect_timeout, beat=beat, ssl_context=ssl_context
+        )
         try:
             obs_space, act_space, _ = await _hello(ws, f"{url} env {index}")
             env = cls(
@@ -169,6 +187,7 @@ class RemoteEnv:
                 action_space=act_space,
                 heartbeat_interval=heartbeat_interval,
                 heartbeat_timeout=heartbeat_timeout,
+                ssl_context=ssl_context,
             )
         except BaseException:
             await ws.aclose()
@@ -178,7 +197,7 @@ class RemoteEnv:
 
     async def _fetch_spaces(self) -> tuple[spaces.Space[Any], spaces.Space[Any]]:
         obs, act, _ = await fetch_spaces(
-            self.url, self.index, self._token, self.connect_timeout, self.heartbeat
+            self.url, self.index, self._token, self.connect_timeout, self.heartbeat, self.ssl_context
         )
         return obs, act
 
@@ -192,6 +211,7 @@ class RemoteEnv:
                 self._token,
                 connect_timeout=self.connect_timeout,
                 beat=self.heartbeat,
+                ssl_context=self.ssl_context,
             )
             try:
                 obs_space, act_space, _ = await _hello(ws, f"{self.url} env {self.index}")

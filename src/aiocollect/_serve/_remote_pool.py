@@ -10,6 +10,7 @@ task and a receiver task, owned by the pool's ``async with``, carry them; answer
 
 from __future__ import annotations
 
+import ssl
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -23,7 +24,7 @@ from ._common import remote_error
 from ._remote_env import fetch_spaces
 from ._spaces import rebuild_space
 from ._wire import ProtocolError, decode, encode, pack_tree, unpack_tree
-from ._ws import CLIENT_HEARTBEAT, RemoteConnectionError, WebSocket, connect, heartbeat, split_url
+from ._ws import CLIENT_HEARTBEAT, RemoteConnectionError, WebSocket, check_client_tls, connect, heartbeat
 
 __all__ = ["PooledRemoteEnv", "RemoteEnvPool"]
 
@@ -111,7 +112,8 @@ class RemoteEnvPool:
     :class:`aiocollect.RemoteConnectionError`: a server that goes away, or one silent for
     ``heartbeat_timeout`` seconds (its machine gone, its process stopped, the network cut; the pool's
     receiver pings it after ``heartbeat_interval`` quiet seconds and answers its pings, busy or idle;
-    ``None``: no heartbeat).
+    ``None``: no heartbeat). A ``wss://`` url speaks TLS, the server's certificate checked with
+    ``ssl_context`` (default: the system's certificate authorities).
 
     Example:
         >>> import anyio, gymnasium as gym
@@ -136,8 +138,9 @@ class RemoteEnvPool:
         connect_timeout: float = 10.0,
         heartbeat_interval: float | None = CLIENT_HEARTBEAT[0],
         heartbeat_timeout: float | None = CLIENT_HEARTBEAT[1],
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        split_url(url)
+        check_client_tls(url, ssl_context)
         if not isinstance(token, str) or not token:
             raise ValueError("token must be the server's token (server.token), a non-empty string")
         if (
@@ -150,6 +153,7 @@ class RemoteEnvPool:
             )
         self.url, self.start, self.stop, self.connect_timeout = url, start, stop, connect_timeout
         self.heartbeat = heartbeat(heartbeat_interval, heartbeat_timeout)
+        self.ssl_context = ssl_context
         self._token = token
         self.envs: list[PooledRemoteEnv] = []
         self._ws: WebSocket | None = None
@@ -172,7 +176,9 @@ class RemoteEnvPool:
         stop = self.stop
         if stop is None:  # all the server's envs: ask how many there are
             stop = (
-                await fetch_spaces(self.url, self.start, self._token, self.connect_timeout, self.heartbeat)
+                await fetch_spaces(
+                    self.url, self.start, self._token, self.connect_timeout, self.heartbeat, self.ssl_context
+                )
             )[2]
         ws = await connect(
             self.url,
@@ -180,6 +186,7 @@ class RemoteEnvPool:
             self._token,
             connect_timeout=self.connect_timeout,
             beat=self.heartbeat,
+            ssl_context=self.ssl_context,
         )
         try:
             header, arrays = decode(await ws.receive())

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hmac
 import socket
+import ssl
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ __all__ = [
     "WebSocket",
     "accept",
     "ask",
+    "check_client_tls",
     "connect",
     "heartbeat",
     "split_url",
@@ -303,23 +305,72 @@ class WebSocket:
 
 
 def split_url(url: str) -> tuple[str, int, str]:
-    """``ws://host:port/path`` -> (host, port, path); ``ValueError`` naming the URL otherwise."""
+    """``ws://host:port/path`` (or ``wss://``) -> (host, port, path); ``ValueError`` naming the URL
+    otherwise."""
     parts = urlsplit(url)
-    if parts.scheme != "ws" or not parts.hostname or parts.port is None:
-        raise ValueError(f"url must look like 'ws://127.0.0.1:8765', got {url!r}")
+    if parts.scheme not in ("ws", "wss") or not parts.hostname or parts.port is None:
+        raise ValueError(f"url must look like 'ws://127.0.0.1:8765' (or 'wss://' for TLS), got {url!r}")
     return parts.hostname, parts.port, parts.path.rstrip("/")
 
 
+def check_client_tls(url: str, ssl_context: ssl.SSLContext | None) -> None:
+    """``ValueError`` unless ``url`` and ``ssl_context`` agree (a context is for ``wss://`` urls)."""
+    split_url(url)
+    if ssl_context is not None and not isinstance(ssl_context, ssl.SSLContext):
+        raise TypeError(f"ssl_context must be an ssl.SSLContext or None, got {type(ssl_context).__name__}")
+    if ssl_context is not None and not url.startswith("wss://"):
+        raise ValueError(
+            f"ssl_context is given but {url!r} is not a 'wss://' url: use the server's url (server.url)"
+        )
+
+
+async def _tls(
+    stream: anyio.abc.ByteStream, ssl_context: ssl.SSLContext, hostname: str | None
+) -> anyio.abc.ByteStream:
+    """``stream`` with TLS on it (the handshake done); the server side when ``hostname`` is None."""
+    from anyio.streams.tls import TLSStream
+
+    return await TLSStream.wrap(
+        stream,
+        server_side=hostname is None,
+        hostname=hostname,
+        ssl_context=ssl_context,
+        standard_compatible=False,
+    )
+
+
 async def connect(
-    url: str, path: str, token: str, *, connect_timeout: float = 10.0, beat: Heartbeat | None = None
+    url: str,
+    path: str,
+    token: str,
+    *,
+    connect_timeout: float = 10.0,
+    beat: Heartbeat | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> WebSocket:
-    """A client WebSocket to ``url`` + ``path``; ``PermissionError`` (token), ``ConnectionError``."""
+    """A client WebSocket to ``url`` + ``path``; ``PermissionError`` (token), ``ConnectionError``.
+
+    A ``wss://`` url speaks TLS, checking the server's certificate with ``ssl_context`` (default: the
+    system's certificate authorities)."""
     host, port, base = split_url(url)
+    stream: anyio.abc.ByteStream
     try:
         with anyio.fail_after(connect_timeout):
             stream = await open_tcp(host, port)
     except (OSError, TimeoutError) as exc:
         raise RemoteConnectionError(f"cannot connect to {url}: {exc}") from exc
+    if url.startswith("wss://"):
+        try:
+            with anyio.fail_after(connect_timeout):
+                stream = await _tls(stream, ssl_context or ssl.create_default_context(), host)
+        except (OSError, TimeoutError, anyio.BrokenResourceError, anyio.EndOfStream) as exc:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+            raise RemoteConnectionError(f"TLS handshake with {url} failed: {exc!r}") from exc
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+            raise
     try:
         _nodelay(stream)
         ws = WSConnection(ConnectionType.CLIENT)
@@ -375,13 +426,27 @@ async def accept(
     *,
     handshake_timeout: float = 10.0,
     beat: Heartbeat | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> tuple[WebSocket, str] | None:
     """The server side of the handshake: ``(websocket, path)``, or ``None`` when refused (and closed).
+
+    With ``ssl_context``, the TLS handshake comes first (a client that fails it is closed).
 
     ``await route(path)`` returns ``None`` to accept or an HTTP status to refuse with; it is only called
     once the token has been checked, so a client without the token learns nothing about the paths.
     The stream is closed on every way out but success (refusal, error, cancellation)."""
     try:
+        if ssl_context is not None:
+            secured = None
+            with anyio.move_on_after(handshake_timeout):
+                try:
+                    secured = await _tls(stream, ssl_context, None)
+                except (OSError, anyio.BrokenResourceError, anyio.EndOfStream):
+                    pass  # not TLS, or a certificate the client refused
+            if secured is None:
+                await stream.aclose()
+                return None
+            stream = secured
         return await _accept(stream, token, route, handshake_timeout, beat)
     except BaseException:
         with anyio.CancelScope(shield=True):
