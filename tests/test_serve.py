@@ -535,7 +535,8 @@ async def test_the_collector_ends_when_a_server_stops(clean: Any) -> None:
 
 async def test_long_steps_and_idle_clients_are_not_silence(clean: Any) -> None:
     """Pings are answered while a step runs (0.6 s, over twice the timeout) and while a client idles."""
-    async with serve_envs([lambda: CountingEnv(step_delay=0.6)] * 2, token=TOKEN, **FAST) as server:
+    fns = [lambda: CountingEnv(), lambda: CountingEnv(step_delay=0.6)]
+    async with serve_envs(fns, token=TOKEN, **FAST) as server:
         async with RemoteEnvPool(server.url, token=TOKEN, start=1, **FAST) as pool:
             await pool[0].reset(seed=0)
             with anyio.fail_after(5):
