@@ -13,7 +13,10 @@ its envs batched into one message per round) and ``RemoteEnv`` (one connection p
 round trip per env step). The servers batch the calls that have arrived into one worker-thread hop.
 Servers start once; each round builds a fresh collector of each kind, skips its first two batches
 (start-up, resets, a batch ready in advance) and times the next ``--frames``. The table prints each
-variant's median frames/s and the median of the per-round ratios to MultiAsyncCollector (target >= 0.5).
+variant's median frames/s, the median of the per-round ratios to MultiAsyncCollector (target >= 0.5),
+and the CPU time per frame of the collector's process and of the two servers together (user + system,
+from ``/proc``; the servers' at the remote variants only), with the load average before and after (the
+machine may be shared).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import os
 import secrets
 import statistics
 import time
@@ -54,17 +58,28 @@ def cartpole64() -> GymEnv:
     return GymEnv("CartPole-v1", num_envs=64)
 
 
-async def timed(collector: Any, frames: int) -> float:
+def cpu_seconds(pid: int | str = "self") -> float:
+    """User + system CPU seconds of process ``pid`` so far (its threads included)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def timed(collector: Any, frames: int, servers: list[int]) -> tuple[float, float, float]:
     """Frames/s over ``frames`` frames after the first two batches (start-up, and a batch a
-    multi-process collector may have ready in advance)."""
+    multi-process collector may have ready in advance), and the CPU µs per frame of this process and of
+    the processes ``servers`` together."""
     async with collector:
         it = aiter(collector)
         await anext(it)
         await anext(it)
+        cpu0, server0 = cpu_seconds(), sum(map(cpu_seconds, servers))
         start, got = time.perf_counter(), 0
         while got < frames:
             got += (await anext(it)).numel()
-        return got / (time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        cpu, server = cpu_seconds() - cpu0, sum(map(cpu_seconds, servers)) - server0
+        return got / elapsed, 1e6 * cpu / got, 1e6 * server / got
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -74,6 +89,8 @@ async def run(args: argparse.Namespace) -> None:
     env_fn = functools.partial(gym.make, "CartPole-v1")
     names = {"pool": "AsyncEnvCollector over RemoteEnvPool", "remote": "AsyncEnvCollector over RemoteEnv"}
     results: dict[str, list[float]] = {"pool": [], "remote": [], "multi": []}
+    cpu: dict[str, list[tuple[float, float]]] = {"pool": [], "remote": [], "multi": []}
+    load_before = os.getloadavg()
     ratios: dict[str, list[float]] = {"pool": [], "remote": []}
     async with contextlib.AsyncExitStack() as stack:
         servers = [
@@ -88,7 +105,7 @@ async def run(args: argparse.Namespace) -> None:
         n = len(env_fns)
         for r in range(args.rounds):
             fps = {}
-            for kind in ("pool", "remote", "multi"):
+            for kind in ("pool", "multi") if args.no_remote else ("pool", "remote", "multi"):
                 async with contextlib.AsyncExitStack() as pools:
                     if kind == "pool":  # one connection per server, the envs' calls batched on it
                         envs: list[Any] = []
@@ -108,24 +125,38 @@ async def run(args: argparse.Namespace) -> None:
                             frames_per_batch=args.frames_per_batch,
                             seed=r,
                         )
-                    fps[kind] = await timed(collector, args.frames)
+                    pids = [server.pid for server in servers if server.pid] if kind != "multi" else []
+                    fps[kind], client_us, server_us = await timed(collector, args.frames, pids)
                 results[kind].append(fps[kind])
+                cpu[kind].append((client_us, server_us))
             for kind in ratios:
-                ratios[kind].append(fps[kind] / fps["multi"])
+                if kind in fps:
+                    ratios[kind].append(fps[kind] / fps["multi"])
             print(
                 f"round {r}: "
                 + ", ".join(f"{kind} {fps[kind]:,.0f} frames/s" for kind in fps)
-                + f"; ratios pool {ratios['pool'][-1]:.2f}, remote {ratios['remote'][-1]:.2f}",
+                + "; ratios "
+                + ", ".join(f"{kind} {fps[kind] / fps['multi']:.2f}" for kind in ratios if kind in fps),
                 flush=True,
             )
     print(
-        f"\n{args.servers} servers x {args.envs_per_server} CartPole envs, loopback, median of {args.rounds}"
+        f"\n{args.servers} servers x {args.envs_per_server} CartPole envs, loopback, "
+        f"median of {args.rounds}; "
+        f"load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after"
     )
-    print("| variant | frames/s | ratio to MultiAsyncCollector |\n|---|---|---|")
-    for kind, name in names.items():
-        print(f"| {name} | {statistics.median(results[kind]):,.0f} | {statistics.median(ratios[kind]):.2f} |")
-    multi = statistics.median(results["multi"])
-    print(f"| MultiAsyncCollector ({args.servers} workers) | {multi:,.0f} | 1.00 |")
+    print(
+        "| variant | frames/s | ratio to MultiAsyncCollector | CPU µs/frame: collector process | servers |"
+        "\n|---|---|---|---|---|"
+    )
+    for kind, name in {**names, "multi": f"MultiAsyncCollector ({args.servers} workers)"}.items():
+        if not results[kind]:
+            continue
+        client_us = statistics.median(c for c, _ in cpu[kind])
+        server_us = f"{statistics.median(s for _, s in cpu[kind]):.1f}" if kind != "multi" else ""
+        ratio = f"{statistics.median(ratios[kind]):.2f}" if kind in ratios else "1.00"
+        print(
+            f"| {name} | {statistics.median(results[kind]):,.0f} | {ratio} | {client_us:.1f} | {server_us} |"
+        )
 
 
 def main() -> None:
@@ -138,6 +169,9 @@ def main() -> None:
     parser.add_argument("--frames-per-batch", type=int, default=6400)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--uvloop", action="store_true")
+    parser.add_argument(
+        "--no-remote", action="store_true", help="leave out RemoteEnv (one connection per env)"
+    )
     parser.add_argument("--quick", action="store_true", help="1 round of 19,200 frames")
     args = parser.parse_args()
     if args.quick:

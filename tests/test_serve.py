@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import shutil
+import signal
 import socket
+import ssl
+import subprocess
 import threading
 import time
 from typing import Any
@@ -451,3 +455,244 @@ async def test_collector_cancelled_mid_step_leaves_nothing(clean: Any, client: s
                 env = await RemoteEnv.open(server.url, index=0, token=TOKEN)
                 await env.reset()
                 await env.close()
+
+
+# -- liveness: the heartbeat ------------------------------------------------------------------------------
+FAST = {"heartbeat_interval": 0.05, "heartbeat_timeout": 0.25}  # a dead peer is noticed in about 0.3 s
+
+
+@contextlib.asynccontextmanager
+async def stopped(server: Any) -> Any:
+    """The server process SIGSTOPped (alive, its sockets open, silent) until the block ends."""
+    server.send_signal(signal.SIGSTOP)
+    try:
+        yield time.monotonic()
+    finally:
+        server.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"heartbeat_interval": 0}, "heartbeat_interval must be seconds > 0"),
+        ({"heartbeat_timeout": -1.0}, "heartbeat_timeout must be seconds > 0"),
+        ({"heartbeat_interval": 5, "heartbeat_timeout": 5}, "must be longer than heartbeat_interval"),
+    ],
+)
+def test_heartbeat_arguments_are_checked(kwargs: dict[str, Any], match: str) -> None:
+    url = "ws://127.0.0.1:1"
+    for make in (
+        lambda: RemoteEnvPool(url, token=TOKEN, **kwargs),
+        lambda: RemoteEnv(
+            url,
+            index=0,
+            token=TOKEN,
+            observation_space=spaces.Discrete(2),
+            action_space=spaces.Discrete(2),
+            **kwargs,
+        ),
+        lambda: RemotePolicy(url, token=TOKEN, **kwargs),
+        lambda: serve_envs([lambda: gym.make("CartPole-v1")], **kwargs),
+        lambda: serve_policy(CountingPolicy(), **kwargs),
+        lambda: serve_envs_process([lambda: gym.make("CartPole-v1")], **kwargs),
+    ):
+        with pytest.raises(ValueError, match=match):
+            make()
+    RemoteEnvPool(url, token=TOKEN, heartbeat_interval=None)  # off
+
+
+@pytest.mark.parametrize("client", ["env", "pool"])
+async def test_a_stopped_server_fails_the_call_within_its_timeout(clean: Any, client: str) -> None:
+    server = serve_envs_process([lambda: CountingEnv()] * 2, token=TOKEN)
+    async with server, contextlib.AsyncExitStack() as stack:
+        if client == "pool":
+            env: Any = (await stack.enter_async_context(RemoteEnvPool(server.url, token=TOKEN, **FAST)))[1]
+        else:
+            env = await stack.enter_async_context(
+                await RemoteEnv.open(server.url, index=1, token=TOKEN, **FAST)
+            )
+        await env.reset(seed=0)
+        async with stopped(server) as stopped_at:
+            with anyio.fail_after(5), pytest.raises(RemoteConnectionError) as info:
+                await env.step(0)
+            assert time.monotonic() - stopped_at < 2.0
+        assert server.url in str(info.value) and "did not answer for" in str(info.value)
+        assert "heartbeat_timeout=0.25 s" in str(info.value)
+
+
+async def test_the_collector_ends_when_a_server_stops(clean: Any) -> None:
+    server = serve_envs_process([lambda: CountingEnv()] * 4, token=TOKEN)
+    async with server, RemoteEnvPool(server.url, token=TOKEN, **FAST) as pool:
+        collector = AsyncEnvCollector(pool.envs, frames_per_batch=32)
+        async with contextlib.AsyncExitStack() as stack:
+            with pytest.raises(RemoteConnectionError, match="did not answer"):
+                async with collector:
+                    with anyio.fail_after(10):
+                        async for _ in collector:  # the batch after the stop never comes: the error does
+                            stopped_at = await stack.enter_async_context(stopped(server))
+            assert time.monotonic() - stopped_at < 2.0
+
+
+async def test_long_steps_and_idle_clients_are_not_silence(clean: Any) -> None:
+    """Pings are answered while a step runs (0.6 s, over twice the timeout) and while a client idles."""
+    fns = [lambda: CountingEnv(), lambda: CountingEnv(step_delay=0.6)]
+    async with serve_envs(fns, token=TOKEN, **FAST) as server:
+        async with RemoteEnvPool(server.url, token=TOKEN, start=1, **FAST) as pool:
+            await pool[0].reset(seed=0)
+            with anyio.fail_after(5):
+                obs, *_ = await pool[0].step(0)
+            await anyio.sleep(0.6)  # idle: the pool's receiver answers the server's pings
+            with anyio.fail_after(5):
+                obs, *_ = await pool[0].step(1)
+            assert pool._ws is not None and not pool._ws.closed
+        async with await RemoteEnv.open(server.url, index=0, token=TOKEN, **FAST) as env:
+            await env.reset(seed=0)
+            with anyio.fail_after(5):
+                await env.step(0)
+            ws = env._ws
+            await anyio.sleep(0.6)  # nobody reads this idle connection: the server drops it (IDLE_CLOSE)
+            with anyio.fail_after(5):
+                obs, *_ = await env.step(1)  # on a new connection, sent once
+            assert env._ws is not ws and ws is not None and ws.close_code == 4408
+    assert obs.shape == (4,)
+
+
+async def test_the_server_drops_a_silent_client_and_frees_its_envs(clean: Any) -> None:
+    envs: list[CountingEnv] = []
+    async with serve_envs([made(envs)] * 2, token=TOKEN, **FAST) as server:
+        silent = await connect(server.url, "/batch/0/2", TOKEN)  # no heartbeat: it never reads again
+        try:
+            with anyio.fail_after(5):  # the envs are free again once the server gave up on it
+                async with RemoteEnvPool(server.url, token=TOKEN, **FAST) as pool:
+                    await pool[0].reset(seed=0)
+            with pytest.raises(RemoteConnectionError, match="4408"):
+                while True:
+                    await silent.receive()  # the spaces it did not read, then the server's close
+        finally:
+            await silent.abort()
+
+
+async def test_remote_policy_slow_forward_and_idle_connection(clean: Any) -> None:
+    def slow(td: Any) -> Any:
+        time.sleep(0.6)  # a forward pass over twice the heartbeat timeout
+        td["action"] = td["observation"].sum(-1)
+        return td
+
+    server = serve_policy(slow, token=TOKEN, max_wait=0.0, **FAST)
+    async with server, RemotePolicy(server.url, token=TOKEN, **FAST) as remote:
+        with anyio.fail_after(5):
+            td = await remote(TensorDict(observation=torch.ones(2, 3), batch_size=[2]))
+        assert td["action"].tolist() == [3.0, 3.0]
+        await anyio.sleep(0.6)  # its idle connection is dropped by the server; the next call reconnects
+        with anyio.fail_after(5):
+            td = await remote(TensorDict(observation=torch.ones(1, 3), batch_size=[1]))
+    assert server.forward_calls == 2
+
+
+# -- the pool's wire: steps in columns, and what does not fit in them -------------------------------------
+class DictEnv(gym.Env):
+    """Dict observations and Dict actions (no column fits them), an ``info`` that is not empty."""
+
+    observation_space = spaces.Dict({"x": spaces.Box(-10, 10, (2,), np.float32)})
+    action_space = spaces.Dict({"move": spaces.Discrete(3)})
+
+    def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
+        self.t = 0
+        return {"x": np.zeros(2, np.float32)}, {}
+
+    def step(self, action: Any) -> Any:
+        self.t += 1
+        return {"x": np.full(2, action["move"], np.float32)}, 0.5, False, self.t >= 3, {"t": self.t}
+
+
+async def test_pool_steps_that_do_not_stack_travel_one_by_one(clean: Any) -> None:
+    async with (
+        serve_envs([DictEnv] * 3, token=TOKEN) as server,
+        RemoteEnvPool(server.url, token=TOKEN) as pool,
+    ):
+        for env in pool:
+            await env.reset()
+        results: dict[int, Any] = {}
+
+        async def step(i: int) -> None:
+            results[i] = await pool[i].step({"move": i})
+
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(step, i)
+    for i in range(3):
+        obs, reward, terminated, truncated, info = results[i]
+        np.testing.assert_array_equal(obs["x"], [i, i])
+        assert (reward, terminated, truncated, info) == (0.5, False, False, {"t": 1})
+
+
+async def test_pool_column_of_steps_with_a_bad_action_and_infos(clean: Any) -> None:
+    """One bad action in a round of steps fails that call only; infos that are not empty come back."""
+    fns = [lambda: gym.wrappers.RecordEpisodeStatistics(gym.make("CartPole-v1"))] * 4
+    async with serve_envs(fns, token=TOKEN) as server, RemoteEnvPool(server.url, token=TOKEN) as pool:
+        for env in pool:
+            await env.reset(seed=0)
+        results: dict[int, Any] = {}
+
+        async def step(i: int, action: int) -> None:
+            try:
+                results[i] = await pool[i].step(action)
+            except ValueError as exc:
+                results[i] = exc
+
+        for _ in range(600):  # until some episode ends: its info carries the episode's statistics
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(step, i, 5 if i == 2 else 0)
+            assert isinstance(results[2], ValueError) and "not in Discrete" in str(results[2])
+            if any(r[2] or r[3] for i, r in results.items() if i != 2):
+                break
+            assert all(results[i][4] == {} for i in (0, 1, 3))
+        ended = [r for i, r in results.items() if i != 2 and (r[2] or r[3])]
+        assert ended and all(r[4]["episode"]["l"] > 0 for r in ended)
+
+
+# -- TLS --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """A self-signed certificate for 127.0.0.1 made here (openssl): (server context, client context)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command is needed to make a test certificate")
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost"]
+        + ["-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+    )
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(cert, key)
+    return server, ssl.create_default_context(cafile=str(cert))
+
+
+async def test_tls_envs_and_policy(clean: Any, certificate: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    server_tls, client_tls = certificate
+    envs = serve_envs([lambda: gym.make("CartPole-v1")] * 3, token=TOKEN, ssl_context=server_tls)
+    policy = serve_policy(CountingPolicy(), token=TOKEN, max_wait=0.0, ssl_context=server_tls)
+    async with envs, policy:
+        assert envs.url.startswith("wss://") and policy.url.startswith("wss://")
+        async with (
+            RemoteEnvPool(envs.url, token=TOKEN, stop=2, ssl_context=client_tls) as pool,
+            await RemoteEnv.open(envs.url, index=2, token=TOKEN, ssl_context=client_tls) as env,
+            RemotePolicy(policy.url, token=TOKEN, ssl_context=client_tls) as remote,
+        ):
+            obs, _ = await env.reset(seed=0)
+            assert (await env.step(1))[0].shape == (4,)
+            for e in pool:
+                await e.reset(seed=0)
+            assert (await pool[1].step(0))[0].shape == (4,)
+            td = await remote(TensorDict(observation=torch.from_numpy(obs)[None], batch_size=[1]))
+            assert td["action"].shape == (1, 2)
+        # a client that does not trust the certificate, or speaks plain ws://, is refused
+        with pytest.raises(RemoteConnectionError, match="TLS handshake"):
+            await RemoteEnv.open(envs.url, index=2, token=TOKEN)
+        with pytest.raises(RemoteConnectionError):
+            await RemoteEnv.open(envs.url.replace("wss://", "ws://"), index=2, token=TOKEN)
+        with pytest.raises(ValueError, match="not a 'wss://' url"):
+            RemotePolicy(policy.url.replace("wss://", "ws://"), token=TOKEN, ssl_context=client_tls)

@@ -7,6 +7,7 @@ expects (its dtype and shape), so that a well-behaved client never trips the che
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -109,7 +110,13 @@ def _plain(action: Any) -> Any:
 
 
 def _encode_discrete(action: Any) -> int:
-    return int(np.asarray(_plain(action)).reshape(()))  # a JSON number: no array to frame
+    """The action as a Python int (a column of them travels as one array)."""
+    if type(action) is int:
+        return action
+    try:
+        return operator.index(action)  # numpy integers, 0-d integer arrays and tensors: no copy
+    except TypeError:
+        return int(np.asarray(_plain(action)).reshape(()))
 
 
 def _encode_array(dtype: Any, shape: tuple[int, ...], action: Any) -> np.ndarray:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import ssl
 import string
 import traceback
-from collections.abc import Callable, Coroutine
+from collections import deque
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import anyio
@@ -14,8 +16,21 @@ import anyio.abc
 
 from ._tcp import listen
 from ._wire import encode
+from ._ws import Heartbeat, RemoteConnectionError, WebSocket
 
-__all__ = ["Server", "check_host_port", "check_token", "error_header", "error_message", "remote_error"]
+__all__ = [
+    "Server",
+    "check_host_port",
+    "check_server_tls",
+    "check_token",
+    "error_header",
+    "error_message",
+    "remote_error",
+]
+
+
+#: the most messages a connection may have waiting for their answers (a client sends one per call)
+_MAX_QUEUED = 4096
 
 _TOKEN_CHARS = set(string.ascii_letters + string.digits + "-._~+/=")
 
@@ -30,6 +45,17 @@ def check_token(token: str | None) -> str:
             "e.g. secrets.token_urlsafe(24); or None for a random one (read it back as server.token)"
         )
     return token
+
+
+def check_server_tls(ssl_context: ssl.SSLContext | None) -> ssl.SSLContext | None:
+    """``ssl_context`` checked: ``None`` or a server-side ``ssl.SSLContext``."""
+    if ssl_context is not None and not isinstance(ssl_context, ssl.SSLContext):
+        raise TypeError(
+            "ssl_context must be an ssl.SSLContext with the server's certificate loaded "
+            "(ssl.create_default_context(ssl.Purpose.CLIENT_AUTH), then load_cert_chain(cert, key)), "
+            f"got {type(ssl_context).__name__}"
+        )
+    return ssl_context
 
 
 def check_host_port(host: str, port: int) -> None:
@@ -84,14 +110,16 @@ class Server:
     host: str
     port: int
     token: str
+    heartbeat: Heartbeat | None
+    ssl_context: ssl.SSLContext | None
     _stack: contextlib.AsyncExitStack | None
 
     @property
     def url(self) -> str:
-        """``ws://host:port``: the address its clients (:class:`aiocollect.RemoteEnv`,
+        """``ws://host:port`` (``wss://`` with TLS): the address its clients (:class:`aiocollect.RemoteEnv`,
         :class:`aiocollect.RemotePolicy`) connect to."""
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"ws://{host}:{self.port}"
+        return f"{'wss' if self.ssl_context is not None else 'ws'}://{host}:{self.port}"
 
     async def _listen(
         self,
@@ -108,6 +136,45 @@ class Server:
         tg.start_soon(listener.serve, handle)
         for task in tasks:
             tg.start_soon(task)
+
+    async def _answer_in_order(self, ws: WebSocket, answer: Callable[[bytes], Awaitable[bytes]]) -> None:
+        """Answer each message of ``ws`` with ``await answer(message)``, in order, until the connection
+        ends. A reader task takes the messages in as they come (answering pings meanwhile, so that a long
+        step or forward pass never passes for silence) while this task answers them."""
+        queue: deque[bytes] = deque()
+        arrived = anyio.Event()
+
+        async def read() -> None:
+            nonlocal arrived
+            try:
+                while True:
+                    ws.idle = not queue and not answering
+                    message = await ws.receive()
+                    if len(queue) >= _MAX_QUEUED:
+                        await ws.aclose(1008, f"more than {_MAX_QUEUED} requests waiting")
+                        break
+                    queue.append(message)
+                    arrived.set()
+            except RemoteConnectionError:
+                pass
+            tg.cancel_scope.cancel()
+
+        answering = False
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read)
+            try:
+                while True:
+                    while not queue:
+                        await arrived.wait()
+                        arrived = anyio.Event()
+                    answering, ws.idle = True, False
+                    reply = await answer(queue.popleft())
+                    await ws.send(reply)
+                    answering = False
+                    ws.idle = not queue
+            except RemoteConnectionError:
+                pass
+            tg.cancel_scope.cancel()
 
     async def __aexit__(self, *exc_info: Any) -> None:
         stack, self._stack = self._stack, None

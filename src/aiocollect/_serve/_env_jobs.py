@@ -1,8 +1,11 @@
 """What an env server runs in its worker thread: the env calls of one message, and its reply encoded.
 
-A message from a single-env connection holds one call; one from a batch connection (``RemoteEnvPool``)
-holds one call per env it steps, and its reply one answer per call, in order, with their arrays in one
-list. An env's error is that call's answer (``{"op": "error", ...}``); the others go on.
+A message from a single-env connection holds one call. One from a batch connection (``RemoteEnvPool``)
+holds the round's steps in columns (``"steps"``: the envs' indices and their actions, two arrays, no
+per-env JSON) and any other call (a reset, an action that does not stack) as an item of ``"items"``; the
+reply answers the steps in columns too (the observations stacked in one array when they share a shape
+and dtype, rewards and flags as arrays, the infos as ``null`` when all are empty) and the items one by
+one, in order. An env's error is that call's answer (``{"op": "error", ...}``); the others go on.
 """
 
 from __future__ import annotations
@@ -13,22 +16,25 @@ from typing import Any
 import anyio
 import gymnasium as gym
 import numpy as np
+from gymnasium import spaces
 
 from ._common import error_header
 from ._wire import ProtocolError, encode, pack_tree, unpack_tree
 
-__all__ = ["Job", "parse_calls", "run_job"]
+__all__ = ["Job", "Steps", "parse_calls", "parse_steps", "run_job", "uniform_action_checker"]
 
 Call = tuple[int, dict[str, Any], Any]  # (env index, the call's header, its value: an action or options)
+Steps = tuple[list[int], np.ndarray]  # the envs to step and their actions (one row each)
+Uniform = Callable[[np.ndarray], list[Any]]  # checks a column of actions for envs sharing an action space
 
 
 class Job:
     """The calls of one message, and (once run) the reply to send."""
 
-    __slots__ = ("batch", "calls", "done", "reply")
+    __slots__ = ("batch", "calls", "done", "reply", "steps")
 
-    def __init__(self, calls: list[Call], batch: bool) -> None:
-        self.calls, self.batch = calls, batch
+    def __init__(self, calls: list[Call], batch: bool, steps: Steps | None = None) -> None:
+        self.calls, self.batch, self.steps = calls, batch, steps
         self.done = anyio.Event()
         self.reply = b""
 
@@ -49,31 +55,142 @@ def parse_calls(header: dict[str, Any], arrays: list[Any], start: int, stop: int
     return calls
 
 
+def parse_steps(header: dict[str, Any], arrays: list[Any], start: int, stop: int) -> Steps | None:
+    """The steps of a batch message's ``"steps"`` section (arrays 0 and 1: the env indices and their
+    actions); ``ProtocolError`` if malformed or out of ``[start, stop)``. The actions are checked where the
+    envs step (:func:`run_job`)."""
+    steps = header.get("steps")
+    if steps is None:
+        return None
+    if not isinstance(steps, dict) or not isinstance(n := steps.get("n"), int) or len(arrays) < 2:
+        raise ProtocolError("a batch's 'steps' must be {'n': count}, the indices and actions arrays 0 and 1")
+    indices, actions = arrays[0], arrays[1]
+    if indices.shape != (n,) or indices.dtype.kind not in "iu" or actions.ndim < 1 or actions.shape[0] != n:
+        raise ProtocolError(f"a batch of {n} steps needs {n} env indices and {n} actions")
+    index_list: list[int] = indices.tolist()
+    if n and (min(index_list) < start or max(index_list) >= stop):
+        raise ProtocolError(f"a batch's steps must name envs in [{start}, {stop})")
+    if len(set(index_list)) != n:
+        raise ProtocolError("a batch steps each env at most once")
+    return index_list, actions
+
+
+def uniform_action_checker(space: spaces.Space[Any]) -> Uniform | None:
+    """A check of a whole column of actions at once, for envs that share the action ``space`` (Discrete
+    or Box); ``None`` for other spaces (each action is then checked by its env's checker)."""
+    if isinstance(space, spaces.Discrete):
+        low, high = int(space.start), int(space.start) + int(space.n)
+
+        def check_discrete(actions: np.ndarray) -> list[Any]:
+            if actions.ndim != 1 or actions.dtype.kind not in "iu":
+                raise ValueError(f"actions of {space} must be integer scalars")
+            if actions.size and (int(actions.min()) < low or int(actions.max()) >= high):
+                raise ValueError(f"an action is not in {space}")
+            values: list[Any] = actions.tolist()
+            return values
+
+        return check_discrete
+    if isinstance(space, spaces.Box):
+
+        def check_box(actions: np.ndarray) -> list[Any]:
+            if actions.shape[1:] != space.shape or actions.dtype != space.dtype:
+                raise ValueError(
+                    f"actions have shape {actions.shape[1:]} and dtype {actions.dtype}, the action space "
+                    f"{space} has {space.shape} and {space.dtype}"
+                )
+            return list(actions)
+
+        return check_box
+    return None
+
+
 def _value(header: dict[str, Any], arrays: list[Any]) -> Any:
     if header.get("op") not in ("reset", "step"):
         raise ProtocolError(f"unknown op {header.get('op')!r} (reset, step)")
     return unpack_tree(header.get("value"), arrays)
 
 
-def run_job(envs: list[gym.Env[Any, Any]], checkers: list[Callable[[Any], Any]], job: Job) -> bytes:
-    """Run ``job``'s calls in order and encode the reply (runs in the server's worker thread).
-
-    A batch of steps whose observations are arrays of one shape and dtype (the usual case) is answered
-    in columns: the observations stacked into one array, rewards, terminated and truncated as arrays,
-    one info tree per call; any other batch as one answer per call."""
+def run_job(
+    envs: list[gym.Env[Any, Any]],
+    checkers: list[Callable[[Any], Any]],
+    job: Job,
+    uniform: Uniform | None = None,
+) -> bytes:
+    """Run ``job``'s calls (its items in order, then its steps) and encode the reply (runs in the
+    server's worker thread). ``uniform`` checks all the steps' actions at once (the envs share an action
+    space); otherwise, or when that check fails, each env's checker checks its own action."""
     results = []
     for index, header, value in job.calls:
         try:
             results.append(_run_call(envs[index], checkers[index], header, value))
         except Exception as exc:
             results.append(("error", error_header(exc)))
-    if job.batch and _columnar(results):
-        return _encode_columns(results)
     arrays: list[Any] = []
+    reply: dict[str, Any] = {"op": "batch"}
+    if job.steps is not None:
+        reply["steps"] = _run_steps(envs, checkers, job.steps, uniform, arrays)
     answers = [_answer(result, arrays) for result in results]
-    if job.batch:
-        return encode({"op": "batch", "items": answers}, arrays)
-    return encode(answers[0], arrays)
+    if not job.batch:
+        return encode(answers[0], arrays)
+    reply["items"] = answers
+    return encode(reply, arrays)
+
+
+def _run_steps(
+    envs: list[gym.Env[Any, Any]],
+    checkers: list[Callable[[Any], Any]],
+    steps: Steps,
+    uniform: Uniform | None,
+    arrays: list[Any],
+) -> dict[str, Any]:
+    """Step the envs; their answers in columns (arrays 0 to 3: observations, rewards, terminated,
+    truncated) when the observations stack, else one answer each."""
+    indices, actions = steps
+    checked: list[Any] | None = None
+    if uniform is not None:
+        try:
+            checked = uniform(actions)
+        except ValueError:  # some action is wrong: each env's own check says which
+            checked = None
+    results: list[tuple[Any, ...]] = []
+    errors: dict[str, Any] = {}
+    for k, index in enumerate(indices):
+        try:
+            action = checked[k] if checked is not None else checkers[index](actions[k])
+            results.append(envs[index].step(action))
+        except Exception as exc:
+            errors[str(k)] = error_header(exc)
+            results.append(())
+    good = [r for r in results if r]
+    first = good[0][0] if good else None
+    if (
+        type(first) is not np.ndarray
+        or first.dtype.kind not in "biuf"
+        or any(
+            type(r[0]) is not np.ndarray or r[0].shape != first.shape or r[0].dtype != first.dtype
+            for r in good
+        )
+    ):
+        answers = [
+            errors[str(k)]
+            if not r
+            else _answer(("step", r[0], float(r[1]), bool(r[2]), bool(r[3]), r[4]), arrays)
+            for k, r in enumerate(results)
+        ]
+        return {"n": len(results), "answers": answers}
+    blank = np.zeros_like(first)
+    arrays += [
+        np.stack([r[0] if r else blank for r in results]),
+        np.array([r[1] if r else 0.0 for r in results], dtype=np.float64),
+        np.array([r[2] if r else False for r in results], dtype=np.bool_),
+        np.array([r[3] if r else False for r in results], dtype=np.bool_),
+    ]
+    infos = (
+        None
+        if all(not r or not r[4] for r in results)
+        else [pack_tree(r[4] if r else {}, arrays) for r in results]
+    )
+    return {"n": len(results), "info": infos, "errors": errors}
 
 
 def _run_call(
@@ -111,23 +228,3 @@ def _answer(result: tuple[Any, ...], arrays: list[Any]) -> dict[str, Any]:
     except Exception as exc:
         del arrays[mark:]
         return error_header(exc)
-
-
-def _columnar(results: list[tuple[Any, ...]]) -> bool:
-    if not results or any(r[0] != "step" or type(r[1]) is not np.ndarray for r in results):
-        return False
-    first = results[0][1]
-    return first.dtype.kind in "biuf" and all(
-        r[1].shape == first.shape and r[1].dtype == first.dtype for r in results
-    )
-
-
-def _encode_columns(results: list[tuple[Any, ...]]) -> bytes:
-    arrays: list[Any] = [
-        np.stack([r[1] for r in results]),
-        np.array([r[2] for r in results], dtype=np.float64),
-        np.array([r[3] for r in results], dtype=np.bool_),
-        np.array([r[4] for r in results], dtype=np.bool_),
-    ]
-    infos = [pack_tree(r[5], arrays) for r in results]
-    return encode({"op": "batch", "columns": {"n": len(results), "info": infos}}, arrays)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hmac
+import ssl
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,11 +21,11 @@ import anyio.to_thread
 import gymnasium as gym
 
 from ._actions import action_checker
-from ._common import Server, check_host_port, check_token, error_message
-from ._env_jobs import Job, parse_calls, run_job
+from ._common import Server, check_host_port, check_server_tls, check_token, error_message
+from ._env_jobs import Job, Uniform, parse_calls, parse_steps, run_job, uniform_action_checker
 from ._spaces import describe_space
 from ._wire import ProtocolError, decode, encode, pack_tree
-from ._ws import RemoteConnectionError, WebSocket, accept
+from ._ws import SERVER_HEARTBEAT, Heartbeat, RemoteConnectionError, WebSocket, accept, heartbeat
 
 __all__ = ["EnvServer", "local_spaces", "serve_envs"]
 
@@ -54,17 +55,26 @@ class EnvServer(Server):
     """A running env server (see :func:`serve_envs`): ``url``, ``token``, ``port``, ``num_envs``."""
 
     def __init__(
-        self, env_fns: Sequence[Callable[[], gym.Env[Any, Any]]], host: str, port: int, token: str | None
+        self,
+        env_fns: Sequence[Callable[[], gym.Env[Any, Any]]],
+        host: str,
+        port: int,
+        token: str | None,
+        beat: Heartbeat | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ):
         if not isinstance(env_fns, Sequence) or not env_fns or not all(callable(fn) for fn in env_fns):
             raise TypeError("env_fns must be a non-empty list of callables, each returning a gymnasium env")
         check_host_port(host, port)
         self.env_fns = list(env_fns)
         self.host, self.port, self.token = host, port, check_token(token)
+        self.heartbeat = beat
+        self.ssl_context = check_server_tls(ssl_context)
         self.num_envs = len(self.env_fns)
         self.envs: list[gym.Env[Any, Any]] = []
         self._hello: list[bytes] = []
         self._checkers: list[Callable[[Any], Any]] = []
+        self._uniform: Uniform | None = None  # checks a column of actions, when all envs share a space
         self._owner: dict[int, anyio.abc.ByteStream] = {}  # env index -> the connection that has it
         self._claims: dict[anyio.abc.ByteStream, range] = {}
         self._freed: dict[int, anyio.Event] = {}
@@ -79,6 +89,9 @@ class EnvServer(Server):
             stack.push_async_callback(self._close_envs)
             self._hello = [self._describe(i, env) for i, env in enumerate(self.envs)]
             self._checkers = [action_checker(env.action_space) for env in self.envs]
+            first = self.envs[0].action_space
+            if all(env.action_space == first for env in self.envs):
+                self._uniform = uniform_action_checker(first)
             await self._listen(stack, self._handle, self._stepper)
             _RUNNING[self.port] = self
             stack.callback(_RUNNING.pop, self.port, None)
@@ -157,7 +170,10 @@ class EnvServer(Server):
 
     async def _handle(self, stream: anyio.abc.ByteStream) -> None:
         try:
-            accepted = await accept(stream, self.token, functools.partial(self._route, stream))
+            route = functools.partial(self._route, stream)
+            accepted = await accept(
+                stream, self.token, route, beat=self.heartbeat, ssl_context=self.ssl_context
+            )
             if accepted is not None:
                 await self._converse(*accepted)
         finally:
@@ -171,18 +187,19 @@ class EnvServer(Server):
             if kind == "spaces":  # a look at the spaces only (RemoteEnv's constructor)
                 await ws.aclose()
                 return
-            while True:
-                message = await ws.receive()
-                await ws.send(await self._serve_one(message, start, stop, batch))
+            await self._answer_in_order(
+                ws, functools.partial(self._serve_one, start=start, stop=stop, batch=batch)
+            )
         except RemoteConnectionError:
             pass
         finally:
             await ws.abort()
 
-    async def _serve_one(self, message: bytes, start: int, stop: int, batch: bool) -> bytes:
+    async def _serve_one(self, message: bytes, *, start: int, stop: int, batch: bool) -> bytes:
         try:
             header, arrays = decode(message)
-            job = Job(parse_calls(header, arrays, start, stop, batch), batch)
+            steps = parse_steps(header, arrays, start, stop) if batch else None
+            job = Job(parse_calls(header, arrays, start, stop, batch), batch, steps)
         except ProtocolError as exc:
             return error_message(exc)
         self._jobs.append(job)
@@ -203,7 +220,7 @@ class EnvServer(Server):
     def _run_jobs(self, jobs: list[Job]) -> None:
         for job in jobs:
             try:
-                job.reply = run_job(self.envs, self._checkers, job)
+                job.reply = run_job(self.envs, self._checkers, job, self._uniform)
             except Exception as exc:
                 job.reply = error_message(exc)
 
@@ -234,12 +251,19 @@ def serve_envs(
     host: str = "127.0.0.1",
     port: int = 0,
     token: str | None = None,
+    heartbeat_interval: float | None = SERVER_HEARTBEAT[0],
+    heartbeat_timeout: float | None = SERVER_HEARTBEAT[1],
+    ssl_context: ssl.SSLContext | None = None,
 ) -> EnvServer:
     """A WebSocket server stepping the gymnasium envs ``env_fns`` make, for :class:`aiocollect.RemoteEnv`.
 
     An async context manager: entering it makes the envs (in a worker thread) and starts listening on
     ``host``:``port`` (loopback and a free port by default); leaving it stops serving and closes the envs.
     Every connection must present ``token`` (``None``: a random one, read back as ``server.token``).
+    A client connection quiet for ``heartbeat_interval`` seconds is pinged, and one silent for
+    ``heartbeat_timeout`` seconds (a client machine gone, a process stopped) is dropped, its envs freed
+    for the next client (either ``None``: never). With ``ssl_context`` (a server-side
+    ``ssl.SSLContext`` holding its certificate) it speaks TLS: ``server.url`` is ``wss://...``.
 
     Example:
         >>> import anyio, gymnasium as gym
@@ -253,4 +277,5 @@ def serve_envs(
         >>> anyio.run(main)
         (4,)
     """
-    return EnvServer(env_fns, host, port, token)
+    beat = heartbeat(heartbeat_interval, heartbeat_timeout)
+    return EnvServer(env_fns, host, port, token, beat, ssl_context)

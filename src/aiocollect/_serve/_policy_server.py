@@ -9,6 +9,7 @@ their concatenation in a worker thread, then answers each client with its rows. 
 from __future__ import annotations
 
 import contextlib
+import ssl
 from typing import Any
 
 import anyio
@@ -19,10 +20,10 @@ from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 
 from .._weights import check_compatible, copy_weights, flat_weights
-from ._common import Server, check_host_port, check_token, error_message
+from ._common import Server, check_host_port, check_server_tls, check_token, error_message
 from ._tensors import leaves_to_wire, td_leaves, wire_keys, wire_to_tensors
 from ._wire import ProtocolError, decode, encode
-from ._ws import RemoteConnectionError, accept
+from ._ws import SERVER_HEARTBEAT, Heartbeat, accept, heartbeat
 
 __all__ = ["PolicyServer", "serve_policy"]
 
@@ -42,7 +43,15 @@ class PolicyServer(Server):
     (weight updates so far), ``forward_calls`` and ``batch_sizes`` (rows per forward pass)."""
 
     def __init__(
-        self, policy: Any, host: str, port: int, token: str | None, max_batch: int, max_wait: float
+        self,
+        policy: Any,
+        host: str,
+        port: int,
+        token: str | None,
+        max_batch: int,
+        max_wait: float,
+        beat: Heartbeat | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         if not callable(policy):
             raise TypeError(
@@ -55,6 +64,8 @@ class PolicyServer(Server):
         check_host_port(host, port)
         self.policy = policy
         self.host, self.port, self.token = host, port, check_token(token)
+        self.heartbeat = beat
+        self.ssl_context = check_server_tls(ssl_context)
         self.max_batch, self.max_wait = max_batch, float(max_wait)
         self.version = 0
         self.forward_calls = 0
@@ -73,16 +84,12 @@ class PolicyServer(Server):
 
     # -- connections ------------------------------------------------------------------------------------
     async def _handle(self, stream: anyio.abc.ByteStream) -> None:
-        accepted = await accept(stream, self.token, _route)
+        accepted = await accept(stream, self.token, _route, beat=self.heartbeat, ssl_context=self.ssl_context)
         if accepted is None:
             return
         ws = accepted[0]
         try:
-            while True:
-                message = await ws.receive()
-                await ws.send(await self._answer(message))
-        except RemoteConnectionError:
-            pass
+            await self._answer_in_order(ws, self._answer)
         finally:
             await ws.abort()
 
@@ -195,6 +202,9 @@ def serve_policy(
     token: str | None = None,
     max_batch: int = 1024,
     max_wait: float = 0.002,
+    heartbeat_interval: float | None = SERVER_HEARTBEAT[0],
+    heartbeat_timeout: float | None = SERVER_HEARTBEAT[1],
+    ssl_context: ssl.SSLContext | None = None,
 ) -> PolicyServer:
     """A WebSocket server running ``policy`` for many :class:`aiocollect.RemotePolicy` clients, batching
     their concurrent requests into one forward pass (in a worker thread, under ``torch.no_grad()``).
@@ -203,7 +213,9 @@ def serve_policy(
     plain ``nn.Module`` called on ``td["observation"]`` (its output is ``"action"``). A forward pass runs
     once ``max_batch`` rows wait or ``max_wait`` seconds after the first request, whichever first.
     ``RemotePolicy.update_weights`` replaces the weights of an ``nn.Module`` policy between passes.
-    An async context manager; ``token=None`` makes a random token (``server.token``).
+    An async context manager; ``token=None`` makes a random token (``server.token``). A client
+    connection silent for ``heartbeat_timeout`` seconds (pinged after ``heartbeat_interval`` quiet ones)
+    is dropped (either ``None``: never). With ``ssl_context`` it speaks TLS (``wss://``).
 
     Example:
         >>> import anyio, torch
@@ -219,4 +231,5 @@ def serve_policy(
         >>> anyio.run(main)
         torch.Size([3, 2])
     """
-    return PolicyServer(policy, host, port, token, max_batch, max_wait)
+    beat = heartbeat(heartbeat_interval, heartbeat_timeout)
+    return PolicyServer(policy, host, port, token, max_batch, max_wait, beat, ssl_context)

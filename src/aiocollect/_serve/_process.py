@@ -8,6 +8,7 @@ its end of the pipe (leaving ``async with``) or dies.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import signal
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,6 +20,7 @@ import cloudpickle
 from .._errors import worker_died
 from ._common import check_host_port, check_token
 from ._env_server import serve_envs
+from ._ws import SERVER_HEARTBEAT, Heartbeat, heartbeat
 
 __all__ = ["EnvServerProcess", "serve_envs_process"]
 
@@ -26,11 +28,11 @@ __all__ = ["EnvServerProcess", "serve_envs_process"]
 _PRELOAD = ["torch", "tensordict", "gymnasium", "aiocollect._serve._process"]
 
 
-def _child_main(conn: Any, payload: bytes, host: str, port: int, token: str) -> None:
+def _child_main(conn: Any, payload: bytes, host: str, port: int, token: str, beat: Heartbeat | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the terminal is the parent's to handle
     try:
         env_fns = cloudpickle.loads(payload)
-        anyio.run(_serve_child, conn, env_fns, host, port, token)
+        anyio.run(_serve_child, conn, env_fns, host, port, token, beat)
     except BaseException as exc:
         try:
             conn.send(("error", cloudpickle.dumps(exc)))
@@ -39,8 +41,14 @@ def _child_main(conn: Any, payload: bytes, host: str, port: int, token: str) -> 
         raise SystemExit(1) from None
 
 
-async def _serve_child(conn: Any, env_fns: Any, host: str, port: int, token: str) -> None:
-    async with serve_envs(env_fns, host=host, port=port, token=token) as server:
+async def _serve_child(
+    conn: Any, env_fns: Any, host: str, port: int, token: str, beat: Heartbeat | None
+) -> None:
+    interval, timeout = (beat.interval, beat.timeout) if beat is not None else (None, None)
+    server = serve_envs(
+        env_fns, host=host, port=port, token=token, heartbeat_interval=interval, heartbeat_timeout=timeout
+    )
+    async with server:
         conn.send(("ready", server.port))
         await anyio.wait_readable(conn.fileno())  # the parent closed its end (or died): stop
 
@@ -58,6 +66,7 @@ class EnvServerProcess:
         token: str | None,
         start_method: str,
         startup_timeout: float,
+        beat: Heartbeat | None = None,
     ) -> None:
         if not isinstance(env_fns, Sequence) or not env_fns or not all(callable(fn) for fn in env_fns):
             raise TypeError("env_fns must be a non-empty list of callables, each returning a gymnasium env")
@@ -69,6 +78,7 @@ class EnvServerProcess:
         self._payload = cloudpickle.dumps(list(env_fns))
         self.host, self.port, self.token = host, port, check_token(token)
         self.start_method, self.startup_timeout = start_method, startup_timeout
+        self.heartbeat = beat
         self.process: Any = None
         self._conn: Any = None
         #: the process's exit code once it was reaped (negative: killed by that signal)
@@ -83,12 +93,17 @@ class EnvServerProcess:
     def pid(self) -> int | None:
         return None if self.process is None else self.process.pid
 
+    def send_signal(self, signum: int) -> None:
+        """Send ``signum`` to the server process (``SIGSTOP``/``SIGCONT``: a stalled server, for tests)."""
+        if self.process is not None and self.process.pid is not None:
+            os.kill(self.process.pid, signum)
+
     async def __aenter__(self) -> EnvServerProcess:
         ctx: Any = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
             ctx.set_forkserver_preload(_PRELOAD)
         self._conn, child = ctx.Pipe()
-        args = (child, self._payload, self.host, self.port, self.token)
+        args = (child, self._payload, self.host, self.port, self.token, self.heartbeat)
         self.process = ctx.Process(target=_child_main, args=args, name="aiocollect-env-server", daemon=True)
         try:
             try:
@@ -148,9 +163,12 @@ def serve_envs_process(
     token: str | None = None,
     start_method: str = "forkserver",
     startup_timeout: float = 60.0,
+    heartbeat_interval: float | None = SERVER_HEARTBEAT[0],
+    heartbeat_timeout: float | None = SERVER_HEARTBEAT[1],
 ) -> EnvServerProcess:
     """:func:`serve_envs` in a new process; ``async with`` starts it (and waits until it listens) and
-    stops it. ``env_fns`` travel to the process with cloudpickle (lambdas are fine).
+    stops it. ``env_fns`` travel to the process with cloudpickle (lambdas are fine). The heartbeat
+    arguments are :func:`serve_envs`'s.
 
     Example:
         >>> import anyio, gymnasium as gym
@@ -165,5 +183,11 @@ def serve_envs_process(
         (4,)
     """
     return EnvServerProcess(
-        env_fns, host=host, port=port, token=token, start_method=start_method, startup_timeout=startup_timeout
+        env_fns,
+        host=host,
+        port=port,
+        token=token,
+        start_method=start_method,
+        startup_timeout=startup_timeout,
+        beat=heartbeat(heartbeat_interval, heartbeat_timeout),
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -14,7 +15,17 @@ from ._common import remote_error
 from ._env_server import local_spaces
 from ._spaces import rebuild_space
 from ._wire import ProtocolError, decode, encode, pack_tree, unpack_tree
-from ._ws import WebSocket, connect, split_url
+from ._ws import (
+    CLIENT_HEARTBEAT,
+    Heartbeat,
+    UnreadError,
+    WebSocket,
+    ask,
+    check_client_tls,
+    connect,
+    heartbeat,
+    split_url,
+)
 
 __all__ = ["RemoteEnv", "fetch_spaces", "run_blocking"]
 
@@ -57,10 +68,17 @@ async def _hello(ws: WebSocket, where: str) -> tuple[spaces.Space[Any], spaces.S
 
 
 async def fetch_spaces(
-    url: str, index: int, token: str, connect_timeout: float
+    url: str,
+    index: int,
+    token: str,
+    connect_timeout: float,
+    beat: Heartbeat | None = None,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> tuple[spaces.Space[Any], spaces.Space[Any], int]:
     """Env ``index``'s spaces and the server's number of envs, from a short ``/spaces`` connection."""
-    ws = await connect(url, f"/spaces/{index}", token, connect_timeout=connect_timeout)
+    ws = await connect(
+        url, f"/spaces/{index}", token, connect_timeout=connect_timeout, beat=beat, ssl_context=ssl_context
+    )
     try:
         return await _hello(ws, f"{url} env {index}")
     finally:
@@ -79,11 +97,20 @@ class RemoteEnv:
             them from the server (a short blocking request, in a helper thread). On an event loop prefer
             ``await RemoteEnv.open(...)``, which fetches them without blocking.
         connect_timeout: seconds to connect and complete the WebSocket handshake.
+        heartbeat_interval, heartbeat_timeout: while a call waits for its answer, the server is pinged
+            after ``heartbeat_interval`` quiet seconds, and a server silent for ``heartbeat_timeout``
+            seconds (its machine gone, its process stopped, the network cut) fails the call with
+            :class:`aiocollect.RemoteConnectionError`. A long env step is not silence: the server
+            answers pings meanwhile. ``None``: no heartbeat.
+        ssl_context: for a ``wss://`` url (a server with TLS), the ``ssl.SSLContext`` that checks its
+            certificate (default: the system's certificate authorities).
 
     The connection opens on the first call and closes with :meth:`close` (or ``async with``). A call
     cancelled mid-way closes it too (its answer would arrive out of turn); the next call reconnects.
-    A server that goes away fails the pending call with :class:`aiocollect.RemoteConnectionError` (a
-    ``ConnectionError``) as soon as the socket reports it; a wrong token with ``PermissionError``. An env
+    A server that dropped the idle connection (no call for longer than its own ``heartbeat_timeout``)
+    is reconnected to at the next call. A server that goes away fails the pending call with
+    :class:`aiocollect.RemoteConnectionError` (a ``ConnectionError``) as soon as the socket reports it
+    (or its heartbeat runs out); a wrong token with ``PermissionError``. An env
     that raises on the server raises here too: builtin exception types as themselves, others as
     :class:`aiocollect.WorkerError` with the remote type name and traceback.
 
@@ -109,12 +136,18 @@ class RemoteEnv:
         observation_space: spaces.Space[Any] | None = None,
         action_space: spaces.Space[Any] | None = None,
         connect_timeout: float = 10.0,
+        heartbeat_interval: float | None = CLIENT_HEARTBEAT[0],
+        heartbeat_timeout: float | None = CLIENT_HEARTBEAT[1],
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:
             raise ValueError(f"index must be the env's position on the server (an int >= 0), got {index!r}")
         if not isinstance(token, str) or not token:
             raise ValueError("token must be the server's token (server.token), a non-empty string")
         self.url, self.index, self.connect_timeout = url, index, connect_timeout
+        self.heartbeat = heartbeat(heartbeat_interval, heartbeat_timeout)
+        check_client_tls(url, ssl_context)
+        self.ssl_context = ssl_context
         self._token = token
         self._ws: WebSocket | None = None
         self._busy = False
@@ -127,12 +160,35 @@ class RemoteEnv:
         self._encode = action_encoder(action_space)
 
     @classmethod
-    async def open(cls, url: str, *, index: int, token: str, connect_timeout: float = 10.0) -> RemoteEnv:
+    async def open(
+        cls,
+        url: str,
+        *,
+        index: int,
+        token: str,
+        connect_timeout: float = 10.0,
+        heartbeat_interval: float | None = CLIENT_HEARTBEAT[0],
+        heartbeat_timeout: float | None = CLIENT_HEARTBEAT[1],
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> RemoteEnv:
         """A connected ``RemoteEnv`` whose spaces were fetched without blocking the event loop."""
-        ws = await connect(url, f"/envs/{index}", token, connect_timeout=connect_timeout)
+        beat = heartbeat(heartbeat_interval, heartbeat_timeout)
+        check_client_tls(url, ssl_context)
+        ws = await connect(
+            url, f"/envs/{index}", token, connect_timeout=connect_timeout, beat=beat, ssl_context=ssl_context
+        )
         try:
             obs_space, act_space, _ = await _hello(ws, f"{url} env {index}")
-            env = cls(url, index=index, token=token, observation_space=obs_space, action_space=act_space)
+            env = cls(
+                url,
+                index=index,
+                token=token,
+                observation_space=obs_space,
+                action_space=act_space,
+                heartbeat_interval=heartbeat_interval,
+                heartbeat_timeout=heartbeat_timeout,
+                ssl_context=ssl_context,
+            )
         except BaseException:
             await ws.aclose()
             raise
@@ -140,7 +196,9 @@ class RemoteEnv:
         return env
 
     async def _fetch_spaces(self) -> tuple[spaces.Space[Any], spaces.Space[Any]]:
-        obs, act, _ = await fetch_spaces(self.url, self.index, self._token, self.connect_timeout)
+        obs, act, _ = await fetch_spaces(
+            self.url, self.index, self._token, self.connect_timeout, self.heartbeat, self.ssl_context
+        )
         return obs, act
 
     async def _connection(self) -> WebSocket:
@@ -148,7 +206,12 @@ class RemoteEnv:
             raise RuntimeError(f"RemoteEnv({self.url!r}, index={self.index}) is closed")
         if self._ws is None or self._ws.closed:
             ws = await connect(
-                self.url, f"/envs/{self.index}", self._token, connect_timeout=self.connect_timeout
+                self.url,
+                f"/envs/{self.index}",
+                self._token,
+                connect_timeout=self.connect_timeout,
+                beat=self.heartbeat,
+                ssl_context=self.ssl_context,
             )
             try:
                 obs_space, act_space, _ = await _hello(ws, f"{self.url} env {self.index}")
@@ -169,11 +232,17 @@ class RemoteEnv:
         self._busy = True
         done = False
         try:
-            ws = await self._connection()
             arrays: list[Any] = []
             header["value"] = pack_tree(value, arrays)
-            await ws.send(encode(header, arrays))
-            reply, arrays = decode(await ws.receive())
+            message = encode(header, arrays)
+            ws = await self._connection()
+            try:
+                answer = await ask(ws, message)
+            except UnreadError:  # the connection was gone before the server read the call: again
+                self._ws = None
+                await ws.abort()
+                answer = await ask(await self._connection(), message)
+            reply, arrays = decode(answer)
             done = True
         finally:
             self._busy = False

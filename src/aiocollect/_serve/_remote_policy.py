@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from typing import Any
 
 import torch
@@ -11,7 +12,7 @@ from .._weights import as_weights
 from ._common import remote_error
 from ._tensors import leaves_to_wire, td_leaves, wire_to_tensors
 from ._wire import ProtocolError, decode, encode
-from ._ws import WebSocket, connect, split_url
+from ._ws import CLIENT_HEARTBEAT, UnreadError, WebSocket, ask, check_client_tls, connect, heartbeat
 
 __all__ = ["RemotePolicy"]
 
@@ -31,13 +32,30 @@ class RemotePolicy:
         url: the server's ``ws://host:port`` (``server.url``).
         token: the server's shared secret (``server.token``).
         connect_timeout: seconds to connect and complete the WebSocket handshake.
+        heartbeat_interval, heartbeat_timeout: while a call waits, the server is pinged after
+            ``heartbeat_interval`` quiet seconds; one silent for ``heartbeat_timeout`` seconds fails the
+            call with :class:`aiocollect.RemoteConnectionError` (a long forward pass is not silence: the
+            server answers pings meanwhile). ``None``: no heartbeat. An idle connection the server
+            dropped is replaced at the next call.
+        ssl_context: for a ``wss://`` url, the ``ssl.SSLContext`` that checks the server's certificate.
     """
 
-    def __init__(self, url: str, *, token: str, connect_timeout: float = 10.0) -> None:
-        split_url(url)  # a malformed url fails here, not at the first call
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str,
+        connect_timeout: float = 10.0,
+        heartbeat_interval: float | None = CLIENT_HEARTBEAT[0],
+        heartbeat_timeout: float | None = CLIENT_HEARTBEAT[1],
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        check_client_tls(url, ssl_context)  # a malformed url fails here, not at the first call
         if not isinstance(token, str) or not token:
             raise ValueError("token must be the server's token (server.token), a non-empty string")
         self.url, self.connect_timeout = url, connect_timeout
+        self.heartbeat = heartbeat(heartbeat_interval, heartbeat_timeout)
+        self.ssl_context = ssl_context
         self._token = token
         self._idle: list[WebSocket] = []
         self._open: set[WebSocket] = set()
@@ -48,14 +66,27 @@ class RemotePolicy:
     async def _request(self, message: bytes) -> tuple[dict[str, Any], list[Any]]:
         if self._closed:
             raise RuntimeError(f"RemotePolicy({self.url!r}) is closed")
-        ws = self._idle.pop() if self._idle else None
-        if ws is None:
-            ws = await connect(self.url, "/policy", self._token, connect_timeout=self.connect_timeout)
-            self._open.add(ws)
+        while self._idle:
+            ws = self._idle.pop()
+            try:
+                return await self._exchange(ws, message)
+            except UnreadError:  # this idle connection was gone before the server read the request
+                pass
+        ws = await connect(
+            self.url,
+            "/policy",
+            self._token,
+            connect_timeout=self.connect_timeout,
+            beat=self.heartbeat,
+            ssl_context=self.ssl_context,
+        )
+        self._open.add(ws)
+        return await self._exchange(ws, message)
+
+    async def _exchange(self, ws: WebSocket, message: bytes) -> tuple[dict[str, Any], list[Any]]:
         ok = False
         try:
-            await ws.send(message)
-            header, arrays = decode(await ws.receive())
+            header, arrays = decode(await ask(ws, message))
             ok = True
         finally:
             if ok and not self._closed:

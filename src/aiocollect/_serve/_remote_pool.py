@@ -1,13 +1,16 @@
 """``RemoteEnvPool``: many envs of one :func:`serve_envs` server over **one** connection.
 
-The calls that the pool's envs make while a message is being written go out together in the next
-message (one ``batch`` message per round instead of one per env), and the server answers each message
-with one message: the WebSocket, JSON and syscall costs are paid per round, not per env step. A sender
+The calls that the pool's envs make while a round is out (sent, not yet answered) go out together in
+the next message (one ``batch`` message per round instead of one per env; one round out at a time), and
+the server answers each message with one message: the WebSocket, JSON and syscall costs are paid per
+round, not per env step. Steps travel in columns: the round's env indices and actions as two arrays,
+answered by the observations stacked in one array and rewards and flags as arrays. A sender
 task and a receiver task, owned by the pool's ``async with``, carry them; answers come back in order.
 """
 
 from __future__ import annotations
 
+import ssl
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -21,24 +24,52 @@ from ._common import remote_error
 from ._remote_env import fetch_spaces
 from ._spaces import rebuild_space
 from ._wire import ProtocolError, decode, encode, pack_tree, unpack_tree
-from ._ws import RemoteConnectionError, WebSocket, connect, split_url
+from ._ws import CLIENT_HEARTBEAT, RemoteConnectionError, WebSocket, check_client_tls, connect, heartbeat
 
 __all__ = ["PooledRemoteEnv", "RemoteEnvPool"]
 
 
 class _Round:
     """The calls that go out in one message, and (once answered) their answers: all its callers wait on
-    one event."""
+    one event. Steps travel in columns (``step_index``, ``step_actions``), other calls as items."""
 
-    __slots__ = ("answers", "arrays", "calls", "columns", "error", "event")
+    __slots__ = (
+        "answers",
+        "arrays",
+        "calls",
+        "error",
+        "event",
+        "step_actions",
+        "step_index",
+        "step_items",
+        "steps",
+    )
 
     def __init__(self) -> None:
         self.calls: list[tuple[dict[str, Any], Any]] = []
+        self.step_index: list[int] = []
+        self.step_actions: list[Any] = []
+        self.step_items: int | None = None  # where the steps start among the items, if sent as items
         self.event = anyio.Event()
         self.answers: list[Any] = []
         self.arrays: list[Any] = []
-        self.columns: list[Any] | None = None  # a columnar answer: one info tree per call
+        self.steps: _Steps | None = None
         self.error: BaseException | None = None
+
+
+class _Steps:
+    """A round's step answers: in columns, or (``answers``) one by one."""
+
+    __slots__ = ("answers", "errors", "infos", "obs", "rewards", "terminated", "truncated")
+
+    def __init__(self) -> None:
+        self.answers: list[Any] | None = None
+        self.obs: Any = None
+        self.rewards: list[float] = []
+        self.terminated: list[bool] = []
+        self.truncated: list[bool] = []
+        self.infos: list[Any] | None = None
+        self.errors: dict[str, Any] = {}
 
 
 class PooledRemoteEnv:
@@ -61,10 +92,7 @@ class PooledRemoteEnv:
 
     async def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
         """``env.step(action)`` on the server: ``(obs, reward, terminated, truncated, info)``."""
-        obs, reward, terminated, truncated, info = await self._pool.call(
-            self.index, {"op": "step"}, self._encode(action)
-        )
-        return obs, reward, terminated, truncated, info
+        return await self._pool.step(self.index, self._encode(action))
 
     async def close(self) -> None:
         """Nothing to do: the pool's ``async with`` closes the connection."""
@@ -81,7 +109,11 @@ class RemoteEnvPool:
     The fast way to step many envs of one server: their concurrent calls travel together (see the
     module docs). :class:`aiocollect.RemoteEnv` opens a connection per env instead, and can be made by
     a plain ``lambda``. A lost connection fails every pending and later call with
-    :class:`aiocollect.RemoteConnectionError`.
+    :class:`aiocollect.RemoteConnectionError`: a server that goes away, or one silent for
+    ``heartbeat_timeout`` seconds (its machine gone, its process stopped, the network cut; the pool's
+    receiver pings it after ``heartbeat_interval`` quiet seconds and answers its pings, busy or idle;
+    ``None``: no heartbeat). A ``wss://`` url speaks TLS, the server's certificate checked with
+    ``ssl_context`` (default: the system's certificate authorities).
 
     Example:
         >>> import anyio, gymnasium as gym
@@ -97,9 +129,18 @@ class RemoteEnvPool:
     """
 
     def __init__(
-        self, url: str, *, token: str, start: int = 0, stop: int | None = None, connect_timeout: float = 10.0
+        self,
+        url: str,
+        *,
+        token: str,
+        start: int = 0,
+        stop: int | None = None,
+        connect_timeout: float = 10.0,
+        heartbeat_interval: float | None = CLIENT_HEARTBEAT[0],
+        heartbeat_timeout: float | None = CLIENT_HEARTBEAT[1],
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        split_url(url)
+        check_client_tls(url, ssl_context)
         if not isinstance(token, str) or not token:
             raise ValueError("token must be the server's token (server.token), a non-empty string")
         if (
@@ -111,6 +152,8 @@ class RemoteEnvPool:
                 f"start and stop must be env indices with 0 <= start < stop, got {start!r}, {stop!r}"
             )
         self.url, self.start, self.stop, self.connect_timeout = url, start, stop, connect_timeout
+        self.heartbeat = heartbeat(heartbeat_interval, heartbeat_timeout)
+        self.ssl_context = ssl_context
         self._token = token
         self.envs: list[PooledRemoteEnv] = []
         self._ws: WebSocket | None = None
@@ -132,9 +175,18 @@ class RemoteEnvPool:
     async def __aenter__(self) -> RemoteEnvPool:
         stop = self.stop
         if stop is None:  # all the server's envs: ask how many there are
-            stop = (await fetch_spaces(self.url, self.start, self._token, self.connect_timeout))[2]
+            stop = (
+                await fetch_spaces(
+                    self.url, self.start, self._token, self.connect_timeout, self.heartbeat, self.ssl_context
+                )
+            )[2]
         ws = await connect(
-            self.url, f"/batch/{self.start}/{stop}", self._token, connect_timeout=self.connect_timeout
+            self.url,
+            f"/batch/{self.start}/{stop}",
+            self._token,
+            connect_timeout=self.connect_timeout,
+            beat=self.heartbeat,
+            ssl_context=self.ssl_context,
         )
         try:
             header, arrays = decode(await ws.receive())
@@ -172,33 +224,56 @@ class RemoteEnvPool:
     async def call(self, index: int, header: dict[str, Any], value: Any) -> tuple[Any, ...]:
         """Send one env call with the next message and wait for its answer: ``(obs, info)`` for a
         reset, ``(obs, reward, terminated, truncated, info)`` for a step."""
+        round_ = self._join()
+        header["i"] = index
+        position = len(round_.calls)
+        round_.calls.append((header, value))
+        await self._answered(round_)
+        return self._item(round_, round_.answers[position], header["op"], index)
+
+    async def step(self, index: int, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+        """Step env ``index`` with the next message (its action in the round's column of actions):
+        ``(obs, reward, terminated, truncated, info)``."""
+        round_ = self._join()
+        k = len(round_.step_index)
+        round_.step_index.append(index)
+        round_.step_actions.append(action)
+        await self._answered(round_)
+        steps = round_.steps
+        assert steps is not None
+        if steps.answers is not None:
+            obs, reward, terminated, truncated, info = self._item(round_, steps.answers[k], "step", index)
+            return obs, reward, terminated, truncated, info
+        if steps.errors and (error := steps.errors.get(str(k))) is not None:
+            raise remote_error(error, f"{self.url} env {index}")
+        info = {} if steps.infos is None else unpack_tree(steps.infos[k], round_.arrays)
+        return steps.obs[k], steps.rewards[k], steps.terminated[k], steps.truncated[k], info
+
+    def _join(self) -> _Round:
+        """The round a call made now goes out with."""
         if self._error is not None:
             raise RemoteConnectionError(f"{self.url}: {self._error}")
         if self._wake is None or self._next is None:
             raise RuntimeError("use the envs of a RemoteEnvPool inside its `async with`")
-        header["i"] = index
-        round_ = self._next
-        position = len(round_.calls)
-        round_.calls.append((header, value))
         self._wake.set()
+        return self._next
+
+    async def _answered(self, round_: _Round) -> None:
         await round_.event.wait()
         if round_.error is not None:
             if isinstance(round_.error, TypeError):  # raised here, before sending
                 raise TypeError(str(round_.error)) from round_.error
             raise RemoteConnectionError(f"{self.url}: {round_.error}") from round_.error
+
+    def _item(self, round_: _Round, answer: dict[str, Any], op: str, index: int) -> tuple[Any, ...]:
+        """The result of one call answered as an item."""
         arrays = round_.arrays
-        if round_.columns is not None:  # a batch of steps, in columns
-            obs = arrays[0][position]
-            obs = obs.copy() if type(obs) is np.ndarray else obs
-            flags = bool(arrays[2][position]), bool(arrays[3][position])
-            return obs, float(arrays[1][position]), *flags, unpack_tree(round_.columns[position], arrays)
-        answer = round_.answers[position]
         if answer["op"] == "error":
             raise remote_error(answer, f"{self.url} env {index}")
-        if answer["op"] != header["op"]:
-            raise ProtocolError(f"expected a {header['op']!r} answer, got {answer['op']!r}")
+        if answer["op"] != op:
+            raise ProtocolError(f"expected a {op!r} answer, got {answer['op']!r}")
         obs, info = unpack_tree(answer["obs"], arrays), unpack_tree(answer["info"], arrays)
-        if answer["op"] == "reset":
+        if op == "reset":
             return obs, info
         return obs, answer["reward"], answer["terminated"], answer["truncated"], info
 
@@ -207,15 +282,12 @@ class RemoteEnvPool:
         while True:
             await self._wake.wait()
             self._wake = anyio.Event()
+            while self._in_flight:  # one round at a time: the calls made meanwhile join the next one
+                await self._in_flight[-1].event.wait()
             round_, self._next = self._next, _Round()
             assert round_ is not None
             try:
-                arrays: list[Any] = []
-                items = []
-                for header, value in round_.calls:
-                    header["value"] = pack_tree(value, arrays)
-                    items.append(header)
-                message = encode({"op": "batch", "items": items}, arrays)
+                message = _encode_round(round_)
             except Exception as exc:  # a value that cannot travel: its round's callers get the error
                 round_.error = exc
                 round_.event.set()
@@ -235,14 +307,18 @@ class RemoteEnvPool:
                 if header["op"] == "error":
                     raise remote_error(header, self.url)
                 items = header.get("items") if header["op"] == "batch" else None
-                columns = _columns(header, arrays, round_) if items is None else None
-                if columns is None and (not isinstance(items, list) or len(items) != len(round_.calls)):
+                if not isinstance(items, list) or len(items) != len(round_.calls):
                     raise ProtocolError(f"{self.url} answered {len(round_.calls)} calls with {header!r:.200}")
+                if round_.step_items is not None:
+                    round_.steps = _Steps()
+                    round_.steps.answers = items[round_.step_items :]
+                elif round_.step_index:
+                    round_.steps = _steps(header, arrays, len(round_.step_index), self.url)
             except Exception as exc:  # lost, malformed or refused: every call fails
                 self._fail(exc)
                 await ws.abort()
                 return
-            round_.answers, round_.columns, round_.arrays = items or [], columns, arrays
+            round_.answers, round_.arrays = items, arrays
             round_.event.set()
 
     def _fail(self, exc: BaseException) -> None:
@@ -259,15 +335,68 @@ class RemoteEnvPool:
             self._wake.set()
 
 
-def _columns(header: dict[str, Any], arrays: list[Any], round_: _Round) -> list[Any] | None:
-    """The info trees of a columnar answer to ``round_`` (``None``: not one, or not a valid one)."""
-    columns = header.get("columns") if header["op"] == "batch" else None
-    n = len(round_.calls)
-    if not isinstance(columns, dict) or columns.get("n") != n or len(arrays) < 4:
-        return None
-    infos = columns.get("info")
-    if not isinstance(infos, list) or len(infos) != n or any(c[0].get("op") != "step" for c in round_.calls):
-        return None
-    if arrays[0].ndim < 1 or arrays[0].shape[0] != n or any(a.shape != (n,) for a in arrays[1:4]):
-        return None
-    return infos
+def _encode_round(round_: _Round) -> bytes:
+    """A round's message: its steps in columns (arrays 0 and 1: env indices, actions) when their actions
+    stack, as items otherwise (then answered as items too); its other calls as items."""
+    arrays: list[Any] = []
+    header: dict[str, Any] = {"op": "batch"}
+    if round_.step_index:
+        actions = _stack(round_.step_actions)
+        if actions is None:  # e.g. dict actions: each step as an item, answered as one
+            round_.step_items = len(round_.calls)
+            round_.calls += [
+                ({"op": "step", "i": i}, a)
+                for i, a in zip(round_.step_index, round_.step_actions, strict=True)
+            ]
+        else:
+            arrays += [np.array(round_.step_index, dtype=np.int64), actions]
+            header["steps"] = {"n": len(round_.step_index)}
+    items = []
+    for call, value in round_.calls:
+        call["value"] = pack_tree(value, arrays)
+        items.append(call)
+    header["items"] = items
+    return encode(header, arrays)
+
+
+def _stack(actions: list[Any]) -> np.ndarray | None:
+    """The actions as one array (ints, or numeric arrays of one shape and dtype), or ``None``."""
+    first = actions[0]
+    if type(first) is int:
+        return np.array(actions, dtype=np.int64) if all(type(a) is int for a in actions) else None
+    if type(first) is np.ndarray and first.dtype.kind in "biuf":
+        shape, dtype = first.shape, first.dtype
+        if all(type(a) is np.ndarray and a.shape == shape and a.dtype == dtype for a in actions):
+            return np.stack(actions)
+    return None
+
+
+def _steps(header: dict[str, Any], arrays: list[Any], n: int, url: str) -> _Steps:
+    """The step answers of a batch reply (``ProtocolError`` if they do not answer ``n`` steps)."""
+    section = header.get("steps")
+    steps = _Steps()
+    if not isinstance(section, dict) or section.get("n") != n:
+        raise ProtocolError(f"{url} answered {n} steps with {section!r:.200}")
+    if "answers" in section:  # observations that do not stack: one answer each
+        answers = section["answers"]
+        if not isinstance(answers, list) or len(answers) != n:
+            raise ProtocolError(f"{url} answered {n} steps with {len(answers)} answers")
+        steps.answers = answers
+        return steps
+    infos, errors = section.get("info"), section.get("errors")
+    if (
+        len(arrays) < 4
+        or arrays[0].ndim < 1
+        or arrays[0].shape[0] != n
+        or any(a.shape != (n,) for a in arrays[1:4])
+    ):
+        raise ProtocolError(f"{url} answered {n} steps with arrays of shapes {[a.shape for a in arrays[:4]]}")
+    if not (infos is None or (isinstance(infos, list) and len(infos) == n)) or not isinstance(errors, dict):
+        raise ProtocolError(f"{url} answered {n} steps with malformed infos or errors")
+    steps.obs, steps.infos, steps.errors = arrays[0], infos, errors
+    steps.rewards, steps.terminated, steps.truncated = (
+        arrays[1].tolist(),
+        arrays[2].tolist(),
+        arrays[3].tolist(),
+    )
+    return steps
