@@ -284,6 +284,13 @@ class Rollout:
         as_numpy = self.env.numpy_actions and all(v.dtype != torch.bfloat16 for v in block.values())
         return block, {k: list(v.numpy()) if as_numpy else v.unbind(0) for k, v in block.items()}
 
+    def _block_actions(self, block_steps: dict[NestedKey, Any]) -> list[Any]:
+        """What ``env.step`` takes at each step of a random batch, picked once per batch."""
+        if self.env.one_action:
+            return block_steps["action"]
+        action_from = self.env.action_from
+        return [action_from({k: v[t] for k, v in block_steps.items()}) for t in range(self.steps_per_batch)]
+
     def _run(
         self,
         obs_slots: tuple[list[tuple[NestedKey, np.ndarray]], list[tuple[NestedKey, np.ndarray]]],
@@ -301,6 +308,8 @@ class Rollout:
         batched = bool(self.batch_shape)
         out_hist, rew_hist, term_hist, trunc_hist = hist.out, hist.reward, hist.terminated, hist.truncated
         ids_hist, carry = hist.ids, self._carry
+        block_actions = self._block_actions(block_steps) if block_steps is not None else None
+        from_numpy = torch.from_numpy
         root_slots, next_slots = obs_slots
         max_steps = self.options.max_frames_per_traj
         ep_length = self._ep_length
@@ -313,12 +322,15 @@ class Rollout:
                 break
             for key, slot in root_slots:
                 slot[t] = root[key]
-            if block_steps is None:
-                out = runner({k: torch.from_numpy(v) for k, v in root.items()})
+            if block_actions is None:
+                out = runner({k: from_numpy(v) for k, v in root.items()})
                 out_hist.append(out)
+                action = action_from(out)
             else:
-                out = {k: v[t] for k, v in block_steps.items()}
-            next_obs, reward, terminated, truncated, next_root = env_step(action_from(out))
+                action = block_actions[t]
+                if carry is not None:  # a recurrent policy's states: the random step's entries
+                    out = {k: v[t] for k, v in block_steps.items()}  # type: ignore[union-attr]
+            next_obs, reward, terminated, truncated, next_root = env_step(action)
             forced = None
             if max_steps is not None:
                 ep_length = ep_length + 1
@@ -436,30 +448,46 @@ class Rollout:
                 target.copy_(values)
 
     def _episode_stats(self, reward: np.ndarray, done: np.ndarray) -> tuple[list[float], list[int]]:
-        """Returns and lengths of the episodes that ended in this batch (carrying partial ones over)."""
+        """Returns and lengths of the episodes that ended in this batch (carrying partial ones over).
+
+        Vectorised over every episode end of the batch (env-major, then time: the order of the lists):
+        an episode's return is the difference of the cumulative rewards at its end and at the previous
+        end in its env, plus what its env carried over from earlier batches for the first one."""
         n = max(self.env.numel, 1)
         T = reward.shape[-1]
-        rew = reward.reshape(n, T).astype(np.float64)
-        dn = done.reshape(n, T)
         carry_ret = self._ep_return.reshape(n)
         carry_len = self._ep_steps.reshape(n)
-        returns: list[float] = []
-        lengths: list[int] = []
-        csum = np.cumsum(rew, axis=1)
-        for i in np.flatnonzero(dn.any(axis=1)) if T else ():
-            ends = np.flatnonzero(dn[i])
-            seg_ret = np.diff(csum[i, ends], prepend=0.0)
-            seg_ret[0] += carry_ret[i]
-            seg_len = np.diff(ends, prepend=-1)
-            seg_len[0] += carry_len[i]
-            returns.extend(seg_ret.tolist())
-            lengths.extend(seg_len.tolist())
-            carry_ret[i] = csum[i, -1] - csum[i, ends[-1]]
-            carry_len[i] = T - 1 - ends[-1]
-        others = ~dn.any(axis=1) if T else np.ones(n, dtype=bool)
-        if T:
-            carry_ret[others] += csum[others, -1]
-            carry_len[others] += T
+        if T == 0:
+            return [], []
+        csum = np.cumsum(reward.reshape(n, T).astype(np.float64), axis=1)
+        env_i, end_t = np.nonzero(done.reshape(n, T))
+        if not len(env_i):  # no episode ended: every env carries the whole batch over
+            carry_ret += csum[:, -1]
+            carry_len += T
+            self._ep_return = carry_ret.reshape(self.batch_shape)
+            self._ep_steps = carry_len.reshape(self.batch_shape)
+            return [], []
+        at_end = csum[env_i, end_t]
+        first = np.empty(len(env_i), dtype=bool)
+        first[0] = True
+        np.not_equal(env_i[1:], env_i[:-1], out=first[1:])
+        last = np.empty_like(first)
+        last[-1] = True
+        last[:-1] = first[1:]
+        before = np.empty_like(at_end)  # the cumulative reward before the episode (minus the carry)
+        before[1:] = at_end[:-1]
+        before[first] = -carry_ret[env_i[first]]
+        start = np.empty_like(end_t)  # the step before the episode (minus the carried length)
+        start[1:] = end_t[:-1]
+        start[first] = -1 - carry_len[env_i[first]]
+        returns = (at_end - before).tolist()
+        lengths = (end_t - start).tolist()
+        ended = np.zeros(n, dtype=bool)
+        ended[env_i] = True
+        carry_ret[~ended] += csum[~ended, -1]
+        carry_len[~ended] += T
+        carry_ret[env_i[last]] = csum[env_i[last], -1] - at_end[last]
+        carry_len[env_i[last]] = T - 1 - end_t[last]
         self._ep_return = carry_ret.reshape(self.batch_shape)
         self._ep_steps = carry_len.reshape(self.batch_shape)
         return returns, lengths
