@@ -108,6 +108,7 @@ class Rollout:
         self._next_traj = options.traj_id_start
         self._root: dict[NestedKey, np.ndarray] = {}
         self._out_specs: dict[NestedKey, LeafSpec] | None = None
+        self._specs: tuple[list[Any], list[tuple[tuple[int, ...], torch.dtype]]] | None = None
         self._storage = StoragePool()
         #: the policy's recurrent states (``_recurrent.py``): those the rollout carries are observations too
         self.recurrence = recurrence if recurrence is not None else Recurrence()
@@ -192,27 +193,34 @@ class Rollout:
         return {k: torch.from_numpy(v) for k, v in self._root.items()}
 
     # -- the hot loop -----------------------------------------------------------------------------
+    def _batch_specs(self) -> tuple[list[Any], list[tuple[tuple[int, ...], torch.dtype]]]:
+        """The batch's keys and their (shape, dtype), worked out at the first batch."""
+        if self._specs is None:
+            bt = (*self.batch_shape, self.steps_per_batch)
+            shapes: dict[Any, tuple[tuple[int, ...], torch.dtype]] = {}
+            for key, spec in self._obs_specs.items():
+                shapes[key] = shapes[_key_tuple("next", key)] = ((*bt, *spec.shape), spec.dtype)
+            for key, spec in self.env.next_specs.items():  # per-agent rewards
+                shapes[_key_tuple("next", key)] = ((*bt, *spec.shape), spec.dtype)
+            for key, spec in self.output_specs().items():
+                shapes[key] = ((*bt, *spec.shape), spec.dtype)
+            for flag in _FLAGS:
+                shapes[flag] = shapes[("next", flag)] = ((*bt, 1), torch.bool)
+            if self.env.has_reward:
+                shapes[("next", "reward")] = ((*bt, 1), torch.float32)
+            shapes[("collector", "traj_ids")] = (bt, torch.int64)
+            self._specs = (list(shapes), list(shapes.values()))
+        return self._specs
+
     def _allocate(self, into: TensorDictBase | None = None) -> tuple[TensorDict, dict[Any, np.ndarray]]:
         """The batch's tensors (from ``into``'s, when given) and numpy views to write them through."""
-        T = self.steps_per_batch
-        bt = (*self.batch_shape, T)
-        shapes: dict[Any, tuple[tuple[int, ...], torch.dtype]] = {}
-        for key, spec in self._obs_specs.items():
-            shapes[key] = shapes[_key_tuple("next", key)] = ((*bt, *spec.shape), spec.dtype)
-        for key, spec in self.env.next_specs.items():  # per-agent rewards
-            shapes[_key_tuple("next", key)] = ((*bt, *spec.shape), spec.dtype)
-        for key, spec in self.output_specs().items():
-            shapes[key] = ((*bt, *spec.shape), spec.dtype)
-        for flag in _FLAGS:
-            shapes[flag] = shapes[("next", flag)] = ((*bt, 1), torch.bool)
-        if self.env.has_reward:
-            shapes[("next", "reward")] = ((*bt, 1), torch.float32)
-        shapes[("collector", "traj_ids")] = (bt, torch.int64)
+        keys, specs = self._batch_specs()
+        bt = (*self.batch_shape, self.steps_per_batch)
         # one buffer for the batch, reused once the consumer has dropped an earlier batch (_storage.py)
         if into is not None:
-            tensors = {key: into.get(key) for key in shapes}
+            tensors = {key: into.get(key) for key in keys}
         else:
-            tensors = dict(zip(shapes, self._storage.take(list(shapes.values())), strict=True))
+            tensors = dict(zip(keys, self._storage.take(specs), strict=True))
         for flag in _FLAGS:
             tensors[flag].zero_()
         views: dict[Any, np.ndarray] = {}
@@ -302,7 +310,7 @@ class Rollout:
         """The hot loop: step the env ``steps_per_batch`` times (fewer if ``stop`` is set); returns the
         steps taken. Everything it reads per step is a local."""
         env = self.env
-        env_step = env.step
+        env_step = env.stepper()
         action_from = env.action_from
         new_ids = self._new_ids
         batched = bool(self.batch_shape)

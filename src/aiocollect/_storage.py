@@ -55,7 +55,7 @@ class StoragePool:
         return None
 
     def take(self, specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
-        sizes = [prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
+        sizes = [prod(shape) * dtype.itemsize for shape, dtype in specs]
         nbytes = sum(_aligned(n) for n in sizes) + _ALIGN
         if nbytes < POOL_MIN_BYTES:
             return [torch.empty(shape, dtype=dtype) for shape, dtype in specs]

@@ -28,6 +28,9 @@ from ._spaces import (
 
 __all__ = ["ArrayStep", "GymEnv", "overrides_gym_env"]
 
+#: ``ArrayStep(...)`` without the named tuple's python ``__new__`` (~0.25 us less per step)
+_new_step = tuple.__new__
+
 #: integer actions of at most this many values are bounds-checked with python's min/max over a list
 _SMALL = 64
 
@@ -202,6 +205,8 @@ class GymEnv:
         self._obs_dtype = (
             None if isinstance(self._obs_space, gym.spaces.Dict) else self._obs_dtypes["observation"]
         )
+        #: the observation's dtype where it is all there is to read (one array, no info entries)
+        self._plain_obs_dtype = self._obs_dtype if self._info is None else None
         # The arrays of the array path are valid until the next step or reset: the rollout copies each
         # observation into its batch at once, so an env may hand back an internal buffer that it updates
         # in place, and nothing is copied here (a 100 KB Atari frame cost a copy per step). Only where a
@@ -502,11 +507,18 @@ class GymEnv:
 
         One env gives python scalars for reward and flags, a vector env numpy arrays.
         """
-        obs, reward, terminated, truncated, info = self._env.step(self._to_env_action(action))
+        # the common case, one action entry, skips a call (each costs ~0.1 us per step)
+        env_action = self._to_env_action(action) if self._composite else self._leaf_action("action", action)
+        obs, reward, terminated, truncated, info = self._env.step(env_action)
         if not self._vector:
             terminated = bool(terminated)
             truncated = bool(truncated)
-            nxt = self._observation(obs, info)
+            dtype = self._plain_obs_dtype
+            nxt = (
+                {"observation": self._array(obs, dtype)}
+                if dtype is not None
+                else self._observation(obs, info)
+            )
             if terminated or truncated:
                 nxt = {k: v.copy() for k, v in nxt.items()}  # the reset may write into the env's buffer
                 new_obs, reset_info = self._env.reset()
@@ -516,7 +528,7 @@ class GymEnv:
                 root = nxt
                 self._autoreset_pending = None
             self._last_obs = root
-            return ArrayStep(nxt, float(reward), terminated, truncated, root)
+            return _new_step(ArrayStep, (nxt, float(reward), terminated, truncated, root))
         terminated = np.asarray(terminated, dtype=bool)
         truncated = np.asarray(truncated, dtype=bool)
         done = terminated | truncated
@@ -553,7 +565,7 @@ class GymEnv:
                 root = nxt
                 self._autoreset_pending = None
         self._last_obs = root
-        return ArrayStep(nxt, np.asarray(reward, dtype=np.float32), terminated, truncated, root)
+        return _new_step(ArrayStep, (nxt, np.asarray(reward, dtype=np.float32), terminated, truncated, root))
 
     def _final_info_entries(
         self, info: Mapping[str, Any], done: np.ndarray, nxt: dict[NestedKey, Any], root: dict[NestedKey, Any]
