@@ -212,31 +212,38 @@ class Rollout:
             self._specs = (list(shapes), list(shapes.values()))
         return self._specs
 
-    def _allocate(self, into: TensorDictBase | None = None) -> tuple[TensorDict, dict[Any, np.ndarray]]:
-        """The batch's tensors (from ``into``'s, when given) and numpy views to write them through."""
+    def _allocate(
+        self, into: TensorDictBase | None = None, *, named: bool = True
+    ) -> tuple[TensorDict, dict[Any, np.ndarray]]:
+        """The batch's tensors (from ``into``'s, when given) and numpy views to write them through;
+        ``named``: the last dim is named ``"time"`` (given to the constructor: cheaper than set after)."""
         keys, specs = self._batch_specs()
         bt = (*self.batch_shape, self.steps_per_batch)
         # one buffer for the batch, reused once the consumer has dropped an earlier batch (_storage.py)
         if into is not None:
-            tensors = {key: into.get(key) for key in keys}
+            taken: list[tuple[torch.Tensor, Any]] = [(into.get(key), None) for key in keys]
         else:
-            tensors = dict(zip(keys, self._storage.take(specs), strict=True))
-        for flag in _FLAGS:
-            tensors[flag].zero_()
+            taken = self._storage.take_arrays(specs)
+        tensors: dict[Any, torch.Tensor] = {}
         views: dict[Any, np.ndarray] = {}
-        for key, tensor in tensors.items():
-            try:
-                view = tensor.numpy()
-            except TypeError:  # dtypes numpy lacks (bfloat16): written through torch
-                view = tensor
+        for key, (tensor, view) in zip(keys, taken, strict=True):
+            tensors[key] = tensor
+            if view is None:
+                try:
+                    view = tensor.numpy()
+                except TypeError:  # dtypes numpy lacks (bfloat16): written through torch
+                    view = tensor
             if key in _ONE_VALUE:  # the env's flags and reward: one value per frame
                 view = view[..., 0]
             views[key] = view
-        return TensorDict(tensors, batch_size=bt), views
+        for flag in _FLAGS:
+            views[flag][...] = False
+        names = [None] * len(self.batch_shape) + ["time"] if named else None
+        return TensorDict(tensors, batch_size=bt, names=names), views
 
     def layout(self) -> TensorDict:
         """An empty batch as :meth:`collect` makes it (keys, shapes, dtypes), without collecting."""
-        batch, _ = self._allocate()
+        batch, _ = self._allocate(named=False)
         if self.track_policy_version:
             batch.set(("collector", "policy_version"), torch.zeros(batch.batch_size, dtype=torch.int64))
         return batch
@@ -421,7 +428,6 @@ class Rollout:
             if version is None:
                 version = torch.empty(batch.batch_size, dtype=torch.int64)
             batch.set(("collector", "policy_version"), version.fill_(self.policy_version))
-        batch.names = [None] * nb + ["time"]
         if self.storing_device is not None:
             batch = batch.to(self.storing_device)
         return RolloutResult(
