@@ -246,8 +246,8 @@ class Rollout:
             views[key] = view
         for flag in _FLAGS:
             views[flag][...] = False
-        names = [None] * len(self.batch_shape) + ["time"] if named else None
-        return TensorDict(tensors, batch_size=bt, names=names), views
+        names: list[str | None] | None = [None] * len(self.batch_shape) + ["time"] if named else None
+        return TensorDict(tensors, batch_size=bt, names=names), views  # type: ignore[arg-type]
 
     def layout(self) -> TensorDict:
         """An empty batch as :meth:`collect` makes it (keys, shapes, dtypes), without collecting."""

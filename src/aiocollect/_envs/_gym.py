@@ -514,7 +514,7 @@ class GymEnv:
             terminated = bool(terminated)
             truncated = bool(truncated)
             dtype = self._plain_obs_dtype
-            nxt = (
+            nxt: dict[NestedKey, np.ndarray] = (
                 {"observation": self._array(obs, dtype)}
                 if dtype is not None
                 else self._observation(obs, info)
