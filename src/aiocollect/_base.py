@@ -291,7 +291,8 @@ class CollectorBase(abc.ABC):
         self._last_frames = int(frames)
         self._stats.record(frames, [e[1] for e in episodes], [e[2] for e in episodes])
         stats = self._stats
-        self._progress.update(frames, stats.frames, stats.frames_per_second(), stats.mean_return())
+        if self._progress.shown:  # frames/s sums the deliveries of its window: not for nothing per batch
+            self._progress.update(frames, stats.frames, stats.frames_per_second(), stats.mean_return())
         if self._hub.active:
             for worker, ret, length in episodes:
                 self._hub.publish(EpisodeFinished(ret, length, worker, frames=stats.frames))

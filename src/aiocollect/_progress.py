@@ -167,6 +167,11 @@ class Progress:
                 f"progress must be None, True, False, a tqdm bar or a rich Progress, got {option!r}"
             )
 
+    @property
+    def shown(self) -> bool:
+        """Whether there is a display to update (callers skip working out its figures otherwise)."""
+        return self._line is not None or self._custom is not None
+
     def update(self, frames: int, total_frames: int, fps: float, mean_return: float | None) -> None:
         if self._line is not None:
             self._line.draw(total_frames, fps, mean_return)

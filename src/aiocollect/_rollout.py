@@ -65,12 +65,20 @@ def _key_tuple(prefix: str, key: NestedKey) -> tuple[str, ...]:
     return (prefix, key) if isinstance(key, str) else (prefix, *key)
 
 
+def _time_first(array: np.ndarray, axis: int) -> np.ndarray:
+    """``np.moveaxis(array, axis, 0)`` as one ``transpose`` (``moveaxis`` checks its axes in python: ~5 us,
+    several times per batch)."""
+    if axis == 0:
+        return array
+    return array.transpose(axis, *range(axis), *range(axis + 1, array.ndim))
+
+
 def _stack_into(out: np.ndarray, values: list[Any], axis: int) -> None:
     """``np.stack(values, axis=axis, out=out)``, several times faster for thousands of small entries.
 
     ``np.asarray`` converts the whole list in one C loop where ``np.stack`` makes a view per entry.
     """
-    np.copyto(np.moveaxis(out, axis, 0), np.asarray(values), casting="same_kind")
+    np.copyto(_time_first(out, axis), np.asarray(values), casting="same_kind")
 
 
 class Rollout:
@@ -108,6 +116,7 @@ class Rollout:
         self._next_traj = options.traj_id_start
         self._root: dict[NestedKey, np.ndarray] = {}
         self._out_specs: dict[NestedKey, LeafSpec] | None = None
+        self._specs: tuple[list[Any], list[tuple[tuple[int, ...], torch.dtype]]] | None = None
         self._storage = StoragePool()
         #: the policy's recurrent states (``_recurrent.py``): those the rollout carries are observations too
         self.recurrence = recurrence if recurrence is not None else Recurrence()
@@ -192,43 +201,57 @@ class Rollout:
         return {k: torch.from_numpy(v) for k, v in self._root.items()}
 
     # -- the hot loop -----------------------------------------------------------------------------
-    def _allocate(self, into: TensorDictBase | None = None) -> tuple[TensorDict, dict[Any, np.ndarray]]:
-        """The batch's tensors (from ``into``'s, when given) and numpy views to write them through."""
-        T = self.steps_per_batch
-        bt = (*self.batch_shape, T)
-        shapes: dict[Any, tuple[tuple[int, ...], torch.dtype]] = {}
-        for key, spec in self._obs_specs.items():
-            shapes[key] = shapes[_key_tuple("next", key)] = ((*bt, *spec.shape), spec.dtype)
-        for key, spec in self.env.next_specs.items():  # per-agent rewards
-            shapes[_key_tuple("next", key)] = ((*bt, *spec.shape), spec.dtype)
-        for key, spec in self.output_specs().items():
-            shapes[key] = ((*bt, *spec.shape), spec.dtype)
-        for flag in _FLAGS:
-            shapes[flag] = shapes[("next", flag)] = ((*bt, 1), torch.bool)
-        if self.env.has_reward:
-            shapes[("next", "reward")] = ((*bt, 1), torch.float32)
-        shapes[("collector", "traj_ids")] = (bt, torch.int64)
+    def _batch_specs(self) -> tuple[list[Any], list[tuple[tuple[int, ...], torch.dtype]]]:
+        """The batch's keys and their (shape, dtype), worked out at the first batch."""
+        if self._specs is None:
+            bt = (*self.batch_shape, self.steps_per_batch)
+            shapes: dict[Any, tuple[tuple[int, ...], torch.dtype]] = {}
+            for key, spec in self._obs_specs.items():
+                shapes[key] = shapes[_key_tuple("next", key)] = ((*bt, *spec.shape), spec.dtype)
+            for key, spec in self.env.next_specs.items():  # per-agent rewards
+                shapes[_key_tuple("next", key)] = ((*bt, *spec.shape), spec.dtype)
+            for key, spec in self.output_specs().items():
+                shapes[key] = ((*bt, *spec.shape), spec.dtype)
+            for flag in _FLAGS:
+                shapes[flag] = shapes[("next", flag)] = ((*bt, 1), torch.bool)
+            if self.env.has_reward:
+                shapes[("next", "reward")] = ((*bt, 1), torch.float32)
+            shapes[("collector", "traj_ids")] = (bt, torch.int64)
+            self._specs = (list(shapes), list(shapes.values()))
+        return self._specs
+
+    def _allocate(
+        self, into: TensorDictBase | None = None, *, named: bool = True
+    ) -> tuple[TensorDict, dict[Any, np.ndarray]]:
+        """The batch's tensors (from ``into``'s, when given) and numpy views to write them through;
+        ``named``: the last dim is named ``"time"`` (given to the constructor: cheaper than set after)."""
+        keys, specs = self._batch_specs()
+        bt = (*self.batch_shape, self.steps_per_batch)
         # one buffer for the batch, reused once the consumer has dropped an earlier batch (_storage.py)
         if into is not None:
-            tensors = {key: into.get(key) for key in shapes}
+            taken: list[tuple[torch.Tensor, Any]] = [(into.get(key), None) for key in keys]
         else:
-            tensors = dict(zip(shapes, self._storage.take(list(shapes.values())), strict=True))
-        for flag in _FLAGS:
-            tensors[flag].zero_()
+            taken = self._storage.take_arrays(specs)
+        tensors: dict[Any, torch.Tensor] = {}
         views: dict[Any, np.ndarray] = {}
-        for key, tensor in tensors.items():
-            try:
-                view = tensor.numpy()
-            except TypeError:  # dtypes numpy lacks (bfloat16): written through torch
-                view = tensor
+        for key, (tensor, view) in zip(keys, taken, strict=True):
+            tensors[key] = tensor
+            if view is None:
+                try:
+                    view = tensor.numpy()
+                except TypeError:  # dtypes numpy lacks (bfloat16): written through torch
+                    view = tensor
             if key in _ONE_VALUE:  # the env's flags and reward: one value per frame
                 view = view[..., 0]
             views[key] = view
-        return TensorDict(tensors, batch_size=bt), views
+        for flag in _FLAGS:
+            views[flag][...] = False
+        names: list[str | None] | None = [None] * len(self.batch_shape) + ["time"] if named else None
+        return TensorDict(tensors, batch_size=bt, names=names), views  # type: ignore[arg-type]
 
     def layout(self) -> TensorDict:
         """An empty batch as :meth:`collect` makes it (keys, shapes, dtypes), without collecting."""
-        batch, _ = self._allocate()
+        batch, _ = self._allocate(named=False)
         if self.track_policy_version:
             batch.set(("collector", "policy_version"), torch.zeros(batch.batch_size, dtype=torch.int64))
         return batch
@@ -266,9 +289,9 @@ class Rollout:
         step (key, ``("next", "observation")``'s slot; per-agent rewards too), as views with time first,
         so that ``slot[t] = array`` is one copy whatever the batch dims."""
         nb = len(self.batch_shape)
-        roots = [(key, np.moveaxis(views[key], nb, 0)) for key in self._obs_specs]
+        roots = [(key, _time_first(views[key], nb)) for key in self._obs_specs]
         nexts = [
-            (key, np.moveaxis(views[_key_tuple("next", key)], nb, 0))
+            (key, _time_first(views[_key_tuple("next", key)], nb))
             for key in (*self._obs_specs, *self.env.next_specs)
         ]
         return roots, nexts
@@ -284,6 +307,13 @@ class Rollout:
         as_numpy = self.env.numpy_actions and all(v.dtype != torch.bfloat16 for v in block.values())
         return block, {k: list(v.numpy()) if as_numpy else v.unbind(0) for k, v in block.items()}
 
+    def _block_actions(self, block_steps: dict[NestedKey, Any]) -> list[Any]:
+        """What ``env.step`` takes at each step of a random batch, picked once per batch."""
+        if self.env.one_action:
+            return block_steps["action"]
+        action_from = self.env.action_from
+        return [action_from({k: v[t] for k, v in block_steps.items()}) for t in range(self.steps_per_batch)]
+
     def _run(
         self,
         obs_slots: tuple[list[tuple[NestedKey, np.ndarray]], list[tuple[NestedKey, np.ndarray]]],
@@ -295,12 +325,14 @@ class Rollout:
         """The hot loop: step the env ``steps_per_batch`` times (fewer if ``stop`` is set); returns the
         steps taken. Everything it reads per step is a local."""
         env = self.env
-        env_step = env.step
+        env_step = env.stepper()
         action_from = env.action_from
         new_ids = self._new_ids
         batched = bool(self.batch_shape)
         out_hist, rew_hist, term_hist, trunc_hist = hist.out, hist.reward, hist.terminated, hist.truncated
         ids_hist, carry = hist.ids, self._carry
+        block_actions = self._block_actions(block_steps) if block_steps is not None else None
+        from_numpy = torch.from_numpy
         root_slots, next_slots = obs_slots
         max_steps = self.options.max_frames_per_traj
         ep_length = self._ep_length
@@ -313,12 +345,15 @@ class Rollout:
                 break
             for key, slot in root_slots:
                 slot[t] = root[key]
-            if block_steps is None:
-                out = runner({k: torch.from_numpy(v) for k, v in root.items()})
+            if block_actions is None:
+                out = runner({k: from_numpy(v) for k, v in root.items()})
                 out_hist.append(out)
+                action = action_from(out)
             else:
-                out = {k: v[t] for k, v in block_steps.items()}
-            next_obs, reward, terminated, truncated, next_root = env_step(action_from(out))
+                action = block_actions[t]
+                if carry is not None:  # a recurrent policy's states: the random step's entries
+                    out = {k: v[t] for k, v in block_steps.items()}  # type: ignore[union-attr]
+            next_obs, reward, terminated, truncated, next_root = env_step(action)
             forced = None
             if max_steps is not None:
                 ep_length = ep_length + 1
@@ -401,7 +436,6 @@ class Rollout:
             if version is None:
                 version = torch.empty(batch.batch_size, dtype=torch.int64)
             batch.set(("collector", "policy_version"), version.fill_(self.policy_version))
-        batch.names = [None] * nb + ["time"]
         if self.storing_device is not None:
             batch = batch.to(self.storing_device)
         return RolloutResult(
@@ -436,30 +470,46 @@ class Rollout:
                 target.copy_(values)
 
     def _episode_stats(self, reward: np.ndarray, done: np.ndarray) -> tuple[list[float], list[int]]:
-        """Returns and lengths of the episodes that ended in this batch (carrying partial ones over)."""
+        """Returns and lengths of the episodes that ended in this batch (carrying partial ones over).
+
+        Vectorised over every episode end of the batch (env-major, then time: the order of the lists):
+        an episode's return is the difference of the cumulative rewards at its end and at the previous
+        end in its env, plus what its env carried over from earlier batches for the first one."""
         n = max(self.env.numel, 1)
         T = reward.shape[-1]
-        rew = reward.reshape(n, T).astype(np.float64)
-        dn = done.reshape(n, T)
         carry_ret = self._ep_return.reshape(n)
         carry_len = self._ep_steps.reshape(n)
-        returns: list[float] = []
-        lengths: list[int] = []
-        csum = np.cumsum(rew, axis=1)
-        for i in np.flatnonzero(dn.any(axis=1)) if T else ():
-            ends = np.flatnonzero(dn[i])
-            seg_ret = np.diff(csum[i, ends], prepend=0.0)
-            seg_ret[0] += carry_ret[i]
-            seg_len = np.diff(ends, prepend=-1)
-            seg_len[0] += carry_len[i]
-            returns.extend(seg_ret.tolist())
-            lengths.extend(seg_len.tolist())
-            carry_ret[i] = csum[i, -1] - csum[i, ends[-1]]
-            carry_len[i] = T - 1 - ends[-1]
-        others = ~dn.any(axis=1) if T else np.ones(n, dtype=bool)
-        if T:
-            carry_ret[others] += csum[others, -1]
-            carry_len[others] += T
+        if T == 0:
+            return [], []
+        csum = np.cumsum(reward.reshape(n, T).astype(np.float64), axis=1)
+        env_i, end_t = np.nonzero(done.reshape(n, T))
+        if not len(env_i):  # no episode ended: every env carries the whole batch over
+            carry_ret += csum[:, -1]
+            carry_len += T
+            self._ep_return = carry_ret.reshape(self.batch_shape)
+            self._ep_steps = carry_len.reshape(self.batch_shape)
+            return [], []
+        at_end = csum[env_i, end_t]
+        first = np.empty(len(env_i), dtype=bool)
+        first[0] = True
+        np.not_equal(env_i[1:], env_i[:-1], out=first[1:])
+        last = np.empty_like(first)
+        last[-1] = True
+        last[:-1] = first[1:]
+        before = np.empty_like(at_end)  # the cumulative reward before the episode (minus the carry)
+        before[1:] = at_end[:-1]
+        before[first] = -carry_ret[env_i[first]]
+        start = np.empty_like(end_t)  # the step before the episode (minus the carried length)
+        start[1:] = end_t[:-1]
+        start[first] = -1 - carry_len[env_i[first]]
+        returns = (at_end - before).tolist()
+        lengths = (end_t - start).tolist()
+        ended = np.zeros(n, dtype=bool)
+        ended[env_i] = True
+        carry_ret[~ended] += csum[~ended, -1]
+        carry_len[~ended] += T
+        carry_ret[env_i[last]] = csum[env_i[last], -1] - at_end[last]
+        carry_len[env_i[last]] = T - 1 - end_t[last]
         self._ep_return = carry_ret.reshape(self.batch_shape)
         self._ep_steps = carry_len.reshape(self.batch_shape)
         return returns, lengths

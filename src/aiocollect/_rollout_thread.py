@@ -104,13 +104,19 @@ class Job(Generic[T]):
         :class:`WorkerTimeoutError` is raised (a call that never returns cannot be stopped).
         """
         try:
-            with anyio.move_on_after(timeout if timeout is not None else float("inf")) as scope:
+            if timeout is None:  # no cancel scope to enter and leave at every batch
                 while not self.done.is_set():
                     await self.bell.wait()
+                timed_out = False
+            else:
+                with anyio.move_on_after(timeout) as scope:
+                    while not self.done.is_set():
+                        await self.bell.wait()
+                timed_out = scope.cancelled_caught
         except BaseException:
             await self.stop_and_wait()
             raise
-        if scope.cancelled_caught:
+        if timed_out:
             self.stop.set()
             with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
                 while not self.done.is_set():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from math import prod
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,10 +56,26 @@ class StoragePool:
         return None
 
     def take(self, specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
-        sizes = [prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
+        return [tensor for tensor, _ in self.take_arrays(specs)]
+
+    def take_arrays(
+        self, specs: Sequence[tuple[tuple[int, ...], torch.dtype]]
+    ) -> list[tuple[torch.Tensor, np.ndarray | None]]:
+        """:meth:`take`, each tensor with the numpy array it shares its memory with (``None`` for a dtype
+        numpy lacks, such as bfloat16). Arrays are made first and wrapped by ``torch.from_numpy``: about
+        4x cheaper than ``torch.empty`` followed by ``Tensor.numpy()`` for the small entries of a batch."""
+        sizes = [prod(shape) * dtype.itemsize for shape, dtype in specs]
         nbytes = sum(_aligned(n) for n in sizes) + _ALIGN
         if nbytes < POOL_MIN_BYTES:
-            return [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+            out: list[tuple[torch.Tensor, np.ndarray | None]] = []
+            for shape, dtype in specs:
+                np_dtype = _numpy_dtype(dtype)
+                if np_dtype is None:
+                    out.append((torch.empty(shape, dtype=dtype), None))
+                else:
+                    array = np.empty(shape, dtype=np_dtype)
+                    out.append((torch.from_numpy(array), array))
+            return out
         buffer = self._free_buffer(nbytes)
         if buffer is None:
             buffer = np.empty(nbytes, dtype=np.uint8)
@@ -67,7 +84,29 @@ class StoragePool:
         start = -buffer.ctypes.data % _ALIGN
         out = []
         for (shape, dtype), size in zip(specs, sizes, strict=True):
-            raw = torch.from_numpy(buffer[start : start + size])
-            out.append(raw.view(dtype).view(shape))
+            raw = buffer[start : start + size]
+            np_dtype = _numpy_dtype(dtype)
+            if np_dtype is None:
+                out.append((torch.from_numpy(raw).view(dtype).view(shape), None))
+            else:
+                array = raw.view(np_dtype).reshape(shape)
+                out.append((torch.from_numpy(array), array))
             start += _aligned(size)
         return out
+
+
+_NUMPY_DTYPES: dict[torch.dtype, np.dtype[Any] | None] = {}
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype[Any] | None:
+    """The numpy dtype of a torch dtype, or ``None`` where numpy has none (bfloat16, ...)."""
+    try:
+        return _NUMPY_DTYPES[dtype]
+    except KeyError:
+        pass
+    try:
+        np_dtype: np.dtype[Any] | None = torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError:
+        np_dtype = None
+    _NUMPY_DTYPES[dtype] = np_dtype
+    return np_dtype

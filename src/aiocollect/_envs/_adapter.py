@@ -155,6 +155,15 @@ class ArrayEnv:
                     f"{self.action_space} needs {kind} dtype ({exp.dtype}, shape {exp.shape} per env)"
                 )
 
+    def stepper(self) -> Any:
+        """:meth:`step`, or the array path's own step method where there is one (a call less per step)."""
+        return self._gym._step_arrays if self._gym is not None else self.step
+
+    @property
+    def one_action(self) -> bool:
+        """Whether :meth:`action_from` gives ``out["action"]`` as it is (one action entry, no state)."""
+        return self._one_action
+
     def action_from(self, out: dict[NestedKey, torch.Tensor]) -> Any:
         """What :meth:`step` takes, picked from one policy call's outputs: the ``"action"`` tensor, or
         ``{key: tensor}`` of the entries of a Dict/Tuple action space."""
