@@ -4,6 +4,7 @@ and per-worker ``frames_per_batch``."""
 
 from __future__ import annotations
 
+import random
 import time
 
 import anyio
@@ -344,6 +345,41 @@ async def test_per_worker_frames_per_batch_checked_before_start(value, error, ma
     with pytest.raises(error, match=match):
         MultiAsyncCollector([cartpole, cartpole], frames_per_batch=value)
     assert children() == before
+
+
+class JitteryCounterEnv(CounterEnv):
+    """:class:`CounterEnv` whose steps take a random 0-0.5 ms: batches finish in no set order."""
+
+    def step(self, action):
+        self.delay = random.random() * 0.0005
+        return super().step(action)
+
+
+def jittery_counter_env() -> GymEnv:
+    return GymEnv(JitteryCounterEnv())
+
+
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {"use_uvloop": False})])
+@pytest.mark.parametrize(
+    ("lag", "flush"), [(1, False), (2, False), (None, True)], ids=["lag1", "lag2", "flush"]
+)
+async def test_no_trajectory_id_spans_a_dropped_batch(lag, flush):
+    """Many updates while the workers collect ahead: whenever a batch is dropped as stale (or a rollout
+    restarted), the trajectories it continued go on under fresh ids, even in a batch of that worker
+    collected (or sent) before the drop, and those ids are nobody else's."""
+    policy = ConstantPolicy(0.0)
+    seen = Continuity()
+    with anyio.fail_after(60):
+        async with MultiAsyncCollector(
+            [jittery_counter_env] * 2, policy, frames_per_batch=16, max_policy_lag=lag
+        ) as c:
+            for _ in range(150):
+                seen.add(await c.__anext__())  # asserts: a gap in the frames -> a fresh id
+                await anyio.sleep(random.random() * 0.01)
+                await c.update_weights(policy, flush=flush)
+            stats = c.statistics()
+    assert stats.frames_discarded > 0  # batches were dropped: the case under test happened
+    assert seen.gaps > 0
 
 
 # -- the distributed async collector (nodes over torch.distributed) -------------------------------------

@@ -11,10 +11,13 @@ import anyio
 import torch
 
 from ._multi_base import Delivery, MultiCollectorBase, episodes_of
+from ._multi_floors import TrajectoryRenames
 from ._transport._messages import Release, RunFree
 from ._workers._pool import WorkerPool
 
 __all__ = ["MultiAsyncCollector", "ProcessCollector"]
+
+_TRAJ_IDS = ("collector", "traj_ids")
 
 
 class MultiAsyncCollector(MultiCollectorBase):
@@ -54,6 +57,8 @@ class MultiAsyncCollector(MultiCollectorBase):
         #: on-policy (max_policy_lag=0): slots delivered and not yet handed back (until the next batch
         #: is asked for)
         self._held: list[tuple[int, int]] = []
+        #: per worker, the trajectories renamed because they go on across a batch dropped as stale
+        self._renames: list[TrajectoryRenames] = []
 
     @staticmethod
     def _split_frames(frames_per_batch: int | Sequence[int], n: int) -> list[int]:
@@ -87,6 +92,7 @@ class MultiAsyncCollector(MultiCollectorBase):
     async def _start_workers(self) -> None:
         await super()._start_workers()
         pool = self._active_pool()
+        self._renames = [TrajectoryRenames() for _ in range(self.num_workers)]
         init_random = self._options.init_random_frames
         per_worker_random = math.ceil(init_random / self.num_workers) if init_random else 0
         for i in range(self.num_workers):
@@ -122,7 +128,7 @@ class MultiAsyncCollector(MultiCollectorBase):
                     break
             for item in waiting:
                 if isinstance(item, tuple) and self._stale(item[0], item[1].policy_version):
-                    self._dropped_frames += item[1].frames
+                    self._drop(item[0], item[1])
                     await self._release(pool, item[0], item[1].slot)
                 else:  # fresh already (loaded before the floor was raised), or the pool's failure
                     self._backlog.append(item)
@@ -141,8 +147,14 @@ class MultiAsyncCollector(MultiCollectorBase):
                 index, notice = await self._receive(pool)
             if not self._stale(index, notice.policy_version):
                 return index, notice
-            self._dropped_frames += notice.frames
+            self._drop(index, notice)
             await self._release(pool, index, notice.slot)
+
+    def _drop(self, index: int, notice: Any) -> None:
+        """Worker ``index``'s batch ``notice`` is stale: counted, not delivered (its trajectories that go
+        on in the next batches take fresh ids)."""
+        self._dropped_frames += notice.frames
+        self._renames[index].dropped()
 
     async def _next_batch(self, pool: WorkerPool) -> Delivery:
         held, self._held = self._held, []
@@ -159,7 +171,11 @@ class MultiAsyncCollector(MultiCollectorBase):
             if not self._stale(index, notice.policy_version):
                 break
             # overtaken while it was being read (a concurrent update_weights(flush=True))
-            self._dropped_frames += notice.frames
+            self._drop(index, notice)
+        ids = batch.get(_TRAJ_IDS)
+        renamed = self._renames[index].delivered(ids, notice.steps, notice.spare_ids)
+        if renamed is not ids:
+            batch.set(_TRAJ_IDS, renamed)
         batch.set(("collector", "worker_id"), torch.full(batch.batch_size, index, dtype=torch.int64))
         batch.names = [None] * (batch.ndim - 1) + ["time"]
         if self._schedule.update_at_each_batch and self._sender is not None:

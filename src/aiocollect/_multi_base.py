@@ -518,11 +518,13 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
             self._version = version
             self._hub.publish(WeightsPublished(version))
             if self._control is not None:
+                # the floors first: a worker that reads the new "published" sees them (Worker._spare_ids)
+                floor = self._floor_after(version, flush)
+                raised = floor is not None and self._raise_floors(ids, floor)
                 published = self._control.td["published"]
                 for i in ids:
                     published[i] = version
-                floor = self._floor_after(version, flush)
-                if floor is not None and self._raise_floors(ids, floor):
+                if raised:
                     await self._drop_stale(pool)
         if wait:
             loaded = await gather(*[partial(pool.call, i, LoadWeights()) for i in ids])

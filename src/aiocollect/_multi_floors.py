@@ -4,13 +4,60 @@ the shared control block so a worker's rollout in flight restarts once it falls 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-__all__ = ["StalenessFloors"]
+import torch
+
+__all__ = ["StalenessFloors", "TrajectoryRenames"]
 
 if TYPE_CHECKING:
     from ._transport._shm import SharedBlock
     from ._workers._pool import WorkerPool
+
+
+class TrajectoryRenames:
+    """One worker's trajectories that go on across a batch the parent dropped: they take fresh ids (the
+    spare ids the worker sent with the next batch delivered), so that no delivered id spans a gap.
+
+    The worker renames what it can see itself (a rollout it restarted, a batch sent below the floor);
+    this covers a batch dropped after the next one started. Fed every batch of the worker, in order."""
+
+    def __init__(self) -> None:
+        #: the worker's ids in flight at the end of the last batch delivered (their frames are out)
+        self._in_flight: torch.Tensor | None = None
+        #: worker ids delivered before a dropped batch and maybe going on after it: renamed if they do
+        self._gapped: set[int] = set()
+        #: worker id -> the id it is delivered under, for the trajectories renamed and still in flight
+        self._names: dict[int, int] = {}
+
+    def dropped(self) -> None:
+        if self._in_flight is not None:
+            self._gapped.update(self._in_flight.tolist())
+            self._in_flight = None
+
+    def delivered(self, ids: torch.Tensor, steps: int, spare_ids: Sequence[int]) -> torch.Tensor:
+        """``ids`` (the batch's trajectory ids, time last, ``steps`` valid) as delivered."""
+        out = ids
+        if self._gapped or self._names:
+            present = set(ids.unique().tolist())
+            gapped = sorted(self._gapped & present)
+            if len(gapped) > len(spare_ids):  # pragma: no cover - a worker protocol bug
+                raise RuntimeError(
+                    f"trajectories {gapped} go on after a dropped batch and the worker sent "
+                    f"{len(spare_ids)} spare ids to rename them"
+                )
+            self._names.update(zip(gapped, spare_ids, strict=False))
+            out = ids.clone()
+            for old, new in self._names.items():
+                out[ids == old] = new
+        self._gapped = set()
+        last = min(steps, ids.shape[-1]) - 1 if ids.ndim else -1
+        self._in_flight = ids[..., last].reshape(-1).clone() if last >= 0 else None
+        if self._names:
+            going_on = set(self._in_flight.tolist()) if self._in_flight is not None else set()
+            self._names = {old: new for old, new in self._names.items() if old in going_on}
+        return out
 
 
 class StalenessFloors:

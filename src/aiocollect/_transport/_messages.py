@@ -106,6 +106,10 @@ class BatchReady:
     policy_version: int
     episode_returns: list[float] = field(default_factory=list)
     episode_lengths: list[int] = field(default_factory=list)
+    #: trajectory ids the worker allocated and will never use, one per env: the parent names with them the
+    #: trajectories this batch continues from the previous one if it drops that one (sent only when the
+    #: previous batch was still unread with older weights: see ``Worker.collect``)
+    spare_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

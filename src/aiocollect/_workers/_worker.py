@@ -188,6 +188,8 @@ class Worker:
             #: since (see ``collect``)
             self._sent_version = 0
             self._split = False
+            #: run_free: the slot of the last batch sent (unread while it is not handed back)
+            self._sent_slot: int | None = None
             self._stop_or_stale = _StopOrStale(
                 self.control.td["stop"].numpy(), self._floor, spec.index, self.rollout
             )
@@ -261,8 +263,13 @@ class Worker:
         trajectories in flight go on under fresh trajectory ids whenever frames of theirs will be
         missing (discarded here, or in a batch the parent drops as stale: any batch sent with a version
         below the floor), so that one id never spans a gap. The episodes that ended in discarded frames
-        are still reported, with this batch."""
+        are still reported, with this batch.
+
+        The parent may drop the last batch sent after this one started (its floor rose meanwhile) and
+        deliver this one: when that batch is still unread and older, this one carries spare ids (see
+        :meth:`_spare_ids`) for the parent to rename the trajectories it continues."""
         into = self.slots[slot].td  # the batch is written straight into the shared-memory slot
+        unread = self._sent_slot is not None and self._sent_slot != slot and self._sent_slot not in self.free
         stop = self._stop_or_stale if self.weights is not None else self.stop
         returns: list[float] = []
         lengths: list[int] = []
@@ -287,6 +294,7 @@ class Worker:
             self._discarded[self.spec.index] += result.frames  # overtaken by newer weights
             self._split = False
         self.frames += result.frames
+        spare_ids = self._spare_ids() if unread and not self._split else ()
         self._sent_version = self.rollout.policy_version
         self._split = False
         return BatchReady(
@@ -296,7 +304,23 @@ class Worker:
             policy_version=self.rollout.policy_version,
             episode_returns=returns,
             episode_lengths=lengths,
+            spare_ids=spare_ids,
         )
+
+    def _spare_ids(self) -> tuple[int, ...]:
+        """Fresh ids, one per env, when the parent may drop the previous batch (still unread) and deliver
+        this one, whose trajectories go on from it: this one runs newer weights, and the floor may pass
+        the previous one's version (``max_policy_lag``: any later update; a flush: one raised already,
+        or one whose floor is not written yet: the parent writes floors before ``published``)."""
+        version = self.rollout.policy_version
+        if self.weights is None or version <= self._sent_version:
+            return ()  # same weights: the parent drops both batches or neither
+        i = self.spec.index
+        if self.spec.max_policy_lag is None:
+            published = int(self._published[i])  # read before the floor (written in the other order)
+            if published >= version and int(self._floor[i]) <= self._sent_version:
+                return ()
+        return tuple(self.rollout._new_ids(max(self.rollout.env.numel, 1)).tolist())
 
     # -- control operations (Call.op): one method per Operation type, dispatched by _OPERATIONS --------
     def set_seed(self, op: SetSeed) -> int:
@@ -368,6 +392,7 @@ class Worker:
             slot = min(self.free)
             self.free.discard(slot)
             chan.send(self.collect(chan, slot, random=self.frames < msg.random_frames))
+            self._sent_slot = slot
 
     def close(self) -> None:
         for slot in self.slots:
