@@ -47,12 +47,10 @@ from .._transport._messages import (
 from .._transport._shm import SharedBlock
 from .._transport._waiters import WaiterTable
 from .._transport._wire import AsyncChannel
+from ._preload import PRELOAD
 from ._worker import WorkerSpec, start_thread_worker, worker_main
 
 __all__ = ["WorkerHandle", "WorkerPool", "signal_group", "thread_alive"]
-
-#: modules the forkserver imports once, so each worker starts in a fraction of a second
-_PRELOAD = ["torch", "tensordict", "gymnasium", "aiocollect._workers._worker"]
 
 
 #: worker processes started and not reaped yet. Workers are not daemonic (their envs may start processes
@@ -123,7 +121,7 @@ class WorkerHandle:
 def _context(start_method: str) -> Any:
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(_PRELOAD)
+        ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
