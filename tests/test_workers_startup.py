@@ -93,6 +93,26 @@ def test_aiocollect_imports_tensordict_without_dynamo_and_dynamo_learns_the_same
     assert lean[-1] == "compiled"  # torch.compile works on a TensorDictModule
 
 
+def test_building_a_process_collector_starts_the_forkserver() -> None:
+    (out,) = _pythons(
+        textwrap.dedent(
+            """
+            import functools
+            from multiprocessing import forkserver
+            from aiocollect import GymEnv, MultiSyncCollector
+            make = functools.partial(GymEnv, "CartPole-v1")
+            MultiSyncCollector([make], frames_per_batch=8, worker_backend="serial")
+            print(forkserver._forkserver._forkserver_pid is None)  # threads: no forkserver
+            MultiSyncCollector([make], frames_per_batch=8, start_method="spawn")
+            print(forkserver._forkserver._forkserver_pid is None)
+            MultiSyncCollector([make], frames_per_batch=8)  # built, not entered
+            print(forkserver._forkserver._forkserver_pid is not None)
+            """
+        )
+    )
+    assert out == ["True", "True", "True"]
+
+
 class ProbedEnv(GymEnv):
     """CartPole that says what its worker process has imported and frozen."""
 
