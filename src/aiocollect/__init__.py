@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import typing
 
+from ._workers import _preload  # noqa: F401  (first: imports tensordict without torch._dynamo)
+
+# isort: split
+
 from ._async_collector import AsyncEnvCollector
 from ._collector import Collector
 from ._distributed_weights import DistributedWeightSync

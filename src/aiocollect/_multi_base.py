@@ -66,7 +66,7 @@ from ._validation import (
 from ._weights import flat_weights
 from ._weightsync import WeightSender, WeightSync, weight_sync_arg
 from ._workers._paths import parse_path
-from ._workers._pool import WorkerPool
+from ._workers._pool import WorkerPool, start_forkserver
 from ._workers._worker import WorkerSpec, control_layout
 
 __all__ = [
@@ -193,6 +193,7 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
         self._last_discarded = 0
         # async: the largest worker batch (all equal unless frames_per_batch is a per-worker list)
         self.frames_per_batch = sum(self._per_worker_fpb) if self._sync else max(self._per_worker_fpb)
+        start_forkserver(self._backend, self._start_method)  # imports while the trainer sets up
 
     @staticmethod
     @abc.abstractmethod

@@ -47,12 +47,10 @@ from .._transport._messages import (
 from .._transport._shm import SharedBlock
 from .._transport._waiters import WaiterTable
 from .._transport._wire import AsyncChannel
+from ._preload import PRELOAD
 from ._worker import WorkerSpec, start_thread_worker, worker_main
 
-__all__ = ["WorkerHandle", "WorkerPool", "signal_group", "thread_alive"]
-
-#: modules the forkserver imports once, so each worker starts in a fraction of a second
-_PRELOAD = ["torch", "tensordict", "gymnasium", "aiocollect._workers._worker"]
+__all__ = ["WorkerHandle", "WorkerPool", "signal_group", "start_forkserver", "thread_alive"]
 
 
 #: worker processes started and not reaped yet. Workers are not daemonic (their envs may start processes
@@ -123,8 +121,24 @@ class WorkerHandle:
 def _context(start_method: str) -> Any:
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(_PRELOAD)
+        ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+def start_forkserver(backend: str, start_method: str) -> None:
+    """Start multiprocessing's forkserver now if ``backend`` workers will start through it (it is shared by
+    the whole process and lives as long as it). Called when a collector is built: the forkserver's imports
+    (most of a first start-up, ~1-2 s) then overlap whatever the trainer does before it enters the
+    collector. Spawning it takes a few milliseconds and waits for nothing; if it fails, the start-up fails
+    the same way later.
+    """
+    if backend != "process" or start_method != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    _context(start_method)
+    with contextlib.suppress(OSError):
+        forkserver.ensure_running()
 
 
 class WorkerPool:
