@@ -53,7 +53,9 @@ RENDEZVOUS_ENV = "AIOCOLLECT_RENDEZVOUS"
 #: environment variable overriding the address nodes use to reach the trainer
 HOST_ENV = "AIOCOLLECT_TRAINER_HOST"
 #: modules the node forkserver imports once
-_PRELOAD = ["torch", "tensordict", "gymnasium", "aiocollect._remote._gloo"]
+# aiocollect first: its lean tensordict import keeps torch._dynamo out of the forkserver (which any later
+# collector of this process shares); the heap is frozen last (see aiocollect._workers._freeze)
+_PRELOAD = ["aiocollect._remote._gloo", "gymnasium", "aiocollect._workers._freeze"]
 
 
 @dataclass(frozen=True)

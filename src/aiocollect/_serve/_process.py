@@ -25,7 +25,9 @@ from ._ws import SERVER_HEARTBEAT, Heartbeat, heartbeat
 __all__ = ["EnvServerProcess", "serve_envs_process"]
 
 #: what the forkserver imports once (so that a server process starts in a fraction of a second)
-_PRELOAD = ["torch", "tensordict", "gymnasium", "aiocollect._serve._process"]
+# aiocollect first: its lean tensordict import keeps torch._dynamo out of the forkserver (which any later
+# collector of this process shares); the heap is frozen last (see aiocollect._workers._freeze)
+_PRELOAD = ["aiocollect._serve._process", "gymnasium", "aiocollect._workers._freeze"]
 
 
 def _child_main(conn: Any, payload: bytes, host: str, port: int, token: str, beat: Heartbeat | None) -> None:
