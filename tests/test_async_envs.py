@@ -208,6 +208,32 @@ async def test_batches_keep_every_frame_in_order() -> None:
     assert all(e.closed for e in envs)
 
 
+class Laggard(Counter):
+    """Env 0 steps 20 times slower than the others: its frames land batches after their policy call."""
+
+    def __init__(self, env_id: int) -> None:
+        super().__init__(env_id, delay=0.04 if env_id == 0 else 0.002)
+
+
+async def test_a_slow_env_s_frames_keep_their_own_call_and_every_episode_counts() -> None:
+    envs = [Laggard(i) for i in range(16)]
+    async with AsyncEnvCollector(
+        [lambda env=env: env for env in envs],
+        StepPolicy(),
+        frames_per_batch=40,
+        total_frames=800,
+        min_batch=4,
+    ) as c:
+        batches = await take(c)
+        stats = c.statistics()
+    check_invariants(batches, 16)  # the observation and action of each frame are its own call's
+    frames_of = torch.bincount(torch.cat(batches)["collector", "env_id"], minlength=16)
+    assert 0 < frames_of[0] < frames_of[1:].min()  # env 0 lagged: its calls stayed open over batches
+    # an episode ending on a batch's last frame counts too: as many episodes as frames with done
+    assert stats.episodes == int(torch.cat(batches)["next", "done"].sum())
+    assert stats.frames == 800 and sum(w.frames for w in stats.workers) == 800
+
+
 async def test_same_keys_as_collector() -> None:
     async with AsyncEnvCollector(
         [lambda: gym.make("CartPole-v1")] * 2, frames_per_batch=20, total_frames=20
