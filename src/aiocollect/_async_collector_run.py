@@ -34,15 +34,10 @@ __all__ = ["DISPATCH_CHUNK", "Engine", "EngineConfig", "Signal"]
 class Signal:
     """Wakes the tasks waiting on it (no state: a waiter checks its condition first, then waits)."""
 
-    __slots__ = ("_event",)
+    __slots__ = ("_event",)  # not None: a task waits (read directly on the engine's hot path)
 
     def __init__(self) -> None:
         self._event: anyio.Event | None = None
-
-    @property
-    def waiting(self) -> bool:
-        """A task waits on it."""
-        return self._event is not None
 
     def set(self) -> None:
         event, self._event = self._event, None
@@ -184,8 +179,10 @@ class Engine:
         try:
             seed = None if self.config.seed is None else self.config.seed + i
             obs, _ = await env.reset(seed=seed)
-            stage = self.stage
-            single = stage[0] if len(stage) == 1 else None
+            # this env's row of each staging array, as a view: assigning into it costs half of an index
+            # assignment (a 1-D array's row is a 1-element slice: its item would be a copy)
+            rows = [slot[i] if slot.ndim > 1 else slot[i : i + 1] for slot in self.stage]
+            single = rows[0] if len(rows) == 1 else None
             arrays = self.spec.arrays
             ready = self._ready
             actions = self._actions
@@ -201,10 +198,10 @@ class Engine:
             ret, length = 0.0, 0
             while not self._no_more_actions:
                 if single is not None:
-                    single[i] = obs
+                    single[...] = obs
                 else:
-                    for slot, value in zip(stage, arrays(obs), strict=True):
-                        slot[i] = value
+                    for row_view, value in zip(rows, arrays(obs), strict=True):
+                        row_view[...] = value
                 waiter = waiters[i] = new_waiter()
                 ready.append(i)
                 waiting = len(ready)
@@ -251,7 +248,7 @@ class Engine:
                     self.next_traj += 1
                 if row == batch.size:
                     self._complete(batch)
-                if idle_signal.waiting and self.idle:  # a pause() waits for the steps in flight
+                if idle_signal._event is not None and self.idle:  # a pause() waits for the steps in flight
                     idle_signal.set()
                 if done:
                     obs, _ = await env.reset()
