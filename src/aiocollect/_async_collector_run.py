@@ -2,9 +2,15 @@
 
 Each env task stages its observation, queues itself as ready and waits for its action; the policy task
 takes the ready envs in one batch (once ``min_batch`` of them wait, or the oldest has waited ``max_wait``),
-calls the policy once, hands each env its action and a row of the batch being filled, and goes on. The env
-task steps its env, writes the rest of its row and queues itself again. Completed batches wait, in order,
-for the consumer; at most ``1 + prefetch`` batches are in flight (then the envs wait: backpressure).
+calls the policy once, hands each env its action (and the action's number), and goes on. The env task steps
+its env, appends the frame to the batch being filled (its next observation and the step's values, with the
+action's number, from which the batch finds the call's observation and outputs once it is complete) and
+queues itself again. Completed batches wait, in order, for the consumer; at most ``1 + prefetch`` batches are
+in flight (then the envs wait: backpressure).
+
+The step path is the hot one (docs/async-envs.md, "Performance"): per step an env task allocates one future
+and no tuple or dict that outlives the step (an episode's end adds one tuple), and it does its bookkeeping
+in one coroutine frame.
 """
 
 from __future__ import annotations
