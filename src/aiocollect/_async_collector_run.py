@@ -236,12 +236,12 @@ class Engine:
                 if batch is None:
                     batch = self._new_batch()
                 row = batch.filled
-                batch.source.append(action_no[i])
-                if single is not None:
+                if single is not None:  # first: an observation that does not fit raises before any append
                     batch.next_obs[0][row] = obs
                 else:
                     for slot, value in zip(batch.next_obs, arrays(obs), strict=True):
                         slot[row] = value
+                batch.source.append(action_no[i])
                 batch.reward.append(reward)
                 batch.terminated.append(terminated)
                 batch.truncated.append(truncated)
