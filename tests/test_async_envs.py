@@ -412,6 +412,29 @@ async def test_drop_mode_goes_on_without_the_env() -> None:
     assert isinstance(info.value.__cause__, Boom)
 
 
+class BadShape(Counter):
+    """Its fourth step returns an observation of the wrong shape."""
+
+    async def step(self, action):
+        obs, reward, terminated, truncated, info = await super().step(action)
+        return (np.zeros(5, np.float32) if self.steps == 4 else obs), reward, terminated, truncated, info
+
+
+async def test_drop_mode_an_observation_that_does_not_fit_leaves_no_half_frame() -> None:
+    envs, fns = make_envs(5)
+    envs[1] = BadShape(1)
+    fns[1] = lambda: envs[1]
+    async with AsyncEnvCollector(
+        fns, StepPolicy(), frames_per_batch=20, total_frames=100, on_env_error="drop"
+    ) as c:
+        batches = await take(c)
+        stats = c.statistics()
+    assert stats.workers[1].state == "failed" and envs[1].closed
+    data = torch.cat(batches)
+    assert len(data) == 100 and (data["collector", "env_id"] == 1).sum() == 3
+    check_invariants(batches, 5)
+
+
 async def test_policy_error_and_bad_actions() -> None:
     def wrong(td):
         td["action"] = torch.full(td.shape, 9)
