@@ -5,6 +5,7 @@ against a pool of threads stepping the same envs.
     python benchmarks/async_envs.py --quick          # smoke run
     python benchmarks/async_envs.py --profile        # cProfile of one asyncio run (the hot path)
     python benchmarks/async_envs.py --processes 0    # without MultiAsyncEnvCollector (default: 2)
+    python benchmarks/async_envs.py --components     # the CPU cost of a step, piece by piece
 
 Each env is a CartPole (gymnasium's ``CartPoleEnv``) whose step also waits 5 ms: ``await anyio.sleep``
 for the async envs (1,000 of them on one loop: the limit is 1,000 / 5 ms = 200k steps/s), a blocking
@@ -21,11 +22,21 @@ and the distribution of the policy's batch sizes. ``MultiAsyncEnvCollector`` spl
 ``--processes`` worker processes (uvloop in each), batches of ``frames_per_batch / processes`` frames per
 worker; its ratio is to the one-loop uvloop variant (no ``gc.freeze()``) of the same round.
 ``gc.freeze()`` variants freeze the objects made before the run (see docs/async-envs.md, "Performance").
+
+``--components`` measures what one step costs in CPU µs, piece by piece, on asyncio and uvloop (rounds
+interleaved, medians; ``gc.freeze()`` on, so the garbage collector's share is its own line): the CartPole
+physics alone; 1,000 tasks each looping on ``await anyio.sleep(5 ms)`` (a timer and a task wake-up);
+the same with a wait for a wake-up before each sleep (a future per wait, woken 64 per loop iteration by
+a dispatcher task every millisecond, as the collector hands out actions); the 1,000 ``SlowCartPole`` envs
+stepped by 1,000 bare tasks (nothing stored, no policy); ``AsyncEnvCollector`` over ``NullEnv`` (the same
+5 ms sleep, a constant observation: the collector's own cost is this minus the sleeping tasks'); the
+benchmark's collector; and the same without ``gc.freeze()`` (the difference is the garbage collector's).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import statistics
 import threading
@@ -33,7 +44,9 @@ import time
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
+import sniffio
 import torch
 from gymnasium.envs.classic_control import CartPoleEnv
 from torch import nn
@@ -69,6 +82,29 @@ class SlowCartPole:
 
     async def close(self) -> None:
         self.env.close()
+
+
+class NullEnv:
+    """``SlowCartPole``'s 5 ms wait without the physics: a constant observation, an episode every 200
+    steps."""
+
+    observation_space = CartPoleEnv().observation_space
+    action_space = CartPoleEnv().action_space
+
+    def __init__(self) -> None:
+        self.t = 0
+        self.obs = np.zeros(4, np.float32)
+
+    async def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        return self.obs, {}
+
+    async def step(self, action: int) -> Any:
+        await anyio.sleep(STEP_DELAY)
+        self.t += 1
+        return self.obs, 1.0, False, self.t % 200 == 0, {}
+
+    async def close(self) -> None:
+        pass
 
 
 # -- the async collector ------------------------------------------------------------------------------
@@ -200,6 +236,133 @@ def measure_threads(args: argparse.Namespace, policy: nn.Module) -> dict[str, An
     return {"fps": fps, "cpu_us": cpu_us}
 
 
+# -- what a step costs, piece by piece (--components) ------------------------------------------------
+def cartpole_us(steps: int) -> float:
+    env = CartPoleEnv()
+    env.reset(seed=0)
+    cpu = time.process_time()
+    for _ in range(steps):
+        _, _, terminated, truncated, _ = env.step(0)
+        if terminated or truncated:
+            env.reset()
+    return (time.process_time() - cpu) / steps * 1e6
+
+
+async def tasks_us(n: int, steps: int, woken: bool) -> float:
+    """``n`` tasks looping on ``await anyio.sleep(STEP_DELAY)``; ``woken``: each first waits for a
+    wake-up from a dispatcher task (a future each, 64 woken per loop iteration, every millisecond)."""
+    count = 0
+    waiting: list[Any] = []
+    new_waiter, wake = (anyio.Event, anyio.Event.set)
+    if woken and sniffio.current_async_library() == "asyncio":
+        new_waiter, wake = asyncio.get_running_loop().create_future, lambda f: f.set_result(None)
+
+    async def task() -> None:
+        nonlocal count
+        while count < steps:
+            if woken:
+                waiter = new_waiter()
+                waiting.append(waiter)
+                await (waiter if isinstance(waiter, asyncio.Future) else waiter.wait())
+            await anyio.sleep(STEP_DELAY)
+            count += 1
+
+    async def dispatcher() -> None:
+        while True:
+            await anyio.sleep(0.001)
+            ready = waiting[:]
+            waiting.clear()
+            for j, waiter in enumerate(ready):
+                wake(waiter)
+                if j % 64 == 63:
+                    await anyio.lowlevel.checkpoint()
+
+    cpu = time.process_time()
+    async with anyio.create_task_group() as tg:
+        if woken:
+            tg.start_soon(dispatcher)
+        async with anyio.create_task_group() as inner:
+            for _ in range(n):
+                inner.start_soon(task)
+        tg.cancel_scope.cancel()
+    return (time.process_time() - cpu) / count * 1e6
+
+
+async def bare_envs_us(n: int, steps: int) -> float:
+    """``n`` SlowCartPoles stepped by ``n`` bare tasks: nothing stored, no policy."""
+    envs = [SlowCartPole() for _ in range(n)]
+    count = 0
+
+    async def task(env: SlowCartPole) -> None:
+        nonlocal count
+        await env.reset(seed=0)
+        while count < steps:
+            _, _, terminated, truncated, _ = await env.step(0)
+            count += 1
+            if terminated or truncated:
+                await env.reset()
+
+    cpu = time.process_time()
+    async with anyio.create_task_group() as tg:
+        for env in envs:
+            tg.start_soon(task, env)
+    return (time.process_time() - cpu) / count * 1e6
+
+
+async def collector_us(env: Any, args: argparse.Namespace, policy: nn.Module) -> float:
+    async with AsyncEnvCollector([env] * args.envs, policy, frames_per_batch=args.frames_per_batch) as c:
+        it = aiter(c)
+        await anext(it)
+        cpu, frames = time.process_time(), 0
+        while frames < args.frames:
+            frames += (await anext(it)).numel()
+        return (time.process_time() - cpu) / frames * 1e6
+
+
+def components(args: argparse.Namespace, policy: nn.Module) -> None:
+    n, steps = args.envs, args.frames
+    pieces: dict[str, Any] = {
+        "CartPole physics (CartPoleEnv.step, no loop)": None,
+        f"{n} tasks: await anyio.sleep(5 ms)": lambda: tasks_us(n, steps, False),
+        f"{n} tasks: wait for a wake-up, then anyio.sleep(5 ms)": lambda: tasks_us(n, steps, True),
+        f"{n} SlowCartPoles stepped by bare tasks (nothing stored)": lambda: bare_envs_us(n, steps),
+        "AsyncEnvCollector, NullEnv (the sleep, no physics)": lambda: collector_us(NullEnv, args, policy),
+        "AsyncEnvCollector, SlowCartPole (the benchmark)": lambda: collector_us(SlowCartPole, args, policy),
+        "AsyncEnvCollector, SlowCartPole, no gc.freeze()": lambda: collector_us(SlowCartPole, args, policy),
+    }
+    loops = {"asyncio": False, "uvloop": True}
+    us: dict[tuple[str, str], list[float]] = {}
+    for _ in range(args.rounds):
+        for loop, uv in loops.items():
+            for name, run in pieces.items():
+                freeze = "no gc.freeze" not in name
+                gc.collect()
+                if freeze:
+                    gc.freeze()
+                try:
+                    if run is None:
+                        value = cartpole_us(steps)
+                    else:
+                        value = anyio.run(run, backend="asyncio", backend_options={"use_uvloop": uv})
+                finally:
+                    gc.unfreeze()
+                us.setdefault((name, loop), []).append(value)
+    med = {key: statistics.median(values) for key, values in us.items()}
+    print(f"\nCPU µs per step, median of {args.rounds} (gc.freeze() unless said)")
+    print("| piece | " + " | ".join(loops) + " |")
+    print("|---|" + "---|" * len(loops))
+    for name in pieces:
+        print(f"| {name} | " + " | ".join(f"{med[name, loop]:.1f}" for loop in loops) + " |")
+    names = list(pieces)
+    derived = {
+        "the wake-up alone (3rd - 2nd)": (names[2], names[1]),
+        "the collector's own cost (5th - 2nd)": (names[4], names[1]),
+        "the garbage collector (7th - 6th)": (names[6], names[5]),
+    }
+    for label, (a, b) in derived.items():
+        print(f"| {label} | " + " | ".join(f"{med[a, loop] - med[b, loop]:.1f}" for loop in loops) + " |")
+
+
 # -- report -------------------------------------------------------------------------------------------
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
@@ -221,6 +384,9 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true", help="100 envs, 20k frames, 1 round")
     parser.add_argument("--profile", action="store_true", help="cProfile one asyncio run and exit")
+    parser.add_argument(
+        "--components", action="store_true", help="the CPU µs of a step, piece by piece, and exit"
+    )
     args = parser.parse_args()
     if args.quick:
         args.envs, args.frames, args.frames_per_batch, args.rounds, args.threads = 100, 20_000, 2_000, 1, 16
@@ -234,6 +400,9 @@ def main() -> None:
             "measure_async(args, policy, False, True)", globals(), locals(), "/tmp/async_envs.prof"
         )
         pstats.Stats("/tmp/async_envs.prof").sort_stats("tottime").print_stats(25)
+        return
+    if args.components:
+        components(args, policy)
         return
     variants = {
         "asyncio": (False, False),

@@ -208,6 +208,32 @@ async def test_batches_keep_every_frame_in_order() -> None:
     assert all(e.closed for e in envs)
 
 
+class Laggard(Counter):
+    """Env 0 steps 20 times slower than the others: its frames land batches after their policy call."""
+
+    def __init__(self, env_id: int) -> None:
+        super().__init__(env_id, delay=0.04 if env_id == 0 else 0.002)
+
+
+async def test_a_slow_env_s_frames_keep_their_own_call_and_every_episode_counts() -> None:
+    envs = [Laggard(i) for i in range(16)]
+    async with AsyncEnvCollector(
+        [lambda env=env: env for env in envs],
+        StepPolicy(),
+        frames_per_batch=40,
+        total_frames=800,
+        min_batch=4,
+    ) as c:
+        batches = await take(c)
+        stats = c.statistics()
+    check_invariants(batches, 16)  # the observation and action of each frame are its own call's
+    frames_of = torch.bincount(torch.cat(batches)["collector", "env_id"], minlength=16)
+    assert 0 < frames_of[0] < frames_of[1:].min()  # env 0 lagged: its calls stayed open over batches
+    # an episode ending on a batch's last frame counts too: as many episodes as frames with done
+    assert stats.episodes == int(torch.cat(batches)["next", "done"].sum())
+    assert stats.frames == 800 and sum(w.frames for w in stats.workers) == 800
+
+
 async def test_same_keys_as_collector() -> None:
     async with AsyncEnvCollector(
         [lambda: gym.make("CartPole-v1")] * 2, frames_per_batch=20, total_frames=20
@@ -384,6 +410,29 @@ async def test_drop_mode_goes_on_without_the_env() -> None:
         with pytest.raises(RuntimeError, match="every env was dropped") as info:
             await take(c)
     assert isinstance(info.value.__cause__, Boom)
+
+
+class BadShape(Counter):
+    """Its fourth step returns an observation of the wrong shape."""
+
+    async def step(self, action):
+        obs, reward, terminated, truncated, info = await super().step(action)
+        return (np.zeros(5, np.float32) if self.steps == 4 else obs), reward, terminated, truncated, info
+
+
+async def test_drop_mode_an_observation_that_does_not_fit_leaves_no_half_frame() -> None:
+    envs, fns = make_envs(5)
+    envs[1] = BadShape(1)
+    fns[1] = lambda: envs[1]
+    async with AsyncEnvCollector(
+        fns, StepPolicy(), frames_per_batch=20, total_frames=100, on_env_error="drop"
+    ) as c:
+        batches = await take(c)
+        stats = c.statistics()
+    assert stats.workers[1].state == "failed" and envs[1].closed
+    data = torch.cat(batches)
+    assert len(data) == 100 and (data["collector", "env_id"] == 1).sum() == 3
+    check_invariants(batches, 5)
 
 
 async def test_policy_error_and_bad_actions() -> None:

@@ -49,9 +49,11 @@ class Layout:
 
 
 class PolicyCall:
-    """What one policy call saw and wrote, for ``n`` envs: the frames of its envs' steps read it."""
+    """What one policy call saw and wrote, for ``n`` envs: the frames of its envs' steps read it. Its
+    actions are numbered ``base`` to ``base + n - 1`` (actions are numbered in the order they are handed
+    out, over the collector's life)."""
 
-    __slots__ = ("env_ids", "n", "obs", "outputs", "traj_ids", "version")
+    __slots__ = ("base", "env_ids", "n", "obs", "outputs", "traj_ids", "version")
 
     def __init__(
         self,
@@ -60,12 +62,14 @@ class PolicyCall:
         env_ids: np.ndarray,
         traj_ids: np.ndarray,
         version: int,
+        base: int,
     ) -> None:
         self.obs = obs
         self.outputs = outputs
         self.env_ids = env_ids
         self.traj_ids = traj_ids
         self.version = version
+        self.base = base
         self.n = len(env_ids)
 
 
@@ -84,21 +88,28 @@ class FrameBatch:
         self._views = {key: _numpy(t) for key, t in self.tensors.items()}
         self.next_obs = [self._views[_next(key)] for key in layout.obs_keys]
         self._layout = layout
-        # per frame, in order: where its call's entries are (offset of the call + index in it), the step
-        self.calls: dict[PolicyCall, int] = {}  # call -> offset in the calls' concatenation
-        self._offset = 0
+        # per frame, in order: the number of the action it stepped with, and the step's values (python
+        # objects the cyclic GC does not track, in lists: no container per frame)
         self.source: list[int] = []
         self.reward: list[float] = []
         self.terminated: list[bool] = []
         self.truncated: list[bool] = []
+        # set by resolve(): the calls of the frames, and each frame's row in their concatenation
+        self.calls: list[PolicyCall] = []
+        self._rows: np.ndarray | None = None
 
-    def offset(self, call: PolicyCall) -> int:
-        """Where ``call``'s entries start in this batch's concatenation of its calls."""
-        offset = self.calls.get(call)
-        if offset is None:
-            offset = self.calls[call] = self._offset
-            self._offset += call.n
-        return offset
+    def resolve(self, calls: list[PolicyCall]) -> None:
+        """Find the call of each frame among ``calls`` (in the order they were made; they must hold every
+        frame's action)."""
+        numbers = np.asarray(self.source, dtype=np.int64)
+        bases = np.fromiter((call.base for call in calls), np.int64, len(calls))
+        which = np.searchsorted(bases, numbers, side="right") - 1  # the call of each frame
+        used = np.unique(which)
+        self.calls = [calls[k] for k in used.tolist()]
+        sizes = np.fromiter((call.n for call in self.calls), np.int64, len(self.calls))
+        starts = np.zeros(len(used), np.int64)
+        np.cumsum(sizes[:-1], out=starts[1:])
+        self._rows = starts[np.searchsorted(used, which)] + (numbers - bases[which])
 
     @property
     def version(self) -> int:
@@ -108,8 +119,9 @@ class FrameBatch:
     def finish(self) -> TensorDict:
         """The complete batch as a TensorDict ``[frames]``."""
         layout, views, t = self._layout, self._views, self.tensors
-        calls = list(self.calls)
-        src = np.asarray(self.source, dtype=np.int64)
+        calls = self.calls
+        src = self._rows
+        assert src is not None, "resolve() first"
 
         def gather(key: Any, parts: list[Any]) -> None:
             if isinstance(views[key], np.ndarray):
@@ -131,7 +143,7 @@ class FrameBatch:
         for flag in _FLAGS:  # the reset step is never a frame: the root flags are always False
             t[flag].zero_()
         torch.logical_or(t[("next", "terminated")], t[("next", "truncated")], out=t[("next", "done")])
-        self.calls = {}  # the calls' arrays are freed with the batch's last reference to them
+        self.calls = []  # the calls' arrays are freed with the batch's last reference to them
         return TensorDict(t, batch_size=[self.size])
 
 

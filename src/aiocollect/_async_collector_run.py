@@ -2,9 +2,15 @@
 
 Each env task stages its observation, queues itself as ready and waits for its action; the policy task
 takes the ready envs in one batch (once ``min_batch`` of them wait, or the oldest has waited ``max_wait``),
-calls the policy once, hands each env its action and a row of the batch being filled, and goes on. The env
-task steps its env, writes the rest of its row and queues itself again. Completed batches wait, in order,
-for the consumer; at most ``1 + prefetch`` batches are in flight (then the envs wait: backpressure).
+calls the policy once, hands each env its action (and the action's number), and goes on. The env task steps
+its env, appends the frame to the batch being filled (its next observation and the step's values, with the
+action's number, from which the batch finds the call's observation and outputs once it is complete) and
+queues itself again. Completed batches wait, in order, for the consumer; at most ``1 + prefetch`` batches are
+in flight (then the envs wait: backpressure).
+
+The step path is the hot one (docs/async-envs.md, "Performance"): per step an env task allocates one future
+and no tuple or dict that outlives the step (an episode's end adds one tuple), and it does its bookkeeping
+in one coroutine frame.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ __all__ = ["DISPATCH_CHUNK", "Engine", "EngineConfig", "Signal"]
 class Signal:
     """Wakes the tasks waiting on it (no state: a waiter checks its condition first, then waits)."""
 
-    __slots__ = ("_event",)
+    __slots__ = ("_event",)  # not None: a task waits (read directly on the engine's hot path)
 
     def __init__(self) -> None:
         self._event: anyio.Event | None = None
@@ -96,12 +102,16 @@ class Engine:
         # hand-offs between the env tasks and the policy task
         self._ready: list[int] = []
         self._first_ready = 0.0
+        # len(self._ready) at which an env becoming ready wakes the policy task (0: never; it is not waiting
+        # for envs): one int compared per step instead of a signal per ready env
+        self._wake_at = 1
         self._actions: list[Any] = [None] * n  # an env's action while it steps (None: not stepping)
-        # the policy call of each env's action and its index in it (two lists: no tuple per step for the
-        # cyclic GC to track)
-        self._call_of: list[Any] = [None] * n
-        self._index_in_call = [0] * n
-        self._episodes: list[tuple[int, float, int]] = []  # of the batch being filled
+        # actions are numbered in the order they are handed out; env i steps with action number
+        # _action_no[i], and a frame records only that number (an int, which the cyclic GC does not track):
+        # the call it came from is found in _calls when its batch completes
+        self._action_no = [0] * n
+        self._next_action = 0  # the number of the first action of the next policy call
+        self._calls: deque[PolicyCall] = deque()  # the calls whose actions may still give frames
         self._waiters: list[Any] = [None] * n  # what each ready env awaits (see _waiters_for_this_loop)
         self._new_waiter: Callable[[], Any] = anyio.Event
         self._wake: Callable[[Any], Any] = _set_event
@@ -110,8 +120,8 @@ class Engine:
         self._acting = False  # a policy call in flight
         self._layout: Layout | None = None
         self._filling: FrameBatch | None = None
+        self._batches_completed = 0
         self.complete: deque[FrameBatch] = deque()  # ready for the consumer, in order
-        self._completed = 0  # frames written
         self.delivered = 0  # frames delivered
         self.policy_signal = Signal()
         self.consumer_signal = Signal()
@@ -170,9 +180,84 @@ class Engine:
         return batch
 
     # -- env tasks --------------------------------------------------------------------------------
-    async def _env_task(self, i: int, env: Any) -> None:
+    async def _env_task(self, i: int, env: Any) -> None:  # the hot loop, in one piece (one frame fewer
+        # for every resume to pass through than a loop function called from here)
         try:
-            await self._env_loop(i, env)
+            seed = None if self.config.seed is None else self.config.seed + i
+            obs, _ = await env.reset(seed=seed)
+            # this env's row of each staging array, as a view: assigning into it costs half of an index
+            # assignment (a 1-D array's row is a 1-element slice: its item would be a copy)
+            rows = [slot[i] if slot.ndim > 1 else slot[i : i + 1] for slot in self.stage]
+            single = rows[0] if len(rows) == 1 else None
+            arrays = self.spec.arrays
+            ready = self._ready
+            actions = self._actions
+            action_no = self._action_no
+            waiters = self._waiters
+            new_waiter = self._new_waiter
+            is_future = new_waiter is not anyio.Event
+            policy_signal = self.policy_signal
+            idle_signal = self.idle_signal
+            env_frames = self.env_frames
+            max_len = self.config.max_frames_per_traj
+            current_time = anyio.current_time
+            ret, length = 0.0, 0
+            while not self._no_more_actions:
+                if single is not None:
+                    single[...] = obs
+                else:
+                    for row_view, value in zip(rows, arrays(obs), strict=True):
+                        row_view[...] = value
+                waiter = waiters[i] = new_waiter()
+                ready.append(i)
+                waiting = len(ready)
+                if waiting == 1:
+                    self._first_ready = current_time()
+                if waiting == self._wake_at:
+                    policy_signal.set()
+                if is_future:
+                    await waiter
+                else:
+                    await waiter.wait()
+                action = actions[i]
+                if action is _END:  # the budget is spent
+                    return
+                obs, reward, terminated, truncated, _ = await env.step(action)
+                actions[i] = None
+                self._in_flight -= 1
+                length += 1
+                ret += reward
+                done = terminated or truncated
+                if max_len is not None and length >= max_len and not done:
+                    truncated = done = True
+                # the frame: its next observation copied into the batch, its step's values appended; the
+                # rest is gathered from its policy call when the batch completes
+                batch = self._filling
+                if batch is None:
+                    batch = self._new_batch()
+                row = batch.filled
+                if single is not None:  # first: an observation that does not fit raises before any append
+                    batch.next_obs[0][row] = obs
+                else:
+                    for slot, value in zip(batch.next_obs, arrays(obs), strict=True):
+                        slot[row] = value
+                batch.source.append(action_no[i])
+                batch.reward.append(reward)
+                batch.terminated.append(terminated)
+                batch.truncated.append(truncated)
+                env_frames[i] += 1
+                batch.filled = row = row + 1
+                if done:
+                    batch.episodes.append((i, ret, length))
+                    ret, length = 0.0, 0
+                    self.traj_ids[i] = self.next_traj
+                    self.next_traj += 1
+                if row == batch.size:
+                    self._complete(batch)
+                if idle_signal._event is not None and self.idle:  # a pause() waits for the steps in flight
+                    idle_signal.set()
+                if done:
+                    obs, _ = await env.reset()
         except Exception as exc:
             if not self.config.drop_failed_envs:
                 self._fail(exc)
@@ -208,89 +293,37 @@ class Engine:
             self._fail(error)
         self.policy_signal.set()  # fewer envs to wait for
 
-    async def _env_loop(self, i: int, env: Any) -> None:  # the hot loop, in one piece
-        seed = None if self.config.seed is None else self.config.seed + i
-        obs, _ = await env.reset(seed=seed)
-        stage = self.stage
-        single = stage[0] if len(stage) == 1 else None
-        arrays = self.spec.arrays
-        ready = self._ready
-        actions = self._actions
-        waiters = self._waiters
-        new_waiter = self._new_waiter
-        is_future = new_waiter is not anyio.Event
-        policy_signal = self.policy_signal
-        min_batch = self.config.min_batch
-        max_len = self.config.max_frames_per_traj
-        current_time = anyio.current_time
-        write = self._write
-        ret, length = 0.0, 0
-        while not self._no_more_actions:
-            if single is not None:
-                single[i] = obs
-            else:
-                for slot, value in zip(stage, arrays(obs), strict=True):
-                    slot[i] = value
-            waiter = waiters[i] = new_waiter()
-            ready.append(i)
-            if len(ready) == 1:
-                self._first_ready = current_time()
-                policy_signal.set()
-            elif len(ready) >= min_batch:
-                policy_signal.set()
-            if is_future:
-                await waiter
-            else:
-                await waiter.wait()
-            action = actions[i]
-            if action is _END:  # the budget is spent
-                return
-            obs, reward, terminated, truncated, _ = await env.step(action)
-            actions[i] = None
-            self._in_flight -= 1
-            length += 1
-            ret += reward
-            done = terminated or truncated
-            if max_len is not None and length >= max_len and not done:
-                truncated = done = True
-            write(i, obs, reward, terminated, truncated)
-            if done:
-                self._episodes.append((i, ret, length))
-                ret, length = 0.0, 0
-                self.traj_ids[i] = self.next_traj
-                self.next_traj += 1
-                obs, _ = await env.reset()
+    # -- batches ----------------------------------------------------------------------------------
+    @property
+    def completed(self) -> int:
+        """Frames written (into complete batches and the one being filled)."""
+        filling = self._filling
+        done = self._batches_completed * self.config.frames_per_batch
+        return done if filling is None else done + filling.filled
 
-    def _write(self, i: int, next_obs: Any, reward: Any, terminated: Any, truncated: Any) -> None:
-        """Add env ``i``'s step to the batch being filled."""
-        batch = self._filling
-        if batch is None:
-            assert self._layout is not None
-            batch = self._filling = FrameBatch(self._layout, self.config.frames_per_batch)
-            self._episodes = batch.episodes
-        row = batch.filled
-        call, j = self._call_of[i], self._index_in_call[i]
-        offset = batch.calls.get(call)
-        batch.source.append((batch.offset(call) if offset is None else offset) + j)
-        if len(batch.next_obs) == 1:
-            batch.next_obs[0][row] = next_obs
-        else:
-            for slot, value in zip(batch.next_obs, self.spec.arrays(next_obs), strict=True):
-                slot[row] = value
-        batch.reward.append(reward)
-        batch.terminated.append(terminated)
-        batch.truncated.append(truncated)
-        self.env_frames[i] += 1
-        self._completed += 1
-        batch.filled = row + 1
-        if row + 1 == batch.size:
-            self._filling = None
-            self._episodes = []
-            self.complete.append(batch)
-            self.consumer_signal.set()
-            self.policy_signal.set()
-        if self.is_paused() and self.idle:
-            self.idle_signal.set()
+    def _new_batch(self) -> FrameBatch:
+        assert self._layout is not None
+        batch = self._filling = FrameBatch(self._layout, self.config.frames_per_batch)
+        return batch
+
+    def _complete(self, batch: FrameBatch) -> None:
+        """``batch`` is full: find the policy calls of its frames, free the calls no frame can come from
+        any more, and hand it to the consumer."""
+        self._filling = None
+        self._batches_completed += 1
+        batch.resolve(list(self._calls))
+        # a frame still to come is from an env stepping now, or from a call not made yet (or being
+        # handed out: _next_action is advanced once every env of a call has its action)
+        low = self._next_action
+        for number, action in zip(self._action_no, self._actions, strict=True):
+            if action is not None and action is not _END and number < low:
+                low = number
+        calls = self._calls
+        while calls and calls[0].base + calls[0].n <= low:
+            calls.popleft()
+        self.complete.append(batch)
+        self.consumer_signal.set()
+        self.policy_signal.set()
 
     # -- the policy task --------------------------------------------------------------------------
     async def _policy_task(self) -> None:
@@ -316,25 +349,33 @@ class Engine:
         """Wait until a batch should run; how many ready envs it takes (0: the budget is collected)."""
         config = self.config
         cap = (1 + config.prefetch) * config.frames_per_batch
-        while True:
-            if 0 < config.target <= self._completed:
-                return 0
-            room = cap - (self._completed - self.delivered) - self._in_flight
-            if config.target > 0:
-                room = min(room, config.target - self._completed - self._in_flight)
-            if self.is_paused():
-                await self._resumed()
-                continue
-            waiting = len(self._ready)
-            if room > 0 and waiting:
-                need = min(config.min_batch, len(self.envs) - len(self.dropped), room)
-                late = self._first_ready + config.max_wait - anyio.current_time()
-                if waiting >= need or late <= 0:
-                    return min(waiting, room)
-                with anyio.move_on_after(late):
-                    await self.policy_signal.wait()
-                continue
-            await self.policy_signal.wait()
+        try:
+            while True:
+                completed = self.completed
+                if 0 < config.target <= completed:
+                    return 0
+                room = cap - (completed - self.delivered) - self._in_flight
+                if config.target > 0:
+                    room = min(room, config.target - completed - self._in_flight)
+                if self.is_paused():
+                    self._wake_at = 0
+                    await self._resumed()
+                    continue
+                waiting = len(self._ready)
+                if room > 0 and waiting:
+                    need = min(config.min_batch, len(self.envs) - len(self.dropped), room)
+                    late = self._first_ready + config.max_wait - anyio.current_time()
+                    if waiting >= need or late <= 0:
+                        return min(waiting, room)
+                    self._wake_at = need  # the env that makes it `need` wakes us
+                    with anyio.move_on_after(late):
+                        await self.policy_signal.wait()
+                    continue
+                # no env waits (the first to be ready wakes us), or no room (a batch taken wakes us)
+                self._wake_at = 1 if room > 0 else 0
+                await self.policy_signal.wait()
+        finally:
+            self._wake_at = 0  # acting (or ending): the envs need not wake us
 
     async def _act(self, n: int) -> None:
         """One policy call on the first ``n`` ready envs, and their actions handed out."""
@@ -358,25 +399,28 @@ class Engine:
             self._layout = self._make_layout(outputs)
         elif list(outputs) != self._layout.out_keys:
             raise KeyError(f"the policy wrote {list(outputs)}, and {self._layout.out_keys} at its first call")
-        call = PolicyCall(obs, list(outputs.values()), idx, self.traj_ids[idx], version)
         env_actions = self.codec.actions(out, n)
-        actions, waiters, call_of, index, wake = (
-            self._actions,
-            self._waiters,
-            self._call_of,
-            self._index_in_call,
-            self._wake,
-        )
+        base = self._next_action
+        self._calls.append(PolicyCall(obs, list(outputs.values()), idx, self.traj_ids[idx], version, base))
+        actions, action_no, waiters = self._actions, self._action_no, self._waiters
+        futures = self._new_waiter is not anyio.Event
+        wake = self._wake
         self._in_flight += n
-        for j, i in enumerate(ids):
-            actions[i] = env_actions[j]
-            call_of[i] = call
-            index[i] = j
-            wake(waiters[i])
-            if j % DISPATCH_CHUNK == DISPATCH_CHUNK - 1 and j < n - 1:
+        for start in range(0, n, DISPATCH_CHUNK):
+            if start:
                 # let the loop run these envs (and anything else waiting) before waking more: a burst of
                 # hundreds of steps at once (and of their sleeps ending together) would hold the loop
                 await anyio.lowlevel.checkpoint()
+            for j in range(start, min(n, start + DISPATCH_CHUNK)):
+                i = ids[j]
+                actions[i] = env_actions[j]
+                action_no[i] = base + j
+                waiter = waiters[i]
+                if not futures:
+                    wake(waiter)
+                elif not waiter.done():  # done: its task was cancelled
+                    waiter.set_result(None)
+        self._next_action = base + n
 
     def _make_layout(self, outputs: dict[NestedKey, Any]) -> Layout:
         specs = {key: LeafSpec(tuple(value.shape[1:]), _dtype(value)) for key, value in outputs.items()}
