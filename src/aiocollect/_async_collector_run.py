@@ -180,15 +180,18 @@ class Engine:
         return batch
 
     # -- env tasks --------------------------------------------------------------------------------
-    async def _env_task(self, i: int, env: Any) -> None:  # the hot loop, in one piece (one frame fewer
-        # for every resume to pass through than a loop function called from here)
+    def _stage_rows(self, i: int) -> tuple[list[Any], Any]:
+        """Env ``i``'s row of each staging array, as a view (assigning into one costs half of an index
+        assignment; a 1-D array's row is a 1-element slice: its item would be a copy), and the row alone
+        when there is one array."""
+        rows = [slot[i] if slot.ndim > 1 else slot[i : i + 1] for slot in self.stage]
+        return rows, rows[0] if len(rows) == 1 else None
+
+    async def _env_task(self, i: int, env: Any) -> None:  # the hot loop, in one piece (fewer frames)
         try:
             seed = None if self.config.seed is None else self.config.seed + i
             obs, _ = await env.reset(seed=seed)
-            # this env's row of each staging array, as a view: assigning into it costs half of an index
-            # assignment (a 1-D array's row is a 1-element slice: its item would be a copy)
-            rows = [slot[i] if slot.ndim > 1 else slot[i : i + 1] for slot in self.stage]
-            single = rows[0] if len(rows) == 1 else None
+            rows, single = self._stage_rows(i)
             arrays = self.spec.arrays
             ready = self._ready
             actions = self._actions

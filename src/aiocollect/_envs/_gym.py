@@ -218,8 +218,7 @@ class GymEnv:
         self._needs_reset = True
 
     def _check_autoreset(self, env: Any) -> bool:
-        """Whether the vector env resets ended sub-envs itself in the same step; raise where its
-        autoreset mode cannot be handled."""
+        """Whether the vector env resets ended sub-envs in the same step (raise if its mode is unusable)."""
         mode = env.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP)
         mode = AutoresetMode(mode) if not isinstance(mode, AutoresetMode) else mode
         inner = env.unwrapped
@@ -364,8 +363,7 @@ class GymEnv:
         return td
 
     def _reset(self, seed: int | None, mask: np.ndarray | None) -> tuple[Any, dict[str, Any]]:
-        """The env's reset: all sub-envs (``mask`` None) or those in ``mask``; EnvPool is never given a
-        seed (it has its own, see ``set_seed``)."""
+        """Reset all sub-envs (``mask`` None) or those in ``mask``; EnvPool has its own seed (set_seed)."""
         self._pool_fresh = False
         if mask is None:
             return self._env.reset() if self._pool or seed is None else self._env.reset(seed=seed)
