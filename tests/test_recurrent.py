@@ -160,7 +160,9 @@ async def test_multi_sync_gives_the_collectors_batches(backend: str) -> None:
 
 async def test_multi_async_carries_the_state_per_worker() -> None:
     out = await batches(
-        MultiAsyncCollector([masked_vector] * 2, gru_policy(), frames_per_batch=30, total_frames=120)
+        # 240 frames: with 120 (10 steps per env a batch), the sampled episodes outlasted every batch of both
+        # workers in about 1 run in 100 (a CartPole episode lasts some 20 steps: P(> 20) ~ 0.45, 6 envs)
+        MultiAsyncCollector([masked_vector] * 2, gru_policy(), frames_per_batch=30, total_frames=240)
     )
     by_worker: dict[int, list[TensorDict]] = {}
     for batch in out:

@@ -165,10 +165,13 @@ async def test_start_fills_the_buffer_while_the_loop_is_blocked() -> None:
         time.sleep(1.0)  # noqa: ASYNC251 - the point: synchronous trainer code holds the loop
         during = rb.calls - before
         assert during >= 5, during  # TorchRL's background collection goes on too
-        with anyio.fail_after(30):
-            while c.statistics().frames < rb.frames:  # noqa: ASYNC110
-                await anyio.sleep(0.01)  # the loop counts what the thread wrote meanwhile
-        assert c.statistics().frames == rb.frames
+        # the loop counts what the thread wrote meanwhile; paused, so that the thread (which may write
+        # batches faster than the loop counts them) stops adding to what is compared
+        async with c.pause():
+            with anyio.fail_after(30):
+                while c.statistics().frames < rb.frames:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+            assert c.statistics().frames == rb.frames
 
 
 class Versioned(nn.Module):

@@ -387,7 +387,9 @@ class Collector(CollectorBase):
             self._bells[1].ring()
 
     def _count_free_results(self) -> None:
-        while self._free_results:
+        # only the results there now: the rollout thread may add them faster than they are recorded, and
+        # the loop would never leave this function (the next bell brings the rest)
+        for _ in range(len(self._free_results)):
             self._record_result(self._free_results.popleft())
 
     async def _wait_idle(self) -> None:
