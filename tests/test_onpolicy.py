@@ -425,3 +425,44 @@ class TestDistributed:
         assert all(bool((b["collector", "policy_version"] == 1).all()) for b in batches[2:])
         assert stats.frames_discarded % 32 == 0
         assert not children()  # every node reaped
+
+    @pytest.mark.distributed
+    @pytest.mark.timeout(180)
+    @pytest.mark.parametrize("anyio_backend", [("asyncio", {})])
+    async def test_distributed_async_flush_never_spans_a_gap(self, monkeypatch, support_by_value):
+        """DistributedCollector(sync=False): a trajectory that goes on after a batch the trainer dropped is
+        delivered under a fresh id (before: with the old id, across the dropped frames)."""
+        import sys
+
+        import cloudpickle
+
+        from aiocollect import DistributedCollector
+
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+        monkeypatch.setenv("TP_SOCKET_IFNAME", "lo")
+        module = sys.modules[__name__]
+        cloudpickle.register_pickle_by_value(module)  # the nodes cannot import this test module
+        policy = ConstantPolicy(0.0)
+        seen = Continuity()
+        try:
+            with anyio.fail_after(150):
+                async with DistributedCollector(
+                    counter_env,
+                    policy,
+                    frames_per_batch=16,
+                    total_frames=16 * 40,
+                    num_collectors=2,
+                    collector_kwargs={"track_policy_version": True},
+                ) as c:
+                    async for batch in c:
+                        per_node = batch.clone()  # Continuity tells workers apart: here, the nodes
+                        per_node.set(("collector", "worker_id"), batch["collector", "node_id"])
+                        seen.add(per_node)
+                        await anyio.sleep(random.random() * 0.02)
+                        set_value(policy, policy.value.item() + 1.0)
+                        await c.update_weights(flush=True)
+                    discarded = c.statistics().frames_discarded
+        finally:
+            cloudpickle.unregister_pickle_by_value(module)
+        assert discarded > 0  # batches were dropped: the case was met
+        assert seen.gaps <= discarded

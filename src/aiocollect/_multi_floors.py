@@ -4,14 +4,17 @@ the shared control block so a worker's rollout in flight restarts once it falls 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-__all__ = ["StalenessFloors", "TrajectoryRenames"]
+__all__ = ["DroppedBatchRenames", "FreshIds", "StalenessFloors", "TrajectoryRenames"]
 
 if TYPE_CHECKING:
+    from tensordict import TensorDictBase
+
     from ._transport._shm import SharedBlock
     from ._workers._pool import WorkerPool
 
@@ -36,7 +39,7 @@ class TrajectoryRenames:
             self._gapped.update(self._in_flight.tolist())
             self._in_flight = None
 
-    def delivered(self, ids: torch.Tensor, steps: int, spare_ids: Sequence[int]) -> torch.Tensor:
+    def delivered(self, ids: torch.Tensor, steps: int, spare_ids: Sequence[int] | FreshIds) -> torch.Tensor:
         """``ids`` (the batch's trajectory ids, time last, ``steps`` valid) as delivered."""
         out = ids
         if self._gapped or self._names:
@@ -58,6 +61,42 @@ class TrajectoryRenames:
             going_on = set(self._in_flight.tolist()) if self._in_flight is not None else set()
             self._names = {old: new for old, new in self._names.items() if old in going_on}
         return out
+
+
+class FreshIds:
+    """Trajectory ids a remote collector's trainer gives out itself, from ``2**62`` up: its nodes (actors)
+    take ``i + N k`` and never reach them. Iterating takes ids off one shared count, as many as are used."""
+
+    def __init__(self) -> None:
+        self._count = itertools.count(1 << 62)
+
+    def __len__(self) -> int:
+        return 1 << 62
+
+    def __iter__(self) -> Iterator[int]:
+        return self._count
+
+
+class DroppedBatchRenames:
+    """The trainer side of a remote collector's ``flush``: per node (actor), the trajectories that go on
+    after a batch the trainer dropped are delivered under fresh ids (:class:`FreshIds`), so that no
+    delivered id spans the gap. Fed every batch of a node, dropped or delivered, in order."""
+
+    def __init__(self) -> None:
+        self._per_node: dict[int, TrajectoryRenames] = {}
+        self._fresh = FreshIds()
+
+    def dropped(self, index: int) -> None:
+        self._per_node.setdefault(index, TrajectoryRenames()).dropped()
+
+    def delivered(self, index: int, batch: TensorDictBase) -> None:
+        ids = batch.get(("collector", "traj_ids"), None)
+        if ids is None:
+            return
+        renames = self._per_node.setdefault(index, TrajectoryRenames())
+        renamed = renames.delivered(ids, ids.shape[-1], self._fresh)
+        if renamed is not ids:
+            batch.set(("collector", "traj_ids"), renamed)
 
 
 class StalenessFloors:

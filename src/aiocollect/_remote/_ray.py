@@ -32,6 +32,7 @@ from .._events import (
 )
 from .._gather import gather
 from .._multi_async import MultiAsyncCollector, ProcessCollector
+from .._multi_floors import DroppedBatchRenames
 from .._multi_sync import MultiSyncCollector
 from .._options import WeightSchedule
 from .._stats import WorkerState
@@ -229,6 +230,8 @@ class RayCollector(ActorFleet):
         #: frames of the batches dropped below it
         self._floors: dict[int, int] = {}
         self._dropped_frames = 0
+        #: trajectories that go on after a dropped batch take fresh ids (no delivered id spans a gap)
+        self._renames = DroppedBatchRenames()
         self._limiter: anyio.CapacityLimiter | None = None
         self._torn_down = False
         self._progress_closed = False
@@ -337,8 +340,10 @@ class RayCollector(ActorFleet):
             # collected before an update_weights(flush=True) reached this actor: dropped, and the actor
             # asked again (its request carries the new weights, loaded before the batch)
             self._dropped_frames += int(meta["frames"])
+            self._renames.dropped(index)
             await self._submit(actor)
         batch = await anyio.to_thread.run_sync(from_wires, [wire], False)
+        self._renames.delivered(index, batch)
         episodes = self._delivered_by(actor, meta)
         if self._update_at_each_batch:
             self._due.append(index)  # asked for again at the next __anext__: after the training step

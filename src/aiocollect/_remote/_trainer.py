@@ -17,6 +17,7 @@ from .._events import WeightsPublished
 from .._fleet import Member
 from .._gather import gather
 from .._multi_async import MultiAsyncCollector
+from .._multi_floors import DroppedBatchRenames
 from .._multi_sync import MultiSyncCollector
 from .._options import WeightSchedule
 from .._stats import WorkerState
@@ -111,6 +112,8 @@ class RemoteCollectorBase(NodeFleet):
         #: and the frames of the batches dropped below it
         self._floors = [0] * n
         self._dropped_frames = 0
+        #: trajectories that go on after a dropped batch take fresh ids (no delivered id spans a gap)
+        self._renames = DroppedBatchRenames()
         #: the authenticated store of the collector's groups, served here, and the trainer's own client
         self._store_server: StoreServer | None = None
         self._store: StoreClient | None = None
@@ -253,7 +256,9 @@ class RemoteCollectorBase(NodeFleet):
                 break
             # collected before an update_weights(flush=True) reached its node: dropped, asked for again
             self._dropped_frames += result.frames
+            self._renames.dropped(index)
         batch = result.batch
+        self._renames.delivered(index, batch)
         batch.set(("collector", "node_id"), torch.full(batch.batch_size, index, dtype=torch.int64))
         batch.names = [None] * (batch.ndim - 1) + ["time"]
         await self._top_up(eager=True)
