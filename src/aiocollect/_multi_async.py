@@ -48,6 +48,11 @@ class MultiAsyncCollector(MultiCollectorBase):
         torch.Size([32])
     """
 
+    #: the parent renames the trajectories that go on after a batch it dropped (each batch of a rollout
+    #: worker holds a frame of every trajectory in flight, so the ones in flight at the end of the last
+    #: delivered batch and present in the next one went on across the dropped one)
+    _renames_after_drops = True
+
     _sync = False
 
     def __init__(self, create_env_fns: Sequence[Any], policy: Any = None, **kwargs: Any) -> None:
@@ -172,10 +177,11 @@ class MultiAsyncCollector(MultiCollectorBase):
                 break
             # overtaken while it was being read (a concurrent update_weights(flush=True))
             self._drop(index, notice)
-        ids = batch.get(_TRAJ_IDS)
-        renamed = self._renames[index].delivered(ids, notice.steps, notice.spare_ids)
-        if renamed is not ids:
-            batch.set(_TRAJ_IDS, renamed)
+        if self._renames_after_drops:
+            ids = batch.get(_TRAJ_IDS)
+            renamed = self._renames[index].delivered(ids, notice.steps, notice.spare_ids)
+            if renamed is not ids:
+                batch.set(_TRAJ_IDS, renamed)
         batch.set(("collector", "worker_id"), torch.full(batch.batch_size, index, dtype=torch.int64))
         batch.names = [None] * (batch.ndim - 1) + ["time"]
         if self._schedule.update_at_each_batch and self._sender is not None:

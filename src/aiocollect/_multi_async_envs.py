@@ -205,6 +205,10 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
         )
         self._cut = [0] * self.num_workers  # per worker: the newest floor one of its batches was dropped at
 
+    #: not here: an env's trajectory may have no frame in a batch (envs step at their own pace), so the
+    #: parent cannot tell a gap from a pause; the workers give fresh ids themselves (see _next_batch)
+    _renames_after_drops = False
+
     def _worker_body(self) -> Any:
         return functools.partial(run_async_worker, self._async_config)
 
