@@ -44,6 +44,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from .._transport._wire import connect_retrying
 from ._processes import ExternalNode, JobNode, MPNode, NodeProcess
 
 _MAGIC = b"AIOCOLL1"
@@ -113,17 +114,8 @@ def routable_host() -> str:
 # -- node side -------------------------------------------------------------------------------------
 def connect(address: TrainerAddress, rank: int, timeout: float = 60.0) -> socket.socket:
     """Connect to the trainer (retrying while it is not listening yet) and say hello."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            sock = socket.create_connection((address.host, address.port), timeout=10.0)
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+    sock = connect_retrying(address.host, address.port, timeout, retry_every=0.2)
     sock.settimeout(None)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.sendall(hello(address.token, rank))
     return sock
 

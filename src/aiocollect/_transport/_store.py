@@ -32,11 +32,12 @@ import secrets
 import socket
 import struct
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
+
+from ._wire import connect_retrying
 
 __all__ = ["StoreAddress", "StoreClient", "StoreServer"]
 
@@ -240,17 +241,8 @@ class StoreClient(dist.Store):
         super().__init__()
         self._timeout = float(timeout)
         self._lock = threading.Lock()
-        deadline = time.monotonic() + self._timeout
-        while True:
-            try:
-                sock = socket.create_connection((address.host, address.port), timeout=10.0)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        sock = connect_retrying(address.host, address.port, self._timeout, retry_every=0.1)
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(_HELLO.pack(_MAGIC, address.token))
             if sock.recv(1) != b"\x01":
                 raise PermissionError(f"the store at {address.host}:{address.port} refused this client")

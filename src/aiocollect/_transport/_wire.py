@@ -11,11 +11,12 @@ import collections
 import pickle
 import socket
 import struct
+import time
 from typing import Any
 
 import anyio
 
-__all__ = ["AsyncChannel", "BlockingChannel", "FrameReader", "encode"]
+__all__ = ["AsyncChannel", "BlockingChannel", "FrameReader", "connect_retrying", "encode"]
 
 _HEADER = struct.Struct("!Q")
 
@@ -143,3 +144,19 @@ class AsyncChannel:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def connect_retrying(host: str, port: int, timeout: float, retry_every: float) -> socket.socket:
+    """A TCP connection to ``host:port`` with ``TCP_NODELAY``, tried again every ``retry_every`` seconds
+    while nothing listens there yet, for up to ``timeout`` seconds (then the last ``OSError``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock = socket.create_connection((host, port), timeout=10.0)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(retry_every)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
