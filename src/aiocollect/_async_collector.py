@@ -20,6 +20,7 @@ from ._async_collector_policy import BatchPolicy, is_async_policy
 from ._async_collector_run import Engine, EngineConfig
 from ._base import CollectorBase
 from ._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
+from ._gcfreeze import GcHold
 from ._stats import CollectorStatistics, WorkerStatistics
 from ._trajectories import split_trajectories
 from ._validation import (
@@ -100,6 +101,13 @@ class AsyncEnvCollector(CollectorBase):
         postproc: a callable applied to each batch.
         replay_buffer: anything with ``extend(batch)`` (called in a worker thread); see :meth:`fill`.
         progress: a progress bar (see :class:`Collector`).
+        freeze_gc: while the collector runs, leave the objects that exist when it starts (modules, the
+            policy, the envs) out of the garbage collector's full scans (``gc.freeze()``, undone when the
+            last such collector closes; nothing is done in a process that froze by itself). Default
+            ``True``: with many envs in flight, full scans of every object of a process that imported torch
+            otherwise stall the loop for 100-150 ms every few seconds (docs/async-envs.md, "Performance").
+            The cost: a reference cycle among those objects that becomes garbage while the collector runs
+            is freed only after it closes. ``False``: the garbage collector as it was.
 
     Example:
         >>> import anyio, numpy as np
@@ -143,6 +151,7 @@ class AsyncEnvCollector(CollectorBase):
         postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
         replay_buffer: Any = None,
         progress: Any = None,
+        freeze_gc: bool = True,
     ) -> None:
         # every argument is checked here, before any env is built
         self._env_fns = env_fns_arg(env_fns)
@@ -160,6 +169,7 @@ class AsyncEnvCollector(CollectorBase):
         self._drop_failed = _on_env_error_arg(on_env_error)
         self._prefetch = non_negative_int("prefetch", prefetch, fix="0: a batch is collected when asked for")
         self._postproc = optional_callable("postproc", postproc)
+        self._gc_hold = GcHold() if flag("freeze_gc", freeze_gc) else None
         self.replay_buffer = replay_buffer_arg(replay_buffer)
         self._source_policy = policy_arg(policy)
         self._async_policy = is_async_policy(policy)
@@ -213,6 +223,8 @@ class AsyncEnvCollector(CollectorBase):
             raise
         policy.start()  # the thread gets the entering thread's torch settings
         self._policy = policy
+        if self._gc_hold is not None:  # after the envs are built: they are long-lived too
+            self._gc_hold.hold()
         config = EngineConfig(
             frames_per_batch=self.frames_per_batch,
             target=self._target(),
@@ -275,6 +287,8 @@ class AsyncEnvCollector(CollectorBase):
                     tg.start_soon(engine.close_env, i)
         if self._policy is not None:
             await self._policy.stop()
+        if self._gc_hold is not None:
+            self._gc_hold.release()
 
     async def _fail(self, exc: BaseException) -> None:
         self._closed_reason = f"an env or the policy failed with {type(exc).__name__}: {exc}"
