@@ -467,3 +467,45 @@ async def test_pause_stops_new_vector_steps() -> None:
             await anyio.sleep(0.02)
             assert [e.steps for e in envs] == steps
         await take(c, 1)
+
+
+# -- composite spaces ---------------------------------------------------------------------------------
+class Reach(gym.Env):
+    """A gymnasium env with a Dict observation and a Dict action: the multi-key paths of both sides."""
+
+    observation_space = spaces.Dict(
+        {"pos": spaces.Box(-100, 100, (2,), np.float32), "t": spaces.Discrete(50)}
+    )
+    action_space = spaces.Dict({"move": spaces.Box(-1, 1, (2,), np.float32), "stay": spaces.Discrete(2)})
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.pos, self.t = np.zeros(2, np.float32), 0
+        return {"pos": self.pos.copy(), "t": self.t}, {}
+
+    def step(self, action):
+        assert action["move"].shape == (2,) and action["move"].dtype == np.float32
+        if not action["stay"]:
+            self.pos = self.pos + action["move"]
+        self.t += 1
+        return {"pos": self.pos.copy(), "t": self.t}, 0.0, False, self.t == 4, {}
+
+
+async def test_dict_observations_and_actions_through_a_gymnasium_vector_env() -> None:
+    def make():  # gymnasium's default next-step autoreset: made same-step by the wrapper
+        return gym.vector.SyncVectorEnv([Reach] * 3)
+
+    async with AsyncEnvCollector([make, make], frames_per_batch=60, total_frames=120, seed=0) as c:
+        batches = await take(c)
+    data = torch.cat(batches)
+    assert data["pos"].shape == (120, 2) and data["t"].dtype == torch.int64
+    assert data["action", "move"].shape == (120, 2) and data["action", "stay"].dtype == torch.int64
+    for e in range(6):
+        rows = data[data["collector", "env_id"] == e]
+        moved = rows["pos"] + rows["action", "move"] * (1 - rows["action", "stay"][:, None])
+        assert torch.allclose(rows["next", "pos"], moved)
+        assert torch.equal(rows["next", "t"], rows["t"] + 1)
+        done = rows["next", "done"][:, 0]
+        assert torch.equal(done, rows["next", "t"] == 4)  # the final observation at the episode's end
+        following = rows["t"][1:][done[:-1]]
+        assert following.numel() and (following == 0).all()  # then the reset one

@@ -74,28 +74,35 @@ class AsyncEnvCollector(CollectorBase):
     ``async for`` (then the envs wait). Everything the collector starts ends with ``async with``.
 
     Args:
-        env_fns: callables (one per env) returning an async env (:class:`AsyncEnvProtocol`) or a gymnasium
-            env (wrapped in :class:`ThreadedAsyncEnv`, these envs sharing 32 worker threads); called when
-            the collector is entered, in a worker thread. Every env must have the same spaces.
+        env_fns: callables (one per env) returning an async env (:class:`AsyncEnvProtocol`), an async
+            vector env (:class:`AsyncVectorEnvProtocol`: ``N`` sub-envs stepped together, ``N``
+            consecutive env ids, one task), a gymnasium env (wrapped in :class:`ThreadedAsyncEnv`) or a
+            gymnasium vector env (wrapped in :class:`ThreadedAsyncVectorEnv`), the gymnasium ones sharing
+            32 worker threads; called when the collector is entered, in a worker thread. Every env (every
+            sub-env) must have the same spaces.
         policy: a ``TensorDictModule``, an ``nn.Module`` (called on the observations, returns the action;
             copied: the collector runs its own weights, changed by :meth:`update_weights`), a callable
             ``td -> td`` (these three run in the collector's thread), an async policy (an ``async def``
             callable ``td -> td``, awaited on the loop), or ``None`` for random actions.
         frames_per_batch: frames in each batch.
         total_frames: frames to collect (rounded up to whole batches); ``-1`` (default): endless.
-        min_batch: envs waiting that start a policy call (default: half of the envs).
+        min_batch: envs waiting that start a policy call (default: half of the envs), counted in
+            sub-envs (a vector env's sub-envs are never split across policy calls).
         max_wait: seconds the oldest waiting env waits before a policy call on fewer than ``min_batch``
             envs (default 0.002).
-        max_frames_per_traj: truncate episodes after this many steps (``("next", "truncated")`` set).
+        max_frames_per_traj: truncate episodes after this many steps (``("next", "truncated")`` set);
+            refused with vector envs (``ValueError`` on entering), which cannot reset a sub-env on request.
         split_trajs: deliver the batch as zero-padded trajectories ``[n_traj, max_len]`` with a mask.
         exploration_type: the ``tensordict.nn`` interaction type for torch policies (default ``"random"``).
-        seed: env ``i`` is first reset with ``seed + i``.
+        seed: env ``i`` is first reset with ``seed + i`` (a vector env whose first sub-env is env ``i``:
+            ``reset(seed=seed + i)``, sub-env ``k`` seeded with ``seed + i + k``).
         track_policy_version: write ``("collector", "policy_version")``: the version each frame's action
             was computed with.
         on_env_error: ``"raise"`` (default): an env's error ends the collector and is raised from
             ``async for`` with its type and traceback; ``"drop"``: that env is closed and dropped, a
-            :class:`WorkerFailed` event (``worker_id`` = the env index) is published and the others go on
-            (the failed step is no frame; when every env is dropped, ``RuntimeError``).
+            :class:`WorkerFailed` event (``worker_id`` = the env index; a vector env's: one per sub-env) is
+            published and the others go on (the failed step is no frame; when every env is dropped,
+            ``RuntimeError``).
         prefetch: batches collected ahead of ``async for`` (default 1); then the envs wait.
         postproc: a callable applied to each batch.
         replay_buffer: anything with ``extend(batch)`` (called in a worker thread); see :meth:`fill`.
@@ -424,8 +431,8 @@ class AsyncEnvCollector(CollectorBase):
         return list(self._engine.batch_sizes) if self._engine is not None else []
 
     def statistics(self) -> CollectorStatistics:
-        """A frozen record of what the collector has done; one worker per env (``worker_id`` = its index,
-        a dropped env ``"failed"``)."""
+        """A frozen record of what the collector has done; one worker per env, a vector env's sub-envs
+        each one (``worker_id`` = its env id, a dropped env ``"failed"``)."""
         engine = self._engine
         version = self.policy_version
         if self._failed:

@@ -115,6 +115,7 @@ class EnvSet:
         #: the number of (sub-)envs: rows of the staging arrays, env ids
         self.rows = rows
         self.has_vector = any(self.widths)
+        self.has_single = not all(self.widths)
         self.obs_specs: dict[NestedKey, LeafSpec] = observation_specs(self.observation_space)
         action_specs(self.action_space)  # raises on an unsupported action space
         self.obs_keys = list(self.obs_specs)

@@ -472,7 +472,7 @@ class Engine(VectorSteps):
         row, its block of actions given to its first) and wake them, as :meth:`_dispatch` does."""
         n = len(ids)
         codec, kinds = self.codec, self._kinds
-        singles = codec.actions(arrays, n) if any(kinds[i] == 0 for i in ids) else []
+        singles = codec.actions(arrays, n) if self.spec.has_single else []
         actions, action_no, waiters, wake = self._actions, self._action_no, self._waiters, self._wake
         for start in range(0, n, DISPATCH_CHUNK):
             if start:
