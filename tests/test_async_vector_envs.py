@@ -509,3 +509,22 @@ async def test_dict_observations_and_actions_through_a_gymnasium_vector_env() ->
         assert torch.equal(done, rows["next", "t"] == 4)  # the final observation at the episode's end
         following = rows["t"][1:][done[:-1]]
         assert following.numel() and (following == 0).all()  # then the reset one
+
+
+async def test_events_and_statistics_per_sub_env() -> None:
+    from aiocollect import BatchDelivered, EpisodeFinished, WorkerStarted, WorkerStopped
+
+    _, fns = vec_fns([3, 4])
+    collector = AsyncEnvCollector(fns, StepPolicy(), frames_per_batch=35, total_frames=70, prefetch=0)
+    async with collector.events() as events, collector as c:
+        batches = await take(c)
+        stats = c.statistics()
+    seen = [event async for event in events]
+    assert [e.frames for e in seen if isinstance(e, BatchDelivered)] == [35, 35]
+    assert sorted(e.worker_id for e in seen if isinstance(e, WorkerStarted)) == list(range(7))
+    assert sorted(e.worker_id for e in seen if isinstance(e, WorkerStopped)) == list(range(7))
+    episodes = [e for e in seen if isinstance(e, EpisodeFinished)]
+    assert len(episodes) == stats.episodes == int(torch.cat(batches)["next", "done"].sum()) > 0
+    assert all(e.length == episode_length(e.worker_id) for e in episodes)  # each sub-env's own episodes
+    frames = torch.bincount(torch.cat(batches)["collector", "env_id"], minlength=7).tolist()
+    assert [w.frames for w in stats.workers] == frames and {w.state for w in stats.workers} == {"stopped"}
