@@ -422,12 +422,13 @@ class AsyncEnvCollector(CollectorBase):
 
     @property
     def envs(self) -> list[Any]:
-        """The envs (as async envs), once the collector is entered."""
+        """The envs (as async envs or async vector envs, one per env fn), once the collector is entered."""
         return list(self._engine.envs) if self._engine is not None else []
 
     @property
     def policy_batch_sizes(self) -> list[int]:
-        """The number of envs in each of the last 10,000 policy calls (the dynamic batching at work)."""
+        """The number of envs (sub-envs) in each of the last 10,000 policy calls (the dynamic batching at
+        work)."""
         return list(self._engine.batch_sizes) if self._engine is not None else []
 
     def statistics(self) -> CollectorStatistics:
