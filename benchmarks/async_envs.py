@@ -6,6 +6,7 @@ against a pool of threads stepping the same envs.
     python benchmarks/async_envs.py --profile        # cProfile of one asyncio run (the hot path)
     python benchmarks/async_envs.py --processes 0    # without MultiAsyncEnvCollector (default: 2)
     python benchmarks/async_envs.py --components     # the CPU cost of a step, piece by piece
+    python benchmarks/async_envs.py --vector 16      # + the same envs as 16 async vector envs
 
 Each env is a CartPole (gymnasium's ``CartPoleEnv``) whose step also waits 5 ms: ``await anyio.sleep``
 for the async envs (1,000 of them on one loop: the limit is 1,000 / 5 ms = 200k steps/s), a blocking
@@ -31,6 +32,12 @@ a dispatcher task every millisecond, as the collector hands out actions); the 1,
 stepped by 1,000 bare tasks (nothing stored, no policy); ``AsyncEnvCollector`` over ``NullEnv`` (the same
 5 ms sleep, a constant observation: the collector's own cost is this minus the sleeping tasks'); the
 benchmark's collector; and the same without ``gc.freeze()`` (the difference is the garbage collector's).
+
+``--vector V`` adds variants with the same 1,000 CartPoles as ``V`` async vector envs
+(``SlowCartPoleVector``: ``1000 / V`` CartPoles whose step awaits **one** 5 ms sleep, then steps each
+CartPole, the same physics as the per-env variants): ``AsyncEnvCollector`` runs one task per vector env,
+one wait for its actions and one frame block per step. Their ratio is to the thread pool of the same
+round, as the others'; the per-env variant of the same loop and ``gc.freeze()`` is the one to compare.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import gc
 import statistics
 import threading
 import time
+from functools import partial
 from typing import Any
 
 import anyio
@@ -107,6 +115,53 @@ class NullEnv:
         pass
 
 
+class SlowCartPoleVector:
+    """``n`` CartPoles behind the async vector env protocol: a step awaits one 5 ms wait (one network
+    round trip for all of them), then steps each CartPole (the per-env variants' physics), resetting the
+    ended ones at once (same-step autoreset, final observations in ``info["final_obs"]``)."""
+
+    def __init__(self, n: int) -> None:
+        self.envs = [CartPoleEnv() for _ in range(n)]
+        self.num_envs = n
+        self.single_observation_space = self.envs[0].observation_space
+        self.single_action_space = self.envs[0].action_space
+
+    async def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        obs = [env.reset(seed=None if seed is None else seed + k)[0] for k, env in enumerate(self.envs)]
+        return np.stack(obs), {}
+
+    async def step(self, actions: np.ndarray) -> Any:
+        await anyio.sleep(STEP_DELAY)
+        n = self.num_envs
+        obs = np.empty((n, 4), np.float32)
+        reward = np.ones(n)
+        terminated = np.zeros(n, bool)
+        final: np.ndarray | None = None
+        for k, (env, action) in enumerate(zip(self.envs, actions.tolist(), strict=True)):
+            o, _, term, _, _ = env.step(action)
+            if term:
+                if final is None:
+                    final = np.empty(n, dtype=object)
+                final[k] = o
+                terminated[k] = True
+                o = env.reset()[0]
+            obs[k] = o
+        info = {} if final is None else {"final_obs": final, "_final_obs": terminated}
+        return obs, reward, terminated, np.zeros(n, bool), info
+
+    async def close(self) -> None:
+        for env in self.envs:
+            env.close()
+
+
+def env_fns(args: argparse.Namespace, vector: bool) -> list[Any]:
+    """The benchmark's env fns: ``args.envs`` SlowCartPoles, or as ``args.vector`` vector envs."""
+    if not vector:
+        return [SlowCartPole] * args.envs
+    shares = np.array_split(np.arange(args.envs), args.vector)
+    return [partial(SlowCartPoleVector, len(share)) for share in shares]
+
+
 # -- the async collector ------------------------------------------------------------------------------
 async def lag_ticker(lags: list[float], stop: anyio.Event) -> None:
     while not stop.is_set():
@@ -115,11 +170,11 @@ async def lag_ticker(lags: list[float], stop: anyio.Event) -> None:
         lags.append(time.perf_counter() - start - 0.001)
 
 
-async def run_async(args: argparse.Namespace, policy: nn.Module, out: dict[str, Any]) -> None:
+async def run_async(args: argparse.Namespace, policy: nn.Module, out: dict[str, Any], vector: bool) -> None:
     lags: list[float] = []
     stop = anyio.Event()
     collector = AsyncEnvCollector(
-        [SlowCartPole] * args.envs,
+        env_fns(args, vector),
         policy,
         frames_per_batch=args.frames_per_batch,
         min_batch=args.min_batch,
@@ -141,13 +196,16 @@ async def run_async(args: argparse.Namespace, policy: nn.Module, out: dict[str, 
         out["sizes"] = collector.policy_batch_sizes[warm_calls:]
 
 
-def measure_async(args: argparse.Namespace, policy: nn.Module, uvloop: bool, freeze: bool) -> dict[str, Any]:
+def measure_async(
+    args: argparse.Namespace, policy: nn.Module, uvloop: bool, freeze: bool, vector: bool = False
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if freeze:  # the objects made so far (torch, gymnasium, ...) leave the cyclic GC's scans
         gc.collect()
         gc.freeze()
     try:
-        anyio.run(run_async, args, policy, out, backend="asyncio", backend_options={"use_uvloop": uvloop})
+        options = {"use_uvloop": uvloop}
+        anyio.run(run_async, args, policy, out, vector, backend="asyncio", backend_options=options)
     finally:
         gc.unfreeze()
     return out
@@ -382,6 +440,9 @@ def main() -> None:
     parser.add_argument(
         "--processes", type=int, default=2, help="worker processes of MultiAsyncEnvCollector (0: skip it)"
     )
+    parser.add_argument(
+        "--vector", type=int, default=0, help="also run the envs as this many async vector envs (0: no)"
+    )
     parser.add_argument("--quick", action="store_true", help="100 envs, 20k frames, 1 round")
     parser.add_argument("--profile", action="store_true", help="cProfile one asyncio run and exit")
     parser.add_argument(
@@ -405,11 +466,14 @@ def main() -> None:
         components(args, policy)
         return
     variants = {
-        "asyncio": (False, False),
-        "uvloop": (True, False),
-        "asyncio, gc.freeze()": (False, True),
-        "uvloop, gc.freeze()": (True, True),
+        "asyncio": (False, False, False),
+        "uvloop": (True, False, False),
+        "asyncio, gc.freeze()": (False, True, False),
+        "uvloop, gc.freeze()": (True, True, False),
     }
+    if args.vector:
+        for name, (uv, freeze, _) in list(variants.items()):
+            variants[f"{args.vector} vector envs, {name}"] = (uv, freeze, True)
     results: dict[str, list[float]] = {name: [] for name in [*variants, "threads"]}
     cpu: dict[str, list[float]] = {name: [] for name in [*variants, "threads"]}
     ratios: dict[str, list[float]] = {name: [] for name in variants}
@@ -422,8 +486,8 @@ def main() -> None:
         base = out["fps"]
         results["threads"].append(base)
         cpu["threads"].append(out["cpu_us"])
-        for name, (uv, freeze) in variants.items():
-            out = measure_async(args, policy, uv, freeze)
+        for name, (uv, freeze, vector) in variants.items():
+            out = measure_async(args, policy, uv, freeze, vector)
             results[name].append(out["fps"])
             cpu[name].append(out["cpu_us"])
             ratios[name].append(out["fps"] / base)

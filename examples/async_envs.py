@@ -4,11 +4,16 @@ inference: print frames/s and the mean return.
     python examples/async_envs.py
     python examples/async_envs.py --num-envs 2000 --uvloop
     python examples/async_envs.py --processes 2     # the envs split over 2 worker processes, a loop in each
+    python examples/async_envs.py --vector-envs 16  # the envs as 16 vector envs: one network call each
 
 Each env is a CartPole behind a fake 5 ms round trip (a simulator on another machine, say). Stepping
 them from threads would take one thread per env in flight; here each env is a task on the collector's
 loop, and the policy runs once per batch of the envs that are ready (in the collector's thread). The
 loop stays free for the rest of the program: here, a weight update after every batch.
+
+With ``--vector-envs V`` the same CartPoles sit behind ``V`` remote simulators that each step a batch of
+them per network call (an async vector env, see ``aiocollect.AsyncVectorEnvProtocol``): one task, one
+wait and one round trip per batch of envs instead of per env.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import numpy as np
 import torch
 from gymnasium.envs.classic_control import CartPoleEnv
 from torch import nn
@@ -39,6 +45,10 @@ class Args:
     processes: int = field(
         default=0,
         metadata={"help": "worker processes, each a loop over its share of the envs (0: one loop here)"},
+    )
+    vector_envs: int = field(
+        default=0,
+        metadata={"help": "serve the envs as this many async vector envs, one call a step each (0: no)"},
     )
 
 
@@ -76,6 +86,40 @@ class RemoteCartPole:
         self.sim.close()
 
 
+class RemoteCartPoles:
+    """An async vector env (see ``aiocollect.AsyncVectorEnvProtocol``): ``n`` CartPoles on a remote
+    simulator that steps them all per request; ended episodes are reset in the same step (their final
+    observations in ``info["final_obs"]``)."""
+
+    def __init__(self, n: int, latency: float) -> None:
+        self.sims: list[Any] = [CartPoleEnv() for _ in range(n)]
+        self.latency = latency
+        self.num_envs = n
+        self.single_observation_space = self.sims[0].observation_space
+        self.single_action_space = self.sims[0].action_space
+
+    async def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        obs = [sim.reset(seed=None if seed is None else seed + k)[0] for k, sim in enumerate(self.sims)]
+        return np.stack(obs), {}
+
+    async def step(self, actions: np.ndarray) -> Any:
+        await anyio.sleep(self.latency)  # one request steps every CartPole of this simulator
+        obs = np.empty((self.num_envs, 4), np.float32)
+        terminated = np.zeros(self.num_envs, bool)
+        final = np.empty(self.num_envs, dtype=object)
+        for k, (sim, action) in enumerate(zip(self.sims, actions.tolist(), strict=True)):
+            obs[k], _, terminated[k], _, _ = sim.step(action)
+            if terminated[k]:  # same-step autoreset
+                final[k] = obs[k].copy()
+                obs[k] = sim.reset()[0]
+        info = {"final_obs": final, "_final_obs": terminated} if terminated.any() else {}
+        return obs, np.ones(self.num_envs), terminated, np.zeros(self.num_envs, bool), info
+
+    async def close(self) -> None:
+        for sim in self.sims:
+            sim.close()
+
+
 class CategoricalMLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -91,6 +135,8 @@ async def main(args: Args) -> None:
     policy = CategoricalMLP()
     latency = args.latency_ms / 1000
     collector: AsyncEnvCollector | MultiAsyncEnvCollector
+    if args.processes and args.vector_envs:
+        raise SystemExit("--vector-envs runs on one loop: MultiAsyncEnvCollector takes single async envs")
     if args.processes:  # MultiAsyncEnvCollector: each worker process runs a loop over its share
         share = args.num_envs // args.processes
         collector = MultiAsyncEnvCollector(
@@ -102,8 +148,12 @@ async def main(args: Args) -> None:
             loop="uvloop" if args.uvloop else "asyncio",
         )
     else:
+        env_fns: list[Any] = [lambda: RemoteCartPole(latency)] * args.num_envs
+        if args.vector_envs:  # the same envs, a batch of them per simulator
+            shares = [len(s) for s in np.array_split(np.arange(args.num_envs), args.vector_envs)]
+            env_fns = [lambda n=n: RemoteCartPoles(n, latency) for n in shares]
         collector = AsyncEnvCollector(
-            [lambda: RemoteCartPole(latency)] * args.num_envs,
+            env_fns,
             policy,
             frames_per_batch=args.frames_per_batch,
             total_frames=args.total_frames,

@@ -35,6 +35,8 @@ CASES = {
     + ["--frames-per-batch", "1000"],
     "async_envs_processes": ["async_envs.py", "--total-frames", "4000", "--num-envs", "200"]
     + ["--frames-per-batch", "1000", "--processes", "2"],
+    "async_envs_vector": ["async_envs.py", "--total-frames", "4000", "--num-envs", "200"]
+    + ["--frames-per-batch", "1000", "--vector-envs", "4"],
     # 2 env server processes, the policy served too
     "remote_envs": ["remote_envs.py", "--total-frames", "2000", "--frames-per-batch", "500"]
     + ["--envs-per-server", "4", "--remote-policy"],

@@ -75,28 +75,35 @@ class AsyncEnvCollector(CollectorBase):
     ``async for`` (then the envs wait). Everything the collector starts ends with ``async with``.
 
     Args:
-        env_fns: callables (one per env) returning an async env (:class:`AsyncEnvProtocol`) or a gymnasium
-            env (wrapped in :class:`ThreadedAsyncEnv`, these envs sharing 32 worker threads); called when
-            the collector is entered, in a worker thread. Every env must have the same spaces.
+        env_fns: callables (one per env) returning an async env (:class:`AsyncEnvProtocol`), an async
+            vector env (:class:`AsyncVectorEnvProtocol`: ``N`` sub-envs stepped together, ``N``
+            consecutive env ids, one task), a gymnasium env (wrapped in :class:`ThreadedAsyncEnv`) or a
+            gymnasium vector env (wrapped in :class:`ThreadedAsyncVectorEnv`), the gymnasium ones sharing
+            32 worker threads; called when the collector is entered, in a worker thread. Every env (every
+            sub-env) must have the same spaces.
         policy: a ``TensorDictModule``, an ``nn.Module`` (called on the observations, returns the action;
             copied: the collector runs its own weights, changed by :meth:`update_weights`), a callable
             ``td -> td`` (these three run in the collector's thread), an async policy (an ``async def``
             callable ``td -> td``, awaited on the loop), or ``None`` for random actions.
         frames_per_batch: frames in each batch.
         total_frames: frames to collect (rounded up to whole batches); ``-1`` (default): endless.
-        min_batch: envs waiting that start a policy call (default: half of the envs).
+        min_batch: envs waiting that start a policy call (default: half of the envs), counted in
+            sub-envs (a vector env's sub-envs are never split across policy calls).
         max_wait: seconds the oldest waiting env waits before a policy call on fewer than ``min_batch``
             envs (default 0.002).
-        max_frames_per_traj: truncate episodes after this many steps (``("next", "truncated")`` set).
+        max_frames_per_traj: truncate episodes after this many steps (``("next", "truncated")`` set);
+            refused with vector envs (``ValueError`` on entering), which cannot reset a sub-env on request.
         split_trajs: deliver the batch as zero-padded trajectories ``[n_traj, max_len]`` with a mask.
         exploration_type: the ``tensordict.nn`` interaction type for torch policies (default ``"random"``).
-        seed: env ``i`` is first reset with ``seed + i``.
+        seed: env ``i`` is first reset with ``seed + i`` (a vector env whose first sub-env is env ``i``:
+            ``reset(seed=seed + i)``, sub-env ``k`` seeded with ``seed + i + k``).
         track_policy_version: write ``("collector", "policy_version")``: the version each frame's action
             was computed with.
         on_env_error: ``"raise"`` (default): an env's error ends the collector and is raised from
             ``async for`` with its type and traceback; ``"drop"``: that env is closed and dropped, a
-            :class:`WorkerFailed` event (``worker_id`` = the env index) is published and the others go on
-            (the failed step is no frame; when every env is dropped, ``RuntimeError``).
+            :class:`WorkerFailed` event (``worker_id`` = the env index; a vector env's: one per sub-env) is
+            published and the others go on (the failed step is no frame; when every env is dropped,
+            ``RuntimeError``).
         prefetch: batches collected ahead of ``async for`` (default 1); then the envs wait.
         postproc: a callable applied to each batch.
         replay_buffer: anything with ``extend(batch)`` (called in a worker thread); see :meth:`fill`.
@@ -158,8 +165,8 @@ class AsyncEnvCollector(CollectorBase):
         n = len(self._env_fns)
         self.frames_per_batch = positive_int("frames_per_batch", frames_per_batch)
         self.total_frames = total_frames_arg(total_frames)
-        min_batch = optional_positive_int("min_batch", min_batch, fix="None: half of the envs")
-        self._min_batch = max(1, n // 2) if min_batch is None else min(min_batch, n)
+        # counted in (sub-)envs: the default, half of them, is known once the envs are built
+        self._min_batch_arg = optional_positive_int("min_batch", min_batch, fix="None: half of the envs")
         self._max_wait = max_wait_arg(max_wait)
         self._max_frames_per_traj = optional_positive_int("max_frames_per_traj", max_frames_per_traj)
         self._split_trajs = flag("split_trajs", split_trajs)
@@ -206,6 +213,7 @@ class AsyncEnvCollector(CollectorBase):
                 limiter = anyio.CapacityLimiter(ENV_THREADS)
                 await anyio.to_thread.run_sync(open_envs, self._env_fns, envs, limiter)
             spec = EnvSet(envs)
+            self._check_vector_envs(spec)
             policy = BatchPolicy(
                 self._source_policy,
                 action_space=spec.action_space,
@@ -228,7 +236,7 @@ class AsyncEnvCollector(CollectorBase):
         config = EngineConfig(
             frames_per_batch=self.frames_per_batch,
             target=self._target(),
-            min_batch=self._min_batch,
+            min_batch=self._min_batch(spec.rows),
             max_wait=self._max_wait,
             prefetch=self._prefetch,
             max_frames_per_traj=self._max_frames_per_traj,
@@ -245,10 +253,36 @@ class AsyncEnvCollector(CollectorBase):
             is_paused=lambda: self._paused > 0,
             resumed=self._resumed,
         )
-        for i in range(len(envs)):
+        for i in range(spec.rows):
             self._hub.publish(WorkerStarted(i))
         assert self._task_group is not None
         await self._task_group.start(self._engine.run)
+
+    def _min_batch(self, rows: int) -> int:
+        """``min_batch`` in (sub-)envs: default half of them."""
+        given = self._min_batch_arg
+        return max(1, rows // 2) if given is None else min(given, rows)
+
+    def _check_vector_envs(self, spec: EnvSet) -> None:
+        """Refuse what vector envs cannot do, once the envs are built (an env fn's kind is known then)."""
+        if not spec.has_vector:
+            return
+        if self._max_frames_per_traj is not None:
+            raise ValueError(
+                f"max_frames_per_traj={self._max_frames_per_traj} cannot be kept with async vector envs: "
+                "a vector env resets a sub-env only when its episode ends (same-step autoreset), not on "
+                "request. Drop max_frames_per_traj and limit the episodes in the env (e.g. gymnasium's "
+                "TimeLimit, or max_episode_steps= of gymnasium.make_vec)"
+            )
+        ahead = (1 + self._prefetch) * self.frames_per_batch
+        if ahead < spec.rows:
+            warnings.warn(
+                f"(1 + prefetch) * frames_per_batch = {ahead} frames may be collected or stepping at once, "
+                f"fewer than the {spec.rows} sub-envs of the vector envs: the others wait. Raise "
+                "frames_per_batch or prefetch",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def _engine_policy(self, policy: BatchPolicy, spec: EnvSet) -> Any:
         """What the engine calls on each batch of ready envs: ``policy`` (a subclass may wrap it)."""
@@ -271,7 +305,7 @@ class AsyncEnvCollector(CollectorBase):
                 self._closed = True
                 self._closed_reason = "it was closed"
                 if self._engine is not None:
-                    for i in range(len(self._engine.envs)):
+                    for i in range(self._engine.rows):
                         self._hub.publish(WorkerStopped(i))
                 self._finish_progress()
             await self._shutdown()
@@ -402,17 +436,18 @@ class AsyncEnvCollector(CollectorBase):
 
     @property
     def envs(self) -> list[Any]:
-        """The envs (as async envs), once the collector is entered."""
+        """The envs (as async envs or async vector envs, one per env fn), once the collector is entered."""
         return list(self._engine.envs) if self._engine is not None else []
 
     @property
     def policy_batch_sizes(self) -> list[int]:
-        """The number of envs in each of the last 10,000 policy calls (the dynamic batching at work)."""
+        """The number of envs (sub-envs) in each of the last 10,000 policy calls (the dynamic batching at
+        work)."""
         return list(self._engine.batch_sizes) if self._engine is not None else []
 
     def statistics(self) -> CollectorStatistics:
-        """A frozen record of what the collector has done; one worker per env (``worker_id`` = its index,
-        a dropped env ``"failed"``)."""
+        """A frozen record of what the collector has done; one worker per env, a vector env's sub-envs
+        each one (``worker_id`` = its env id, a dropped env ``"failed"``)."""
         engine = self._engine
         version = self.policy_version
         if self._failed:
