@@ -8,6 +8,7 @@ import os
 import signal
 
 import anyio
+import gymnasium as gym
 import pytest
 import torch
 from tensordict import TensorDictBase
@@ -90,6 +91,14 @@ async def test_env_error_keeps_its_type(leaks) -> None:
         async with MultiAsyncEnvCollector(envs, StepPolicy(), frames_per_batch=12) as c:
             async for _ in c:
                 pass
+
+
+@ASYNCIO_ONLY
+async def test_vector_envs_are_refused_by_the_workers(leaks) -> None:
+    vector = functools.partial(gym.make_vec, "CartPole-v1", 2, vectorization_mode="sync")
+    with anyio.fail_after(30), pytest.raises(TypeError, match="take single async envs"):
+        async with MultiAsyncEnvCollector([[vector], [vector]], frames_per_batch=8) as c:
+            await c.__anext__()
 
 
 @ASYNCIO_ONLY

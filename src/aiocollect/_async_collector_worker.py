@@ -103,6 +103,16 @@ class _Inner(AsyncEnvCollector):
                 self._unpaused.set()
                 self._unpaused = None
 
+    def _check_vector_envs(self, spec: EnvSet) -> None:
+        # the parent numbers env ids and seeds one per env fn, across workers: N sub-envs would overlap
+        if spec.has_vector:
+            raise TypeError(
+                "MultiAsyncEnvCollector's workers take single async envs (or gymnasium envs), not vector "
+                "envs: collect async vector envs with AsyncEnvCollector (one loop steps many of them), or "
+                "give each worker its sub-envs as single envs"
+            )
+        super()._check_vector_envs(spec)
+
     def _engine_policy(self, policy: BatchPolicy, spec: EnvSet) -> Any:
         if not self.random_actions:
             return policy
