@@ -21,8 +21,9 @@ loop-bound async variants; the thread pool is bound by its sleeps, 64 / 5 ms = 1
 the event loop's lag (a task that sleeps 1 ms and records how late it wakes) while the 1,000 envs run,
 and the distribution of the policy's batch sizes. ``MultiAsyncEnvCollector`` splits the same envs over
 ``--processes`` worker processes (uvloop in each), batches of ``frames_per_batch / processes`` frames per
-worker; its ratio is to the one-loop uvloop variant (no ``gc.freeze()``) of the same round.
-``gc.freeze()`` variants freeze the objects made before the run (see docs/async-envs.md, "Performance").
+worker; its ratio is to the one-loop uvloop variant of the same round. The one-loop variants run with
+the collector's default ``freeze_gc=True`` (it freezes the heap once its envs are built) and with
+``freeze_gc=False`` (the garbage collector as it was; see docs/async-envs.md, "Performance").
 
 ``--components`` measures what one step costs in CPU µs, piece by piece, on asyncio and uvloop (rounds
 interleaved, medians; ``gc.freeze()`` on, so the garbage collector's share is its own line): the CartPole
@@ -31,13 +32,13 @@ the same with a wait for a wake-up before each sleep (a future per wait, woken 6
 a dispatcher task every millisecond, as the collector hands out actions); the 1,000 ``SlowCartPole`` envs
 stepped by 1,000 bare tasks (nothing stored, no policy); ``AsyncEnvCollector`` over ``NullEnv`` (the same
 5 ms sleep, a constant observation: the collector's own cost is this minus the sleeping tasks'); the
-benchmark's collector; and the same without ``gc.freeze()`` (the difference is the garbage collector's).
+benchmark's collector; and the same with ``freeze_gc=False`` (the difference is the garbage collector's).
 
 ``--vector V`` adds variants with the same 1,000 CartPoles as ``V`` async vector envs
 (``SlowCartPoleVector``: ``1000 / V`` CartPoles whose step awaits **one** 5 ms sleep, then steps each
 CartPole, the same physics as the per-env variants): ``AsyncEnvCollector`` runs one task per vector env,
 one wait for its actions and one frame block per step. Their ratio is to the thread pool of the same
-round, as the others'; the per-env variant of the same loop and ``gc.freeze()`` is the one to compare.
+round, as the others'; the per-env variant of the same loop and ``freeze_gc`` is the one to compare.
 """
 
 from __future__ import annotations
@@ -170,7 +171,9 @@ async def lag_ticker(lags: list[float], stop: anyio.Event) -> None:
         lags.append(time.perf_counter() - start - 0.001)
 
 
-async def run_async(args: argparse.Namespace, policy: nn.Module, out: dict[str, Any], vector: bool) -> None:
+async def run_async(
+    args: argparse.Namespace, policy: nn.Module, out: dict[str, Any], vector: bool, freeze_gc: bool = True
+) -> None:
     lags: list[float] = []
     stop = anyio.Event()
     collector = AsyncEnvCollector(
@@ -180,6 +183,7 @@ async def run_async(args: argparse.Namespace, policy: nn.Module, out: dict[str, 
         min_batch=args.min_batch,
         max_wait=args.max_wait,
         seed=0,
+        freeze_gc=freeze_gc,
     )
     async with anyio.create_task_group() as tg, collector:
         it = aiter(collector)
@@ -200,14 +204,9 @@ def measure_async(
     args: argparse.Namespace, policy: nn.Module, uvloop: bool, freeze: bool, vector: bool = False
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    if freeze:  # the objects made so far (torch, gymnasium, ...) leave the cyclic GC's scans
-        gc.collect()
-        gc.freeze()
-    try:
-        options = {"use_uvloop": uvloop}
-        anyio.run(run_async, args, policy, out, vector, backend="asyncio", backend_options=options)
-    finally:
-        gc.unfreeze()
+    gc.collect()  # each variant starts from the same heap
+    options = {"use_uvloop": uvloop}
+    anyio.run(run_async, args, policy, out, vector, freeze, backend="asyncio", backend_options=options)
     return out
 
 
@@ -367,8 +366,13 @@ async def bare_envs_us(n: int, steps: int) -> float:
     return (time.process_time() - cpu) / count * 1e6
 
 
-async def collector_us(env: Any, args: argparse.Namespace, policy: nn.Module) -> float:
-    async with AsyncEnvCollector([env] * args.envs, policy, frames_per_batch=args.frames_per_batch) as c:
+async def collector_us(
+    env: Any, args: argparse.Namespace, policy: nn.Module, freeze_gc: bool = True
+) -> float:
+    collector = AsyncEnvCollector(
+        [env] * args.envs, policy, frames_per_batch=args.frames_per_batch, freeze_gc=freeze_gc
+    )
+    async with collector as c:
         it = aiter(c)
         await anext(it)
         cpu, frames = time.process_time(), 0
@@ -386,7 +390,9 @@ def components(args: argparse.Namespace, policy: nn.Module) -> None:
         f"{n} SlowCartPoles stepped by bare tasks (nothing stored)": lambda: bare_envs_us(n, steps),
         "AsyncEnvCollector, NullEnv (the sleep, no physics)": lambda: collector_us(NullEnv, args, policy),
         "AsyncEnvCollector, SlowCartPole (the benchmark)": lambda: collector_us(SlowCartPole, args, policy),
-        "AsyncEnvCollector, SlowCartPole, no gc.freeze()": lambda: collector_us(SlowCartPole, args, policy),
+        "AsyncEnvCollector, SlowCartPole, no gc.freeze()": lambda: collector_us(
+            SlowCartPole, args, policy, freeze_gc=False
+        ),
     }
     loops = {"asyncio": False, "uvloop": True}
     us: dict[tuple[str, str], list[float]] = {}
@@ -466,10 +472,10 @@ def main() -> None:
         components(args, policy)
         return
     variants = {
-        "asyncio": (False, False, False),
-        "uvloop": (True, False, False),
-        "asyncio, gc.freeze()": (False, True, False),
-        "uvloop, gc.freeze()": (True, True, False),
+        "asyncio": (False, True, False),
+        "uvloop": (True, True, False),
+        "asyncio, freeze_gc=False": (False, False, False),
+        "uvloop, freeze_gc=False": (True, False, False),
     }
     if args.vector:
         for name, (uv, freeze, _) in list(variants.items()):
@@ -480,7 +486,7 @@ def main() -> None:
     lags: dict[str, list[float]] = {name: [] for name in variants}
     sizes: list[int] = []
     procs: list[float] = []  # MultiAsyncEnvCollector's frames/s
-    proc_ratios: list[float] = []  # ... / one loop's (uvloop, no gc.freeze()) in the same round
+    proc_ratios: list[float] = []  # ... / one loop's (uvloop, the default freeze_gc) in the same round
     for r in range(args.rounds):
         out = measure_threads(args, policy)
         base = out["fps"]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -159,8 +158,6 @@ async def main(args: Args) -> None:
             total_frames=args.total_frames,
             seed=args.seed,
         )
-    # thousands of envs and tasks: keep what exists now out of the cyclic GC's scans (see docs/async-envs.md)
-    gc.freeze()
     start = time.perf_counter()
     async with collector:
         async for batch in collector:
