@@ -68,6 +68,7 @@ if typing.TYPE_CHECKING:  # the lazy names below, for type checkers (imported on
         RemoteEnv,
         RemoteEnvPool,
         RemotePolicy,
+        RemoteVectorEnv,
         serve_envs,
         serve_envs_process,
         serve_policy,
@@ -87,7 +88,8 @@ _LAZY = {
     # the serve extra (wsproto) is imported on first use of these
     **dict.fromkeys(
         ["EnvServer", "EnvServerProcess", "PolicyServer", "PooledRemoteEnv", "RemoteConnectionError"]
-        + ["RemoteEnv", "RemoteEnvPool", "RemotePolicy", "serve_envs", "serve_envs_process", "serve_policy"],
+        + ["RemoteEnv", "RemoteEnvPool", "RemotePolicy", "serve_envs", "serve_envs_process", "serve_policy"]
+        + ["RemoteVectorEnv"],
         "._serve",
     ),
 }
@@ -168,6 +170,7 @@ __all__ = [
     "RemoteEnv",
     "RemoteEnvPool",
     "RemotePolicy",
+    "RemoteVectorEnv",
     "serve_envs",
     "serve_envs_process",
     "serve_policy",

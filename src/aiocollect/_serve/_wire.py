@@ -127,8 +127,9 @@ _EMPTY: dict[str, Any] = {"{}": {}}  # an empty dict (an env's usual info), pack
 def pack_tree(value: Any, arrays: list[np.ndarray]) -> Any:
     """``value`` as JSON, its numpy arrays (and numpy scalars) appended to ``arrays`` as ``{"@": i}``.
 
-    Dicts (string keys), lists, tuples, ``None``, bools, ints, floats and strings travel as themselves;
-    anything else (an object in an ``info`` dict) travels as its ``repr`` text."""
+    Dicts (string keys), lists, tuples, ``None``, bools, ints, floats and strings travel as themselves,
+    a 1-d object array (a gymnasium vector env's info column, ``None`` where a sub-env had no entry) as
+    its items; anything else (an object in an ``info`` dict) travels as its ``repr`` text."""
     kind = type(value)
     if kind is np.ndarray and value.dtype.kind in "biuf":  # the common case first
         arrays.append(value)
@@ -142,6 +143,8 @@ def pack_tree(value: Any, arrays: list[np.ndarray]) -> Any:
         return {"@": len(arrays) - 1}
     if hasattr(value, "numpy") and hasattr(value, "detach"):  # a torch tensor
         return pack_tree(value.detach().cpu().numpy(), arrays)
+    if kind is np.ndarray and value.dtype == object and value.ndim == 1:  # a vector env's info column
+        return {"[]": [pack_tree(v, arrays) for v in value.tolist()]}
     if isinstance(value, dict):
         return {"{}": {str(k): pack_tree(v, arrays) for k, v in value.items()}}
     if isinstance(value, list | tuple):
@@ -171,5 +174,11 @@ def unpack_tree(tree: Any, arrays: list[np.ndarray]) -> Any:
         return array[()] if array.ndim == 0 else array
     inner = tree.get("{}")
     if not isinstance(inner, dict):
-        raise ProtocolError("a tree node must be {'@': index} or {'{}': {...}}")
+        items = tree.get("[]")
+        if isinstance(items, list) and len(tree) == 1:
+            column = np.empty(len(items), dtype=object)
+            for k, item in enumerate(items):
+                column[k] = unpack_tree(item, arrays)
+            return column
+        raise ProtocolError("a tree node must be {'@': index}, {'{}': {...}} or {'[]': [...]}")
     return {k: unpack_tree(v, arrays) for k, v in inner.items()}
