@@ -86,7 +86,7 @@ class EnvServer(Server):
         self._owner: dict[int, anyio.abc.ByteStream] = {}  # env index -> the connection that has it
         self._claims: dict[anyio.abc.ByteStream, range] = {}
         self._freed: dict[int, anyio.Event] = {}
-        self._jobs: list[Job | VectorJob] = []
+        self._jobs: list[Job] = []
         self._wake = anyio.Event()
         self._limiter = anyio.CapacityLimiter(1)
         self._stack: contextlib.AsyncExitStack | None = None
@@ -277,10 +277,11 @@ class EnvServer(Server):
         return job.reply
 
     async def _serve_vector(self, host: SingleEnvs | HostedVector, message: bytes) -> bytes:
-        job = VectorJob(host, message)  # decoded, run and its reply encoded in the worker thread
-        self._jobs.append(job)
-        self._wake.set()
-        await job.done.wait()
+        """A vector client's message, decoded, run and its reply encoded in one worker-thread hop of its
+        own (it holds all its envs' calls already: the stepper's gathering would only add wake-ups)."""
+        job = VectorJob(host, message)
+        with anyio.CancelScope(shield=True):  # a job is never left half done
+            await anyio.to_thread.run_sync(job.run, limiter=self._limiter)
         return job.reply
 
     async def _stepper(self) -> None:
@@ -293,12 +294,8 @@ class EnvServer(Server):
             for job in jobs:
                 job.done.set()
 
-    def _run_jobs(self, jobs: list[Job | VectorJob]) -> None:
+    def _run_jobs(self, jobs: list[Job]) -> None:
         for job in jobs:
-            if type(job) is VectorJob:
-                job.run()
-                continue
-            assert isinstance(job, Job)
             try:
                 job.reply = run_job(self.envs, self._checkers, job, self._uniform)
             except Exception as exc:

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import anyio
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
@@ -209,11 +208,10 @@ def _merged(obs: Any, fresh: Any, mask: np.ndarray) -> Any:
 class VectorJob:
     """One message of a vector client (decoded where it runs, in the worker thread), and its reply."""
 
-    __slots__ = ("done", "host", "message", "reply")
+    __slots__ = ("host", "message", "reply")
 
     def __init__(self, host: SingleEnvs | HostedVector, message: bytes) -> None:
         self.host, self.message = host, message
-        self.done = anyio.Event()
         self.reply = b""
 
     def run(self) -> None:
