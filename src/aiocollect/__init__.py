@@ -15,7 +15,8 @@ from ._workers import _preload  # noqa: F401  (first: imports tensordict without
 from ._async_collector import AsyncEnvCollector
 from ._collector import Collector
 from ._distributed_weights import DistributedWeightSync
-from ._envs._async import AsyncEnvProtocol, ThreadedAsyncEnv
+from ._envs._async import AsyncEnvProtocol, AsyncVectorEnvProtocol, ThreadedAsyncEnv
+from ._envs._async_vector import ThreadedAsyncVectorEnv
 from ._envs._gym import GymEnv
 from ._envs._protocol import EnvProtocol
 from ._errors import CollectorClosedError, WorkerDiedError, WorkerError, WorkerTimeoutError
@@ -113,6 +114,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "AsyncEnvCollector",
     "AsyncEnvProtocol",
+    "AsyncVectorEnvProtocol",
     "BatchDelivered",
     "Collector",
     "CollectorClosedError",
@@ -139,6 +141,7 @@ __all__ = [
     "RolloutOptions",
     "SharedMemoryWeightSync",
     "ThreadedAsyncEnv",
+    "ThreadedAsyncVectorEnv",
     "WorkerDiedError",
     "WorkerError",
     "WorkerFailed",

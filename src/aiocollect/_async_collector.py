@@ -149,8 +149,8 @@ class AsyncEnvCollector(CollectorBase):
         n = len(self._env_fns)
         self.frames_per_batch = positive_int("frames_per_batch", frames_per_batch)
         self.total_frames = total_frames_arg(total_frames)
-        min_batch = optional_positive_int("min_batch", min_batch, fix="None: half of the envs")
-        self._min_batch = max(1, n // 2) if min_batch is None else min(min_batch, n)
+        # counted in (sub-)envs: the default, half of them, is known once the envs are built
+        self._min_batch_arg = optional_positive_int("min_batch", min_batch, fix="None: half of the envs")
         self._max_wait = max_wait_arg(max_wait)
         self._max_frames_per_traj = optional_positive_int("max_frames_per_traj", max_frames_per_traj)
         self._split_trajs = flag("split_trajs", split_trajs)
@@ -196,6 +196,7 @@ class AsyncEnvCollector(CollectorBase):
                 limiter = anyio.CapacityLimiter(ENV_THREADS)
                 await anyio.to_thread.run_sync(open_envs, self._env_fns, envs, limiter)
             spec = EnvSet(envs)
+            self._check_vector_envs(spec)
             policy = BatchPolicy(
                 self._source_policy,
                 action_space=spec.action_space,
@@ -216,7 +217,7 @@ class AsyncEnvCollector(CollectorBase):
         config = EngineConfig(
             frames_per_batch=self.frames_per_batch,
             target=self._target(),
-            min_batch=self._min_batch,
+            min_batch=self._min_batch(spec.rows),
             max_wait=self._max_wait,
             prefetch=self._prefetch,
             max_frames_per_traj=self._max_frames_per_traj,
@@ -233,10 +234,36 @@ class AsyncEnvCollector(CollectorBase):
             is_paused=lambda: self._paused > 0,
             resumed=self._resumed,
         )
-        for i in range(len(envs)):
+        for i in range(spec.rows):
             self._hub.publish(WorkerStarted(i))
         assert self._task_group is not None
         await self._task_group.start(self._engine.run)
+
+    def _min_batch(self, rows: int) -> int:
+        """``min_batch`` in (sub-)envs: default half of them."""
+        given = self._min_batch_arg
+        return max(1, rows // 2) if given is None else min(given, rows)
+
+    def _check_vector_envs(self, spec: EnvSet) -> None:
+        """Refuse what vector envs cannot do, once the envs are built (an env fn's kind is known then)."""
+        if not spec.has_vector:
+            return
+        if self._max_frames_per_traj is not None:
+            raise ValueError(
+                f"max_frames_per_traj={self._max_frames_per_traj} cannot be kept with async vector envs: "
+                "a vector env resets a sub-env only when its episode ends (same-step autoreset), not on "
+                "request. Drop max_frames_per_traj and limit the episodes in the env (e.g. gymnasium's "
+                "TimeLimit, or max_episode_steps= of gymnasium.make_vec)"
+            )
+        ahead = (1 + self._prefetch) * self.frames_per_batch
+        if ahead < spec.rows:
+            warnings.warn(
+                f"(1 + prefetch) * frames_per_batch = {ahead} frames may be collected or stepping at once, "
+                f"fewer than the {spec.rows} sub-envs of the vector envs: the others wait. Raise "
+                "frames_per_batch or prefetch",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def _engine_policy(self, policy: BatchPolicy, spec: EnvSet) -> Any:
         """What the engine calls on each batch of ready envs: ``policy`` (a subclass may wrap it)."""
@@ -259,7 +286,7 @@ class AsyncEnvCollector(CollectorBase):
                 self._closed = True
                 self._closed_reason = "it was closed"
                 if self._engine is not None:
-                    for i in range(len(self._engine.envs)):
+                    for i in range(self._engine.rows):
                         self._hub.publish(WorkerStopped(i))
                 self._finish_progress()
             await self._shutdown()

@@ -1,5 +1,6 @@
 """The envs of ``AsyncEnvCollector``: building them from ``env_fns`` (gymnasium envs wrapped in
-``ThreadedAsyncEnv``), checking that they agree, and turning their values into arrays."""
+``ThreadedAsyncEnv``, gymnasium vector envs in ``ThreadedAsyncVectorEnv``), checking that they agree, giving
+each (sub-)env its row (its env id), and turning their values into arrays."""
 
 from __future__ import annotations
 
@@ -7,13 +8,15 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from ._envs._async import ThreadedAsyncEnv
+from ._envs._async import ThreadedAsyncEnv, is_async_vector_env
+from ._envs._async_vector import ThreadedAsyncVectorEnv
 from ._envs._spaces import LeafSpec, NestedKey, action_specs, flatten_obs, observation_specs
 
-__all__ = ["EnvSet", "env_fns_arg", "open_envs"]
+__all__ = ["EnvSet", "env_fns_arg", "open_envs", "vector_width"]
 
 
 def _is_async_env(env: Any) -> bool:
@@ -37,6 +40,19 @@ def env_fns_arg(env_fns: Any) -> list[Any]:
 
 def _open(fn: Any, i: int, limiter: Any) -> Any:
     env = fn if hasattr(fn, "step") and not isinstance(fn, type) else fn()
+    if is_async_vector_env(env):
+        if env.num_envs < 1 or not hasattr(env, "single_action_space") or not hasattr(env, "close"):
+            raise TypeError(
+                f"env_fns[{i}] gave {env!r}, an async vector env without num_envs >= 1, "
+                "single_action_space or close (AsyncVectorEnvProtocol)"
+            )
+        return env
+    if isinstance(env, gym.vector.VectorEnv):  # its calls run in a worker thread, same-step autoreset
+        try:
+            return ThreadedAsyncVectorEnv(env, limiter=limiter)
+        except BaseException:
+            env.close()
+            raise
     if _is_async_env(env):
         for member in ("observation_space", "action_space", "close"):
             if not hasattr(env, member):
@@ -48,7 +64,8 @@ def _open(fn: Any, i: int, limiter: Any) -> Any:
         return ThreadedAsyncEnv(env, limiter=limiter)  # a gymnasium env: its calls run in worker threads
     raise TypeError(
         f"env_fns[{i}] gave {env!r}: neither an async env (AsyncEnvProtocol: coroutines reset/step/close, "
-        "observation_space, action_space) nor a gymnasium env"
+        "observation_space, action_space), nor an async vector env (AsyncVectorEnvProtocol), nor a gymnasium "
+        "env or vector env"
     )
 
 
@@ -59,20 +76,45 @@ def open_envs(env_fns: list[Any], into: list[Any], limiter: Any) -> None:
         into.append(_open(fn, i, limiter))
 
 
+def vector_width(env: Any) -> int:
+    """The number of sub-envs of an async vector env; 0 for a single async env."""
+    return int(env.num_envs) if is_async_vector_env(env) else 0
+
+
+def _spaces_of(env: Any) -> tuple[spaces.Space[Any], spaces.Space[Any]]:
+    """An env's (one sub-env's, for a vector env) observation and action spaces."""
+    if is_async_vector_env(env):
+        return env.single_observation_space, env.single_action_space
+    return env.observation_space, env.action_space
+
+
 class EnvSet:
-    """What the collector needs to know of its envs' spaces, checked to be the same for all of them."""
+    """What the collector needs to know of its envs' spaces, checked to be the same for all of them, and
+    where each env's rows are: env ``i`` has ``widths[i]`` sub-envs (0: a single env, one row) from row
+    ``firsts[i]`` on; a row is a (sub-)env id."""
 
     def __init__(self, envs: list[Any]) -> None:
-        first = envs[0]
-        self.observation_space: spaces.Space[Any] = first.observation_space
-        self.action_space: spaces.Space[Any] = first.action_space
+        self.observation_space: spaces.Space[Any]
+        self.action_space: spaces.Space[Any]
+        self.observation_space, self.action_space = _spaces_of(envs[0])
         for i, env in enumerate(envs[1:], 1):
-            if env.observation_space != self.observation_space or env.action_space != self.action_space:
+            obs_space, act_space = _spaces_of(env)
+            if obs_space != self.observation_space or act_space != self.action_space:
                 raise ValueError(
-                    f"env_fns[{i}] has the spaces {env.observation_space}, {env.action_space}, and "
-                    f"env_fns[0] {self.observation_space}, {self.action_space}: every env of a collector "
-                    "needs the same spaces (collect different envs with different collectors)"
+                    f"env_fns[{i}] has the spaces {obs_space}, {act_space}, and env_fns[0] "
+                    f"{self.observation_space}, {self.action_space} (a vector env's: one sub-env's, "
+                    "single_observation_space and single_action_space): every env of a collector needs "
+                    "the same spaces (collect different envs with different collectors)"
                 )
+        self.widths = [vector_width(env) for env in envs]
+        self.firsts: list[int] = []
+        rows = 0
+        for width in self.widths:
+            self.firsts.append(rows)
+            rows += max(width, 1)
+        #: the number of (sub-)envs: rows of the staging arrays, env ids
+        self.rows = rows
+        self.has_vector = any(self.widths)
         self.obs_specs: dict[NestedKey, LeafSpec] = observation_specs(self.observation_space)
         action_specs(self.action_space)  # raises on an unsupported action space
         self.obs_keys = list(self.obs_specs)

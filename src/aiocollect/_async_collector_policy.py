@@ -205,22 +205,34 @@ class ActionCodec:
         dtype = np.int64 if isinstance(sub, spaces.Discrete) else sub.dtype
         return array.astype(dtype, copy=False)
 
-    def actions(self, out: Mapping[NestedKey, torch.Tensor], n: int) -> list[Any]:
-        """``n`` env actions from the policy's outputs."""
+    def arrays(self, out: Mapping[NestedKey, torch.Tensor], n: int) -> dict[NestedKey, np.ndarray]:
+        """The action leaves of the policy's outputs as arrays ``[n, ...]`` (checked against the space)."""
         if not self.composite:
-            array = self._leaf("action", out["action"], n)
-            if isinstance(self.space, spaces.Discrete):
-                return array.tolist()
-            return list(array)
+            return {"action": self._leaf("action", out["action"], n)}
         missing = [key for key in self.leaves if key not in out]
         if missing:
             raise KeyError(
                 f"no action entries {missing}; the action space {self.space} needs {list(self.leaves)}"
             )
-        arrays = {key: self._leaf(key, out[key], n) for key in self.leaves}
+        return {key: self._leaf(key, out[key], n) for key in self.leaves}
+
+    def actions(self, arrays: Mapping[NestedKey, np.ndarray], n: int) -> list[Any]:
+        """``n`` env actions from :meth:`arrays`' leaves, one per env."""
+        if not self.composite:
+            array = arrays["action"]
+            if isinstance(self.space, spaces.Discrete):
+                return array.tolist()
+            return list(array)
         return [self._assemble(self.space, ("action",), arrays, j) for j in range(n)]
 
-    def _assemble(self, space: spaces.Space[Any], path: tuple[str, ...], arrays: Any, j: int) -> Any:
+    def block(self, arrays: Mapping[NestedKey, np.ndarray], start: int, stop: int) -> Any:
+        """The actions of rows ``start:stop`` as a vector env takes them: an array ``[stop - start, ...]``
+        (a dict or tuple of such arrays for a ``Dict`` or ``Tuple`` space)."""
+        if not self.composite:
+            return arrays["action"][start:stop]
+        return self._assemble(self.space, ("action",), arrays, slice(start, stop))
+
+    def _assemble(self, space: spaces.Space[Any], path: tuple[str, ...], arrays: Any, j: int | slice) -> Any:
         if isinstance(space, spaces.Dict):
             return {name: self._assemble(sub, (*path, name), arrays, j) for name, sub in space.spaces.items()}
         if isinstance(space, spaces.Tuple):
@@ -228,4 +240,6 @@ class ActionCodec:
                 self._assemble(sub, (*path, str(i)), arrays, j) for i, sub in enumerate(space.spaces)
             )
         value = arrays[path]
+        if isinstance(j, slice):
+            return value[j]
         return int(value[j]) if isinstance(space, spaces.Discrete) else value[j]

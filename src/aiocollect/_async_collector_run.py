@@ -31,6 +31,7 @@ import torch
 from ._async_collector_envs import EnvSet
 from ._async_collector_frames import FrameBatch, Layout, PolicyCall
 from ._async_collector_policy import ActionCodec, BatchPolicy
+from ._async_collector_vector import END, IN_VECTOR, VectorSteps
 from ._envs._spaces import LeafSpec, NestedKey
 from ._events import WorkerFailed
 
@@ -70,8 +71,12 @@ class EngineConfig:
     track_policy_version: bool
 
 
-class Engine:
-    """The running state of one entered ``AsyncEnvCollector`` (see the module docstring)."""
+class Engine(VectorSteps):
+    """The running state of one entered ``AsyncEnvCollector`` (see the module docstring).
+
+    Its per-env state is per row: a single env has one row, a vector env of ``N`` sub-envs ``N``
+    consecutive rows (``spec.firsts``); a row's index is its env id. The tasks of vector envs are
+    :class:`VectorSteps`'."""
 
     def __init__(
         self,
@@ -84,7 +89,8 @@ class Engine:
         is_paused: Callable[[], bool],
         resumed: Callable[[], Awaitable[None]],
     ) -> None:
-        n = len(envs)
+        n = spec.rows
+        self.rows = n
         self.envs = envs
         self.spec = spec
         self.policy = policy
@@ -100,7 +106,17 @@ class Engine:
         self.batch_sizes: deque[int] = deque(maxlen=10_000)  # of the recent policy calls
         self.error: BaseException | None = None
         # hand-offs between the env tasks and the policy task
-        self._ready: list[int] = []
+        self._ready: list[int] = []  # rows (a vector env's all at once)
+        # per row: 0 a single env's, N the first of a vector env of N sub-envs, -1 its others
+        self._kinds = [0] * n
+        for first, width in zip(spec.firsts, spec.widths, strict=True):
+            if width:
+                self._kinds[first : first + width] = [width] + [-1] * (width - 1)
+        # per row: the row after its env's last one (a single env's: the next)
+        self._row_stop = list(range(1, n + 1))
+        for first, width in zip(spec.firsts, spec.widths, strict=True):
+            self._row_stop[first : first + width] = [first + width] * width
+
         self._first_ready = 0.0
         # len(self._ready) at which an env becoming ready wakes the policy task (0: never; it is not waiting
         # for envs): one int compared per step instead of a signal per ready env
@@ -141,8 +157,13 @@ class Engine:
             with anyio.CancelScope() as scope:
                 self._scope = scope
                 async with anyio.create_task_group() as tg:
-                    for i, env in enumerate(self.envs):
-                        tg.start_soon(self._env_task, i, env)
+                    for u, (env, first, width) in enumerate(
+                        zip(self.envs, self.spec.firsts, self.spec.widths, strict=True)
+                    ):
+                        if width:
+                            tg.start_soon(self._vector_task, u, env, first, width)
+                        else:
+                            tg.start_soon(self._env_task, first, env, u)
                     tg.start_soon(self._policy_task)
                     task_status.started()
         finally:
@@ -187,7 +208,7 @@ class Engine:
         rows = [slot[i] if slot.ndim > 1 else slot[i : i + 1] for slot in self.stage]
         return rows, rows[0] if len(rows) == 1 else None
 
-    async def _env_task(self, i: int, env: Any) -> None:  # the hot loop, in one piece (fewer frames)
+    async def _env_task(self, i: int, env: Any, u: int) -> None:  # env u, row i: the hot loop, in one piece
         try:
             seed = None if self.config.seed is None else self.config.seed + i
             obs, _ = await env.reset(seed=seed)
@@ -223,7 +244,7 @@ class Engine:
                 else:
                     await waiter.wait()
                 action = actions[i]
-                if action is _END:  # the budget is spent
+                if action is END:  # the budget is spent
                     return
                 obs, reward, terminated, truncated, _ = await env.step(action)
                 actions[i] = None
@@ -265,8 +286,8 @@ class Engine:
             if not self.config.drop_failed_envs:
                 self._fail(exc)
                 return
-            self._drop(i, exc)
-            await self.close_env(i)
+            self._drop(u, exc)
+            await self.close_env(u)
 
     async def close_env(self, i: int) -> None:
         """Close env ``i`` (once), shielded; an error closing it is dropped (it failed, or we are ending)."""
@@ -279,17 +300,25 @@ class Engine:
             except Exception:  # closing is best effort: the env's own error was reported
                 pass
 
-    def _drop(self, i: int, exc: Exception) -> None:
-        stepping, self._actions[i] = self._actions[i] is not None, None
-        self.dropped.add(i)
-        self.hub.publish(WorkerFailed(i, f"{type(exc).__name__}: {exc}"))
-        if stepping:  # it failed mid-step: that frame is not collected (another env's step makes it up)
-            self._in_flight -= 1
+    def _drop(self, u: int, exc: Exception) -> None:
+        """Drop env ``u`` (a vector env: all its sub-envs): its rows read failed, an event for each."""
+        first, width = self.spec.firsts[u], self.spec.widths[u]
+        stop = first + max(width, 1)
+        stepping = self._actions[first] is not None
+        self._actions[first:stop] = [None] * (stop - first)
+        message = f"{type(exc).__name__}: {exc}"
+        if width:
+            message += f" (vector env {u}: its sub-envs, env ids {first} to {stop - 1}, are dropped)"
+        for i in range(first, stop):
+            self.dropped.add(i)
+            self.hub.publish(WorkerFailed(i, message))
+        if stepping:  # it failed mid-step: those frames are not collected (other envs' steps make them up)
+            self._in_flight -= stop - first
             if self.idle:
                 self.idle_signal.set()
-        if len(self.dropped) == len(self.envs):
+        if len(self.dropped) == self.rows:
             error = RuntimeError(
-                f"every env was dropped (on_env_error='drop'); the last one, env {i}, raised "
+                f"every env was dropped (on_env_error='drop'); the last one, env {first}, raised "
                 f"{type(exc).__name__}: {exc}"
             )
             error.__cause__ = exc
@@ -319,7 +348,7 @@ class Engine:
         # handed out: _next_action is advanced once every env of a call has its action)
         low = self._next_action
         for number, action in zip(self._action_no, self._actions, strict=True):
-            if action is not None and action is not _END and number < low:
+            if action is not None and action is not END and number < low:
                 low = number
         calls = self._calls
         while calls and calls[0].base + calls[0].n <= low:
@@ -343,9 +372,11 @@ class Engine:
     def _end_actions(self) -> None:
         """The budget is collected: the waiting envs stop, and so do the others after their step."""
         self._no_more_actions = True
+        kinds = self._kinds
         for i in self._ready:
-            self._actions[i] = _END
-            self._wake(self._waiters[i])
+            if kinds[i] >= 0:  # a single env, or a vector env's first row (its waiter)
+                self._actions[i] = END
+                self._wake(self._waiters[i])
         self._ready.clear()
 
     async def _next_batch_size(self) -> int:
@@ -366,7 +397,7 @@ class Engine:
                     continue
                 waiting = len(self._ready)
                 if room > 0 and waiting:
-                    need = min(config.min_batch, len(self.envs) - len(self.dropped), room)
+                    need = min(config.min_batch, self.rows - len(self.dropped), room)
                     late = self._first_ready + config.max_wait - anyio.current_time()
                     if waiting >= need or late <= 0:
                         return min(waiting, room)
@@ -381,7 +412,10 @@ class Engine:
             self._wake_at = 0  # acting (or ending): the envs need not wake us
 
     async def _act(self, n: int) -> None:
-        """One policy call on the first ``n`` ready envs, and their actions handed out."""
+        """One policy call on the first ``n`` ready envs (more if the ``n``-th is a vector env's sub-env:
+        a vector env's rows are never split), and their actions handed out."""
+        last = self._ready[n - 1]
+        n += self._row_stop[last] - last - 1
         ids = self._ready[:n]
         del self._ready[:n]
         if self._ready:
@@ -402,13 +436,22 @@ class Engine:
             self._layout = self._make_layout(outputs)
         elif list(outputs) != self._layout.out_keys:
             raise KeyError(f"the policy wrote {list(outputs)}, and {self._layout.out_keys} at its first call")
-        env_actions = self.codec.actions(out, n)
+        arrays = self.codec.arrays(out, n)
         base = self._next_action
         self._calls.append(PolicyCall(obs, list(outputs.values()), idx, self.traj_ids[idx], version, base))
+        self._in_flight += n
+        if self.spec.has_vector:
+            await self._dispatch_mixed(ids, arrays, base)
+        else:
+            await self._dispatch(ids, self.codec.actions(arrays, n), base)
+        self._next_action = base + n
+
+    async def _dispatch(self, ids: list[int], env_actions: list[Any], base: int) -> None:
+        """Hand single envs their actions (numbered from ``base``) and wake them."""
+        n = len(ids)
         actions, action_no, waiters = self._actions, self._action_no, self._waiters
         futures = self._new_waiter is not anyio.Event
         wake = self._wake
-        self._in_flight += n
         for start in range(0, n, DISPATCH_CHUNK):
             if start:
                 # let the loop run these envs (and anything else waiting) before waking more: a burst of
@@ -423,14 +466,35 @@ class Engine:
                     wake(waiter)
                 elif not waiter.done():  # done: its task was cancelled
                     waiter.set_result(None)
-        self._next_action = base + n
+
+    async def _dispatch_mixed(self, ids: list[int], arrays: dict[NestedKey, Any], base: int) -> None:
+        """Hand single and vector envs their actions (numbered from ``base``; a vector env's rows in a
+        row, its block of actions given to its first) and wake them, as :meth:`_dispatch` does."""
+        n = len(ids)
+        codec, kinds = self.codec, self._kinds
+        singles = codec.actions(arrays, n) if any(kinds[i] == 0 for i in ids) else []
+        actions, action_no, waiters, wake = self._actions, self._action_no, self._waiters, self._wake
+        for start in range(0, n, DISPATCH_CHUNK):
+            if start:
+                await anyio.lowlevel.checkpoint()  # see _dispatch
+            for j in range(start, min(n, start + DISPATCH_CHUNK)):
+                i = ids[j]
+                width = kinds[i]
+                if width < 0:  # a vector env's row after its first: handed out with the first
+                    continue
+                if width:
+                    actions[i] = codec.block(arrays, j, j + width)
+                    actions[i + 1 : i + width] = [IN_VECTOR] * (width - 1)
+                    action_no[i : i + width] = range(base + j, base + j + width)
+                else:
+                    actions[i] = singles[j]
+                    action_no[i] = base + j
+                wake(waiters[i])
 
     def _make_layout(self, outputs: dict[NestedKey, Any]) -> Layout:
         specs = {key: LeafSpec(tuple(value.shape[1:]), _dtype(value)) for key, value in outputs.items()}
         return Layout(self.spec.obs_specs, specs, track_policy_version=self.config.track_policy_version)
 
-
-_END = object()  # the action of an env that is to stop
 
 #: envs woken per loop iteration after a policy call (see ``Engine._act``)
 DISPATCH_CHUNK = 64
