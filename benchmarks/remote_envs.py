@@ -121,14 +121,16 @@ async def timed_loop(
 async def run(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     policy = MLP()
+    collector: Any
     token = secrets.token_urlsafe(24)
     env_fn = functools.partial(gym.make, "CartPole-v1")
     names = {
         "pool": "AsyncEnvCollector over RemoteEnvPool",
         "remote": "AsyncEnvCollector over RemoteEnv",
+        "vector": "AsyncEnvCollector over RemoteVectorEnv (servers host the vector env)",
         "loop": "plain loop over RemoteVectorEnv (upper bound, nothing stored)",
     }
-    kinds = ["pool", "remote", "loop", "multi"]
+    kinds = ["vector", "pool", "remote", "loop", "multi"]
     if args.no_remote:
         kinds.remove("remote")
     results: dict[str, list[float]] = {kind: [] for kind in kinds}
@@ -167,11 +169,28 @@ async def run(args: argparse.Namespace) -> None:
                         results[kind].append(fps[kind])
                         cpu[kind].append((client_us, server_us))
                         continue
+                    if kind == "vector":  # one connection per server, one message per step of its 64 envs
+                        vector_envs = [
+                            await pools.enter_async_context(await RemoteVectorEnv.open(s.url, token=token))
+                            for s in vector_servers
+                        ]
+                        collector = AsyncEnvCollector(
+                            vector_envs,
+                            policy,
+                            frames_per_batch=args.frames_per_batch,
+                            min_batch=args.envs_per_server,
+                            seed=r,
+                        )
+                        pids = [s.pid for s in vector_servers if s.pid]
+                        fps[kind], client_us, server_us = await timed(collector, args.frames, pids)
+                        results[kind].append(fps[kind])
+                        cpu[kind].append((client_us, server_us))
+                        continue
                     if kind == "pool":  # one connection per server, the envs' calls batched on it
                         envs: list[Any] = []
                         for server in servers:
                             envs += await pools.enter_async_context(RemoteEnvPool(server.url, token=token))
-                        collector: Any = AsyncEnvCollector(
+                        collector = AsyncEnvCollector(
                             envs, policy, frames_per_batch=args.frames_per_batch, min_batch=n // 2, seed=r
                         )
                     elif kind == "remote":  # one connection per env

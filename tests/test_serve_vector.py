@@ -23,6 +23,7 @@ from gymnasium import spaces
 from gymnasium.vector import AutoresetMode
 
 from aiocollect import (
+    AsyncEnvCollector,
     GymEnv,
     RemoteConnectionError,
     RemoteEnv,
@@ -288,3 +289,32 @@ async def test_tls(certificate: tuple[ssl.SSLContext, ssl.SSLContext]) -> None: 
             assert (await env.step(np.ones(2, np.int64)))[0].shape == (2, 4)
         with pytest.raises(RemoteConnectionError, match="TLS handshake"):
             await RemoteVectorEnv.open(server.url, token=TOKEN)
+
+
+async def test_async_env_collector_over_two_servers() -> None:
+    """One server of 3 single envs, one hosting a vector env of 5: 8 env ids, every frame of each kept in
+    order, the final observation at each episode end (a CartPole out of bounds) and the reset one after."""
+    single = serve_envs([cartpole] * 3, token=TOKEN)
+    vector = serve_envs(vector_env_fn=lambda: local_vector(5), token=TOKEN)
+    async with single, vector, await RemoteVectorEnv.open(single.url, token=TOKEN) as first:
+        made = lambda: RemoteVectorEnv(vector.url, token=TOKEN)  # noqa: E731  (made in a worker thread)
+        collector = AsyncEnvCollector([first, made], frames_per_batch=96, total_frames=960, seed=1)
+        with anyio.fail_after(30):
+            async with collector:
+                batches = [batch async for batch in collector]
+    assert [b.numel() for b in batches] == [96] * 10
+    data = torch.cat(batches)
+    env_id = data["collector", "env_id"]
+    assert set(env_id.tolist()) == set(range(8))
+    obs, nxt = data["observation"], data["next", "observation"]
+    terminated, done = data["next", "terminated"][:, 0], data["next", "done"][:, 0]
+    out = (nxt[:, 0].abs() > 2.4) | (nxt[:, 2].abs() > 12 * 2 * np.pi / 360)
+    assert torch.equal(out, terminated) and terminated.any()  # final observations at the ends, only there
+    ids = data["collector", "traj_ids"]
+    for e in range(8):
+        rows = (env_id == e).nonzero()[:, 0].tolist()
+        for a, b in zip(rows[:-1], rows[1:], strict=True):
+            if done[a]:  # the trajectory id changes, and a fresh episode starts
+                assert ids[b] != ids[a] and obs[b].abs().max() <= 0.05
+            else:
+                assert torch.equal(nxt[a], obs[b]) and ids[b] == ids[a]
