@@ -8,6 +8,7 @@ thread or process is left.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import signal
 import ssl
 import threading
@@ -313,7 +314,7 @@ async def test_async_env_collector_over_two_servers() -> None:
     ids = data["collector", "traj_ids"]
     for e in range(8):
         rows = (env_id == e).nonzero()[:, 0].tolist()
-        for a, b in zip(rows[:-1], rows[1:], strict=True):
+        for a, b in itertools.pairwise(rows):
             if done[a]:  # the trajectory id changes, and a fresh episode starts
                 assert ids[b] != ids[a] and obs[b].abs().max() <= 0.05
             else:
