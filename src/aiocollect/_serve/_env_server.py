@@ -27,6 +27,7 @@ import gymnasium as gym
 from ._actions import action_checker
 from ._common import Server, check_host_port, check_server_tls, check_token, error_message
 from ._env_jobs import Job, Uniform, parse_calls, parse_steps, run_job, uniform_action_checker
+from ._hop import StepThread
 from ._spaces import describe_space
 from ._vector_jobs import HostedVector, SingleEnvs, VectorJob, open_vector_env
 from ._wire import ProtocolError, decode, encode, pack_tree
@@ -253,8 +254,9 @@ class EnvServer(Server):
             if kind == "spaces" or (kind == "vector" and host is None) or (kind != "vector" and self.vector):
                 await ws.aclose()  # a look at the spaces only (a client's constructor), or refused
                 return
-            if host is not None:
-                await self._answer_in_order(ws, functools.partial(self._serve_vector, host))
+            if host is not None:  # a vector client: its own stepping thread, for as long as it is connected
+                async with StepThread(f"aiocollect-vector-envs-{start}-{stop}") as thread:
+                    await self._answer_in_order(ws, functools.partial(self._serve_vector, host, thread))
                 return
             await self._answer_in_order(
                 ws, functools.partial(self._serve_one, start=start, stop=stop, batch=batch)
@@ -276,12 +278,13 @@ class EnvServer(Server):
         await job.done.wait()
         return job.reply
 
-    async def _serve_vector(self, host: SingleEnvs | HostedVector, message: bytes) -> bytes:
-        """A vector client's message, decoded, run and its reply encoded in one worker-thread hop of its
-        own (it holds all its envs' calls already: the stepper's gathering would only add wake-ups)."""
+    async def _serve_vector(
+        self, host: SingleEnvs | HostedVector, thread: StepThread, message: bytes
+    ) -> bytes:
+        """A vector client's message, decoded, run and its reply encoded in one hop to the connection's
+        thread (it holds all its envs' calls already: the stepper's gathering would only add wake-ups)."""
         job = VectorJob(host, message)
-        with anyio.CancelScope(shield=True):  # a job is never left half done
-            await anyio.to_thread.run_sync(job.run, limiter=self._limiter)
+        await thread.run(job.run)
         return job.reply
 
     async def _stepper(self) -> None:
