@@ -33,7 +33,7 @@ from ._vector_jobs import HostedVector, SingleEnvs, VectorJob, open_vector_env
 from ._wire import ProtocolError, decode, encode, pack_tree
 from ._ws import SERVER_HEARTBEAT, Heartbeat, RemoteConnectionError, WebSocket, accept, heartbeat
 
-__all__ = ["EnvServer", "check_env_fns", "local_spaces", "serve_envs"]
+__all__ = ["EnvServer", "check_env_fns", "local_num_envs", "local_spaces", "serve_envs"]
 
 #: seconds a connection to an env waits for the env's previous connection to end before it is refused
 HANDOVER_TIMEOUT = 5.0
@@ -54,6 +54,12 @@ def local_spaces(port: int, index: int, token: str) -> tuple[Any, Any] | None:
     if not 0 <= index < server.num_envs:
         raise ValueError(f"{server.url} has {server.num_envs} envs; index {index} is out of range")
     return server.spaces(index)
+
+
+def local_num_envs(port: int) -> int | None:
+    """How many envs this process's server on ``port`` has (``None``: no such server here)."""
+    server = _RUNNING.get(port)
+    return None if server is None else server.num_envs
 
 
 class EnvServer(Server):

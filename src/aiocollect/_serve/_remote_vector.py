@@ -10,7 +10,7 @@ from gymnasium import spaces
 
 from ._actions import batch_action_encoder
 from ._client import OneConnection, is_local, read_hello, run_blocking
-from ._env_server import local_spaces
+from ._env_server import local_num_envs, local_spaces
 from ._wire import ProtocolError, encode, pack_tree, unpack_tree
 from ._ws import CLIENT_HEARTBEAT, check_client_tls, connect, heartbeat, split_url
 
@@ -114,13 +114,12 @@ class RemoteVectorEnv(OneConnection):
         """The spaces and env count of a server running on this process's loops, if that is where it is."""
         if not is_local(self.url):
             return None
-        from ._env_server import _RUNNING
-
         port = split_url(self.url)[1]
         spaces_here = local_spaces(port, self.start, self._token)
-        if spaces_here is None:
+        count = local_num_envs(port)
+        if spaces_here is None or count is None:
             return None
-        return *spaces_here, _RUNNING[port].num_envs
+        return *spaces_here, count
 
     async def _fetch(self) -> tuple[Any, Any, int]:
         ws = await connect(
