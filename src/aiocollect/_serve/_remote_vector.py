@@ -100,6 +100,8 @@ class RemoteVectorEnv(OneConnection):
             stop = start + num_envs
         if num_envs is not None and num_envs != stop - start:
             raise ValueError(f"num_envs={num_envs} but envs {start} to {stop - 1} are {stop - start}")
+        assert single_observation_space is not None
+        assert single_action_space is not None
         self.stop: int = stop
         #: the number of sub-envs, stepped together
         self.num_envs: int = stop - start

@@ -36,7 +36,7 @@ class _Infos:
     """Gymnasium's merge of one sub-env's info into a vector info (``info[key]`` a column, ``info["_key"]``
     its mask), borrowed from ``VectorEnv``: the infos come out as a local vector env's would."""
 
-    _add_info = gym.vector.VectorEnv._add_info
+    _add_info: Any = gym.vector.VectorEnv._add_info  # a plain function of self.num_envs
 
     def __init__(self, num_envs: int) -> None:
         self.num_envs = num_envs
@@ -69,10 +69,12 @@ class SingleEnvs:
 
     def _stack(self, observations: list[Any]) -> Any:
         space = self.single_observation_space
-        return concatenate(space, observations, create_empty_array(space, len(observations)))
+        out: Any = create_empty_array(space, len(observations))
+        return concatenate(space, observations, out)
 
     def reset(self, seed: int | None, options: dict[str, Any] | None) -> tuple[Any, dict[str, Any]]:
-        observations, infos = [], {}
+        observations: list[Any] = []
+        infos: dict[str, Any] = {}
         for k, env in enumerate(self.envs):
             obs, info = env.reset(seed=None if seed is None else seed + k, options=options)
             observations.append(obs)
@@ -173,7 +175,8 @@ class HostedVector:
             finals = [column[k] for k in ended.tolist()]
             info = {k: v for k, v in info.items() if k not in ("final_obs", "_final_obs")}
             space = self.single_observation_space
-            stacked = concatenate(space, finals, create_empty_array(space, len(finals)))
+            out: Any = create_empty_array(space, len(finals))
+            stacked = concatenate(space, finals, out)
             return obs, rewards, terminated, truncated, ended, stacked, info
         done = np.logical_or(terminated, truncated)
         if not done.any():
