@@ -33,6 +33,7 @@ from aiocollect import (
     serve_envs,
     serve_envs_process,
 )
+from aiocollect._serve._wire import decode, encode, pack_tree, unpack_tree
 from aiocollect._serve._ws import connect
 from test_serve import certificate, clean, warm_loop  # noqa: F401  (fixtures)
 
@@ -190,6 +191,16 @@ async def test_wrong_token_is_refused_before_the_env() -> None:
         assert all(env.steps == 0 and not env.stepping.is_set() for env in made)
 
 
+async def test_object_info_columns_travel_as_their_items() -> None:
+    column = np.array([None, "a", {"x": np.arange(3)}, 2.5], dtype=object)
+    arrays: list[Any] = []
+    header, got = decode(encode({"op": "step", "info": pack_tree({"note": column}, arrays)}, arrays))
+    back = unpack_tree(header["info"], got)["note"]
+    assert back.dtype == object and back.shape == (4,)
+    assert back[0] is None and back[1] == "a" and back[3] == 2.5
+    np.testing.assert_array_equal(back[2]["x"], np.arange(3))
+
+
 async def test_what_a_vector_host_refuses() -> None:
     with pytest.raises(TypeError, match="not both"):
         serve_envs([cartpole], vector_env_fn=lambda: local_vector(2))
@@ -198,6 +209,9 @@ async def test_what_a_vector_host_refuses() -> None:
     with pytest.raises(TypeError, match="must return a gymnasium vector env"):
         async with serve_envs(vector_env_fn=cartpole):
             pass
+    async with serve_envs([cartpole, lambda: gym.make("Pendulum-v1")], token=TOKEN) as server:
+        with pytest.raises(ValueError, match="do not share their spaces"):
+            await RemoteVectorEnv.open(server.url, token=TOKEN)
     numpy_cartpole = lambda: gym.make_vec("CartPole-v1", 4, vectorization_mode="vector_entry_point")  # noqa: E731
     with pytest.raises(ValueError, match="cannot be reset in part"):
         async with serve_envs(vector_env_fn=numpy_cartpole):

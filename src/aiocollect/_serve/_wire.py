@@ -87,16 +87,19 @@ def decode(message: bytes) -> tuple[dict[str, Any], list[np.ndarray]]:
     if not isinstance(header, dict) or not isinstance(header.get("op"), str):
         raise ProtocolError("message header must be a JSON object with an 'op' string")
     arrays = []
+    total = len(message)
     for entry in _described(header):
         dtype, shape = _array_meta(entry)
-        nbytes = dtype.itemsize * math.prod(shape)
-        if end + nbytes > len(message):
+        count = math.prod(shape)
+        nbytes = dtype.itemsize * count
+        if end + nbytes > total:
             raise ProtocolError("message shorter than the arrays its header lists")
-        arrays.append(np.frombuffer(message, dtype=dtype, count=math.prod(shape), offset=end).reshape(shape))
+        # a fresh, writable (and aligned) copy of each array
+        arrays.append(np.frombuffer(message, dtype=dtype, count=count, offset=end).reshape(shape).copy())
         end += nbytes
-    if end != len(message):
+    if end != total:
         raise ProtocolError("message longer than the arrays its header lists")
-    return header, [a.copy() for a in arrays]
+    return header, arrays
 
 
 def _described(header: dict[str, Any]) -> list[Any]:
@@ -106,18 +109,18 @@ def _described(header: dict[str, Any]) -> list[Any]:
     return listed
 
 
-def _array_meta(entry: Any) -> tuple[np.dtype[Any], tuple[int, ...]]:
-    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list)):
+def _array_meta(entry: Any) -> tuple[np.dtype[Any], list[int]]:
+    if type(entry) is not list or len(entry) != 2 or type(shape := entry[1]) is not list:
         raise ProtocolError(f"array description {entry!r} is not a [dtype, shape] pair")
-    dtype = DTYPES.get(entry[0]) if isinstance(entry[0], str) else None
+    dtype = DTYPES.get(entry[0]) if type(entry[0]) is str else None
     if dtype is None:
         raise ProtocolError(f"dtype {entry[0]!r} is not accepted (one of {sorted(DTYPES)})")
-    shape = entry[1]
-    if not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**31 for n in shape):
-        raise ProtocolError(f"bad array shape {shape!r}")
     if len(shape) > 32:
         raise ProtocolError(f"array shape {shape!r} has too many dimensions")
-    return dtype, tuple(shape)
+    for n in shape:  # (a bool is not an int here: type() is exact)
+        if type(n) is not int or not 0 <= n < 2**31:
+            raise ProtocolError(f"bad array shape {shape!r}")
+    return dtype, shape
 
 
 # -- trees of JSON values and arrays ----------------------------------------------------------------------
