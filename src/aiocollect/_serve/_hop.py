@@ -32,11 +32,16 @@ class StepThread:
         self._rx.setblocking(False)
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._result: Any = None
+        self._error: BaseException | None = None
 
     def _main(self) -> None:
         while (fn := self._jobs.get()) is not _STOP:
-            self._result = fn()  # the jobs catch their own errors (an error reply)
-            self._tx.send(b"\0")
+            try:
+                self._result = fn()  # (a vector job answers its errors: this is for anything else)
+            except BaseException as exc:
+                self._error = exc
+            finally:
+                self._tx.send(b"\0")
 
     async def run(self, fn: Callable[[], Any]) -> Any:
         self._jobs.put(fn)
@@ -47,7 +52,9 @@ class StepThread:
                         break
                 except BlockingIOError:
                     await anyio.wait_readable(self._rx)
-        result, self._result = self._result, None
+        result, error, self._result, self._error = self._result, self._error, None, None
+        if error is not None:
+            raise error
         return result
 
     async def __aenter__(self) -> StepThread:
