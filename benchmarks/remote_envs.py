@@ -8,9 +8,13 @@ envs in 2 worker processes (``GymEnv("CartPole-v1", num_envs=64)`` each).
 
 Both run the same MLP policy (4 -> 64 -> 64 -> 2, tanh, argmax): in the collector's thread for the
 remote envs (central inference: one forward pass per batch of ready envs), in each worker for
-``MultiAsyncCollector``. Two clients: ``RemoteEnvPool`` (one connection per server, the calls of all
-its envs batched into one message per round) and ``RemoteEnv`` (one connection per env, a WebSocket
-round trip per env step). The servers batch the calls that have arrived into one worker-thread hop.
+``MultiAsyncCollector``. Three clients: ``RemoteVectorEnv`` (one connection per server, all its envs
+stepped by one message per step; those 2 servers host the baseline's own vector env,
+``GymEnv("CartPole-v1", num_envs=64)``, through ``serve_envs(vector_env_fn=...)``), ``RemoteEnvPool``
+(one connection per server of 64 single ``gym.make`` CartPoles, the calls of its envs batched into one
+message per round) and ``RemoteEnv`` (one connection per env, a WebSocket round trip per env step). A
+fourth row, "plain loop", steps the 2 ``RemoteVectorEnv`` without a collector (a forward pass in a
+worker thread, then one ``await step``, nothing stored): an upper bound for the collector over them.
 Servers start once; each round builds a fresh collector of each kind, skips its first two batches
 (start-up, resets, a batch ready in advance) and times the next ``--frames``. The table prints each
 variant's median frames/s, the median of the per-round ratios to MultiAsyncCollector (target >= 0.5),
