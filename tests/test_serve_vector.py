@@ -333,3 +333,14 @@ async def test_async_env_collector_over_two_servers() -> None:
                 assert ids[b] != ids[a] and obs[b].abs().max() <= 0.05
             else:
                 assert torch.equal(nxt[a], obs[b]) and ids[b] == ids[a]
+
+
+async def test_the_collector_ends_within_two_seconds_when_a_server_dies() -> None:
+    async with serve_envs_process(vector_env_fn=lambda: local_vector(8), token=TOKEN) as server:
+        collector = AsyncEnvCollector([lambda: RemoteVectorEnv(server.url, token=TOKEN)], frames_per_batch=64)
+        with pytest.raises(RemoteConnectionError):
+            async with collector:
+                async for _ in collector:
+                    killed_at = time.monotonic()
+                    server.kill()
+        assert time.monotonic() - killed_at < 2.0
