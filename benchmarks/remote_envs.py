@@ -8,9 +8,13 @@ envs in 2 worker processes (``GymEnv("CartPole-v1", num_envs=64)`` each).
 
 Both run the same MLP policy (4 -> 64 -> 64 -> 2, tanh, argmax): in the collector's thread for the
 remote envs (central inference: one forward pass per batch of ready envs), in each worker for
-``MultiAsyncCollector``. Two clients: ``RemoteEnvPool`` (one connection per server, the calls of all
-its envs batched into one message per round) and ``RemoteEnv`` (one connection per env, a WebSocket
-round trip per env step). The servers batch the calls that have arrived into one worker-thread hop.
+``MultiAsyncCollector``. Three clients: ``RemoteVectorEnv`` (one connection per server, all its envs
+stepped by one message per step; those 2 servers host the baseline's own vector env,
+``GymEnv("CartPole-v1", num_envs=64)``, through ``serve_envs(vector_env_fn=...)``), ``RemoteEnvPool``
+(one connection per server of 64 single ``gym.make`` CartPoles, the calls of its envs batched into one
+message per round) and ``RemoteEnv`` (one connection per env, a WebSocket round trip per env step). A
+fourth row, "plain loop", steps the 2 ``RemoteVectorEnv`` without a collector (a forward pass in a
+worker thread, then one ``await step``, nothing stored): an upper bound for the collector over them.
 Servers start once; each round builds a fresh collector of each kind, skips its first two batches
 (start-up, resets, a batch ready in advance) and times the next ``--frames``. The table prints each
 variant's median frames/s, the median of the per-round ratios to MultiAsyncCollector (target >= 0.5),
@@ -41,6 +45,7 @@ from aiocollect import (
     MultiAsyncCollector,
     RemoteEnv,
     RemoteEnvPool,
+    RemoteVectorEnv,
     serve_envs_process,
 )
 
@@ -82,19 +87,68 @@ async def timed(collector: Any, frames: int, servers: list[int]) -> tuple[float,
         return got / elapsed, 1e6 * cpu / got, 1e6 * server / got
 
 
+async def timed_loop(
+    envs: list[RemoteVectorEnv], policy: nn.Module, frames: int, servers: list[int]
+) -> tuple[float, float, float]:
+    """The upper bound of a collector over ``envs``: a plain loop per vector env (the policy's forward
+    pass in a worker thread, then one ``await step``), nothing stored; as :func:`timed`, after a warm-up."""
+    counted = {"frames": 0}
+    marks = [(frames // 5, anyio.Event()), (frames // 5 + frames, anyio.Event())]
+
+    def act(obs: Any) -> Any:
+        with torch.no_grad():
+            return policy(torch.from_numpy(obs)).numpy()
+
+    async def run(env: RemoteVectorEnv, seed: int) -> None:
+        obs, _ = await env.reset(seed=seed)
+        while True:
+            action = await anyio.to_thread.run_sync(act, obs)
+            obs, *_ = await env.step(action)
+            counted["frames"] += env.num_envs
+            for mark, event in marks:
+                if counted["frames"] >= mark:
+                    event.set()
+
+    async with anyio.create_task_group() as tg:
+        for i, env in enumerate(envs):
+            tg.start_soon(run, env, 1000 * i)
+        await marks[0][1].wait()
+        cpu0, server0 = cpu_seconds(), sum(map(cpu_seconds, servers))
+        start, got0 = time.perf_counter(), counted["frames"]
+        await marks[1][1].wait()
+        elapsed, got = time.perf_counter() - start, counted["frames"] - got0
+        cpu, server = cpu_seconds() - cpu0, sum(map(cpu_seconds, servers)) - server0
+        tg.cancel_scope.cancel()
+    return got / elapsed, 1e6 * cpu / got, 1e6 * server / got
+
+
 async def run(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     policy = MLP()
+    collector: Any
     token = secrets.token_urlsafe(24)
     env_fn = functools.partial(gym.make, "CartPole-v1")
-    names = {"pool": "AsyncEnvCollector over RemoteEnvPool", "remote": "AsyncEnvCollector over RemoteEnv"}
-    results: dict[str, list[float]] = {"pool": [], "remote": [], "multi": []}
-    cpu: dict[str, list[tuple[float, float]]] = {"pool": [], "remote": [], "multi": []}
+    names = {
+        "pool": "AsyncEnvCollector over RemoteEnvPool",
+        "remote": "AsyncEnvCollector over RemoteEnv",
+        "vector": "AsyncEnvCollector over RemoteVectorEnv (servers host the vector env)",
+        "loop": "plain loop over RemoteVectorEnv (upper bound, nothing stored)",
+    }
+    kinds = ["vector", "pool", "remote", "loop", "multi"]
+    if args.no_remote:
+        kinds.remove("remote")
+    results: dict[str, list[float]] = {kind: [] for kind in kinds}
+    cpu: dict[str, list[tuple[float, float]]] = {kind: [] for kind in kinds}
     load_before = os.getloadavg()
-    ratios: dict[str, list[float]] = {"pool": [], "remote": []}
+    ratios: dict[str, list[float]] = {kind: [] for kind in kinds if kind != "multi"}
     async with contextlib.AsyncExitStack() as stack:
         servers = [
             await stack.enter_async_context(serve_envs_process([env_fn] * args.envs_per_server, token=token))
+            for _ in range(args.servers)
+        ]
+        # servers hosting the baseline's own vector env (a SyncVectorEnv of 64 CartPoles, same-step)
+        vector_servers = [
+            await stack.enter_async_context(serve_envs_process(vector_env_fn=cartpole64, token=token))
             for _ in range(args.servers)
         ]
         env_fns = [
@@ -105,13 +159,42 @@ async def run(args: argparse.Namespace) -> None:
         n = len(env_fns)
         for r in range(args.rounds):
             fps = {}
-            for kind in ("pool", "multi") if args.no_remote else ("pool", "remote", "multi"):
+            for kind in kinds:
                 async with contextlib.AsyncExitStack() as pools:
+                    if kind == "loop":
+                        vector_envs = [
+                            await pools.enter_async_context(await RemoteVectorEnv.open(s.url, token=token))
+                            for s in vector_servers
+                        ]
+                        pids = [s.pid for s in vector_servers if s.pid]
+                        fps[kind], client_us, server_us = await timed_loop(
+                            vector_envs, policy, args.frames, pids
+                        )
+                        results[kind].append(fps[kind])
+                        cpu[kind].append((client_us, server_us))
+                        continue
+                    if kind == "vector":  # one connection per server, one message per step of its 64 envs
+                        vector_envs = [
+                            await pools.enter_async_context(await RemoteVectorEnv.open(s.url, token=token))
+                            for s in vector_servers
+                        ]
+                        collector = AsyncEnvCollector(
+                            vector_envs,
+                            policy,
+                            frames_per_batch=args.frames_per_batch,
+                            min_batch=args.envs_per_server,
+                            seed=r,
+                        )
+                        pids = [s.pid for s in vector_servers if s.pid]
+                        fps[kind], client_us, server_us = await timed(collector, args.frames, pids)
+                        results[kind].append(fps[kind])
+                        cpu[kind].append((client_us, server_us))
+                        continue
                     if kind == "pool":  # one connection per server, the envs' calls batched on it
                         envs: list[Any] = []
                         for server in servers:
                             envs += await pools.enter_async_context(RemoteEnvPool(server.url, token=token))
-                        collector: Any = AsyncEnvCollector(
+                        collector = AsyncEnvCollector(
                             envs, policy, frames_per_batch=args.frames_per_batch, min_batch=n // 2, seed=r
                         )
                     elif kind == "remote":  # one connection per env
@@ -149,7 +232,7 @@ async def run(args: argparse.Namespace) -> None:
         "\n|---|---|---|---|---|"
     )
     for kind, name in {**names, "multi": f"MultiAsyncCollector ({args.servers} workers)"}.items():
-        if not results[kind]:
+        if not results.get(kind):
             continue
         client_us = statistics.median(c for c, _ in cpu[kind])
         server_us = f"{statistics.median(s for _, s in cpu[kind]):.1f}" if kind != "multi" else ""

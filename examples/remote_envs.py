@@ -4,13 +4,17 @@ and a collector that steps all their envs over WebSocket and runs the policy on 
     python examples/remote_envs.py
     python examples/remote_envs.py --envs-per-server 32 --total-frames 50000 --uvloop
     python examples/remote_envs.py --remote-policy    # the policy served too (serve_policy/RemotePolicy)
+    python examples/remote_envs.py --pool             # single envs, each stepped on its own (RemoteEnvPool)
 
 In a real deployment each server runs on a simulator machine (``serve_envs(..., host=<its private
 address>, token=...)`` in a script of its own, see docs/serve.md) and the learner connects to them; here
-``serve_envs_process`` starts them on this machine, on loopback, with a random shared token. The
-collector reaches each server through one ``RemoteEnvPool`` (one connection per server); its policy runs
-in the collector's thread, or, with ``--remote-policy``, in a ``serve_policy`` server that batches the
-requests of every client (here one) into one forward pass.
+``serve_envs_process`` starts them on this machine, on loopback, with a random shared token. Each server
+hosts one vector env of ``--envs-per-server`` CartPoles (``vector_env_fn``), and the collector steps it
+through one ``RemoteVectorEnv``: one message per step for all its envs, the fast path. With ``--pool``
+the servers host single envs, and one ``RemoteEnvPool`` per server steps each env as it becomes ready
+(one message per round of the envs ready meanwhile). The policy runs in the collector's thread, or, with
+``--remote-policy``, in a ``serve_policy`` server that batches the requests of every client (here one)
+into one forward pass.
 """
 
 from __future__ import annotations
@@ -30,7 +34,15 @@ import torch
 from tensordict.nn import TensorDictModule
 from torch import nn
 
-from aiocollect import AsyncEnvCollector, RemoteEnvPool, RemotePolicy, serve_envs_process, serve_policy
+from aiocollect import (
+    AsyncEnvCollector,
+    GymEnv,
+    RemoteEnvPool,
+    RemotePolicy,
+    RemoteVectorEnv,
+    serve_envs_process,
+    serve_policy,
+)
 
 
 @dataclass
@@ -40,6 +52,7 @@ class Args:
     total_frames: int = field(default=20_000, metadata={"help": "frames to collect"})
     frames_per_batch: int = field(default=2_000, metadata={"help": "frames per batch"})
     remote_policy: bool = field(default=False, metadata={"help": "serve the policy too (RemotePolicy)"})
+    pool: bool = field(default=False, metadata={"help": "single envs and RemoteEnvPool, not a vector env"})
     uvloop: bool = field(default=False, metadata={"help": "run the asyncio loop on uvloop"})
     seed: int = field(default=1, metadata={"help": "seeds the envs and the policy weights"})
 
@@ -73,15 +86,24 @@ async def main(args: Args) -> None:
     policy = TensorDictModule(ArgmaxMLP(), in_keys=["observation"], out_keys=["action"])
     token = secrets.token_urlsafe(24)  # shared by the servers and this client; never leaves this machine
     make_env = functools.partial(gym.make, "CartPole-v1")
+    make_vector = functools.partial(GymEnv, "CartPole-v1", num_envs=args.envs_per_server)
     async with contextlib.AsyncExitStack() as stack:
         envs: list[Any] = []
         for _ in range(args.servers):
-            server = await stack.enter_async_context(
-                serve_envs_process([make_env] * args.envs_per_server, token=token)
-            )
-            pool = await stack.enter_async_context(RemoteEnvPool(server.url, token=token))
-            print(f"env server pid {server.pid} at {server.url}: {len(pool)} envs")
-            envs += pool
+            if args.pool:  # single envs, each stepped when it is ready
+                server = await stack.enter_async_context(
+                    serve_envs_process([make_env] * args.envs_per_server, token=token)
+                )
+                pool = await stack.enter_async_context(RemoteEnvPool(server.url, token=token))
+                envs += pool
+            else:  # one vector env per server, stepped whole by one message
+                server = await stack.enter_async_context(
+                    serve_envs_process(vector_env_fn=make_vector, token=token)
+                )
+                envs.append(
+                    await stack.enter_async_context(await RemoteVectorEnv.open(server.url, token=token))
+                )
+            print(f"env server pid {server.pid} at {server.url}: {args.envs_per_server} envs")
         acting: Any = policy
         if args.remote_policy:
             policy_server = await stack.enter_async_context(serve_policy(policy, token=token))
@@ -104,7 +126,8 @@ async def main(args: Args) -> None:
     mean_return = "n/a" if stats.mean_return is None else f"{stats.mean_return:.1f}"
     print(
         f"{stats.frames} frames in {elapsed:.1f} s: {stats.frames / elapsed:,.0f} frames/s from "
-        f"{len(envs)} remote envs in {args.servers} processes; {len(sizes)} policy calls, "
+        f"{args.servers * args.envs_per_server} remote envs in {args.servers} processes; "
+        f"{len(sizes)} policy calls, "
         f"{sum(sizes) / max(len(sizes), 1):.0f} envs each on average; {stats.episodes} episodes, "
         f"mean return {mean_return}"
     )

@@ -33,6 +33,7 @@ from aiocollect import (
     RemoteEnv,
     RemoteEnvPool,
     RemotePolicy,
+    RemoteVectorEnv,
     WorkerError,
     serve_envs,
     serve_envs_process,
@@ -436,13 +437,17 @@ async def test_pool_server_killed_fails_pending_calls(clean: Any) -> None:
             await pool[0].reset()
 
 
-@pytest.mark.parametrize("client", ["env", "pool"])
+@pytest.mark.parametrize("client", ["env", "pool", "vector"])
 async def test_collector_cancelled_mid_step_leaves_nothing(clean: Any, client: str) -> None:
     async with serve_envs([lambda: CountingEnv(step_delay=0.02)] * 4, token=TOKEN) as server:
         async with contextlib.AsyncExitStack() as stack:
             if client == "pool":
                 pool = await stack.enter_async_context(RemoteEnvPool(server.url, token=TOKEN))
                 envs: list[Any] = list(pool)
+            elif client == "vector":  # 2 vector clients of 2 envs each, made in a worker thread
+                envs = [
+                    lambda i=i: RemoteVectorEnv(server.url, token=TOKEN, start=i, stop=i + 2) for i in (0, 2)
+                ]
             else:
                 envs = [lambda i=i: RemoteEnv(server.url, index=i, token=TOKEN) for i in range(4)]
             with anyio.fail_after(20):
@@ -455,6 +460,10 @@ async def test_collector_cancelled_mid_step_leaves_nothing(clean: Any, client: s
                 env = await RemoteEnv.open(server.url, index=0, token=TOKEN)
                 await env.reset()
                 await env.close()
+        if client == "vector":
+            with anyio.fail_after(5):
+                async with await RemoteVectorEnv.open(server.url, token=TOKEN) as vector:
+                    assert (await vector.reset(seed=0))[0].shape == (4, 4)
 
 
 # -- liveness: the heartbeat ------------------------------------------------------------------------------

@@ -69,6 +69,7 @@ if typing.TYPE_CHECKING:  # the lazy names below, for type checkers (imported on
         RemoteEnv,
         RemoteEnvPool,
         RemotePolicy,
+        RemoteVectorEnv,
         serve_envs,
         serve_envs_process,
         serve_policy,
@@ -88,7 +89,8 @@ _LAZY = {
     # the serve extra (wsproto) is imported on first use of these
     **dict.fromkeys(
         ["EnvServer", "EnvServerProcess", "PolicyServer", "PooledRemoteEnv", "RemoteConnectionError"]
-        + ["RemoteEnv", "RemoteEnvPool", "RemotePolicy", "serve_envs", "serve_envs_process", "serve_policy"],
+        + ["RemoteEnv", "RemoteEnvPool", "RemotePolicy", "serve_envs", "serve_envs_process", "serve_policy"]
+        + ["RemoteVectorEnv"],
         "._serve",
     ),
 }
@@ -171,6 +173,7 @@ __all__ = [
     "RemoteEnv",
     "RemoteEnvPool",
     "RemotePolicy",
+    "RemoteVectorEnv",
     "serve_envs",
     "serve_envs_process",
     "serve_policy",

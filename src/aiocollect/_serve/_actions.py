@@ -7,6 +7,7 @@ expects (its dtype and shape), so that a well-behaved client never trips the che
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,14 @@ from gymnasium import spaces
 
 from ._wire import ProtocolError
 
-__all__ = ["action_checker", "action_encoder", "as_action_value", "check_action"]
+__all__ = [
+    "action_checker",
+    "action_encoder",
+    "as_action_value",
+    "batch_action_checker",
+    "batch_action_encoder",
+    "check_action",
+]
 
 
 def check_action(space: spaces.Space[Any], value: Any) -> Any:
@@ -126,3 +134,90 @@ def _encode_array(dtype: Any, shape: tuple[int, ...], action: Any) -> np.ndarray
 def as_action_value(space: spaces.Space[Any], action: Any) -> Any:
     """:func:`action_encoder` applied once."""
     return action_encoder(space)(action)
+
+
+# -- a vector env's actions: one array (or a tree of arrays) for all its sub-envs -------------------------
+def batch_action_encoder(space: spaces.Space[Any], n: int) -> Callable[[Any], Any]:
+    """What a vector client sends for the actions of ``n`` sub-envs of one action ``space``: an array
+    ``[n, *shape]`` of the space's dtype (torch tensors converted; a dict or list of them for a Dict or
+    Tuple space), its type looked up once."""
+    if isinstance(space, spaces.Dict):
+        parts = {k: batch_action_encoder(s, n) for k, s in space.spaces.items()}
+        return lambda actions: {k: encode(actions[k]) for k, encode in parts.items()}
+    if isinstance(space, spaces.Tuple):
+        items = [batch_action_encoder(s, n) for s in space.spaces]
+        return lambda actions: [encode(a) for encode, a in zip(items, actions, strict=True)]
+    dtype = np.int64 if isinstance(space, spaces.Discrete) else space.dtype
+    return functools.partial(_encode_rows, dtype, (n, *(space.shape or ())))
+
+
+def _encode_rows(dtype: Any, shape: tuple[int, ...], actions: Any) -> np.ndarray:
+    array = np.asarray(_plain(actions))
+    if array.dtype != dtype:
+        if array.dtype.kind == "f" and np.dtype(dtype).kind in "iu":  # a float action for an int space
+            raise ValueError(f"actions of dtype {array.dtype} for a space of integers ({np.dtype(dtype)})")
+        array = array.astype(dtype)
+    if array.shape != shape:
+        if array.size != math.prod(shape):
+            raise ValueError(f"actions of shape {array.shape} for {shape[0]} sub-envs of shape {shape[1:]}")
+        array = array.reshape(shape)
+    return array
+
+
+def batch_action_checker(space: spaces.Space[Any], n: int) -> Callable[[Any], Any]:
+    """The server's check of ``n`` sub-envs' actions at once (as :func:`check_action` per row: a Box
+    column by shape and dtype, integer spaces by their values too); returns them as they arrived."""
+    if isinstance(space, spaces.Dict):
+        parts = {k: batch_action_checker(s, n) for k, s in space.spaces.items()}
+
+        def check_dict(actions: Any) -> Any:
+            if not isinstance(actions, dict) or set(actions) != set(parts):
+                raise ValueError(f"actions must be a dict with keys {sorted(parts)}")
+            return {k: check(actions[k]) for k, check in parts.items()}
+
+        return check_dict
+    if isinstance(space, spaces.Tuple):
+        items = [batch_action_checker(s, n) for s in space.spaces]
+
+        def check_tuple(actions: Any) -> Any:
+            if not isinstance(actions, list) or len(actions) != len(items):
+                raise ValueError(f"actions must be a sequence of {len(items)} columns")
+            return tuple(check(a) for check, a in zip(items, actions, strict=True))
+
+        return check_tuple
+    shape = (n, *(space.shape or ()))
+    if isinstance(space, spaces.Discrete):
+        low, high = int(space.start), int(space.start) + int(space.n)
+
+        def check_discrete(actions: Any) -> np.ndarray:
+            array = _number(actions)
+            if array.shape != shape or array.dtype.kind not in "iu":
+                raise ValueError(f"actions of {space} must be {n} integers, got {array.dtype} {array.shape}")
+            if n and (int(array.min()) < low or int(array.max()) >= high):
+                raise ValueError(f"an action is not in {space}")
+            return array
+
+        return check_discrete
+    if isinstance(space, spaces.Box):
+
+        def check_box(actions: Any) -> np.ndarray:
+            array = _number(actions)
+            if array.shape != shape or array.dtype != space.dtype:
+                raise ValueError(
+                    f"actions have shape {array.shape} and dtype {array.dtype}; {n} sub-envs of the action "
+                    f"space {space} take {shape} and {space.dtype}"
+                )
+            return array
+
+        return check_box
+
+    def check_multi(actions: Any) -> np.ndarray:
+        array = _number(actions)
+        if array.shape != shape or array.dtype.kind not in "biu":
+            raise ValueError(f"actions of {space} must be integers of shape {shape}, got {array.shape}")
+        array = array.astype(space.dtype)
+        if not all(space.contains(row) for row in array):
+            raise ValueError(f"an action is not in {space}")
+        return array
+
+    return check_multi

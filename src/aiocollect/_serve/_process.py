@@ -19,7 +19,7 @@ import cloudpickle
 
 from .._errors import worker_died
 from ._common import check_host_port, check_token
-from ._env_server import serve_envs
+from ._env_server import check_env_fns, serve_envs
 from ._ws import SERVER_HEARTBEAT, Heartbeat, heartbeat
 
 __all__ = ["EnvServerProcess", "serve_envs_process"]
@@ -33,8 +33,8 @@ _PRELOAD = ["aiocollect._serve._process", "gymnasium", "aiocollect._workers._fre
 def _child_main(conn: Any, payload: bytes, host: str, port: int, token: str, beat: Heartbeat | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the terminal is the parent's to handle
     try:
-        env_fns = cloudpickle.loads(payload)
-        anyio.run(_serve_child, conn, env_fns, host, port, token, beat)
+        env_fns, vector_env_fn = cloudpickle.loads(payload)
+        anyio.run(_serve_child, conn, env_fns, vector_env_fn, host, port, token, beat)
     except BaseException as exc:
         try:
             conn.send(("error", cloudpickle.dumps(exc)))
@@ -44,11 +44,17 @@ def _child_main(conn: Any, payload: bytes, host: str, port: int, token: str, bea
 
 
 async def _serve_child(
-    conn: Any, env_fns: Any, host: str, port: int, token: str, beat: Heartbeat | None
+    conn: Any, env_fns: Any, vector_env_fn: Any, host: str, port: int, token: str, beat: Heartbeat | None
 ) -> None:
     interval, timeout = (beat.interval, beat.timeout) if beat is not None else (None, None)
     server = serve_envs(
-        env_fns, host=host, port=port, token=token, heartbeat_interval=interval, heartbeat_timeout=timeout
+        env_fns,
+        vector_env_fn=vector_env_fn,
+        host=host,
+        port=port,
+        token=token,
+        heartbeat_interval=interval,
+        heartbeat_timeout=timeout,
     )
     async with server:
         conn.send(("ready", server.port))
@@ -61,8 +67,9 @@ class EnvServerProcess:
 
     def __init__(
         self,
-        env_fns: Sequence[Callable[[], Any]],
+        env_fns: Sequence[Callable[[], Any]] | None,
         *,
+        vector_env_fn: Callable[[], Any] | None = None,
         host: str,
         port: int,
         token: str | None,
@@ -70,14 +77,13 @@ class EnvServerProcess:
         startup_timeout: float,
         beat: Heartbeat | None = None,
     ) -> None:
-        if not isinstance(env_fns, Sequence) or not env_fns or not all(callable(fn) for fn in env_fns):
-            raise TypeError("env_fns must be a non-empty list of callables, each returning a gymnasium env")
+        check_env_fns(env_fns, vector_env_fn)
         check_host_port(host, port)
         if start_method not in mp.get_all_start_methods():
             raise ValueError(
                 f"start_method must be one of {mp.get_all_start_methods()}, got {start_method!r}"
             )
-        self._payload = cloudpickle.dumps(list(env_fns))
+        self._payload = cloudpickle.dumps((None if env_fns is None else list(env_fns), vector_env_fn))
         self.host, self.port, self.token = host, port, check_token(token)
         self.start_method, self.startup_timeout = start_method, startup_timeout
         self.heartbeat = beat
@@ -158,8 +164,9 @@ class EnvServerProcess:
 
 
 def serve_envs_process(
-    env_fns: Sequence[Callable[[], Any]],
+    env_fns: Sequence[Callable[[], Any]] | None = None,
     *,
+    vector_env_fn: Callable[[], Any] | None = None,
     host: str = "127.0.0.1",
     port: int = 0,
     token: str | None = None,
@@ -169,8 +176,8 @@ def serve_envs_process(
     heartbeat_timeout: float | None = SERVER_HEARTBEAT[1],
 ) -> EnvServerProcess:
     """:func:`serve_envs` in a new process; ``async with`` starts it (and waits until it listens) and
-    stops it. ``env_fns`` travel to the process with cloudpickle (lambdas are fine). The heartbeat
-    arguments are :func:`serve_envs`'s.
+    stops it. ``env_fns`` (or ``vector_env_fn``, one vector env: see :func:`serve_envs`) travel to the
+    process with cloudpickle (lambdas are fine). The heartbeat arguments are :func:`serve_envs`'s.
 
     Example:
         >>> import anyio, gymnasium as gym
@@ -186,6 +193,7 @@ def serve_envs_process(
     """
     return EnvServerProcess(
         env_fns,
+        vector_env_fn=vector_env_fn,
         host=host,
         port=port,
         token=token,

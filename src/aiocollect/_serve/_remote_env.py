@@ -3,68 +3,17 @@
 from __future__ import annotations
 
 import ssl
-import threading
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
-import anyio
 from gymnasium import spaces
 
 from ._actions import action_encoder
-from ._common import remote_error
+from ._client import OneConnection, is_local, read_hello, run_blocking
 from ._env_server import local_spaces
-from ._spaces import rebuild_space
-from ._wire import ProtocolError, decode, encode, pack_tree, unpack_tree
-from ._ws import (
-    CLIENT_HEARTBEAT,
-    Heartbeat,
-    UnreadError,
-    WebSocket,
-    ask,
-    check_client_tls,
-    connect,
-    heartbeat,
-    split_url,
-)
+from ._wire import encode, pack_tree, unpack_tree
+from ._ws import CLIENT_HEARTBEAT, Heartbeat, check_client_tls, connect, heartbeat, split_url
 
-__all__ = ["RemoteEnv", "fetch_spaces", "run_blocking"]
-
-T = TypeVar("T")
-
-
-def run_blocking(fn: Callable[[], Awaitable[T]]) -> T:
-    """``fn()`` run to completion on a fresh event loop in a new thread (never on the caller's loop)."""
-    box: dict[str, Any] = {}
-
-    def main() -> None:
-        try:
-            box["value"] = anyio.run(fn)
-        except BaseException as exc:
-            box["error"] = exc
-
-    thread = threading.Thread(target=main, name="aiocollect-serve-probe")
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    value: T = box["value"]
-    return value
-
-
-def _is_local(url: str) -> bool:
-    return split_url(url)[0] in ("127.0.0.1", "localhost", "::1")
-
-
-async def _hello(ws: WebSocket, where: str) -> tuple[spaces.Space[Any], spaces.Space[Any], int]:
-    """The spaces message a server starts a connection with: (observation space, action space, num_envs)."""
-    header, arrays = decode(await ws.receive())
-    if header["op"] == "error":
-        raise remote_error(header, where)
-    if header["op"] != "spaces" or not isinstance(header.get("num_envs"), int):
-        raise ProtocolError(f"{where} did not start with its spaces (got {header['op']!r})")
-    obs = rebuild_space(unpack_tree(header.get("observation_space"), arrays))
-    act = rebuild_space(unpack_tree(header.get("action_space"), arrays))
-    return obs, act, header["num_envs"]
+__all__ = ["RemoteEnv", "fetch_spaces"]
 
 
 async def fetch_spaces(
@@ -80,12 +29,13 @@ async def fetch_spaces(
         url, f"/spaces/{index}", token, connect_timeout=connect_timeout, beat=beat, ssl_context=ssl_context
     )
     try:
-        return await _hello(ws, f"{url} env {index}")
+        obs, act, header = await read_hello(ws, f"{url} env {index}")
+        return obs, act, header["num_envs"]
     finally:
         await ws.abort()
 
 
-class RemoteEnv:
+class RemoteEnv(OneConnection):
     """A gymnasium env that lives in a :func:`aiocollect.serve_envs` server, behind
     :class:`aiocollect.AsyncEnvProtocol`: ``await reset()``, ``await step()``, ``await close()``.
 
@@ -142,21 +92,18 @@ class RemoteEnv:
     ) -> None:
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:
             raise ValueError(f"index must be the env's position on the server (an int >= 0), got {index!r}")
-        if not isinstance(token, str) or not token:
-            raise ValueError("token must be the server's token (server.token), a non-empty string")
-        self.url, self.index, self.connect_timeout = url, index, connect_timeout
-        self.heartbeat = heartbeat(heartbeat_interval, heartbeat_timeout)
         check_client_tls(url, ssl_context)
-        self.ssl_context = ssl_context
-        self._token = token
-        self._ws: WebSocket | None = None
-        self._busy = False
-        self._closed = False
+        super().__init__(
+            url, token, connect_timeout, heartbeat(heartbeat_interval, heartbeat_timeout), ssl_context
+        )
+        self.index = index
+        self._path, self._where = f"/envs/{index}", f"{url} env {index}"
         if observation_space is None or action_space is None:
-            here = local_spaces(split_url(url)[1], index, token) if _is_local(url) else None
+            here = local_spaces(split_url(url)[1], index, token) if is_local(url) else None
             observation_space, action_space = here or run_blocking(self._fetch_spaces)
         self.observation_space: spaces.Space[Any] = observation_space
         self.action_space: spaces.Space[Any] = action_space
+        self._expected = (observation_space, action_space)
         self._encode = action_encoder(action_space)
 
     @classmethod
@@ -178,7 +125,7 @@ class RemoteEnv:
             url, f"/envs/{index}", token, connect_timeout=connect_timeout, beat=beat, ssl_context=ssl_context
         )
         try:
-            obs_space, act_space, _ = await _hello(ws, f"{url} env {index}")
+            obs_space, act_space, _ = await read_hello(ws, f"{url} env {index}")
             env = cls(
                 url,
                 index=index,
@@ -201,59 +148,10 @@ class RemoteEnv:
         )
         return obs, act
 
-    async def _connection(self) -> WebSocket:
-        if self._closed:
-            raise RuntimeError(f"RemoteEnv({self.url!r}, index={self.index}) is closed")
-        if self._ws is None or self._ws.closed:
-            ws = await connect(
-                self.url,
-                f"/envs/{self.index}",
-                self._token,
-                connect_timeout=self.connect_timeout,
-                beat=self.heartbeat,
-                ssl_context=self.ssl_context,
-            )
-            try:
-                obs_space, act_space, _ = await _hello(ws, f"{self.url} env {self.index}")
-                if obs_space != self.observation_space or act_space != self.action_space:
-                    raise ValueError(
-                        f"env {self.index} at {self.url} has spaces {obs_space}, {act_space}; this RemoteEnv "
-                        f"was given {self.observation_space}, {self.action_space}"
-                    )
-            except BaseException:
-                await ws.abort()
-                raise
-            self._ws = ws
-        return self._ws
-
     async def _call(self, header: dict[str, Any], value: Any) -> tuple[dict[str, Any], list[Any]]:
-        if self._busy:
-            raise RuntimeError("RemoteEnv calls must not overlap: await each reset/step before the next")
-        self._busy = True
-        done = False
-        try:
-            arrays: list[Any] = []
-            header["value"] = pack_tree(value, arrays)
-            message = encode(header, arrays)
-            ws = await self._connection()
-            try:
-                answer = await ask(ws, message)
-            except UnreadError:  # the connection was gone before the server read the call: again
-                self._ws = None
-                await ws.abort()
-                answer = await ask(await self._connection(), message)
-            reply, arrays = decode(answer)
-            done = True
-        finally:
-            self._busy = False
-            if not done and self._ws is not None:  # cancelled or failed mid-call: the stream is out of turn
-                ws, self._ws = self._ws, None
-                await ws.abort()
-        if reply["op"] == "error":
-            raise remote_error(reply, f"{self.url} env {self.index}")
-        if reply["op"] != header["op"]:
-            raise ProtocolError(f"expected a {header['op']!r} reply, got {reply['op']!r}")
-        return reply, arrays
+        arrays: list[Any] = []
+        header["value"] = pack_tree(value, arrays)
+        return await self._ask(encode(header, arrays), header["op"])
 
     async def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
@@ -267,13 +165,6 @@ class RemoteEnv:
         reply, arrays = await self._call({"op": "step"}, self._encode(action))
         obs, info = unpack_tree(reply["obs"], arrays), unpack_tree(reply["info"], arrays)
         return obs, reply["reward"], reply["terminated"], reply["truncated"], info
-
-    async def close(self) -> None:
-        """Close the connection (the env itself stays on the server, which owns it); idempotent."""
-        self._closed = True
-        ws, self._ws = self._ws, None
-        if ws is not None:
-            await ws.aclose()
 
     async def __aenter__(self) -> RemoteEnv:
         return self

@@ -190,6 +190,8 @@ class RemoteEnvPool:
         )
         try:
             header, arrays = decode(await ws.receive())
+            if header["op"] == "error":  # e.g. a server that hosts a vector env
+                raise remote_error(header, self.url)
             if header["op"] != "spaces" or not isinstance(header.get("envs"), list):
                 raise ProtocolError(f"{self.url} did not start with its envs' spaces")
             self.envs = [

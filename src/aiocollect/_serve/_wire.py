@@ -87,16 +87,19 @@ def decode(message: bytes) -> tuple[dict[str, Any], list[np.ndarray]]:
     if not isinstance(header, dict) or not isinstance(header.get("op"), str):
         raise ProtocolError("message header must be a JSON object with an 'op' string")
     arrays = []
+    total = len(message)
     for entry in _described(header):
         dtype, shape = _array_meta(entry)
-        nbytes = dtype.itemsize * math.prod(shape)
-        if end + nbytes > len(message):
+        count = math.prod(shape)
+        nbytes = dtype.itemsize * count
+        if end + nbytes > total:
             raise ProtocolError("message shorter than the arrays its header lists")
-        arrays.append(np.frombuffer(message, dtype=dtype, count=math.prod(shape), offset=end).reshape(shape))
+        # a fresh, writable (and aligned) copy of each array
+        arrays.append(np.frombuffer(message, dtype=dtype, count=count, offset=end).reshape(shape).copy())
         end += nbytes
-    if end != len(message):
+    if end != total:
         raise ProtocolError("message longer than the arrays its header lists")
-    return header, [a.copy() for a in arrays]
+    return header, arrays
 
 
 def _described(header: dict[str, Any]) -> list[Any]:
@@ -106,18 +109,18 @@ def _described(header: dict[str, Any]) -> list[Any]:
     return listed
 
 
-def _array_meta(entry: Any) -> tuple[np.dtype[Any], tuple[int, ...]]:
-    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list)):
+def _array_meta(entry: Any) -> tuple[np.dtype[Any], list[int]]:
+    if type(entry) is not list or len(entry) != 2 or type(shape := entry[1]) is not list:
         raise ProtocolError(f"array description {entry!r} is not a [dtype, shape] pair")
-    dtype = DTYPES.get(entry[0]) if isinstance(entry[0], str) else None
+    dtype = DTYPES.get(entry[0]) if type(entry[0]) is str else None
     if dtype is None:
         raise ProtocolError(f"dtype {entry[0]!r} is not accepted (one of {sorted(DTYPES)})")
-    shape = entry[1]
-    if not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**31 for n in shape):
-        raise ProtocolError(f"bad array shape {shape!r}")
     if len(shape) > 32:
         raise ProtocolError(f"array shape {shape!r} has too many dimensions")
-    return dtype, tuple(shape)
+    for n in shape:  # (a bool is not an int here: type() is exact)
+        if type(n) is not int or not 0 <= n < 2**31:
+            raise ProtocolError(f"bad array shape {shape!r}")
+    return dtype, shape
 
 
 # -- trees of JSON values and arrays ----------------------------------------------------------------------
@@ -127,8 +130,9 @@ _EMPTY: dict[str, Any] = {"{}": {}}  # an empty dict (an env's usual info), pack
 def pack_tree(value: Any, arrays: list[np.ndarray]) -> Any:
     """``value`` as JSON, its numpy arrays (and numpy scalars) appended to ``arrays`` as ``{"@": i}``.
 
-    Dicts (string keys), lists, tuples, ``None``, bools, ints, floats and strings travel as themselves;
-    anything else (an object in an ``info`` dict) travels as its ``repr`` text."""
+    Dicts (string keys), lists, tuples, ``None``, bools, ints, floats and strings travel as themselves,
+    a 1-d object array (a gymnasium vector env's info column, ``None`` where a sub-env had no entry) as
+    its items; anything else (an object in an ``info`` dict) travels as its ``repr`` text."""
     kind = type(value)
     if kind is np.ndarray and value.dtype.kind in "biuf":  # the common case first
         arrays.append(value)
@@ -142,6 +146,8 @@ def pack_tree(value: Any, arrays: list[np.ndarray]) -> Any:
         return {"@": len(arrays) - 1}
     if hasattr(value, "numpy") and hasattr(value, "detach"):  # a torch tensor
         return pack_tree(value.detach().cpu().numpy(), arrays)
+    if kind is np.ndarray and value.dtype == object and value.ndim == 1:  # a vector env's info column
+        return {"[]": [pack_tree(v, arrays) for v in value.tolist()]}
     if isinstance(value, dict):
         return {"{}": {str(k): pack_tree(v, arrays) for k, v in value.items()}}
     if isinstance(value, list | tuple):
@@ -171,5 +177,11 @@ def unpack_tree(tree: Any, arrays: list[np.ndarray]) -> Any:
         return array[()] if array.ndim == 0 else array
     inner = tree.get("{}")
     if not isinstance(inner, dict):
-        raise ProtocolError("a tree node must be {'@': index} or {'{}': {...}}")
+        items = tree.get("[]")
+        if isinstance(items, list) and len(tree) == 1:
+            column = np.empty(len(items), dtype=object)
+            for k, item in enumerate(items):
+                column[k] = unpack_tree(item, arrays)
+            return column
+        raise ProtocolError("a tree node must be {'@': index}, {'{}': {...}} or {'[]': [...]}")
     return {k: unpack_tree(v, arrays) for k, v in inner.items()}
