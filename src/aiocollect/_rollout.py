@@ -52,7 +52,6 @@ class _Steps:
     reward: list[Any] = field(default_factory=list)
     terminated: list[Any] = field(default_factory=list)
     truncated: list[Any] = field(default_factory=list)
-    ids: list[Any] = field(default_factory=list)
 
 
 class StopSignal(Protocol):
@@ -305,14 +304,22 @@ class Rollout:
         block: dict[NestedKey, torch.Tensor] = sample_steps(self.steps_per_batch)
         # a GymEnv takes numpy actions: indexing an array per step is ~10x cheaper than a tensor
         as_numpy = self.env.numpy_actions and all(v.dtype != torch.bfloat16 for v in block.values())
-        return block, {k: list(v.numpy()) if as_numpy else v.unbind(0) for k, v in block.items()}
+        return block, {k: v.numpy() if as_numpy else v.unbind(0) for k, v in block.items()}
 
-    def _block_actions(self, block_steps: dict[NestedKey, Any]) -> list[Any]:
-        """What ``env.step`` takes at each step of a random batch, picked once per batch."""
+    def _block_actions(self, block_steps: dict[NestedKey, Any]) -> tuple[list[Any], bool]:
+        """What ``env.step`` takes at each step of a random batch, picked once per batch, and whether
+        the env checked and converted them already (``stepper(converted=True)`` steps them)."""
+        if self.env.numpy_actions:
+            converted = self.env.action_steps(block_steps)
+            if converted is not None:
+                return converted, True
         if self.env.one_action:
-            return block_steps["action"]
+            return list(block_steps["action"]), False
         action_from = self.env.action_from
-        return [action_from({k: v[t] for k, v in block_steps.items()}) for t in range(self.steps_per_batch)]
+        actions = [
+            action_from({k: v[t] for k, v in block_steps.items()}) for t in range(self.steps_per_batch)
+        ]
+        return actions, False
 
     def _run(
         self,
@@ -325,18 +332,18 @@ class Rollout:
         """The hot loop: step the env ``steps_per_batch`` times (fewer if ``stop`` is set); returns the
         steps taken. Everything it reads per step is a local."""
         env = self.env
-        env_step = env.stepper()
         action_from = env.action_from
-        new_ids = self._new_ids
         batched = bool(self.batch_shape)
         out_hist, rew_hist, term_hist, trunc_hist = hist.out, hist.reward, hist.terminated, hist.truncated
-        ids_hist, carry = hist.ids, self._carry
-        block_actions = self._block_actions(block_steps) if block_steps is not None else None
+        carry = self._carry
+        block_actions, converted = (
+            self._block_actions(block_steps) if block_steps is not None else (None, False)
+        )
+        env_step = env.stepper(converted=converted)
         from_numpy = torch.from_numpy
         root_slots, next_slots = obs_slots
         max_steps = self.options.max_frames_per_traj
         ep_length = self._ep_length
-        traj_ids = self._traj_ids
         root = self._root
         steps = T = self.steps_per_batch
         for t in range(T):
@@ -369,26 +376,18 @@ class Rollout:
             rew_hist.append(reward)
             term_hist.append(terminated)
             trunc_hist.append(truncated)
-            ids_hist.append(traj_ids)
             root = next_root
-            if batched:
-                done = terminated | truncated
-                n_done = np.count_nonzero(done)  # ~3x cheaper than done.any() then done.sum()
-                if n_done:
-                    traj_ids = traj_ids.copy()
-                    traj_ids[done] = new_ids(n_done)
-                    if max_steps is not None:
+            # trajectory ids are worked out from the done flags once per batch (_finish)
+            if max_steps is not None:
+                if batched:
+                    done = terminated | truncated
+                    if np.count_nonzero(done):  # ~3x cheaper than done.any()
                         ep_length = np.where(done, 0, ep_length)
-                    if forced is not None:
-                        root = env.reset(forced) if carry is None else carry.keep(env.reset(forced))
-            elif terminated or truncated:
-                traj_ids = new_ids(1).reshape(())
-                if max_steps is not None:
+                elif terminated or truncated:
                     ep_length = np.zeros_like(ep_length)
                 if forced is not None:
                     root = env.reset(forced) if carry is None else carry.keep(env.reset(forced))
         self._root = root
-        self._traj_ids = traj_ids
         self._ep_length = ep_length
         return steps
 
@@ -416,13 +415,13 @@ class Rollout:
             _stack_into(reward[valid], hist.reward, nb)
             _stack_into(views[("next", "terminated")][valid], hist.terminated, nb)
             _stack_into(views[("next", "truncated")][valid], hist.truncated, nb)
-            _stack_into(traj_v[valid], hist.ids, nb)
             done_v = views[("next", "done")]
             np.logical_or(
                 views[("next", "terminated")][valid],
                 views[("next", "truncated")][valid],
                 out=done_v[valid],
             )
+            self._write_traj_ids(traj_v[valid], done_v[valid])
         if steps < self.steps_per_batch:
             # frames never collected: traj id -1 marks them invalid (their other entries are garbage)
             traj_v[(*lead, slice(steps, None))] = -1
@@ -446,6 +445,34 @@ class Rollout:
             episode_lengths=lengths,
             policy_version=self.policy_version,
         )
+
+    def _write_traj_ids(self, out: np.ndarray, done: np.ndarray) -> None:
+        """The trajectory id of every frame (``[*B, steps]``, time last), from the done flags.
+
+        What a per-step loop would do, vectorised: a frame has the id its env's trajectory had when the
+        step began; at every episode end the env takes the next id, handed out in step order, then env
+        order (``stride`` apart from ``next_traj_id`` on)."""
+        n = max(self.env.numel, 1)
+        steps = done.shape[-1]
+        flat = done.reshape(n, steps).T.ravel()  # step-major: the order ids are handed out in
+        first = self._traj_ids.reshape(n)
+        n_ends = np.count_nonzero(flat)
+        if not n_ends:
+            out[...] = self._traj_ids[..., None]
+            return
+        # per frame, 1 + the index of the last episode end in its env strictly before it (0: none)
+        rank = np.cumsum(flat, dtype=np.int64)
+        rank *= flat
+        last = np.maximum.accumulate(rank.reshape(steps, n), axis=0)
+        before = np.empty_like(last)
+        before[0] = 0
+        before[1:] = last[:-1]
+        start, stride = self._next_traj, self.options.traj_id_stride
+        ids = np.where(before > 0, start + stride * (before - 1), first)
+        out[...] = ids.T.reshape(out.shape)
+        ended = last[-1]
+        self._traj_ids = np.where(ended > 0, start + stride * (ended - 1), first).reshape(self.batch_shape)
+        self._next_traj = start + stride * int(n_ends)
 
     def _write_outputs(
         self,

@@ -500,6 +500,28 @@ class GymEnv:
             return action.reshape(self._batch_shape).astype(np.int64, copy=False)
         return action.astype(space.dtype, copy=False)
 
+    def _env_action_steps(self, actions: np.ndarray) -> list[Any] | None:
+        """The actions of many steps (steps first, one action entry), checked and converted in one go:
+        what :meth:`_step_env_action` takes at each step, the same as :meth:`_leaf_action` gives step by
+        step. ``None`` for a Dict or Tuple action space (converted step by step)."""
+        if self._composite:
+            return None
+        space, bounds, scalar_bounds, discrete = self._act_info["action"]
+        if bounds is not None and actions.size:
+            low, high = bounds
+            if scalar_bounds:
+                outside = actions.min() < low or actions.max() > high
+            else:
+                outside = bool((actions < low).any() or (actions > high).any())
+            if outside:  # the step's own error
+                for action in actions:
+                    self._leaf_action("action", action)
+        if discrete:
+            steps = actions.reshape((len(actions), *self._batch_shape)).astype(np.int64, copy=False)
+        else:
+            steps = actions.astype(space.dtype, copy=False)
+        return list(steps)
+
     def _step_arrays(self, action: Any) -> ArrayStep:
         """Step every sub-env; ended episodes are reset at once (same-step autoreset).
 
@@ -507,6 +529,10 @@ class GymEnv:
         """
         # the common case, one action entry, skips a call (each costs ~0.1 us per step)
         env_action = self._to_env_action(action) if self._composite else self._leaf_action("action", action)
+        return self._step_env_action(env_action)
+
+    def _step_env_action(self, env_action: Any) -> ArrayStep:
+        """:meth:`_step_arrays` of an action already checked and converted (:meth:`_env_action_steps`)."""
         obs, reward, terminated, truncated, info = self._env.step(env_action)
         if not self._vector:
             terminated = bool(terminated)
@@ -537,14 +563,24 @@ class GymEnv:
                     order, obs, reward, terminated, truncated, info, done
                 )
         if self._same_step:
-            root = self._observation(obs, info)
+            dtype = self._plain_obs_dtype
+            root = (
+                {"observation": self._array(obs, dtype)}
+                if dtype is not None
+                else self._observation(obs, info)
+            )
             if np.count_nonzero(done):  # ~4x cheaper than done.any() on a few envs
                 nxt = {k: v.copy() for k, v in root.items()}  # root keeps the reset observations
                 final_mask = info.get("_final_obs", done)
                 finals = info["final_obs"]
-                for i in np.nonzero(final_mask)[0]:  # np.flatnonzero costs 2-3x more
-                    for key, value in flatten_obs(self._obs_space, finals[i]).items():
-                        nxt[key][i] = value
+                if dtype is not None:  # one observation array: no flattening per sub-env
+                    plain = nxt["observation"]
+                    for i in np.nonzero(final_mask)[0]:  # np.flatnonzero costs 2-3x more
+                        plain[i] = finals[i]
+                else:
+                    for i in np.nonzero(final_mask)[0]:
+                        for key, value in flatten_obs(self._obs_space, finals[i]).items():
+                            nxt[key][i] = value
                 if self._info is not None:
                     self._final_info_entries(info, done, nxt, root)
                 self._autoreset_pending = done
