@@ -20,7 +20,7 @@ from tensordict.nn import set_interaction_type
 from ._envs._adapter import ArrayEnv, check_env
 from ._envs._spaces import LeafSpec, NestedKey
 from ._options import RolloutOptions, WeightSchedule
-from ._policies import Runner, compile_policy, make_runner, random_policy_for
+from ._policies import Runner, compile_policy, make_runner, one_input, random_policy_for
 from ._recurrent import Carry, Recurrence, find_recurrence
 from ._storage import StoragePool
 
@@ -346,6 +346,20 @@ class Rollout:
         ep_length = self._ep_length
         root = self._root
         steps = T = self.steps_per_batch
+        fused = env.fused_gym if carry is None and max_steps is None else None
+        if fused is not None and (block_actions is None or converted):
+            # a GymEnv of one observation array: its own loop, without a call and a dict per step
+            steps, obs = fused._run_steps(
+                T,
+                root["observation"],
+                one_input(runner, "observation"),
+                block_actions,
+                (root_slots[0][1], next_slots[0][1]),
+                (out_hist, rew_hist, term_hist, trunc_hist),
+                stop,
+            )
+            self._root = {"observation": obs}
+            return steps
         for t in range(T):
             if stop is not None and stop.is_set():
                 steps = t

@@ -531,6 +531,101 @@ class GymEnv:
         env_action = self._to_env_action(action) if self._composite else self._leaf_action("action", action)
         return self._step_env_action(env_action)
 
+    @property
+    def _fused_steps(self) -> bool:
+        """Whether :meth:`_run_steps` can collect: one observation array (no Dict space, no info
+        entries), one action entry, and one env or a gymnasium vector env with same-step autoreset."""
+        return (
+            self._plain_obs_dtype is not None
+            and not self._composite
+            and not self._pool
+            and self._same_step
+            and not self._needs_reset
+        )
+
+    def _run_steps(
+        self,
+        steps: int,
+        root: np.ndarray,
+        act: Any,
+        actions: list[Any] | None,
+        slots: tuple[np.ndarray, np.ndarray],
+        hist: tuple[list[Any], list[Any], list[Any], list[Any]],
+        stop: Any,
+    ) -> tuple[int, np.ndarray]:
+        """The rollout's hot loop where :attr:`_fused_steps` holds: what ``steps`` calls of
+        :meth:`_step_arrays` give, without a call, a dict and a named tuple per step.
+
+        At step ``t``: ``root`` (the observation acted on) goes to ``slots[0][t]``; the action is
+        ``actions[t]`` (checked and converted: :meth:`_env_action_steps`) or, with ``actions`` None,
+        from ``out = act(torch.from_numpy(root))`` (``out`` appended to ``hist[0]``, ``out["action"]``
+        checked as :meth:`_step_arrays` does); the next observation goes to ``slots[1][t]``, reward and
+        flags to ``hist[1:]``. Stops early where ``stop.is_set()``. Returns (steps taken, the observation
+        to act on next).
+        """
+        env_step = self._env.step
+        reset = self._env.reset
+        leaf = self._leaf_action
+        array = self._array
+        dtype = self._plain_obs_dtype
+        from_numpy = torch.from_numpy
+        count_nonzero = np.count_nonzero
+        obs_slot, next_slot = slots
+        out_hist, rew_hist, term_hist, trunc_hist = hist
+        vector = self._vector
+        float32 = np.float32
+        pending: Any = self._autoreset_pending
+        taken = steps
+        try:
+            for t in range(steps):
+                if stop is not None and stop.is_set():
+                    taken = t
+                    break
+                obs_slot[t] = root
+                if actions is None:
+                    out = act(from_numpy(root))
+                    out_hist.append(out)
+                    env_action = leaf("action", out["action"])
+                else:
+                    env_action = actions[t]
+                obs, reward, terminated, truncated, info = env_step(env_action)
+                if vector:
+                    terminated = np.asarray(terminated, dtype=bool)
+                    truncated = np.asarray(truncated, dtype=bool)
+                    done = terminated | truncated
+                    root = array(obs, dtype)
+                    if count_nonzero(done):
+                        nxt = root.copy()  # root keeps the reset observations
+                        finals = info["final_obs"]
+                        for i in np.nonzero(info.get("_final_obs", done))[0]:
+                            nxt[i] = finals[i]
+                        pending = done
+                    else:
+                        nxt = root
+                        pending = None
+                    reward = np.asarray(reward, dtype=float32)
+                else:
+                    terminated = bool(terminated)
+                    truncated = bool(truncated)
+                    nxt = array(obs, dtype)
+                    if terminated or truncated:
+                        nxt = nxt.copy()  # the reset may write into the env's buffer
+                        new_obs, _ = reset()
+                        root = array(new_obs, dtype)
+                        pending = np.asarray(True)
+                    else:
+                        root = nxt
+                        pending = None
+                    reward = float(reward)
+                next_slot[t] = nxt
+                rew_hist.append(reward)
+                term_hist.append(terminated)
+                trunc_hist.append(truncated)
+        finally:
+            self._autoreset_pending = pending
+            self._last_obs = {"observation": root}
+        return taken, root
+
     def _step_env_action(self, env_action: Any) -> ArrayStep:
         """:meth:`_step_arrays` of an action already checked and converted (:meth:`_env_action_steps`)."""
         obs, reward, terminated, truncated, info = self._env.step(env_action)
