@@ -233,3 +233,30 @@ def test_doorbell_ring_to_a_loop_that_has_ended_does_not_raise() -> None:
     bell._wake = bell._wake or (lambda: (_ for _ in ()).throw(RuntimeError("Event loop is closed")))
     bell.ring()
     bell.close()
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_the_batch_tensordict_is_the_constructors(named: bool) -> None:
+    """The batch is assembled level by level with ``TensorDict._new_unsafe``: the same keys, tensors,
+    batch sizes and dim names as ``TensorDict(...)`` gives, nested keys included."""
+    from tensordict import TensorDict
+
+    from aiocollect._rollout import _nested_td
+
+    bt = (3, 5)
+    keys = ["observation", ("next", "observation"), ("next", "reward"), ("pixels", "left", "rgb"), "action"]
+    tensors = {key: torch.zeros(*bt, 2) for key in keys}
+    names = [None, "time"] if named else None
+    fast = _nested_td(tensors, bt, names)
+    slow = TensorDict(tensors, batch_size=bt, names=names)
+    assert type(fast) is type(slow)
+    assert set(fast.keys(True)) == set(slow.keys(True))
+    for key in fast.keys(True):
+        a, b = fast.get(key), slow.get(key)
+        if isinstance(b, torch.Tensor):
+            assert a is b
+        else:
+            assert a.batch_size == b.batch_size and a.names == b.names and a.device == b.device
+    assert fast.batch_size == slow.batch_size and fast.names == slow.names and fast.device == slow.device
+    assert type(fast.batch_size) is torch.Size and type(fast["next"].batch_size) is torch.Size
+    assert fast.reshape(-1).batch_size == (15,)

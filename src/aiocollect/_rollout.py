@@ -80,6 +80,30 @@ def _stack_into(out: np.ndarray, values: list[Any], axis: int) -> None:
     np.copyto(_time_first(out, axis), np.asarray(values), casting="same_kind")
 
 
+def _nested_td(
+    tensors: dict[Any, torch.Tensor], batch_size: tuple[int, ...], names: list[str | None] | None
+) -> TensorDict:
+    """``TensorDict(tensors, batch_size=batch_size, names=names)`` for flat (nested) keys, 3-5x cheaper:
+    each level is made with ``TensorDict._new_unsafe``, whose checks the batch's tensors pass by
+    construction (one batch size, one device, string keys; the batch size a ``torch.Size``)."""
+    size = torch.Size(batch_size)
+    tree: dict[str, Any] = {}
+    for key, value in tensors.items():
+        if isinstance(key, str):
+            tree[key] = value
+            continue
+        node = tree
+        for part in key[:-1]:
+            node = node.setdefault(part, {})
+        node[key[-1]] = value
+
+    def build(node: dict[str, Any]) -> TensorDict:
+        source = {k: build(v) if isinstance(v, dict) else v for k, v in node.items()}
+        return TensorDict._new_unsafe(source, batch_size=size, names=names)
+
+    return build(tree)
+
+
 class Rollout:
     """Collects batches of ``options.frames_per_batch`` frames from ``env`` with ``policy``.
 
@@ -246,7 +270,7 @@ class Rollout:
         for flag in _FLAGS:
             views[flag][...] = False
         names: list[str | None] | None = [None] * len(self.batch_shape) + ["time"] if named else None
-        return TensorDict(tensors, batch_size=bt, names=names), views  # type: ignore[arg-type]
+        return _nested_td(tensors, bt, names), views
 
     def layout(self) -> TensorDict:
         """An empty batch as :meth:`collect` makes it (keys, shapes, dtypes), without collecting."""
@@ -502,7 +526,11 @@ class Rollout:
             if key not in out_hist[0]:  # a random batch: the policy's other outputs are zeros
                 target[...] = 0
                 continue
-            values = out_hist[0][key] if out_stacked else torch.stack([o[key] for o in out_hist], dim=nb)
+            if out_stacked:
+                values = out_hist[0][key]
+            else:  # stacked steps first (2-3x cheaper than along the time dim), written time first
+                values = torch.stack([o[key] for o in out_hist])
+                target = _time_first(target, nb) if isinstance(target, np.ndarray) else target.movedim(nb, 0)
             # reshape: a random action of shape () fills a policy's (1,) action slot
             values = values.cpu().reshape(target.shape)
             if isinstance(target, np.ndarray):
