@@ -52,6 +52,8 @@ class _Steps:
     reward: list[Any] = field(default_factory=list)
     terminated: list[Any] = field(default_factory=list)
     truncated: list[Any] = field(default_factory=list)
+    #: reward and flags went straight into the batch (the fused loop): nothing to stack
+    written: bool = False
 
 
 class StopSignal(Protocol):
@@ -299,7 +301,7 @@ class Rollout:
         block, block_steps = self._random_block(runner)
         hist = _Steps()
         with torch.no_grad(), set_interaction_type(self.options.exploration_type):
-            steps = self._run(self._obs_slots(views), runner, block_steps, hist, stop)
+            steps = self._run(self._obs_slots(views), runner, block_steps, hist, stop, views)
         if block is not None:  # a random batch: the actions of every step at once, steps first
             nb = len(self.batch_shape)
             hist.out = [{k: v[:steps].movedim(0, nb) for k, v in block.items()}]
@@ -352,6 +354,7 @@ class Rollout:
         block_steps: dict[NestedKey, Any] | None,
         hist: _Steps,
         stop: StopSignal | None,
+        views: dict[Any, np.ndarray],
     ) -> int:
         """The hot loop: step the env ``steps_per_batch`` times (fewer if ``stop`` is set); returns the
         steps taken. Everything it reads per step is a local."""
@@ -373,15 +376,18 @@ class Rollout:
         fused = env.fused_gym if carry is None and max_steps is None else None
         if fused is not None and (block_actions is None or converted):
             # a GymEnv of one observation array: its own loop, without a call and a dict per step
+            nb = len(self.batch_shape)
+            flags = [_time_first(views[("next", k)], nb) for k in ("reward", "terminated", "truncated")]
             steps, obs = fused._run_steps(
                 T,
                 root["observation"],
                 one_input(runner, "observation"),
                 block_actions,
-                (root_slots[0][1], next_slots[0][1]),
-                (out_hist, rew_hist, term_hist, trunc_hist),
+                (root_slots[0][1], next_slots[0][1], *flags),
+                out_hist,
                 stop,
             )
+            hist.written = True
             self._root = {"observation": obs}
             return steps
         for t in range(T):
@@ -450,9 +456,10 @@ class Rollout:
             reward = np.empty((*self.batch_shape, self.steps_per_batch), dtype=np.float32)
         if steps:
             self._write_outputs(views, valid, hist.out, out_stacked)
-            _stack_into(reward[valid], hist.reward, nb)
-            _stack_into(views[("next", "terminated")][valid], hist.terminated, nb)
-            _stack_into(views[("next", "truncated")][valid], hist.truncated, nb)
+            if not hist.written:
+                _stack_into(reward[valid], hist.reward, nb)
+                _stack_into(views[("next", "terminated")][valid], hist.terminated, nb)
+                _stack_into(views[("next", "truncated")][valid], hist.truncated, nb)
             done_v = views[("next", "done")]
             np.logical_or(
                 views[("next", "terminated")][valid],

@@ -549,8 +549,8 @@ class GymEnv:
         root: np.ndarray,
         act: Any,
         actions: list[Any] | None,
-        slots: tuple[np.ndarray, np.ndarray],
-        hist: tuple[list[Any], list[Any], list[Any], list[Any]],
+        slots: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+        out_hist: list[Any],
         stop: Any,
     ) -> tuple[int, np.ndarray]:
         """The rollout's hot loop where :attr:`_fused_steps` holds: what ``steps`` calls of
@@ -558,10 +558,10 @@ class GymEnv:
 
         At step ``t``: ``root`` (the observation acted on) goes to ``slots[0][t]``; the action is
         ``actions[t]`` (checked and converted: :meth:`_env_action_steps`) or, with ``actions`` None,
-        from ``out = act(torch.from_numpy(root))`` (``out`` appended to ``hist[0]``, ``out["action"]``
-        checked as :meth:`_step_arrays` does); the next observation goes to ``slots[1][t]``, reward and
-        flags to ``hist[1:]``. Stops early where ``stop.is_set()``. Returns (steps taken, the observation
-        to act on next).
+        from ``out = act(torch.from_numpy(root))`` (``out`` appended to ``out_hist``, ``out["action"]``
+        checked as :meth:`_step_arrays` does); the next observation, the reward, terminated and
+        truncated go to ``slots[1:][t]`` (time-first views of the batch). Stops early where
+        ``stop.is_set()``. Returns (steps taken, the observation to act on next).
         """
         env_step = self._env.step
         reset = self._env.reset
@@ -570,10 +570,8 @@ class GymEnv:
         dtype = self._plain_obs_dtype
         from_numpy = torch.from_numpy
         count_nonzero = np.count_nonzero
-        obs_slot, next_slot = slots
-        out_hist, rew_hist, term_hist, trunc_hist = hist
+        obs_slot, next_slot, reward_slot, terminated_slot, truncated_slot = slots
         vector = self._vector
-        float32 = np.float32
         pending: Any = self._autoreset_pending
         taken = steps
         try:
@@ -603,7 +601,6 @@ class GymEnv:
                     else:
                         nxt = root
                         pending = None
-                    reward = np.asarray(reward, dtype=float32)
                 else:
                     terminated = bool(terminated)
                     truncated = bool(truncated)
@@ -616,11 +613,10 @@ class GymEnv:
                     else:
                         root = nxt
                         pending = None
-                    reward = float(reward)
                 next_slot[t] = nxt
-                rew_hist.append(reward)
-                term_hist.append(terminated)
-                trunc_hist.append(truncated)
+                reward_slot[t] = reward  # cast to the slot's float32, as np.asarray(reward, float32)
+                terminated_slot[t] = terminated
+                truncated_slot[t] = truncated
         finally:
             self._autoreset_pending = pending
             self._last_obs = {"observation": root}
