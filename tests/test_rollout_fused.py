@@ -260,3 +260,42 @@ def test_the_batch_tensordict_is_the_constructors(named: bool) -> None:
     assert fast.batch_size == slow.batch_size and fast.names == slow.names and fast.device == slow.device
     assert type(fast.batch_size) is torch.Size and type(fast["next"].batch_size) is torch.Size
     assert fast.reshape(-1).batch_size == (15,)
+
+
+@pytest.mark.parametrize("num_envs", [None, 3])
+def test_episode_statistics_and_ids_match_the_frames(num_envs: int | None) -> None:
+    """Returns and lengths of the episodes that end in each batch (one env: its own short path) are the
+    sums and counts of their frames, across batch borders; trajectory ids change exactly at ends."""
+    collector = Collector(
+        lambda: GymEnv("Pendulum-v1" if num_envs is None else "CartPole-v1", num_envs=num_envs),
+        frames_per_batch=60 if num_envs is None else 3 * 37,
+        seed=3,
+    )
+    rollout = collector._rollout
+    if num_envs is None:  # Pendulum's episodes last 200 steps: several batches each, real rewards
+        rollout.env.env.env._max_episode_steps = 70
+    n = max(num_envs or 1, 1)
+    sums: dict[int, float] = {}
+    counts: dict[int, int] = {}
+    for _ in range(8):
+        result = rollout.collect()
+        batch = result.batch
+        ids = batch["collector", "traj_ids"].reshape(n, -1).numpy()
+        reward = batch["next", "reward"].reshape(n, -1).numpy().astype(np.float64)
+        done = batch["next", "done"].reshape(n, -1).numpy()
+        expected_returns, expected_lengths = [], []
+        for env in range(n):
+            for t in range(ids.shape[1]):
+                i = int(ids[env, t])
+                sums[i] = sums.get(i, 0.0) + float(reward[env, t])
+                counts[i] = counts.get(i, 0) + 1
+                if done[env, t]:
+                    expected_returns.append(sums[i])
+                    expected_lengths.append(counts[i])
+                    if t + 1 < ids.shape[1]:
+                        assert ids[env, t + 1] != i
+                elif t + 1 < ids.shape[1]:
+                    assert ids[env, t + 1] == i
+        assert result.episode_lengths == expected_lengths
+        np.testing.assert_allclose(result.episode_returns, expected_returns, rtol=1e-9)
+    assert len(counts) > n  # episodes ended
