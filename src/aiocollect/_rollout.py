@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from math import ceil
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -100,8 +100,8 @@ def _nested_td(
         node[key[-1]] = value
 
     def build(node: dict[str, Any]) -> TensorDict:
-        source = {k: build(v) if isinstance(v, dict) else v for k, v in node.items()}
-        return TensorDict._new_unsafe(source, batch_size=size, names=names)
+        source: dict[Any, Any] = {k: build(v) if isinstance(v, dict) else v for k, v in node.items()}
+        return TensorDict._new_unsafe(source, batch_size=size, names=cast("Any", names))
 
     return build(tree)
 
@@ -377,13 +377,15 @@ class Rollout:
         if fused is not None and (block_actions is None or converted):
             # a GymEnv of one observation array: its own loop, without a call and a dict per step
             nb = len(self.batch_shape)
-            flags = [_time_first(views[("next", k)], nb) for k in ("reward", "terminated", "truncated")]
+            reward, terminated, truncated = (
+                _time_first(views[("next", k)], nb) for k in ("reward", "terminated", "truncated")
+            )
             steps, obs = fused._run_steps(
                 T,
                 root["observation"],
                 one_input(runner, "observation"),
                 block_actions,
-                (root_slots[0][1], next_slots[0][1], *flags),
+                (root_slots[0][1], next_slots[0][1], reward, terminated, truncated),
                 out_hist,
                 stop,
             )

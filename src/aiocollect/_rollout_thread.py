@@ -18,7 +18,6 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
-from functools import partial
 from typing import Any, Generic, TypeVar
 
 import anyio
@@ -106,14 +105,22 @@ def _thread_safe_wake(event: anyio.Event) -> Callable[[], None] | None:
     except RuntimeError:  # not asyncio
         pass
     else:
-        return partial(loop.call_soon_threadsafe, event.set)
+
+        def wake_asyncio() -> None:
+            loop.call_soon_threadsafe(event.set)
+
+        return wake_asyncio
     trio = sys.modules.get("trio")  # imported where trio runs the loop
     if trio is not None:
         try:
             token = trio.lowlevel.current_trio_token()
         except RuntimeError:
             return None
-        return partial(token.run_sync_soon, event.set)
+
+        def wake_trio() -> None:
+            token.run_sync_soon(event.set)
+
+        return wake_trio
     return None
 
 

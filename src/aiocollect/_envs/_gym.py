@@ -568,6 +568,7 @@ class GymEnv:
         leaf = self._leaf_action
         array = self._array
         dtype = self._plain_obs_dtype
+        assert dtype is not None  # _fused_steps
         from_numpy = torch.from_numpy
         count_nonzero = np.count_nonzero
         obs_slot, next_slot, reward_slot, terminated_slot, truncated_slot = slots
