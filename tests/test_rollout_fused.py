@@ -241,13 +241,13 @@ def test_the_batch_tensordict_is_the_constructors(named: bool) -> None:
     batch sizes and dim names as ``TensorDict(...)`` gives, nested keys included."""
     from tensordict import TensorDict
 
-    from aiocollect._rollout import _nested_td
+    from aiocollect._rollout_batch import nested_td
 
     bt = (3, 5)
     keys = ["observation", ("next", "observation"), ("next", "reward"), ("pixels", "left", "rgb"), "action"]
     tensors = {key: torch.zeros(*bt, 2) for key in keys}
     names = [None, "time"] if named else None
-    fast = _nested_td(tensors, bt, names)
+    fast = nested_td(tensors, bt, names)
     slow = TensorDict(tensors, batch_size=bt, names=names)
     assert type(fast) is type(slow)
     assert set(fast.keys(True)) == set(slow.keys(True))

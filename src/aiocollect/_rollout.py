@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from math import ceil
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ from ._envs._spaces import LeafSpec, NestedKey
 from ._options import RolloutOptions, WeightSchedule
 from ._policies import Runner, compile_policy, make_runner, one_input, random_policy_for
 from ._recurrent import Carry, Recurrence, find_recurrence
+from ._rollout_batch import episode_stats, nested_td, stack_into, time_first, trajectory_ids
 from ._storage import StoragePool
 
 __all__ = ["Rollout", "RolloutResult", "StopSignal", "build_rollout", "open_env"]
@@ -64,46 +65,6 @@ class StopSignal(Protocol):
 
 def _key_tuple(prefix: str, key: NestedKey) -> tuple[str, ...]:
     return (prefix, key) if isinstance(key, str) else (prefix, *key)
-
-
-def _time_first(array: np.ndarray, axis: int) -> np.ndarray:
-    """``np.moveaxis(array, axis, 0)`` as one ``transpose`` (``moveaxis`` checks its axes in python: ~5 us,
-    several times per batch)."""
-    if axis == 0:
-        return array
-    return array.transpose(axis, *range(axis), *range(axis + 1, array.ndim))
-
-
-def _stack_into(out: np.ndarray, values: list[Any], axis: int) -> None:
-    """``np.stack(values, axis=axis, out=out)``, several times faster for thousands of small entries.
-
-    ``np.asarray`` converts the whole list in one C loop where ``np.stack`` makes a view per entry.
-    """
-    np.copyto(_time_first(out, axis), np.asarray(values), casting="same_kind")
-
-
-def _nested_td(
-    tensors: dict[Any, torch.Tensor], batch_size: tuple[int, ...], names: list[str | None] | None
-) -> TensorDict:
-    """``TensorDict(tensors, batch_size=batch_size, names=names)`` for flat (nested) keys, 3-5x cheaper:
-    each level is made with ``TensorDict._new_unsafe``, whose checks the batch's tensors pass by
-    construction (one batch size, one device, string keys; the batch size a ``torch.Size``)."""
-    size = torch.Size(batch_size)
-    tree: dict[str, Any] = {}
-    for key, value in tensors.items():
-        if isinstance(key, str):
-            tree[key] = value
-            continue
-        node = tree
-        for part in key[:-1]:
-            node = node.setdefault(part, {})
-        node[key[-1]] = value
-
-    def build(node: dict[str, Any]) -> TensorDict:
-        source: dict[Any, Any] = {k: build(v) if isinstance(v, dict) else v for k, v in node.items()}
-        return TensorDict._new_unsafe(source, batch_size=size, names=cast("Any", names))
-
-    return build(tree)
 
 
 class Rollout:
@@ -272,7 +233,7 @@ class Rollout:
         for flag in _FLAGS:
             views[flag][...] = False
         names: list[str | None] | None = [None] * len(self.batch_shape) + ["time"] if named else None
-        return _nested_td(tensors, bt, names), views
+        return nested_td(tensors, bt, names), views
 
     def layout(self) -> TensorDict:
         """An empty batch as :meth:`collect` makes it (keys, shapes, dtypes), without collecting."""
@@ -314,9 +275,9 @@ class Rollout:
         step (key, ``("next", "observation")``'s slot; per-agent rewards too), as views with time first,
         so that ``slot[t] = array`` is one copy whatever the batch dims."""
         nb = len(self.batch_shape)
-        roots = [(key, _time_first(views[key], nb)) for key in self._obs_specs]
+        roots = [(key, time_first(views[key], nb)) for key in self._obs_specs]
         nexts = [
-            (key, _time_first(views[_key_tuple("next", key)], nb))
+            (key, time_first(views[_key_tuple("next", key)], nb))
             for key in (*self._obs_specs, *self.env.next_specs)
         ]
         return roots, nexts
@@ -373,25 +334,10 @@ class Rollout:
         ep_length = self._ep_length
         root = self._root
         steps = T = self.steps_per_batch
-        fused = env.fused_gym if carry is None and max_steps is None else None
-        if fused is not None and (block_actions is None or converted):
-            # a GymEnv of one observation array: its own loop, without a call and a dict per step
-            nb = len(self.batch_shape)
-            reward, terminated, truncated = (
-                _time_first(views[("next", k)], nb) for k in ("reward", "terminated", "truncated")
-            )
-            steps, obs = fused._run_steps(
-                T,
-                root["observation"],
-                one_input(runner, "observation"),
-                block_actions,
-                (root_slots[0][1], next_slots[0][1], reward, terminated, truncated),
-                out_hist,
-                stop,
-            )
-            hist.written = True
-            self._root = {"observation": obs}
-            return steps
+        if carry is None and max_steps is None and (block_actions is None or converted):
+            fused = env.fused_gym
+            if fused is not None:  # a GymEnv of one observation array: its own loop
+                return self._run_fused(fused, obs_slots, runner, block_actions, hist, stop, views)
         for t in range(T):
             if stop is not None and stop.is_set():
                 steps = t
@@ -437,6 +383,35 @@ class Rollout:
         self._ep_length = ep_length
         return steps
 
+    def _run_fused(
+        self,
+        fused: Any,
+        obs_slots: tuple[list[tuple[NestedKey, np.ndarray]], list[tuple[NestedKey, np.ndarray]]],
+        runner: Runner,
+        block_actions: list[Any] | None,
+        hist: _Steps,
+        stop: StopSignal | None,
+        views: dict[Any, np.ndarray],
+    ) -> int:
+        """:meth:`_run` by ``GymEnv._run_steps``: without a call, a dict or a named tuple per step, and
+        reward and flags written straight into the batch."""
+        nb = len(self.batch_shape)
+        reward, terminated, truncated = (
+            time_first(views[("next", k)], nb) for k in ("reward", "terminated", "truncated")
+        )
+        steps, obs = fused._run_steps(
+            self.steps_per_batch,
+            self._root["observation"],
+            one_input(runner, "observation"),
+            block_actions,
+            (obs_slots[0][0][1], obs_slots[1][0][1], reward, terminated, truncated),
+            hist.out,
+            stop,
+        )
+        hist.written = True
+        self._root = {"observation": obs}
+        return int(steps)
+
     def _finish(
         self,
         batch: TensorDict,
@@ -459,20 +434,24 @@ class Rollout:
         if steps:
             self._write_outputs(views, valid, hist.out, out_stacked)
             if not hist.written:
-                _stack_into(reward[valid], hist.reward, nb)
-                _stack_into(views[("next", "terminated")][valid], hist.terminated, nb)
-                _stack_into(views[("next", "truncated")][valid], hist.truncated, nb)
+                stack_into(reward[valid], hist.reward, nb)
+                stack_into(views[("next", "terminated")][valid], hist.terminated, nb)
+                stack_into(views[("next", "truncated")][valid], hist.truncated, nb)
             done_v = views[("next", "done")]
             np.logical_or(
                 views[("next", "terminated")][valid],
                 views[("next", "truncated")][valid],
                 out=done_v[valid],
             )
-            self._write_traj_ids(traj_v[valid], done_v[valid])
+            self._traj_ids, self._next_traj = trajectory_ids(
+                traj_v[valid], done_v[valid], self._traj_ids, self._next_traj, self.options.traj_id_stride
+            )
         if steps < self.steps_per_batch:
             # frames never collected: traj id -1 marks them invalid (their other entries are garbage)
             traj_v[(*lead, slice(steps, None))] = -1
-        returns, lengths = self._episode_stats(reward[valid], views[("next", "done")][valid])
+        returns, lengths, self._ep_return, self._ep_steps = episode_stats(
+            reward[valid], views[("next", "done")][valid], self._ep_return, self._ep_steps
+        )
         if self.options.set_truncated and steps > 0:
             last: tuple[slice | int, ...] = (*lead, steps - 1)
             views[("next", "truncated")][last] = True
@@ -493,55 +472,6 @@ class Rollout:
             policy_version=self.policy_version,
         )
 
-    def _write_traj_ids(self, out: np.ndarray, done: np.ndarray) -> None:
-        """The trajectory id of every frame (``[*B, steps]``, time last), from the done flags.
-
-        What a per-step loop would do, vectorised: a frame has the id its env's trajectory had when the
-        step began; at every episode end the env takes the next id, handed out in step order, then env
-        order (``stride`` apart from ``next_traj_id`` on)."""
-        n = max(self.env.numel, 1)
-        steps = done.shape[-1]
-        if n == 1:
-            self._write_traj_ids_one(out, done.reshape(steps))
-            return
-        flat = done.reshape(n, steps).T.ravel()  # step-major: the order ids are handed out in
-        first = self._traj_ids.reshape(n)
-        n_ends = np.count_nonzero(flat)
-        if not n_ends:
-            out[...] = self._traj_ids[..., None]
-            return
-        # per frame, 1 + the index of the last episode end in its env strictly before it (0: none)
-        rank = np.cumsum(flat, dtype=np.int64)
-        rank *= flat
-        last = np.maximum.accumulate(rank.reshape(steps, n), axis=0)
-        before = np.empty_like(last)
-        before[0] = 0
-        before[1:] = last[:-1]
-        start, stride = self._next_traj, self.options.traj_id_stride
-        ids = np.where(before > 0, start + stride * (before - 1), first)
-        out[...] = ids.T.reshape(out.shape)
-        ended = last[-1]
-        self._traj_ids = np.where(ended > 0, start + stride * (ended - 1), first).reshape(self.batch_shape)
-        self._next_traj = start + stride * int(n_ends)
-
-    def _write_traj_ids_one(self, out: np.ndarray, done: np.ndarray) -> None:
-        """:meth:`_write_traj_ids` for one env, in half the numpy calls: frame ``t`` has the id of the
-        trajectory after the episode ends before it (``cumsum(done)[t - 1]`` of them)."""
-        ends = np.cumsum(done, dtype=np.int64)
-        n_ends = int(ends[-1])
-        first = self._traj_ids.reshape(())
-        if not n_ends:
-            out[...] = first
-            return
-        start, stride = self._next_traj, self.options.traj_id_stride
-        ids = np.arange(start - stride, start + stride * n_ends, stride, dtype=np.int64)
-        ids[0] = first  # before the first end of the batch
-        flat = out.reshape(-1)
-        flat[0] = first
-        np.take(ids, ends[:-1], out=flat[1:])
-        self._traj_ids = ids[-1].reshape(self.batch_shape)
-        self._next_traj = start + stride * n_ends
-
     def _write_outputs(
         self,
         views: dict[Any, np.ndarray],
@@ -560,82 +490,13 @@ class Rollout:
                 values = out_hist[0][key]
             else:  # stacked steps first (2-3x cheaper than along the time dim), written time first
                 values = torch.stack([o[key] for o in out_hist])
-                target = _time_first(target, nb) if isinstance(target, np.ndarray) else target.movedim(nb, 0)
+                target = time_first(target, nb) if isinstance(target, np.ndarray) else target.movedim(nb, 0)
             # reshape: a random action of shape () fills a policy's (1,) action slot
             values = values.cpu().reshape(target.shape)
             if isinstance(target, np.ndarray):
                 target[...] = values.numpy()
             else:
                 target.copy_(values)
-
-    def _episode_stats(self, reward: np.ndarray, done: np.ndarray) -> tuple[list[float], list[int]]:
-        """Returns and lengths of the episodes that ended in this batch (carrying partial ones over).
-
-        Vectorised over every episode end of the batch (env-major, then time: the order of the lists):
-        an episode's return is the difference of the cumulative rewards at its end and at the previous
-        end in its env, plus what its env carried over from earlier batches for the first one."""
-        n = max(self.env.numel, 1)
-        T = reward.shape[-1]
-        carry_ret = self._ep_return.reshape(n)
-        carry_len = self._ep_steps.reshape(n)
-        if T == 0:
-            return [], []
-        if n == 1:
-            return self._episode_stats_one(reward.reshape(T), done.reshape(T))
-        csum = np.cumsum(reward.reshape(n, T).astype(np.float64), axis=1)
-        env_i, end_t = np.nonzero(done.reshape(n, T))
-        if not len(env_i):  # no episode ended: every env carries the whole batch over
-            carry_ret += csum[:, -1]
-            carry_len += T
-            self._ep_return = carry_ret.reshape(self.batch_shape)
-            self._ep_steps = carry_len.reshape(self.batch_shape)
-            return [], []
-        at_end = csum[env_i, end_t]
-        first = np.empty(len(env_i), dtype=bool)
-        first[0] = True
-        np.not_equal(env_i[1:], env_i[:-1], out=first[1:])
-        last = np.empty_like(first)
-        last[-1] = True
-        last[:-1] = first[1:]
-        before = np.empty_like(at_end)  # the cumulative reward before the episode (minus the carry)
-        before[1:] = at_end[:-1]
-        before[first] = -carry_ret[env_i[first]]
-        start = np.empty_like(end_t)  # the step before the episode (minus the carried length)
-        start[1:] = end_t[:-1]
-        start[first] = -1 - carry_len[env_i[first]]
-        returns = (at_end - before).tolist()
-        lengths = (end_t - start).tolist()
-        ended = np.zeros(n, dtype=bool)
-        ended[env_i] = True
-        carry_ret[~ended] += csum[~ended, -1]
-        carry_len[~ended] += T
-        carry_ret[env_i[last]] = csum[env_i[last], -1] - at_end[last]
-        carry_len[env_i[last]] = T - 1 - end_t[last]
-        self._ep_return = carry_ret.reshape(self.batch_shape)
-        self._ep_steps = carry_len.reshape(self.batch_shape)
-        return returns, lengths
-
-    def _episode_stats_one(self, reward: np.ndarray, done: np.ndarray) -> tuple[list[float], list[int]]:
-        """:meth:`_episode_stats` for one env (``[T]``), in half the numpy calls, the same arithmetic."""
-        T = reward.shape[0]
-        csum = np.cumsum(reward.astype(np.float64))
-        end_t = np.flatnonzero(done)
-        if not len(end_t):
-            self._ep_return = self._ep_return + csum[-1]
-            self._ep_steps = self._ep_steps + T
-            return [], []
-        at_end = csum[end_t]
-        before = np.empty_like(at_end)  # the cumulative reward before each episode (minus the carry)
-        before[0] = -self._ep_return
-        before[1:] = at_end[:-1]
-        start = np.empty_like(end_t)  # the step before each episode (minus the carried length)
-        start[0] = -1 - self._ep_steps
-        start[1:] = end_t[:-1]
-        returns = (at_end - before).tolist()
-        lengths = (end_t - start).tolist()
-        self._ep_return = (csum[-1] - at_end[-1]).reshape(self.batch_shape)
-        self._ep_steps = np.asarray(T - 1 - end_t[-1], dtype=np.int64).reshape(self.batch_shape)
-        return returns, lengths
 
 
 def own_policy(policy: Any, random_policy: Any, options: RolloutOptions, *, copy_module: bool) -> Any:

@@ -3,7 +3,6 @@ protocol, with same-step autoreset."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -13,6 +12,8 @@ import torch
 from gymnasium.vector import AutoresetMode
 from tensordict import TensorDict
 
+from ._gym_open import is_envpool, open_gym_env
+from ._gym_steps import env_action_steps, run_steps
 from ._info import InfoKeys, InfoReader, info_specs
 from ._spaces import (
     LeafSpec,
@@ -47,54 +48,6 @@ class ArrayStep(NamedTuple):
     truncated: Any  # np.ndarray, or bool for one env
     #: the observation to act on next: ``next_obs`` where the episode goes on, a reset one where it ended
     root_obs: dict[NestedKey, np.ndarray]
-
-
-def _is_envpool(env: Any) -> bool:
-    """Whether ``env`` is an EnvPool pool (without importing envpool)."""
-    module = sys.modules.get("envpool.python.envpool")
-    mixin = getattr(module, "EnvPoolMixin", None) if module is not None else None
-    return mixin is not None and isinstance(env, mixin)
-
-
-def _open_env(env: Any, num_envs: int | None, make_kwargs: dict[str, Any]) -> tuple[Any, bool]:
-    """The gymnasium env that ``GymEnv(env, num_envs=..., **make_kwargs)`` wraps, and whether it is a
-    vector env."""
-    if isinstance(env, str):
-        if num_envs is None:
-            return gym.make(env, **make_kwargs), False
-        vector_kwargs = dict(make_kwargs.pop("vector_kwargs", {}) or {})
-        vector_kwargs["autoreset_mode"] = AutoresetMode.SAME_STEP
-        vec = gym.make_vec(
-            env,
-            num_envs=num_envs,
-            vectorization_mode=make_kwargs.pop("vectorization_mode", "sync"),
-            vector_kwargs=vector_kwargs,
-            **make_kwargs,
-        )
-        return vec, True
-    if isinstance(env, gym.vector.VectorEnv):
-        if num_envs is not None and num_envs != env.num_envs:
-            raise ValueError(f"num_envs={num_envs} but the vector env has {env.num_envs} envs")
-        if make_kwargs:
-            raise TypeError(f"make kwargs {sorted(make_kwargs)} only apply to an env id")
-        return env, True
-    if isinstance(env, gym.Env):
-        if _is_envpool(env):  # EnvPool before 1.0: a batch of envs that is no gymnasium VectorEnv
-            raise TypeError(
-                "this EnvPool pool is not a gymnasium.vector.VectorEnv (EnvPool < 1.0): install "
-                "envpool>=1.2 (pip install 'aiocollect[envpool]')"
-            )
-        if num_envs is not None:
-            raise ValueError(
-                "num_envs needs an env id (GymEnv('CartPole-v1', num_envs=8)); an Env instance cannot "
-                "be replicated"
-            )
-        if make_kwargs:
-            raise TypeError(f"make kwargs {sorted(make_kwargs)} only apply to an env id")
-        return env, False
-    raise TypeError(
-        f"env must be a gymnasium id, a gymnasium.Env or a gymnasium.vector.VectorEnv, got {env!r}"
-    )
 
 
 def overrides_gym_env(env: Any, name: str) -> bool:
@@ -160,9 +113,9 @@ class GymEnv:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
         self._vector: bool
-        self._env, self._vector = _open_env(env, num_envs, make_kwargs)
+        self._env, self._vector = open_gym_env(env, num_envs, make_kwargs)
         try:
-            self._pool = self._vector and _is_envpool(self._env.unwrapped)
+            self._pool = self._vector and is_envpool(self._env.unwrapped)
             self._same_step = not self._vector or self._check_autoreset(self._env)
             if self._vector:
                 self._num_envs = int(self._env.num_envs)
@@ -500,28 +453,6 @@ class GymEnv:
             return action.reshape(self._batch_shape).astype(np.int64, copy=False)
         return action.astype(space.dtype, copy=False)
 
-    def _env_action_steps(self, actions: np.ndarray) -> list[Any] | None:
-        """The actions of many steps (steps first, one action entry), checked and converted in one go:
-        what :meth:`_step_env_action` takes at each step, the same as :meth:`_leaf_action` gives step by
-        step. ``None`` for a Dict or Tuple action space (converted step by step)."""
-        if self._composite:
-            return None
-        space, bounds, scalar_bounds, discrete = self._act_info["action"]
-        if bounds is not None and actions.size:
-            low, high = bounds
-            if scalar_bounds:
-                outside = actions.min() < low or actions.max() > high
-            else:
-                outside = bool((actions < low).any() or (actions > high).any())
-            if outside:  # the step's own error
-                for action in actions:
-                    self._leaf_action("action", action)
-        if discrete:
-            steps = actions.reshape((len(actions), *self._batch_shape)).astype(np.int64, copy=False)
-        else:
-            steps = actions.astype(space.dtype, copy=False)
-        return list(steps)
-
     def _step_arrays(self, action: Any) -> ArrayStep:
         """Step every sub-env; ended episodes are reset at once (same-step autoreset).
 
@@ -543,85 +474,8 @@ class GymEnv:
             and not self._needs_reset
         )
 
-    def _run_steps(
-        self,
-        steps: int,
-        root: np.ndarray,
-        act: Any,
-        actions: list[Any] | None,
-        slots: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
-        out_hist: list[Any],
-        stop: Any,
-    ) -> tuple[int, np.ndarray]:
-        """The rollout's hot loop where :attr:`_fused_steps` holds: what ``steps`` calls of
-        :meth:`_step_arrays` give, without a call, a dict and a named tuple per step.
-
-        At step ``t``: ``root`` (the observation acted on) goes to ``slots[0][t]``; the action is
-        ``actions[t]`` (checked and converted: :meth:`_env_action_steps`) or, with ``actions`` None,
-        from ``out = act(torch.from_numpy(root))`` (``out`` appended to ``out_hist``, ``out["action"]``
-        checked as :meth:`_step_arrays` does); the next observation, the reward, terminated and
-        truncated go to ``slots[1:][t]`` (time-first views of the batch). Stops early where
-        ``stop.is_set()``. Returns (steps taken, the observation to act on next).
-        """
-        env_step = self._env.step
-        reset = self._env.reset
-        leaf = self._leaf_action
-        array = self._array
-        dtype = self._plain_obs_dtype
-        assert dtype is not None  # _fused_steps
-        from_numpy = torch.from_numpy
-        count_nonzero = np.count_nonzero
-        obs_slot, next_slot, reward_slot, terminated_slot, truncated_slot = slots
-        vector = self._vector
-        pending: Any = self._autoreset_pending
-        taken = steps
-        try:
-            for t in range(steps):
-                if stop is not None and stop.is_set():
-                    taken = t
-                    break
-                obs_slot[t] = root
-                if actions is None:
-                    out = act(from_numpy(root))
-                    out_hist.append(out)
-                    env_action = leaf("action", out["action"])
-                else:
-                    env_action = actions[t]
-                obs, reward, terminated, truncated, info = env_step(env_action)
-                if vector:
-                    terminated = np.asarray(terminated, dtype=bool)
-                    truncated = np.asarray(truncated, dtype=bool)
-                    done = terminated | truncated
-                    root = array(obs, dtype)
-                    if count_nonzero(done):
-                        nxt = root.copy()  # root keeps the reset observations
-                        finals = info["final_obs"]
-                        for i in np.nonzero(info.get("_final_obs", done))[0]:
-                            nxt[i] = finals[i]
-                        pending = done
-                    else:
-                        nxt = root
-                        pending = None
-                else:
-                    terminated = bool(terminated)
-                    truncated = bool(truncated)
-                    nxt = array(obs, dtype)
-                    if terminated or truncated:
-                        nxt = nxt.copy()  # the reset may write into the env's buffer
-                        new_obs, _ = reset()
-                        root = array(new_obs, dtype)
-                        pending = np.asarray(True)
-                    else:
-                        root = nxt
-                        pending = None
-                next_slot[t] = nxt
-                reward_slot[t] = reward  # cast to the slot's float32, as np.asarray(reward, float32)
-                terminated_slot[t] = terminated
-                truncated_slot[t] = truncated
-        finally:
-            self._autoreset_pending = pending
-            self._last_obs = {"observation": root}
-        return taken, root
+    _run_steps = run_steps
+    _env_action_steps = env_action_steps
 
     def _step_env_action(self, env_action: Any) -> ArrayStep:
         """:meth:`_step_arrays` of an action already checked and converted (:meth:`_env_action_steps`)."""
