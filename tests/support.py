@@ -336,11 +336,12 @@ def threads_in_package_code() -> list[str]:
     busy = []
     for ident, frame in sys._current_frames().items():
         f: Any = frame
-        if f.f_code.co_filename.endswith("_rollout_thread.py"):
-            continue  # a collector's rollout thread between jobs (no rollout code on its stack): idle
         while ident != me and f is not None:
             if f.f_code.co_filename.startswith(_PACKAGE_DIR):
-                busy.append(names.get(ident, str(ident)))
+                # the innermost package frame in _rollout_thread.py: a collector's rollout thread between
+                # jobs, or ringing a doorbell (through the event loop's wake-up) after one: idle
+                if not f.f_code.co_filename.endswith("_rollout_thread.py"):
+                    busy.append(names.get(ident, str(ident)))
                 break
             f = f.f_back
     return busy

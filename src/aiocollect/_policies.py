@@ -29,6 +29,7 @@ __all__ = [
     "TorchRLRandomPolicy",
     "compile_policy",
     "make_runner",
+    "one_input",
     "parse_exploration_type",
     "random_policy_for",
     "unwrap_compiled",
@@ -201,12 +202,29 @@ class _ModuleRunner:
                 args = [obs[k].to(self.device, non_blocking=True) for k in self.in_keys]
             out = self.module(*args)
         if not isinstance(out, torch.Tensor):
-            raise TypeError(
-                f"policy {type(self.module).__name__} returned {type(out).__name__}; a plain nn.Module "
-                "policy must return the action tensor. Wrap it in a tensordict.nn.TensorDictModule to "
-                "write several outputs"
-            )
+            raise self._not_a_tensor(out)
         return {"action": out}
+
+    def one(self, observation: torch.Tensor) -> dict[NestedKey, torch.Tensor]:
+        """``self({key: observation})`` for the one observation entry, without the dict."""
+        out = self.module(observation)
+        if not isinstance(out, torch.Tensor):
+            raise self._not_a_tensor(out)
+        return {"action": out}
+
+    def _not_a_tensor(self, out: Any) -> TypeError:
+        return TypeError(
+            f"policy {type(self.module).__name__} returned {type(out).__name__}; a plain nn.Module "
+            "policy must return the action tensor. Wrap it in a tensordict.nn.TensorDictModule to "
+            "write several outputs"
+        )
+
+
+def one_input(runner: Runner, key: NestedKey) -> Callable[[torch.Tensor], dict[NestedKey, torch.Tensor]]:
+    """``runner`` for an env whose only observation entry is ``key``: called on that tensor."""
+    if isinstance(runner, _ModuleRunner) and runner._only_key == key:
+        return runner.one
+    return lambda observation: runner({key: observation})
 
 
 class _TensorDictRunner:

@@ -20,8 +20,9 @@ from tensordict.nn import set_interaction_type
 from ._envs._adapter import ArrayEnv, check_env
 from ._envs._spaces import LeafSpec, NestedKey
 from ._options import RolloutOptions, WeightSchedule
-from ._policies import Runner, compile_policy, make_runner, random_policy_for
+from ._policies import Runner, compile_policy, make_runner, one_input, random_policy_for
 from ._recurrent import Carry, Recurrence, find_recurrence
+from ._rollout_batch import episode_stats, nested_td, stack_into, time_first, trajectory_ids
 from ._storage import StoragePool
 
 __all__ = ["Rollout", "RolloutResult", "StopSignal", "build_rollout", "open_env"]
@@ -52,7 +53,8 @@ class _Steps:
     reward: list[Any] = field(default_factory=list)
     terminated: list[Any] = field(default_factory=list)
     truncated: list[Any] = field(default_factory=list)
-    ids: list[Any] = field(default_factory=list)
+    #: reward and flags went straight into the batch (the fused loop): nothing to stack
+    written: bool = False
 
 
 class StopSignal(Protocol):
@@ -63,22 +65,6 @@ class StopSignal(Protocol):
 
 def _key_tuple(prefix: str, key: NestedKey) -> tuple[str, ...]:
     return (prefix, key) if isinstance(key, str) else (prefix, *key)
-
-
-def _time_first(array: np.ndarray, axis: int) -> np.ndarray:
-    """``np.moveaxis(array, axis, 0)`` as one ``transpose`` (``moveaxis`` checks its axes in python: ~5 us,
-    several times per batch)."""
-    if axis == 0:
-        return array
-    return array.transpose(axis, *range(axis), *range(axis + 1, array.ndim))
-
-
-def _stack_into(out: np.ndarray, values: list[Any], axis: int) -> None:
-    """``np.stack(values, axis=axis, out=out)``, several times faster for thousands of small entries.
-
-    ``np.asarray`` converts the whole list in one C loop where ``np.stack`` makes a view per entry.
-    """
-    np.copyto(_time_first(out, axis), np.asarray(values), casting="same_kind")
 
 
 class Rollout:
@@ -247,7 +233,7 @@ class Rollout:
         for flag in _FLAGS:
             views[flag][...] = False
         names: list[str | None] | None = [None] * len(self.batch_shape) + ["time"] if named else None
-        return TensorDict(tensors, batch_size=bt, names=names), views  # type: ignore[arg-type]
+        return nested_td(tensors, bt, names), views
 
     def layout(self) -> TensorDict:
         """An empty batch as :meth:`collect` makes it (keys, shapes, dtypes), without collecting."""
@@ -276,7 +262,7 @@ class Rollout:
         block, block_steps = self._random_block(runner)
         hist = _Steps()
         with torch.no_grad(), set_interaction_type(self.options.exploration_type):
-            steps = self._run(self._obs_slots(views), runner, block_steps, hist, stop)
+            steps = self._run(self._obs_slots(views), runner, block_steps, hist, stop, views)
         if block is not None:  # a random batch: the actions of every step at once, steps first
             nb = len(self.batch_shape)
             hist.out = [{k: v[:steps].movedim(0, nb) for k, v in block.items()}]
@@ -289,9 +275,9 @@ class Rollout:
         step (key, ``("next", "observation")``'s slot; per-agent rewards too), as views with time first,
         so that ``slot[t] = array`` is one copy whatever the batch dims."""
         nb = len(self.batch_shape)
-        roots = [(key, _time_first(views[key], nb)) for key in self._obs_specs]
+        roots = [(key, time_first(views[key], nb)) for key in self._obs_specs]
         nexts = [
-            (key, _time_first(views[_key_tuple("next", key)], nb))
+            (key, time_first(views[_key_tuple("next", key)], nb))
             for key in (*self._obs_specs, *self.env.next_specs)
         ]
         return roots, nexts
@@ -305,14 +291,22 @@ class Rollout:
         block: dict[NestedKey, torch.Tensor] = sample_steps(self.steps_per_batch)
         # a GymEnv takes numpy actions: indexing an array per step is ~10x cheaper than a tensor
         as_numpy = self.env.numpy_actions and all(v.dtype != torch.bfloat16 for v in block.values())
-        return block, {k: list(v.numpy()) if as_numpy else v.unbind(0) for k, v in block.items()}
+        return block, {k: v.numpy() if as_numpy else v.unbind(0) for k, v in block.items()}
 
-    def _block_actions(self, block_steps: dict[NestedKey, Any]) -> list[Any]:
-        """What ``env.step`` takes at each step of a random batch, picked once per batch."""
+    def _block_actions(self, block_steps: dict[NestedKey, Any]) -> tuple[list[Any], bool]:
+        """What ``env.step`` takes at each step of a random batch, picked once per batch, and whether
+        the env checked and converted them already (``stepper(converted=True)`` steps them)."""
+        if self.env.numpy_actions:
+            converted = self.env.action_steps(block_steps)
+            if converted is not None:
+                return converted, True
         if self.env.one_action:
-            return block_steps["action"]
+            return list(block_steps["action"]), False
         action_from = self.env.action_from
-        return [action_from({k: v[t] for k, v in block_steps.items()}) for t in range(self.steps_per_batch)]
+        actions = [
+            action_from({k: v[t] for k, v in block_steps.items()}) for t in range(self.steps_per_batch)
+        ]
+        return actions, False
 
     def _run(
         self,
@@ -321,24 +315,29 @@ class Rollout:
         block_steps: dict[NestedKey, Any] | None,
         hist: _Steps,
         stop: StopSignal | None,
+        views: dict[Any, np.ndarray],
     ) -> int:
         """The hot loop: step the env ``steps_per_batch`` times (fewer if ``stop`` is set); returns the
         steps taken. Everything it reads per step is a local."""
         env = self.env
-        env_step = env.stepper()
         action_from = env.action_from
-        new_ids = self._new_ids
         batched = bool(self.batch_shape)
         out_hist, rew_hist, term_hist, trunc_hist = hist.out, hist.reward, hist.terminated, hist.truncated
-        ids_hist, carry = hist.ids, self._carry
-        block_actions = self._block_actions(block_steps) if block_steps is not None else None
+        carry = self._carry
+        block_actions, converted = (
+            self._block_actions(block_steps) if block_steps is not None else (None, False)
+        )
+        env_step = env.stepper(converted=converted)
         from_numpy = torch.from_numpy
         root_slots, next_slots = obs_slots
         max_steps = self.options.max_frames_per_traj
         ep_length = self._ep_length
-        traj_ids = self._traj_ids
         root = self._root
         steps = T = self.steps_per_batch
+        if carry is None and max_steps is None and (block_actions is None or converted):
+            fused = env.fused_gym
+            if fused is not None:  # a GymEnv of one observation array: its own loop
+                return self._run_fused(fused, obs_slots, runner, block_actions, hist, stop, views)
         for t in range(T):
             if stop is not None and stop.is_set():
                 steps = t
@@ -369,28 +368,49 @@ class Rollout:
             rew_hist.append(reward)
             term_hist.append(terminated)
             trunc_hist.append(truncated)
-            ids_hist.append(traj_ids)
             root = next_root
-            if batched:
-                done = terminated | truncated
-                n_done = np.count_nonzero(done)  # ~3x cheaper than done.any() then done.sum()
-                if n_done:
-                    traj_ids = traj_ids.copy()
-                    traj_ids[done] = new_ids(n_done)
-                    if max_steps is not None:
+            # trajectory ids are worked out from the done flags once per batch (_finish)
+            if max_steps is not None:
+                if batched:
+                    done = terminated | truncated
+                    if np.count_nonzero(done):  # ~3x cheaper than done.any()
                         ep_length = np.where(done, 0, ep_length)
-                    if forced is not None:
-                        root = env.reset(forced) if carry is None else carry.keep(env.reset(forced))
-            elif terminated or truncated:
-                traj_ids = new_ids(1).reshape(())
-                if max_steps is not None:
+                elif terminated or truncated:
                     ep_length = np.zeros_like(ep_length)
                 if forced is not None:
                     root = env.reset(forced) if carry is None else carry.keep(env.reset(forced))
         self._root = root
-        self._traj_ids = traj_ids
         self._ep_length = ep_length
         return steps
+
+    def _run_fused(
+        self,
+        fused: Any,
+        obs_slots: tuple[list[tuple[NestedKey, np.ndarray]], list[tuple[NestedKey, np.ndarray]]],
+        runner: Runner,
+        block_actions: list[Any] | None,
+        hist: _Steps,
+        stop: StopSignal | None,
+        views: dict[Any, np.ndarray],
+    ) -> int:
+        """:meth:`_run` by ``GymEnv._run_steps``: without a call, a dict or a named tuple per step, and
+        reward and flags written straight into the batch."""
+        nb = len(self.batch_shape)
+        reward, terminated, truncated = (
+            time_first(views[("next", k)], nb) for k in ("reward", "terminated", "truncated")
+        )
+        steps, obs = fused._run_steps(
+            self.steps_per_batch,
+            self._root["observation"],
+            one_input(runner, "observation"),
+            block_actions,
+            (obs_slots[0][0][1], obs_slots[1][0][1], reward, terminated, truncated),
+            hist.out,
+            stop,
+        )
+        hist.written = True
+        self._root = {"observation": obs}
+        return int(steps)
 
     def _finish(
         self,
@@ -413,20 +433,25 @@ class Rollout:
             reward = np.empty((*self.batch_shape, self.steps_per_batch), dtype=np.float32)
         if steps:
             self._write_outputs(views, valid, hist.out, out_stacked)
-            _stack_into(reward[valid], hist.reward, nb)
-            _stack_into(views[("next", "terminated")][valid], hist.terminated, nb)
-            _stack_into(views[("next", "truncated")][valid], hist.truncated, nb)
-            _stack_into(traj_v[valid], hist.ids, nb)
+            if not hist.written:
+                stack_into(reward[valid], hist.reward, nb)
+                stack_into(views[("next", "terminated")][valid], hist.terminated, nb)
+                stack_into(views[("next", "truncated")][valid], hist.truncated, nb)
             done_v = views[("next", "done")]
             np.logical_or(
                 views[("next", "terminated")][valid],
                 views[("next", "truncated")][valid],
                 out=done_v[valid],
             )
+            self._traj_ids, self._next_traj = trajectory_ids(
+                traj_v[valid], done_v[valid], self._traj_ids, self._next_traj, self.options.traj_id_stride
+            )
         if steps < self.steps_per_batch:
             # frames never collected: traj id -1 marks them invalid (their other entries are garbage)
             traj_v[(*lead, slice(steps, None))] = -1
-        returns, lengths = self._episode_stats(reward[valid], views[("next", "done")][valid])
+        returns, lengths, self._ep_return, self._ep_steps = episode_stats(
+            reward[valid], views[("next", "done")][valid], self._ep_return, self._ep_steps
+        )
         if self.options.set_truncated and steps > 0:
             last: tuple[slice | int, ...] = (*lead, steps - 1)
             views[("next", "truncated")][last] = True
@@ -461,58 +486,17 @@ class Rollout:
             if key not in out_hist[0]:  # a random batch: the policy's other outputs are zeros
                 target[...] = 0
                 continue
-            values = out_hist[0][key] if out_stacked else torch.stack([o[key] for o in out_hist], dim=nb)
+            if out_stacked:
+                values = out_hist[0][key]
+            else:  # stacked steps first (2-3x cheaper than along the time dim), written time first
+                values = torch.stack([o[key] for o in out_hist])
+                target = time_first(target, nb) if isinstance(target, np.ndarray) else target.movedim(nb, 0)
             # reshape: a random action of shape () fills a policy's (1,) action slot
             values = values.cpu().reshape(target.shape)
             if isinstance(target, np.ndarray):
                 target[...] = values.numpy()
             else:
                 target.copy_(values)
-
-    def _episode_stats(self, reward: np.ndarray, done: np.ndarray) -> tuple[list[float], list[int]]:
-        """Returns and lengths of the episodes that ended in this batch (carrying partial ones over).
-
-        Vectorised over every episode end of the batch (env-major, then time: the order of the lists):
-        an episode's return is the difference of the cumulative rewards at its end and at the previous
-        end in its env, plus what its env carried over from earlier batches for the first one."""
-        n = max(self.env.numel, 1)
-        T = reward.shape[-1]
-        carry_ret = self._ep_return.reshape(n)
-        carry_len = self._ep_steps.reshape(n)
-        if T == 0:
-            return [], []
-        csum = np.cumsum(reward.reshape(n, T).astype(np.float64), axis=1)
-        env_i, end_t = np.nonzero(done.reshape(n, T))
-        if not len(env_i):  # no episode ended: every env carries the whole batch over
-            carry_ret += csum[:, -1]
-            carry_len += T
-            self._ep_return = carry_ret.reshape(self.batch_shape)
-            self._ep_steps = carry_len.reshape(self.batch_shape)
-            return [], []
-        at_end = csum[env_i, end_t]
-        first = np.empty(len(env_i), dtype=bool)
-        first[0] = True
-        np.not_equal(env_i[1:], env_i[:-1], out=first[1:])
-        last = np.empty_like(first)
-        last[-1] = True
-        last[:-1] = first[1:]
-        before = np.empty_like(at_end)  # the cumulative reward before the episode (minus the carry)
-        before[1:] = at_end[:-1]
-        before[first] = -carry_ret[env_i[first]]
-        start = np.empty_like(end_t)  # the step before the episode (minus the carried length)
-        start[1:] = end_t[:-1]
-        start[first] = -1 - carry_len[env_i[first]]
-        returns = (at_end - before).tolist()
-        lengths = (end_t - start).tolist()
-        ended = np.zeros(n, dtype=bool)
-        ended[env_i] = True
-        carry_ret[~ended] += csum[~ended, -1]
-        carry_len[~ended] += T
-        carry_ret[env_i[last]] = csum[env_i[last], -1] - at_end[last]
-        carry_len[env_i[last]] = T - 1 - end_t[last]
-        self._ep_return = carry_ret.reshape(self.batch_shape)
-        self._ep_steps = carry_len.reshape(self.batch_shape)
-        return returns, lengths
 
 
 def own_policy(policy: Any, random_policy: Any, options: RolloutOptions, *, copy_module: bool) -> Any:

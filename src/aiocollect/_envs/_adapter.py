@@ -155,9 +155,28 @@ class ArrayEnv:
                     f"{self.action_space} needs {kind} dtype ({exp.dtype}, shape {exp.shape} per env)"
                 )
 
-    def stepper(self) -> Any:
-        """:meth:`step`, or the array path's own step method where there is one (a call less per step)."""
+    def stepper(self, *, converted: bool = False) -> Any:
+        """:meth:`step`, or the array path's own step method where there is one (a call less per step);
+        ``converted``: the step method for the actions :meth:`action_steps` gave."""
+        if converted and isinstance(self._gym, GymEnv):
+            return self._gym._step_env_action
         return self._gym._step_arrays if self._gym is not None else self.step
+
+    @property
+    def fused_gym(self) -> GymEnv | None:
+        """The GymEnv whose ``_run_steps`` can run the rollout's steps now (see ``GymEnv._fused_steps``),
+        else ``None``."""
+        gym_env = self._gym
+        if isinstance(gym_env, GymEnv) and self._one_action and gym_env._fused_steps:
+            return gym_env
+        return None
+
+    def action_steps(self, actions: dict[NestedKey, Any]) -> list[Any] | None:
+        """The actions of a batch's steps (``{key: array}``, steps first), checked and converted at once
+        for ``stepper(converted=True)``; ``None`` where they go to :meth:`step` one by one."""
+        if not isinstance(self._gym, GymEnv) or not self._one_action:
+            return None
+        return self._gym._env_action_steps(actions["action"])
 
     @property
     def one_action(self) -> bool:

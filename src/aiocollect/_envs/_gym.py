@@ -3,7 +3,6 @@ protocol, with same-step autoreset."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -13,6 +12,8 @@ import torch
 from gymnasium.vector import AutoresetMode
 from tensordict import TensorDict
 
+from ._gym_open import is_envpool, open_gym_env
+from ._gym_steps import env_action_steps, run_steps
 from ._info import InfoKeys, InfoReader, info_specs
 from ._spaces import (
     LeafSpec,
@@ -47,54 +48,6 @@ class ArrayStep(NamedTuple):
     truncated: Any  # np.ndarray, or bool for one env
     #: the observation to act on next: ``next_obs`` where the episode goes on, a reset one where it ended
     root_obs: dict[NestedKey, np.ndarray]
-
-
-def _is_envpool(env: Any) -> bool:
-    """Whether ``env`` is an EnvPool pool (without importing envpool)."""
-    module = sys.modules.get("envpool.python.envpool")
-    mixin = getattr(module, "EnvPoolMixin", None) if module is not None else None
-    return mixin is not None and isinstance(env, mixin)
-
-
-def _open_env(env: Any, num_envs: int | None, make_kwargs: dict[str, Any]) -> tuple[Any, bool]:
-    """The gymnasium env that ``GymEnv(env, num_envs=..., **make_kwargs)`` wraps, and whether it is a
-    vector env."""
-    if isinstance(env, str):
-        if num_envs is None:
-            return gym.make(env, **make_kwargs), False
-        vector_kwargs = dict(make_kwargs.pop("vector_kwargs", {}) or {})
-        vector_kwargs["autoreset_mode"] = AutoresetMode.SAME_STEP
-        vec = gym.make_vec(
-            env,
-            num_envs=num_envs,
-            vectorization_mode=make_kwargs.pop("vectorization_mode", "sync"),
-            vector_kwargs=vector_kwargs,
-            **make_kwargs,
-        )
-        return vec, True
-    if isinstance(env, gym.vector.VectorEnv):
-        if num_envs is not None and num_envs != env.num_envs:
-            raise ValueError(f"num_envs={num_envs} but the vector env has {env.num_envs} envs")
-        if make_kwargs:
-            raise TypeError(f"make kwargs {sorted(make_kwargs)} only apply to an env id")
-        return env, True
-    if isinstance(env, gym.Env):
-        if _is_envpool(env):  # EnvPool before 1.0: a batch of envs that is no gymnasium VectorEnv
-            raise TypeError(
-                "this EnvPool pool is not a gymnasium.vector.VectorEnv (EnvPool < 1.0): install "
-                "envpool>=1.2 (pip install 'aiocollect[envpool]')"
-            )
-        if num_envs is not None:
-            raise ValueError(
-                "num_envs needs an env id (GymEnv('CartPole-v1', num_envs=8)); an Env instance cannot "
-                "be replicated"
-            )
-        if make_kwargs:
-            raise TypeError(f"make kwargs {sorted(make_kwargs)} only apply to an env id")
-        return env, False
-    raise TypeError(
-        f"env must be a gymnasium id, a gymnasium.Env or a gymnasium.vector.VectorEnv, got {env!r}"
-    )
 
 
 def overrides_gym_env(env: Any, name: str) -> bool:
@@ -160,9 +113,9 @@ class GymEnv:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
         self._vector: bool
-        self._env, self._vector = _open_env(env, num_envs, make_kwargs)
+        self._env, self._vector = open_gym_env(env, num_envs, make_kwargs)
         try:
-            self._pool = self._vector and _is_envpool(self._env.unwrapped)
+            self._pool = self._vector and is_envpool(self._env.unwrapped)
             self._same_step = not self._vector or self._check_autoreset(self._env)
             if self._vector:
                 self._num_envs = int(self._env.num_envs)
@@ -507,6 +460,25 @@ class GymEnv:
         """
         # the common case, one action entry, skips a call (each costs ~0.1 us per step)
         env_action = self._to_env_action(action) if self._composite else self._leaf_action("action", action)
+        return self._step_env_action(env_action)
+
+    @property
+    def _fused_steps(self) -> bool:
+        """Whether :meth:`_run_steps` can collect: one observation array (no Dict space, no info
+        entries), one action entry, and one env or a gymnasium vector env with same-step autoreset."""
+        return (
+            self._plain_obs_dtype is not None
+            and not self._composite
+            and not self._pool
+            and self._same_step
+            and not self._needs_reset
+        )
+
+    _run_steps = run_steps
+    _env_action_steps = env_action_steps
+
+    def _step_env_action(self, env_action: Any) -> ArrayStep:
+        """:meth:`_step_arrays` of an action already checked and converted (:meth:`_env_action_steps`)."""
         obs, reward, terminated, truncated, info = self._env.step(env_action)
         if not self._vector:
             terminated = bool(terminated)
@@ -537,14 +509,24 @@ class GymEnv:
                     order, obs, reward, terminated, truncated, info, done
                 )
         if self._same_step:
-            root = self._observation(obs, info)
+            dtype = self._plain_obs_dtype
+            root = (
+                {"observation": self._array(obs, dtype)}
+                if dtype is not None
+                else self._observation(obs, info)
+            )
             if np.count_nonzero(done):  # ~4x cheaper than done.any() on a few envs
                 nxt = {k: v.copy() for k, v in root.items()}  # root keeps the reset observations
                 final_mask = info.get("_final_obs", done)
                 finals = info["final_obs"]
-                for i in np.nonzero(final_mask)[0]:  # np.flatnonzero costs 2-3x more
-                    for key, value in flatten_obs(self._obs_space, finals[i]).items():
-                        nxt[key][i] = value
+                if dtype is not None:  # one observation array: no flattening per sub-env
+                    plain = nxt["observation"]
+                    for i in np.nonzero(final_mask)[0]:  # np.flatnonzero costs 2-3x more
+                        plain[i] = finals[i]
+                else:
+                    for i in np.nonzero(final_mask)[0]:
+                        for key, value in flatten_obs(self._obs_space, finals[i]).items():
+                            nxt[key][i] = value
                 if self._info is not None:
                     self._final_info_entries(info, done, nxt, root)
                 self._autoreset_pending = done

@@ -1,0 +1,121 @@
+"""``GymEnv``'s batch paths for the rollout core: the actions of a whole batch checked and converted at
+once, and the fused loop that steps a ``GymEnv`` of one observation array (``GymEnv._run_steps``).
+
+Both are ``GymEnv`` methods (assigned in its class body); they live here to keep ``_gym.py`` readable.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from ._gym import GymEnv
+
+__all__ = ["env_action_steps", "run_steps"]
+
+
+def env_action_steps(self: GymEnv, actions: np.ndarray) -> list[Any] | None:
+    """The actions of many steps (steps first, one action entry), checked and converted in one go:
+    what ``GymEnv._step_env_action`` takes at each step, the same as ``GymEnv._leaf_action`` gives
+    step by step. ``None`` for a Dict or Tuple action space (converted step by step)."""
+    if self._composite:
+        return None
+    space, bounds, scalar_bounds, discrete = self._act_info["action"]
+    if bounds is not None and actions.size:
+        low, high = bounds
+        if scalar_bounds:
+            outside = actions.min() < low or actions.max() > high
+        else:
+            outside = bool((actions < low).any() or (actions > high).any())
+        if outside:  # the step's own error
+            for action in actions:
+                self._leaf_action("action", action)
+    if discrete:
+        steps = actions.reshape((len(actions), *self._batch_shape)).astype(np.int64, copy=False)
+    else:
+        steps = actions.astype(space.dtype, copy=False)
+    return list(steps)
+
+
+def run_steps(
+    self: GymEnv,
+    steps: int,
+    root: np.ndarray,
+    act: Any,
+    actions: list[Any] | None,
+    slots: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    out_hist: list[Any],
+    stop: Any,
+) -> tuple[int, np.ndarray]:
+    """The rollout's hot loop where :attr:`GymEnv._fused_steps` holds: what ``steps`` calls of
+    :meth:`GymEnv._step_arrays` give, without a call, a dict and a named tuple per step.
+
+    At step ``t``: ``root`` (the observation acted on) goes to ``slots[0][t]``; the action is
+    ``actions[t]`` (checked and converted: :func:`env_action_steps`) or, with ``actions`` None,
+    from ``out = act(torch.from_numpy(root))`` (``out`` appended to ``out_hist``, ``out["action"]``
+    checked as :meth:`GymEnv._step_arrays` does); the next observation, the reward, terminated and
+    truncated go to ``slots[1:][t]`` (time-first views of the batch). Stops early where
+    ``stop.is_set()``. Returns (steps taken, the observation to act on next).
+    """
+    env_step = self._env.step
+    reset = self._env.reset
+    leaf = self._leaf_action
+    array = self._array
+    dtype = self._plain_obs_dtype
+    assert dtype is not None  # _fused_steps
+    from_numpy = torch.from_numpy
+    count_nonzero = np.count_nonzero
+    obs_slot, next_slot, reward_slot, terminated_slot, truncated_slot = slots
+    vector = self._vector
+    pending: Any = self._autoreset_pending
+    taken = steps
+    try:
+        for t in range(steps):
+            if stop is not None and stop.is_set():
+                taken = t
+                break
+            obs_slot[t] = root
+            if actions is None:
+                out = act(from_numpy(root))
+                out_hist.append(out)
+                env_action = leaf("action", out["action"])
+            else:
+                env_action = actions[t]
+            obs, reward, terminated, truncated, info = env_step(env_action)
+            if vector:
+                terminated = np.asarray(terminated, dtype=bool)
+                truncated = np.asarray(truncated, dtype=bool)
+                done = terminated | truncated
+                root = array(obs, dtype)
+                if count_nonzero(done):
+                    nxt = root.copy()  # root keeps the reset observations
+                    finals = info["final_obs"]
+                    for i in np.nonzero(info.get("_final_obs", done))[0]:
+                        nxt[i] = finals[i]
+                    pending = done
+                else:
+                    nxt = root
+                    pending = None
+            else:
+                terminated = bool(terminated)
+                truncated = bool(truncated)
+                nxt = array(obs, dtype)
+                if terminated or truncated:
+                    nxt = nxt.copy()  # the reset may write into the env's buffer
+                    new_obs, _ = reset()
+                    root = array(new_obs, dtype)
+                    pending = np.asarray(True)
+                else:
+                    root = nxt
+                    pending = None
+            next_slot[t] = nxt
+            reward_slot[t] = reward  # cast to the slot's float32, as np.asarray(reward, float32)
+            terminated_slot[t] = terminated
+            truncated_slot[t] = truncated
+    finally:
+        self._autoreset_pending = pending
+        self._last_obs = {"observation": root}
+    return taken, root

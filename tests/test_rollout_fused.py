@@ -1,0 +1,301 @@
+"""The rollout's fused loop for a GymEnv of one observation array (``GymEnv._run_steps``), the trajectory
+ids worked out once per batch, random actions checked once per batch, and the rollout thread's doorbell.
+
+Each fast path is compared with the general per-step path (``ArrayEnv.fused_gym`` forced to ``None``):
+the batches must be the same bit for bit.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import anyio
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModule
+from torch import nn
+
+from aiocollect import Collector, GymEnv
+from aiocollect._envs._adapter import ArrayEnv
+from aiocollect._rollout_thread import Doorbell
+
+pytestmark = pytest.mark.anyio
+
+
+class Argmax(nn.Module):
+    def __init__(self, n_obs: int = 4, n_act: int = 2) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(n_obs, n_act)
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        return self.net(observation).argmax(-1)
+
+
+class Tanh(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(3, 1)
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        return 2 * torch.tanh(self.net(observation))
+
+
+def policy_for(kind: str, env_id: str) -> Any:
+    if kind == "random":
+        return None
+    module = Argmax() if env_id == "CartPole-v1" else Tanh()
+    if kind == "module":
+        return module
+    return TensorDictModule(module, in_keys=["observation"], out_keys=["action"])
+
+
+async def collect(env_id: str, num_envs: int | None, kind: str, **kwargs: Any) -> list[TensorDictBase]:
+    """Six seeded batches (the first two random) and the number of episodes."""
+    fpb = 60  # 60 steps of one env, 20 of three
+    batches = []
+    async with Collector(
+        lambda: GymEnv(env_id, num_envs=num_envs),
+        policy_for(kind, env_id),
+        frames_per_batch=fpb,
+        total_frames=6 * fpb,
+        seed=7,
+        init_random_frames=2 * fpb,
+        **kwargs,
+    ) as collector:
+        async for batch in collector:
+            batches.append(batch.clone())
+        batches.append(collector.statistics().episodes)  # type: ignore[arg-type]
+    return batches
+
+
+def assert_same(a: list[Any], b: list[Any]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        if not isinstance(x, TensorDictBase):
+            assert x == y
+            continue
+        assert set(x.keys(True, True)) == set(y.keys(True, True))
+        for key in x.keys(True, True):
+            assert x[key].dtype == y[key].dtype, key
+            assert torch.equal(x[key], y[key]), key
+
+
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "Pendulum-v1"])
+@pytest.mark.parametrize("num_envs", [None, 3])
+@pytest.mark.parametrize("kind", ["random", "module", "tdmodule"])
+async def test_fused_loop_gives_the_per_step_batches(
+    env_id: str, num_envs: int | None, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+    run_steps = GymEnv._run_steps
+
+    def counted(self: GymEnv, *args: Any) -> Any:
+        calls.append(1)
+        return run_steps(self, *args)
+
+    monkeypatch.setattr(GymEnv, "_run_steps", counted)
+    with anyio.fail_after(60):
+        fused = await collect(env_id, num_envs, kind)
+        assert calls  # the fused loop ran
+        monkeypatch.setattr(ArrayEnv, "fused_gym", property(lambda self: None))
+        calls.clear()
+        general = await collect(env_id, num_envs, kind)
+        assert not calls
+    assert_same(fused, general)
+    if env_id == "CartPole-v1":  # Pendulum's episodes last 200 steps
+        ends = sum(int(b["next", "done"].sum()) for b in fused[:-1])
+        assert ends > 0  # episodes ended inside batches: resets and new trajectory ids were exercised
+
+
+async def test_trajectory_ids_follow_episode_ends_in_step_then_env_order() -> None:
+    """Ids are handed out at each episode end in step order, then env order, ``stride`` apart."""
+    async with Collector(
+        lambda: GymEnv("CartPole-v1", num_envs=4),
+        frames_per_batch=4 * 50,
+        total_frames=4 * 100,
+        traj_id_start=10,
+        traj_id_stride=3,
+        seed=0,
+    ) as collector:
+        batches = [b.clone() async for b in collector]
+    expected = np.arange(10, 22, 3).reshape(4)  # the first trajectory of each env
+    next_id = 10 + 3 * 4
+    for batch in batches:
+        ids = batch["collector", "traj_ids"].numpy()
+        done = batch["next", "done"][..., 0].numpy()
+        for t in range(ids.shape[1]):
+            np.testing.assert_array_equal(ids[:, t], expected)
+            for env in np.nonzero(done[:, t])[0]:  # env order within a step
+                expected[env] = next_id
+                next_id += 3
+
+
+async def test_random_actions_are_checked_once_per_batch_and_still_valid() -> None:
+    """A random batch over a MultiDiscrete space: converted once per batch, every action in the space."""
+    space = gym.spaces.MultiDiscrete([3, 5])
+
+    class Env(gym.Env):
+        observation_space = gym.spaces.Box(-1, 1, (2,), np.float32)
+        action_space = space
+
+        def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
+            super().reset(seed=seed)
+            self.t = 0
+            return np.zeros(2, np.float32), {}
+
+        def step(self, action: Any) -> Any:
+            assert self.action_space.contains(action), action
+            self.t += 1
+            return np.full(2, self.t / 100, np.float32), 1.0, False, self.t >= 9, {}
+
+    async with Collector(lambda: GymEnv(Env()), frames_per_batch=40, total_frames=80, seed=1) as c:
+        async for batch in c:
+            actions = batch["action"].numpy()
+            assert ((actions >= 0) & (actions < space.nvec)).all()
+
+
+async def test_a_policy_action_outside_the_space_still_raises_in_the_fused_loop() -> None:
+    class Bad(nn.Module):
+        def forward(self, observation: torch.Tensor) -> torch.Tensor:
+            return torch.full(observation.shape[:-1], 2, dtype=torch.int64)
+
+    collector = Collector(lambda: GymEnv("CartPole-v1", num_envs=2), Bad(), frames_per_batch=8)
+    async with collector:
+        with pytest.raises(ValueError, match="outside the action space"):
+            await collector.__anext__()
+
+
+# -- the doorbell ----------------------------------------------------------------------------------
+async def test_doorbell_keeps_a_ring_made_before_the_wait() -> None:
+    bell = Doorbell()
+    try:
+        bell.ring()
+        bell.ring()
+        with anyio.fail_after(5):
+            await bell.wait()  # both rings taken at once
+        with anyio.move_on_after(0.05) as scope:
+            await bell.wait()
+        assert scope.cancelled_caught
+    finally:
+        bell.close()
+
+
+async def test_doorbell_wakes_a_waiting_task_from_another_thread() -> None:
+    bell = Doorbell()
+    try:
+        for _ in range(20):
+            timer = threading.Timer(0.002, bell.ring)
+            timer.start()
+            with anyio.fail_after(5):
+                await bell.wait()
+            timer.join()
+    finally:
+        bell.close()
+
+
+async def test_doorbell_keeps_a_ring_that_came_after_the_waiter_was_cancelled() -> None:
+    bell = Doorbell()
+    try:
+        with anyio.move_on_after(0.02):
+            await bell.wait()
+        bell.ring()  # nobody waits now: kept for the next wait
+        with anyio.fail_after(5):
+            await bell.wait()
+    finally:
+        bell.close()
+
+
+async def test_doorbell_ring_after_close_does_not_raise() -> None:
+    bell = Doorbell()
+    with anyio.move_on_after(0.01):
+        await bell.wait()
+    bell.close()
+    bell.ring()  # a thread finishing its job after the collector closed: nothing to wake, no error
+
+
+def test_doorbell_ring_to_a_loop_that_has_ended_does_not_raise() -> None:
+    """A waiter's wake-up left behind by a loop that ended (its task never resumed) is dropped."""
+    bell = Doorbell()
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(bell.wait)
+            await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+
+    anyio.run(main)
+    bell._wake = bell._wake or (lambda: (_ for _ in ()).throw(RuntimeError("Event loop is closed")))
+    bell.ring()
+    bell.close()
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_the_batch_tensordict_is_the_constructors(named: bool) -> None:
+    """The batch is assembled level by level with ``TensorDict._new_unsafe``: the same keys, tensors,
+    batch sizes and dim names as ``TensorDict(...)`` gives, nested keys included."""
+    from tensordict import TensorDict
+
+    from aiocollect._rollout_batch import nested_td
+
+    bt = (3, 5)
+    keys = ["observation", ("next", "observation"), ("next", "reward"), ("pixels", "left", "rgb"), "action"]
+    tensors = {key: torch.zeros(*bt, 2) for key in keys}
+    names = [None, "time"] if named else None
+    fast = nested_td(tensors, bt, names)
+    slow = TensorDict(tensors, batch_size=bt, names=names)
+    assert type(fast) is type(slow)
+    assert set(fast.keys(True)) == set(slow.keys(True))
+    for key in fast.keys(True):
+        a, b = fast.get(key), slow.get(key)
+        if isinstance(b, torch.Tensor):
+            assert a is b
+        else:
+            assert a.batch_size == b.batch_size and a.names == b.names and a.device == b.device
+    assert fast.batch_size == slow.batch_size and fast.names == slow.names and fast.device == slow.device
+    assert type(fast.batch_size) is torch.Size and type(fast["next"].batch_size) is torch.Size
+    assert fast.reshape(-1).batch_size == (15,)
+
+
+@pytest.mark.parametrize("num_envs", [None, 3])
+def test_episode_statistics_and_ids_match_the_frames(num_envs: int | None) -> None:
+    """Returns and lengths of the episodes that end in each batch (one env: its own short path) are the
+    sums and counts of their frames, across batch borders; trajectory ids change exactly at ends."""
+    collector = Collector(
+        lambda: GymEnv("Pendulum-v1" if num_envs is None else "CartPole-v1", num_envs=num_envs),
+        frames_per_batch=60 if num_envs is None else 3 * 37,
+        seed=3,
+    )
+    rollout = collector._rollout
+    if num_envs is None:  # Pendulum's episodes last 200 steps: several batches each, real rewards
+        rollout.env.env.env._max_episode_steps = 70
+    n = max(num_envs or 1, 1)
+    sums: dict[int, float] = {}
+    counts: dict[int, int] = {}
+    for _ in range(8):
+        result = rollout.collect()
+        batch = result.batch
+        ids = batch["collector", "traj_ids"].reshape(n, -1).numpy()
+        reward = batch["next", "reward"].reshape(n, -1).numpy().astype(np.float64)
+        done = batch["next", "done"].reshape(n, -1).numpy()
+        expected_returns, expected_lengths = [], []
+        for env in range(n):
+            for t in range(ids.shape[1]):
+                i = int(ids[env, t])
+                sums[i] = sums.get(i, 0.0) + float(reward[env, t])
+                counts[i] = counts.get(i, 0) + 1
+                if done[env, t]:
+                    expected_returns.append(sums[i])
+                    expected_lengths.append(counts[i])
+                    if t + 1 < ids.shape[1]:
+                        assert ids[env, t + 1] != i
+                elif t + 1 < ids.shape[1]:
+                    assert ids[env, t + 1] == i
+        assert result.episode_lengths == expected_lengths
+        np.testing.assert_allclose(result.episode_returns, expected_returns, rtol=1e-9)
+    assert len(counts) > n  # episodes ended
