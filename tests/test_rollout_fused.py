@@ -171,6 +171,24 @@ async def test_a_policy_action_outside_the_space_still_raises_in_the_fused_loop(
             await collector.__anext__()
 
 
+@pytest.mark.parametrize("policy", [None, "module"])
+async def test_a_gymenv_subclass_override_is_honoured(policy: str | None) -> None:
+    """A GymEnv subclass that overrides a method the fused loop stands in for is stepped by the per-step
+    path (found by test_events: a subclass whose ``_step_arrays`` raises was never called)."""
+    calls = []
+
+    class Watched(GymEnv):
+        def _step_arrays(self, action: Any) -> Any:
+            calls.append(1)
+            return super()._step_arrays(action)
+
+    module = Argmax() if policy else None
+    collector = Collector(lambda: Watched("CartPole-v1", num_envs=2), module, frames_per_batch=8)
+    async with collector:
+        await collector.__anext__()
+    assert len(calls) == 4  # every step of the batch went through the override
+
+
 # -- the doorbell ----------------------------------------------------------------------------------
 async def test_doorbell_keeps_a_ring_made_before_the_wait() -> None:
     bell = Doorbell()
@@ -262,7 +280,7 @@ def test_the_batch_tensordict_is_the_constructors(named: bool) -> None:
     assert fast.reshape(-1).batch_size == (15,)
 
 
-@pytest.mark.parametrize("num_envs", [None, 3])
+@pytest.mark.parametrize("num_envs", [None, 1, 3])  # 1: a vector env of one, its carry is [1], not []
 def test_episode_statistics_and_ids_match_the_frames(num_envs: int | None) -> None:
     """Returns and lengths of the episodes that end in each batch (one env: its own short path) are the
     sums and counts of their frames, across batch borders; trajectory ids change exactly at ends."""

@@ -164,10 +164,10 @@ def _episode_stats_one(
         return [], [], np.asarray(carry_ret + csum[-1]), np.asarray(carry_len + T)
     at_end = csum[end_t]
     before = np.empty_like(at_end)  # the cumulative reward before each episode (minus the carry)
-    before[0] = -carry_ret
+    before[0] = -carry_ret.reshape(())  # the carry is [] (one env) or [1] (a vector env of one)
     before[1:] = at_end[:-1]
     start = np.empty_like(end_t)  # the step before each episode (minus the carried length)
-    start[0] = -1 - carry_len
+    start[0] = -1 - carry_len.reshape(())
     start[1:] = end_t[:-1]
     returns = (at_end - before).tolist()
     lengths = (end_t - start).tolist()

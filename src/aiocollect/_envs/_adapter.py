@@ -158,7 +158,8 @@ class ArrayEnv:
     def stepper(self, *, converted: bool = False) -> Any:
         """:meth:`step`, or the array path's own step method where there is one (a call less per step);
         ``converted``: the step method for the actions :meth:`action_steps` gave."""
-        if converted and isinstance(self._gym, GymEnv):
+        if converted and self._converts_actions:
+            assert self._gym is not None
             return self._gym._step_env_action
         return self._gym._step_arrays if self._gym is not None else self.step
 
@@ -174,9 +175,17 @@ class ArrayEnv:
     def action_steps(self, actions: dict[NestedKey, Any]) -> list[Any] | None:
         """The actions of a batch's steps (``{key: array}``, steps first), checked and converted at once
         for ``stepper(converted=True)``; ``None`` where they go to :meth:`step` one by one."""
-        if not isinstance(self._gym, GymEnv) or not self._one_action:
+        if not self._converts_actions or not self._one_action:
             return None
+        assert self._gym is not None
         return self._gym._env_action_steps(actions["action"])
+
+    @property
+    def _converts_actions(self) -> bool:
+        """Whether a batch's actions may be converted at once and stepped past ``_step_arrays`` (not
+        where a GymEnv subclass overrides ``_step_arrays``: its override must see every step)."""
+        gym_env = self._gym
+        return isinstance(gym_env, GymEnv) and not overrides_gym_env(gym_env, "_step_arrays")
 
     @property
     def one_action(self) -> bool:

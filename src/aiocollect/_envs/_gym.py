@@ -13,7 +13,7 @@ from gymnasium.vector import AutoresetMode
 from tensordict import TensorDict
 
 from ._gym_open import is_envpool, open_gym_env
-from ._gym_steps import env_action_steps, run_steps
+from ._gym_steps import env_action_steps, fusable_type, run_steps
 from ._info import InfoKeys, InfoReader, info_specs
 from ._spaces import (
     LeafSpec,
@@ -465,13 +465,15 @@ class GymEnv:
     @property
     def _fused_steps(self) -> bool:
         """Whether :meth:`_run_steps` can collect: one observation array (no Dict space, no info
-        entries), one action entry, and one env or a gymnasium vector env with same-step autoreset."""
+        entries), one action entry, one env or a gymnasium vector env with same-step autoreset, and no
+        subclass override of a method the fused loop stands in for (``_gym_steps.FUSED_BYPASSES``)."""
         return (
             self._plain_obs_dtype is not None
             and not self._composite
             and not self._pool
             and self._same_step
             and not self._needs_reset
+            and fusable_type(self, GymEnv)
         )
 
     _run_steps = run_steps

@@ -14,7 +14,34 @@ import torch
 if TYPE_CHECKING:
     from ._gym import GymEnv
 
-__all__ = ["env_action_steps", "run_steps"]
+__all__ = ["FUSED_BYPASSES", "env_action_steps", "fusable_type", "run_steps"]
+
+#: the GymEnv methods the fused loop (``GymEnv._run_steps``) does the work of: a subclass that overrides one
+#: of them (to fail, to change observations, ...) is stepped by the per-step path, which calls them
+FUSED_BYPASSES = (
+    "step",
+    "reset",
+    "_step_arrays",
+    "_step_env_action",
+    "_reset",
+    "_reset_arrays",
+    "_merge_reset",
+    "_observation",
+    "_arrays",
+    "_array",
+    "_to_env_action",
+    "_leaf_action",
+)
+_fused_types: dict[type, bool] = {}
+
+
+def fusable_type(env: Any, base: type) -> bool:
+    """Whether ``type(env)`` overrides none of ``base``'s :data:`FUSED_BYPASSES` (cached per type)."""
+    cls = type(env)
+    known = _fused_types.get(cls)
+    if known is None:
+        known = _fused_types[cls] = all(getattr(cls, name) is getattr(base, name) for name in FUSED_BYPASSES)
+    return known
 
 
 def env_action_steps(self: GymEnv, actions: np.ndarray) -> list[Any] | None:
