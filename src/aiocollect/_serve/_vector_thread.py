@@ -101,7 +101,7 @@ class _Conversation:
             if since is None or time.monotonic() - since < KEEPALIVE:
                 continue
             try:
-                if select.select([self.sock], [], [], 0)[0]:
+                if _readable(self.sock):
                     with self._lock:
                         if self._job_since == since:
                             self.sock.sendall(_PONG)
@@ -194,3 +194,12 @@ class _Conversation:
             self.sock.settimeout(1.0)
             with self._lock:
                 self.sock.sendall(self.ws.send(CloseConnection(code=code, reason=reason)))
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether ``sock`` has something to read (now; ``poll``: any fd number, unlike ``select``)."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
+    return bool(select.select([sock], [], [], 0)[0])
