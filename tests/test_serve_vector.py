@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -288,6 +289,75 @@ async def test_a_stopped_server_fails_the_call_within_its_timeout() -> None:
             assert time.monotonic() - stopped_at < 2.0
         finally:
             server.send_signal(signal.SIGCONT)
+
+
+FAST = {"heartbeat_interval": 0.05, "heartbeat_timeout": 0.25}
+
+
+def vector_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("aiocollect-vector-envs")]
+
+
+async def test_long_steps_and_idle_clients_are_not_silence() -> None:
+    """A vector connection is served by a thread of its own: a step of 0.6 s (over twice the heartbeat
+    timeout) is not taken for silence, and an idle client is dropped with IDLE_CLOSE and reconnects."""
+    async with serve_envs([lambda: DictObs(step_delay=0.3)] * 2, token=TOKEN, **FAST) as server:
+        async with await RemoteVectorEnv.open(server.url, token=TOKEN, **FAST) as env:
+            assert len(vector_threads()) == 2  # the connection's thread and its keep-alive
+            await env.reset(seed=0)
+            with anyio.fail_after(5):
+                obs, *_ = await env.step(np.zeros((2, 2), np.float32))  # 2 x 0.3 s in one step
+            ws = env._ws
+            assert ws is not None and not ws.closed
+            await anyio.sleep(0.6)  # nobody reads this idle connection: the server drops it (IDLE_CLOSE)
+            with anyio.fail_after(5):
+                obs, *_ = await env.step(np.zeros((2, 2), np.float32))  # on a new connection, sent once
+            assert env._ws is not ws and ws.close_code == 4408
+            assert obs["steps"].tolist() == [2, 2]
+        for _ in range(500):  # the server's threads end with the connection
+            if not vector_threads():
+                break
+            await anyio.sleep(0.01)
+        assert not vector_threads()
+
+
+async def test_the_server_drops_a_silent_vector_client_and_frees_its_envs() -> None:
+    async with serve_envs([cartpole] * 2, token=TOKEN, **FAST) as server:
+        silent = await connect(server.url, "/vector/0/2", TOKEN)  # no heartbeat: it never reads again
+        try:
+            with anyio.fail_after(5):  # the envs are free again once the server gave up on it
+                async with await RemoteVectorEnv.open(server.url, token=TOKEN, **FAST) as env:
+                    await env.reset(seed=0)
+            with pytest.raises(RemoteConnectionError, match="4408"):
+                while True:
+                    await silent.receive()  # the spaces it did not read, then the server's close
+        finally:
+            await silent.abort()
+
+
+async def test_leaving_the_server_ends_its_vector_threads_mid_step() -> None:
+    envs: list[DictObs] = []
+
+    def made() -> DictObs:
+        envs.append(DictObs(step_delay=0.3))
+        return envs[-1]
+
+    async def step(env: RemoteVectorEnv) -> None:
+        with pytest.raises(RemoteConnectionError):
+            await env.step(np.zeros((2, 2), np.float32))
+        await env.close()
+
+    async with anyio.create_task_group() as tg:
+        async with serve_envs([made] * 2, token=TOKEN) as server:
+            env = await RemoteVectorEnv.open(server.url, token=TOKEN)
+            await env.reset(seed=0)
+            tg.start_soon(step, env)
+            with anyio.fail_after(5):
+                await anyio.to_thread.run_sync(envs[0].stepping.wait)
+            started = time.monotonic()
+        # left mid-step: the client's connection ends at once; the step finishes, then the thread
+        assert time.monotonic() - started < 2.0
+        assert not vector_threads()
 
 
 async def test_tls(certificate: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:  # noqa: F811

@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from ._tcp import listen
+from ._tcp import listen, listen_socket, serve_sockets
 from ._wire import encode
 from ._ws import Heartbeat, RemoteConnectionError, WebSocket
 
@@ -126,14 +126,23 @@ class Server:
         stack: contextlib.AsyncExitStack,
         handle: Callable[[anyio.abc.ByteStream], Coroutine[Any, Any, None]],
         *tasks: Callable[[], Coroutine[Any, Any, None]],
+        raw: bool = False,
     ) -> None:
         """Listen (``self.port`` becomes the bound port), serve each connection with ``handle`` and run
-        ``tasks``, all in a task group that ``stack`` cancels and closes."""
-        listener, self.port = await listen(self.host, self.port)
-        stack.push_async_callback(listener.aclose)
+        ``tasks``, all in a task group that ``stack`` cancels and closes. With ``raw``, each connection
+        comes as a :class:`._tcp.RawStream` (a plain socket that a thread can take over)."""
+        if raw:
+            sock, self.port = await listen_socket(self.host, self.port)
+            stack.callback(sock.close)
+        else:
+            listener, self.port = await listen(self.host, self.port)
+            stack.push_async_callback(listener.aclose)
         tg = await stack.enter_async_context(anyio.create_task_group())
         stack.callback(tg.cancel_scope.cancel)
-        tg.start_soon(listener.serve, handle)
+        if raw:
+            tg.start_soon(serve_sockets, sock, handle, tg)
+        else:
+            tg.start_soon(listener.serve, handle)
         for task in tasks:
             tg.start_soon(task)
 

@@ -30,6 +30,7 @@ from ._env_jobs import Job, Uniform, parse_calls, parse_steps, run_job, uniform_
 from ._hop import StepThread
 from ._spaces import describe_space
 from ._vector_jobs import HostedVector, SingleEnvs, VectorJob, open_vector_env
+from ._vector_thread import serve_in_thread
 from ._wire import ProtocolError, decode, encode, pack_tree
 from ._ws import SERVER_HEARTBEAT, Heartbeat, RemoteConnectionError, WebSocket, accept, heartbeat
 
@@ -111,7 +112,7 @@ class EnvServer(Server):
                 first = self.envs[0].action_space
                 if all(env.action_space == first for env in self.envs):
                     self._uniform = uniform_action_checker(first)
-            await self._listen(stack, self._handle, self._stepper)
+            await self._listen(stack, self._handle, self._stepper, raw=self.ssl_context is None)
             _RUNNING[self.port] = self
             stack.callback(_RUNNING.pop, self.port, None)
             self._stack = stack.pop_all()
@@ -256,12 +257,18 @@ class EnvServer(Server):
         batch = kind == "batch"
         try:
             hello, host = self._greeting(kind, start, stop)
+            name = f"aiocollect-vector-envs-{start}-{stop}"
+            if host is not None and (taken := ws.detach()) is not None:
+                # a vector client over a plain socket: a thread of its own serves it, the loop is off it
+                await serve_in_thread(*taken, host, hello, self.heartbeat, name)
+                return
             await ws.send(hello)
             if kind == "spaces" or (kind == "vector" and host is None) or (kind != "vector" and self.vector):
                 await ws.aclose()  # a look at the spaces only (a client's constructor), or refused
                 return
+            await ws.adopt_event_loop()
             if host is not None:  # a vector client: its own stepping thread, for as long as it is connected
-                async with StepThread(f"aiocollect-vector-envs-{start}-{stop}") as thread:
+                async with StepThread(name) as thread:  # (TLS: the loop reads, a thread steps)
                     await self._answer_in_order(ws, functools.partial(self._serve_vector, host, thread))
                 return
             await self._answer_in_order(

@@ -46,7 +46,7 @@ try:
 except ImportError as exc:  # pragma: no cover - the serve extra is missing
     raise ImportError("serving envs and policies needs wsproto: pip install 'aiocollect[serve]'") from exc
 
-from ._tcp import open_tcp
+from ._tcp import RawStream, open_tcp
 from ._wire import MAX_MESSAGE
 
 __all__ = [
@@ -296,6 +296,34 @@ class WebSocket:
             except Exception:
                 pass
         await self.abort()
+
+    def detach(self) -> tuple[socket.socket, WSConnection] | None:
+        """Hand the plain socket and the protocol state (with what it has read ahead) over to the caller,
+        who goes on with blocking I/O in a thread; this object is closed without closing the socket.
+        ``None`` (nothing changes) when the stream is not a :class:`._tcp.RawStream` (TLS, or a stream
+        whose event loop reads ahead) or messages were already read."""
+        if not isinstance(self._stream, RawStream) or self._pending or self._parts or self.closed:
+            return None
+        sock = self._stream.detach()
+        self.closed = True
+        self._close_reason = f"connection to {self.peer} was handed over to a thread"
+        return sock, self._ws
+
+    async def adopt_event_loop(self) -> None:
+        """Go on over an anyio socket stream (the event loop's own reading) where the stream is a
+        :class:`._tcp.RawStream`: a long conversation on the loop."""
+        if isinstance(self._stream, RawStream) and not self.closed:
+            sock = self._stream.detach()
+            try:
+                self._stream = await anyio.abc.SocketStream.from_socket(sock)
+            except (OSError, ValueError) as exc:  # the peer is gone already
+                sock.close()
+                self.closed = True
+                raise RemoteConnectionError(f"connection to {self.peer} lost: {exc!r}") from exc
+            except BaseException:
+                sock.close()
+                self.closed = True
+                raise
 
     async def abort(self) -> None:
         """Close the socket now (no close frame)."""
