@@ -283,11 +283,15 @@ class Engine(VectorSteps):
                 if done:
                     obs, _ = await env.reset()
         except Exception as exc:
-            if not self.config.drop_failed_envs:
-                self._fail(exc)
-                return
-            self._drop(u, exc)
-            await self.close_env(u)
+            await self._env_failed(u, exc)
+
+    async def _env_failed(self, u: int, exc: Exception) -> None:
+        """An env task's error: the collector's end, or (``on_env_error="drop"``) that env's."""
+        if not self.config.drop_failed_envs:
+            self._fail(exc)
+            return
+        self._drop(u, exc)
+        await self.close_env(u)
 
     async def close_env(self, i: int) -> None:
         """Close env ``i`` (once), shielded; an error closing it is dropped (it failed, or we are ending)."""

@@ -52,9 +52,7 @@ class VectorSteps:
 
     if TYPE_CHECKING:  # Engine's methods
 
-        def _fail(self, exc: BaseException) -> None: ...
-        def _drop(self, u: int, exc: Exception) -> None: ...
-        async def close_env(self, i: int) -> None: ...
+        async def _env_failed(self, u: int, exc: Exception) -> None: ...
         def _new_batch(self) -> FrameBatch: ...
         def _complete(self, batch: FrameBatch) -> None: ...
         @property
@@ -97,11 +95,7 @@ class VectorSteps:
                 if self.idle_signal._event is not None and self.idle:  # a pause() waits for the steps
                     self.idle_signal.set()
         except Exception as exc:
-            if not self.config.drop_failed_envs:
-                self._fail(exc)
-                return
-            self._drop(u, exc)
-            await self.close_env(u)
+            await self._env_failed(u, exc)
 
     def _blocks(self, obs: Any, width: int) -> list[np.ndarray]:
         """A vector env's observation as one array ``[width, ...]`` per key, its shapes checked."""
