@@ -21,9 +21,11 @@ loop-bound async variants; the thread pool is bound by its sleeps, 64 / 5 ms = 1
 the event loop's lag (a task that sleeps 1 ms and records how late it wakes) while the 1,000 envs run,
 and the distribution of the policy's batch sizes. ``MultiAsyncEnvCollector`` splits the same envs over
 ``--processes`` worker processes (uvloop in each), batches of ``frames_per_batch / processes`` frames per
-worker; its ratio is to the one-loop uvloop variant of the same round. The one-loop variants run with
-the collector's default ``freeze_gc=True`` (it freezes the heap once its envs are built) and with
-``freeze_gc=False`` (the garbage collector as it was; see docs/async-envs.md, "Performance").
+worker; its ratio is to the one-loop uvloop variant of the same round. Each measurement runs in a fresh
+(spawned) interpreter, so every variant starts from the same heap, as a user's script does. The one-loop
+variants run with the collector's default ``freeze_gc=True`` (it freezes the heap once its envs are
+built) and with ``freeze_gc=False`` (the garbage collector as it was; see docs/async-envs.md,
+"Performance").
 
 ``--components`` measures what one step costs in CPU µs, piece by piece, on asyncio and uvloop (rounds
 interleaved, medians; ``gc.freeze()`` on, so the garbage collector's share is its own line): the CartPole
@@ -46,9 +48,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import multiprocessing
 import statistics
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from typing import Any
 
@@ -161,6 +165,20 @@ def env_fns(args: argparse.Namespace, vector: bool) -> list[Any]:
         return [SlowCartPole] * args.envs
     shares = np.array_split(np.arange(args.envs), args.vector)
     return [partial(SlowCartPoleVector, len(share)) for share in shares]
+
+
+# -- each measurement in a fresh process -------------------------------------------------------------
+def _measured(fn: Any, *args: Any) -> Any:
+    torch.set_num_threads(1)
+    return fn(*args)
+
+
+def fresh(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in a new interpreter (spawned): every variant starts from the same heap, as a user's
+    script does (in one process, the variants run later got slower as the heap grew)."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=context) as pool:
+        return pool.submit(_measured, fn, *args).result()
 
 
 # -- the async collector ------------------------------------------------------------------------------
@@ -488,12 +506,12 @@ def main() -> None:
     procs: list[float] = []  # MultiAsyncEnvCollector's frames/s
     proc_ratios: list[float] = []  # ... / one loop's (uvloop, the default freeze_gc) in the same round
     for r in range(args.rounds):
-        out = measure_threads(args, policy)
+        out = fresh(measure_threads, args, policy)
         base = out["fps"]
         results["threads"].append(base)
         cpu["threads"].append(out["cpu_us"])
         for name, (uv, freeze, vector) in variants.items():
-            out = measure_async(args, policy, uv, freeze, vector)
+            out = fresh(measure_async, args, policy, uv, freeze, vector)
             results[name].append(out["fps"])
             cpu[name].append(out["cpu_us"])
             ratios[name].append(out["fps"] / base)
@@ -501,7 +519,7 @@ def main() -> None:
             if name == "asyncio":
                 sizes += out["sizes"]
         if args.processes:
-            fps = measure_processes(args, policy)["fps"]
+            fps = fresh(measure_processes, args, policy)["fps"]
             procs.append(fps)
             proc_ratios.append(fps / results["uvloop"][-1])
         extra = f", {args.processes} processes {procs[-1]:,.0f}" if args.processes else ""
