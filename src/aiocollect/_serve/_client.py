@@ -11,7 +11,7 @@ from __future__ import annotations
 import ssl
 import threading
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import anyio
 from gymnasium import spaces
@@ -146,3 +146,9 @@ class OneConnection:
         ws, self._ws = self._ws, None
         if ws is not None:
             await ws.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.close()

@@ -166,11 +166,5 @@ class RemoteEnv(OneConnection):
         obs, info = unpack_tree(reply["obs"], arrays), unpack_tree(reply["info"], arrays)
         return obs, reply["reward"], reply["terminated"], reply["truncated"], info
 
-    async def __aenter__(self) -> RemoteEnv:
-        return self
-
-    async def __aexit__(self, *exc_info: Any) -> None:
-        await self.close()
-
     def __repr__(self) -> str:
         return f"RemoteEnv({self.url!r}, index={self.index})"

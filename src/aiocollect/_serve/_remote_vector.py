@@ -11,6 +11,7 @@ from gymnasium import spaces
 from ._actions import batch_action_encoder
 from ._client import OneConnection, is_local, read_hello, run_blocking
 from ._env_server import local_num_envs, local_spaces
+from ._remote_env import fetch_spaces
 from ._wire import ProtocolError, encode, pack_tree, unpack_tree
 from ._ws import CLIENT_HEARTBEAT, check_client_tls, connect, heartbeat, split_url
 
@@ -124,19 +125,9 @@ class RemoteVectorEnv(OneConnection):
         return *spaces_here, count
 
     async def _fetch(self) -> tuple[Any, Any, int]:
-        ws = await connect(
-            self.url,
-            f"/spaces/{self.start}",
-            self._token,
-            connect_timeout=self.connect_timeout,
-            beat=self.heartbeat,
-            ssl_context=self.ssl_context,
+        return await fetch_spaces(
+            self.url, self.start, self._token, self.connect_timeout, self.heartbeat, self.ssl_context
         )
-        try:
-            obs, act, header = await read_hello(ws, f"{self.url} env {self.start}")
-            return obs, act, header["num_envs"]
-        finally:
-            await ws.abort()
 
     @classmethod
     async def open(
@@ -155,18 +146,7 @@ class RemoteVectorEnv(OneConnection):
         beat = heartbeat(heartbeat_interval, heartbeat_timeout)
         check_client_tls(url, ssl_context)
         if stop is None:  # how many envs the server has: the spaces connection's hello says
-            probe = await connect(
-                url,
-                f"/spaces/{start}",
-                token,
-                connect_timeout=connect_timeout,
-                beat=beat,
-                ssl_context=ssl_context,
-            )
-            try:
-                stop = (await read_hello(probe, f"{url} env {start}"))[2]["num_envs"]
-            finally:
-                await probe.abort()
+            stop = (await fetch_spaces(url, start, token, connect_timeout, beat, ssl_context))[2]
         ws = await connect(
             url,
             f"/vector/{start}/{stop}",
@@ -226,12 +206,6 @@ class RemoteVectorEnv(OneConnection):
                 raise ProtocolError(f"{self._where} answered with malformed final observations")
             info["final_obs"], info["_final_obs"] = _final_column(ended, unpack_tree(final["obs"], arrays), n)
         return obs, arrays[0], arrays[1], arrays[2], info
-
-    async def __aenter__(self) -> RemoteVectorEnv:
-        return self
-
-    async def __aexit__(self, *exc_info: Any) -> None:
-        await self.close()
 
     def __repr__(self) -> str:
         return f"RemoteVectorEnv({self.url!r}, start={self.start}, stop={self.stop})"
