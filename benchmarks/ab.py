@@ -22,12 +22,12 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from _trees import base_tree
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,14 +119,6 @@ def make_env_fn(env_id: str, num_envs: int) -> Any:
     if num_envs == 1:
         return functools.partial(aiocollect.GymEnv, env_id)
     return functools.partial(aiocollect.GymEnv, env_id, num_envs=num_envs)
-
-
-def base_tree(rev: str) -> Path:
-    sha = subprocess.run(["git", "rev-parse", rev], cwd=ROOT, check=True, capture_output=True, text=True)
-    path = Path(tempfile.gettempdir()) / f"aiocollect-ab-{sha.stdout.strip()[:12]}"
-    if not (path / "src").exists():
-        subprocess.run(["git", "worktree", "add", "--detach", str(path), rev], cwd=ROOT, check=True)
-    return path
 
 
 def measure(tree: Path, workload: str, seconds: float) -> dict[str, float]:

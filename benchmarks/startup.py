@@ -44,6 +44,7 @@ from typing import Any
 T_START = time.perf_counter()  # a child's import time starts here, before torch
 
 import torch  # noqa: E402
+from _trees import base_tree  # noqa: E402
 from torch import nn  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,14 +190,6 @@ def torchrl(collector: str, setup: float) -> dict[str, Any]:
 
 
 # -- in the parent ------------------------------------------------------------------------------------
-def base_tree(rev: str) -> Path:
-    sha = subprocess.run(["git", "rev-parse", rev], cwd=ROOT, check=True, capture_output=True, text=True)
-    path = Path(tempfile.gettempdir()) / f"aiocollect-ab-{sha.stdout.strip()[:12]}"
-    if not (path / "src").exists():
-        subprocess.run(["git", "worktree", "add", "--detach", str(path), rev], cwd=ROOT, check=True)
-    return path
-
-
 def run_child(python: str, kind: str, collector: str, setup: float, src: Path | None) -> dict[str, Any]:
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
