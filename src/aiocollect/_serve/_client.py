@@ -21,7 +21,7 @@ from ._spaces import rebuild_space
 from ._wire import ProtocolError, decode, unpack_tree
 from ._ws import Heartbeat, UnreadError, WebSocket, ask, connect, split_url
 
-__all__ = ["OneConnection", "is_local", "read_hello", "run_blocking"]
+__all__ = ["OneConnection", "check_env_range", "is_local", "read_hello", "run_blocking"]
 
 T = TypeVar("T")
 
@@ -43,6 +43,20 @@ def run_blocking(fn: Callable[[], Awaitable[T]]) -> T:
         raise box["error"]
     value: T = box["value"]
     return value
+
+
+def check_env_range(start: Any, stop: Any) -> None:
+    """``ValueError`` unless ``start``/``stop`` name envs ``start`` to ``stop - 1`` of a server (``stop``
+    ``None``: to its last env)."""
+    if (
+        not isinstance(start, int)
+        or isinstance(start, bool)
+        or start < 0
+        or (stop is not None and (not isinstance(stop, int) or stop <= start))
+    ):
+        raise ValueError(
+            f"start and stop must be env indices with 0 <= start < stop, got {start!r}, {stop!r}"
+        )
 
 
 def is_local(url: str) -> bool:

@@ -20,6 +20,7 @@ import numpy as np
 from gymnasium import spaces
 
 from ._actions import action_encoder
+from ._client import check_env_range
 from ._common import remote_error
 from ._remote_env import fetch_spaces
 from ._spaces import rebuild_space
@@ -143,14 +144,7 @@ class RemoteEnvPool:
         check_client_tls(url, ssl_context)
         if not isinstance(token, str) or not token:
             raise ValueError("token must be the server's token (server.token), a non-empty string")
-        if (
-            not isinstance(start, int)
-            or start < 0
-            or (stop is not None and (not isinstance(stop, int) or stop <= start))
-        ):
-            raise ValueError(
-                f"start and stop must be env indices with 0 <= start < stop, got {start!r}, {stop!r}"
-            )
+        check_env_range(start, stop)
         self.url, self.start, self.stop, self.connect_timeout = url, start, stop, connect_timeout
         self.heartbeat = heartbeat(heartbeat_interval, heartbeat_timeout)
         self.ssl_context = ssl_context

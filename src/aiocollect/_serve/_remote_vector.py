@@ -9,7 +9,7 @@ import numpy as np
 from gymnasium import spaces
 
 from ._actions import batch_action_encoder
-from ._client import OneConnection, is_local, read_hello, run_blocking
+from ._client import OneConnection, check_env_range, is_local, read_hello, run_blocking
 from ._env_server import local_num_envs, local_spaces
 from ._remote_env import fetch_spaces
 from ._wire import ProtocolError, encode, pack_tree, unpack_tree
@@ -76,15 +76,7 @@ class RemoteVectorEnv(OneConnection):
         heartbeat_timeout: float | None = CLIENT_HEARTBEAT[1],
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        if (
-            not isinstance(start, int)
-            or isinstance(start, bool)
-            or start < 0
-            or (stop is not None and (not isinstance(stop, int) or stop <= start))
-        ):
-            raise ValueError(
-                f"start and stop must be env indices with 0 <= start < stop, got {start!r}, {stop!r}"
-            )
+        check_env_range(start, stop)
         check_client_tls(url, ssl_context)
         super().__init__(
             url, token, connect_timeout, heartbeat(heartbeat_interval, heartbeat_timeout), ssl_context
