@@ -14,11 +14,19 @@ from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
 from ._async_collector import max_wait_arg
-from ._async_collector_worker import EnvShare, WorkerConfig, run_async_worker
+from ._async_collector_worker import EnvOffset, EnvRows, EnvShare, WorkerConfig, run_async_worker
 from ._async_worker_frames import FLOOR, VERSION
+from ._events import WorkerFailed
 from ._gather import gather
 from ._multi_async import MultiAsyncCollector
-from ._multi_async_envs_args import frames_arg, refuse_unsupported, shares_arg, warn_envs_wait
+from ._multi_async_envs_args import (
+    frames_arg,
+    loop_arg,
+    on_env_error_arg,
+    refuse_unsupported,
+    shares_arg,
+    warn_envs_wait,
+)
 from ._multi_base import Delivery
 from ._trajectories import split_trajectories
 from ._transport._messages import LoadWeights
@@ -36,8 +44,6 @@ from ._weightsync import WeightSync
 from ._workers._pool import WorkerPool
 
 __all__ = ["MultiAsyncEnvCollector"]
-
-_LOOPS = ("asyncio", "uvloop", "trio")
 
 
 class _Finish:
@@ -124,6 +130,10 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
         torch.Size([100])
     """
 
+    #: the (sub-)envs over all workers (env ids 0 to num_envs - 1); their env fns until the workers have
+    #: built them (a vector env's sub-envs are counted then)
+    num_envs: int
+
     def __init__(
         self,
         env_fns_per_worker: Sequence[Sequence[Callable[[], Any]]],
@@ -139,6 +149,7 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
         exploration_type: str | InteractionType = "random",
         seed: int | None = None,
         track_policy_version: bool = False,
+        on_env_error: str = "raise",
         max_policy_lag: int | None = None,
         update_at_each_batch: bool = False,
         prefetch: int | None = None,
@@ -160,27 +171,25 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
         refuse_unsupported(unsupported)
         shares = shares_arg(env_fns_per_worker)
         fpb = frames_arg(frames_per_batch, len(shares))
-        if loop not in _LOOPS:
-            raise ValueError(f"loop must be one of {_LOOPS} (the workers' event loop), got {loop!r}")
         lag = lag_arg(max_policy_lag)
         if prefetch is None:  # on-policy: what a worker collects ahead is dropped at the next update
             prefetch = 0 if lag == 0 else 1
         random_frames = init_random_frames_arg(init_random_frames)
-        offsets = [0, *itertools.accumulate(len(share) for share in shares[:-1])]
         self._async_config = WorkerConfig(
-            offsets=tuple(offsets),
             min_batch=optional_positive_int("min_batch", min_batch, fix="None: half of a worker's envs"),
             max_wait=max_wait_arg(max_wait),
             max_frames_per_traj=optional_positive_int("max_frames_per_traj", max_frames_per_traj),
             exploration_type=exploration_type_arg(exploration_type),
             seed=seed_arg(seed),
             prefetch=non_negative_int("prefetch", prefetch, fix="0: a batch is collected when asked for"),
-            loop=loop,
+            loop=loop_arg(loop),
             random_frames=math.ceil(random_frames / len(shares)),
             pause_when_held=lag == 0,
+            on_env_error=on_env_error_arg(on_env_error),
         )
         self._track_versions = flag("track_policy_version", track_policy_version)
-        self.num_envs = offsets[-1] + len(shares[-1])
+        self.num_envs = sum(len(share) for share in shares)
+        self._rows: list[int | None] = [None] * len(shares)  # per worker: its env ids (EnvRows)
         warn_envs_wait(shares, fpb, self._async_config.prefetch)
         super().__init__(
             [EnvShare(share) for share in shares],
@@ -211,6 +220,29 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
 
     def _worker_body(self) -> Any:
         return functools.partial(run_async_worker, self._async_config)
+
+    def _worker_message(self, index: int, msg: Any) -> None:
+        if isinstance(msg, WorkerFailed):  # an env dropped (on_env_error="drop"), its global env id
+            self._hub.publish(msg)
+        elif isinstance(msg, EnvRows):  # a worker built its envs: once all have, each its first env id
+            self._rows[index] = msg.rows
+            rows = self._rows
+            if all(r is not None for r in rows):
+                counts = [r for r in rows if r is not None]
+                self.num_envs = sum(counts)
+                assert self._task_group is not None
+                self._task_group.start_soon(self._place_envs, [0, *itertools.accumulate(counts[:-1])])
+
+    async def _place_envs(self, firsts: list[int]) -> None:
+        """Give each worker its first env id (they wait for it before resetting any env)."""
+        pool = self._pool
+        if pool is None:
+            return
+        for i, first in enumerate(firsts):
+            try:
+                await pool.send(i, EnvOffset(first))
+            except Exception:  # the pool failed (a worker died or raised): its start-up raises why
+                return
 
     def _stale(self, index: int, policy_version: int) -> bool:
         stale = super()._stale(index, policy_version)
