@@ -92,6 +92,38 @@ async def test_split_trajs_flush_and_random_frames_with_vector_envs(leaks) -> No
     assert torch.equal(new["action"], (new["observation"][:, 2].long() + 1) % 4)
 
 
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("backend", ["process", "serial"])
+async def test_on_policy_with_vector_envs(backend, leaks) -> None:
+    policy = StepPolicy()
+    batches = []
+    async with MultiAsyncEnvCollector(
+        mixed_shares(),
+        policy,
+        frames_per_batch=15,
+        max_policy_lag=0,
+        track_policy_version=True,
+        worker_backend=backend,
+    ) as c:
+        with anyio.fail_after(30):
+            for version in range(4):
+                batch = await c.__anext__()
+                assert (batch["collector", "policy_version"] == version).all()  # the newest weights only
+                batches.append(batch)
+                with torch.no_grad():
+                    policy.offset.fill_(version + 1)
+                assert await c.update_weights(policy) == version + 1
+    data = torch.cat(batches)
+    step, version = data["observation"][:, 2].long(), data["collector", "policy_version"]
+    assert torch.equal(data["action"], (step + version) % 4)
+    for e in data["collector", "env_id"].unique().tolist():  # no trajectory id spans a gap
+        rows = data[data["collector", "env_id"] == e]
+        ids, nxt, obs = rows["collector", "traj_ids"], rows["next", "observation"], rows["observation"]
+        for k in range(len(rows) - 1):
+            if ids[k + 1] == ids[k]:
+                assert torch.equal(nxt[k], obs[k + 1])
+
+
 class Sign(nn.Module):
     def forward(self, observation: torch.Tensor) -> torch.Tensor:
         return (observation[..., 2] > 0).long()

@@ -71,11 +71,16 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
 
     Each batch is one worker's ``frames_per_batch`` frames, flat ``[frames]`` as ``AsyncEnvCollector``'s,
     first ready first served (as :class:`MultiAsyncCollector`); ``("collector", "env_id")`` is the env's
-    index over all workers (worker 0's envs first), ``("collector", "worker_id")`` the worker's, and
-    trajectory ids are unique over the workers. Weights reach a worker between two of its policy calls
+    index over all workers (worker 0's envs first, a vector env's sub-envs each one), ``("collector",
+    "worker_id")`` the worker's, and trajectory ids are unique over the workers. A worker learns its first
+    env id once every worker has built its envs (a vector env's size is known then), before any env is
+    reset. Weights reach a worker between two of its policy calls
     (after each of its batches, or at once with ``update_weights(wait=True)``); ``statistics()`` has one
     entry per worker process. A worker's env error is raised from ``async for`` with its type, a killed
     worker raises :class:`WorkerDiedError`; ``async with`` ends every process and shared-memory segment.
+    With ``on_env_error="drop"`` a failing env is dropped and the others go on; each (sub-)env dropped is a
+    :class:`WorkerFailed` event with its env id over all workers, and a worker whose every env is dropped
+    ends the collector with ``RuntimeError``.
 
     For on-policy training, ``update_weights(..., flush=True)`` (or ``max_policy_lag=0``, a flush at
     every update) delivers from then on only frames collected with the new weights: batches waiting in
@@ -88,7 +93,8 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
 
     Args:
         env_fns_per_worker: one list of env fns per worker process (each as ``AsyncEnvCollector``'s
-            ``env_fns``; cloudpickled, called in the worker).
+            ``env_fns``: async envs, async vector envs, gymnasium envs or vector envs; cloudpickled,
+            called in the worker).
         policy: as ``AsyncEnvCollector``'s (an ``nn.Module`` gets its weights from :meth:`update_weights`).
         frames_per_batch: frames in each batch (each worker's batches), or one value per worker.
         init_random_frames: the first ``ceil(init_random_frames / workers)`` actions of each worker
@@ -100,10 +106,11 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
         num_threads, num_sub_threads, update_at_each_batch, worker_backend, start_method: as
             :class:`MultiAsyncCollector`'s.
         weight_sync, worker_timeout, traj_id_start, traj_id_stride: as :class:`MultiAsyncCollector`'s.
-        min_batch, max_wait, max_frames_per_traj, exploration_type, track_policy_version: as
-            ``AsyncEnvCollector``'s, per worker.
+        min_batch, max_wait, max_frames_per_traj, exploration_type, track_policy_version, on_env_error:
+            as ``AsyncEnvCollector``'s, per worker (``max_frames_per_traj`` is refused with vector envs).
         prefetch: as ``AsyncEnvCollector``'s, per worker (default 1; 0 with ``max_policy_lag=0``).
-        seed: env ``i`` (over all workers) is first reset with ``seed + i``.
+        seed: env ``i`` (over all workers) is first reset with ``seed + i`` (a vector env whose first
+            sub-env is env ``i``: ``reset(seed=seed + i)``).
         loop: the workers' event loop: ``"asyncio"`` (default), ``"uvloop"`` or ``"trio"``.
 
     Example:
