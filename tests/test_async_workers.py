@@ -8,7 +8,6 @@ import os
 import signal
 
 import anyio
-import gymnasium as gym
 import pytest
 import torch
 from tensordict import TensorDictBase
@@ -91,14 +90,6 @@ async def test_env_error_keeps_its_type(leaks) -> None:
         async with MultiAsyncEnvCollector(envs, StepPolicy(), frames_per_batch=12) as c:
             async for _ in c:
                 pass
-
-
-@ASYNCIO_ONLY
-async def test_vector_envs_are_refused_by_the_workers(leaks) -> None:
-    vector = functools.partial(gym.make_vec, "CartPole-v1", 2, vectorization_mode="sync")
-    with anyio.fail_after(30), pytest.raises(TypeError, match="take single async envs"):
-        async with MultiAsyncEnvCollector([[vector], [vector]], frames_per_batch=8) as c:
-            await c.__anext__()
 
 
 @ASYNCIO_ONLY
@@ -294,7 +285,6 @@ async def test_arguments_of_multi_async_collector_it_does_not_take() -> None:
         ("set_truncated", True, "no last step"),
         ("policy_device", "cpu", r"policy.to\('cuda'\)"),
         ("compile_policy", True, "drop compile_policy"),
-        ("on_env_error", "drop", "drop on_env_error"),
     ]:
         with pytest.raises(TypeError, match=f"does not take {name}: .*{match}"):
             MultiAsyncEnvCollector([[Counter]], frames_per_batch=8, **{name: value})

@@ -214,6 +214,7 @@ class AsyncEnvCollector(CollectorBase):
                 await anyio.to_thread.run_sync(open_envs, self._env_fns, envs, limiter)
             spec = EnvSet(envs)
             self._check_vector_envs(spec)
+            await self._envs_opened(spec)
             policy = BatchPolicy(
                 self._source_policy,
                 action_space=spec.action_space,
@@ -283,6 +284,11 @@ class AsyncEnvCollector(CollectorBase):
                 UserWarning,
                 stacklevel=3,
             )
+
+    async def _envs_opened(self, spec: EnvSet) -> None:
+        """A subclass's hook: the envs are built and checked, no env is reset yet
+        (``MultiAsyncEnvCollector``'s workers learn their first env id, hence their seeds, here). An error
+        closes the envs."""
 
     def _engine_policy(self, policy: BatchPolicy, spec: EnvSet) -> Any:
         """What the engine calls on each batch of ready envs: ``policy`` (a subclass may wrap it)."""

@@ -1,9 +1,14 @@
 """The body of a worker process of ``MultiAsyncEnvCollector``: its own event loop running an
 ``AsyncEnvCollector`` over its share of the envs, its batches written into the parent's shared-memory slots.
 
-It speaks the protocol of the rollout workers (``_workers/_worker.py``): ``Ready`` (with the layout of the
-first batch), then ``Attach`` and ``RunFree``; one ``BatchReady`` per batch into a free slot, ``Release``
-hands a slot back; weights come from the weight-sync receiver between two policy calls; ``Close`` ends it.
+It speaks the protocol of the rollout workers (``_workers/_worker.py``), after one exchange of its own:
+once its envs are built (before any is reset), ``EnvRows`` tells the parent how many (sub-)envs it has and
+``EnvOffset`` gives it its first env id over all workers (the parent waits for every worker's count: a vector
+env's ``num_envs`` is known only once built), from which its env ids and seeds follow. Then ``Ready`` (with
+the layout of the first batch), ``Attach`` and ``RunFree``; one ``BatchReady`` per batch into a free slot,
+``Release`` hands a slot back; weights come from the weight-sync receiver between two policy calls; ``Close``
+ends it. With ``on_env_error="drop"``, each env dropped goes to the parent as its ``WorkerFailed`` event
+(with its env id over all workers).
 The control channel is read on the loop (fd readiness), never by a blocking call.
 """
 
@@ -12,8 +17,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -27,6 +32,7 @@ from ._async_collector_envs import EnvSet
 from ._async_collector_policy import BatchPolicy
 from ._async_worker_frames import VERSION, WorkerFrames
 from ._async_worker_random import RandomFirst
+from ._events import EventStream, WorkerFailed
 from ._transport._flat import layout_of
 from ._transport._messages import (
     Attach,
@@ -49,7 +55,21 @@ from ._weights import flat_weights
 from ._workers._paths import resolve
 from ._workers._worker import control_layout
 
-__all__ = ["EnvShare", "WorkerConfig", "run_async_worker"]
+__all__ = ["EnvOffset", "EnvRows", "EnvShare", "WorkerConfig", "run_async_worker"]
+
+
+@dataclass(frozen=True)
+class EnvRows:
+    """Worker -> parent, once its envs are built: its number of (sub-)envs (env ids)."""
+
+    rows: int
+
+
+@dataclass(frozen=True)
+class EnvOffset:
+    """Parent -> worker, once every worker sent ``EnvRows``: its first env id over all workers."""
+
+    first: int
 
 
 class EnvShare:
@@ -64,9 +84,8 @@ class EnvShare:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """The ``AsyncEnvCollector`` arguments every worker shares, and each worker's first env index."""
+    """The ``AsyncEnvCollector`` arguments every worker shares."""
 
-    offsets: tuple[int, ...]
     min_batch: int | None
     max_wait: float
     max_frames_per_traj: int | None
@@ -78,15 +97,22 @@ class WorkerConfig:
     random_frames: int = 0
     #: on-policy (max_policy_lag=0): the worker's envs wait while its one slot is the trainer's
     pause_when_held: bool = False
+    #: on_env_error: "raise" or "drop"
+    on_env_error: str = "raise"
 
 
 class _Inner(AsyncEnvCollector):
-    """An ``AsyncEnvCollector`` that keeps each delivered batch's episodes and whose first
-    ``random_actions`` actions are random (``init_random_frames``)."""
+    """An ``AsyncEnvCollector`` that keeps each delivered batch's episodes, whose first
+    ``random_actions`` actions are random (``init_random_frames``), and which learns its first env id
+    over all workers from ``place`` once its envs are built (its seeds, and ``random_seed``, are offset
+    by it)."""
 
     episodes: list[tuple[int, float, int]] = []  # noqa: RUF012 - replaced per batch
     random_actions = 0
     random_seed: int | None = None
+    place: Callable[[EnvSet], Awaitable[int]] | None = None
+    #: on_env_error="drop": the events of the envs dropped (subscribed before any env steps)
+    drops: EventStream | None = None
 
     @contextlib.contextmanager
     def holding(self) -> Iterator[None]:
@@ -103,15 +129,15 @@ class _Inner(AsyncEnvCollector):
                 self._unpaused.set()
                 self._unpaused = None
 
-    def _check_vector_envs(self, spec: EnvSet) -> None:
-        # the parent numbers env ids and seeds one per env fn, across workers: N sub-envs would overlap
-        if spec.has_vector:
-            raise TypeError(
-                "MultiAsyncEnvCollector's workers take single async envs (or gymnasium envs), not vector "
-                "envs: collect async vector envs with AsyncEnvCollector (one loop steps many of them), or "
-                "give each worker its sub-envs as single envs"
-            )
-        super()._check_vector_envs(spec)
+    async def _envs_opened(self, spec: EnvSet) -> None:
+        assert self.place is not None
+        first = await self.place(spec)
+        if self._seed is not None:  # env i of this worker is env first + i of the collector
+            self._seed += first
+        if self.random_seed is not None:
+            self.random_seed += first
+        if self._drop_failed:
+            self.drops = self.events(kinds={"worker_failed"})
 
     def _engine_policy(self, policy: BatchPolicy, spec: EnvSet) -> Any:
         if not self.random_actions:
@@ -136,13 +162,16 @@ class _AsyncWorker:
         self.chan = chan
         self.spec = spec
         self.index = spec.index
-        self.offset = config.offsets[spec.index]
+        #: this worker's first env id over all workers (EnvOffset), and its envs once built
+        self.first = 0
+        self.placed = anyio.Event()
+        self.env_set: EnvSet | None = None
         self.env_fns = cloudpickle.loads(spec.payload)()
         self.policy = cloudpickle.loads(spec.policy_payload)
         self.fpb = int(spec.rollout.frames_per_batch)
         self.frames = WorkerFrames(
             self.fpb,
-            env_offset=self.offset,
+            env_offset=0,  # set once placed
             traj_start=spec.rollout.traj_id_start,
             traj_stride=spec.rollout.traj_id_stride,
         )
@@ -192,6 +221,9 @@ class _AsyncWorker:
             self.freed.set()
         elif isinstance(msg, Call):
             self.chan.send(Result(msg.request_id, await self.call(msg.op)))
+        elif isinstance(msg, EnvOffset):
+            self.first = msg.first
+            self.placed.set()
         else:  # pragma: no cover - a protocol bug
             raise TypeError(f"unexpected message {msg!r}")
 
@@ -233,6 +265,59 @@ class _AsyncWorker:
             )
         return engine.version
 
+    # -- env ids, dropped envs ----------------------------------------------------------------------
+    async def place(self, spec: EnvSet) -> int:
+        """Tell the parent how many env ids this worker's envs take; its first one, once every worker
+        told (no env is reset before: seeds follow from it)."""
+        self.env_set = spec
+        self.chan.send(EnvRows(spec.rows))
+        await self.placed.wait()
+        self.frames.env_offset = self.first
+        return self.first
+
+    async def forward_drops(self, stream: EventStream) -> None:
+        """Send each env dropped (``on_env_error="drop"``) to the parent as its ``WorkerFailed``."""
+        try:
+            async for event in stream:
+                self.send_drop(event)
+        finally:
+            stream.close()
+
+    def send_drop(self, event: Any) -> None:
+        if not isinstance(event, WorkerFailed) or event.worker_id < 0:
+            return  # -1: the collector failed, which the worker's own failure reports
+        local = event.worker_id
+        error = event.error
+        spec = self.env_set
+        assert spec is not None
+        for u, (first, width) in enumerate(zip(spec.firsts, spec.widths, strict=True)):
+            suffix = f" (vector env {u}: its sub-envs, env ids {first} to {first + width - 1}, are dropped)"
+            if width and first <= local < first + width and error.endswith(suffix):
+                error = error[: -len(suffix)] + (
+                    f" (worker {self.index}'s vector env {u}: its sub-envs, env ids {self.first + first} to "
+                    f"{self.first + first + width - 1}, are dropped)"
+                )
+        self.chan.send(replace(event, worker_id=self.first + local, error=error))
+
+    def all_dropped(self, exc: RuntimeError) -> RuntimeError:
+        """``exc`` (the inner collector's error) with this worker's env ids if every env was dropped."""
+        collector = self.collector
+        assert collector is not None
+        engine = collector._engine
+        if not collector._drop_failed or engine is None or len(engine.dropped) < engine.rows:
+            return exc
+        if collector.drops is not None:  # the last drops, before the worker's failure
+            while (event := collector.drops.receive_nowait()) is not None:
+                self.send_drop(event)
+        cause = exc.__cause__
+        error = RuntimeError(
+            f"every env was dropped in worker {self.index} (env ids {self.first} to "
+            f"{self.first + engine.rows - 1}; on_env_error='drop'); the last one raised "
+            f"{type(cause).__name__}: {cause}"
+        )
+        error.__cause__ = cause
+        return error
+
     # -- batches ----------------------------------------------------------------------------------
     async def next_batch(self) -> TensorDictBase:
         """The next ``frames_per_batch`` frames of a version at or above the floor, ids globalised."""
@@ -243,7 +328,13 @@ class _AsyncWorker:
             self.discarded[self.index] = self.frames.discarded
             if batch is not None:
                 return batch
-            batch = await collector.__anext__()
+            try:
+                batch = await collector.__anext__()
+            except RuntimeError as exc:
+                error = self.all_dropped(exc)
+                if error is exc:
+                    raise
+                raise error from exc.__cause__
             assert batch is not None  # no replay buffer in a worker
             self.frames.add(batch)
             self.episodes += collector.episodes
@@ -271,30 +362,39 @@ class _AsyncWorker:
             max_wait=config.max_wait,
             max_frames_per_traj=config.max_frames_per_traj,
             exploration_type=config.exploration_type,
-            seed=None if config.seed is None else config.seed + self.offset,
+            seed=config.seed,  # + this worker's first env id, once placed
             track_policy_version=True,  # each frame's version: the floor, the trainer's checks
+            on_env_error=config.on_env_error,
             prefetch=config.prefetch,
         )
         # init_random_frames: this worker's share, rounded up to whole batches (as MultiAsyncCollector's)
         collector.random_actions = math.ceil(config.random_frames / self.fpb) * self.fpb
-        collector.random_seed = None if config.seed is None else config.seed + self.offset
-        async with anyio.create_task_group() as tg, collector:
-            tg.start_soon(self.control_loop, tg.cancel_scope)
-            batch = await self.next_batch()
+        collector.random_seed = config.seed
+        collector.place = self.place
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.control_loop, tg.cancel_scope)  # first: it reads EnvOffset
+            async with collector:
+                if collector.drops is not None:
+                    tg.start_soon(self.forward_drops, collector.drops)
+                await self.collect(collector)
+
+    async def collect(self, collector: _Inner) -> None:
+        """Send batches until cancelled (``Close``)."""
+        batch = await self.next_batch()
+        with self.held():
+            # the slots' layout is the first batch's
+            self.layout, self.batch_size = layout_of(batch), tuple(batch.batch_size)
+            self.chan.send(
+                Ready(self.layout, self.batch_size, self.fpb, policy_version=collector.policy_version)
+            )
+            await self.attached.wait()
+            await self.running.wait()
+        while True:
+            self.send(batch)
             with self.held():
-                # the slots' layout is the first batch's
-                self.layout, self.batch_size = layout_of(batch), tuple(batch.batch_size)
-                self.chan.send(
-                    Ready(self.layout, self.batch_size, self.fpb, policy_version=collector.policy_version)
-                )
-                await self.attached.wait()
-                await self.running.wait()
-            while True:
-                self.send(batch)
-                with self.held():
-                    await self.load_weights()  # between batches, as the rollout workers do
-                    await self.wait_for_slot()
-                batch = await self.next_batch()
+                await self.load_weights()  # between batches, as the rollout workers do
+                await self.wait_for_slot()
+            batch = await self.next_batch()
 
     def send(self, batch: TensorDictBase) -> None:
         """Write ``batch`` into a free slot and tell the trainer."""

@@ -14,11 +14,19 @@ from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
 from ._async_collector import max_wait_arg
-from ._async_collector_worker import EnvShare, WorkerConfig, run_async_worker
+from ._async_collector_worker import EnvOffset, EnvRows, EnvShare, WorkerConfig, run_async_worker
 from ._async_worker_frames import FLOOR, VERSION
+from ._events import WorkerFailed
 from ._gather import gather
 from ._multi_async import MultiAsyncCollector
-from ._multi_async_envs_args import frames_arg, refuse_unsupported, shares_arg, warn_envs_wait
+from ._multi_async_envs_args import (
+    frames_arg,
+    loop_arg,
+    on_env_error_arg,
+    refuse_unsupported,
+    shares_arg,
+    warn_envs_wait,
+)
 from ._multi_base import Delivery
 from ._trajectories import split_trajectories
 from ._transport._messages import LoadWeights
@@ -36,8 +44,6 @@ from ._weightsync import WeightSync
 from ._workers._pool import WorkerPool
 
 __all__ = ["MultiAsyncEnvCollector"]
-
-_LOOPS = ("asyncio", "uvloop", "trio")
 
 
 class _Finish:
@@ -65,11 +71,16 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
 
     Each batch is one worker's ``frames_per_batch`` frames, flat ``[frames]`` as ``AsyncEnvCollector``'s,
     first ready first served (as :class:`MultiAsyncCollector`); ``("collector", "env_id")`` is the env's
-    index over all workers (worker 0's envs first), ``("collector", "worker_id")`` the worker's, and
-    trajectory ids are unique over the workers. Weights reach a worker between two of its policy calls
+    index over all workers (worker 0's envs first, a vector env's sub-envs each one), ``("collector",
+    "worker_id")`` the worker's, and trajectory ids are unique over the workers. A worker learns its first
+    env id once every worker has built its envs (a vector env's size is known then), before any env is
+    reset. Weights reach a worker between two of its policy calls
     (after each of its batches, or at once with ``update_weights(wait=True)``); ``statistics()`` has one
     entry per worker process. A worker's env error is raised from ``async for`` with its type, a killed
     worker raises :class:`WorkerDiedError`; ``async with`` ends every process and shared-memory segment.
+    With ``on_env_error="drop"`` a failing env is dropped and the others go on; each (sub-)env dropped is a
+    :class:`WorkerFailed` event with its env id over all workers, and a worker whose every env is dropped
+    ends the collector with ``RuntimeError``.
 
     For on-policy training, ``update_weights(..., flush=True)`` (or ``max_policy_lag=0``, a flush at
     every update) delivers from then on only frames collected with the new weights: batches waiting in
@@ -82,7 +93,8 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
 
     Args:
         env_fns_per_worker: one list of env fns per worker process (each as ``AsyncEnvCollector``'s
-            ``env_fns``; cloudpickled, called in the worker).
+            ``env_fns``: async envs, async vector envs, gymnasium envs or vector envs; cloudpickled,
+            called in the worker).
         policy: as ``AsyncEnvCollector``'s (an ``nn.Module`` gets its weights from :meth:`update_weights`).
         frames_per_batch: frames in each batch (each worker's batches), or one value per worker.
         init_random_frames: the first ``ceil(init_random_frames / workers)`` actions of each worker
@@ -94,10 +106,11 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
         num_threads, num_sub_threads, update_at_each_batch, worker_backend, start_method: as
             :class:`MultiAsyncCollector`'s.
         weight_sync, worker_timeout, traj_id_start, traj_id_stride: as :class:`MultiAsyncCollector`'s.
-        min_batch, max_wait, max_frames_per_traj, exploration_type, track_policy_version: as
-            ``AsyncEnvCollector``'s, per worker.
+        min_batch, max_wait, max_frames_per_traj, exploration_type, track_policy_version, on_env_error:
+            as ``AsyncEnvCollector``'s, per worker (``max_frames_per_traj`` is refused with vector envs).
         prefetch: as ``AsyncEnvCollector``'s, per worker (default 1; 0 with ``max_policy_lag=0``).
-        seed: env ``i`` (over all workers) is first reset with ``seed + i``.
+        seed: env ``i`` (over all workers) is first reset with ``seed + i`` (a vector env whose first
+            sub-env is env ``i``: ``reset(seed=seed + i)``).
         loop: the workers' event loop: ``"asyncio"`` (default), ``"uvloop"`` or ``"trio"``.
 
     Example:
@@ -124,6 +137,10 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
         torch.Size([100])
     """
 
+    #: the (sub-)envs over all workers (env ids 0 to num_envs - 1); their env fns until the workers have
+    #: built them (a vector env's sub-envs are counted then)
+    num_envs: int
+
     def __init__(
         self,
         env_fns_per_worker: Sequence[Sequence[Callable[[], Any]]],
@@ -139,6 +156,7 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
         exploration_type: str | InteractionType = "random",
         seed: int | None = None,
         track_policy_version: bool = False,
+        on_env_error: str = "raise",
         max_policy_lag: int | None = None,
         update_at_each_batch: bool = False,
         prefetch: int | None = None,
@@ -160,27 +178,25 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
         refuse_unsupported(unsupported)
         shares = shares_arg(env_fns_per_worker)
         fpb = frames_arg(frames_per_batch, len(shares))
-        if loop not in _LOOPS:
-            raise ValueError(f"loop must be one of {_LOOPS} (the workers' event loop), got {loop!r}")
         lag = lag_arg(max_policy_lag)
         if prefetch is None:  # on-policy: what a worker collects ahead is dropped at the next update
             prefetch = 0 if lag == 0 else 1
         random_frames = init_random_frames_arg(init_random_frames)
-        offsets = [0, *itertools.accumulate(len(share) for share in shares[:-1])]
         self._async_config = WorkerConfig(
-            offsets=tuple(offsets),
             min_batch=optional_positive_int("min_batch", min_batch, fix="None: half of a worker's envs"),
             max_wait=max_wait_arg(max_wait),
             max_frames_per_traj=optional_positive_int("max_frames_per_traj", max_frames_per_traj),
             exploration_type=exploration_type_arg(exploration_type),
             seed=seed_arg(seed),
             prefetch=non_negative_int("prefetch", prefetch, fix="0: a batch is collected when asked for"),
-            loop=loop,
+            loop=loop_arg(loop),
             random_frames=math.ceil(random_frames / len(shares)),
             pause_when_held=lag == 0,
+            on_env_error=on_env_error_arg(on_env_error),
         )
         self._track_versions = flag("track_policy_version", track_policy_version)
-        self.num_envs = offsets[-1] + len(shares[-1])
+        self.num_envs = sum(len(share) for share in shares)
+        self._rows: list[int | None] = [None] * len(shares)  # per worker: its env ids (EnvRows)
         warn_envs_wait(shares, fpb, self._async_config.prefetch)
         super().__init__(
             [EnvShare(share) for share in shares],
@@ -211,6 +227,29 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
 
     def _worker_body(self) -> Any:
         return functools.partial(run_async_worker, self._async_config)
+
+    def _worker_message(self, index: int, msg: Any) -> None:
+        if isinstance(msg, WorkerFailed):  # an env dropped (on_env_error="drop"), its global env id
+            self._hub.publish(msg)
+        elif isinstance(msg, EnvRows):  # a worker built its envs: once all have, each its first env id
+            self._rows[index] = msg.rows
+            rows = self._rows
+            if all(r is not None for r in rows):
+                counts = [r for r in rows if r is not None]
+                self.num_envs = sum(counts)
+                assert self._task_group is not None
+                self._task_group.start_soon(self._place_envs, [0, *itertools.accumulate(counts[:-1])])
+
+    async def _place_envs(self, firsts: list[int]) -> None:
+        """Give each worker its first env id (they wait for it before resetting any env)."""
+        pool = self._pool
+        if pool is None:
+            return
+        for i, first in enumerate(firsts):
+            try:
+                await pool.send(i, EnvOffset(first))
+            except Exception:  # the pool failed (a worker died or raised): its start-up raises why
+                return
 
     def _stale(self, index: int, policy_version: int) -> bool:
         stale = super()._stale(index, policy_version)

@@ -10,7 +10,17 @@ from typing import Any
 from ._async_collector_envs import env_fns_arg
 from ._validation import positive_int
 
-__all__ = ["UNSUPPORTED", "frames_arg", "refuse_unsupported", "shares_arg", "warn_envs_wait"]
+__all__ = [
+    "UNSUPPORTED",
+    "frames_arg",
+    "loop_arg",
+    "on_env_error_arg",
+    "refuse_unsupported",
+    "shares_arg",
+    "warn_envs_wait",
+]
+
+_LOOPS = ("asyncio", "uvloop", "trio")
 
 _DEVICE = (
     "a worker's torch policy runs where its parameters are (move the module, e.g. policy.to('cuda'), "
@@ -40,11 +50,24 @@ UNSUPPORTED: dict[str, str] = {
         "update_weights()"
     ),
     "backend": "backend= is the deprecated spelling of worker_backend=: use worker_backend",
-    "on_env_error": (
-        "an env's error ends a MultiAsyncEnvCollector, raised from `async for` with its type "
-        "(on_env_error='drop' is AsyncEnvCollector's): drop on_env_error"
-    ),
 }
+
+
+def loop_arg(value: Any) -> str:
+    """``loop``: the workers' event loop."""
+    if value not in _LOOPS:
+        raise ValueError(f"loop must be one of {_LOOPS} (the workers' event loop), got {value!r}")
+    return str(value)
+
+
+def on_env_error_arg(value: Any) -> str:
+    """``on_env_error``: ``"raise"`` or ``"drop"``, as ``AsyncEnvCollector``'s."""
+    if value not in ("raise", "drop"):
+        raise ValueError(
+            f"on_env_error must be 'raise' (an env's error ends the collector) or 'drop' (the env is closed "
+            f"and dropped, the other envs of its worker go on), got {value!r}"
+        )
+    return str(value)
 
 
 def refuse_unsupported(kwargs: Mapping[str, Any]) -> None:

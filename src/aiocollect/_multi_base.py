@@ -254,6 +254,7 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
             slots_per_worker=self._slots_per_worker(),
             on_event=self._hub.publish,
             timeout=self._worker_timeout,
+            on_message=self._worker_message,
         )
         if self._sender is not None:
             await gather(
@@ -274,6 +275,10 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
     def _worker_body(self) -> Any:
         """``WorkerSpec.run`` of the workers: None (the rollout worker), or another kind's body."""
         return None
+
+    def _worker_message(self, index: int, msg: Any) -> None:
+        """A message of worker ``index``'s own body (``_worker_body``), outside the rollout protocol:
+        none by default (``MultiAsyncEnvCollector``'s workers send some)."""
 
     def _slots_per_worker(self) -> int:
         """Shared-memory batch slots per worker: one (sync: a worker collects when asked), or two (async:

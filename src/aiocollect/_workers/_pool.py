@@ -153,8 +153,11 @@ class WorkerPool:
         slots_per_worker: int,
         on_event: Callable[[Event], None] = lambda event: None,
         timeout: float | None = None,
+        on_message: Callable[[int, Any], None] = lambda index, msg: None,
     ) -> None:
         self._on_event = on_event
+        #: a worker body's own messages (not the rollout protocol's), with the worker's index
+        self._on_message = on_message
         #: worker_timeout for control calls
         self.timeout = timeout
         self.specs = specs
@@ -298,6 +301,8 @@ class WorkerPool:
             self._on_event(WorkerFailed(handle.index, f"{type(msg.error).__name__}: {msg.error}"))
             self.fail(msg.error)
             return True
+        else:
+            self._on_message(handle.index, msg)
         return False
 
     async def _join(self, handle: WorkerHandle, grace: float = 2.0) -> None:
