@@ -52,13 +52,14 @@ def max_wait_arg(value: Any) -> float:
     return float(value)
 
 
-def _on_env_error_arg(value: Any) -> bool:
+def on_env_error_arg(value: Any) -> str:
+    """``on_env_error``: ``"raise"`` or ``"drop"`` (also ``MultiAsyncEnvCollector``'s, per worker)."""
     if value not in ("raise", "drop"):
         raise ValueError(
             f"on_env_error must be 'raise' (an env's error ends the collector) or 'drop' (the env is closed "
             f"and dropped, the others go on), got {value!r}"
         )
-    return value == "drop"
+    return str(value)
 
 
 class AsyncEnvCollector(CollectorBase):
@@ -173,7 +174,7 @@ class AsyncEnvCollector(CollectorBase):
         self._exploration_type = exploration_type_arg(exploration_type)
         self._seed = seed_arg(seed)
         self._track_policy_version = flag("track_policy_version", track_policy_version)
-        self._drop_failed = _on_env_error_arg(on_env_error)
+        self._drop_failed = on_env_error_arg(on_env_error) == "drop"
         self._prefetch = non_negative_int("prefetch", prefetch, fix="0: a batch is collected when asked for")
         self._postproc = optional_callable("postproc", postproc)
         self._gc_hold = GcHold() if flag("freeze_gc", freeze_gc) else None

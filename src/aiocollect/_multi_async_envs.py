@@ -13,7 +13,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
-from ._async_collector import max_wait_arg
+from ._async_collector import max_wait_arg, on_env_error_arg
 from ._async_collector_worker import EnvOffset, EnvRows, EnvShare, WorkerConfig, run_async_worker
 from ._async_worker_frames import FLOOR, VERSION
 from ._events import WorkerFailed
@@ -22,7 +22,6 @@ from ._multi_async import MultiAsyncCollector
 from ._multi_async_envs_args import (
     frames_arg,
     loop_arg,
-    on_env_error_arg,
     refuse_unsupported,
     shares_arg,
     warn_envs_wait,

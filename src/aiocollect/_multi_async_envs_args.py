@@ -14,7 +14,6 @@ __all__ = [
     "UNSUPPORTED",
     "frames_arg",
     "loop_arg",
-    "on_env_error_arg",
     "refuse_unsupported",
     "shares_arg",
     "warn_envs_wait",
@@ -57,16 +56,6 @@ def loop_arg(value: Any) -> str:
     """``loop``: the workers' event loop."""
     if value not in _LOOPS:
         raise ValueError(f"loop must be one of {_LOOPS} (the workers' event loop), got {value!r}")
-    return str(value)
-
-
-def on_env_error_arg(value: Any) -> str:
-    """``on_env_error``: ``"raise"`` or ``"drop"``, as ``AsyncEnvCollector``'s."""
-    if value not in ("raise", "drop"):
-        raise ValueError(
-            f"on_env_error must be 'raise' (an env's error ends the collector) or 'drop' (the env is closed "
-            f"and dropped, the other envs of its worker go on), got {value!r}"
-        )
     return str(value)
 
 
