@@ -76,6 +76,35 @@ async def test_worker_ids_update_a_subset(scheme):
             await c.update_weights(worker_ids=[])
 
 
+@pytest.mark.parametrize("worker_backend", ["serial", "process"])
+async def test_subset_updates_in_a_row_each_reach_their_workers(scheme, worker_backend):
+    # different weights for different workers, published back to back (no wait): a worker that had not
+    # yet loaded its update must not load the next one, meant for another worker, under its own version
+    trainer = BufferPolicy()
+    async with MultiSyncCollector(
+        [pendulum, pendulum],
+        trainer,
+        frames_per_batch=8,
+        weight_sync=scheme,
+        worker_backend=worker_backend,
+        track_policy_version=True,
+    ) as c:
+        await c.__anext__()
+        set_policy(trainer, 1.0, 0.0)
+        assert await c.update_weights(worker_ids=[0]) == 1
+        set_policy(trainer, 2.0, 0.0)
+        assert await c.update_weights(worker_ids=[1]) == 2
+        batch = await c.__anext__()
+        assert (batch["action"][0] == 1).all()
+        assert (batch["collector", "policy_version"][0] == 1).all()
+        assert (batch["action"][1] == 2).all()
+        assert (batch["collector", "policy_version"][1] == 2).all()
+        set_policy(trainer, 3.0, 0.0)
+        assert await c.update_weights() == 3  # every worker: nothing to wait for
+        batch = await c.__anext__()
+        assert (batch["action"] == 3).all()
+
+
 async def test_async_lag_bound_and_monotonic_versions(scheme):
     trainer = BufferPolicy()
     with anyio.fail_after(60):

@@ -182,6 +182,7 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
         self._entered = False
         self._version = 0
         self._issued = 0  # the last version number handed to a publish (interrupted ones included)
+        self._targets: list[int] = []  # per worker: the last version published for it
         self._weights_lock = anyio.Lock()
         self._saved_threads: int | None = None
         #: per worker, the oldest policy version a delivered batch may have (update_weights(flush=True),
@@ -217,6 +218,7 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
         policy_payload = await self._pickled_policy("the worker processes")
         self._control = SharedBlock(control_layout(n), ())
         self._control.td.zero_()
+        self._targets = [0] * n
         receivers: list[Any] = [None] * n
         if self._weights_template is not None:
             template = self._weights_template
@@ -520,7 +522,11 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
         async with self._weights_lock:
             # numbers are never reused: an update interrupted midway may still reach some workers
             version = self._issued = self._issued + 1
+            if self._sender.one_copy and len(ids) < len(pool.workers):
+                await self._load_pending(pool, ids)
             await self._publish(pool, weights, version, ids)
+            for i in ids:
+                self._targets[i] = version
             self._version = version
             self._hub.publish(WeightsPublished(version))
             if self._control is not None:
@@ -537,6 +543,19 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
             for i, worker_version in zip(ids, loaded, strict=True):
                 pool.note_version(i, worker_version)
         return version
+
+    async def _load_pending(self, pool: WorkerPool, ids: list[int]) -> None:
+        """Before an update to the workers ``ids`` only, through a scheme with one copy of the weights: the
+        other workers load the version published for them that they may not have loaded yet (else they
+        would load the new weights under their own version)."""
+        pending = [
+            i
+            for i, handle in enumerate(pool.workers)
+            if i not in ids and self._targets[i] > handle.policy_version
+        ]
+        loaded = await gather(*[partial(pool.call, i, LoadWeights()) for i in pending])
+        for i, worker_version in zip(pending, loaded, strict=True):
+            pool.note_version(i, worker_version)
 
     async def _publish(self, pool: WorkerPool, weights: TensorDictBase, version: int, ids: list[int]) -> None:
         """``sender.publish`` raced against the workers' exits: a worker that fails or dies while an update

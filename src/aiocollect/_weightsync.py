@@ -57,6 +57,10 @@ class WeightReceiver(abc.ABC):
 class WeightSender(abc.ABC):
     """Trainer side of a scheme, open while the collector is."""
 
+    #: every worker loads from one copy of the weights: publishing to some workers overwrites what the
+    #: others may not have loaded yet, so the collector has those load theirs first
+    one_copy: bool = False
+
     @abc.abstractmethod
     def receivers(self) -> list[Any]:
         """One picklable spec per worker; the worker calls ``spec.open(index)``."""
@@ -86,6 +90,8 @@ def _ctl_layout(num_workers: int) -> FlatLayout:
 
 
 class _SharedSender(WeightSender):
+    one_copy = True
+
     def __init__(self, weights: TensorDictBase, num_workers: int) -> None:
         self.layout = layout_of(weights)
         self.block = SharedBlock(self.layout)
