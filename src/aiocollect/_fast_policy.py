@@ -35,7 +35,7 @@ from torch import Tensor
 from ._envs._spaces import NestedKey
 from ._rng import TORCH_RNG_LOCK
 
-__all__ = ["compile_tensordict_policy", "lazy_fast_runner", "verify_fast_runner"]
+__all__ = ["LazyFastRunner", "compile_tensordict_policy", "lazy_fast_runner", "verify_fast_runner"]
 
 Runner = Callable[[Mapping[NestedKey, Tensor]], dict[NestedKey, Tensor]]
 _Env = dict[NestedKey, Tensor]
@@ -163,6 +163,9 @@ class _Compiler:
         written = iter(self.write([k for k in out_keys if k != "_"]))
         writes = [(i, next(written)) for i, k in enumerate(out_keys) if k != "_"]
         validate = self._validator()
+        # one tensor in, one out, no keyword, no device: a link of FastRunner's chain (see _chain_links)
+        simple = len(in_keys) == 1 and n_out == 1 and len(writes) == 1 and not kwargs
+        link = (fn, in_keys[0], writes[0][1]) if simple and validate is _identity else None
 
         def step(env: _Env) -> None:
             out = fn(*[env[k] for k in in_keys], **kwargs)
@@ -180,6 +183,7 @@ class _Compiler:
                     raise _Diverged
                 env[key] = validate(value)
 
+        step.link = link  # type: ignore[attr-defined]
         return step
 
     def _prob_module(self, m: Any, *, torchrl: bool = False) -> _Step:
@@ -378,6 +382,52 @@ class FastRunner:
             step(env)
         return {key: env[key] for key in self.out_keys}
 
+    def one(self, key: NestedKey) -> Callable[[Tensor], dict[NestedKey, Tensor]]:
+        """``self({key: observation})`` for a policy that reads only the observation ``key``, as a
+        function of that tensor. A chain of single-input, single-output ``TensorDictModule``s, each
+        reading the one before's output (the first the observation), is called without the dict of
+        keys: its outputs are the chain's out_keys in order (TensorDict paths' key order)."""
+        links = self._chain_links(key)
+        if links is None:
+            run = self.__call__
+            return lambda observation: run({key: observation})
+
+        def chain(x: Tensor) -> dict[NestedKey, Tensor]:
+            out: dict[NestedKey, Tensor] = {}
+            for fn, out_key in links:
+                x = fn(x)
+                if type(x) is not Tensor:
+                    x = _only_tensor(x)
+                out[out_key] = x
+            return out
+
+        return chain
+
+    def _chain_links(self, key: NestedKey) -> list[tuple[Callable[..., Any], NestedKey]] | None:
+        """``(fn, out_key)`` per module where :meth:`one` can call the modules as a chain, else None."""
+        key = unravel_key(key)
+        if self._device is not None or self._obs_pairs != [(key, key)]:
+            return None
+        links = [getattr(step, "link", None) for step in self._steps]
+        previous = key
+        for link in links:
+            if link is None or link[1] != previous:
+                return None
+            previous = link[2]
+        outs = [link[2] for link in links]  # type: ignore[index]
+        # each output new (no overwrite), and the runner returns exactly them, in this order
+        if len(set(outs)) != len(outs) or key in outs or outs != self.out_keys:
+            return None
+        return [(link[0], link[2]) for link in links]  # type: ignore[index]
+
+
+def _only_tensor(out: Any) -> Tensor:
+    """A module's output where a link of a chain wants one tensor: a 1-tuple of a tensor is taken (as
+    the step does); anything else (None, a dict, a tensor subclass) is the TensorDict path's to convert."""
+    if type(out) is tuple and len(out) == 1 and type(out[0]) is Tensor:
+        return out[0]
+    raise _Diverged
+
 
 def compile_tensordict_policy(
     policy: Any,
@@ -540,6 +590,24 @@ class LazyFastRunner:
         if self.uses_fast_path is None:
             return self._first_call(obs)
         return self.slow(obs)
+
+    def for_one(self, key: NestedKey) -> Callable[[Tensor], dict[NestedKey, Tensor]] | None:
+        """Once the fast path is chosen, ``self({key: observation})`` as a function of the tensor,
+        calling :meth:`FastRunner.one` directly (the runner's checks per call, ``skip_existing()`` and
+        a diverging output, are kept); ``None`` before the first call decided, or if it chose ``slow``."""
+        if self.uses_fast_path is not True:
+            return None
+        fast_one = self.fast.one(key)
+
+        def call(observation: Tensor) -> dict[NestedKey, Tensor]:
+            if self.uses_fast_path and not skip_existing():
+                try:
+                    return fast_one(observation)
+                except _Diverged:  # as __call__: the TensorDict path from now on
+                    self.uses_fast_path = False
+            return self({key: observation})
+
+        return call
 
     def _first_call(self, obs: Mapping[NestedKey, Tensor]) -> dict[NestedKey, Tensor]:
         policy = self.fast.policy

@@ -6,6 +6,7 @@ Both are ``GymEnv`` methods (assigned in its class body); they live here to keep
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -67,6 +68,24 @@ def env_action_steps(self: GymEnv, actions: np.ndarray) -> list[Any] | None:
     return list(steps)
 
 
+def policy_action(self: GymEnv) -> Any:
+    """``partial(self._leaf_action, "action")``, cheaper for a float ``Box`` (no bounds
+    to check: the policy's tensor to numpy and the space's dtype, nothing else)."""
+    space, bounds, _, discrete = self._act_info["action"]
+    if discrete or bounds is not None:
+        return partial(self._leaf_action, "action")
+    dtype = space.dtype
+    tensor = torch.Tensor
+    asarray = np.asarray
+
+    def box_action(action: Any) -> Any:
+        # what _leaf_action does: numpy(force=True) for a tensor, np.asarray, astype(copy=False)
+        value = action.numpy(force=True) if isinstance(action, tensor) else asarray(action)
+        return value if value.dtype == dtype else value.astype(dtype)
+
+    return box_action
+
+
 def run_steps(
     self: GymEnv,
     steps: int,
@@ -89,7 +108,7 @@ def run_steps(
     """
     env_step = self._env.step
     reset = self._env.reset
-    leaf = self._leaf_action
+    leaf = policy_action(self)
     array = self._array
     dtype = self._plain_obs_dtype
     assert dtype is not None  # _fused_steps
@@ -99,6 +118,11 @@ def run_steps(
     vector = self._vector
     pending: Any = self._autoreset_pending
     taken = steps
+    # reward and flags gathered in lists and written once (three slot writes per step cost more)
+    rewards: list[Any] = []
+    terminateds: list[Any] = []
+    truncateds: list[Any] = []
+    add_reward, add_terminated, add_truncated = rewards.append, terminateds.append, truncateds.append
     try:
         for t in range(steps):
             if stop is not None and stop.is_set():
@@ -108,7 +132,7 @@ def run_steps(
             if actions is None:
                 out = act(from_numpy(root))
                 out_hist.append(out)
-                env_action = leaf("action", out["action"])
+                env_action = leaf(out["action"])
             else:
                 env_action = actions[t]
             obs, reward, terminated, truncated, info = env_step(env_action)
@@ -139,9 +163,13 @@ def run_steps(
                     root = nxt
                     pending = None
             next_slot[t] = nxt
-            reward_slot[t] = reward  # cast to the slot's float32, as np.asarray(reward, float32)
-            terminated_slot[t] = terminated
-            truncated_slot[t] = truncated
+            add_reward(reward)
+            add_terminated(terminated)
+            add_truncated(truncated)
+        if rewards:
+            reward_slot[:taken] = rewards  # cast to the slot's float32, as np.asarray(reward, float32)
+            terminated_slot[:taken] = terminateds
+            truncated_slot[:taken] = truncateds
     finally:
         self._autoreset_pending = pending
         self._last_obs = {"observation": root}
