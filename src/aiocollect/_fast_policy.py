@@ -391,6 +391,25 @@ class FastRunner:
         if links is None:
             run = self.__call__
             return lambda observation: run({key: observation})
+        if len(links) == 1:
+            ((f1, k1),) = links
+
+            def chain1(x: Tensor) -> dict[NestedKey, Tensor]:
+                a = f1(x)
+                return {k1: a if type(a) is Tensor else _only_tensor(a)}
+
+            return chain1
+        if len(links) == 2:  # a network, then a sampler: the common TensorDictSequential
+            (f1, k1), (f2, k2) = links
+
+            def chain2(x: Tensor) -> dict[NestedKey, Tensor]:
+                a = f1(x)
+                if type(a) is not Tensor:
+                    a = _only_tensor(a)
+                b = f2(a)
+                return {k1: a, k2: b if type(b) is Tensor else _only_tensor(b)}
+
+            return chain2
 
         def chain(x: Tensor) -> dict[NestedKey, Tensor]:
             out: dict[NestedKey, Tensor] = {}

@@ -80,7 +80,13 @@ def policy_action(self: GymEnv) -> Any:
 
     def box_action(action: Any) -> Any:
         # what _leaf_action does: numpy(force=True) for a tensor, np.asarray, astype(copy=False)
-        value = action.numpy(force=True) if isinstance(action, tensor) else asarray(action)
+        if isinstance(action, tensor):
+            try:  # the same array as numpy(force=True) for a CPU tensor without grad, ~0.1 us sooner
+                value = action.numpy()
+            except (RuntimeError, TypeError):  # needs grad, on a device, conjugate or negative bit
+                value = action.numpy(force=True)
+        else:
+            value = asarray(action)
         return value if value.dtype == dtype else value.astype(dtype)
 
     return box_action
