@@ -511,7 +511,20 @@ def not_chains() -> dict[str, TensorDictSequential]:
     }
 
 
-ONE_CASES = {"chain": chain, **{name: (lambda n=name: not_chains()[n]) for name in not_chains()}}
+def chain2() -> TensorDictSequential:
+    """Two links (``FastRunner.one``'s unrolled case), the first giving a 1-tuple."""
+    return TensorDictSequential(
+        TensorDictModule(nn.Sequential(mlp(4, 2), OneTuple()), in_keys=OBS, out_keys=["loc"]),
+        TensorDictModule(Noisy(), in_keys=["loc"], out_keys=["action"]),
+    )
+
+
+ONE_CASES = {
+    "chain": chain,
+    "chain2": chain2,
+    "chain1": td_module,
+    **{name: (lambda n=name: not_chains()[n]) for name in not_chains()},
+}
 
 
 @pytest.mark.parametrize("shape", [(), (3,)], ids=str)
@@ -529,7 +542,7 @@ def test_one_input_of_a_decided_runner_is_bit_identical(name: str, shape: tuple[
         runner({"observation": observations[0]})  # the first call decides
     assert runner.uses_fast_path is True
     one = one_input(runner, "observation")
-    assert (runner.fast._chain_links("observation") is not None) is (name == "chain")
+    assert (runner.fast._chain_links("observation") is not None) is name.startswith("chain")
     fast_out = steps(lambda obs: one(obs["observation"]), [{"observation": o} for o in observations], None, 3)
     slow_out = steps(slow, [{"observation": o} for o in observations], None, 3)
     assert_same(fast_out, slow_out)
