@@ -6,7 +6,6 @@ Both are ``GymEnv`` methods (assigned in its class body); they live here to keep
 
 from __future__ import annotations
 
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -14,6 +13,7 @@ import torch
 
 if TYPE_CHECKING:
     from ._gym import GymEnv
+    from ._spaces import NestedKey
 
 __all__ = ["FUSED_BYPASSES", "env_action_steps", "fusable_type", "run_steps"]
 
@@ -69,16 +69,16 @@ def env_action_steps(self: GymEnv, actions: np.ndarray) -> list[Any] | None:
 
 
 def policy_action(self: GymEnv) -> Any:
-    """``partial(self._leaf_action, "action")``, cheaper for a float ``Box`` (no bounds
-    to check: the policy's tensor to numpy and the space's dtype, nothing else)."""
+    """``self._leaf_action`` for the ``"action"`` entry, cheaper for a float ``Box`` (no bounds to
+    check: the policy's tensor to numpy and the space's dtype, nothing else)."""
     space, bounds, _, discrete = self._act_info["action"]
     if discrete or bounds is not None:
-        return partial(self._leaf_action, "action")
+        return self._leaf_action
     dtype = space.dtype
     tensor = torch.Tensor
     asarray = np.asarray
 
-    def box_action(action: Any) -> Any:
+    def box_action(key: NestedKey, action: Any) -> Any:
         # what _leaf_action does: numpy(force=True) for a tensor, np.asarray, astype(copy=False)
         if isinstance(action, tensor):
             try:  # the same array as numpy(force=True) for a CPU tensor without grad, ~0.1 us sooner
@@ -124,11 +124,6 @@ def run_steps(
     vector = self._vector
     pending: Any = self._autoreset_pending
     taken = steps
-    # reward and flags gathered in lists and written once (three slot writes per step cost more)
-    rewards: list[Any] = []
-    terminateds: list[Any] = []
-    truncateds: list[Any] = []
-    add_reward, add_terminated, add_truncated = rewards.append, terminateds.append, truncateds.append
     try:
         for t in range(steps):
             if stop is not None and stop.is_set():
@@ -138,7 +133,7 @@ def run_steps(
             if actions is None:
                 out = act(from_numpy(root))
                 out_hist.append(out)
-                env_action = leaf(out["action"])
+                env_action = leaf("action", out["action"])
             else:
                 env_action = actions[t]
             obs, reward, terminated, truncated, info = env_step(env_action)
@@ -169,13 +164,9 @@ def run_steps(
                     root = nxt
                     pending = None
             next_slot[t] = nxt
-            add_reward(reward)
-            add_terminated(terminated)
-            add_truncated(truncated)
-        if rewards:
-            reward_slot[:taken] = rewards  # cast to the slot's float32, as np.asarray(reward, float32)
-            terminated_slot[:taken] = terminateds
-            truncated_slot[:taken] = truncateds
+            reward_slot[t] = reward  # cast to the slot's float32, as np.asarray(reward, float32)
+            terminated_slot[t] = terminated
+            truncated_slot[t] = truncated
     finally:
         self._autoreset_pending = pending
         self._last_obs = {"observation": root}
