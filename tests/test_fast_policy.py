@@ -19,6 +19,7 @@ from tensordict.nn import (
     TensorDictModule,
     TensorDictSequential,
     set_interaction_type,
+    set_skip_existing,
 )
 from tensordict.nn.distributions import CompositeDistribution, TruncatedNormal
 from torch import distributions as D
@@ -32,7 +33,7 @@ from aiocollect._fast_policy import (
     unsupported_reason,
     verify_fast_runner,
 )
-from aiocollect._policies import _TensorDictRunner, make_runner
+from aiocollect._policies import _TensorDictRunner, make_runner, one_input
 
 OBS = ["observation"]
 
@@ -420,12 +421,14 @@ def fast_path(enabled: bool) -> Iterator[None]:
         _fast_policy.ENABLED = previous
 
 
-def collect(policy: Any, *, num_envs: int | None, enabled: bool, exploration: str) -> list[TensorDict]:
+def collect(
+    policy: Any, *, num_envs: int | None, enabled: bool, exploration: str, env_id: str = "CartPole-v1"
+) -> list[TensorDict]:
     async def main() -> list[TensorDict]:
         out = []
         with anyio.fail_after(120):
             async with Collector(
-                lambda: GymEnv("CartPole-v1", num_envs=num_envs),
+                lambda: GymEnv(env_id, num_envs=num_envs),
                 policy,
                 frames_per_batch=40,
                 total_frames=120,
@@ -456,6 +459,145 @@ def test_seeded_collector_batches_are_bit_identical(num_envs: int | None, explor
     )
     fast = collect(policy, num_envs=num_envs, enabled=True, exploration=exploration)
     slow = collect(policy, num_envs=num_envs, enabled=False, exploration=exploration)
+    assert len(fast) == len(slow) == 3
+    for a, b in zip(fast, slow, strict=True):
+        assert list(a.keys(True, True)) == list(b.keys(True, True))
+        for key in b.keys(True, True):
+            assert a[key].dtype == b[key].dtype
+            assert torch.equal(a[key], b[key]), key
+
+
+class Noisy(nn.Module):
+    """``loc`` plus torch-RNG noise, clipped: a sampling module that is not a distribution."""
+
+    def forward(self, loc: torch.Tensor) -> torch.Tensor:
+        return (loc + 0.1 * torch.randn_like(loc)).clamp(-2.0, 2.0)
+
+
+class OneTuple(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (torch.tanh(x),)
+
+
+def chain(n_in: int = 4, n_out: int = 2) -> TensorDictSequential:
+    """Single-input, single-output modules, each reading the one before's output: FastRunner.one's chain."""
+    return TensorDictSequential(
+        TensorDictModule(mlp(n_in, n_out), in_keys=OBS, out_keys=["loc"]),
+        TensorDictModule(OneTuple(), in_keys=["loc"], out_keys=[("nested", "squashed")]),
+        TensorDictModule(Noisy(), in_keys=[("nested", "squashed")], out_keys=["action"]),
+    )
+
+
+def not_chains() -> dict[str, TensorDictSequential]:
+    """Sequences :meth:`FastRunner.one` calls through the dict of keys (still bit-identical)."""
+    return {
+        "reads_the_observation_twice": TensorDictSequential(
+            TensorDictModule(mlp(4, 2), in_keys=OBS, out_keys=["loc"]),
+            TensorDictModule(lambda obs: obs[..., :2] * 2, in_keys=OBS, out_keys=["action"]),
+        ),
+        "overwrites_an_output": TensorDictSequential(
+            TensorDictModule(mlp(4, 2), in_keys=OBS, out_keys=["action"]),
+            TensorDictModule(Noisy(), in_keys=["action"], out_keys=["action"]),
+        ),
+        "overwrites_the_observation": TensorDictSequential(
+            TensorDictModule(lambda obs: obs * 2, in_keys=OBS, out_keys=OBS),
+            TensorDictModule(mlp(4, 2), in_keys=OBS, out_keys=["action"]),
+        ),
+        "out_keys_in_tree_order": TensorDictSequential(
+            TensorDictModule(mlp(4, 2), in_keys=OBS, out_keys=[("a", "x")]),
+            TensorDictModule(torch.tanh, in_keys=[("a", "x")], out_keys=["b"]),
+            TensorDictModule(Noisy(), in_keys=["b"], out_keys=[("a", "action")]),
+        ),
+    }
+
+
+def chain2() -> TensorDictSequential:
+    """Two links (``FastRunner.one``'s unrolled case), the first giving a 1-tuple."""
+    return TensorDictSequential(
+        TensorDictModule(nn.Sequential(mlp(4, 2), OneTuple()), in_keys=OBS, out_keys=["loc"]),
+        TensorDictModule(Noisy(), in_keys=["loc"], out_keys=["action"]),
+    )
+
+
+ONE_CASES = {
+    "chain": chain,
+    "chain2": chain2,
+    "chain1": td_module,
+    **{name: (lambda n=name: not_chains()[n]) for name in not_chains()},
+}
+
+
+@pytest.mark.parametrize("shape", [(), (3,)], ids=str)
+@pytest.mark.parametrize("name", list(ONE_CASES))
+def test_one_input_of_a_decided_runner_is_bit_identical(name: str, shape: tuple[int, ...]) -> None:
+    """What the fused loop calls (``one_input``): the fast runner as a function of the observation."""
+    torch.manual_seed(0)
+    policy = ONE_CASES[name]()
+    runner = make_runner(policy, batch_shape=shape, obs_keys=OBS, device=None)
+    assert isinstance(runner, LazyFastRunner)
+    assert one_input(runner, "observation").__name__ == "<lambda>"  # undecided: through the runner
+    slow = _TensorDictRunner(policy, shape, OBS, None)
+    observations = [torch.randn(*shape, 4) for _ in range(8)]
+    with torch.no_grad():
+        runner({"observation": observations[0]})  # the first call decides
+    assert runner.uses_fast_path is True
+    one = one_input(runner, "observation")
+    assert (runner.fast._chain_links("observation") is not None) is name.startswith("chain")
+    fast_out = steps(lambda obs: one(obs["observation"]), [{"observation": o} for o in observations], None, 3)
+    slow_out = steps(slow, [{"observation": o} for o in observations], None, 3)
+    assert_same(fast_out, slow_out)
+    assert list(fast_out[0]) == slow.out_keys
+
+
+def test_one_input_takes_the_tensordict_path_under_skip_existing() -> None:
+    torch.manual_seed(0)
+    policy = chain()
+    runner = make_runner(policy, batch_shape=(2,), obs_keys=OBS, device=None)
+    assert isinstance(runner, LazyFastRunner)
+    obs = torch.randn(2, 4)
+    with torch.no_grad():
+        runner({"observation": obs})
+        one = one_input(runner, "observation")
+        calls = []
+        slow = runner.slow
+        runner.slow = lambda o: calls.append(1) or slow(o)  # type: ignore[method-assign]
+        one(obs)
+        assert not calls
+        with set_skip_existing(True):
+            one(obs)
+        assert calls == [1]
+    assert runner.uses_fast_path is True
+
+
+def test_one_input_falls_back_when_a_link_gives_another_kind() -> None:
+    calls = iter(range(100))
+
+    def fn(obs: torch.Tensor) -> Any:
+        n = next(calls)
+        return obs.sum(-1) if n < 3 else {"action": obs.sum(-1) + 1}
+
+    runner = make_runner(
+        TensorDictModule(fn, in_keys=OBS, out_keys=["action"]), batch_shape=(2,), obs_keys=OBS, device=None
+    )
+    assert isinstance(runner, LazyFastRunner)
+    obs = torch.zeros(2, 4)
+    assert runner({"observation": obs})["action"].tolist() == [0.0, 0.0]  # calls 0 (dry) and 1
+    one = one_input(runner, "observation")
+    assert runner.fast._chain_links("observation") is not None
+    assert one(obs)["action"].tolist() == [0.0, 0.0]  # call 2
+    assert one(obs)["action"].tolist() == [1.0, 1.0]  # call 3 diverges, call 4 on the TensorDict path
+    assert runner.uses_fast_path is False
+    assert one(obs)["action"].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("num_envs", [None, 4])
+def test_seeded_collector_batches_of_a_chain_are_bit_identical(num_envs: int | None) -> None:
+    """Pendulum (a float Box action) with a chain that samples: the fused loop's fast path against the
+    TensorDict path, batch for batch."""
+    torch.manual_seed(0)
+    policy = chain(3, 1)
+    fast = collect(policy, num_envs=num_envs, enabled=True, exploration="random", env_id="Pendulum-v1")
+    slow = collect(policy, num_envs=num_envs, enabled=False, exploration="random", env_id="Pendulum-v1")
     assert len(fast) == len(slow) == 3
     for a, b in zip(fast, slow, strict=True):
         assert list(a.keys(True, True)) == list(b.keys(True, True))

@@ -39,6 +39,7 @@ LAYERS: dict[str, int] = {
     # policies, random policies for an env, weights as TensorDicts
     "_policies": 2,
     "_fast_policy": 2,
+    "_fast_verify": 2,
     "_weights": 2,
     # the wire and the rollout core
     "_transport": 3,

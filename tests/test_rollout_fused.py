@@ -171,6 +171,59 @@ async def test_a_policy_action_outside_the_space_still_raises_in_the_fused_loop(
             await collector.__anext__()
 
 
+class Env64(gym.Wrapper[Any, Any, Any, Any]):
+    """Pendulum whose step records the action it is given."""
+
+    def __init__(self, actions: list[Any]) -> None:
+        super().__init__(gym.make("Pendulum-v1"))
+        self.actions = actions
+
+    def step(self, action: Any) -> Any:
+        self.actions.append(action)
+        return super().step(action)
+
+
+@pytest.mark.parametrize("output", ["float64", "float32", "float16"])
+async def test_a_float_box_action_reaches_the_env_as_the_per_step_path_gives_it(
+    output: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fused loop's own conversion of a float Box action (``_gym_steps.policy_action``): the same
+    arrays, dtypes and batches as ``GymEnv._leaf_action`` on the per-step path."""
+
+    class Policy(nn.Module):
+        def forward(self, observation: torch.Tensor) -> Any:
+            return (2 * torch.tanh(observation[..., :1] * 1.7)).to(getattr(torch, output))
+
+    async def run() -> tuple[list[Any], list[TensorDictBase]]:
+        actions: list[Any] = []
+        batches = []
+        async with Collector(
+            lambda: GymEnv(Env64(actions)), Policy(), frames_per_batch=30, total_frames=60, seed=3
+        ) as c:
+            async for batch in c:
+                batches.append(batch.clone())
+        return actions, batches
+
+    calls = []
+    run_steps = GymEnv._run_steps
+
+    def counted(self: GymEnv, *args: Any) -> Any:
+        calls.append(1)
+        return run_steps(self, *args)
+
+    monkeypatch.setattr(GymEnv, "_run_steps", counted)
+    with anyio.fail_after(60):
+        fused_actions, fused = await run()
+        assert calls  # the fused loop ran
+        monkeypatch.setattr(ArrayEnv, "fused_gym", property(lambda self: None))
+        general_actions, general = await run()
+    assert_same(fused, general)
+    assert len(fused_actions) == len(general_actions) == 60
+    for a, b in zip(fused_actions, general_actions, strict=True):
+        assert type(a) is type(b) is np.ndarray and a.dtype == b.dtype == np.float32
+        assert np.array_equal(a, b)
+
+
 @pytest.mark.parametrize("policy", [None, "module"])
 async def test_a_gymenv_subclass_override_is_honoured(policy: str | None) -> None:
     """A GymEnv subclass that overrides a method the fused loop stands in for is stepped by the per-step

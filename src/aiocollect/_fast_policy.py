@@ -7,7 +7,7 @@ calls, same sampling code, same keys, same order), with no TensorDict built per 
 does not fully understand returns ``None``: the caller keeps the TensorDict path.
 
 :func:`lazy_fast_runner` wraps both runners: its first call runs both on the same observations from
-the same RNG state and keeps the fast one only if the outputs are bit-identical.
+the same RNG state and keeps the fast one only if the outputs are bit-identical (``_fast_verify``).
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from tensordict.utils import unravel_key
 from torch import Tensor
 
 from ._envs._spaces import NestedKey
+from ._fast_verify import BufferSnapshot, Runner, rng_devices, same_outputs, verify_fast_runner
 from ._rng import TORCH_RNG_LOCK
 
-__all__ = ["compile_tensordict_policy", "lazy_fast_runner", "verify_fast_runner"]
+__all__ = ["LazyFastRunner", "compile_tensordict_policy", "lazy_fast_runner", "verify_fast_runner"]
 
-Runner = Callable[[Mapping[NestedKey, Tensor]], dict[NestedKey, Tensor]]
 _Env = dict[NestedKey, Tensor]
 _Step = Callable[[_Env], None]
 
@@ -163,6 +163,9 @@ class _Compiler:
         written = iter(self.write([k for k in out_keys if k != "_"]))
         writes = [(i, next(written)) for i, k in enumerate(out_keys) if k != "_"]
         validate = self._validator()
+        # one tensor in, one out, no keyword, no device: a link of FastRunner's chain (see _chain_links)
+        simple = len(in_keys) == 1 and n_out == 1 and len(writes) == 1 and not kwargs
+        link = (fn, in_keys[0], writes[0][1]) if simple and validate is _identity else None
 
         def step(env: _Env) -> None:
             out = fn(*[env[k] for k in in_keys], **kwargs)
@@ -180,6 +183,7 @@ class _Compiler:
                     raise _Diverged
                 env[key] = validate(value)
 
+        step.link = link  # type: ignore[attr-defined]
         return step
 
     def _prob_module(self, m: Any, *, torchrl: bool = False) -> _Step:
@@ -378,6 +382,71 @@ class FastRunner:
             step(env)
         return {key: env[key] for key in self.out_keys}
 
+    def one(self, key: NestedKey) -> Callable[[Tensor], dict[NestedKey, Tensor]]:
+        """``self({key: observation})`` for a policy that reads only the observation ``key``, as a
+        function of that tensor. A chain of single-input, single-output ``TensorDictModule``s, each
+        reading the one before's output (the first the observation), is called without the dict of
+        keys: its outputs are the chain's out_keys in order (TensorDict paths' key order)."""
+        links = self._chain_links(key)
+        if links is None:
+            run = self.__call__
+            return lambda observation: run({key: observation})
+        if len(links) == 1:
+            ((f1, k1),) = links
+
+            def chain1(x: Tensor) -> dict[NestedKey, Tensor]:
+                a = f1(x)
+                return {k1: a if type(a) is Tensor else _only_tensor(a)}
+
+            return chain1
+        if len(links) == 2:  # a network, then a sampler: the common TensorDictSequential
+            (f1, k1), (f2, k2) = links
+
+            def chain2(x: Tensor) -> dict[NestedKey, Tensor]:
+                a = f1(x)
+                if type(a) is not Tensor:
+                    a = _only_tensor(a)
+                b = f2(a)
+                return {k1: a, k2: b if type(b) is Tensor else _only_tensor(b)}
+
+            return chain2
+
+        def chain(x: Tensor) -> dict[NestedKey, Tensor]:
+            out: dict[NestedKey, Tensor] = {}
+            for fn, out_key in links:
+                x = fn(x)
+                if type(x) is not Tensor:
+                    x = _only_tensor(x)
+                out[out_key] = x
+            return out
+
+        return chain
+
+    def _chain_links(self, key: NestedKey) -> list[tuple[Callable[..., Any], NestedKey]] | None:
+        """``(fn, out_key)`` per module where :meth:`one` can call the modules as a chain, else None."""
+        key = unravel_key(key)
+        if self._device is not None or self._obs_pairs != [(key, key)]:
+            return None
+        links = [getattr(step, "link", None) for step in self._steps]
+        previous = key
+        for link in links:
+            if link is None or link[1] != previous:
+                return None
+            previous = link[2]
+        outs = [link[2] for link in links]  # type: ignore[index]
+        # each output new (no overwrite), and the runner returns exactly them, in this order
+        if len(set(outs)) != len(outs) or key in outs or outs != self.out_keys:
+            return None
+        return [(link[0], link[2]) for link in links]  # type: ignore[index]
+
+
+def _only_tensor(out: Any) -> Tensor:
+    """A module's output where a link of a chain wants one tensor: a 1-tuple of a tensor is taken (as
+    the step does); anything else (None, a dict, a tensor subclass) is the TensorDict path's to convert."""
+    if type(out) is tuple and len(out) == 1 and type(out[0]) is Tensor:
+        return out[0]
+    raise _Diverged
+
 
 def compile_tensordict_policy(
     policy: Any,
@@ -449,75 +518,6 @@ def _is_private(key: NestedKey) -> bool:
     return any(part.startswith("_") for part in parts)
 
 
-# -- verification ---------------------------------------------------------------------------------
-def _bits_equal(a: Any, b: Any) -> bool:
-    if type(a) is not Tensor or type(b) is not Tensor:
-        return False
-    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
-        return False
-    if torch.equal(a, b):
-        return True
-    if not (a.is_floating_point() or a.is_complex()):
-        return False
-    # NaNs (and -0.0 vs 0.0) compare by their bits
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
-    size = a.element_size()
-    a, b = a.contiguous(), b.contiguous()
-    if a.is_complex():
-        a, b = torch.view_as_real(a), torch.view_as_real(b)
-        size //= 2
-    return torch.equal(a.view(bits[size]), b.view(bits[size]))
-
-
-def same_outputs(fast: Mapping[NestedKey, Any], slow: Mapping[NestedKey, Any]) -> bool:
-    """Same keys in the same order, each value a tensor with the same dtype, shape, device and bits."""
-    if list(fast) != list(slow):
-        return False
-    return all(_bits_equal(fast[k], slow[k]) for k in slow)
-
-
-def _rng_devices() -> list[int]:
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return []
-    return list(range(torch.cuda.device_count()))
-
-
-class _BufferSnapshot:
-    """The policy's buffers (running statistics...) before a dry call, to put back after it."""
-
-    def __init__(self, policy: Any) -> None:
-        module = policy if isinstance(policy, torch.nn.Module) else None
-        self._saved = [(b, b.clone()) for b in module.buffers()] if module is not None else []
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for buffer, saved in self._saved:
-                buffer.copy_(saved)
-
-
-def verify_fast_runner(fast: Runner, slow: Runner, obs: Mapping[NestedKey, Tensor]) -> bool:
-    """Whether ``fast(obs)`` and ``slow(obs)`` are bit-identical from the same RNG state.
-
-    A dry run: the torch RNG (forked) and the policy's buffers are left as they were. An exception in
-    the fast runner counts as a mismatch; one in the slow runner propagates.
-    """
-    policy = getattr(fast, "policy", None)
-    snapshot = _BufferSnapshot(policy)
-    with TORCH_RNG_LOCK, torch.random.fork_rng(devices=_rng_devices()):
-        state = torch.get_rng_state()
-        try:
-            fast_out = fast(obs)
-        except Exception:
-            fast_out = None
-        snapshot.restore()
-        torch.set_rng_state(state)
-        try:
-            slow_out = slow(obs)
-        finally:
-            snapshot.restore()
-    return fast_out is not None and same_outputs(fast_out, slow_out)
-
-
 class LazyFastRunner:
     """Runs ``slow`` on the first call and checks ``fast`` against it; then the one that matched.
 
@@ -541,12 +541,30 @@ class LazyFastRunner:
             return self._first_call(obs)
         return self.slow(obs)
 
+    def for_one(self, key: NestedKey) -> Callable[[Tensor], dict[NestedKey, Tensor]] | None:
+        """Once the fast path is chosen, ``self({key: observation})`` as a function of the tensor,
+        calling :meth:`FastRunner.one` directly (the runner's checks per call, ``skip_existing()`` and
+        a diverging output, are kept); ``None`` before the first call decided, or if it chose ``slow``."""
+        if self.uses_fast_path is not True:
+            return None
+        fast_one = self.fast.one(key)
+
+        def call(observation: Tensor) -> dict[NestedKey, Tensor]:
+            if self.uses_fast_path and not skip_existing():
+                try:
+                    return fast_one(observation)
+                except _Diverged:  # as __call__: the TensorDict path from now on
+                    self.uses_fast_path = False
+            return self({key: observation})
+
+        return call
+
     def _first_call(self, obs: Mapping[NestedKey, Tensor]) -> dict[NestedKey, Tensor]:
         policy = self.fast.policy
         fast_out = None
         if not skip_existing():
-            snapshot = _BufferSnapshot(policy)
-            with TORCH_RNG_LOCK, torch.random.fork_rng(devices=_rng_devices()):
+            snapshot = BufferSnapshot(policy)
+            with TORCH_RNG_LOCK, torch.random.fork_rng(devices=rng_devices()):
                 try:
                     fast_out = self.fast(obs)
                 except Exception:

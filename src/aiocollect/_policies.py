@@ -21,7 +21,7 @@ from tensordict.nn import InteractionType, TensorDictModuleBase
 from ._envs._adapter import ArrayEnv
 from ._envs._spaces import NestedKey, action_specs, sample
 from ._envs._torchrl import TorchRLArrays
-from ._fast_policy import lazy_fast_runner
+from ._fast_policy import LazyFastRunner, lazy_fast_runner
 
 __all__ = [
     "RandomPolicy",
@@ -224,6 +224,10 @@ def one_input(runner: Runner, key: NestedKey) -> Callable[[torch.Tensor], dict[N
     """``runner`` for an env whose only observation entry is ``key``: called on that tensor."""
     if isinstance(runner, _ModuleRunner) and runner._only_key == key:
         return runner.one
+    if isinstance(runner, LazyFastRunner):  # the compiled TensorDictModule, once checked
+        one = runner.for_one(key)
+        if one is not None:
+            return one
     return lambda observation: runner({key: observation})
 
 
