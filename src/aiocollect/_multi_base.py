@@ -182,7 +182,6 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
         self._entered = False
         self._version = 0
         self._issued = 0  # the last version number handed to a publish (interrupted ones included)
-        self._targets: list[int] = []  # per worker: the last version published for it
         self._weights_lock = anyio.Lock()
         self._saved_threads: int | None = None
         #: per worker, the oldest policy version a delivered batch may have (update_weights(flush=True),
@@ -218,7 +217,7 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
         policy_payload = await self._pickled_policy("the worker processes")
         self._control = SharedBlock(control_layout(n), ())
         self._control.td.zero_()
-        self._targets = [0] * n
+        self._targets: list[int] = [0] * n  # per worker: the last version published for it
         receivers: list[Any] = [None] * n
         if self._weights_template is not None:
             template = self._weights_template
