@@ -105,8 +105,10 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
         num_threads, num_sub_threads, update_at_each_batch, worker_backend, start_method: as
             :class:`MultiAsyncCollector`'s.
         weight_sync, worker_timeout, traj_id_start, traj_id_stride: as :class:`MultiAsyncCollector`'s.
-        min_batch, max_wait, max_frames_per_traj, exploration_type, track_policy_version, on_env_error:
-            as ``AsyncEnvCollector``'s, per worker (``max_frames_per_traj`` is refused with vector envs).
+        min_batch, max_wait, max_frames_per_traj, exploration_type, track_policy_version: as
+            ``AsyncEnvCollector``'s, per worker (``max_frames_per_traj`` is refused with vector envs).
+        on_env_error: as ``AsyncEnvCollector``'s, per worker: ``"drop"`` drops a failing env (its event
+            carries its env id over all workers); a worker whose every env is dropped ends the collector.
         prefetch: as ``AsyncEnvCollector``'s, per worker (default 1; 0 with ``max_policy_lag=0``).
         seed: env ``i`` (over all workers) is first reset with ``seed + i`` (a vector env whose first
             sub-env is env ``i``: ``reset(seed=seed + i)``).
