@@ -86,13 +86,9 @@ def assert_same(a: list[Any], b: list[Any]) -> None:
             assert torch.equal(x[key], y[key]), key
 
 
-@pytest.mark.parametrize("env_id", ["CartPole-v1", "Pendulum-v1"])
-@pytest.mark.parametrize("num_envs", [None, 3])
-@pytest.mark.parametrize("kind", ["random", "module", "tdmodule"])
-async def test_fused_loop_gives_the_per_step_batches(
-    env_id: str, num_envs: int | None, kind: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    calls = []
+def count_fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that gets one entry per call of the fused loop (``GymEnv._run_steps``)."""
+    calls: list[int] = []
     run_steps = GymEnv._run_steps
 
     def counted(self: GymEnv, *args: Any) -> Any:
@@ -100,6 +96,16 @@ async def test_fused_loop_gives_the_per_step_batches(
         return run_steps(self, *args)
 
     monkeypatch.setattr(GymEnv, "_run_steps", counted)
+    return calls
+
+
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "Pendulum-v1"])
+@pytest.mark.parametrize("num_envs", [None, 3])
+@pytest.mark.parametrize("kind", ["random", "module", "tdmodule"])
+async def test_fused_loop_gives_the_per_step_batches(
+    env_id: str, num_envs: int | None, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = count_fused_calls(monkeypatch)
     with anyio.fail_after(60):
         fused = await collect(env_id, num_envs, kind)
         assert calls  # the fused loop ran
@@ -204,14 +210,7 @@ async def test_a_float_box_action_reaches_the_env_as_the_per_step_path_gives_it(
                 batches.append(batch.clone())
         return actions, batches
 
-    calls = []
-    run_steps = GymEnv._run_steps
-
-    def counted(self: GymEnv, *args: Any) -> Any:
-        calls.append(1)
-        return run_steps(self, *args)
-
-    monkeypatch.setattr(GymEnv, "_run_steps", counted)
+    calls = count_fused_calls(monkeypatch)
     with anyio.fail_after(60):
         fused_actions, fused = await run()
         assert calls  # the fused loop ran
