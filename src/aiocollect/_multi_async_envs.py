@@ -17,7 +17,6 @@ from ._async_collector import max_wait_arg, on_env_error_arg
 from ._async_collector_worker import EnvOffset, EnvRows, EnvShare, WorkerConfig, run_async_worker
 from ._async_worker_frames import FLOOR, VERSION
 from ._events import WorkerFailed
-from ._gather import gather
 from ._multi_async import MultiAsyncCollector
 from ._multi_async_envs_args import (
     frames_arg,
@@ -28,7 +27,6 @@ from ._multi_async_envs_args import (
 )
 from ._multi_base import Delivery
 from ._trajectories import split_trajectories
-from ._transport._messages import LoadWeights
 from ._validation import (
     exploration_type_arg,
     flag,
@@ -311,9 +309,7 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
             if floor > floors[i] and pool.workers[i].policy_version < floor and not wait
         ]
         if behind:  # they load the new weights now, not after their next batch (dropped otherwise)
-            loaded = await gather(*[functools.partial(pool.call, i, LoadWeights()) for i in behind])
-            for i, worker_version in zip(behind, loaded, strict=True):
-                pool.note_version(i, worker_version)
+            await self._load_now(pool, behind)
         return version
 
     def _unsupported(self, what: str) -> TypeError:

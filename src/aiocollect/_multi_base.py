@@ -538,10 +538,16 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
                 if raised:
                     await self._drop_stale(pool)
         if wait:
-            loaded = await gather(*[partial(pool.call, i, LoadWeights()) for i in ids])
-            for i, worker_version in zip(ids, loaded, strict=True):
-                pool.note_version(i, worker_version)
+            await self._load_now(pool, ids)
         return version
+
+    @staticmethod
+    async def _load_now(pool: WorkerPool, ids: list[int]) -> None:
+        """Workers ``ids`` load the newest weights published for them now (between two policy calls), and
+        the versions they then run are noted."""
+        loaded = await gather(*[partial(pool.call, i, LoadWeights()) for i in ids])
+        for i, worker_version in zip(ids, loaded, strict=True):
+            pool.note_version(i, worker_version)
 
     async def _load_pending(self, pool: WorkerPool, ids: list[int]) -> None:
         """Before an update to the workers ``ids`` only, through a scheme with one copy of the weights: the
@@ -552,9 +558,7 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
             for i, handle in enumerate(pool.workers)
             if i not in ids and self._targets[i] > handle.policy_version
         ]
-        loaded = await gather(*[partial(pool.call, i, LoadWeights()) for i in pending])
-        for i, worker_version in zip(pending, loaded, strict=True):
-            pool.note_version(i, worker_version)
+        await self._load_now(pool, pending)
 
     async def _publish(self, pool: WorkerPool, weights: TensorDictBase, version: int, ids: list[int]) -> None:
         """``sender.publish`` raced against the workers' exits: a worker that fails or dies while an update
