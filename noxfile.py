@@ -1,12 +1,17 @@
 """Developer sessions: ``nox -s tests``, ``lint``, ``typecheck``, ``docs``, ``bench``, ``bench_core``,
 ``slow``, ``distributed``, ``realenvs``, ``torchrl``, ``bench_torchrl``, ``browser``, ``bench_dashboard``,
-``soak``.
+``soak``, ``package``, ``minimum_versions``, ``newest_python``.
 
 torch is pinned in the same pip command as everything that depends on it, so pip takes the CPU wheel that
 the machine already has instead of pulling a multi-GB CUDA build.
 """
 
 from __future__ import annotations
+
+import glob
+import re
+import tomllib
+from pathlib import Path
 
 import nox
 
@@ -15,6 +20,8 @@ nox.options.default_venv_backend = "venv"
 
 TORCH = "torch==2.13.0"
 PYTHON = "3.11"
+#: the newest Python on our machines (tested by ``newest_python``; keep the README in sync)
+NEWEST_PYTHON = "3.13"
 
 
 def install(session: nox.Session, *extras: str) -> None:
@@ -165,3 +172,58 @@ def bench_torchrl(session: nox.Session) -> None:
     """Side-by-side benchmarks against torchrl's collectors (see docs/benchmarks-torchrl.md)."""
     session.install(TORCH, *TORCHRL, "-e", ".[test]")
     session.run("python", "benchmarks/vs_torchrl.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def package(session: nox.Session) -> None:
+    """What ``pip install aiocollect`` gives a user with no extras: build the sdist and the wheel
+    (``python -m build``), install the wheel alone (its base dependencies, torch pinned) into this session's
+    fresh virtualenv, then, from outside the source tree, import every public module, run 1,000-frame
+    collectors and check that each extra's entry point names its extra when missing
+    (tests/check_installed.py); and check that every import of ``import aiocollect`` is declared
+    (shared/tools/check_declared_imports.py, where the shared folder is beside the repo)."""
+    session.install("build>=1.2")
+    dist = Path(session.create_tmp()) / "dist"
+    session.run("python", "-m", "build", "--sdist", "--wheel", "--outdir", str(dist))
+    sdists, wheels = glob.glob(str(dist / "*.tar.gz")), glob.glob(str(dist / "*.whl"))
+    if len(sdists) != 1 or len(wheels) != 1:
+        session.error(f"expected one sdist and one wheel in {dist}, got {sdists + wheels}")
+    session.install(TORCH, wheels[0])
+    root = Path.cwd()
+    session.run("python", str(root / "tests" / "check_installed.py"), external=False, env={"PYTHONPATH": ""})
+    checker = root.parent / "shared" / "tools" / "check_declared_imports.py"
+    if checker.exists():
+        session.run("python", str(checker), "aiocollect.compat", "aiocollect.dashboard")
+
+
+def dependency_floors() -> list[str]:
+    """``name==floor`` for each of pyproject.toml's direct dependencies (the version after its ``>=``)."""
+    pins = []
+    for requirement in tomllib.loads(Path("pyproject.toml").read_text())["project"]["dependencies"]:
+        match = re.fullmatch(r"\s*([A-Za-z0-9_.-]+)\s*>=\s*([^,;\s]+).*", requirement)
+        if match is None:
+            raise ValueError(f"dependency {requirement!r} has no >= floor to test")
+        pins.append(f"{match[1]}=={match[2]}")
+    return pins
+
+
+@nox.session(python=PYTHON)
+def minimum_versions(session: nox.Session) -> None:
+    """The default suite on the lowest versions ``pyproject.toml`` claims for its direct dependencies (each
+    ``>=`` floor, pinned exactly: torch's floor is a CUDA build from PyPI, which runs on the CPU), so that
+    no floor is claimed untested. The test tools come on top of those pins (pip may not move them)."""
+    floors = dependency_floors()
+    constraints = Path(session.create_tmp()) / "floors.txt"
+    constraints.write_text("\n".join(floors) + "\n")
+    session.install(*floors)
+    session.install("-c", str(constraints), "-e", ".[test]")
+    session.run("python", "-m", "pip", "list")
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", *session.posargs)
+
+
+@nox.session(python=NEWEST_PYTHON)
+def newest_python(session: nox.Session) -> None:
+    """The default suite on the newest Python here (torch 2.13.0 for it comes from PyPI: a CUDA build that
+    runs on the CPU)."""
+    install(session, "test")
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", *session.posargs)

@@ -38,7 +38,7 @@ class Args:
     launcher: str = "mp"  # mp | submitit (torch and rpc)
     sync: bool = False
     nodes: int = 2
-    total_frames: int = 50_000
+    total_frames: int = 51_200  # 25 batches of 2048
     frames_per_batch: int = 2048
     envs_per_node: int = 8
     lr: float = 0.01

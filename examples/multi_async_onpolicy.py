@@ -7,7 +7,7 @@ while you train. The trainer gathers batches until it has ``frames_per_update`` 
 REINFORCE step (reward-to-go per batch, batch-mean baseline) on CartPole-v1, and prints how many
 collected frames the guarantee cost (``statistics().frames_discarded``).
 
-    python examples/multi_async_onpolicy.py --total-frames 200000
+    python examples/multi_async_onpolicy.py --total-frames 204800
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from aiocollect import GymEnv, MultiAsyncCollector
 
 @dataclass
 class Args:
-    total_frames: int = 100_000
+    total_frames: int = 102_400  # 800 batches of 128, 100 updates of 1024
     frames_per_batch: int = 128  # per worker batch: smaller wastes less at each update
     frames_per_update: int = 1024
     num_workers: int = 2

@@ -4,7 +4,7 @@ A tiny policy-gradient loop (REINFORCE with a batch-mean baseline) on CartPole-v
 by ``MultiSyncCollector`` in two worker processes with the weights published after the previous update,
 which ``("collector", "policy_version")`` proves frame by frame.
 
-    python examples/multi_sync_ppo_style.py --total-frames 200000
+    python examples/multi_sync_ppo_style.py --total-frames 204800
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from aiocollect import GymEnv, MultiSyncCollector
 
 @dataclass
 class Args:
-    total_frames: int = 100_000
+    total_frames: int = 102_400  # 25 batches of 4096
     frames_per_batch: int = 4096
     num_workers: int = 2
     envs_per_worker: int = 16

@@ -1,7 +1,7 @@
 """Collect CartPole-v1 with its velocities hidden, with a GRU policy whose state the collector carries.
 
     python examples/recurrent_policy.py
-    python examples/recurrent_policy.py --workers 2 --total-frames 20000
+    python examples/recurrent_policy.py --workers 2 --total-frames 20480
 
 The policy reads ``"hidden"`` and writes ``("next", "hidden")``: a recurrent policy. The collector feeds
 each step's ``("next", "hidden")`` back as the next step's ``"hidden"``, sets it back to zeros where an
@@ -32,9 +32,11 @@ from aiocollect import Collector, GymEnv, MultiSyncCollector
 
 @dataclass
 class Args:
-    total_frames: int = field(default=20_000, metadata={"help": "frames to collect"})
+    total_frames: int = field(default=20_480, metadata={"help": "frames to collect"})
     num_envs: int = field(default=8, metadata={"help": "envs per worker (batch [num_envs])"})
-    frames_per_batch: int = field(default=1_000, metadata={"help": "frames per batch (per worker)"})
+    frames_per_batch: int = field(
+        default=1_024, metadata={"help": "frames per batch (all workers together: each collects its share)"}
+    )
     workers: int = field(default=0, metadata={"help": "0: in process (Collector); n: MultiSyncCollector"})
     hidden: int = field(default=32, metadata={"help": "GRU state size"})
     seed: int = field(default=1, metadata={"help": "seeds the envs, the weights and sampling"})

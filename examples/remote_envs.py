@@ -1,6 +1,8 @@
 """Remote envs with central inference, started by one command: 2 env server processes (``serve_envs``)
 and a collector that steps all their envs over WebSocket and runs the policy on batches of ready envs.
 
+Needs the ``serve`` extra (wsproto): ``pip install -e ".[serve]"`` (or ``pip install "aiocollect[serve]"``).
+
     python examples/remote_envs.py
     python examples/remote_envs.py --envs-per-server 32 --total-frames 50000 --uvloop
     python examples/remote_envs.py --remote-policy    # the policy served too (serve_policy/RemotePolicy)

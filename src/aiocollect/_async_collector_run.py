@@ -16,6 +16,7 @@ in one coroutine frame.
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -25,7 +26,6 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 import numpy as np
-import sniffio
 import torch
 
 from ._async_collector_envs import EnvSet
@@ -516,9 +516,26 @@ def _set_event(event: anyio.Event) -> None:
 def _waiters_for_this_loop() -> tuple[Callable[[], Any], Callable[[Any], Any]]:
     """How a ready env waits for its action: a bare future on asyncio (a third of an ``anyio.Event``'s
     cost, paid at every step), else an ``anyio.Event``. Returns ``(new_waiter, wake)``."""
-    if sniffio.current_async_library() == "asyncio":
+    if _on_asyncio():
         return asyncio.get_running_loop().create_future, _wake_future
     return anyio.Event, _set_event
+
+
+def _on_asyncio() -> bool:
+    """Whether the calling task runs on asyncio (uvloop included) rather than trio, without sniffio (not a
+    dependency): a trio task is recognised first, since trio in guest mode runs on top of an asyncio loop."""
+    trio = sys.modules.get("trio")  # trio's tasks can only run if trio was imported
+    if trio is not None:
+        try:
+            trio.lowlevel.current_task()
+            return False
+        except RuntimeError:  # not in a trio task
+            pass
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _as_numpy(value: torch.Tensor, n: int) -> Any:

@@ -139,6 +139,8 @@ class MetricsLogged(Event):
                 raise TypeError(f"metric names must be non-empty strings, got {name!r}")
             if isinstance(value, bool | str | bytes):
                 raise TypeError(f"metric {name!r} must be a real number, got {value!r}")
+            if callable(getattr(value, "detach", None)):  # a tensor (maybe requiring grad): no warning
+                value = value.detach()
             try:
                 values[name] = float(value)
             except (TypeError, ValueError, RuntimeError):

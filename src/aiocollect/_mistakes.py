@@ -1,0 +1,199 @@
+"""The mistakes new users make, each caught with one message that names the user's line and the fix.
+
+- :func:`explicit_keywords`: a misspelt keyword of a public constructor suggests the closest one (as
+  argparse does), and TorchRL's spellings (``create_env_fn=``, ``num_workers=``) point to ours and to
+  :mod:`aiocollect.compat`, instead of Python's bare "unexpected keyword argument".
+- :func:`check_main_guard`: a script that starts worker processes from its top level without
+  ``if __name__ == "__main__":`` is refused before any process starts (each worker would import the
+  script again and start collectors of its own, and die of it).
+- :func:`warn_user`: a warning about the user's own arguments, attributed to the user's line rather than
+  to a line of aiocollect.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import functools
+import inspect
+import os
+import sys
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+__all__ = ["check_main_guard", "explicit_keywords", "unguarded_main_line", "warn_user"]
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the first caller outside aiocollect, counted from the caller of this
+    function's caller (``"<string>"``: a dataclass's generated ``__init__``, ours)."""
+    frame = sys._getframe(2)
+    level = 1
+    while frame.f_back is not None and (
+        frame.f_code.co_filename.startswith(_PACKAGE_DIR) or frame.f_code.co_filename == "<string>"
+    ):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """Warn about the user's own arguments, at the user's line (the first frame outside aiocollect).
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warn_user("total_frames=1000 is not a multiple of frames_per_batch=300")
+        >>> caught[0].filename == __file__ or caught[0].filename.startswith("<doctest")
+        True
+    """
+    warnings.warn(message, category, stacklevel=_user_stacklevel() + 1)
+
+
+# -- keywords ------------------------------------------------------------------------------------------
+
+#: keywords of TorchRL's collectors that ours spell differently, with the fix
+TORCHRL_SPELLINGS: Mapping[str, str] = {
+    "create_env_fn": "aiocollect's multi-process collectors take one env factory per worker: "
+    "create_env_fns=[make_env] * num_workers (the first argument)",
+    "create_env_kwargs": "bind the arguments in each factory instead: "
+    "create_env_fns=[functools.partial(make_env, **kwargs)] * num_workers",
+    "num_workers": "the number of workers is the length of create_env_fns: "
+    "create_env_fns=[make_env] * num_workers",
+    "num_threads": "torch's thread count is the trainer's: call torch.set_num_threads() before the collector",
+    "policy_factory": "pass the policy itself (it is sent to each worker), or see aiocollect.compat",
+    "sync": "use MultiSyncCollector or MultiAsyncCollector (or MultiCollector(sync=...))",
+}
+
+
+def _keyword_error(cls_name: str, name: str, accepted: list[str]) -> TypeError:
+    message = f"{cls_name}() got an unexpected keyword argument {name!r}"
+    close = difflib.get_close_matches(name, accepted, n=1, cutoff=0.6)
+    if close:
+        message += f"; did you mean {close[0]!r}?"
+    if name in TORCHRL_SPELLINGS:
+        message += (
+            f"; {name}= is TorchRL's spelling: {TORCHRL_SPELLINGS[name]}. aiocollect.compat offers "
+            "TorchRL's collector names and keywords (e.g. aiocollect.compat.MultiSyncDataCollector)"
+        )
+    return TypeError(message)
+
+
+def explicit_keywords(init: _F) -> _F:
+    """Decorate a public constructor: an unknown keyword raises a ``TypeError`` that names the class the
+    user wrote, suggests the closest keyword, and points TorchRL's spellings to ours. The signature is
+    kept (``help()`` and IDEs show the keywords); a known keyword costs one set lookup.
+
+    Example:
+        >>> class Collector:
+        ...     @explicit_keywords
+        ...     def __init__(self, *, total_frames: int = -1) -> None: ...
+        >>> Collector(total_frame=10)
+        Traceback (most recent call last):
+        ...
+        TypeError: Collector() got an unexpected keyword argument 'total_frame'; did you mean 'total_frames'?
+    """
+    params = inspect.signature(init).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        raise TypeError(f"{init.__qualname__} takes **kwargs: explicit_keywords has nothing to check")
+    accepted = [
+        name
+        for name, p in params.items()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ][1:]  # not self
+    known = frozenset(accepted)
+
+    @functools.wraps(init)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        for name in kwargs:
+            if name not in known:
+                raise _keyword_error(type(self).__name__, name, accepted)
+        return init(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+# -- scripts without a main guard ----------------------------------------------------------------------
+
+
+def _is_main_test(test: ast.expr) -> bool:
+    """``__name__ == "__main__"`` (either side)."""
+    if not isinstance(test, ast.Compare) or len(test.ops) != 1 or not isinstance(test.ops[0], ast.Eq):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [s for s in sides if isinstance(s, ast.Name) and s.id == "__name__"]
+    consts = [s for s in sides if isinstance(s, ast.Constant) and s.value == "__main__"]
+    return len(names) == 1 and len(consts) == 1
+
+
+@functools.lru_cache(maxsize=8)
+def _guarded_lines(path: str, mtime: float) -> tuple[tuple[int, int], ...] | None:
+    """The line ranges of the script's ``if __name__ == "__main__":`` bodies (``None``: unreadable)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return None
+    ranges = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_main_test(node.test) and node.body:
+            ranges.append((node.body[0].lineno, node.body[-1].end_lineno or node.body[-1].lineno))
+    return tuple(ranges)
+
+
+def unguarded_main_line() -> tuple[str, int] | None:
+    """``(script, line)`` when the calling code runs from the top level of the ``__main__`` script outside
+    an ``if __name__ == "__main__":`` block, else ``None`` (guarded, no script file, or not called from
+    the script's top level: a notebook, ``python -c``, a worker importing the script)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or not os.path.isfile(path):
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__":
+            break
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return None
+    try:
+        if not os.path.samefile(frame.f_code.co_filename, path):
+            return None
+    except OSError:
+        return None
+    line = frame.f_lineno
+    ranges = _guarded_lines(os.path.abspath(path), os.path.getmtime(path))
+    if ranges is None or any(first <= line <= last for first, last in ranges):
+        return None
+    return path, line
+
+
+def check_main_guard(
+    what: str,
+    start_method: str | None,
+    *,
+    other_fix: str = 'run the workers as threads with worker_backend="serial"',
+) -> None:
+    """Refuse to start processes with ``start_method`` (``"spawn"``/``"forkserver"`` re-import the script
+    in every child) from the unguarded top level of the user's script, with the fix; ``what`` names the
+    caller (``"MultiSyncCollector"``), ``other_fix`` the way out without processes."""
+    if start_method not in ("spawn", "forkserver"):
+        return
+    found = unguarded_main_line()
+    if found is None:
+        return
+    path, line = found
+    name = os.path.basename(path)
+    raise RuntimeError(
+        f"{what} starts worker processes, and each imports your script {name!r} again before it runs; "
+        f"line {line} of {name} starts collection when the script is imported, so every worker would "
+        "start collectors of its own and die of it. Put the code that starts collection under a main "
+        'guard:\n\n    if __name__ == "__main__":\n        anyio.run(main)\n\n'
+        f"(or {other_fix})"
+    )
