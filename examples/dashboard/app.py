@@ -134,6 +134,8 @@ async def main(
         app = create_app(collector, title=f"CartPole-v1 · {args.num_workers} workers")
         async with serve(app, host=args.host, port=args.port) as server:
             print(f"dashboard: {server.url}  (Ctrl-C to stop)", flush=True)
+            # the POST routes (pause, resume, update-weights) need it: curl -H "X-Aiocollect-Token: ..."
+            print(f"control token: {app.state.token}", flush=True)
             if on_ready is not None:
                 on_ready(server.url)
             deadline = time.monotonic() + (args.seconds if args.seconds is not None else math.inf)
