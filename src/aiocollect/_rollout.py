@@ -454,8 +454,8 @@ class Rollout:
         )
         if self.options.set_truncated and steps > 0:
             last: tuple[slice | int, ...] = (*lead, steps - 1)
-            views[("next", "truncated")][last] = True
-            views[("next", "done")][last] = True
+            for key in self._set_truncated_keys():
+                views[key][last] = True
         if self.track_policy_version:
             version = into.get(("collector", "policy_version"), None) if into is not None else None
             if version is None:
@@ -471,6 +471,19 @@ class Rollout:
             episode_lengths=lengths,
             policy_version=self.policy_version,
         )
+
+    def _set_truncated_keys(self) -> list[NestedKey]:
+        """What ``set_truncated`` sets on a batch's last frame, as TorchRL does: every truncated flag
+        (top level and agent groups') and the done flag beside it."""
+        keys: list[NestedKey] = [("next", "truncated"), ("next", "done")]
+        groups = self.env.group_flag_keys
+        for key in groups:
+            if key[-1] == "truncated":
+                keys.append(_key_tuple("next", key))
+                done = (*key[:-1], "done")
+                if done in groups:
+                    keys.append(_key_tuple("next", done))
+        return keys
 
     def _write_outputs(
         self,

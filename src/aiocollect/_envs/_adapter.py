@@ -125,6 +125,13 @@ class ArrayEnv:
         ]
         self._truncated_keys = [] if "truncated" in flags else [k for k in nested if k[-1] == "truncated"]
 
+    @property
+    def group_flag_keys(self) -> list[NestedKey]:
+        """The done flags of the agent groups (``("agents", "truncated")``, ...): batch entries like
+        observations, at the root and under ``"next"``."""
+        arrays = self.torchrl_arrays
+        return arrays.group_flag_keys if arrays is not None else self._flag_keys
+
     def pass_to_env(self, state_keys: list[NestedKey]) -> None:
         """Recurrent states the env carries (a TorchRL env with a ``TensorDictPrimer``): the policy's
         ``("next", key)`` goes to the env with the action."""
