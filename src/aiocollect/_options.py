@@ -148,9 +148,10 @@ class RolloutOptions:
             ``k = 0, 1, ...``: collectors given the same stride and distinct starts below it never share
             an id (``RayCollector`` gives its remote collector ``i`` of ``n`` start ``i``, stride ``n``).
         lossless_action_casts: TorchRL's leniency (``aiocollect.compat`` sets it): a policy action whose
-            dtype or shape differs from the action spec is cast where nothing is lost (integral values
-            in range for an integer or binary spec; a dim of size 1 more or less), with a warning naming
-            the output key; a lossy one is refused as without it.
+            dtype or shape differs from the action spec is cast for the env where nothing is lost
+            (integral values in range for an integer or binary spec; a dim of size 1 more or less), with
+            a warning naming the output key; the batch keeps what the policy wrote, as TorchRL's does. A
+            lossy one is refused as without it.
         step_count: with ``max_frames_per_traj``, write ``"step_count"`` and ``("next", "step_count")``
             (int64, steps since the episode's reset), the keys TorchRL's ``StepCounter`` adds
             (``aiocollect.compat`` sets it).

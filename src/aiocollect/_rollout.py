@@ -23,7 +23,7 @@ from ._options import RolloutOptions, WeightSchedule
 from ._policies import Runner, compile_policy, make_runner, one_input, random_policy_for
 from ._recurrent import Carry, Recurrence, find_recurrence
 from ._rollout_batch import episode_stats, nested_td, stack_into, time_first, trajectory_ids
-from ._rollout_casts import CastingRunner, lossless_casts, truncation_keys
+from ._rollout_casts import ActionCaster, lossless_casts, truncation_keys
 from ._storage import StoragePool
 
 __all__ = ["Rollout", "RolloutResult", "StopSignal", "build_rollout", "open_env"]
@@ -105,6 +105,7 @@ class Rollout:
         self._next_traj = options.traj_id_start
         self._root: dict[NestedKey, np.ndarray] = {}
         self._out_specs: dict[NestedKey, LeafSpec] | None = None
+        self._caster: ActionCaster | None = None  # lossless action casts (output_specs)
         self._specs: tuple[list[Any], list[tuple[tuple[int, ...], torch.dtype]]] | None = None
         self._storage = StoragePool()
         #: the policy's recurrent states (``_recurrent.py``): those the rollout carries are observations too
@@ -176,11 +177,12 @@ class Rollout:
                         f"the env batch shape {self.batch_shape}"
                     )
                 specs[key] = LeafSpec(tuple(value.shape[nb:]), value.dtype)
-            if self.options.lossless_action_casts:  # TorchRL's leniency (compat)
-                specs, casts = lossless_casts(self.env, specs)
+            checked = specs
+            if self.options.lossless_action_casts:  # TorchRL's leniency (compat): cast what the env gets
+                checked, casts = lossless_casts(self.env, specs)
                 if casts:
-                    self.policy = CastingRunner(self.policy, casts, self.batch_shape)
-            self.env.check_policy_outputs(specs)
+                    self._caster = ActionCaster(casts, self.batch_shape, self.env.action_from)
+            self.env.check_policy_outputs(checked)
             self._out_specs = specs
         return self._out_specs
 
@@ -334,7 +336,8 @@ class Rollout:
         """The hot loop: step the env ``steps_per_batch`` times (fewer if ``stop`` is set); returns the
         steps taken. Everything it reads per step is a local."""
         env = self.env
-        action_from = env.action_from
+        caster = self._caster if runner is self.policy else None
+        action_from = env.action_from if caster is None else caster.action_from
         batched = bool(self.batch_shape)
         out_hist, rew_hist, term_hist, trunc_hist = hist.out, hist.reward, hist.terminated, hist.truncated
         carry = self._carry
@@ -349,7 +352,7 @@ class Rollout:
         counts = hist.step_count
         root = self._root
         steps = T = self.steps_per_batch
-        if carry is None and max_steps is None and (block_actions is None or converted):
+        if carry is None and max_steps is None and caster is None and (block_actions is None or converted):
             fused = env.fused_gym
             if fused is not None:  # a GymEnv of one observation array: its own loop
                 return self._run_fused(fused, obs_slots, runner, block_actions, hist, stop, views)

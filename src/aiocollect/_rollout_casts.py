@@ -2,11 +2,12 @@
 the flags ``set_truncated`` sets.
 
 A policy whose action differs from the env's action spec in dtype or shape is refused by the native
-collectors (a silent cast once hid a wraparound). TorchRL casts instead, and its tests rely on it: a float
-tensor holding integers for an integer or binary spec, or shape ``()`` for ``(1,)``.
-:func:`lossless_casts` plans such casts once (at the rollout's dry policy call) and :class:`CastingRunner`
-applies them at every step, checking each time that nothing is lost; a lossy action is refused with the
-error the native collectors raise.
+collectors (a silent cast once hid a wraparound). TorchRL passes it to the env instead, and its tests rely
+on it: a float tensor holding integers for an integer or binary spec, or shape ``()`` for ``(1,)``.
+:func:`lossless_casts` plans such casts once (at the rollout's dry policy call) and :class:`ActionCaster`
+applies them to what the env is given at every step, checking each time that nothing is lost (the batch
+keeps what the policy wrote, as TorchRL's does); a lossy action is refused with the error the native
+collectors raise.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from ._envs._spaces import LeafSpec, NestedKey
 
-__all__ = ["CastingRunner", "lossless_casts", "truncation_keys"]
+__all__ = ["ActionCaster", "lossless_casts", "truncation_keys"]
 
 
 def truncation_keys(group_flag_keys: list[NestedKey]) -> list[NestedKey]:
@@ -57,8 +58,9 @@ def _castable(act: LeafSpec, exp: LeafSpec) -> bool:
 def lossless_casts(
     env: Any, specs: dict[NestedKey, LeafSpec]
 ) -> tuple[dict[NestedKey, LeafSpec], dict[NestedKey, _Cast]]:
-    """The policy's output specs with the castable actions given the action spec's dtype and shape, and
-    the casts to make; raises the native refusal for an action that cannot be cast. Warns once per key."""
+    """The policy's output specs as the env checks them (the castable actions with the action spec's
+    dtype and shape), and the casts to make; raises the native refusal for an action that cannot be cast.
+    Warns once per key."""
     specs = dict(specs)
     casts: dict[NestedKey, _Cast] = {}
     for key, exp in env.action_specs.items():
@@ -91,16 +93,20 @@ def _lossless(value: torch.Tensor, dtype: torch.dtype) -> bool:
     return bool(((value == value.trunc()) & (value >= low) & (value <= high)).all())
 
 
-class CastingRunner:
-    """A policy runner whose action outputs are cast to the action spec (see :func:`lossless_casts`)."""
+class ActionCaster:
+    """A policy's outputs -> the same with the actions cast to the action spec (see :func:`lossless_casts`);
+    ``action_from(out)`` is the env's ``action_from`` of the cast outputs."""
 
-    def __init__(self, runner: Any, casts: Mapping[NestedKey, _Cast], batch_shape: tuple[int, ...]):
-        self.runner = runner
+    def __init__(self, casts: Mapping[NestedKey, _Cast], batch_shape: tuple[int, ...], action_from: Any):
         self.casts = dict(casts)
         self.batch_shape = batch_shape
+        self._env_action_from = action_from
 
-    def __call__(self, obs: Mapping[NestedKey, torch.Tensor]) -> dict[NestedKey, torch.Tensor]:
-        out = dict(self.runner(obs))
+    def action_from(self, out: Mapping[NestedKey, torch.Tensor]) -> Any:
+        return self._env_action_from(self(out))
+
+    def __call__(self, out: Mapping[NestedKey, torch.Tensor]) -> dict[NestedKey, torch.Tensor]:
+        out = dict(out)
         for key, cast in self.casts.items():
             value = out[key]
             if not _lossless(value, cast.spec.dtype):
