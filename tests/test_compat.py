@@ -244,3 +244,46 @@ async def test_compat_update_policy_weights_waits_for_the_workers() -> None:
             assert version == native + 1
             assert [w.policy_version for w in collector.statistics().workers] == [version] * 2
             assert await collector.update_policy_weights_(wait=False) == version + 1
+
+
+@pytest.mark.parametrize("name", ["SyncDataCollector", "MultiSyncDataCollector", "MultiaSyncDataCollector"])
+async def test_the_final_checkpoint_after_the_loop(name: str) -> None:
+    """TorchRL's users save ``state_dict()`` after the loop (which has shut the collector down): it is the
+    final state, and a new collector resumes from it."""
+    cls = getattr(compat, name)
+    kwargs = {} if name == "SyncDataCollector" else {"num_workers": 1, "worker_backend": "serial"}
+    policy = make_policy()
+    collector = cls(cartpole, policy, frames_per_batch=16, total_frames=32, **kwargs)
+    with anyio.fail_after(60):
+        first = [b async for b in collector]
+        assert collector.inner.closed
+        state = await collector.state_dict()
+        assert state["frames"] == 32 and state["batches"] == 2
+        resumed = cls(cartpole, make_policy(), frames_per_batch=16, total_frames=64, **kwargs)
+        await resumed.load_state_dict(state)
+        second = [b async for b in resumed]
+    assert len(first) == len(second) == 2  # the budget goes on from the saved 32 frames
+    assert resumed.stats()["frames"] == 64 and (await resumed.state_dict())["frames"] == 64
+    seen = torch.cat([b["collector", "traj_ids"] for b in first])
+    later = torch.cat([b["collector", "traj_ids"] for b in second])
+    assert int(later.min()) > int(seen.max())  # trajectory ids go on, never reused
+
+
+async def test_shutdown_keeps_the_final_state_and_an_error_does_not() -> None:
+    collector = compat.SyncDataCollector(cartpole, make_policy(), frames_per_batch=16, total_frames=-1)
+    with anyio.fail_after(60):
+        await collector.next()
+        await collector.shutdown()
+        assert (await collector.state_dict())["frames"] == 16
+    failing = compat.SyncDataCollector(
+        cartpole, make_policy(), frames_per_batch=16, total_frames=-1, postproc=_fail
+    )
+    with anyio.fail_after(60):
+        with pytest.raises(LookupError):
+            await failing.next()
+        with pytest.raises(RuntimeError, match="was shut down"):
+            await failing.state_dict()
+
+
+def _fail(batch: TensorDict) -> TensorDict:
+    raise LookupError("postproc failed")

@@ -30,9 +30,10 @@ class Walkers:
     terminates when every agent is done, and truncates after ``max_steps``.
     """
 
-    def __init__(self, num_envs: int = 2, max_steps: int = 6) -> None:
+    def __init__(self, num_envs: int = 2, max_steps: int = 6, group_truncated: bool = False) -> None:
         self.batch_size = torch.Size([num_envs])
         self.max_steps = max_steps
+        self.group_truncated = group_truncated
         self.observation_space = spaces.Dict(
             {"agents": spaces.Dict({"observation": spaces.Box(-LIMIT, LIMIT, (AGENTS, 1), np.float32)})}
         )
@@ -42,7 +43,8 @@ class Walkers:
         self.reward_space = spaces.Dict(
             {"agents": spaces.Dict({"reward": spaces.Box(-np.inf, np.inf, (AGENTS, 1), np.float32)})}
         )
-        group_flags = {name: spaces.MultiBinary((AGENTS, 1)) for name in ("done", "terminated")}
+        group_names = ("done", "terminated", "truncated") if group_truncated else ("done", "terminated")
+        group_flags = {name: spaces.MultiBinary((AGENTS, 1)) for name in group_names}
         self.done_space = spaces.Dict(
             {
                 "done": spaces.MultiBinary(1),
@@ -84,6 +86,9 @@ class Walkers:
         nxt = self._obs()
         nxt["agents", "reward"] = -torch.from_numpy(np.abs(self.pos).astype(np.float32))[..., None]
         nxt["agents", "done"] = nxt["agents", "terminated"] = agent_done
+        if self.group_truncated:
+            nxt["agents", "truncated"] = truncated[:, None].expand(-1, AGENTS, 1).clone()
+            nxt["agents", "done"] = agent_done | nxt["agents", "truncated"]
         nxt.update({"terminated": terminated, "truncated": truncated, "done": terminated | truncated})
         return TensorDict({"next": nxt}, batch_size=self.batch_size)
 
@@ -93,6 +98,11 @@ class Walkers:
 
 def walkers() -> Walkers:
     return Walkers()
+
+
+def long_walkers() -> Walkers:
+    """Walkers with a truncated flag per agent too, whose episodes end before they truncate."""
+    return Walkers(max_steps=100, group_truncated=True)
 
 
 class Homing(nn.Module):
@@ -205,3 +215,56 @@ async def test_multi_async_collects_groups() -> None:
     for batch in out:
         assert batch["agents", "action"].shape == (2, 8, AGENTS)
         assert batch["next", "agents", "reward"].shape == (2, 8, AGENTS, 1)
+
+
+FLAGS = [("next", "truncated"), ("next", "done"), ("next", "agents", "truncated"), ("next", "agents", "done")]
+
+
+@pytest.mark.parametrize("kind", ["collector", "multi-sync", "multi-async"])
+async def test_set_truncated_marks_the_groups_flags(kind: str) -> None:
+    """set_truncated sets every truncated flag (the agent group's too) and the done flag beside it on a
+    batch's last frame, and nothing else."""
+
+    def build(set_truncated: bool) -> Any:
+        kw: dict[str, Any] = {"frames_per_batch": 16, "total_frames": 32, "seed": 5}
+        if kind == "collector":
+            return Collector(long_walkers, homing_policy(), set_truncated=set_truncated, **kw)
+        cls = MultiSyncCollector if kind == "multi-sync" else MultiAsyncCollector
+        return cls(
+            [long_walkers], homing_policy(), set_truncated=set_truncated, worker_backend="serial", **kw
+        )
+
+    plain, marked = await collect(build(False)), await collect(build(True))
+    assert len(plain) == len(marked) == 2
+    for a, b in zip(plain, marked, strict=True):
+        assert not a["next", "agents", "truncated"].any()  # the env itself never truncates here
+        for key in FLAGS:
+            assert b[..., -1][key].all(), key  # the time dim is the batch's last
+            assert torch.equal(a[..., :-1][key], b[..., :-1][key]), key
+        assert torch.equal(a["next", "agents", "terminated"], b["next", "agents", "terminated"])
+        assert torch.equal(a["collector", "traj_ids"], b["collector", "traj_ids"])  # the episode goes on
+
+
+@pytest.mark.parametrize("kind", ["collector", "multi-sync"])
+async def test_set_truncated_with_split_trajs(kind: str) -> None:
+    """With split_trajs, the trajectory cut by the batch end is the one marked truncated, in every env
+    row: its last frame, in the group's flags and the env's."""
+    kw: dict[str, Any] = {"frames_per_batch": 16, "total_frames": 16, "seed": 5, "set_truncated": True}
+    if kind == "collector":
+        collector: Any = Collector(long_walkers, homing_policy(), split_trajs=True, **kw)
+    else:
+        collector = MultiSyncCollector(
+            [long_walkers], homing_policy(), split_trajs=True, worker_backend="serial", **kw
+        )
+    (split,) = await collect(collector)
+    mask = split["collector", "mask"]
+    lengths = mask.sum(-1)
+    last = split[torch.arange(len(split)), lengths - 1]
+    truncated = split["next", "agents", "truncated"][..., 0, 0] & mask
+    assert int(truncated.sum()) == 2  # one per env row: the cut trajectories
+    assert torch.equal(truncated.any(-1), last["next", "agents", "truncated"][:, 0, 0])
+    for key in FLAGS:
+        flag = last[key].reshape(len(split), -1).all(-1)
+        # every trajectory ends done: cut by the batch end (truncated), or ended by the env
+        expected = truncated.any(-1) if key[-1] == "truncated" else torch.ones_like(flag)
+        assert torch.equal(flag, expected), key

@@ -127,13 +127,14 @@ def leaves(td: TensorDict) -> dict[Any, tuple[tuple[int, ...], torch.dtype]]:
     return {k: (tuple(v.shape), v.dtype) for k, v in td.items(include_nested=True, leaves_only=True)}
 
 
-def torchrl_batches(make_env: Any, frames: int, n: int) -> list[TensorDict]:
+def torchrl_batches(make_env: Any, frames: int, n: int, **kwargs: Any) -> list[TensorDict]:
     theirs = TorchRLCollector(
         make_env,
         homing(),
         frames_per_batch=frames,
         total_frames=frames * n,
         auto_register_policy_transforms=False,
+        **kwargs,
     )
     try:
         return [b.clone() for b in theirs]
@@ -196,3 +197,37 @@ async def test_an_env_with_group_flags_only() -> None:
                 assert torch.equal(a[key], b[key]), key
         assert torch.equal(a["next", "done"], b["next", "agents", "done"].any(-2))
     assert torch.cat(ours)["next", "done"].any()
+
+
+def long_group_walkers() -> Walkers:
+    """Group flags only, episodes long enough that a batch end cuts them."""
+    env = Walkers(max_steps=50, top_flags=False)
+    env.set_seed(3)
+    return env
+
+
+@pytest.mark.filterwarnings("ignore:split_trajs=True produces:UserWarning")  # torchrl's advisory
+@pytest.mark.parametrize("split_trajs", [False, True], ids=["batches", "split_trajs"])
+@pytest.mark.parametrize("multi", [False, True], ids=["Collector", "MultiSyncCollector"])
+async def test_set_truncated_sets_the_groups_flags_as_torchrl(split_trajs: bool, multi: bool) -> None:
+    """TorchRL's set_truncated sets every truncated key of env.done_keys (here the group's only) and the
+    done beside it on the last frame; ours gives the same batches, split or not."""
+    kw: dict[str, Any] = {"set_truncated": True, "split_trajs": split_trajs}
+    theirs = torchrl_batches(long_group_walkers, 12, 2, **kw)
+    if multi:
+        collector: Any = MultiSyncCollector(
+            [long_group_walkers], homing(), frames_per_batch=12, total_frames=24, **kw
+        )
+    else:
+        collector = Collector(long_group_walkers, homing(), frames_per_batch=12, total_frames=24, **kw)
+    ours = await our_batches(collector)
+    if multi and not split_trajs:
+        ours = [b[0] for b in ours]
+    cut = 0
+    for a, b in zip(ours, theirs, strict=True):
+        for key in b.keys(include_nested=True, leaves_only=True):
+            if key[-1] in ("traj_ids", "mask") or key[0] == "collector":
+                continue
+            assert torch.equal(a[key], b[key]), key
+        cut += int(b["next", "agents", "truncated"].any(-2).sum())
+    assert cut >= 2  # the flags were set (torchrl's batches have them)

@@ -147,6 +147,14 @@ class RolloutOptions:
         traj_id_start, traj_id_stride: trajectory ids are ``traj_id_start + k * traj_id_stride`` for
             ``k = 0, 1, ...``: collectors given the same stride and distinct starts below it never share
             an id (``RayCollector`` gives its remote collector ``i`` of ``n`` start ``i``, stride ``n``).
+        lossless_action_casts: TorchRL's leniency (``aiocollect.compat`` sets it): a policy action whose
+            dtype or shape differs from the action spec is cast for the env where nothing is lost
+            (integral values in range for an integer or binary spec; a dim of size 1 more or less), with
+            a warning naming the output key; the batch keeps what the policy wrote, as TorchRL's does. A
+            lossy one is refused as without it.
+        step_count: with ``max_frames_per_traj``, write ``"step_count"`` and ``("next", "step_count")``
+            (int64, steps since the episode's reset), the keys TorchRL's ``StepCounter`` adds
+            (``aiocollect.compat`` sets it).
 
     Example:
         >>> from aiocollect import RolloutOptions
@@ -177,6 +185,8 @@ class RolloutOptions:
     #: trajectory ids are ``traj_id_start + k * traj_id_stride``
     traj_id_start: int = 0
     traj_id_stride: int = 1
+    lossless_action_casts: bool = False
+    step_count: bool = False
 
     def __post_init__(self) -> None:
         fpb = self.frames_per_batch
@@ -196,6 +206,8 @@ class RolloutOptions:
             "reset_at_each_iter": flag("reset_at_each_iter", self.reset_at_each_iter),
             "split_trajs": flag("split_trajs", self.split_trajs),
             "set_truncated": flag("set_truncated", self.set_truncated),
+            "lossless_action_casts": flag("lossless_action_casts", self.lossless_action_casts),
+            "step_count": flag("step_count", self.step_count),
             "exploration_type": exploration_type_arg(self.exploration_type),
             "seed": seed_arg(self.seed),
             "compile_policy": dict(compile_option) if isinstance(compile_option, Mapping) else compile_option,
@@ -204,6 +216,11 @@ class RolloutOptions:
         }
         for name in ("device", "env_device", "policy_device", "storing_device"):
             normal[name] = device_arg(name, getattr(self, name))
+        if normal["step_count"] and normal["max_frames_per_traj"] is None:
+            raise ValueError(
+                "step_count=True counts the steps max_frames_per_traj truncates at: give "
+                "max_frames_per_traj, or drop step_count (add a StepCounter to a TorchRL env)"
+            )
         for name, value in normal.items():
             object.__setattr__(self, name, value)
 

@@ -23,6 +23,7 @@ from ._options import RolloutOptions, WeightSchedule
 from ._policies import Runner, compile_policy, make_runner, one_input, random_policy_for
 from ._recurrent import Carry, Recurrence, find_recurrence
 from ._rollout_batch import episode_stats, nested_td, stack_into, time_first, trajectory_ids
+from ._rollout_casts import ActionCaster, lossless_casts, truncation_keys
 from ._storage import StoragePool
 
 __all__ = ["Rollout", "RolloutResult", "StopSignal", "build_rollout", "open_env"]
@@ -53,6 +54,8 @@ class _Steps:
     reward: list[Any] = field(default_factory=list)
     terminated: list[Any] = field(default_factory=list)
     truncated: list[Any] = field(default_factory=list)
+    #: the episodes' step counts before each step (``options.step_count``), else ``None``
+    step_count: list[Any] | None = None
     #: reward and flags went straight into the batch (the fused loop): nothing to stack
     written: bool = False
 
@@ -102,12 +105,18 @@ class Rollout:
         self._next_traj = options.traj_id_start
         self._root: dict[NestedKey, np.ndarray] = {}
         self._out_specs: dict[NestedKey, LeafSpec] | None = None
+        self._caster: ActionCaster | None = None  # lossless action casts (output_specs)
         self._specs: tuple[list[Any], list[tuple[tuple[int, ...], torch.dtype]]] | None = None
         self._storage = StoragePool()
         #: the policy's recurrent states (``_recurrent.py``): those the rollout carries are observations too
         self.recurrence = recurrence if recurrence is not None else Recurrence()
         self._carry = Carry(self.recurrence, self.batch_shape) if self.recurrence.specs else None
         self._obs_specs = {**env.obs_specs, **self.recurrence.specs}
+        if options.step_count and "step_count" in self._obs_specs:
+            raise ValueError(
+                "the env has a 'step_count' entry already (a StepCounter): drop max_frames_per_traj and "
+                "give the StepCounter max_steps, as TorchRL asks"
+            )
         self.reset()
 
     # -- state ------------------------------------------------------------------------------------
@@ -168,7 +177,12 @@ class Rollout:
                         f"the env batch shape {self.batch_shape}"
                     )
                 specs[key] = LeafSpec(tuple(value.shape[nb:]), value.dtype)
-            self.env.check_policy_outputs(specs)
+            checked = specs
+            if self.options.lossless_action_casts:  # TorchRL's leniency (compat): cast what the env gets
+                checked, casts = lossless_casts(self.env, specs)
+                if casts:
+                    self._caster = ActionCaster(casts, self.batch_shape, self.env.action_from)
+            self.env.check_policy_outputs(checked)
             self._out_specs = specs
         return self._out_specs
 
@@ -202,6 +216,8 @@ class Rollout:
                 shapes[flag] = shapes[("next", flag)] = ((*bt, 1), torch.bool)
             if self.env.has_reward:
                 shapes[("next", "reward")] = ((*bt, 1), torch.float32)
+            if self.options.step_count:  # TorchRL's StepCounter keys
+                shapes["step_count"] = shapes[("next", "step_count")] = ((*bt, 1), torch.int64)
             shapes[("collector", "traj_ids")] = (bt, torch.int64)
             self._specs = (list(shapes), list(shapes.values()))
         return self._specs
@@ -260,7 +276,7 @@ class Rollout:
         batch, views = self._allocate(into)
         runner = self.random_runner if random else self.policy
         block, block_steps = self._random_block(runner)
-        hist = _Steps()
+        hist = _Steps(step_count=[] if self.options.step_count else None)
         with torch.no_grad(), set_interaction_type(self.options.exploration_type):
             steps = self._run(self._obs_slots(views), runner, block_steps, hist, stop, views)
         if block is not None:  # a random batch: the actions of every step at once, steps first
@@ -320,7 +336,8 @@ class Rollout:
         """The hot loop: step the env ``steps_per_batch`` times (fewer if ``stop`` is set); returns the
         steps taken. Everything it reads per step is a local."""
         env = self.env
-        action_from = env.action_from
+        caster = self._caster if runner is self.policy else None
+        action_from = env.action_from if caster is None else caster.action_from
         batched = bool(self.batch_shape)
         out_hist, rew_hist, term_hist, trunc_hist = hist.out, hist.reward, hist.terminated, hist.truncated
         carry = self._carry
@@ -332,9 +349,10 @@ class Rollout:
         root_slots, next_slots = obs_slots
         max_steps = self.options.max_frames_per_traj
         ep_length = self._ep_length
+        counts = hist.step_count
         root = self._root
         steps = T = self.steps_per_batch
-        if carry is None and max_steps is None and (block_actions is None or converted):
+        if carry is None and max_steps is None and caster is None and (block_actions is None or converted):
             fused = env.fused_gym
             if fused is not None:  # a GymEnv of one observation array: its own loop
                 return self._run_fused(fused, obs_slots, runner, block_actions, hist, stop, views)
@@ -355,6 +373,8 @@ class Rollout:
             next_obs, reward, terminated, truncated, next_root = env_step(action)
             forced = None
             if max_steps is not None:
+                if counts is not None:
+                    counts.append(ep_length)
                 ep_length = ep_length + 1
                 forced = (ep_length >= max_steps) & ~np.logical_or(terminated, truncated)
                 if forced.any():
@@ -443,6 +463,10 @@ class Rollout:
                 views[("next", "truncated")][valid],
                 out=done_v[valid],
             )
+            if hist.step_count is not None:
+                count = views["step_count"][valid][..., 0]
+                stack_into(count, hist.step_count, nb)
+                np.add(count, 1, out=views[("next", "step_count")][valid][..., 0])
             self._traj_ids, self._next_traj = trajectory_ids(
                 traj_v[valid], done_v[valid], self._traj_ids, self._next_traj, self.options.traj_id_stride
             )
@@ -454,8 +478,8 @@ class Rollout:
         )
         if self.options.set_truncated and steps > 0:
             last: tuple[slice | int, ...] = (*lead, steps - 1)
-            views[("next", "truncated")][last] = True
-            views[("next", "done")][last] = True
+            for key in truncation_keys(self.env.group_flag_keys):
+                views[key][last] = True
         if self.track_policy_version:
             version = into.get(("collector", "policy_version"), None) if into is not None else None
             if version is None:

@@ -125,6 +125,13 @@ class ArrayEnv:
         ]
         self._truncated_keys = [] if "truncated" in flags else [k for k in nested if k[-1] == "truncated"]
 
+    @property
+    def group_flag_keys(self) -> list[NestedKey]:
+        """The done flags of the agent groups (``("agents", "truncated")``, ...): batch entries like
+        observations, at the root and under ``"next"``."""
+        arrays = self.torchrl_arrays
+        return arrays.group_flag_keys if arrays is not None else self._flag_keys
+
     def pass_to_env(self, state_keys: list[NestedKey]) -> None:
         """Recurrent states the env carries (a TorchRL env with a ``TensorDictPrimer``): the policy's
         ``("next", key)`` goes to the env with the action."""
@@ -142,19 +149,27 @@ class ArrayEnv:
                 f"the policy wrote the action entries {wrote}; the action space {self.action_space} needs "
                 f"{self._action_keys} (missing {missing})"
             )
-        for key, exp in self.action_specs.items():
-            act = specs[key]
-            if act.shape != exp.shape and not (act.shape == (1,) and exp.shape == ()):
-                raise ValueError(
-                    f"policy output {key!r} has shape {act.shape} per env; the action space "
-                    f"{self.action_space} needs shape {exp.shape} ({exp.dtype})"
-                )
-            if act.dtype.is_floating_point != exp.dtype.is_floating_point or act.dtype.is_complex:
-                kind = "a floating" if exp.dtype.is_floating_point else "an integer"
-                raise TypeError(
-                    f"policy output {key!r} has dtype {act.dtype}; the action space "
-                    f"{self.action_space} needs {kind} dtype ({exp.dtype}, shape {exp.shape} per env)"
-                )
+        for key in self.action_specs:
+            error = self.action_mismatch(key, specs[key])
+            if error is not None:
+                raise error
+
+    def action_mismatch(self, key: NestedKey, act: LeafSpec) -> Exception | None:
+        """The error for a policy output ``act`` (shape and dtype per env) at the action key ``key`` that
+        cannot drive this env, else ``None``."""
+        exp = self.action_specs[key]
+        if act.shape != exp.shape and not (act.shape == (1,) and exp.shape == ()):
+            return ValueError(
+                f"policy output {key!r} has shape {act.shape} per env; the action space "
+                f"{self.action_space} needs shape {exp.shape} ({exp.dtype})"
+            )
+        if act.dtype.is_floating_point != exp.dtype.is_floating_point or act.dtype.is_complex:
+            kind = "a floating" if exp.dtype.is_floating_point else "an integer"
+            return TypeError(
+                f"policy output {key!r} has dtype {act.dtype}; the action space "
+                f"{self.action_space} needs {kind} dtype ({exp.dtype}, shape {exp.shape} per env)"
+            )
+        return None
 
     def stepper(self, *, converted: bool = False) -> Any:
         """:meth:`step`, or the array path's own step method where there is one (a call less per step);

@@ -193,9 +193,10 @@ class TorchRLArrays:
                 f"{type(env).__name__} has the done keys {keys}; aiocollect supports {sorted(_DONE_KEYS)}, "
                 "at the top level or in agent groups"
             )
-        for key in keys:
-            if not isinstance(key, str):
-                self.obs_specs[key] = _leaf_spec(key, env.full_done_spec[key], bs, "done flag")
+        #: the agent groups' flags (batch entries like observations)
+        self.group_flag_keys: list[NestedKey] = [k for k in keys if not isinstance(k, str)]
+        for key in self.group_flag_keys:
+            self.obs_specs[key] = _leaf_spec(key, env.full_done_spec[key], bs, "done flag")
         # the env's own flags are its top-level ones; an env without them ends when any agent does
         top = [k for k in keys if isinstance(k, str)]
         ends = top if {"done", "terminated"} & set(top) else keys

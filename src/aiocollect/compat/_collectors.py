@@ -18,6 +18,7 @@ from ._keywords import (
     normalise,
     one_device,
     policy_arg,
+    torchrl_rollout,
     with_kwargs,
 )
 
@@ -87,7 +88,7 @@ class Collector(CompatCollector):
             create_env_fn = create_env_fn[0]
         create_env_fn = with_kwargs(create_env_fn, create_env_kwargs)
         policy = policy_arg(policy, policy_factory, owner, in_process=True)
-        ours = normalise(check_keywords(kwargs, owner))
+        ours = torchrl_rollout(normalise(check_keywords(kwargs, owner)))
         self._setup(NativeCollector(create_env_fn, policy, **ours), post_collect_hook, pre_collect_hook)
 
     @property
@@ -150,6 +151,7 @@ class CompatMulti(CompatCollector):
         for name in ("device", "storing_device", "env_device", "policy_device"):
             if name in ours:
                 ours[name] = one_device(name, ours[name])
+        ours = torchrl_rollout(ours)
         if cat_results is not None:
             ours["cat_results"] = cat_results
         self._setup(self._cls(fns, policy, **ours), post_collect_hook, None)

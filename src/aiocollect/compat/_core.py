@@ -32,6 +32,8 @@ class CompatCollector:
         self._entered_by_us = False
         self._shut = False
         self._exhausted = False  # total_frames reached: iteration ends (then shut down)
+        #: the state at a clean shutdown: what state_dict() returns afterwards (TorchRL's final checkpoint)
+        self._final_state: dict[str, Any] | None = None
 
     # -- context and start-up ---------------------------------------------------------------------
     async def __aenter__(self) -> Self:
@@ -45,9 +47,24 @@ class CompatCollector:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        self._entered = False
-        self._shut = True
-        return await self._inner.__aexit__(exc_type, exc, tb)
+        try:
+            if exc_type is None:
+                await self._keep_final_state()
+        finally:  # shut down even if reading the state was cancelled
+            self._entered = False
+            self._shut = True
+            result = await self._inner.__aexit__(exc_type, exc, tb)
+        return result
+
+    async def _keep_final_state(self) -> None:
+        """Read the state before a clean shutdown, for a ``state_dict()`` after it (TorchRL's users save
+        the final checkpoint after the loop, which has shut the collector down)."""
+        if self._shut or not (self._entered or not self._needs_entering):
+            return
+        try:
+            self._final_state = await self._inner.state_dict()
+        except Exception:  # a collector that cannot say its state (a worker died) still shuts down
+            self._final_state = None
 
     async def _ensure_started(self) -> None:
         if self._shut:
@@ -58,6 +75,13 @@ class CompatCollector:
 
     async def _stop(self, exc: BaseException | None = None) -> None:
         """Shut down; exits the collector's context if we entered it."""
+        try:
+            if exc is None:
+                await self._keep_final_state()
+        finally:  # shut down even if reading the state was cancelled
+            await self._close(exc)
+
+    async def _close(self, exc: BaseException | None) -> None:
         self._shut = True
         # no cancel scope of our own around this: the task group being left was entered before it
         # (the collectors shield their own shutdown)
@@ -181,6 +205,9 @@ class CompatCollector:
         await self._inner.reset()
 
     async def state_dict(self) -> dict[str, Any]:
+        """The collector's state; after the iteration ended (or ``shutdown()``), its final state."""
+        if self._shut and self._final_state is not None:
+            return self._final_state
         await self._ensure_started()
         return await self._inner.state_dict()
 

@@ -3,11 +3,14 @@ the env and policy factories that travel to the workers."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tensordict import TensorDictBase
+
+from .._options import RolloutOptions
 
 __all__ = [
     "IGNORED",
@@ -19,6 +22,7 @@ __all__ = [
     "normalise",
     "one_device",
     "policy_arg",
+    "torchrl_rollout",
     "with_kwargs",
 ]
 
@@ -122,6 +126,22 @@ def normalise(kwargs: dict[str, Any]) -> dict[str, Any]:
             f"itself); got {version!r}"
         )
     return kwargs
+
+
+_ROLLOUT_FIELDS = frozenset(f.name for f in dataclasses.fields(RolloutOptions))
+
+
+def torchrl_rollout(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The rollout keywords as one ``rollout=RolloutOptions(...)`` with TorchRL's leniencies on: lossless
+    action casts, and ``"step_count"`` where ``max_frames_per_traj`` is set (TorchRL's ``StepCounter``)."""
+    if kwargs.get("frames_per_batch") is None or "rollout" in kwargs:
+        return kwargs  # the native collector says what is wrong
+    out = {k: v for k, v in kwargs.items() if k not in _ROLLOUT_FIELDS}
+    rollout = {k: v for k, v in kwargs.items() if k in _ROLLOUT_FIELDS}
+    rollout["lossless_action_casts"] = True
+    rollout["step_count"] = rollout.get("max_frames_per_traj") is not None
+    out["rollout"] = RolloutOptions(**rollout)
+    return out
 
 
 def _negative(value: Any) -> bool:
