@@ -218,7 +218,10 @@ def minimum_versions(session: nox.Session) -> None:
     session.install(*floors)
     session.install("-c", str(constraints), "-e", ".[test]")
     session.run("python", "-m", "pip", "list")
-    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", *session.posargs)
+    # mypy --strict on the examples reads the installed libraries' type stubs: older numpy and gymnasium
+    # stubs differ (not a run-time matter), so that one test runs against the newest versions only
+    typing = "--deselect=tests/test_typing.py::test_examples_and_a_user_script_pass_mypy_strict"
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", typing, *session.posargs)
 
 
 @nox.session(python=NEWEST_PYTHON)

@@ -141,7 +141,12 @@ def test_record_episode_statistics():
         inner = SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
         return GymEnv(gym.wrappers.vector.RecordEpisodeStatistics(inner), info_keys={"episode": episode})
 
-    for make_env in (make(AutoresetMode.SAME_STEP), make(AutoresetMode.NEXT_STEP), make_vector_wrapped):
+    makers = [make(AutoresetMode.SAME_STEP), make(AutoresetMode.NEXT_STEP)]
+    # gymnasium's vector RecordEpisodeStatistics miscounts episode lengths after a same-step autoreset
+    # before gymnasium 1.4 (its [3, 2, 2, 5, 4] here, on 1.1-1.3): an upstream bug, see docs/envs.md
+    if GYMNASIUM >= (1, 4):
+        makers.append(make_vector_wrapped)
+    for make_env in makers:
         batch = collect(make_env, frames_per_batch=20, seed=0)
         done = batch["next", "done"][..., 0]
         lengths = batch["next", "episode", "l"]
@@ -150,6 +155,9 @@ def test_record_episode_statistics():
         assert (lengths[~done] == 0).all()
         assert (batch["episode", "l"] == 0).all()  # no episode record comes with an observation
         assert batch["next", "episode", "r"].dtype == torch.float64
+
+
+GYMNASIUM = tuple(int(part) for part in gym.__version__.split(".")[:2])
 
 
 def test_vector_record_episode_statistics_with_next_step_is_refused():

@@ -98,7 +98,7 @@ class Sink(abc.ABC):
         try:
             deadline = anyio.current_time() + self.every
             while not stream.ended:
-                with anyio.move_on_at(deadline):
+                with anyio.CancelScope(deadline=deadline):  # not move_on_at: newer than our anyio floor
                     while True:
                         try:
                             pending.append(await stream.__anext__())
