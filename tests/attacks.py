@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from aiocollect import RemoteEnv, RemotePolicy
+from aiocollect import RemoteEnv, RemotePolicy, RemoteVectorEnv
 from aiocollect._serve._wire import MAGIC, decode
 from aiocollect._serve._ws import WebSocket, connect
 
@@ -109,3 +109,12 @@ async def policy_still_served(server: Any, token: str = TOKEN) -> None:
         async with RemotePolicy(server.url, token=token) as remote:
             td = await remote(TensorDict(observation=torch.zeros(2, 4), batch_size=[2]))
             assert td["action"].shape == (2, 2)
+
+
+async def vector_still_served(server: Any, token: str = TOKEN) -> None:
+    """A legitimate ``RemoteVectorEnv`` still resets and steps all the envs of ``server``."""
+    with anyio.fail_after(20):
+        async with await RemoteVectorEnv.open(server.url, token=token) as env:
+            obs, _ = await env.reset(seed=0)
+            assert np.asarray(obs).shape == (server.num_envs, 4)
+            await env.step(np.zeros(server.num_envs, dtype=np.int64))

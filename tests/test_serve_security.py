@@ -49,8 +49,6 @@ def linear_policy() -> TensorDictModule:
 def served(kind: str) -> Any:
     if kind == "envs":
         return serve_envs(cartpoles(), token=TOKEN)
-    if kind == "envs-tls-off-vector":
-        return serve_envs(vector_env_fn=lambda: gym.make_vec("CartPole-v1", 2), token=TOKEN)
     return serve_policy(linear_policy(), token=TOKEN)
 
 
