@@ -40,15 +40,22 @@ def upgrade(
     return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
-async def exchange(port: int, data: bytes, within: float = 10.0) -> tuple[bytes, str]:
-    """Send ``data`` to ``127.0.0.1:port`` and read until the server closes (or ``within`` s): the answer
-    and this client's own address (``host:port``, what the server logs as its peer)."""
+async def exchange(port: int, data: bytes, then: bytes = b"", within: float = 10.0) -> tuple[bytes, str]:
+    """Send ``data`` to ``127.0.0.1:port`` (and, once the answer's head has come, ``then``: frames after
+    the handshake, which wsproto would drop if they came with it), end the sending side and read until
+    the server closes (or ``within`` s): the answer and this client's own address (``host:port``, what
+    the server logs as its peer)."""
     answer = b""
     async with await anyio.connect_tcp("127.0.0.1", port) as stream:
         host, own = stream.extra(anyio.abc.SocketAttribute.local_address)[:2]
         with anyio.move_on_after(within):
             try:
                 await stream.send(data)
+                if then:
+                    while b"\r\n\r\n" not in answer:
+                        answer += await stream.receive()
+                    await stream.send(then)
+                await stream.send_eof()
                 while True:
                     answer += await stream.receive()
             except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):

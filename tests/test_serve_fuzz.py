@@ -52,12 +52,16 @@ def run_examples(
     configured(test)()
 
 
-def attack(port: int, data: bytes) -> bytes:
-    """Send ``data`` on a fresh connection, shut the sending side and read until the server closes."""
+def attack(port: int, data: bytes, then: bytes = b"") -> bytes:
+    """Send ``data`` on a fresh connection (then, once the answer's head has come, ``then``), shut the
+    sending side and read until the server closes."""
     answer = b""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         try:
             sock.sendall(data)
+            while then and b"\r\n\r\n" not in answer:
+                answer += sock.recv(65536) or b"\r\n\r\n"
+            sock.sendall(then)
             sock.shutdown(socket.SHUT_WR)
             while chunk := sock.recv(65536):
                 answer += chunk
@@ -183,7 +187,7 @@ def test_fuzzed_frames_after_the_handshake_never_end_a_server(kind: str, example
     with running(make(), backend) as (portal, server):
 
         def one(path: str, data: bytes) -> None:
-            answer = attack(server.port, upgrade(path) + data)
+            answer = attack(server.port, upgrade(path), then=data)
             assert status(answer) in (101, 409), answer[:120]
             portal.call(still_served, server)
 

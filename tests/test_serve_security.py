@@ -276,13 +276,16 @@ async def test_a_handler_error_closes_that_connection_and_is_logged_once(
 
 
 async def test_bad_frames_close_that_connection_only() -> None:
-    """A text message, a bad opcode, a message over the size bound: that connection is closed."""
+    """A text message (closed with 1003), a reserved opcode, an unmasked frame: that connection ends."""
+    text_close = b"\x88\x16\x03\xebbinary messages only"
     async with serve_envs(cartpoles(), token=TOKEN) as server:
-        for data in (
-            b"\x81\x85\x00\x00\x00\x00hello",  # a text message (masked)
-            b"\x83\x80\x00\x00\x00\x00",  # a reserved opcode
-            b"\x82\x05hello",  # unmasked from a client
+        for data, ending in (
+            (b"\x81\x85\x00\x00\x00\x00hello", text_close),  # a text message (masked)
+            (b"\x83\x80\x00\x00\x00\x00", b""),  # a reserved opcode
+            (b"\x82\x05hello", b""),  # unmasked from a client
         ):
-            answer, _ = await exchange(server.port, upgrade() + data)
+            with anyio.fail_after(5):  # the server closes it (no heartbeat timeout involved)
+                answer, _ = await exchange(server.port, upgrade(), then=data, within=30)
             assert answer.startswith(b"HTTP/1.1 101"), answer[:100]
+            assert answer.endswith(ending), answer[-40:]
         await envs_still_served(server)
