@@ -60,14 +60,19 @@ def _ray_module_cluster():
     if ray.is_initialized():  # pragma: no cover - someone else's cluster: use it, leave it
         yield ray
         return
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        object_store_memory=100 * 2**20,
-        configure_logging=False,
-        log_to_driver=False,
-        _node_ip_address="127.0.0.1",
+    from aiocollect._remote._ray_local import init_local
+
+    init_local(  # ray.init, kept on loopback (Ray would move 127.0.0.1 to the machine's address)
+        ray,
+        {
+            "address": "local",
+            "num_cpus": 2,
+            "include_dashboard": False,
+            "object_store_memory": 100 * 2**20,
+            "configure_logging": False,
+            "log_to_driver": False,
+            "_node_ip_address": "127.0.0.1",
+        },
     )
     try:
         yield ray

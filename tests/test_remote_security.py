@@ -8,6 +8,7 @@ import datetime
 import os
 import socket
 import stat
+import struct
 import threading
 import time
 
@@ -202,3 +203,37 @@ def test_submitit_folders_are_private(tmp_path, pattern):
 def test_timeouts_are_checked_in_the_trainer_before_any_node_starts(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DistributedCollector(pendulum, frames_per_batch=8, num_collectors=1, **kwargs)
+
+
+def _reset(port: int, data: bytes) -> None:
+    """Connect to ``port``, send ``data`` and reset the connection (``SO_LINGER`` 0: an RST, no FIN)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        if data:
+            sock.sendall(data)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+@pytest.mark.distributed
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_connection_reset_on_the_control_listener_ends_that_connection_only() -> None:
+    """A local user's connection that resets before (or during) its hello ended the whole collector
+    (ConnectionResetError in the handshake reached the collector's task group)."""
+    import anyio
+
+    from support import ConstantPolicy
+
+    with anyio.fail_after(120):
+        async with DistributedCollector(
+            pendulum, ConstantPolicy(0.0), frames_per_batch=8, num_collectors=1
+        ) as collector:
+            await collector.__anext__()
+            port = collector._address.port
+            for data in (b"", b"x", b"\xff" * 100):
+                _reset(port, data)
+            async with await anyio.connect_tcp("127.0.0.1", port) as garbage:
+                await garbage.send(b"\x00" * 32)  # a hello's size, wrong: closed by the trainer
+                with pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError)):
+                    await garbage.receive()
+            for _ in range(3):
+                assert (await collector.__anext__()).batch_size == (8,)

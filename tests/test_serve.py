@@ -42,6 +42,7 @@ from aiocollect import (
 from aiocollect._serve._spaces import describe_space, rebuild_space
 from aiocollect._serve._wire import decode, encode, pack_tree, unpack_tree
 from aiocollect._serve._ws import connect
+from attacks import frame as raw_frame
 
 pytestmark = pytest.mark.anyio
 
@@ -196,6 +197,7 @@ async def test_pickles_and_bad_arrays_are_refused(clean: Any) -> None:
         def __reduce__(self) -> Any:
             return ran.append, ("unpickled!",)
 
+    refused: list[str] = []
     async with serve_envs([made(envs)], token=TOKEN) as server:
         ws = await connect(server.url, "/envs/0", TOKEN)
         try:
@@ -203,16 +205,19 @@ async def test_pickles_and_bad_arrays_are_refused(clean: Any) -> None:
             for frame in (
                 pickle.dumps({"op": "step", "value": Payload()}),
                 b"AIOC" + pickle.dumps(Payload()),
-                encode({"op": "step", "value": {"@": 0}}).replace(b'"arrays":[]', b'"arrays":[["|O",[1]]]'),
+                # a well-formed message listing an object array (its 8 bytes: a pointer)
+                raw_frame({"op": "step", "value": {"@": 0}, "arrays": [["|O", [1]]]}, bytes(8)),
                 encode({"op": "step", "value": {"@": 0}}, [np.zeros(3)]),  # wrong shape for Discrete
             ):
                 await ws.send(frame)
                 header, _ = decode(await ws.receive())
                 assert header["op"] == "error", header
+                refused.append(header["message"])
         finally:
             await ws.aclose()
         assert ran == []
         assert envs[0].steps == 0
+        assert "dtype '|O' is not accepted" in refused[2], refused  # the dtype check, not a parse error
 
 
 async def test_env_errors_cross_with_their_type(clean: Any) -> None:
@@ -325,6 +330,9 @@ async def test_weight_update_changes_outputs(clean: Any) -> None:
             assert remote.version == 1 == server.version
             with pytest.raises(ValueError, match="shape"):
                 await remote.update_weights({"module.weight": torch.zeros(3, 4), "module.bias": new.bias})
+            int_bias = {"module.weight": new.weight, "module.bias": torch.ones(2, dtype=torch.int64)}
+            with pytest.raises(ValueError, match=r"'module.bias' has dtype torch.int64.*torch.float32"):
+                await remote.update_weights(int_bias)
         with pytest.raises(PermissionError):
             await RemotePolicy(server.url, token="wrong-token-0123456789").update_weights(new)
     torch.testing.assert_close(after, new(x).detach())

@@ -37,8 +37,33 @@ def as_weights(source: Any) -> TensorDictBase:
     )
 
 
+#: the only casts a weight update makes (the source dtype, the policy's): widening floats, which keep every
+#: value exactly; any other difference (int64 weights for a float32 parameter, float64 for float32) is an
+#: error rather than a silent, lossy cast
+LOSSLESS_CASTS = frozenset(
+    {
+        (torch.float16, torch.float32),
+        (torch.float16, torch.float64),
+        (torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.float64),
+        (torch.float32, torch.float64),
+    }
+)
+
+
 def check_compatible(target: TensorDictBase, source: TensorDictBase) -> None:
-    """Raise ``ValueError`` naming the first key whose presence or shape differs."""
+    """Raise ``ValueError`` naming the first key whose presence, shape or dtype differs (a dtype may only
+    differ by a lossless widening, :data:`LOSSLESS_CASTS`).
+
+    Example:
+        >>> import torch
+        >>> policy = flat_weights(torch.nn.Linear(2, 1))
+        >>> wrong = policy.apply(lambda t: t.to(torch.int64))
+        >>> check_compatible(policy, wrong)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: weight 'bias' has dtype torch.int64, the policy's has torch.float32: ...
+    """
     tkeys = {k: v for k, v in target.items(include_nested=True, leaves_only=True)}
     skeys = {k: v for k, v in source.items(include_nested=True, leaves_only=True)}
     for key in sorted(set(tkeys) | set(skeys), key=str):
@@ -50,6 +75,12 @@ def check_compatible(target: TensorDictBase, source: TensorDictBase) -> None:
             raise ValueError(
                 f"weight {_dotted(key)!r} has shape {tuple(skeys[key].shape)}, the policy's has "
                 f"{tuple(tkeys[key].shape)}"
+            )
+        have, want = skeys[key].dtype, tkeys[key].dtype
+        if have != want and (have, want) not in LOSSLESS_CASTS:
+            raise ValueError(
+                f"weight {_dotted(key)!r} has dtype {have}, the policy's has {want}: send weights of the "
+                f"policy's dtypes (e.g. weights.to({want})); only lossless float widenings are cast"
             )
 
 

@@ -358,6 +358,9 @@ class NodeFleet(FleetCollector):
                 sock, _ = listener.accept()
             except BlockingIOError:
                 continue
+            except OSError:  # (ECONNABORTED, EMFILE...): no connection this time, never the collector's end
+                await anyio.sleep(0.05)
+                continue
             self._io.start_soon(self._handshake, sock, token)
 
     async def _handshake(self, sock: socket.socket, token: str) -> None:
@@ -370,6 +373,8 @@ class NodeFleet(FleetCollector):
                     chunk = sock.recv(HELLO_SIZE - len(data))
                 except BlockingIOError:
                     continue
+                except OSError:  # reset before its hello: not one of ours, closed below
+                    break
                 if not chunk:
                     break
                 data += chunk

@@ -30,12 +30,13 @@ from .._options import RolloutOptions
 from .._pids import pid_alive
 from .._stats import WorkerState
 from ._ray_actor import actor_class, import_ray, unwrap_ray_error
+from ._ray_local import init_local
 from ._ray_reaper import Watchdog, descendants, start_watchdog
 
 #: remote options used unless ``remote_config`` says otherwise
 DEFAULT_REMOTE_CONFIG: dict[str, Any] = {"num_cpus": 1}
-#: ``ray.init`` arguments used when RayCollector starts a local cluster itself
-#: (on loopback: Ray's own GCS and raylet still listen on every interface, behind Ray's token auth)
+#: ``ray.init`` arguments used when RayCollector starts a local cluster itself: on loopback, every process
+#: of it listening on 127.0.0.1 only (``_ray_local.init_local``)
 DEFAULT_RAY_INIT_CONFIG: dict[str, Any] = {
     "address": "local",
     "include_dashboard": False,
@@ -114,7 +115,7 @@ class ActorFleet(FleetCollector):
                     if "address" in self._ray_init_config
                     else {**config, **self._ray_init_config}
                 )
-            await anyio.to_thread.run_sync(partial(ray.init, **config))
+            await anyio.to_thread.run_sync(init_local, ray, config)
             self._started_ray = True
             # kills the cluster's processes should this process die without shutting it down
             self._watchdog = await anyio.to_thread.run_sync(start_watchdog)

@@ -1,8 +1,16 @@
-"""What the env and policy servers share: argument checks, the listener and its tasks, error replies."""
+"""What the env and policy servers share: argument checks, the listener and its tasks, error replies.
+
+Each connection is served in isolation (:func:`isolated`): whatever its handshake, parsing or handler
+raises closes that connection only, is logged once (logger ``aiocollect.serve``, with the peer's
+address) and never reaches the server's task group, so that no client, with or without the token, can
+end the server or the user's code around it.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import secrets
 import ssl
 import string
@@ -20,6 +28,8 @@ from ._ws import Heartbeat, RemoteConnectionError, WebSocket
 
 __all__ = [
     "Server",
+    "isolated",
+    "peer_name",
     "check_host_port",
     "check_server_tls",
     "check_token",
@@ -28,6 +38,8 @@ __all__ = [
     "remote_error",
 ]
 
+
+logger = logging.getLogger("aiocollect.serve")
 
 #: the most messages a connection may have waiting for their answers (a client sends one per call)
 _MAX_QUEUED = 4096
@@ -103,6 +115,47 @@ def remote_error(header: dict[str, Any], where: str) -> BaseException:
     return worker_error(type_name, message, tb, where)
 
 
+def peer_name(stream: anyio.abc.ByteStream) -> str:
+    """``host:port`` of the peer of ``stream`` (``"unknown peer"`` when the socket is gone)."""
+    try:
+        sock = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+        host, port = sock.getpeername()[:2]
+    except (OSError, anyio.TypedAttributeLookupError, ValueError, TypeError):
+        return "unknown peer"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def isolated(
+    handle: Callable[[anyio.abc.ByteStream], Coroutine[Any, Any, None]], server: str
+) -> Callable[[anyio.abc.ByteStream], Coroutine[Any, Any, None]]:
+    """``handle`` that never raises an ``Exception``: one is logged once (with the peer's address) and
+    ends that connection only (the stream closed); cancellation goes through."""
+
+    @functools.wraps(handle)
+    async def serve_one(stream: anyio.abc.ByteStream) -> None:
+        peer = peer_name(stream)
+        try:
+            await handle(stream)
+        except Exception as exc:
+            leaf: BaseException = exc
+            while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
+                leaf = leaf.exceptions[0]  # what a connection's task group wrapped
+            logger.warning(
+                "%s: connection from %s closed on %s: %s",
+                server,
+                peer,
+                type(leaf).__name__,
+                leaf,
+                exc_info=exc,
+            )
+        finally:
+            with anyio.CancelScope(shield=True):
+                with contextlib.suppress(Exception):
+                    await stream.aclose()
+
+    return serve_one
+
+
 class Server:
     """The part of :class:`EnvServer` and :class:`PolicyServer` that is the same: the address, and the
     listener with the server's tasks, owned by one exit stack that ``async with`` leaves."""
@@ -137,6 +190,7 @@ class Server:
         else:
             listener, self.port = await listen(self.host, self.port)
             stack.push_async_callback(listener.aclose)
+        handle = isolated(handle, f"{type(self).__name__} at {self.url}")
         tg = await stack.enter_async_context(anyio.create_task_group())
         stack.callback(tg.cancel_scope.cancel)
         if raw:

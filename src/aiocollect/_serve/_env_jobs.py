@@ -6,6 +6,7 @@ per-env JSON) and any other call (a reset, an action that does not stack) as an 
 reply answers the steps in columns too (the observations stacked in one array when they share a shape
 and dtype, rewards and flags as arrays, the infos as ``null`` when all are empty) and the items one by
 one, in order. An env's error is that call's answer (``{"op": "error", ...}``); the others go on.
+The message is decoded here too (:meth:`Job.parse`), so that the event loop never parses a client's bytes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 from gymnasium import spaces
 
 from ._common import error_header
-from ._wire import ProtocolError, encode, pack_tree, unpack_tree
+from ._wire import ProtocolError, decode, encode, pack_tree, unpack_tree
 
 __all__ = ["Job", "Steps", "parse_calls", "parse_steps", "run_job", "uniform_action_checker"]
 
@@ -29,14 +30,25 @@ Uniform = Callable[[np.ndarray], list[Any]]  # checks a column of actions for en
 
 
 class Job:
-    """The calls of one message, and (once run) the reply to send."""
+    """One message of a connection to envs ``start..stop-1``, its calls (once :meth:`parse` d) and (once
+    run) the reply to send."""
 
-    __slots__ = ("batch", "calls", "done", "reply", "steps")
+    __slots__ = ("batch", "calls", "done", "message", "reply", "start", "steps", "stop")
 
-    def __init__(self, calls: list[Call], batch: bool, steps: Steps | None = None) -> None:
-        self.calls, self.batch, self.steps = calls, batch, steps
+    def __init__(self, message: bytes, start: int, stop: int, batch: bool) -> None:
+        self.message, self.start, self.stop, self.batch = message, start, stop, batch
+        self.calls: list[Call] = []
+        self.steps: Steps | None = None
         self.done = anyio.Event()
         self.reply = b""
+
+    def parse(self) -> None:
+        """Decode the message into its calls and steps (``ProtocolError`` if malformed)."""
+        header, arrays = decode(self.message, request=True)
+        self.message = b""
+        if self.batch:
+            self.steps = parse_steps(header, arrays, self.start, self.stop)
+        self.calls = parse_calls(header, arrays, self.start, self.stop, self.batch)
 
 
 def parse_calls(header: dict[str, Any], arrays: list[Any], start: int, stop: int, batch: bool) -> list[Call]:
@@ -119,6 +131,10 @@ def run_job(
     """Run ``job``'s calls (its items in order, then its steps) and encode the reply (runs in the
     server's worker thread). ``uniform`` checks all the steps' actions at once (the envs share an action
     space); otherwise, or when that check fails, each env's checker checks its own action."""
+    try:
+        job.parse()
+    except ProtocolError as exc:
+        return encode(error_header(exc))
     results = []
     for index, header, value in job.calls:
         try:

@@ -26,12 +26,12 @@ import gymnasium as gym
 
 from ._actions import action_checker
 from ._common import Server, check_host_port, check_server_tls, check_token, error_message
-from ._env_jobs import Job, Uniform, parse_calls, parse_steps, run_job, uniform_action_checker
+from ._env_jobs import Job, Uniform, run_job, uniform_action_checker
 from ._hop import StepThread
 from ._spaces import describe_space
 from ._vector_jobs import HostedVector, SingleEnvs, VectorJob, open_vector_env
 from ._vector_thread import serve_in_thread
-from ._wire import ProtocolError, decode, encode, pack_tree
+from ._wire import encode, pack_tree
 from ._ws import SERVER_HEARTBEAT, Heartbeat, RemoteConnectionError, WebSocket, accept, heartbeat
 
 __all__ = ["EnvServer", "check_env_fns", "local_num_envs", "local_spaces", "serve_envs"]
@@ -280,12 +280,7 @@ class EnvServer(Server):
             await ws.abort()
 
     async def _serve_one(self, message: bytes, *, start: int, stop: int, batch: bool) -> bytes:
-        try:
-            header, arrays = decode(message)
-            steps = parse_steps(header, arrays, start, stop) if batch else None
-            job = Job(parse_calls(header, arrays, start, stop, batch), batch, steps)
-        except ProtocolError as exc:
-            return error_message(exc)
+        job = Job(message, start, stop, batch)  # decoded where it runs, in the worker thread
         self._jobs.append(job)
         self._wake.set()
         await job.done.wait()

@@ -22,7 +22,7 @@ from tensordict.nn import TensorDictModuleBase
 from .._weights import check_compatible, copy_weights, flat_weights
 from ._common import Server, check_host_port, check_server_tls, check_token, error_message
 from ._tensors import leaves_to_wire, td_leaves, wire_keys, wire_to_tensors
-from ._wire import ProtocolError, decode, encode
+from ._wire import ProtocolError, decode, encode, small_header
 from ._ws import SERVER_HEARTBEAT, Heartbeat, accept, heartbeat
 
 __all__ = ["PolicyServer", "serve_policy"]
@@ -95,7 +95,10 @@ class PolicyServer(Server):
 
     async def _answer(self, message: bytes) -> bytes:
         try:
-            header, arrays = decode(message)
+            if small_header(message):
+                header, arrays = decode(message, request=True)
+            else:  # a big header is parsed off the event loop
+                header, arrays = await anyio.to_thread.run_sync(_decode_request, message)
             if header["op"] == "weights":
                 weights = TensorDict(
                     dict(zip(wire_keys(header, len(arrays)), map(torch.from_numpy, arrays), strict=True))
@@ -188,6 +191,10 @@ class PolicyServer(Server):
             for k, v in td_leaves(out)
             if k not in inputs and not any(p.startswith("_") for p in ((k,) if isinstance(k, str) else k))
         }
+
+
+def _decode_request(message: bytes) -> tuple[dict[str, Any], list[Any]]:
+    return decode(message, request=True)
 
 
 async def _route(path: str) -> int | None:

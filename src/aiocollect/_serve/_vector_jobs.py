@@ -224,7 +224,7 @@ class VectorJob:
             self.reply = error_message(exc)
 
     def _run(self) -> bytes:
-        header, arrays = decode(self.message)
+        header, arrays = decode(self.message, request=True)
         op, host = header["op"], self.host
         if op == "reset":
             seed, options = header.get("seed"), unpack_tree(header.get("options"), arrays)

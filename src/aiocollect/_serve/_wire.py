@@ -6,6 +6,12 @@ in ``"arrays"``; a dtype is one of :data:`DTYPES` (plain little-endian numbers a
 the network is ever unpickled: a frame that does not start with ``MAGIC``, lists a dtype outside the
 table, or whose sizes do not add up is refused with :class:`ProtocolError`.
 
+Every input is bounded before it is parsed: a message by :data:`MAX_MESSAGE`, the JSON nesting by
+:data:`MAX_DEPTH` (so that no reader of a tree recurses past Python's limit), and for what a server reads
+(``decode(message, request=True)``) the header by :data:`MAX_REQUEST_HEADER` bytes and the arrays by
+:data:`MAX_REQUEST_ARRAYS`. A server parses on its event loop only a header of at most
+:data:`LOOP_HEADER` bytes (:func:`small_header`); a bigger one is decoded in a worker thread.
+
 Nested values (an observation dict, an ``info`` dict) travel as a JSON tree whose arrays are
 ``{"@": i}`` references to the ``i``-th array (:func:`pack_tree`, :func:`unpack_tree`).
 """
@@ -22,12 +28,17 @@ import numpy as np
 
 __all__ = [
     "DTYPES",
+    "LOOP_HEADER",
     "MAGIC",
+    "MAX_DEPTH",
     "MAX_MESSAGE",
+    "MAX_REQUEST_ARRAYS",
+    "MAX_REQUEST_HEADER",
     "ProtocolError",
     "decode",
     "encode",
     "pack_tree",
+    "small_header",
     "unpack_tree",
 ]
 
@@ -35,6 +46,15 @@ MAGIC = b"AIOC"
 _LEN = struct.Struct("<I")
 #: the largest message either side accepts (bytes): a bigger one is refused, not buffered
 MAX_MESSAGE = 64 * 1024 * 1024
+#: the deepest JSON nesting a header may have (a packed tree nests two levels per dict)
+MAX_DEPTH = 64
+#: the largest header (bytes) and the most arrays a server accepts in a client's message (a batch of
+#: 1,024 env resets with options fits in a tenth of it)
+MAX_REQUEST_HEADER = 1024 * 1024
+MAX_REQUEST_ARRAYS = 65536
+#: the largest header (bytes) a server parses on its event loop (well under a millisecond); a bigger
+#: request is decoded in a worker thread
+LOOP_HEADER = 16 * 1024
 
 #: the dtypes that cross the wire, by their little-endian ``dtype.str``; nothing else is accepted
 _NAMES = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64"]
@@ -68,8 +88,14 @@ def encode(header: dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> bytes:
     return b"".join([MAGIC, _LEN.pack(len(head)), head, *(a.tobytes() for a in contiguous)])
 
 
-def decode(message: bytes) -> tuple[dict[str, Any], list[np.ndarray]]:
-    """The header and arrays of ``message`` (arrays are fresh, writable copies)."""
+def small_header(message: bytes) -> bool:
+    """Whether ``message``'s header is small enough (:data:`LOOP_HEADER`) to parse on an event loop."""
+    return len(message) >= 8 and _LEN.unpack_from(message, 4)[0] <= LOOP_HEADER
+
+
+def decode(message: bytes, *, request: bool = False) -> tuple[dict[str, Any], list[np.ndarray]]:
+    """The header and arrays of ``message`` (arrays are fresh, writable copies); ``request``: a client's
+    message read by a server, whose header and array count are bounded too (see the module docs)."""
     if message[:4] != MAGIC:
         raise ProtocolError(
             "not an aiocollect serve message (bad magic: pickles and other formats are refused)"
@@ -80,15 +106,21 @@ def decode(message: bytes) -> tuple[dict[str, Any], list[np.ndarray]]:
     end = 8 + size
     if end > len(message):
         raise ProtocolError("truncated message header")
+    if request and size > MAX_REQUEST_HEADER:
+        raise ProtocolError(f"message header of {size} bytes (at most {MAX_REQUEST_HEADER})")
     try:
         header = json.loads(message[8:end])
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise ProtocolError(f"message header is not JSON: {exc}") from None
     if not isinstance(header, dict) or not isinstance(header.get("op"), str):
         raise ProtocolError("message header must be a JSON object with an 'op' string")
+    _check_depth(header)
     arrays = []
     total = len(message)
-    for entry in _described(header):
+    described = _described(header)
+    if request and len(described) > MAX_REQUEST_ARRAYS:
+        raise ProtocolError(f"message lists {len(described)} arrays (at most {MAX_REQUEST_ARRAYS})")
+    for entry in described:
         dtype, shape = _array_meta(entry)
         count = math.prod(shape)
         nbytes = dtype.itemsize * count
@@ -100,6 +132,22 @@ def decode(message: bytes) -> tuple[dict[str, Any], list[np.ndarray]]:
     if end != total:
         raise ProtocolError("message longer than the arrays its header lists")
     return header, arrays
+
+
+def _check_depth(tree: Any) -> None:
+    """``ProtocolError`` if ``tree`` nests deeper than :data:`MAX_DEPTH` (iterative: no recursion)."""
+    level: list[Any] = [tree]
+    for _ in range(MAX_DEPTH):
+        below: list[Any] = []
+        for node in level:
+            if type(node) is dict:
+                below += [v for v in node.values() if type(v) is dict or type(v) is list]
+            elif type(node) is list:
+                below += [v for v in node if type(v) is dict or type(v) is list]
+        if not below:
+            return
+        level = below
+    raise ProtocolError(f"message header nests deeper than {MAX_DEPTH} levels")
 
 
 def _described(header: dict[str, Any]) -> list[Any]:

@@ -52,6 +52,9 @@ from ._wire import MAX_MESSAGE
 __all__ = [
     "CLIENT_HEARTBEAT",
     "IDLE_CLOSE",
+    "MAX_HANDSHAKE",
+    "MAX_HEADERS",
+    "BadHandshake",
     "SERVER_HEARTBEAT",
     "Heartbeat",
     "RemoteConnectionError",
@@ -67,6 +70,11 @@ __all__ = [
 ]
 
 _CHUNK = 65536
+
+#: the largest upgrade request head a server reads (bytes), and the most headers it may have: a bigger
+#: one is refused (HTTP 431) before it is parsed. A client's head is about 300 bytes
+MAX_HANDSHAKE = 16 * 1024
+MAX_HEADERS = 64
 
 #: the close code of a server that drops a client silent while it had no request of the client's in hand
 #: (an idle ``RemoteEnv`` or ``RemotePolicy`` connection whose loop did not read): the client's next call
@@ -487,14 +495,27 @@ async def _accept(
 ) -> tuple[WebSocket, str] | None:
     _nodelay(stream)
     ws = WSConnection(ConnectionType.SERVER)
-    request = None
+    request, problem, size = None, None, 0
     with anyio.move_on_after(handshake_timeout):
-        while request is None:
+        while request is None and problem is None:
             try:
-                ws.receive_data(await stream.receive(_CHUNK))
-                request = next((e for e in ws.events() if isinstance(e, Request)), None)
-            except (anyio.EndOfStream, anyio.BrokenResourceError, OSError, RemoteProtocolError):
+                data = await stream.receive(_CHUNK)
+            except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
                 break
+            size += len(data)
+            if size > MAX_HANDSHAKE:
+                problem = 431, f"request head over {MAX_HANDSHAKE} bytes"
+                break
+            try:  # wsproto (h11) parses the head: any error of its is this client's, and ends it only
+                ws.receive_data(data)
+                request = next((e for e in ws.events() if isinstance(e, Request)), None)
+            except Exception as exc:
+                problem = 400, f"bad upgrade request ({type(exc).__name__}: {exc})"
+    if request is not None and len(request.extra_headers) > MAX_HEADERS:
+        problem = 431, f"more than {MAX_HEADERS} headers"
+    if problem is not None:
+        await _bad_request(stream, *problem)
+        raise BadHandshake(problem[1])
     if request is None:
         await stream.aclose()
         return None
@@ -507,7 +528,33 @@ async def _accept(
     except (anyio.BrokenResourceError, OSError):
         await stream.aclose()
         return None
-    return WebSocket(stream, ws, "client", beat), request.target
+    return WebSocket(stream, ws, _peer(stream), beat), request.target
+
+
+class BadHandshake(RemoteConnectionError):
+    """A client's upgrade request could not be parsed (answered with HTTP 400 or 431, then closed)."""
+
+
+async def _bad_request(stream: anyio.abc.ByteStream, status: int, reason: str) -> None:
+    """A plain HTTP error (the head may not have parsed: no wsproto state to answer with), then close."""
+    body = reason.encode("ascii", "replace")
+    phrase = {400: "Bad Request", 431: "Request Header Fields Too Large"}[status]
+    head = f"HTTP/1.1 {status} {phrase}\r\ncontent-type: text/plain\r\ncontent-length: {len(body)}\r\n"
+    try:
+        with anyio.move_on_after(1):
+            await stream.send(head.encode() + b"connection: close\r\n\r\n" + body)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+        pass
+    finally:
+        await stream.aclose()
+
+
+def _peer(stream: anyio.abc.ByteStream) -> str:
+    try:
+        host, port = stream.extra(anyio.abc.SocketAttribute.raw_socket).getpeername()[:2]
+    except (OSError, anyio.TypedAttributeLookupError, ValueError, TypeError):
+        return "client"
+    return f"client {host}:{port}"
 
 
 def _token_ok(headers: Any, token: str) -> bool:

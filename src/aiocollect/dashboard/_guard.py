@@ -9,6 +9,9 @@
   script sends it; another page cannot read it) and, when the browser says where it comes from, an
   ``Origin`` that is the dashboard's own; otherwise 403. A browser cannot add that header to a
   cross-origin request without a CORS preflight, which the app never grants.
+* **Framing** (clickjacking): every response says ``X-Frame-Options: DENY`` and
+  ``Content-Security-Policy: frame-ancestors 'none'``, so that no other page can show the dashboard in a
+  frame and trick a click on its buttons.
 """
 
 from __future__ import annotations
@@ -17,17 +20,19 @@ import secrets
 from collections.abc import Iterable
 
 from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ._app import to_json
 
-__all__ = ["DEFAULT_HOSTS", "TOKEN_HEADER", "Guard", "HostPolicy", "hostname"]
+__all__ = ["DEFAULT_HOSTS", "FRAMING_HEADERS", "TOKEN_HEADER", "Guard", "HostPolicy", "hostname"]
 
 TOKEN_HEADER = "x-aiocollect-token"
 #: hosts every dashboard answers to (``serve`` adds the host it binds)
 DEFAULT_HOSTS = ("127.0.0.1", "localhost", "::1")
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 _WILDCARDS = frozenset({"", "0.0.0.0", "::"})
+#: added to every response: no page may frame the dashboard
+FRAMING_HEADERS = ((b"x-frame-options", b"DENY"), (b"content-security-policy", b"frame-ancestors 'none'"))
 
 
 def hostname(host_header: str) -> str:
@@ -69,6 +74,7 @@ class Guard:
         if scope["type"] != "http":  # lifespan (the app has no websockets)
             await self.app(scope, receive, send)
             return
+        send = _unframable(send)
         headers = Headers(scope=scope)
         host = headers.get("host", "")
         if not self.policy.host_allowed(host):
@@ -99,6 +105,27 @@ class Guard:
         if not secrets.compare_digest(token.encode(), self.policy.token.encode()):
             return f"wrong {TOKEN_HEADER} header"
         return None
+
+
+def _unframable(send: Send) -> Send:
+    """``send`` adding :data:`FRAMING_HEADERS` to the response's start (a CSP the app set stays, with
+    ``frame-ancestors 'none'`` appended)."""
+
+    async def send_unframable(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", ()))
+            names = {bytes(name).lower() for name, _ in headers}
+            for name, value in FRAMING_HEADERS:
+                if name not in names:
+                    headers.append((name, value))
+                elif name == b"content-security-policy":
+                    headers = [
+                        (n, bytes(v) + b"; " + value if bytes(n).lower() == name else v) for n, v in headers
+                    ]
+            message = {**message, "headers": headers}
+        await send(message)
+
+    return send_unframable
 
 
 async def _refuse(send: Send, status: int, message: str) -> None:

@@ -15,7 +15,11 @@ import anyio
 
 from ._app import DashboardControls
 
-__all__ = ["RunningServer", "serve"]
+__all__ = ["MAX_REQUEST_HEAD", "RunningServer", "serve"]
+
+#: the largest request head (bytes) the dashboard's server reads before it answers 431/400: uvicorn's
+#: pure-Python h11 protocol (the default here) bounds it; a request over it never reaches the app
+MAX_REQUEST_HEAD = 16 * 1024
 
 
 @dataclass(frozen=True)
@@ -60,8 +64,12 @@ async def serve(
         host, port: where to listen (``port=0``: a free port).
         log_level: uvicorn's log level.
         timeout_graceful_shutdown: seconds to wait for open requests at shutdown before cancelling them.
-        config: more ``uvicorn.Config`` arguments.
+        config: more ``uvicorn.Config`` arguments. By default the server speaks HTTP/1.1 with uvicorn's
+            ``h11`` protocol, whose request heads are bounded (:data:`MAX_REQUEST_HEAD`): one bad
+            request is answered with 400 (or 431) and closes its connection only.
     """
+    config.setdefault("http", "h11")
+    config.setdefault("h11_max_incomplete_event_size", MAX_REQUEST_HEAD)
     server = _make_server(
         app,
         host=host,
