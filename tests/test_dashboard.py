@@ -775,6 +775,30 @@ def load_example() -> Any:
     return module
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # uvicorn runs on asyncio
+async def test_the_example_prints_the_token_the_docs_curl_command_needs(capsys: pytest.CaptureFixture[str]):
+    """docs/dashboard.md's `curl -X POST -H "X-Aiocollect-Token: $TOKEN" .../pause` works with the token
+    the example prints."""
+    example = load_example()
+    args = example.Args(port=0, backend="serial", envs_per_worker=2, frames_per_batch=64, update_every=2)
+    urls: list[str] = []
+    stop = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lambda: example.main(args, on_ready=urls.append, stop=stop))
+        await wait_until(lambda: bool(urls), limit=30)
+        printed = capsys.readouterr().out
+        token = re.search(r"^control token: (\S+)$", printed, re.M)
+        assert token is not None, printed
+        async with httpx.AsyncClient(base_url=urls[0].rstrip("/"), timeout=10) as client:
+            refused = await client.post("/pause")
+            paused = await client.post("/pause", headers={"X-Aiocollect-Token": token[1]})
+            resumed = await client.post("/resume", headers={"X-Aiocollect-Token": token[1]})
+        stop.set()
+    assert refused.status_code == 403, refused.text
+    assert paused.status_code == 200 and paused.json()["held"] is True, paused.text
+    assert resumed.status_code == 200, resumed.text
+
+
 @pytest.mark.browser
 @pytest.mark.skipif(
     shutil.which(CHROMIUM) is None,
