@@ -44,6 +44,7 @@ LAYERS: dict[str, int] = {
     # the wire and the rollout core
     "_transport": 3,
     "_rollout": 3,
+    "_rollout_batch": 3,
     "_recurrent": 3,
     "_rollout_thread": 3,
     "_storage": 3,
@@ -52,13 +53,12 @@ LAYERS: dict[str, int] = {
     "_workers": 4,
     "_weightsync": 4,
     "_distributed_weights": 4,
-    # local collectors
-    "_base": 5,
-    "_collector": 5,
+    # collectors: in this process (_local/), over worker processes (_multi/), async envs (_asyncenv/)
+    "_local": 5,
     "_multi": 5,
+    "_asyncenv": 5,
     "_fleet": 5,
     "_sinks": 5,
-    "_async": 5,
     # remote collectors: their nodes and actors host local collectors
     "_remote": 6,
     # envs and policies served over WebSocket (issue 16): servers host envs and policies
@@ -82,10 +82,9 @@ def layer_of(parts: tuple[str, ...]) -> int:
     """The layer of a module given its dotted parts below ``aiocollect``."""
     if not parts:
         return LAYERS["__init__"]
-    head = parts[0]
-    for name, level in LAYERS.items():
-        if head == name or head.startswith(name + "_"):  # _multi_sync, _multi_async ...
-            return level
+    level = LAYERS.get(parts[0])  # a module at the root, or a folder: its family
+    if level is not None:
+        return level
     raise AssertionError(f"aiocollect.{'.'.join(parts)} is in no layer: add it to LAYERS in {__file__}")
 
 

@@ -13,21 +13,11 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
-from ._async_collector import max_wait_arg, on_env_error_arg
-from ._async_collector_worker import EnvOffset, EnvRows, EnvShare, WorkerConfig, run_async_worker
-from ._async_worker_frames import FLOOR, VERSION
-from ._events import WorkerFailed
-from ._multi_async import MultiAsyncCollector
-from ._multi_async_envs_args import (
-    frames_arg,
-    loop_arg,
-    refuse_unsupported,
-    shares_arg,
-    warn_envs_wait,
-)
-from ._multi_base import Delivery
-from ._trajectories import split_trajectories
-from ._validation import (
+from .._events import WorkerFailed
+from .._multi._async import MultiAsyncCollector
+from .._multi._base import Delivery
+from .._trajectories import split_trajectories
+from .._validation import (
     exploration_type_arg,
     flag,
     init_random_frames_arg,
@@ -37,8 +27,18 @@ from ._validation import (
     optional_positive_int,
     seed_arg,
 )
-from ._weightsync import WeightSync
-from ._workers._pool import WorkerPool
+from .._weightsync import WeightSync
+from .._workers._pool import WorkerPool
+from ._collector import max_wait_arg, on_env_error_arg
+from ._multi_args import (
+    frames_arg,
+    loop_arg,
+    refuse_unsupported,
+    shares_arg,
+    warn_envs_wait,
+)
+from ._worker import EnvOffset, EnvRows, EnvShare, WorkerConfig, run_async_worker
+from ._worker_frames import FLOOR, VERSION
 
 __all__ = ["MultiAsyncEnvCollector"]
 

@@ -3,7 +3,7 @@ control, weights and statistics.
 
 Each worker (a process, or a thread with ``worker_backend="serial"``) runs the rollout core and writes
 batches into shared-memory slots; the parent's task group merges their notices into one ``async for``.
-``MultiSyncCollector`` (``_multi_sync.py``) and ``MultiAsyncCollector`` (``_multi_async.py``) say how a
+``MultiSyncCollector`` (``_sync.py``) and ``MultiAsyncCollector`` (``_async.py``) say how a
 batch is gathered.
 """
 
@@ -22,29 +22,21 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
-from ._errors import CollectorClosedError, WorkerTimeoutError
-from ._events import WeightsPublished
-from ._fleet import FleetCollector, Member
-from ._gather import gather
-from ._multi_args import (
-    env_fns_arg,
-    pickled_env_fns,
-    set_worker_warnings,
-    show_worker_warnings,
-    start_method_arg,
-)
-from ._multi_floors import StalenessFloors
-from ._options import (
+from .._errors import CollectorClosedError, WorkerTimeoutError
+from .._events import WeightsPublished
+from .._fleet import FleetCollector, Member
+from .._gather import gather
+from .._options import (
     RolloutOptions,
     WeightSchedule,
     collector_options,
     refuse_schedule,
     worker_backend_arg,
 )
-from ._stats import WorkerStatistics
-from ._torch_settings import TorchSettings
-from ._trajectories import split_trajectories
-from ._transport._messages import (
+from .._stats import WorkerStatistics
+from .._torch_settings import TorchSettings
+from .._trajectories import split_trajectories
+from .._transport._messages import (
     FleetOp,
     GetAttr,
     GetPath,
@@ -54,8 +46,8 @@ from ._transport._messages import (
     LoadWeights,
     MapFn,
 )
-from ._transport._shm import SharedBlock
-from ._validation import (
+from .._transport._shm import SharedBlock
+from .._validation import (
     optional_callable,
     optional_positive_int,
     policy_arg,
@@ -63,11 +55,19 @@ from ._validation import (
     replay_buffer_arg,
     timeout_arg,
 )
-from ._weights import flat_weights
-from ._weightsync import WeightSender, WeightSync, weight_sync_arg
-from ._workers._paths import parse_path
-from ._workers._pool import WorkerPool, start_forkserver
-from ._workers._worker import WorkerSpec, control_layout
+from .._weights import flat_weights
+from .._weightsync import WeightSender, WeightSync, weight_sync_arg
+from .._workers._paths import parse_path
+from .._workers._pool import WorkerPool, start_forkserver
+from .._workers._worker import WorkerSpec, control_layout
+from ._args import (
+    env_fns_arg,
+    pickled_env_fns,
+    set_worker_warnings,
+    show_worker_warnings,
+    start_method_arg,
+)
+from ._floors import StalenessFloors
 
 __all__ = [
     "Delivery",

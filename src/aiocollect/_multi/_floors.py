@@ -15,8 +15,8 @@ __all__ = ["DroppedBatchRenames", "FreshIds", "StalenessFloors", "TrajectoryRena
 if TYPE_CHECKING:
     from tensordict import TensorDictBase
 
-    from ._transport._shm import SharedBlock
-    from ._workers._pool import WorkerPool
+    from .._transport._shm import SharedBlock
+    from .._workers._pool import WorkerPool
 
 
 class TrajectoryRenames:

@@ -11,9 +11,9 @@ import anyio
 import torch
 from tensordict import TensorDictBase
 
-from ._multi_base import Delivery, MultiCollectorBase, episodes_of
-from ._transport._messages import Collect
-from ._workers._pool import WorkerPool
+from .._transport._messages import Collect
+from .._workers._pool import WorkerPool
+from ._base import Delivery, MultiCollectorBase, episodes_of
 
 __all__ = ["MultiSyncCollector"]
 

@@ -10,10 +10,10 @@ from typing import Any
 import anyio
 import torch
 
-from ._multi_base import Delivery, MultiCollectorBase, episodes_of
-from ._multi_floors import TrajectoryRenames
-from ._transport._messages import Release, RunFree
-from ._workers._pool import WorkerPool
+from .._transport._messages import Release, RunFree
+from .._workers._pool import WorkerPool
+from ._base import Delivery, MultiCollectorBase, episodes_of
+from ._floors import TrajectoryRenames
 
 __all__ = ["MultiAsyncCollector", "ProcessCollector"]
 

@@ -20,16 +20,15 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
-from ._base import CollectorBase
-from ._errors import WorkerTimeoutError
-from ._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
-from ._options import RolloutOptions, WeightSchedule, collector_options, refuse_schedule
-from ._rng import RolloutRNG, forked_rng
-from ._rollout import RolloutResult, build_rollout, open_env
-from ._rollout_thread import Doorbell, Job, RolloutThread
-from ._stats import CollectorStatistics, WorkerStatistics
-from ._trajectories import split_trajectories
-from ._validation import (
+from .._errors import WorkerTimeoutError
+from .._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
+from .._options import RolloutOptions, WeightSchedule, collector_options, refuse_schedule
+from .._rng import RolloutRNG, forked_rng
+from .._rollout import RolloutResult, build_rollout, open_env
+from .._rollout_thread import Doorbell, Job, RolloutThread
+from .._stats import CollectorStatistics, WorkerStatistics
+from .._trajectories import split_trajectories
+from .._validation import (
     flag,
     non_negative_int,
     optional_callable,
@@ -38,8 +37,9 @@ from ._validation import (
     seed_arg,
     timeout_arg,
 )
-from ._weights import as_weights, check_compatible, copy_weights, module_weights
-from ._weightsync import weight_sync_arg
+from .._weights import as_weights, check_compatible, copy_weights, module_weights
+from .._weightsync import weight_sync_arg
+from ._base import CollectorBase
 
 __all__ = ["Collector"]
 
