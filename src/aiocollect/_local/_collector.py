@@ -22,7 +22,7 @@ from tensordict.nn import InteractionType
 
 from .._errors import WorkerTimeoutError
 from .._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
-from .._options import RolloutOptions, WeightSchedule, collector_options, refuse_schedule
+from .._options import RolloutOptions, WeightSchedule, refuse_schedule
 from .._rng import RolloutRNG, forked_rng
 from .._rollout import RolloutResult, build_rollout, open_env
 from .._rollout_thread import Doorbell, Job, RolloutThread
@@ -145,7 +145,31 @@ class Collector(CollectorBase):
         weights: WeightSchedule | None = None,
     ) -> None:
         # -- every argument is checked before the env is built ----------------------------------
-        self._options, self._schedule = options, _ = collector_options(locals())
+        options = RolloutOptions.from_kwargs(
+            rollout,
+            frames_per_batch=frames_per_batch,
+            total_frames=total_frames,
+            max_frames_per_traj=max_frames_per_traj,
+            init_random_frames=init_random_frames,
+            reset_at_each_iter=reset_at_each_iter,
+            split_trajs=split_trajs,
+            set_truncated=set_truncated,
+            exploration_type=exploration_type,
+            seed=seed,
+            device=device,
+            env_device=env_device,
+            policy_device=policy_device,
+            storing_device=storing_device,
+            compile_policy=compile_policy,
+            traj_id_start=traj_id_start,
+            traj_id_stride=traj_id_stride,
+        )
+        schedule = WeightSchedule.from_kwargs(
+            weights,
+            track_policy_version=track_policy_version,
+            max_policy_lag=max_policy_lag,
+        )
+        self._options, self._schedule = options, schedule
         if not isinstance(options.frames_per_batch, int):
             raise TypeError(
                 f"Collector takes one frames_per_batch (an int), got {options.frames_per_batch!r}"

@@ -3,7 +3,7 @@ control, weights and statistics.
 
 Each worker (a process, or a thread with ``worker_backend="serial"``) runs the rollout core and writes
 batches into shared-memory slots; the parent's task group merges their notices into one ``async for``.
-``MultiSyncCollector`` (``_sync.py``) and ``MultiAsyncCollector`` (``_async.py``) say how a
+``MultiSyncCollector`` (``_multi_sync.py``) and ``MultiAsyncCollector`` (``_multi_async.py``) say how a
 batch is gathered.
 """
 
@@ -29,7 +29,6 @@ from .._gather import gather
 from .._options import (
     RolloutOptions,
     WeightSchedule,
-    collector_options,
     refuse_schedule,
     worker_backend_arg,
 )
@@ -152,8 +151,32 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
         backend: Literal["process", "serial"] | None = None,
     ) -> None:
         env_fns = env_fns_arg(create_env_fns)
-        options, self._schedule = collector_options(locals())
-        self._options = options
+        options = RolloutOptions.from_kwargs(
+            rollout,
+            frames_per_batch=frames_per_batch,
+            total_frames=total_frames,
+            max_frames_per_traj=max_frames_per_traj,
+            init_random_frames=init_random_frames,
+            reset_at_each_iter=reset_at_each_iter,
+            split_trajs=split_trajs,
+            set_truncated=set_truncated,
+            exploration_type=exploration_type,
+            seed=seed,
+            device=device,
+            env_device=env_device,
+            policy_device=policy_device,
+            storing_device=storing_device,
+            compile_policy=compile_policy,
+            traj_id_start=traj_id_start,
+            traj_id_stride=traj_id_stride,
+        )
+        schedule = WeightSchedule.from_kwargs(
+            weights,
+            update_at_each_batch=update_at_each_batch,
+            track_policy_version=track_policy_version,
+            max_policy_lag=max_policy_lag,
+        )
+        self._options, self._schedule = options, schedule
         refuse_schedule(self._schedule, type(self).__name__, update_at_each_batch=True)
         self.num_workers = n = len(env_fns)
         self.total_frames = options.total_frames
