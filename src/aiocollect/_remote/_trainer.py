@@ -17,7 +17,7 @@ from .._fleet import Member
 from .._gather import gather
 from .._local._collector import Collector
 from .._multi._async import MultiAsyncCollector
-from .._multi._floors import DroppedBatchRenames
+from .._multi._renames import DroppedBatchRenames
 from .._multi._sync import MultiSyncCollector
 from .._options import WeightSchedule
 from .._stats import WorkerState
