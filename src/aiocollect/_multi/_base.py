@@ -499,6 +499,7 @@ class MultiCollectorBase(FleetCollector):
         """
         if not isinstance(flush, bool):
             raise TypeError(f"flush must be True or False, got {flush!r}")
+        self._check_open()  # a closed collector says so first, an un-entered one after the policy check
         weights = self._weights_to_publish(policy_or_weights)
         pool = self._active_pool()
         assert self._sender is not None  # a collector with weights has a sender
