@@ -9,15 +9,70 @@ from __future__ import annotations
 
 import ast
 import statistics
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "aiocollect"
 
-MAX_MODULE_LINES = 600
 MEDIAN_MODULE_LINES = 250
-MAX_FUNCTION_LINES = 80
+
+# Sizes are a ratchet, not a wall: a module or function past its target is listed here at today's size and
+# may only shrink (lower its number when it does; drop it once it is back under the target). A limit is a
+# prompt to look for the smaller design, never a reason to cut a cohesive class into a base class in
+# another file: such a module gets a named exemption with its reason instead.
+TARGET_MODULE_LINES = 400
+#: a function's body: its lines after the signature and the docstring (so explicit keywords cost nothing)
+TARGET_BODY_LINES = 50
+
+LONG_MODULES: dict[str, int] = {
+    "aiocollect/_asyncenv/_collector.py": 480,
+    "aiocollect/_asyncenv/_run.py": 536,
+    "aiocollect/_asyncenv/_worker.py": 444,
+    "aiocollect/_distributed_weights.py": 483,
+    "aiocollect/_fast_policy.py": 598,
+    "aiocollect/_local/_collector.py": 612,
+    "aiocollect/_multi/_base.py": 601,
+    # two public collectors' explicit keyword signatures (DistributedCollector, DistributedSyncCollector)
+    "aiocollect/_remote/_gloo.py": 443,
+    "aiocollect/_remote/_launchers.py": 458,
+    "aiocollect/_remote/_nodes.py": 480,
+    "aiocollect/_remote/_ray.py": 521,
+    "aiocollect/_rollout.py": 575,
+    "aiocollect/_serve/_env_server.py": 403,
+    "aiocollect/_serve/_ws.py": 535,
+    "aiocollect/_workers/_pool.py": 426,
+    "aiocollect/_workers/_worker.py": 522,
+}
+
+#: cohesive modules allowed past the target, each with the size it may reach and why
+EXEMPT_MODULES: dict[str, tuple[int, str]] = {
+    "aiocollect/_envs/_gym.py": (
+        780,
+        "GymEnv is one class; its step methods belong in it (today they are functions in _gym_steps.py, "
+        "which imports GymEnv back, written so to meet the old 600-line cap)",
+    ),
+}
+
+LONG_FUNCTIONS: dict[str, int] = {
+    "aiocollect/_remote/_gloo.py:run_node": 78,
+    "aiocollect/_asyncenv/_run.py:Engine._env_task": 75,
+    "aiocollect/dashboard/_routes.py:build_app": 68,
+    "aiocollect/_multi/_base.py:MultiCollectorBase.__init__": 67,
+    "aiocollect/_envs/_gym.py:GymEnv._step_env_action": 67,
+    "aiocollect/_remote/_ray_fleet.py:ActorFleet._start": 65,
+    "aiocollect/_rollout.py:Rollout._run": 63,
+    "aiocollect/_envs/_gym.py:GymEnv.__init__": 63,
+    "aiocollect/_fast_policy.py:_Compiler._prob_module": 61,
+    "aiocollect/_multi/_base.py:MultiCollectorBase._start_workers": 60,
+    "aiocollect/_local/_collector.py:Collector.__init__": 60,
+    "aiocollect/_remote/_ray.py:RayCollector.__init__": 59,
+    "aiocollect/_envs/_gym_steps.py:run_steps": 59,
+    "aiocollect/_asyncenv/_run.py:Engine.__init__": 59,
+    "aiocollect/_serve/_actions.py:batch_action_checker": 54,
+    "aiocollect/_asyncenv/_collector.py:AsyncEnvCollector._on_enter": 52,
+}
 
 # Layers, bottom (0) to top. A module may import from its own layer and the layers below it.
 LAYERS: dict[str, int] = {
@@ -44,6 +99,7 @@ LAYERS: dict[str, int] = {
     # the wire and the rollout core
     "_transport": 3,
     "_rollout": 3,
+    "_rollout_batch": 3,
     "_recurrent": 3,
     "_rollout_thread": 3,
     "_storage": 3,
@@ -52,13 +108,12 @@ LAYERS: dict[str, int] = {
     "_workers": 4,
     "_weightsync": 4,
     "_distributed_weights": 4,
-    # local collectors
-    "_base": 5,
-    "_collector": 5,
+    # collectors: in this process (_local/), over worker processes (_multi/), async envs (_asyncenv/)
+    "_local": 5,
     "_multi": 5,
+    "_asyncenv": 5,
     "_fleet": 5,
     "_sinks": 5,
-    "_async": 5,
     # remote collectors: their nodes and actors host local collectors
     "_remote": 6,
     # envs and policies served over WebSocket (issue 16): servers host envs and policies
@@ -82,10 +137,9 @@ def layer_of(parts: tuple[str, ...]) -> int:
     """The layer of a module given its dotted parts below ``aiocollect``."""
     if not parts:
         return LAYERS["__init__"]
-    head = parts[0]
-    for name, level in LAYERS.items():
-        if head == name or head.startswith(name + "_"):  # _multi_sync, _multi_async ...
-            return level
+    level = LAYERS.get(parts[0])  # a module at the root, or a folder: its family
+    if level is not None:
+        return level
     raise AssertionError(f"aiocollect.{'.'.join(parts)} is in no layer: add it to LAYERS in {__file__}")
 
 
@@ -114,23 +168,54 @@ def is_module(parts: tuple[str, ...]) -> bool:
 TREES = {path: ast.parse(path.read_text(), filename=str(path)) for path in modules()}
 
 
+def sizes() -> dict[str, int]:
+    return {rel(p): p.read_text().count("\n") for p in TREES}
+
+
+def body_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    body = node.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    return 0 if not body or node.end_lineno is None else node.end_lineno - body[0].lineno + 1
+
+
+def functions(node: ast.AST, prefix: str = "") -> Iterator[tuple[str, int]]:
+    """``(qualified name, body lines)`` of every function under ``node``, methods as ``Class.name``."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+            yield prefix + child.name, body_lines(child)
+            yield from functions(child, f"{prefix}{child.name}.")
+        else:
+            yield from functions(
+                child, f"{prefix}{child.name}." if isinstance(child, ast.ClassDef) else prefix
+            )
+
+
 def test_module_sizes() -> None:
-    sizes = {rel(p): p.read_text().count("\n") for p in TREES}
-    too_long = {name: n for name, n in sizes.items() if n > MAX_MODULE_LINES}
-    assert not too_long, f"modules over {MAX_MODULE_LINES} lines: {too_long}"
-    assert statistics.median(sizes.values()) <= MEDIAN_MODULE_LINES
+    here = sizes()
+    over = []
+    for name, n in here.items():
+        limit = LONG_MODULES.get(name) or EXEMPT_MODULES.get(name, (TARGET_MODULE_LINES, ""))[0]
+        if n > limit:
+            over.append(f"{name} ({n} lines, limit {limit})")
+    assert not over, "modules past their size (a listed one may only shrink): " + "; ".join(over)
+    stale = [name for name in LONG_MODULES if here.get(name, 0) <= TARGET_MODULE_LINES]
+    assert not stale, f"back under {TARGET_MODULE_LINES} lines (or gone): drop from LONG_MODULES: {stale}"
+    assert statistics.median(here.values()) <= MEDIAN_MODULE_LINES
 
 
 def test_function_sizes() -> None:
-    too_long = [
-        f"{rel(p)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
-        for p, tree in TREES.items()
-        for node in ast.walk(tree)
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
-        and node.end_lineno is not None
-        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    found = {f"{rel(p)}:{name}": n for p, tree in TREES.items() for name, n in functions(tree)}
+    over = [
+        f"{name} ({n} body lines, limit {LONG_FUNCTIONS.get(name, TARGET_BODY_LINES)})"
+        for name, n in found.items()
+        if n > LONG_FUNCTIONS.get(name, TARGET_BODY_LINES)
     ]
-    assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines: {too_long}"
+    assert not over, "functions past their size (a listed one may only shrink): " + "; ".join(over)
+    stale = [name for name in LONG_FUNCTIONS if found.get(name, 0) <= TARGET_BODY_LINES]
+    assert not stale, (
+        f"back under {TARGET_BODY_LINES} body lines (or gone): drop from LONG_FUNCTIONS: {stale}"
+    )
 
 
 def declares_all(tree: ast.Module) -> bool:
@@ -179,3 +264,16 @@ def test_imports_run_down_the_layers() -> None:
                         f"{rel(path)} (layer {here}) imports aiocollect.{'.'.join(t)} (layer {layer_of(t)})"
                     )
     assert not upward, "imports against the layers: " + "; ".join(sorted(set(upward)))
+
+
+def test_architecture_names_every_module() -> None:
+    """``docs/architecture.md`` names every module (``_multi/_sync.py``; a package by its folder's
+    ``__init__.py`` only where it holds code)."""
+    text = (PACKAGE.parents[1] / "docs" / "architecture.md").read_text()
+    unnamed = [
+        name
+        for p in TREES
+        if not (p.name == "__init__.py" and len(TREES[p].body) <= 3)  # a folder's docstring and __all__
+        and (name := str(p.relative_to(PACKAGE))) not in text
+    ]
+    assert not unnamed, f"docs/architecture.md does not name: {unnamed}"

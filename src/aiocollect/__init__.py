@@ -12,8 +12,8 @@ from ._workers import _preload  # noqa: F401  (first: imports tensordict without
 
 # isort: split
 
-from ._async_collector import AsyncEnvCollector
-from ._collector import Collector
+from ._asyncenv._collector import AsyncEnvCollector
+from ._asyncenv._multi import MultiAsyncEnvCollector
 from ._distributed_weights import DistributedWeightSync
 from ._envs._async import AsyncEnvProtocol, AsyncVectorEnvProtocol, ThreadedAsyncEnv
 from ._envs._async_vector import ThreadedAsyncVectorEnv
@@ -34,6 +34,7 @@ from ._events import (
     WorkerStarted,
     WorkerStopped,
 )
+from ._local._collector import Collector
 from ._multi import (
     MultiAsyncCollector,
     MultiCollector,
@@ -41,7 +42,6 @@ from ._multi import (
     ProcessCollector,
     set_worker_warnings,
 )
-from ._multi_async_envs import MultiAsyncEnvCollector
 from ._options import RolloutOptions, WeightSchedule
 from ._policies import RandomPolicy
 from ._sinks import Sink, TensorBoardSink, WandbSink

@@ -23,8 +23,8 @@ import anyio.to_thread
 import cloudpickle
 from tensordict import TensorDictBase
 
-from ._base import CollectorBase
 from ._gather import gather
+from ._local._base import CollectorBase
 from ._stats import CollectorStatistics, WorkerState, WorkerStatistics
 from ._transport._messages import FleetOp, Reset, SetSeed
 from ._validation import seed_arg

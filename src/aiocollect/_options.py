@@ -41,7 +41,6 @@ from ._validation import (
 __all__ = [
     "RolloutOptions",
     "WeightSchedule",
-    "collector_options",
     "refuse_schedule",
     "renamed_keyword",
     "warn_deprecated",
@@ -362,22 +361,6 @@ class WeightSchedule:
     def sends_weights(self) -> bool:
         """Whether the schedule sends weights on its own (each batch or on an interval)."""
         return self.update_at_each_batch or self.max_weight_update_interval is not None
-
-
-def _named(cls: type, keywords: Mapping[str, Any], *extra: str) -> dict[str, Any]:
-    names = [f.name for f in fields(cls)] + list(extra)
-    return {name: keywords[name] for name in names if name in keywords}
-
-
-def collector_options(keywords: Mapping[str, Any]) -> tuple[RolloutOptions, WeightSchedule]:
-    """A collector's two options objects from its keywords (its constructor's ``locals()``): ``rollout=``
-    and ``weights=`` when given, else built from the keywords named like their fields (and
-    ``update_after_each_batch``, the deprecated spelling of ``update_at_each_batch``)."""
-    rollout = RolloutOptions.from_kwargs(keywords.get("rollout"), **_named(RolloutOptions, keywords))
-    weights = WeightSchedule.from_kwargs(
-        keywords.get("weights"), **_named(WeightSchedule, keywords, "update_after_each_batch")
-    )
-    return rollout, weights
 
 
 def refuse_schedule(schedule: WeightSchedule, collector: str, *, update_at_each_batch: bool = False) -> None:

@@ -22,7 +22,7 @@ import contextlib
 import math
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -35,15 +35,18 @@ from .._daemon import run_abandonable
 from .._distributed_weights import DistributedWeightSync
 from .._errors import RemoteFailure
 from .._gather import gather
+from .._local._collector import Collector
+from .._options import WeightSchedule
 from .._transport._flat import FlatBuffer, layout_of
 from .._transport._groups import check_backend, interface_from_env, new_group
 from .._transport._messages import Result
 from .._transport._store import StoreClient
 from .._transport._wire import AsyncChannel
 from .._weights import module_weights
+from ._args import UNSET
 from ._messages import BatchNotice, CallFailed, Close, Collect, Loaded, NodeBatch, NodeReady, Request, Setup
 from ._node import NodeCore
-from ._nodes import RemoteNode
+from ._nodes import DEFAULT_PROGRESS_TIMEOUT, RemoteNode
 from ._trainer import RemoteCollectorBase
 
 _TIMEOUT = 120.0  # seconds: rendezvous and transfers of the data group
@@ -225,11 +228,52 @@ class DistributedCollector(RemoteCollectorBase):
     _engine_name = "torch.distributed"
 
     def __init__(
-        self, create_env_fn: Any, policy: Any = None, *, backend: str = "gloo", **kwargs: Any
+        self,
+        create_env_fn: Any,
+        policy: Any = None,
+        *,
+        backend: str = "gloo",
+        frames_per_batch: int,
+        total_frames: int | None = -1,
+        sync: bool = False,
+        num_collectors: int | None = None,
+        collector_class: type = Collector,
+        collector_kwargs: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+        num_workers_per_collector: int = 1,
+        launcher: Any = "mp",
+        slurm_kwargs: Mapping[str, Any] | None = None,
+        tcp_port: int | None = None,
+        trainer_address: str | None = None,
+        progress_timeout: float | None = DEFAULT_PROGRESS_TIMEOUT,
+        update_at_each_batch: bool = False,
+        max_weight_update_interval: int | None = None,
+        progress: Any = None,
+        update_after_each_batch: Any = UNSET,
+        weights: WeightSchedule | None = None,
     ) -> None:
         check_backend(backend)
         self.backend = backend
-        super().__init__(create_env_fn, policy, **kwargs)
+        super().__init__(
+            create_env_fn,
+            policy,
+            frames_per_batch=frames_per_batch,
+            total_frames=total_frames,
+            sync=sync,
+            num_collectors=num_collectors,
+            collector_class=collector_class,
+            collector_kwargs=collector_kwargs,
+            num_workers_per_collector=num_workers_per_collector,
+            launcher=launcher,
+            slurm_kwargs=slurm_kwargs,
+            tcp_port=tcp_port,
+            trainer_address=trainer_address,
+            progress_timeout=progress_timeout,
+            update_at_each_batch=update_at_each_batch,
+            max_weight_update_interval=max_weight_update_interval,
+            progress=progress,
+            update_after_each_batch=update_after_each_batch,
+            weights=weights,
+        )
         self._group: Any = None
         self._sender: Any = None
         self._receivers: list[Any] = []
@@ -346,10 +390,54 @@ class DistributedSyncCollector(DistributedCollector):
         >>> # DistributedSyncCollector(lambda: GymEnv("CartPole-v1"), frames_per_batch=128, num_collectors=2)
     """
 
-    def __init__(self, create_env_fn: Any, policy: Any = None, **kwargs: Any) -> None:
-        if kwargs.pop("sync", True) is not True:
+    def __init__(
+        self,
+        create_env_fn: Any,
+        policy: Any = None,
+        *,
+        backend: str = "gloo",
+        frames_per_batch: int,
+        total_frames: int | None = -1,
+        sync: bool = True,
+        num_collectors: int | None = None,
+        collector_class: type = Collector,
+        collector_kwargs: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+        num_workers_per_collector: int = 1,
+        launcher: Any = "mp",
+        slurm_kwargs: Mapping[str, Any] | None = None,
+        tcp_port: int | None = None,
+        trainer_address: str | None = None,
+        progress_timeout: float | None = DEFAULT_PROGRESS_TIMEOUT,
+        update_at_each_batch: bool = False,
+        max_weight_update_interval: int | None = None,
+        progress: Any = None,
+        update_after_each_batch: Any = UNSET,
+        weights: WeightSchedule | None = None,
+    ) -> None:
+        if sync is not True:
             raise ValueError("DistributedSyncCollector is sync=True; use DistributedCollector for sync=False")
-        super().__init__(create_env_fn, policy, sync=True, **kwargs)
+        super().__init__(
+            create_env_fn,
+            policy,
+            backend=backend,
+            frames_per_batch=frames_per_batch,
+            total_frames=total_frames,
+            sync=sync,
+            num_collectors=num_collectors,
+            collector_class=collector_class,
+            collector_kwargs=collector_kwargs,
+            num_workers_per_collector=num_workers_per_collector,
+            launcher=launcher,
+            slurm_kwargs=slurm_kwargs,
+            tcp_port=tcp_port,
+            trainer_address=trainer_address,
+            progress_timeout=progress_timeout,
+            update_at_each_batch=update_at_each_batch,
+            max_weight_update_interval=max_weight_update_interval,
+            progress=progress,
+            update_after_each_batch=update_after_each_batch,
+            weights=weights,
+        )
 
 
 __all__ = ["DistributedCollector", "DistributedSyncCollector"]

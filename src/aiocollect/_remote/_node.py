@@ -19,7 +19,7 @@ import torch
 from tensordict import TensorDict
 
 from .._events import BatchDelivered, EpisodeFinished
-from .._multi_base import MultiCollectorBase
+from .._multi._base import MultiCollectorBase
 from .._transport._messages import GetAttr, GetState, LoadState, Reset, SetSeed
 from ._messages import ControlOp, HostSpec, NextBatch, NodeBatch, StageWeights, WaitLoaded
 

@@ -23,7 +23,6 @@ import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from tensordict import TensorDictBase
 
-from .._collector import Collector
 from .._errors import CollectorClosedError, WorkerTimeoutError
 from .._events import (
     WeightsLoaded,
@@ -31,9 +30,10 @@ from .._events import (
     WorkerFailed,
 )
 from .._gather import gather
-from .._multi_async import MultiAsyncCollector, ProcessCollector
-from .._multi_floors import DroppedBatchRenames
-from .._multi_sync import MultiSyncCollector
+from .._local._collector import Collector
+from .._multi._async import MultiAsyncCollector, ProcessCollector
+from .._multi._renames import DroppedBatchRenames
+from .._multi._sync import MultiSyncCollector
 from .._options import WeightSchedule
 from .._stats import WorkerState
 from .._transport._messages import FleetOp, GetState, LoadState

@@ -25,7 +25,7 @@ import secrets
 import socket
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any, cast
 
@@ -39,9 +39,12 @@ from tensordict import TensorDictBase
 from .._daemon import run_abandonable
 from .._errors import RemoteFailure, as_error
 from .._gather import gather
+from .._local._collector import Collector
+from .._options import WeightSchedule
 from .._transport._flat import rebuild
 from .._transport._store import StoreClient
 from .._transport._wire import AsyncChannel
+from ._args import UNSET
 from ._messages import (
     Close,
     ControlOp,
@@ -53,7 +56,7 @@ from ._messages import (
     StageWeights,
 )
 from ._node import NodeCore
-from ._nodes import RemoteNode
+from ._nodes import DEFAULT_PROGRESS_TIMEOUT, RemoteNode
 from ._trainer import RemoteCollectorBase
 
 _TIMEOUT = 120.0
@@ -203,7 +206,23 @@ class RPCCollector(RemoteCollectorBase):
         *,
         tensorpipe_options: Mapping[str, Any] | None = None,
         rpc_timeout: float = _TIMEOUT,
-        **kwargs: Any,
+        frames_per_batch: int,
+        total_frames: int | None = -1,
+        sync: bool = False,
+        num_collectors: int | None = None,
+        collector_class: type = Collector,
+        collector_kwargs: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+        num_workers_per_collector: int = 1,
+        launcher: Any = "mp",
+        slurm_kwargs: Mapping[str, Any] | None = None,
+        tcp_port: int | None = None,
+        trainer_address: str | None = None,
+        progress_timeout: float | None = DEFAULT_PROGRESS_TIMEOUT,
+        update_at_each_batch: bool = False,
+        max_weight_update_interval: int | None = None,
+        progress: Any = None,
+        update_after_each_batch: Any = UNSET,
+        weights: WeightSchedule | None = None,
     ) -> None:
         if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, (int, float)) or not rpc_timeout > 0:
             raise ValueError(f"rpc_timeout must be a positive number of seconds, got {rpc_timeout!r}")
@@ -219,7 +238,27 @@ class RPCCollector(RemoteCollectorBase):
             raise TypeError(
                 f"tensorpipe_options are not TensorPipeRpcBackendOptions arguments: {exc}"
             ) from exc
-        super().__init__(create_env_fn, policy, **kwargs)
+        super().__init__(
+            create_env_fn,
+            policy,
+            frames_per_batch=frames_per_batch,
+            total_frames=total_frames,
+            sync=sync,
+            num_collectors=num_collectors,
+            collector_class=collector_class,
+            collector_kwargs=collector_kwargs,
+            num_workers_per_collector=num_workers_per_collector,
+            launcher=launcher,
+            slurm_kwargs=slurm_kwargs,
+            tcp_port=tcp_port,
+            trainer_address=trainer_address,
+            progress_timeout=progress_timeout,
+            update_at_each_batch=update_at_each_batch,
+            max_weight_update_interval=max_weight_update_interval,
+            progress=progress,
+            update_after_each_batch=update_after_each_batch,
+            weights=weights,
+        )
         self._tp_options = options
         self._rpc_timeout = float(rpc_timeout)
         self._names: list[str] = []

@@ -12,13 +12,13 @@ import anyio.to_thread
 import torch
 from tensordict import TensorDictBase
 
-from .._collector import Collector
 from .._events import WeightsPublished
 from .._fleet import Member
 from .._gather import gather
-from .._multi_async import MultiAsyncCollector
-from .._multi_floors import DroppedBatchRenames
-from .._multi_sync import MultiSyncCollector
+from .._local._collector import Collector
+from .._multi._async import MultiAsyncCollector
+from .._multi._renames import DroppedBatchRenames
+from .._multi._sync import MultiSyncCollector
 from .._options import WeightSchedule
 from .._stats import WorkerState
 from .._transport._messages import FleetOp, GetAttr, GetState, LoadState

@@ -7,7 +7,7 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-from .._collector import Collector as NativeCollector
+from .._local._collector import Collector as NativeCollector
 from .._multi import MultiAsyncCollector as NativeMultiAsync
 from .._multi import MultiSyncCollector as NativeMultiSync
 from ._core import CompatCollector

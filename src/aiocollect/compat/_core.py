@@ -10,7 +10,7 @@ from typing import Any, Self
 import anyio
 from tensordict import TensorDictBase
 
-from .._collector import Collector as NativeCollector
+from .._local._collector import Collector as NativeCollector
 
 __all__ = ["CompatCollector"]
 

@@ -27,14 +27,9 @@ import cloudpickle
 import torch
 from tensordict import TensorDictBase
 
-from ._async_collector import AsyncEnvCollector
-from ._async_collector_envs import EnvSet
-from ._async_collector_policy import BatchPolicy
-from ._async_worker_frames import VERSION, WorkerFrames
-from ._async_worker_random import RandomFirst
-from ._events import EventStream, WorkerFailed
-from ._transport._flat import layout_of
-from ._transport._messages import (
+from .._events import EventStream, WorkerFailed
+from .._transport._flat import layout_of
+from .._transport._messages import (
     Attach,
     BatchReady,
     Call,
@@ -49,11 +44,16 @@ from ._transport._messages import (
     Result,
     RunFree,
 )
-from ._transport._shm import SharedBlock
-from ._transport._wire import BlockingChannel
-from ._weights import flat_weights
-from ._workers._paths import resolve
-from ._workers._worker import control_layout
+from .._transport._shm import SharedBlock
+from .._transport._wire import BlockingChannel
+from .._weights import flat_weights
+from .._workers._paths import resolve
+from .._workers._worker import control_layout
+from ._collector import AsyncEnvCollector
+from ._envset import EnvSet
+from ._policy import BatchPolicy
+from ._worker_frames import VERSION, WorkerFrames
+from ._worker_random import RandomFirst
 
 __all__ = ["EnvOffset", "EnvRows", "EnvShare", "WorkerConfig", "run_async_worker"]
 

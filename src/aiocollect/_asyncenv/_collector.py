@@ -15,15 +15,12 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
-from ._async_collector_envs import EnvSet, env_fns_arg, open_envs
-from ._async_collector_policy import BatchPolicy, is_async_policy
-from ._async_collector_run import Engine, EngineConfig
-from ._base import CollectorBase
-from ._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
-from ._gcfreeze import GcHold
-from ._stats import CollectorStatistics, WorkerStatistics
-from ._trajectories import split_trajectories
-from ._validation import (
+from .._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
+from .._gcfreeze import GcHold
+from .._local._base import CollectorBase
+from .._stats import CollectorStatistics, WorkerStatistics
+from .._trajectories import split_trajectories
+from .._validation import (
     exploration_type_arg,
     flag,
     non_negative_int,
@@ -35,6 +32,9 @@ from ._validation import (
     seed_arg,
     total_frames_arg,
 )
+from ._envset import EnvSet, env_fns_arg, open_envs
+from ._policy import BatchPolicy, is_async_policy
+from ._run import Engine, EngineConfig
 
 __all__ = ["ENV_THREADS", "AsyncEnvCollector", "max_wait_arg"]
 

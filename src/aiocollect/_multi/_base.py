@@ -9,11 +9,9 @@ batch is gathered.
 
 from __future__ import annotations
 
-import abc
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -22,29 +20,20 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
-from ._errors import CollectorClosedError, WorkerTimeoutError
-from ._events import WeightsPublished
-from ._fleet import FleetCollector, Member
-from ._gather import gather
-from ._multi_args import (
-    env_fns_arg,
-    pickled_env_fns,
-    set_worker_warnings,
-    show_worker_warnings,
-    start_method_arg,
-)
-from ._multi_floors import StalenessFloors
-from ._options import (
+from .._errors import CollectorClosedError, WorkerTimeoutError
+from .._events import WeightsPublished
+from .._fleet import FleetCollector, Member
+from .._gather import gather
+from .._options import (
     RolloutOptions,
     WeightSchedule,
-    collector_options,
     refuse_schedule,
     worker_backend_arg,
 )
-from ._stats import WorkerStatistics
-from ._torch_settings import TorchSettings
-from ._trajectories import split_trajectories
-from ._transport._messages import (
+from .._stats import WorkerStatistics
+from .._torch_settings import TorchSettings
+from .._trajectories import split_trajectories
+from .._transport._messages import (
     FleetOp,
     GetAttr,
     GetPath,
@@ -54,8 +43,8 @@ from ._transport._messages import (
     LoadWeights,
     MapFn,
 )
-from ._transport._shm import SharedBlock
-from ._validation import (
+from .._transport._shm import SharedBlock
+from .._validation import (
     optional_callable,
     optional_positive_int,
     policy_arg,
@@ -63,38 +52,27 @@ from ._validation import (
     replay_buffer_arg,
     timeout_arg,
 )
-from ._weights import flat_weights
-from ._weightsync import WeightSender, WeightSync, weight_sync_arg
-from ._workers._paths import parse_path
-from ._workers._pool import WorkerPool, start_forkserver
-from ._workers._worker import WorkerSpec, control_layout
+from .._weights import flat_weights
+from .._weightsync import WeightSender, WeightSync, weight_sync_arg
+from .._workers._paths import parse_path
+from .._workers._pool import WorkerPool, start_forkserver
+from .._workers._worker import WorkerSpec, control_layout
+from ._args import (
+    env_fns_arg,
+    pickled_env_fns,
+    set_worker_warnings,
+    show_worker_warnings,
+    start_method_arg,
+)
+from ._delivery import Delivering
 
 __all__ = [
-    "Delivery",
     "MultiCollectorBase",
     "env_fns_arg",
-    "episodes_of",
     "pickled_env_fns",
     "set_worker_warnings",
     "start_method_arg",
 ]
-
-
-@dataclass
-class Delivery:
-    batch: TensorDictBase
-    frames: int
-    per_worker_episodes: list[list[tuple[int, float, int]]]
-    worker_id: int | None
-    policy_version: int
-
-    @property
-    def episodes(self) -> list[tuple[int, float, int]]:
-        return [e for episodes in self.per_worker_episodes for e in episodes]
-
-
-def episodes_of(worker_id: int, notice: Any) -> list[tuple[int, float, int]]:
-    return [(worker_id, r, n) for r, n in zip(notice.episode_returns, notice.episode_lengths, strict=True)]
 
 
 async def _first_exit(pool: WorkerPool) -> None:
@@ -109,10 +87,9 @@ async def _first_exit(pool: WorkerPool) -> None:
             tg.start_soon(wait, handle.exited)
 
 
-class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
-    """What the multi-worker collectors share: start-up, shutdown, control, weights, statistics."""
-
-    _sync: bool
+class MultiCollectorBase(FleetCollector):
+    """What the multi-worker collectors share: start-up, shutdown, control, weights, statistics; how a
+    batch is gathered is the ``delivery``'s."""
 
     def __init__(
         self,
@@ -139,7 +116,7 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
         update_at_each_batch: bool = False,
         num_threads: int | None = None,
         num_sub_threads: int = 1,
-        worker_backend: Literal["process", "serial"] = "process",
+        worker_backend: str = "process",
         start_method: str | None = None,
         weight_sync: WeightSync | None = None,
         max_policy_lag: int | None = None,
@@ -149,16 +126,42 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
         worker_timeout: float | None = None,
         rollout: RolloutOptions | None = None,
         weights: WeightSchedule | None = None,
-        backend: Literal["process", "serial"] | None = None,
+        backend: str | None = None,
+        delivery: Delivering,
     ) -> None:
         env_fns = env_fns_arg(create_env_fns)
-        options, self._schedule = collector_options(locals())
-        self._options = options
+        self._delivery = delivery
+        options = RolloutOptions.from_kwargs(
+            rollout,
+            frames_per_batch=frames_per_batch,
+            total_frames=total_frames,
+            max_frames_per_traj=max_frames_per_traj,
+            init_random_frames=init_random_frames,
+            reset_at_each_iter=reset_at_each_iter,
+            split_trajs=split_trajs,
+            set_truncated=set_truncated,
+            exploration_type=exploration_type,
+            seed=seed,
+            device=device,
+            env_device=env_device,
+            policy_device=policy_device,
+            storing_device=storing_device,
+            compile_policy=compile_policy,
+            traj_id_start=traj_id_start,
+            traj_id_stride=traj_id_stride,
+        )
+        schedule = WeightSchedule.from_kwargs(
+            weights,
+            update_at_each_batch=update_at_each_batch,
+            track_policy_version=track_policy_version,
+            max_policy_lag=max_policy_lag,
+        )
+        self._options, self._schedule = options, schedule
         refuse_schedule(self._schedule, type(self).__name__, update_at_each_batch=True)
         self.num_workers = n = len(env_fns)
         self.total_frames = options.total_frames
         self._seed = options.seed
-        self._per_worker_fpb = self._split_frames(options.frames_per_batch, n)
+        self._per_worker_fpb = delivery.split_frames(options.frames_per_batch, n)
         self._postproc = optional_callable("postproc", postproc)
         self.replay_buffer = replay_buffer_arg(replay_buffer)
         self._num_threads = optional_positive_int("num_threads", num_threads, fix="None leaves it")
@@ -189,16 +192,10 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
         self._floors = [0] * n
         #: frames of stale batches dropped here; frames the workers discarded (the control block's
         #: "discarded"), as they were when the collector closed
-        self._dropped_frames = 0
-        self._last_discarded = 0
+        self._dropped_frames = self._last_discarded = 0
         # async: the largest worker batch (all equal unless frames_per_batch is a per-worker list)
-        self.frames_per_batch = sum(self._per_worker_fpb) if self._sync else max(self._per_worker_fpb)
+        self.frames_per_batch = sum(self._per_worker_fpb) if delivery.sync else max(self._per_worker_fpb)
         start_forkserver(self._backend, self._start_method)  # imports while the trainer sets up
-
-    @staticmethod
-    @abc.abstractmethod
-    def _split_frames(frames_per_batch: int | Sequence[int], n: int) -> list[int]:
-        """Frames per batch of each of the ``n`` workers."""
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def _on_enter(self) -> None:
@@ -252,7 +249,7 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
             specs,
             backend=self._backend,
             start_method=self._start_method,
-            slots_per_worker=self._slots_per_worker(),
+            slots_per_worker=self._delivery.slots_per_worker(self),
             on_event=self._hub.publish,
             timeout=self._worker_timeout,
             on_message=self._worker_message,
@@ -265,13 +262,11 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
         else:
             await self._pool.start(self._task_group)
         ready = [w.ready for w in self._pool.workers]
-        self._check_layouts(ready)
+        self._delivery.check_layouts(ready)
         self._worker_frames = [r.frames_per_batch for r in ready if r is not None]
-        if self._sync:
-            self.frames_per_batch = sum(self._worker_frames)
-        else:
-            self.frames_per_batch = max(self._worker_frames)
+        self.frames_per_batch = (sum if self._delivery.sync else max)(self._worker_frames)
         await self._members_started()
+        await self._delivery.started(self, self._pool)
 
     def _worker_body(self) -> Any:
         """``WorkerSpec.run`` of the workers: None (the rollout worker), or another kind's body."""
@@ -281,14 +276,10 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
         """A message of worker ``index``'s own body (``_worker_body``), outside the rollout protocol:
         none by default (``MultiAsyncEnvCollector``'s workers send some)."""
 
-    def _slots_per_worker(self) -> int:
-        """Shared-memory batch slots per worker: one (sync: a worker collects when asked), or two (async:
-        a worker collects its next batch while the trainer reads this one)."""
-        return 1 if self._sync else 2
-
-    @abc.abstractmethod
-    def _check_layouts(self, ready: list[Any]) -> None:
-        """Raise ``ValueError`` if the workers' batches cannot be delivered as this collector does."""
+    def _budget_fits_batches(self) -> bool:
+        # batches of different sizes (per-worker frames_per_batch) arrive in no set order: no warning
+        varied = not self._delivery.sync and len(set(self._worker_frames)) > 1
+        return varied or super()._budget_fits_batches()
 
     async def _shutdown(self) -> None:
         with anyio.CancelScope(shield=True):
@@ -343,7 +334,7 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
         try:
             pool = self._active_pool()
             try:
-                out = await self._next_batch(pool)
+                out = await self._delivery.next_batch(self, pool)
             except Exception as exc:
                 if pool.failure is not None:  # closed for good: any further use says so
                     self._closed_reason = f"a worker failed with {type(exc).__name__}: {exc}"
@@ -358,7 +349,9 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
             if self._options.devices.storing is not None:
                 batch = batch.to(self._options.devices.storing)
             if self.replay_buffer is not None:
-                await anyio.to_thread.run_sync(self.replay_buffer.extend, self._frames_for_buffer(batch))
+                await anyio.to_thread.run_sync(
+                    self.replay_buffer.extend, self._delivery.frames_for_buffer(self, batch)
+                )
                 return None
             return batch
         finally:
@@ -386,15 +379,6 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
                 )
                 pool.fail(error)
                 raise error
-
-    @abc.abstractmethod
-    async def _next_batch(self, pool: WorkerPool) -> Delivery:
-        """One batch, its valid frames and the episodes that ended in it."""
-
-    def _frames_for_buffer(self, batch: TensorDictBase) -> TensorDictBase:
-        """What ``replay_buffer.extend`` gets: the batch as delivered (one worker's rollout, as torchrl's
-        workers extend theirs)."""
-        return batch
 
     # -- control ----------------------------------------------------------------------------------
     @property
@@ -497,7 +481,8 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
         (their slots freed at once), and rollouts in flight stop at their next step and start again on
         the new weights, their partial frames discarded. The envs are not reset. Discarded frames are
         counted in ``statistics().frames_discarded``. ``max_policy_lag=0`` on ``MultiAsyncCollector``
-        flushes at every update.
+        flushes at every update. On ``MultiAsyncEnvCollector`` each worker instead drops the frames it
+        holds below the floor, and the workers below it load the new weights before this returns.
 
         Args:
             policy_or_weights: an ``nn.Module``, a TensorDict of weights or a state dict; ``None`` means
@@ -514,10 +499,12 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
         """
         if not isinstance(flush, bool):
             raise TypeError(f"flush must be True or False, got {flush!r}")
-        pool = self._active_pool()
+        self._check_open()  # a closed collector says so first, an un-entered one after the policy check
         weights = self._weights_to_publish(policy_or_weights)
+        pool = self._active_pool()
         assert self._sender is not None  # a collector with weights has a sender
         ids = self._target_ids(worker_ids)
+        raised: list[int] = []  # the workers whose staleness floor rose
         async with self._weights_lock:
             # numbers are never reused: an update interrupted midway may still reach some workers
             version = self._issued = self._issued + 1
@@ -530,16 +517,34 @@ class MultiCollectorBase(StalenessFloors, FleetCollector, abc.ABC):
             self._hub.publish(WeightsPublished(version))
             if self._control is not None:
                 # the floors first: a worker that reads the new "published" sees them (Worker._spare_ids)
-                floor = self._floor_after(version, flush)
-                raised = floor is not None and self._raise_floors(ids, floor)
+                floor = self._delivery.floor_after(self, version, flush)
+                raised = self._raise_floors(ids, floor) if floor is not None else []
                 published = self._control.td["published"]
                 for i in ids:
                     published[i] = version
                 if raised:
-                    await self._drop_stale(pool)
+                    await self._delivery.drop_stale(self, pool)
         if wait:
             await self._load_now(pool, ids)
+        elif raised:
+            await self._delivery.load_behind(self, pool, raised)
         return version
+
+    def _raise_floors(self, ids: list[int], floor: int) -> list[int]:
+        """Workers ``ids`` deliver nothing older than ``floor`` from now on: the shared floor makes their
+        rollouts in flight restart (the weights are published already); the workers whose floor rose."""
+        assert self._control is not None
+        raised = [i for i in ids if floor > self._floors[i]]
+        for i in raised:
+            self._floors[i] = self._control.td["floor"][i] = floor
+        return raised
+
+    def _frames_discarded(self) -> int:
+        """Frames collected and not delivered: rollouts the workers restarted on newer weights, and
+        batches dropped here as stale."""
+        control = self._control
+        in_workers = int(control.td["discarded"].sum()) if control is not None else self._last_discarded
+        return in_workers + self._dropped_frames
 
     @staticmethod
     async def _load_now(pool: WorkerPool, ids: list[int]) -> None:

@@ -15,10 +15,10 @@ from gymnasium import spaces
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import InteractionType, set_interaction_type
 
-from ._envs._spaces import NestedKey, action_bounds, action_leaf_spaces, action_outside_space
-from ._policies import RandomPolicy, make_runner
-from ._rollout_thread import Doorbell, RolloutThread
-from ._weights import as_weights, check_compatible, copy_weights, module_weights
+from .._envs._spaces import NestedKey, action_bounds, action_leaf_spaces, action_outside_space
+from .._policies import RandomPolicy, make_runner
+from .._rollout_thread import Doorbell, RolloutThread
+from .._weights import as_weights, check_compatible, copy_weights, module_weights
 
 __all__ = ["ActionCodec", "BatchPolicy", "is_async_policy"]
 

@@ -12,9 +12,9 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from ._envs._async import ThreadedAsyncEnv, is_async_vector_env
-from ._envs._async_vector import ThreadedAsyncVectorEnv
-from ._envs._spaces import LeafSpec, NestedKey, action_specs, flatten_obs, observation_specs
+from .._envs._async import ThreadedAsyncEnv, is_async_vector_env
+from .._envs._async_vector import ThreadedAsyncVectorEnv
+from .._envs._spaces import LeafSpec, NestedKey, action_specs, flatten_obs, observation_specs
 
 __all__ = ["EnvSet", "env_fns_arg", "open_envs", "vector_width"]
 

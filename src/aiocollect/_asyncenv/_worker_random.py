@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from gymnasium import spaces
 
-from ._async_collector_policy import BatchPolicy
-from ._envs._spaces import NestedKey
-from ._policies import RandomPolicy
+from .._envs._spaces import NestedKey
+from .._policies import RandomPolicy
+from ._policy import BatchPolicy
 
 __all__ = ["RandomFirst"]
 

@@ -13,21 +13,12 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
-from ._async_collector import max_wait_arg, on_env_error_arg
-from ._async_collector_worker import EnvOffset, EnvRows, EnvShare, WorkerConfig, run_async_worker
-from ._async_worker_frames import FLOOR, VERSION
-from ._events import WorkerFailed
-from ._multi_async import MultiAsyncCollector
-from ._multi_async_envs_args import (
-    frames_arg,
-    loop_arg,
-    refuse_unsupported,
-    shares_arg,
-    warn_envs_wait,
-)
-from ._multi_base import Delivery
-from ._trajectories import split_trajectories
-from ._validation import (
+from .._events import WorkerFailed
+from .._multi._async import FirstReady
+from .._multi._base import MultiCollectorBase
+from .._multi._delivery import Delivery
+from .._trajectories import split_trajectories
+from .._validation import (
     exploration_type_arg,
     flag,
     init_random_frames_arg,
@@ -37,8 +28,18 @@ from ._validation import (
     optional_positive_int,
     seed_arg,
 )
-from ._weightsync import WeightSync
-from ._workers._pool import WorkerPool
+from .._weightsync import WeightSync
+from .._workers._pool import WorkerPool
+from ._collector import max_wait_arg, on_env_error_arg
+from ._multi_args import (
+    frames_arg,
+    loop_arg,
+    refuse_unsupported,
+    shares_arg,
+    warn_envs_wait,
+)
+from ._worker import EnvOffset, EnvRows, EnvShare, WorkerConfig, run_async_worker
+from ._worker_frames import FLOOR, VERSION
 
 __all__ = ["MultiAsyncEnvCollector"]
 
@@ -61,7 +62,54 @@ class _Finish:
         return self.postproc(batch) if self.postproc is not None else batch
 
 
-class MultiAsyncEnvCollector(MultiAsyncCollector):
+class _EnvsFirstReady(FirstReady):
+    """First ready, first served, over async-env workers: every frame carries its policy version and the
+    floor its worker knew when it was cut into a batch (see :meth:`next_batch`). The parent renames no
+    trajectory: an env's trajectory may have no frame in a batch (envs step at their own pace), so the
+    parent cannot tell a gap from a pause; the workers give fresh ids themselves."""
+
+    def __init__(self, workers: int, track_versions: bool) -> None:
+        super().__init__(renames=False)
+        self._track_versions = track_versions
+        self._cut = [0] * workers  # per worker: the newest floor one of its batches was dropped at
+
+    def stale(self, fleet: MultiCollectorBase, index: int, policy_version: int) -> bool:
+        stale = super().stale(fleet, index, policy_version)
+        if stale:  # dropped: see next_batch
+            self._cut[index] = max(self._cut[index], fleet._floors[index])
+        return stale
+
+    async def next_batch(self, fleet: MultiCollectorBase, pool: WorkerPool) -> Delivery:
+        """The next batch whose every frame is at or above its worker's floor, and that continues no
+        trajectory of a batch dropped here under the same id.
+
+        A batch written before the floor rose, its newest frames above the floor and older ones below,
+        is dropped whole (batches keep their size). Once a batch of a worker is dropped at floor ``f``,
+        the ones it cut before it knew of ``f`` are dropped too: they may go on with trajectory ids of
+        the dropped one (from ``f`` on, the worker gives the trajectories in flight fresh ids)."""
+        while True:
+            out = await super().next_batch(fleet, pool)
+            index = out.worker_id
+            assert index is not None
+            batch, floor = out.batch, fleet._floors[index]
+            if int(batch.get(VERSION).min()) < floor:
+                self._cut[index] = max(self._cut[index], floor)
+            elif int(batch.get(FLOOR)[0]) >= self._cut[index]:
+                break
+            fleet._dropped_frames += out.frames
+        out.batch = batch.exclude(FLOOR) if self._track_versions else batch.exclude(FLOOR, VERSION)
+        return out
+
+    async def load_behind(self, fleet: MultiCollectorBase, pool: WorkerPool, raised: list[int]) -> None:
+        """The workers whose floor rose and that run older weights load the new ones now, not after
+        their next batch (each drops the frames it holds below the floor; its next batch would be
+        dropped otherwise)."""
+        behind = [i for i in raised if pool.workers[i].policy_version < fleet._floors[i]]
+        if behind:
+            await fleet._load_now(pool, behind)
+
+
+class MultiAsyncEnvCollector(MultiCollectorBase):
     """Async envs in worker processes: each process runs its own event loop, an
     :class:`AsyncEnvCollector` over its share of the envs with its own policy copy (dynamic batching of
     the ready envs), so that every core of the machine serves I/O-bound envs.
@@ -217,12 +265,8 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
             worker_timeout=worker_timeout,
             traj_id_start=traj_id_start,
             traj_id_stride=traj_id_stride,
+            delivery=_EnvsFirstReady(len(shares), self._track_versions),
         )
-        self._cut = [0] * self.num_workers  # per worker: the newest floor one of its batches was dropped at
-
-    #: not here: an env's trajectory may have no frame in a batch (envs step at their own pace), so the
-    #: parent cannot tell a gap from a pause; the workers give fresh ids themselves (see _next_batch)
-    _renames_after_drops = False
 
     def _worker_body(self) -> Any:
         return functools.partial(run_async_worker, self._async_config)
@@ -249,68 +293,6 @@ class MultiAsyncEnvCollector(MultiAsyncCollector):
                 await pool.send(i, EnvOffset(first))
             except Exception:  # the pool failed (a worker died or raised): its start-up raises why
                 return
-
-    def _stale(self, index: int, policy_version: int) -> bool:
-        stale = super()._stale(index, policy_version)
-        if stale:  # dropped: see _next_batch
-            self._cut[index] = max(self._cut[index], self._floors[index])
-        return stale
-
-    async def _next_batch(self, pool: WorkerPool) -> Delivery:
-        """The next batch whose every frame is at or above its worker's floor, and that continues no
-        trajectory of a batch dropped here under the same id.
-
-        A batch written before the floor rose, its newest frames above the floor and older ones below,
-        is dropped whole (batches keep their size). Once a batch of a worker is dropped at floor ``f``,
-        the ones it cut before it knew of ``f`` are dropped too: they may go on with trajectory ids of
-        the dropped one (from ``f`` on, the worker gives the trajectories in flight fresh ids)."""
-        while True:
-            out = await super()._next_batch(pool)
-            index = out.worker_id
-            assert index is not None
-            batch, floor = out.batch, self._floors[index]
-            if int(batch.get(VERSION).min()) < floor:
-                self._cut[index] = max(self._cut[index], floor)
-            elif int(batch.get(FLOOR)[0]) >= self._cut[index]:
-                break
-            self._dropped_frames += out.frames
-        out.batch = batch.exclude(FLOOR) if self._track_versions else batch.exclude(FLOOR, VERSION)
-        return out
-
-    async def update_weights(
-        self,
-        policy_or_weights: Any = None,
-        *,
-        worker_ids: Sequence[int] | None = None,
-        wait: bool = False,
-        flush: bool = False,
-    ) -> int:
-        """Publish weights to the workers and return the new version (see
-        :meth:`MultiAsyncCollector.update_weights`); each worker loads them between two policy calls,
-        after its next batch, or at once with ``wait=True``.
-
-        ``flush=True`` (and every update under ``max_policy_lag``) delivers nothing older than the floor
-        from then on: the batches waiting in the slots are dropped, each worker drops the frames it holds
-        below the floor, and the workers below it load the new weights before this returns. The envs
-        are not reset; the frames dropped are counted in ``statistics().frames_discarded``."""
-        if not isinstance(self._source_policy, torch.nn.Module):
-            raise TypeError(
-                f"the collector's policy ({type(self._source_policy).__name__}) has no weights to update; "
-                "update_weights needs an nn.Module policy"
-            )
-        floors = list(self._floors)
-        version = await super().update_weights(
-            policy_or_weights, worker_ids=worker_ids, wait=wait, flush=flush
-        )
-        pool = self._active_pool()
-        behind = [
-            i
-            for i, floor in enumerate(self._floors)
-            if floor > floors[i] and pool.workers[i].policy_version < floor and not wait
-        ]
-        if behind:  # they load the new weights now, not after their next batch (dropped otherwise)
-            await self._load_now(pool, behind)
-        return version
 
     def _unsupported(self, what: str) -> TypeError:
         return TypeError(

@@ -17,8 +17,8 @@ import anyio
 import numpy as np
 
 if TYPE_CHECKING:
-    from ._async_collector_envs import EnvSet
-    from ._async_collector_frames import FrameBatch
+    from ._envset import EnvSet
+    from ._frames import FrameBatch
 
 __all__ = ["END", "IN_VECTOR", "VectorSteps"]
 

@@ -15,8 +15,8 @@ import anyio
 import anyio.abc
 from tensordict import TensorDictBase
 
-from ._errors import CollectorClosedError
-from ._events import (
+from .._errors import CollectorClosedError
+from .._events import (
     BatchDelivered,
     EpisodeFinished,
     EventHub,
@@ -26,11 +26,11 @@ from ._events import (
     Paused,
     Resumed,
 )
-from ._progress import Progress
-from ._stats import StatsTracker
+from .._progress import Progress
+from .._stats import StatsTracker
 
 if TYPE_CHECKING:
-    from ._sinks import Sink
+    from .._sinks import Sink
 
 __all__ = ["CollectorBase"]
 

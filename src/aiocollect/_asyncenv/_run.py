@@ -28,12 +28,12 @@ import anyio.lowlevel
 import numpy as np
 import torch
 
-from ._async_collector_envs import EnvSet
-from ._async_collector_frames import FrameBatch, Layout, PolicyCall
-from ._async_collector_policy import ActionCodec, BatchPolicy
-from ._async_collector_vector import END, IN_VECTOR, VectorSteps
-from ._envs._spaces import LeafSpec, NestedKey
-from ._events import WorkerFailed
+from .._envs._spaces import LeafSpec, NestedKey
+from .._events import WorkerFailed
+from ._envset import EnvSet
+from ._frames import FrameBatch, Layout, PolicyCall
+from ._policy import ActionCodec, BatchPolicy
+from ._vector import END, IN_VECTOR, VectorSteps
 
 __all__ = ["DISPATCH_CHUNK", "Engine", "EngineConfig", "Signal"]
 

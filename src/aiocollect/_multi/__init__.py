@@ -1,5 +1,5 @@
 """The multi-process collectors: ``MultiSyncCollector``, ``MultiAsyncCollector``, ``ProcessCollector``
-and the ``MultiCollector(sync=...)`` factory. Their shared base is ``_multi_base.MultiCollectorBase``.
+and the ``MultiCollector(sync=...)`` factory. Their shared base is ``_base.MultiCollectorBase``.
 """
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ._multi_async import MultiAsyncCollector, ProcessCollector
-from ._multi_base import MultiCollectorBase, set_worker_warnings
-from ._multi_sync import MultiSyncCollector
+from ._async import MultiAsyncCollector, ProcessCollector
+from ._base import MultiCollectorBase, set_worker_warnings
+from ._sync import MultiSyncCollector
 
 __all__ = [
     "MultiAsyncCollector",

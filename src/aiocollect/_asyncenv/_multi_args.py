@@ -7,8 +7,8 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ._async_collector_envs import env_fns_arg
-from ._validation import positive_int
+from .._validation import positive_int
+from ._envset import env_fns_arg
 
 __all__ = [
     "UNSUPPORTED",

@@ -20,16 +20,15 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
-from ._base import CollectorBase
-from ._errors import WorkerTimeoutError
-from ._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
-from ._options import RolloutOptions, WeightSchedule, collector_options, refuse_schedule
-from ._rng import RolloutRNG, forked_rng
-from ._rollout import RolloutResult, build_rollout, open_env
-from ._rollout_thread import Doorbell, Job, RolloutThread
-from ._stats import CollectorStatistics, WorkerStatistics
-from ._trajectories import split_trajectories
-from ._validation import (
+from .._errors import WorkerTimeoutError
+from .._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
+from .._options import RolloutOptions, WeightSchedule, refuse_schedule
+from .._rng import RolloutRNG, forked_rng
+from .._rollout import RolloutResult, build_rollout, open_env
+from .._rollout_thread import Doorbell, Job, RolloutThread
+from .._stats import CollectorStatistics, WorkerStatistics
+from .._trajectories import split_trajectories
+from .._validation import (
     flag,
     non_negative_int,
     optional_callable,
@@ -38,8 +37,9 @@ from ._validation import (
     seed_arg,
     timeout_arg,
 )
-from ._weights import as_weights, check_compatible, copy_weights, module_weights
-from ._weightsync import weight_sync_arg
+from .._weights import as_weights, check_compatible, copy_weights, module_weights
+from .._weightsync import weight_sync_arg
+from ._base import CollectorBase
 
 __all__ = ["Collector"]
 
@@ -145,7 +145,31 @@ class Collector(CollectorBase):
         weights: WeightSchedule | None = None,
     ) -> None:
         # -- every argument is checked before the env is built ----------------------------------
-        self._options, self._schedule = options, _ = collector_options(locals())
+        options = RolloutOptions.from_kwargs(
+            rollout,
+            frames_per_batch=frames_per_batch,
+            total_frames=total_frames,
+            max_frames_per_traj=max_frames_per_traj,
+            init_random_frames=init_random_frames,
+            reset_at_each_iter=reset_at_each_iter,
+            split_trajs=split_trajs,
+            set_truncated=set_truncated,
+            exploration_type=exploration_type,
+            seed=seed,
+            device=device,
+            env_device=env_device,
+            policy_device=policy_device,
+            storing_device=storing_device,
+            compile_policy=compile_policy,
+            traj_id_start=traj_id_start,
+            traj_id_stride=traj_id_stride,
+        )
+        schedule = WeightSchedule.from_kwargs(
+            weights,
+            track_policy_version=track_policy_version,
+            max_policy_lag=max_policy_lag,
+        )
+        self._options, self._schedule = options, schedule
         if not isinstance(options.frames_per_batch, int):
             raise TypeError(
                 f"Collector takes one frames_per_batch (an int), got {options.frames_per_batch!r}"

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from ._envs._spaces import LeafSpec, NestedKey
+from .._envs._spaces import LeafSpec, NestedKey
 
 __all__ = ["FrameBatch", "Layout", "PolicyCall"]
 

@@ -1,0 +1,384 @@
+"""First ready, first served: the delivery of ``MultiAsyncCollector``, ``ProcessCollector`` and
+``MultiAsyncEnvCollector`` (each batch is one worker's), and the first two collectors."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import anyio
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import InteractionType
+
+from .._options import RolloutOptions, WeightSchedule
+from .._transport._messages import Release, RunFree
+from .._weightsync import WeightSync
+from .._workers._pool import WorkerPool
+from ._base import MultiCollectorBase
+from ._delivery import Delivery, episodes_of
+from ._renames import TrajectoryRenames
+
+__all__ = ["FirstReady", "MultiAsyncCollector", "ProcessCollector"]
+
+_TRAJ_IDS = ("collector", "traj_ids")
+
+
+class FirstReady:
+    """Each batch is one worker's, the first ready first; workers collect ahead into their slots (one
+    with ``max_policy_lag=0``, handed back when the trainer asks for its next batch), and a batch below
+    its worker's staleness floor is dropped, its slot handed back at once.
+
+    ``renames``: the parent renames the trajectories that go on after a batch it dropped (a rollout
+    worker's batch holds a frame of every trajectory in flight, so the ones in flight at the end of the
+    last delivered batch and present in the next one went on across the dropped one).
+    """
+
+    sync = False
+
+    def __init__(self, *, renames: bool = True) -> None:
+        self._renames_after_drops = renames
+        #: batch notices a flush took from the pool's stream and kept (fresh ones, a failure)
+        self._backlog: deque[Any] = deque()
+        #: on-policy (max_policy_lag=0): slots delivered and not yet handed back (until the next batch
+        #: is asked for)
+        self._held: list[tuple[int, int]] = []
+        #: per worker, the trajectories renamed because they go on across a batch dropped as stale
+        self._renames: list[TrajectoryRenames] = []
+
+    @staticmethod
+    def split_frames(frames_per_batch: int | Sequence[int], n: int) -> list[int]:
+        if not isinstance(frames_per_batch, int):  # checked already (RolloutOptions): positive ints
+            if len(frames_per_batch) != n:
+                raise ValueError(
+                    f"frames_per_batch has {len(frames_per_batch)} values for {n} workers: give one per "
+                    "worker (worker i's batches hold frames_per_batch[i] frames) or one int for all"
+                )
+            return list(frames_per_batch)
+        return [frames_per_batch] * n
+
+    @staticmethod
+    def on_demand(fleet: MultiCollectorBase) -> bool:
+        """On-policy (``max_policy_lag=0``): a batch collected while the trainer trains is dropped at its
+        next update, and takes CPU from it. So each worker has one slot, handed back when the trainer
+        asks for its next batch: the workers collect while the trainer waits for batches, and wait
+        while it trains."""
+        return fleet._schedule.max_policy_lag == 0
+
+    def slots_per_worker(self, fleet: MultiCollectorBase) -> int:
+        return 1 if self.on_demand(fleet) else 2
+
+    def check_layouts(self, ready: list[Any]) -> None:
+        """Batches are delivered one worker at a time: any layouts go."""
+
+    async def started(self, fleet: MultiCollectorBase, pool: WorkerPool) -> None:
+        """The workers run: each collects freely from now on (its share of the random frames first)."""
+        self._renames = [TrajectoryRenames() for _ in range(fleet.num_workers)]
+        init_random = fleet._options.init_random_frames
+        per_worker_random = math.ceil(init_random / fleet.num_workers) if init_random else 0
+        for i in range(fleet.num_workers):
+            await pool.send(i, RunFree(random_frames=per_worker_random))
+            pool.workers[i].expected_since = anyio.current_time()
+
+    @staticmethod
+    def floor_after(fleet: MultiCollectorBase, version: int, flush: bool) -> int | None:
+        lag = fleet._schedule.max_policy_lag
+        if flush or lag == 0:
+            return version
+        return version - lag if lag is not None and version > lag else None
+
+    @staticmethod
+    async def _release(pool: WorkerPool, index: int, slot: int) -> None:
+        """Hand ``slot`` back to worker ``index``, which collects into it again (shielded: a slot
+        received and not handed back would stop that worker for good)."""
+        handle = pool.workers[index]
+        with anyio.CancelScope(shield=True):
+            await pool.send(index, Release(slot))
+        handle.held_slots -= 1
+        if handle.expected_since is None:  # it was blocked on full slots: it collects again now
+            handle.expected_since = anyio.current_time()
+
+    async def drop_stale(self, fleet: MultiCollectorBase, pool: WorkerPool) -> None:
+        """Drop the batches waiting to be read that are now below their worker's floor: now, not when
+        next read (their workers may be blocked on full slots, and collect again once a slot is free)."""
+        with anyio.CancelScope(shield=True):
+            waiting = list(self._backlog)
+            self._backlog.clear()
+            while True:
+                try:
+                    waiting.append(pool.deliveries.receive_nowait())
+                except anyio.WouldBlock:
+                    break
+            for item in waiting:
+                if isinstance(item, tuple) and self.stale(fleet, item[0], item[1].policy_version):
+                    self._drop(fleet, item[0], item[1])
+                    await self._release(pool, item[0], item[1].slot)
+                else:  # fresh already (loaded before the floor was raised), or the pool's failure
+                    self._backlog.append(item)
+
+    def stale(self, fleet: MultiCollectorBase, index: int, policy_version: int) -> bool:
+        """Whether a batch of worker ``index`` collected with ``policy_version`` is below its floor."""
+        return policy_version < fleet._floors[index]
+
+    async def _next_notice(self, fleet: MultiCollectorBase, pool: WorkerPool) -> tuple[int, Any]:
+        """The next fresh batch notice; stale ones (below their worker's floor) are dropped and their
+        slots released, without a delivery."""
+        while True:
+            if self._backlog:
+                item = self._backlog.popleft()
+                if not isinstance(item, tuple):  # the pool failed: raise its error
+                    self._backlog.appendleft(item)
+                    pool.check()
+                index, notice = item
+            else:
+                index, notice = await fleet._receive(pool)
+            if not self.stale(fleet, index, notice.policy_version):
+                return index, notice
+            self._drop(fleet, index, notice)
+            await self._release(pool, index, notice.slot)
+
+    def _drop(self, fleet: MultiCollectorBase, index: int, notice: Any) -> None:
+        """Worker ``index``'s batch ``notice`` is stale: counted, not delivered (its trajectories that go
+        on in the next batches take fresh ids)."""
+        fleet._dropped_frames += notice.frames
+        self._renames[index].dropped()
+
+    async def next_batch(self, fleet: MultiCollectorBase, pool: WorkerPool) -> Delivery:
+        held, self._held = self._held, []
+        for index, slot in held:  # the trainer asks for a batch: the workers collect again
+            await self._release(pool, index, slot)
+        while True:
+            index, notice = await self._next_notice(fleet, pool)
+            handle = pool.workers[index]
+            batch = handle.slots[notice.slot].td.clone()  # the one copy out of shared memory
+            if not self.stale(fleet, index, notice.policy_version) and self.on_demand(fleet):
+                self._held.append((index, notice.slot))
+                break
+            await self._release(pool, index, notice.slot)
+            if not self.stale(fleet, index, notice.policy_version):
+                break
+            # overtaken while it was being read (a concurrent update_weights(flush=True))
+            self._drop(fleet, index, notice)
+        if self._renames_after_drops:
+            ids = batch.get(_TRAJ_IDS)
+            renamed = self._renames[index].delivered(ids, notice.steps, notice.spare_ids)
+            if renamed is not ids:
+                batch.set(_TRAJ_IDS, renamed)
+        batch.set(("collector", "worker_id"), torch.full(batch.batch_size, index, dtype=torch.int64))
+        batch.names = [None] * (batch.ndim - 1) + ["time"]
+        if fleet._schedule.update_at_each_batch and fleet._sender is not None:
+            await fleet.update_weights(worker_ids=[index])
+        return Delivery(
+            batch,
+            notice.frames,
+            [episodes_of(index, notice)],
+            worker_id=index,
+            policy_version=notice.policy_version,
+        )
+
+    @staticmethod
+    def frames_for_buffer(fleet: MultiCollectorBase, batch: TensorDictBase) -> TensorDictBase:
+        """What ``replay_buffer.extend`` gets: the batch as delivered (one worker's rollout, as torchrl's
+        workers extend theirs)."""
+        return batch
+
+    async def load_behind(self, fleet: MultiCollectorBase, pool: WorkerPool, raised: list[int]) -> None:
+        """Nothing: a rollout worker's rollout in flight restarts on the new weights by itself."""
+
+
+class MultiAsyncCollector(MultiCollectorBase):
+    """Each batch is one worker's full rollout, first ready first served; workers never wait for the
+    trainer (each collects at most one batch ahead), so batches may lag the newest weights.
+
+    Every frame carries ``("collector", "worker_id")``. Arguments are :class:`MultiSyncCollector`'s
+    without ``preemptive_threshold`` and ``cat_results``; ``frames_per_batch`` is per batch (each worker
+    collects that many), or a list of one value per worker (worker ``i``'s batches hold
+    ``frames_per_batch[i]`` frames).
+
+    For on-policy training, ``max_policy_lag=0`` (or ``update_weights(..., flush=True)``) delivers only
+    batches collected entirely with the newest weights: at each update, batches waiting in the slots
+    are dropped and rollouts in flight restart on the new weights (the envs are not reset); the frames
+    this discards are counted in ``statistics().frames_discarded``. ``max_policy_lag=k`` delivers
+    nothing more than ``k`` versions old.
+
+    Example:
+        >>> import anyio
+        >>> from aiocollect import GymEnv, MultiAsyncCollector
+        >>> async def main():
+        ...     async with MultiAsyncCollector([lambda: GymEnv("CartPole-v1")] * 2, frames_per_batch=32,
+        ...                                    total_frames=64, worker_backend="serial") as c:
+        ...         async for batch in c:
+        ...             print(batch.batch_size)
+        >>> anyio.run(main)
+        torch.Size([32])
+        torch.Size([32])
+    """
+
+    def __init__(
+        self,
+        create_env_fns: Sequence[Any],
+        policy: Any = None,
+        *,
+        frames_per_batch: int | Sequence[int] | None = None,
+        total_frames: int | None = -1,
+        max_frames_per_traj: int | None = None,
+        init_random_frames: int | None = None,
+        reset_at_each_iter: bool = False,
+        split_trajs: bool = False,
+        postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
+        exploration_type: str | InteractionType = "random",
+        set_truncated: bool = False,
+        seed: int | None = None,
+        device: Any = None,
+        env_device: Any = None,
+        policy_device: Any = None,
+        storing_device: Any = None,
+        replay_buffer: Any = None,
+        track_policy_version: bool = False,
+        compile_policy: bool | Mapping[str, Any] = False,
+        update_at_each_batch: bool = False,
+        num_threads: int | None = None,
+        num_sub_threads: int = 1,
+        worker_backend: str = "process",
+        start_method: str | None = None,
+        weight_sync: WeightSync | None = None,
+        max_policy_lag: int | None = None,
+        progress: Any = None,
+        traj_id_start: int = 0,
+        traj_id_stride: int = 1,
+        worker_timeout: float | None = None,
+        rollout: RolloutOptions | None = None,
+        weights: WeightSchedule | None = None,
+        backend: str | None = None,
+    ) -> None:
+        super().__init__(
+            create_env_fns,
+            policy,
+            delivery=FirstReady(),
+            frames_per_batch=frames_per_batch,
+            total_frames=total_frames,
+            max_frames_per_traj=max_frames_per_traj,
+            init_random_frames=init_random_frames,
+            reset_at_each_iter=reset_at_each_iter,
+            split_trajs=split_trajs,
+            postproc=postproc,
+            exploration_type=exploration_type,
+            set_truncated=set_truncated,
+            seed=seed,
+            device=device,
+            env_device=env_device,
+            policy_device=policy_device,
+            storing_device=storing_device,
+            replay_buffer=replay_buffer,
+            track_policy_version=track_policy_version,
+            compile_policy=compile_policy,
+            update_at_each_batch=update_at_each_batch,
+            num_threads=num_threads,
+            num_sub_threads=num_sub_threads,
+            worker_backend=worker_backend,
+            start_method=start_method,
+            weight_sync=weight_sync,
+            max_policy_lag=max_policy_lag,
+            progress=progress,
+            traj_id_start=traj_id_start,
+            traj_id_stride=traj_id_stride,
+            worker_timeout=worker_timeout,
+            rollout=rollout,
+            weights=weights,
+            backend=backend,
+        )
+
+
+class ProcessCollector(MultiCollectorBase):
+    """One collector in a separate process (torchrl's ``AsyncCollector``): it collects the next batch
+    while the trainer works on this one.
+
+    Example:
+        >>> import anyio
+        >>> from aiocollect import GymEnv, ProcessCollector
+        >>> async def main():
+        ...     async with ProcessCollector(lambda: GymEnv("CartPole-v1"), frames_per_batch=32,
+        ...                                 total_frames=32, worker_backend="serial") as c:
+        ...         async for batch in c:
+        ...             print(batch.batch_size)
+        >>> anyio.run(main)
+        torch.Size([32])
+    """
+
+    def __init__(
+        self,
+        create_env_fn: Any,
+        policy: Any = None,
+        *,
+        frames_per_batch: int | Sequence[int] | None = None,
+        total_frames: int | None = -1,
+        max_frames_per_traj: int | None = None,
+        init_random_frames: int | None = None,
+        reset_at_each_iter: bool = False,
+        split_trajs: bool = False,
+        postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
+        exploration_type: str | InteractionType = "random",
+        set_truncated: bool = False,
+        seed: int | None = None,
+        device: Any = None,
+        env_device: Any = None,
+        policy_device: Any = None,
+        storing_device: Any = None,
+        replay_buffer: Any = None,
+        track_policy_version: bool = False,
+        compile_policy: bool | Mapping[str, Any] = False,
+        update_at_each_batch: bool = False,
+        num_threads: int | None = None,
+        num_sub_threads: int = 1,
+        worker_backend: str = "process",
+        start_method: str | None = None,
+        weight_sync: WeightSync | None = None,
+        max_policy_lag: int | None = None,
+        progress: Any = None,
+        traj_id_start: int = 0,
+        traj_id_stride: int = 1,
+        worker_timeout: float | None = None,
+        rollout: RolloutOptions | None = None,
+        weights: WeightSchedule | None = None,
+        backend: str | None = None,
+    ) -> None:
+        if not callable(create_env_fn):
+            raise TypeError(f"create_env_fn must be a callable returning an env, got {create_env_fn!r}")
+        super().__init__(
+            [create_env_fn],
+            policy,
+            delivery=FirstReady(),
+            frames_per_batch=frames_per_batch,
+            total_frames=total_frames,
+            max_frames_per_traj=max_frames_per_traj,
+            init_random_frames=init_random_frames,
+            reset_at_each_iter=reset_at_each_iter,
+            split_trajs=split_trajs,
+            postproc=postproc,
+            exploration_type=exploration_type,
+            set_truncated=set_truncated,
+            seed=seed,
+            device=device,
+            env_device=env_device,
+            policy_device=policy_device,
+            storing_device=storing_device,
+            replay_buffer=replay_buffer,
+            track_policy_version=track_policy_version,
+            compile_policy=compile_policy,
+            update_at_each_batch=update_at_each_batch,
+            num_threads=num_threads,
+            num_sub_threads=num_sub_threads,
+            worker_backend=worker_backend,
+            start_method=start_method,
+            weight_sync=weight_sync,
+            max_policy_lag=max_policy_lag,
+            progress=progress,
+            traj_id_start=traj_id_start,
+            traj_id_stride=traj_id_stride,
+            worker_timeout=worker_timeout,
+            rollout=rollout,
+            weights=weights,
+            backend=backend,
+        )

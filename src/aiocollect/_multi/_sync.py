@@ -1,0 +1,303 @@
+"""``MultiSyncCollector``: every batch holds one rollout from each worker, gathered (with preemption)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, cast
+
+import anyio
+import torch
+from tensordict import TensorDictBase
+from tensordict.nn import InteractionType
+
+from .._options import RolloutOptions, WeightSchedule
+from .._transport._messages import Collect
+from .._weightsync import WeightSync
+from .._workers._pool import WorkerPool
+from ._base import MultiCollectorBase
+from ._delivery import Delivery, episodes_of
+
+__all__ = ["Gather", "MultiSyncCollector"]
+
+
+class Gather:
+    """Each batch holds one rollout of every worker, asked for when the trainer asks for the batch
+    (workers idle between batches); ``threshold``: deliver once ``ceil(threshold * N)`` workers finished,
+    the others stopped at their next step; ``cat_results``: how the rollouts are joined."""
+
+    sync = True
+
+    def __init__(self, threshold: float | None, cat_results: Literal["stack"] | int) -> None:
+        self._threshold = threshold
+        self._cat_results = cat_results
+
+    @staticmethod
+    def slots_per_worker(fleet: MultiCollectorBase) -> int:
+        return 1  # a worker collects when asked
+
+    async def started(self, fleet: MultiCollectorBase, pool: WorkerPool) -> None:
+        """Nothing: a worker collects when a batch is asked for."""
+
+    @staticmethod
+    def floor_after(fleet: MultiCollectorBase, version: int, flush: bool) -> int | None:
+        return version if flush else None
+
+    async def drop_stale(self, fleet: MultiCollectorBase, pool: WorkerPool) -> None:
+        """Nothing waits: batches are collected when asked for."""
+
+    async def load_behind(self, fleet: MultiCollectorBase, pool: WorkerPool, raised: list[int]) -> None:
+        """Nothing: workers load the new weights before their next rollout."""
+
+    @staticmethod
+    def split_frames(frames_per_batch: int | Sequence[int], n: int) -> list[int]:
+        if not isinstance(frames_per_batch, int):  # checked already (RolloutOptions): one per worker
+            if len(frames_per_batch) != n:
+                raise ValueError(
+                    f"frames_per_batch has {len(frames_per_batch)} values for {n} workers; give one per "
+                    "worker or an int"
+                )
+            return list(frames_per_batch)
+        total = frames_per_batch
+        if total % n:
+            warnings.warn(
+                f"frames_per_batch={total} is not divisible by {n} workers: each collects "
+                f"{math.ceil(total / n)}",
+                UserWarning,
+                stacklevel=4,
+            )
+        return [math.ceil(total / n)] * n
+
+    def check_layouts(self, ready: list[Any]) -> None:
+        shapes = [tuple(r.batch_size) for r in ready]
+        if self._cat_results == "stack" and len(set(shapes)) > 1:
+            raise ValueError(
+                f"cat_results='stack' needs equal worker batches, got {shapes}; use cat_results=-1"
+            )
+        if self._cat_results == -1 and len({s[:-1] for s in shapes}) > 1:
+            raise ValueError(
+                f"cat_results=-1 needs workers whose envs have the same batch size, got batches {shapes}"
+            )
+        if self._cat_results == 0 and len({s[1:] for s in shapes}) > 1:
+            raise ValueError(
+                f"cat_results=0 needs worker batches that differ in dim 0 only, got {shapes}; "
+                "use cat_results=-1"
+            )
+        if self._cat_results == 0 and self._threshold is not None and any(len(s) > 1 for s in shapes):
+            # a preempted batch holds fewer steps for the late workers: [B, t_i] cannot be stacked on dim
+            # 0. Said at start-up, not at the first preemption, which may come hours into a run.
+            raise ValueError(
+                f"cat_results=0 with preemptive_threshold={self._threshold} cannot concatenate the "
+                f"preempted batches of batched envs (worker batches {shapes}); use cat_results=-1 or 'stack'"
+            )
+
+    async def next_batch(self, fleet: MultiCollectorBase, pool: WorkerPool) -> Delivery:
+        n = fleet.num_workers
+        if fleet._schedule.update_at_each_batch and fleet._sender is not None:
+            await fleet.update_weights()
+        init_random = fleet._options.init_random_frames
+        random = (
+            fleet._stats.frames < math.ceil(init_random / fleet.frames_per_batch) * fleet.frames_per_batch
+        )
+        assert fleet._control is not None
+        stop = fleet._control.td["stop"]
+        stop.zero_()
+        for i in range(n):
+            await pool.send(i, Collect(slot=0, random=random))
+            pool.workers[i].expected_since = anyio.current_time()
+        need = n if self._threshold is None else math.ceil(self._threshold * n)
+        notices: dict[int, Any] = {}
+        try:
+            # preemption: the wait for the first `need` workers is a cancel scope; the late ones are then
+            # told to stop at their next step and deliver what they have
+            with anyio.CancelScope() as gather:
+                while len(notices) < n:
+                    index, notice = await fleet._receive(pool)
+                    notices[index] = notice
+                    if len(notices) >= need and len(notices) < n:
+                        gather.cancel()
+            if len(notices) < n:
+                pool.set_stop(stop, [i for i in range(n) if i not in notices], 1)
+                while len(notices) < n:
+                    index, notice = await fleet._receive(pool)
+                    notices[index] = notice
+        except BaseException:
+            # cancelled or failed mid-gather: stop the stragglers and drain them so that the next
+            # batch starts clean
+            with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+                if pool.failure is None:
+                    pool.set_stop(stop, list(range(n)), 1)
+                    while len(notices) < n:
+                        index, notice = await fleet._receive(pool)
+                        notices[index] = notice
+            raise
+        batch, valid = self._combine(pool, notices)
+        return Delivery(
+            batch,
+            valid,
+            [episodes_of(i, notices[i]) for i in range(n)],
+            worker_id=None,
+            policy_version=min(notices[i].policy_version for i in range(n)),
+        )
+
+    def frames_for_buffer(self, fleet: MultiCollectorBase, batch: TensorDictBase) -> TensorDictBase:
+        """The stacked ``[workers, ..., T]`` batch with its worker dim folded into the next one: the entries
+        torchrl's workers add when each extends the buffer with its own rollout (frames for single envs,
+        ``[B, T]`` rows for batched ones), in worker order; frames a preempted worker did not collect are
+        left out when the entries are frames."""
+        if self._cat_results != "stack" or fleet._options.split_trajs or batch.ndim < 2:
+            return batch
+        flat = batch.flatten(0, 1)
+        mask_key = ("collector", "mask")
+        if flat.ndim == 1 and mask_key in flat.keys(include_nested=True):
+            mask = flat.get(mask_key)
+            if not bool(mask.all()):
+                flat = flat[mask]
+        return flat
+
+    def _combine(self, pool: WorkerPool, notices: dict[int, Any]) -> tuple[TensorDictBase, int]:
+        slots = [w.slots[0].td for w in pool.workers]
+        partial = any(notices[i].steps < slots[i].batch_size[-1] for i in range(len(slots)))
+        valid = sum(notices[i].frames for i in range(len(slots)))
+        if self._cat_results == "stack":
+            # the one copy out of shared memory; torch's stubs take Tensors only (TensorDicts dispatch
+            # through __torch_function__)
+            batch = cast("TensorDictBase", torch.stack(slots, 0))  # type: ignore[arg-type]
+            if partial or self._threshold is not None:
+                batch.set(("collector", "mask"), batch.get(("collector", "traj_ids")) != -1)
+            batch.names = [None] * (batch.ndim - 1) + ["time"]
+            return batch, valid
+        parts = [s[..., : notices[i].steps] if partial else s for i, s in enumerate(slots)]
+        if self._cat_results == 0:
+            if partial and len({p.batch_size for p in parts}) > 1 and parts[0].ndim > 1:
+                raise RuntimeError(
+                    "preempted batches of batched envs cannot be concatenated along dim 0; use cat_results=-1"
+                )
+            batch = cast("TensorDictBase", torch.cat(parts, 0))  # type: ignore[arg-type]
+        else:
+            batch = cast("TensorDictBase", torch.cat(parts, -1))  # type: ignore[arg-type]
+        batch.names = [None] * (batch.ndim - 1) + ["time"]
+        return batch, valid
+
+
+class MultiSyncCollector(MultiCollectorBase):
+    """Every batch holds one rollout from each worker, collected in parallel and stacked.
+
+    ``frames_per_batch`` is the total per batch, split evenly over the workers (or a list, one value per
+    worker). Workers idle between batches, so each batch is collected with the weights current when it
+    was asked for. With ``preemptive_threshold=p`` the batch is delivered once ``ceil(p * N)`` workers
+    finished; the others stop at their next step and their missing frames are marked invalid.
+
+    Args:
+        create_env_fns: one env constructor per worker.
+        cat_results: ``"stack"`` (``[N, ..., T]``), ``0`` (cat along dim 0) or ``-1`` (cat along time).
+        preemptive_threshold: fraction of workers to wait for, in ``(0, 1]``.
+        update_at_each_batch: publish the policy's weights before every batch.
+        worker_backend: ``"process"`` (default) or ``"serial"`` (same workers as threads, for
+            debugging). ``backend=`` is its deprecated spelling.
+        update_at_each_batch, max_policy_lag, track_policy_version: :class:`WeightSchedule`'s, given flat
+            (or ``weights=WeightSchedule(...)``).
+        worker_timeout: seconds a worker may take to deliver a batch or answer a control call before
+            :class:`WorkerTimeoutError` is raised and the workers are stopped (``None``: wait forever).
+        traj_id_start, traj_id_stride: the collector's trajectory ids are ``traj_id_start + k *
+            traj_id_stride``; worker ``i`` of ``N`` takes ``k = i, i + N, i + 2N, ...``.
+
+    The other arguments are :class:`Collector`'s.
+
+    Example:
+        >>> import anyio
+        >>> from aiocollect import GymEnv, MultiSyncCollector
+        >>> async def main():
+        ...     async with MultiSyncCollector([lambda: GymEnv("CartPole-v1")] * 2, frames_per_batch=64,
+        ...                                   total_frames=128, worker_backend="serial") as c:
+        ...         async for batch in c:
+        ...             print(batch.batch_size)
+        >>> anyio.run(main)
+        torch.Size([2, 32])
+        torch.Size([2, 32])
+    """
+
+    def __init__(
+        self,
+        create_env_fns: Sequence[Any],
+        policy: Any = None,
+        *,
+        frames_per_batch: int | Sequence[int] | None = None,
+        preemptive_threshold: float | None = None,
+        cat_results: Literal["stack"] | int = "stack",
+        total_frames: int | None = -1,
+        max_frames_per_traj: int | None = None,
+        init_random_frames: int | None = None,
+        reset_at_each_iter: bool = False,
+        split_trajs: bool = False,
+        postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
+        exploration_type: str | InteractionType = "random",
+        set_truncated: bool = False,
+        seed: int | None = None,
+        device: Any = None,
+        env_device: Any = None,
+        policy_device: Any = None,
+        storing_device: Any = None,
+        replay_buffer: Any = None,
+        track_policy_version: bool = False,
+        compile_policy: bool | Mapping[str, Any] = False,
+        update_at_each_batch: bool = False,
+        num_threads: int | None = None,
+        num_sub_threads: int = 1,
+        worker_backend: str = "process",
+        start_method: str | None = None,
+        weight_sync: WeightSync | None = None,
+        max_policy_lag: int | None = None,
+        progress: Any = None,
+        traj_id_start: int = 0,
+        traj_id_stride: int = 1,
+        worker_timeout: float | None = None,
+        rollout: RolloutOptions | None = None,
+        weights: WeightSchedule | None = None,
+        backend: str | None = None,
+    ) -> None:
+        if preemptive_threshold is not None and (
+            isinstance(preemptive_threshold, bool)
+            or not isinstance(preemptive_threshold, (int, float))
+            or not 0 < preemptive_threshold <= 1
+        ):
+            raise ValueError(f"preemptive_threshold must be in (0, 1] or None, got {preemptive_threshold!r}")
+        if cat_results != "stack" and (isinstance(cat_results, bool) or cat_results not in (0, -1)):
+            raise ValueError(f"cat_results must be 'stack', 0 or -1, got {cat_results!r}")
+        super().__init__(
+            create_env_fns,
+            policy,
+            delivery=Gather(preemptive_threshold, cat_results),
+            frames_per_batch=frames_per_batch,
+            total_frames=total_frames,
+            max_frames_per_traj=max_frames_per_traj,
+            init_random_frames=init_random_frames,
+            reset_at_each_iter=reset_at_each_iter,
+            split_trajs=split_trajs,
+            postproc=postproc,
+            exploration_type=exploration_type,
+            set_truncated=set_truncated,
+            seed=seed,
+            device=device,
+            env_device=env_device,
+            policy_device=policy_device,
+            storing_device=storing_device,
+            replay_buffer=replay_buffer,
+            track_policy_version=track_policy_version,
+            compile_policy=compile_policy,
+            update_at_each_batch=update_at_each_batch,
+            num_threads=num_threads,
+            num_sub_threads=num_sub_threads,
+            worker_backend=worker_backend,
+            start_method=start_method,
+            weight_sync=weight_sync,
+            max_policy_lag=max_policy_lag,
+            progress=progress,
+            traj_id_start=traj_id_start,
+            traj_id_stride=traj_id_stride,
+            worker_timeout=worker_timeout,
+            rollout=rollout,
+            weights=weights,
+            backend=backend,
+        )
