@@ -89,6 +89,7 @@ LAYERS: dict[str, int] = {
     "_progress": 0,
     "_gather": 0,
     "_gcfreeze": 0,
+    "_mistakes": 0,
     # envs (no policies: an env never imports a policy)
     "_envs": 1,
     # policies, random policies for an env, weights as TensorDicts

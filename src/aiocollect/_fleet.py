@@ -12,7 +12,6 @@ its own.
 from __future__ import annotations
 
 import abc
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from functools import partial
@@ -25,6 +24,7 @@ from tensordict import TensorDictBase
 
 from ._gather import gather
 from ._local._base import CollectorBase
+from ._mistakes import warn_user
 from ._stats import CollectorStatistics, WorkerState, WorkerStatistics
 from ._transport._messages import FleetOp, Reset, SetSeed
 from ._validation import seed_arg
@@ -158,11 +158,9 @@ class FleetCollector(CollectorBase):
         """Once every member runs and ``frames_per_batch`` is known: say if the budget is not a whole
         number of batches, then seed the members (``seed=`` given to the constructor)."""
         if self.total_frames > 0 and not self._budget_fits_batches():
-            warnings.warn(
+            warn_user(
                 f"total_frames={self.total_frames} is not a multiple of the batch size "
-                f"{self.frames_per_batch}: the last batch is not cut",
-                UserWarning,
-                stacklevel=4,  # __aenter__ (this, the start-up, _on_enter, __aenter__)
+                f"{self.frames_per_batch}: the last batch is not cut"
             )
         if self._seed is not None:
             await self._seed_chain(self._seed)

@@ -72,23 +72,29 @@ TORCHRL_SPELLINGS: Mapping[str, str] = {
 }
 
 
+#: the collectors aiocollect.compat has under the same name, with TorchRL's keywords
+_COMPAT_TWINS = frozenset({"Collector", "MultiSyncCollector", "MultiAsyncCollector", "MultiCollector"})
+
+
 def _keyword_error(cls_name: str, name: str, accepted: list[str]) -> TypeError:
     message = f"{cls_name}() got an unexpected keyword argument {name!r}"
     close = difflib.get_close_matches(name, accepted, n=1, cutoff=0.6)
     if close:
         message += f"; did you mean {close[0]!r}?"
     if name in TORCHRL_SPELLINGS:
+        twin = cls_name if cls_name in _COMPAT_TWINS else "MultiSyncCollector"
         message += (
-            f"; {name}= is TorchRL's spelling: {TORCHRL_SPELLINGS[name]}. aiocollect.compat offers "
-            "TorchRL's collector names and keywords (e.g. aiocollect.compat.MultiSyncDataCollector)"
+            f"; {name}= is TorchRL's spelling: {TORCHRL_SPELLINGS[name]}. Or keep TorchRL's keywords with "
+            f"aiocollect.compat (from aiocollect.compat import {twin})"
         )
     return TypeError(message)
 
 
-def explicit_keywords(init: _F) -> _F:
+def explicit_keywords(init: _F | None = None, *, refused: Mapping[str, str] | None = None) -> Any:
     """Decorate a public constructor: an unknown keyword raises a ``TypeError`` that names the class the
-    user wrote, suggests the closest keyword, and points TorchRL's spellings to ours. The signature is
-    kept (``help()`` and IDEs show the keywords); a known keyword costs one set lookup.
+    user wrote, suggests the closest keyword, and points TorchRL's spellings to ours; a keyword of
+    ``refused`` (one the class deliberately does not take) raises its fix. The signature is kept
+    (``help()`` and IDEs show the keywords); a known keyword costs one set lookup.
 
     Example:
         >>> class Collector:
@@ -99,6 +105,8 @@ def explicit_keywords(init: _F) -> _F:
         ...
         TypeError: Collector() got an unexpected keyword argument 'total_frame'; did you mean 'total_frames'?
     """
+    if init is None:
+        return functools.partial(explicit_keywords, refused=refused)
     params = inspect.signature(init).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         raise TypeError(f"{init.__qualname__} takes **kwargs: explicit_keywords has nothing to check")
@@ -108,15 +116,18 @@ def explicit_keywords(init: _F) -> _F:
         if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     ][1:]  # not self
     known = frozenset(accepted)
+    fixes = dict(refused or {})
 
     @functools.wraps(init)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         for name in kwargs:
             if name not in known:
+                if name in fixes:
+                    raise TypeError(f"{type(self).__name__} does not take {name}: {fixes[name]}")
                 raise _keyword_error(type(self).__name__, name, accepted)
         return init(self, *args, **kwargs)
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
 # -- scripts without a main guard ----------------------------------------------------------------------
@@ -178,7 +189,7 @@ def check_main_guard(
     what: str,
     start_method: str | None,
     *,
-    other_fix: str = 'run the workers as threads with worker_backend="serial"',
+    other_fix: str | None = 'run the workers as threads with worker_backend="serial"',
 ) -> None:
     """Refuse to start processes with ``start_method`` (``"spawn"``/``"forkserver"`` re-import the script
     in every child) from the unguarded top level of the user's script, with the fix; ``what`` names the
@@ -190,10 +201,10 @@ def check_main_guard(
         return
     path, line = found
     name = os.path.basename(path)
-    raise RuntimeError(
+    message = (
         f"{what} starts worker processes, and each imports your script {name!r} again before it runs; "
         f"line {line} of {name} starts collection when the script is imported, so every worker would "
         "start collectors of its own and die of it. Put the code that starts collection under a main "
-        'guard:\n\n    if __name__ == "__main__":\n        anyio.run(main)\n\n'
-        f"(or {other_fix})"
+        'guard:\n\n    if __name__ == "__main__":\n        anyio.run(main)\n'
     )
+    raise RuntimeError(message + (f"\n(or {other_fix})" if other_fix else ""))

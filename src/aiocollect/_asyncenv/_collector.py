@@ -3,7 +3,6 @@ called on batches of the envs that are ready (central inference, as in SEED RL).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from math import ceil
 from typing import Any
@@ -18,6 +17,7 @@ from tensordict.nn import InteractionType
 from .._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
 from .._gcfreeze import GcHold
 from .._local._base import CollectorBase
+from .._mistakes import explicit_keywords, warn_user
 from .._stats import CollectorStatistics, WorkerStatistics
 from .._trajectories import split_trajectories
 from .._validation import (
@@ -140,6 +140,7 @@ class AsyncEnvCollector(CollectorBase):
         torch.Size([500]) 100
     """
 
+    @explicit_keywords
     def __init__(
         self,
         env_fns: Sequence[Callable[[], Any]],
@@ -184,18 +185,14 @@ class AsyncEnvCollector(CollectorBase):
         self._init_base(progress)  # checks `progress`
         ahead = (1 + self._prefetch) * self.frames_per_batch
         if ahead < n:
-            warnings.warn(
+            warn_user(
                 f"(1 + prefetch) * frames_per_batch = {ahead} frames may be collected or stepping at once, "
-                f"fewer than the {n} envs: the others wait. Raise frames_per_batch or prefetch",
-                UserWarning,
-                stacklevel=2,
+                f"fewer than the {n} envs: the others wait. Raise frames_per_batch or prefetch"
             )
         if self.total_frames > 0 and self.total_frames % self.frames_per_batch:
-            warnings.warn(
+            warn_user(
                 f"total_frames={self.total_frames} is not a multiple of frames_per_batch="
-                f"{self.frames_per_batch}: the last batch is not cut, {self._target()} frames are collected",
-                UserWarning,
-                stacklevel=2,
+                f"{self.frames_per_batch}: the last batch is not cut, {self._target()} frames are collected"
             )
         self._engine: Engine | None = None
         self._policy: BatchPolicy | None = None
@@ -278,12 +275,10 @@ class AsyncEnvCollector(CollectorBase):
             )
         ahead = (1 + self._prefetch) * self.frames_per_batch
         if ahead < spec.rows:
-            warnings.warn(
+            warn_user(
                 f"(1 + prefetch) * frames_per_batch = {ahead} frames may be collected or stepping at once, "
                 f"fewer than the {spec.rows} sub-envs of the vector envs: the others wait. Raise "
-                "frames_per_batch or prefetch",
-                UserWarning,
-                stacklevel=3,
+                "frames_per_batch or prefetch"
             )
 
     async def _envs_opened(self, spec: EnvSet) -> None:

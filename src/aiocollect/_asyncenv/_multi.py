@@ -14,6 +14,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
 from .._events import WorkerFailed
+from .._mistakes import explicit_keywords
 from .._multi._async import FirstReady
 from .._multi._base import MultiCollectorBase
 from .._multi._delivery import Delivery
@@ -32,9 +33,9 @@ from .._weightsync import WeightSync
 from .._workers._pool import WorkerPool
 from ._collector import max_wait_arg, on_env_error_arg
 from ._multi_args import (
+    UNSUPPORTED,
     frames_arg,
     loop_arg,
-    refuse_unsupported,
     shares_arg,
     warn_envs_wait,
 )
@@ -188,6 +189,7 @@ class MultiAsyncEnvCollector(MultiCollectorBase):
     #: built them (a vector env's sub-envs are counted then)
     num_envs: int
 
+    @explicit_keywords(refused=UNSUPPORTED)
     def __init__(
         self,
         env_fns_per_worker: Sequence[Sequence[Callable[[], Any]]],
@@ -220,9 +222,7 @@ class MultiAsyncEnvCollector(MultiCollectorBase):
         worker_timeout: float | None = None,
         traj_id_start: int = 0,
         traj_id_stride: int = 1,
-        **unsupported: Any,
     ) -> None:
-        refuse_unsupported(unsupported)
         shares = shares_arg(env_fns_per_worker)
         fpb = frames_arg(frames_per_batch, len(shares))
         lag = lag_arg(max_policy_lag)

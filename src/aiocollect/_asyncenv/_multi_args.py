@@ -1,12 +1,13 @@
 """Arguments of ``MultiAsyncEnvCollector`` checked before any process starts: the env fns of each worker,
-``frames_per_batch``, and the arguments of ``MultiAsyncCollector`` it refuses, each with its fix."""
+``frames_per_batch``, and the arguments of ``MultiAsyncCollector`` it refuses, each with its fix (raised by
+``explicit_keywords(refused=UNSUPPORTED)`` on its constructor)."""
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+from .._mistakes import warn_user
 from .._validation import positive_int
 from ._envset import env_fns_arg
 
@@ -14,7 +15,6 @@ __all__ = [
     "UNSUPPORTED",
     "frames_arg",
     "loop_arg",
-    "refuse_unsupported",
     "shares_arg",
     "warn_envs_wait",
 ]
@@ -59,15 +59,6 @@ def loop_arg(value: Any) -> str:
     return str(value)
 
 
-def refuse_unsupported(kwargs: Mapping[str, Any]) -> None:
-    """``TypeError`` naming the first keyword in ``kwargs`` and its fix."""
-    for name in kwargs:
-        fix = UNSUPPORTED.get(name)
-        if fix is None:
-            raise TypeError(f"MultiAsyncEnvCollector() got an unexpected keyword argument {name!r}")
-        raise TypeError(f"MultiAsyncEnvCollector does not take {name}: {fix}")
-
-
 def shares_arg(value: Any) -> list[list[Any]]:
     """``env_fns_per_worker``: one non-empty list of env fns per worker."""
     flat = isinstance(value, Sequence) and any(not isinstance(v, Sequence) for v in value)
@@ -102,11 +93,9 @@ def warn_envs_wait(shares: list[list[Any]], frames_per_batch: list[int], prefetc
     for share, frames in zip(shares, frames_per_batch, strict=True):
         ahead = (1 + prefetch) * frames
         if ahead < len(share):
-            warnings.warn(
+            warn_user(
                 f"(1 + prefetch) * frames_per_batch = {ahead} frames may be collected or stepping at once "
                 f"in a worker, fewer than its {len(share)} envs: the others wait. Raise frames_per_batch "
-                "or prefetch",
-                UserWarning,
-                stacklevel=3,
+                "or prefetch"
             )
             return

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -22,6 +21,7 @@ from tensordict.nn import InteractionType
 
 from .._errors import WorkerTimeoutError
 from .._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
+from .._mistakes import explicit_keywords, warn_user
 from .._options import RolloutOptions, WeightSchedule, refuse_schedule
 from .._rng import RolloutRNG, forked_rng
 from .._rollout import RolloutResult, build_rollout, open_env
@@ -112,6 +112,7 @@ class Collector(CollectorBase):
         torch.Size([64])
     """
 
+    @explicit_keywords
     def __init__(
         self,
         create_env_fn: Any,
@@ -229,27 +230,21 @@ class Collector(CollectorBase):
         """Warn where a budget is not a whole number of batches; the random frames, in whole batches."""
         requested = self._options.frames_per_batch
         if self.frames_per_batch != requested:
-            warnings.warn(
+            warn_user(
                 f"frames_per_batch={requested} is not a multiple of the env batch "
-                f"size {list(env.batch_size)}: each batch has {self.frames_per_batch} frames",
-                UserWarning,
-                stacklevel=3,
+                f"size {list(env.batch_size)}: each batch has {self.frames_per_batch} frames"
             )
         if self.total_frames > 0 and self.total_frames % self.frames_per_batch:
-            warnings.warn(
+            warn_user(
                 f"total_frames={self.total_frames} is not a multiple of the batch size "
                 f"{self.frames_per_batch}: the last batch is not cut, {len(self) * self.frames_per_batch} "
-                "frames will be collected",
-                UserWarning,
-                stacklevel=3,
+                "frames will be collected"
             )
         init_random = self._options.init_random_frames
         rounded = ceil(init_random / self.frames_per_batch) * self.frames_per_batch
         if init_random % self.frames_per_batch:
-            warnings.warn(
-                f"init_random_frames={init_random} is rounded up to whole batches: {rounded} random frames",
-                UserWarning,
-                stacklevel=3,
+            warn_user(
+                f"init_random_frames={init_random} is rounded up to whole batches: {rounded} random frames"
             )
         return rounded
 

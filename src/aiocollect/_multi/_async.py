@@ -13,6 +13,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
+from .._mistakes import explicit_keywords
 from .._options import RolloutOptions, WeightSchedule
 from .._transport._messages import Release, RunFree
 from .._weightsync import WeightSync
@@ -216,6 +217,7 @@ class MultiAsyncCollector(MultiCollectorBase):
         torch.Size([32])
     """
 
+    @explicit_keywords
     def __init__(
         self,
         create_env_fns: Sequence[Any],
@@ -307,6 +309,7 @@ class ProcessCollector(MultiCollectorBase):
         torch.Size([32])
     """
 
+    @explicit_keywords
     def __init__(
         self,
         create_env_fn: Any,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, cast
 
@@ -12,6 +11,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
+from .._mistakes import explicit_keywords, warn_user
 from .._options import RolloutOptions, WeightSchedule
 from .._transport._messages import Collect
 from .._weightsync import WeightSync
@@ -61,11 +61,9 @@ class Gather:
             return list(frames_per_batch)
         total = frames_per_batch
         if total % n:
-            warnings.warn(
+            warn_user(
                 f"frames_per_batch={total} is not divisible by {n} workers: each collects "
-                f"{math.ceil(total / n)}",
-                UserWarning,
-                stacklevel=4,
+                f"{math.ceil(total / n)}"
             )
         return [math.ceil(total / n)] * n
 
@@ -218,6 +216,7 @@ class MultiSyncCollector(MultiCollectorBase):
         torch.Size([2, 32])
     """
 
+    @explicit_keywords
     def __init__(
         self,
         create_env_fns: Sequence[Any],

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -21,6 +20,7 @@ import cloudpickle
 import torch
 from tensordict import TensorDictBase
 
+from .._mistakes import warn_user
 from .._options import RolloutOptions, WeightSchedule
 from .._validation import positive_int, seed_arg
 from .._weights import flat_weights
@@ -127,10 +127,8 @@ def split_frames(frames_per_batch: Any, n: int, sync: bool, noun: str, stackleve
     if not sync:
         return fpb
     if fpb % n:
-        warnings.warn(
-            f"frames_per_batch={fpb} is not divisible by {n} {noun}s: each collects {math.ceil(fpb / n)}",
-            UserWarning,
-            stacklevel=stacklevel,
+        warn_user(
+            f"frames_per_batch={fpb} is not divisible by {n} {noun}s: each collects {math.ceil(fpb / n)}"
         )
     return math.ceil(fpb / n)
 

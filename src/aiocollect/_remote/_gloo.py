@@ -36,6 +36,7 @@ from .._distributed_weights import DistributedWeightSync
 from .._errors import RemoteFailure
 from .._gather import gather
 from .._local._collector import Collector
+from .._mistakes import explicit_keywords
 from .._options import WeightSchedule
 from .._transport._flat import FlatBuffer, layout_of
 from .._transport._groups import check_backend, interface_from_env, new_group
@@ -227,6 +228,7 @@ class DistributedCollector(RemoteCollectorBase):
     _engine = "_gloo"
     _engine_name = "torch.distributed"
 
+    @explicit_keywords
     def __init__(
         self,
         create_env_fn: Any,
@@ -390,6 +392,7 @@ class DistributedSyncCollector(DistributedCollector):
         >>> # DistributedSyncCollector(lambda: GymEnv("CartPole-v1"), frames_per_batch=128, num_collectors=2)
     """
 
+    @explicit_keywords
     def __init__(
         self,
         create_env_fn: Any,

@@ -44,6 +44,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from .._mistakes import check_main_guard
 from .._transport._wire import connect_retrying
 from ._processes import ExternalNode, JobNode, MPNode, NodeProcess
 
@@ -210,6 +211,7 @@ class Launcher(abc.ABC):
 
 def _mp_context() -> Any:
     ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+    check_main_guard("launcher='mp'", ctx.get_start_method(), other_fix="launch the nodes with submitit")
     if ctx.get_start_method() == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)
     return ctx

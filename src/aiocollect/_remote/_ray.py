@@ -31,6 +31,7 @@ from .._events import (
 )
 from .._gather import gather
 from .._local._collector import Collector
+from .._mistakes import explicit_keywords
 from .._multi._async import MultiAsyncCollector, ProcessCollector
 from .._multi._renames import DroppedBatchRenames
 from .._multi._sync import MultiSyncCollector
@@ -156,6 +157,7 @@ class RayCollector(ActorFleet):
 
     _member_noun = "actor"
 
+    @explicit_keywords
     def __init__(
         self,
         create_env_fn: Any,

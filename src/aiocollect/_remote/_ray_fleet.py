@@ -9,7 +9,6 @@ import asyncio
 import os
 import socket
 import time
-import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -26,6 +25,7 @@ from .._events import (
 )
 from .._fleet import FleetCollector
 from .._gather import gather
+from .._mistakes import warn_user
 from .._options import RolloutOptions
 from .._pids import pid_alive
 from .._stats import WorkerState
@@ -120,10 +120,8 @@ class ActorFleet(FleetCollector):
             # kills the cluster's processes should this process die without shutting it down
             self._watchdog = await anyio.to_thread.run_sync(start_watchdog)
         elif self._ray_init_config is not None:
-            warnings.warn(
-                "ray is initialised already: ray_init_config is ignored (this collector uses that cluster)",
-                UserWarning,
-                stacklevel=3,
+            warn_user(
+                "ray is initialised already: ray_init_config is ignored (this collector uses that cluster)"
             )
         self._actors = await anyio.to_thread.run_sync(self._create_actors)
         # the actors' processes start (or wait for the resources they ask for: Ray queues them)
@@ -142,12 +140,10 @@ class ActorFleet(FleetCollector):
             infos = await placed()
         if infos is None:
             ray = self._ray
-            warnings.warn(
+            warn_user(
                 f"RayCollector: the actors have not started after {_PENDING_WARNING_S:.0f} s; Ray may lack "
                 f"the resources they ask for (remote_config={self._remote_configs[0]}, available now: "
-                f"{ray.available_resources()}). Still waiting: cancel (e.g. anyio.fail_after) to give up",
-                UserWarning,
-                stacklevel=3,
+                f"{ray.available_resources()}). Still waiting: cancel (e.g. anyio.fail_after) to give up"
             )
             infos = await placed()
         for actor, info in zip(self._actors, infos, strict=True):

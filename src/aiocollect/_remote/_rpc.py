@@ -40,6 +40,7 @@ from .._daemon import run_abandonable
 from .._errors import RemoteFailure, as_error
 from .._gather import gather
 from .._local._collector import Collector
+from .._mistakes import explicit_keywords
 from .._options import WeightSchedule
 from .._transport._flat import rebuild
 from .._transport._store import StoreClient
@@ -199,6 +200,7 @@ class RPCCollector(RemoteCollectorBase):
     _engine = "_rpc"
     _engine_name = "torch.distributed.rpc"
 
+    @explicit_keywords
     def __init__(
         self,
         create_env_fn: Any,

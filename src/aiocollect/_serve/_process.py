@@ -18,6 +18,7 @@ import anyio.to_thread
 import cloudpickle
 
 from .._errors import worker_died
+from .._mistakes import check_main_guard
 from ._common import check_host_port, check_token
 from ._env_server import check_env_fns, serve_envs
 from ._ws import SERVER_HEARTBEAT, Heartbeat, heartbeat
@@ -107,6 +108,11 @@ class EnvServerProcess:
             os.kill(self.process.pid, signum)
 
     async def __aenter__(self) -> EnvServerProcess:
+        check_main_guard(
+            "serve_envs_process",
+            self.start_method,
+            other_fix="serve the envs in this process with serve_envs",
+        )
         ctx: Any = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
             ctx.set_forkserver_preload(_PRELOAD)
