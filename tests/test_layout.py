@@ -52,6 +52,8 @@ LAYERS: dict[str, int] = {
     "_workers": 4,
     "_weightsync": 4,
     "_distributed_weights": 4,
+    # envs stepped in worker processes (ProcessVectorEnv): the workers' layer
+    "_procenv": 4,
     # local collectors
     "_base": 5,
     "_collector": 5,
