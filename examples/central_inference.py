@@ -30,7 +30,8 @@ class Policy(nn.Module):
         self.net = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 2))
 
     def forward(self, observation: torch.Tensor) -> torch.Tensor:
-        return self.net(observation).argmax(-1)
+        logits: torch.Tensor = self.net(observation)
+        return logits.argmax(-1)
 
 
 def cartpole() -> gym.Env:
@@ -53,7 +54,8 @@ async def main(args: argparse.Namespace) -> None:
             if first == start:  # the first batch: the processes have started (the forkserver too)
                 first = time.perf_counter()
             with torch.no_grad():  # a stand-in for a training step
-                policy.net[0].weight.mul_(0.999)
+                for weight in policy.parameters():
+                    weight.mul_(0.999)
             await collector.update_weights(policy)
         stats = collector.statistics()
         sizes = sorted(collector.policy_batch_sizes)
