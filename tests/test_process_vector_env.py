@@ -39,6 +39,15 @@ def broken() -> gym.Env:
     raise KeyError("no such env")
 
 
+def suicide() -> gym.Env:
+    os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError("unreachable")
+
+
+def pendulum() -> gym.Env:
+    return gym.make("Pendulum-v1")
+
+
 class Echo(gym.Env):
     """Dict observations (uint8 pixels, a nested Box) that echo a Dict action of a Discrete and a Tuple;
     episodes of 3 steps."""
@@ -230,6 +239,17 @@ async def test_env_error_through_the_collector(leaks):
 async def test_a_failing_env_fn_raises_from_the_constructor(leaks):
     with anyio.fail_after(30), pytest.raises(KeyError, match="no such env"):
         await make([cartpole, broken], num_workers=2)
+
+
+async def test_a_worker_dying_while_it_starts_raises_worker_died_error(leaks):
+    with anyio.fail_after(30), pytest.raises(WorkerDiedError) as info:
+        await make([cartpole, suicide], num_workers=2)
+    assert info.value.exitcode == -signal.SIGKILL
+
+
+async def test_different_spaces_across_workers_are_refused(leaks):
+    with anyio.fail_after(30), pytest.raises(ValueError, match="worker 1's envs have the spaces"):
+        await make([cartpole, pendulum], num_workers=2)
 
 
 async def test_killed_worker_raises_worker_died_error(anyio_backend, leaks):
