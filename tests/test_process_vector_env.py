@@ -195,6 +195,8 @@ async def test_split_runs_the_policy_on_whichever_workers_are_ready(leaks):
     env = await make([cartpole] * 4 + [slow] * 4, num_workers=2)
     parts = env.split()
     assert [p.num_envs for p in parts] == [4, 4]
+    with pytest.raises(RuntimeError, match="split"):
+        env.split()
     with anyio.fail_after(60):
         async with AsyncEnvCollector(
             parts, Policy(), frames_per_batch=200, total_frames=400, min_batch=4, max_wait=0.001, seed=0

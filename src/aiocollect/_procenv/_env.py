@@ -263,6 +263,8 @@ class ProcessVectorEnv:
         """One async vector env per worker (its sub-envs, in order), sharing this env's processes: give
         them to ``AsyncEnvCollector`` as its envs to run the policy on whichever workers are ready. The
         processes stop when every part is closed. Do not step this env itself meanwhile."""
+        if self._parts_open:
+            raise RuntimeError("ProcessVectorEnv.split() was called already: use the parts it gave")
         self._parts_open = len(self._workers)
         return [_Part(self, worker) for worker in self._workers]
 
