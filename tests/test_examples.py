@@ -42,6 +42,9 @@ CASES = {
     + ["--frames-per-batch", "1000", "--processes", "2"],
     "async_envs_vector": ["async_envs.py", "--total-frames", "4000", "--num-envs", "200"]
     + ["--frames-per-batch", "1000", "--vector-envs", "4"],
+    # 2 env worker processes, the policy in the trainer (central inference over shared memory)
+    "central_inference": ["central_inference.py", "--total-frames", "2560", "--frames-per-batch", "512"]
+    + ["--envs-per-worker", "8"],
     # 2 env server processes, the policy served too
     "remote_envs": ["remote_envs.py", "--total-frames", "2000", "--frames-per-batch", "500"]
     + ["--envs-per-server", "4", "--remote-policy"],

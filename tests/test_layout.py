@@ -109,6 +109,8 @@ LAYERS: dict[str, int] = {
     "_workers": 4,
     "_weightsync": 4,
     "_distributed_weights": 4,
+    # envs stepped in worker processes (ProcessVectorEnv): the workers' layer
+    "_procenv": 4,
     # collectors: in this process (_local/), over worker processes (_multi/), async envs (_asyncenv/)
     "_local": 5,
     "_multi": 5,

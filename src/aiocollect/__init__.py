@@ -44,6 +44,7 @@ from ._multi import (
 )
 from ._options import RolloutOptions, WeightSchedule
 from ._policies import RandomPolicy
+from ._procenv import ProcessVectorEnv
 from ._sinks import Sink, TensorBoardSink, WandbSink
 from ._stats import CollectorStatistics, WorkerState, WorkerStatistics
 from ._trajectories import split_trajectories
@@ -134,6 +135,7 @@ __all__ = [
     "Paused",
     "PipeWeightSync",
     "ProcessCollector",
+    "ProcessVectorEnv",
     "RandomPolicy",
     "RPCCollector",
     "RayCollector",

@@ -1,0 +1,242 @@
+"""Central inference (issue 31): ``AsyncEnvCollector`` over ``ProcessVectorEnv`` (the envs step in 2 worker
+processes, one policy in the trainer batches the ready workers' observations) against
+``MultiAsyncCollector`` (the same envs in 2 worker processes, a copy of the policy in each).
+
+    python benchmarks/central_inference.py               # 3 interleaved rounds, both policies
+    python benchmarks/central_inference.py --quick       # smoke run
+
+The envs: 2 workers x 64 CartPole-v1 (``gym.make_vec``'s numpy-vectorised CartPole, the same vector env in
+both collectors); the policies: a 2x64 MLP and a 3x512 MLP (argmax of 2 logits). Variants per round, in
+turn: ``central`` (``AsyncEnvCollector(env.split(), min_batch=64)``: the policy runs on whichever
+worker is ready), ``central-whole`` (``AsyncEnvCollector([env])``: one policy call on all 128 envs per
+step) and ``multi`` (``MultiAsyncCollector``). Each skips its first two batches and times ``--frames``.
+Printed per variant: frames/s (median of rounds), the median of the per-round ratios to ``multi``, CPU µs
+per frame of all processes (the trainer and its children: user + system from ``/proc``), the policy's
+batch sizes p5/p50/p95 (``multi``: always its worker's 64), and the round trip from an observation written
+to its action read, p50/p99, timed inside the worker by a wrapper around its vector env (the time between
+two of its steps: the obs written, the doorbell, the trainer's collector and the policy's forward pass,
+the actions read); the forward pass alone is printed beside it. The machine may be shared: the load
+average is printed, compare ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import gymnasium as gym
+import numpy as np
+import psutil
+import torch
+from torch import nn
+
+from aiocollect import AsyncEnvCollector, GymEnv, MultiAsyncCollector, ProcessVectorEnv
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        n = 4
+        for _ in range(depth):
+            layers += [nn.Linear(n, width), nn.Tanh()]
+            n = width
+        self.net = nn.Sequential(*layers, nn.Linear(n, 2))
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        return self.net(observation).argmax(-1)
+
+
+class Timed(gym.vector.VectorWrapper):
+    """Records the time between the end of a step and the start of the next (the obs-to-action round
+    trip as the env sees it) and writes the samples (µs) to ``folder`` when closed."""
+
+    def __init__(self, env: gym.vector.VectorEnv, folder: str) -> None:
+        super().__init__(env)
+        self.folder, self.samples, self.last = folder, [], 0.0
+
+    def step(self, actions: Any) -> Any:
+        now = time.perf_counter()
+        if self.last:
+            self.samples.append(1e6 * (now - self.last))
+        out = self.env.step(actions)
+        self.last = time.perf_counter()
+        return out
+
+    def reset(self, **kwargs: Any) -> Any:
+        self.last = 0.0
+        return self.env.reset(**kwargs)
+
+    def close(self, **kwargs: Any) -> None:
+        np.save(os.path.join(self.folder, f"{os.getpid()}_{id(self)}.npy"), np.asarray(self.samples))
+        self.env.close(**kwargs)
+
+
+def vec64(folder: str) -> gym.vector.VectorEnv:
+    return Timed(gym.make_vec("CartPole-v1", num_envs=64), folder)
+
+
+def gym_vec64(folder: str) -> GymEnv:
+    return GymEnv(vec64(folder))
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of every process below it."""
+    total = 0.0
+    for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        try:
+            times = process.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
+async def timed(collector: Any, frames: int) -> tuple[float, float, list[int]]:
+    """Frames/s and CPU µs/frame over ``frames`` frames after the first two batches; the policy's batch
+    sizes (an ``AsyncEnvCollector``'s)."""
+    async with collector:
+        it = aiter(collector)
+        await anext(it)
+        await anext(it)
+        cpu0, start, got = cpu_seconds(), time.perf_counter(), 0
+        sizes0 = len(getattr(collector, "policy_batch_sizes", []))
+        while got < frames:
+            got += (await anext(it)).numel()
+        elapsed, cpu = time.perf_counter() - start, cpu_seconds() - cpu0
+        sizes = list(getattr(collector, "policy_batch_sizes", []))[sizes0:]
+    return got / elapsed, 1e6 * cpu / got, sizes
+
+
+async def plain_loop(env: ProcessVectorEnv, policy: nn.Module, frames: int) -> tuple[float, float, list[int]]:
+    """The transport's upper bound: the policy on all 128 observations, inline, then one ``await step``;
+    nothing stored (timed after 20 steps)."""
+    obs, _ = await env.reset(seed=0)
+    got, start, cpu0 = 0, 0.0, 0.0
+    for i in range(20 + frames // env.num_envs):
+        if i == 20:
+            got, start, cpu0 = 0, time.perf_counter(), cpu_seconds()
+        with torch.no_grad():
+            actions = policy(torch.from_numpy(obs)).numpy()
+        obs, *_ = await env.step(actions)
+        got += env.num_envs
+    elapsed, cpu = time.perf_counter() - start, cpu_seconds() - cpu0
+    return got / elapsed, 1e6 * cpu / got, [env.num_envs]
+
+
+def round_trips(folder: str) -> list[float]:
+    out: list[float] = []
+    for name in os.listdir(folder):
+        out += np.load(os.path.join(folder, name))[10:].tolist()  # past the start-up
+        os.remove(os.path.join(folder, name))
+    return out
+
+
+def forward_us(policy: nn.Module, n: int) -> float:
+    obs = torch.randn(n, 4)
+    times = []
+    with torch.no_grad():
+        for _ in range(200):
+            start = time.perf_counter()
+            policy(obs)
+            times.append(1e6 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+async def variant(kind: str, policy: nn.Module, args: argparse.Namespace, r: int, folder: str) -> Any:
+    fns = [functools.partial(vec64, folder)] * 2
+    if kind == "multi":
+        collector: Any = MultiAsyncCollector(
+            [functools.partial(gym_vec64, folder)] * 2, policy, frames_per_batch=args.frames_per_batch, seed=r
+        )
+        out = await timed(collector, args.frames)
+        return (*out[:2], [64]), round_trips(folder)
+    env = await anyio.to_thread.run_sync(functools.partial(ProcessVectorEnv, fns, num_workers=2))
+    if kind == "loop":
+        try:
+            out = await plain_loop(env, policy, args.frames)
+        finally:
+            await env.close()
+        return out, round_trips(folder)
+    envs = env.split() if kind == "central" else [env]
+    collector = AsyncEnvCollector(envs, policy, frames_per_batch=args.frames_per_batch, min_batch=64, seed=r)
+    out = await timed(collector, args.frames)
+    return out, round_trips(folder)
+
+
+async def run(args: argparse.Namespace) -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    policies = {"2x64 MLP": MLP(64, 2), "3x512 MLP": MLP(512, 3)}
+    kinds = ["central", "central-whole", "loop", "multi"]
+    rows: dict[tuple[str, str], dict[str, list[Any]]] = {
+        (p, k): {"fps": [], "cpu": [], "sizes": [], "rtt": [], "ratio": []} for p in policies for k in kinds
+    }
+    load = [os.getloadavg()[0]]
+    with tempfile.TemporaryDirectory() as folder:
+        for r in range(args.rounds):
+            for pname, policy in policies.items():
+                fps = {}
+                for kind in kinds:
+                    (f, cpu, sizes), rtt = await variant(kind, policy, args, r, folder)
+                    row = rows[(pname, kind)]
+                    fps[kind] = f
+                    row["fps"].append(f)
+                    row["cpu"].append(cpu)
+                    row["sizes"] += sizes
+                    row["rtt"] += rtt
+                    print(
+                        f"round {r} {pname:9} {kind:13} {f:9,.0f} frames/s {cpu:6.1f} CPU-µs/frame",
+                        flush=True,
+                    )
+                for kind in kinds:
+                    rows[(pname, kind)]["ratio"].append(fps[kind] / fps["multi"])
+            load.append(os.getloadavg()[0])
+    print(
+        f"\nload average (1 min) during the run: {min(load):.1f} to {max(load):.1f}; {os.cpu_count()} cores"
+    )
+    print(
+        "| policy | variant | frames/s (median) | x multi (median of rounds) | CPU µs/frame | "
+        "policy batch p5/p50/p95 | obs-to-action p50 / p99 µs | forward µs (batch) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for (pname, kind), row in rows.items():
+        sizes = row["sizes"]
+        batch = 128 if kind in ("central-whole", "loop") else 64
+        fwd = forward_us(policies[pname], batch)
+        fps, ratio, cpu = (statistics.median(row[k]) for k in ("fps", "ratio", "cpu"))
+        print(
+            f"| {pname} | {kind} | {fps:,.0f} | {ratio:.2f} | {cpu:.1f} | "
+            f"{pct(sizes, 5):.0f}/{pct(sizes, 50):.0f}/{pct(sizes, 95):.0f} | "
+            f"{pct(row['rtt'], 50):.0f} / {pct(row['rtt'], 99):.0f} | {fwd:.0f} ({batch}) |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--frames", type=int, default=200_000)
+    parser.add_argument("--frames-per-batch", type=int, default=2560)
+    parser.add_argument("--quick", action="store_true", help="1 round of 20,000 frames")
+    parser.add_argument("--uvloop", action="store_true", help="the trainer's loop on uvloop")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.frames = 1, 20_000
+    anyio.run(run, args, backend_options={"use_uvloop": True} if args.uvloop else {})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""A ``ProcessVectorEnv`` worker process: builds its share of the sub-envs, then steps them on one-byte
+commands, reading the actions from and writing the results into its shared-memory slots.
+
+The control socket is the doorbell both ways: the parent sends ``S`` (step), ``R`` (reset; the seed is
+in the slots) or ``C`` (close); the worker answers ``D`` (done) or ``E`` followed by one pickled
+``Failed`` frame (the error with the worker's traceback), after which it exits.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import select
+import signal
+import socket
+import threading
+import warnings
+from typing import Any
+
+import cloudpickle
+import gymnasium as gym
+import numpy as np
+
+from .._envs._async_vector import ThreadedAsyncVectorEnv
+from .._envs._spaces import NestedKey, action_specs, flatten_obs, observation_specs
+from .._transport._messages import failure
+from .._transport._wire import BlockingChannel, encode
+from ._slots import Slots
+
+__all__ = ["build_vector_env", "nest_actions", "worker_main"]
+
+
+def build_vector_env(fns: list[Any]) -> gym.vector.VectorEnv:
+    """The worker's sub-envs as one gymnasium vector env: its env fns' single envs in a ``SyncVectorEnv``
+    (same-step autoreset), or the one vector env its single env fn returns."""
+    envs = [fn() for fn in fns]
+    if len(envs) == 1 and isinstance(envs[0], gym.vector.VectorEnv):
+        return envs[0]
+    if any(isinstance(env, gym.vector.VectorEnv) for env in envs):
+        for env in envs:
+            env.close()
+        raise TypeError(
+            "ProcessVectorEnv: an env fn returned a gymnasium VectorEnv next to other env fns of the same "
+            "worker; give one vector env per worker (len(env_fns) == num_workers) or single envs only"
+        )
+    return gym.vector.SyncVectorEnv(
+        [functools.partial(_given, env) for env in envs], autoreset_mode=gym.vector.AutoresetMode.SAME_STEP
+    )
+
+
+def _given(env: gym.Env[Any, Any]) -> gym.Env[Any, Any]:
+    return env
+
+
+def nest_actions(space: gym.Space[Any], leaves: dict[NestedKey, Any], path: tuple[str, ...] = ()) -> Any:
+    """Action leaves ``{"action" or ("action", ...): array}`` as gymnasium's batched action."""
+    if isinstance(space, gym.spaces.Dict):
+        return {name: nest_actions(sub, leaves, (*path, name)) for name, sub in space.spaces.items()}
+    if isinstance(space, gym.spaces.Tuple):
+        return tuple(nest_actions(sub, leaves, (*path, str(i))) for i, sub in enumerate(space.spaces))
+    return leaves[("action", *path) if path else "action"]
+
+
+class _Stepper:
+    """The worker's vector env and its slots."""
+
+    def __init__(self, env: gym.vector.VectorEnv, names: str) -> None:
+        self.env = ThreadedAsyncVectorEnv(env)
+        self.obs_space = env.single_observation_space
+        self.act_space = env.single_action_space
+        self.slots = Slots(
+            observation_specs(self.obs_space), action_specs(self.act_space), env.num_envs, names
+        )
+
+    def reset(self) -> None:
+        seed = int(self.slots.seed[1]) if self.slots.seed[0] else None
+        obs, _ = self.env._reset(seed)
+        self._write(self.slots.obs, obs, slice(None))
+        self.slots.ended[:] = False
+
+    def step(self) -> None:
+        slots = self.slots
+        actions = nest_actions(self.act_space, {k: v.copy() for k, v in slots.actions.items()})
+        obs, reward, terminated, truncated, info = self.env._step(actions)
+        self._write(slots.obs, obs, slice(None))
+        slots.reward[:] = reward
+        slots.terminated[:] = terminated
+        slots.truncated[:] = truncated
+        ended = info.get("_final_obs")
+        slots.ended[:] = False if ended is None else ended
+        if ended is not None:
+            for k in np.flatnonzero(ended).tolist():
+                self._write(slots.final, info["final_obs"][k], k)
+
+    def _write(self, into: dict[NestedKey, np.ndarray], obs: Any, index: Any) -> None:
+        for key, value in flatten_obs(self.obs_space, obs).items():
+            into[key][index] = value
+
+
+def _serve(sock: socket.socket, stepper: _Stepper) -> None:
+    while True:
+        cmd = sock.recv(1)
+        if not cmd or cmd == b"C":
+            return
+        if cmd == b"S":
+            stepper.step()
+        elif cmd == b"R":
+            stepper.reset()
+        else:
+            raise RuntimeError(f"ProcessVectorEnv worker: unknown command {cmd!r}")
+        sock.sendall(b"D")
+
+
+def _own_process_group() -> None:
+    """Lead a process group: the parent reaps the worker and whatever its envs started with one killpg."""
+    if hasattr(os, "setpgid"):
+        try:
+            os.setpgid(0, 0)
+        except OSError:
+            pass
+
+
+def _watch_parent(sock: socket.socket) -> None:
+    """A thread that kills this worker's process group when the parent's end of the socket hangs up (the
+    parent was killed) while the main thread is stuck in a step. It polls the socket, never reads it."""
+    if not hasattr(select, "poll"):  # pragma: no cover - not Linux/macOS
+        return
+    hangup = select.POLLHUP | getattr(select, "POLLRDHUP", 0)
+
+    def watch() -> None:
+        poller = select.poll()
+        poller.register(sock.fileno(), getattr(select, "POLLRDHUP", 0))
+        while True:
+            events = poller.poll()
+            if any(mask & select.POLLNVAL for _, mask in events):
+                return  # our own end closed: we are exiting
+            if any(mask & hangup for _, mask in events):
+                if hasattr(os, "killpg") and os.getpgid(0) == os.getpid():
+                    os.killpg(0, signal.SIGKILL)
+                os._exit(1)
+
+    threading.Thread(target=watch, name="aiocollect-envs-parent-watch", daemon=True).start()
+
+
+def worker_main(sock: socket.socket, index: int, payload: bytes, show_warnings: bool) -> None:
+    """Entry point of a worker process (started through the forkserver)."""
+    _own_process_group()
+    _watch_parent(sock)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes us
+    if not show_warnings:
+        warnings.simplefilter("ignore")
+    chan = BlockingChannel(sock)
+    stepper: _Stepper | None = None
+    env: Any = None
+    ready = False
+    try:
+        env = build_vector_env(cloudpickle.loads(payload))
+        chan.send((int(env.num_envs), env.single_observation_space, env.single_action_space))
+        name = chan.recv()
+        if name is None:
+            return
+        stepper = _Stepper(env, name)
+        sock.sendall(b"D")
+        ready = True
+        _serve(sock, stepper)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the parent is gone
+    except BaseException as exc:
+        frame = encode(failure(exc, f"ProcessVectorEnv worker {index}"))
+        try:
+            sock.sendall((b"E" if ready else b"") + frame)
+        except OSError:
+            pass
+    finally:
+        if env is not None:
+            try:
+                env.close()
+            except Exception:
+                pass
+        if stepper is not None:
+            stepper.slots.close()
+        sock.close()
