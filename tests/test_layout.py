@@ -101,6 +101,7 @@ LAYERS: dict[str, int] = {
     "_transport": 3,
     "_rollout": 3,
     "_rollout_batch": 3,
+    "_rollout_casts": 3,
     "_recurrent": 3,
     "_rollout_thread": 3,
     "_storage": 3,

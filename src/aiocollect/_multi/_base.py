@@ -24,7 +24,6 @@ from .._errors import CollectorClosedError, WorkerTimeoutError
 from .._events import WeightsPublished
 from .._fleet import FleetCollector, Member
 from .._gather import gather
-from .._mistakes import check_main_guard
 from .._options import (
     RolloutOptions,
     WeightSchedule,
@@ -196,9 +195,7 @@ class MultiCollectorBase(FleetCollector):
         self._dropped_frames = self._last_discarded = 0
         # async: the largest worker batch (all equal unless frames_per_batch is a per-worker list)
         self.frames_per_batch = sum(self._per_worker_fpb) if delivery.sync else max(self._per_worker_fpb)
-        if self._backend == "process":  # workers import the user's script again: it needs a main guard
-            check_main_guard(type(self).__name__, self._start_method)
-        start_forkserver(self._backend, self._start_method)  # imports while the trainer sets up
+        start_forkserver(self._backend, self._start_method, type(self).__name__)  # imports meanwhile
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def _on_enter(self) -> None:

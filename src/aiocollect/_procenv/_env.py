@@ -22,6 +22,7 @@ import numpy as np
 
 from .._envs._spaces import NestedKey, action_specs, observation_specs
 from .._errors import WorkerDiedError
+from .._mistakes import check_main_guard
 from .._transport._messages import Failed
 from .._transport._wire import BlockingChannel, FrameReader
 from .._workers._pool import signal_group
@@ -163,6 +164,7 @@ class ProcessVectorEnv:
 
     # -- start ------------------------------------------------------------------------------------
     def _start(self, payloads: list[bytes], show_warnings: bool) -> None:
+        check_main_guard("ProcessVectorEnv", "forkserver", other_fix="step the envs in this process")
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
         for index, payload in enumerate(payloads):

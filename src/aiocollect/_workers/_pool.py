@@ -33,6 +33,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from .._errors import WorkerDiedError, WorkerTimeoutError
 from .._events import Event, WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
 from .._gather import gather
+from .._mistakes import check_main_guard
 from .._stats import WorkerState
 from .._transport._messages import (
     Attach,
@@ -125,14 +126,18 @@ def _context(start_method: str) -> Any:
     return ctx
 
 
-def start_forkserver(backend: str, start_method: str) -> None:
+def start_forkserver(backend: str, start_method: str, caller: str) -> None:
     """Start multiprocessing's forkserver now if ``backend`` workers will start through it (it is shared by
-    the whole process and lives as long as it). Called when a collector is built: the forkserver's imports
-    (most of a first start-up, ~1-2 s) then overlap whatever the trainer does before it enters the
-    collector. Spawning it takes a few milliseconds and waits for nothing; if it fails, the start-up fails
-    the same way later.
+    the whole process and lives as long as it). Called when a collector (``caller``, for messages) is
+    built: the forkserver's imports (most of a first start-up, ~1-2 s) then overlap whatever the trainer
+    does before it enters the collector. Spawning it takes a few milliseconds and waits for nothing; if it
+    fails, the start-up fails the same way later. First, before any process starts, a script that would
+    start collection again in every worker (no main guard) is refused.
     """
-    if backend != "process" or start_method != "forkserver":
+    if backend != "process":
+        return
+    check_main_guard(caller, start_method)
+    if start_method != "forkserver":
         return
     from multiprocessing import forkserver
 
