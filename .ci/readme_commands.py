@@ -8,7 +8,8 @@ from pathlib import Path
 
 blocks = re.findall(r"^```bash\n(.*?)^```", Path("README.md").read_text(), re.S | re.M)
 commands = [block.strip() for block in blocks[:2]]
-if len(commands) != 2 or not all(c.startswith("python3 -m venv .venv && ") and "\n" not in c for c in commands):
+one_line = all(c.startswith("python3 -m venv .venv && ") and "\n" not in c for c in commands)
+if len(commands) != 2 or not one_line:
     sys.exit(f"README.md: the first two ```bash blocks must be the one-line set-up commands, got {commands}")
 if "[" in commands[0]:
     sys.exit(f"README.md: the first command must install no extras, got {commands[0]}")
