@@ -13,7 +13,7 @@ from gymnasium.vector import AutoresetMode
 from tensordict import TensorDict
 
 from ._gym_open import is_envpool, open_gym_env
-from ._gym_steps import by_env_id, env_action_steps, fusable_type, run_steps
+from ._gym_steps import by_env_id, env_action_steps, fusable_type, run_pool_steps, run_steps
 from ._info import InfoKeys, InfoReader, info_specs
 from ._spaces import (
     LeafSpec,
@@ -476,7 +476,11 @@ class GymEnv:
             and fusable_type(self, GymEnv)
         )
 
-    _run_steps = run_steps
+    def _run_steps(self, *args: Any) -> tuple[int, np.ndarray]:
+        """The rollout's fused loop (where :attr:`_fused_steps` holds): ``_gym_steps.run_steps``, or
+        ``run_pool_steps`` for an EnvPool pool."""
+        return (run_pool_steps if self._pool else run_steps)(self, *args)
+
     _env_action_steps = env_action_steps
 
     def _step_env_action(self, env_action: Any) -> ArrayStep:

@@ -114,8 +114,6 @@ def run_steps(
     truncated go to ``slots[1:][t]`` (time-first views of the batch). Stops early where
     ``stop.is_set()``. Returns (steps taken, the observation to act on next).
     """
-    if self._pool:
-        return run_pool_steps(self, steps, root, act, actions, slots, out_hist, stop)
     env_step = self._env.step
     reset = self._env.reset
     leaf = policy_action(self)
