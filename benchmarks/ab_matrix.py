@@ -47,6 +47,7 @@ def child(cell: str, seconds: float, pairs: int) -> dict[str, float]:
 
     env_id, num_envs, policy = cell.split(":")
     variants = matrix.build(env_id, int(num_envs), policy, ["collector"], with_torchrl=False)
+    variants = [variants[0], variants[-1]]  # the raw loop (EnvPool's cells have a second one) and ours
 
     async def run() -> dict[str, float]:
         async with AsyncExitStack() as stack:

@@ -48,11 +48,14 @@ torch.set_num_threads(1)
 
 ENVS = ("CartPole-v1", "Pendulum-v1", "HalfCheetah-v5", "ALE/Pong-v5")
 NUM_ENVS = (1, 8, 32)
+#: near-free envs (issue 34): EnvPool's C++ pools, measured with their own numbers of envs (not by default)
+POOL_ENVS = ("EnvPool/CartPole-v1",)
+POOL_NUM_ENVS = (256, 1024)
 POLICIES = ("module", "tdseq", "prob", "random")
 COLLECTORS = ("collector", "multisync", "multiasync")
 WORKERS = 2
 #: steps per env in one batch (of one worker): frames per batch = steps x envs (pixels: smaller batches)
-STEPS = {1: 256, 8: 128, 32: 64}
+STEPS = {1: 256, 8: 128, 32: 64, 256: 64, 1024: 16}
 PIXEL_STEPS = {1: 64, 8: 16, 32: 8}
 HIDDEN = 64
 #: the pixel encoder: every 5th row and column, grey (mean of RGB), / 255, flattened: 42 x 32 = 1344 inputs
@@ -62,6 +65,28 @@ ME = psutil.Process()
 
 def is_pixels(env_id: str) -> bool:
     return env_id.startswith("ALE/")
+
+
+def is_pool(env_id: str) -> bool:
+    return env_id.startswith("EnvPool/")
+
+
+def gym_id(env_id: str) -> str:
+    """The gymnasium id of an env (an EnvPool task has gymnasium's spaces)."""
+    return env_id.removeprefix("EnvPool/")
+
+
+def make_pool(env_id: str, num_envs: int) -> Any:
+    """``envpool.make_gymnasium(task, num_envs=N, seed=0)`` (its spaces' float64-bounds warnings hushed)."""
+    import warnings
+
+    import envpool
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pool = envpool.make_gymnasium(gym_id(env_id), num_envs=num_envs, seed=0)
+        pool.observation_space, pool.action_space  # noqa: B018 (the spaces warn when first read)
+    return pool
 
 
 def _mujoco_warning(message: str) -> None:
@@ -168,6 +193,7 @@ def make_policy(kind: str, env_id: str, obs_key: str = "observation") -> PolicyS
     """``module`` | ``tdseq`` | ``prob`` | ``random``, seeded: the same weights every call."""
     if kind == "random":
         return PolicySpec(None, None)
+    env_id = gym_id(env_id)
     register(env_id)
     env = gym.make(env_id)
     space = env.action_space
@@ -243,6 +269,8 @@ def make_policy(kind: str, env_id: str, obs_key: str = "observation") -> PolicyS
 def ours_env(env_id: str, num_envs: int) -> Any:
     from aiocollect import GymEnv
 
+    if is_pool(env_id):
+        return GymEnv(make_pool(env_id, num_envs))
     register(env_id)
     return GymEnv(env_id, num_envs=None if num_envs == 1 else num_envs)
 
@@ -498,6 +526,60 @@ class Raw(Variant):
         return self.steps * self.num_envs
 
 
+class RawPool(Variant):
+    """An EnvPool pool stepped in a plain loop that stores what a batch holds (observation, next
+    observation, action, reward, terminated, truncated) into preallocated ``[T, N]`` arrays, new ones each
+    batch. ``same_step``: the ended envs are also reset at once (``reset(env_ids)``) and their reset
+    observations acted on, as the collectors' same-step data need; without it the pool resets them at
+    their next step itself (next-step autoreset: a frame per episode end whose action is ignored)."""
+
+    lib = "raw"
+    kind = "raw"
+
+    def __init__(self, env_id: str, num_envs: int, spec: PolicySpec, steps: int, *, same_step: bool) -> None:
+        label = "raw EnvPool loop" + (", same-step resets" if same_step else "")
+        super().__init__(label)
+        self.env_id, self.num_envs, self.fn, self.steps = env_id, num_envs, spec.raw, steps
+        self.same_step = same_step
+
+    async def _open(self, stack: AsyncExitStack) -> None:
+        self.env = make_pool(self.env_id, self.num_envs)
+        stack.callback(self.env.close)
+        self.obs, _ = self.env.reset()
+        self.n_actions = int(self.env.action_space.n)
+        self.rng = np.random.default_rng(0)
+
+    async def batch(self) -> int:
+        env, fn, obs, n, T = self.env, self.fn, self.obs, self.num_envs, self.steps
+        obs_b = np.empty((T, *obs.shape), obs.dtype)
+        next_b = np.empty_like(obs_b)
+        act_b = np.empty((T, n), np.int64)
+        rew_b = np.empty((T, n), np.float32)
+        term_b = np.empty((T, n), bool)
+        trunc_b = np.empty((T, n), bool)
+        with torch.no_grad():
+            for t in range(T):
+                if fn is None:
+                    action = self.rng.integers(0, self.n_actions, n)
+                else:
+                    action = fn(torch.from_numpy(obs)).numpy()
+                obs_b[t] = obs
+                obs, reward, terminated, truncated, _ = env.step(action)
+                next_b[t] = obs
+                act_b[t] = action
+                rew_b[t] = reward
+                term_b[t] = terminated
+                trunc_b[t] = truncated
+                if self.same_step:
+                    done = terminated | truncated
+                    if done.any():
+                        obs = obs.copy()
+                        new_obs, info = env.reset(np.flatnonzero(done).astype(np.int32))
+                        obs[info["env_id"]] = new_obs
+        self.obs = obs
+        return T * n
+
+
 class Ours(Variant):
     def __init__(self, kind: str, label: str, make: Callable[[], Any]) -> None:
         super().__init__(label)
@@ -557,6 +639,9 @@ def build(
     spec = make_policy(policy, env_id)
     env_fn = functools.partial(ours_env, env_id, num_envs)
     out: list[Variant] = [Raw(env_id, num_envs, spec, steps)]
+    if is_pool(env_id):  # no TorchRL here: its EnvPool wrapper is another env than ours
+        out = [RawPool(env_id, num_envs, spec, steps, same_step=s) for s in (False, True)]
+        with_torchrl = False
     p = spec.policy
     ours = {
         "collector": ("Collector", lambda: aiocollect.Collector(env_fn, p, frames_per_batch=fpb, seed=0)),
@@ -647,6 +732,9 @@ def summarise(variants: list[Variant]) -> list[dict[str, Any]]:
             if v is raw
             else median_ratio(v.samples[state], raw.samples[state], "cpu_us", invert=True)
         )
+        row["vs_raw_fps"] = (
+            math.nan if v is raw else median_ratio(v.samples[state], raw.samples[state], "fps")
+        )
         row["vs_raw_state"] = state
         other = trl.get(v.kind) if v.lib == "aiocollect" else None
         row["vs_torchrl_fps"] = (
@@ -689,7 +777,8 @@ async def run_cell(
         idle = row["idle"] or row["busy"]
         log(
             f"    {row['variant']:<38} {idle['cpu_us_per_frame']:8.1f} CPU-us/frame {idle['fps']:10,.0f} "
-            f"frames/s  / raw {row['vs_raw_cpu_eff']:.2f}  / torchrl {row['vs_torchrl_fps']:.2f}  "
+            f"frames/s  / raw {row['vs_raw_cpu_eff']:.2f} (frames/s {row['vs_raw_fps']:.2f})  "
+            f"/ torchrl {row['vs_torchrl_fps']:.2f}  "
             f"busy/idle {row['busy_over_idle_fps']:.2f}"
         )
     return cell
@@ -702,9 +791,9 @@ def fmt(x: float, spec: str = ".2f") -> str:
 
 def markdown(cells: list[CellResult], info: dict[str, Any]) -> str:
     lines = [
-        "| env | envs | policy | variant | CPU-µs/frame | frames/s | ÷ raw (CPU-eff.) | ÷ TorchRL (frames/s) "
-        "| busy: CPU-µs/frame | busy: frames/s | busy ÷ idle (frames/s) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| env | envs | policy | variant | CPU-µs/frame | frames/s | ÷ raw (CPU-eff.) | ÷ raw (frames/s) "
+        "| ÷ TorchRL (frames/s) | busy: CPU-µs/frame | busy: frames/s | busy ÷ idle (frames/s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cells:
         for row in c.rows:
@@ -713,7 +802,7 @@ def markdown(cells: list[CellResult], info: dict[str, Any]) -> str:
                 f"| {c.env_id} | {c.num_envs} | {c.policy} | {row['variant']} "
                 f"| {fmt(idle.get('cpu_us_per_frame', math.nan), '.1f')} "
                 f"| {fmt(idle.get('fps', math.nan), ',.0f')} "
-                f"| {fmt(row['vs_raw_cpu_eff'])} | {fmt(row['vs_torchrl_fps'])} "
+                f"| {fmt(row['vs_raw_cpu_eff'])} | {fmt(row['vs_raw_fps'])} | {fmt(row['vs_torchrl_fps'])} "
                 f"| {fmt(busy.get('cpu_us_per_frame', math.nan), '.1f')} "
                 f"| {fmt(busy.get('fps', math.nan), ',.0f')} | {fmt(row['busy_over_idle_fps'])} |"
             )
@@ -732,8 +821,8 @@ def markdown(cells: list[CellResult], info: dict[str, Any]) -> str:
 
 def text(cells: list[CellResult]) -> str:
     """A plain table for the terminal (``--markdown`` for docs/)."""
-    head = ("env", "envs", "policy", "variant", "CPU-us/f", "frames/s", "/raw", "/torchrl", "busy CPU-us/f",
-            "busy f/s", "busy/idle")  # fmt: skip
+    head = ("env", "envs", "policy", "variant", "CPU-us/f", "frames/s", "/raw", "/raw f/s", "/torchrl",
+            "busy CPU-us/f", "busy f/s", "busy/idle")  # fmt: skip
     rows = [head]
     for c in cells:
         for row in c.rows:
@@ -741,7 +830,7 @@ def text(cells: list[CellResult]) -> str:
             rows.append((
                 c.env_id, str(c.num_envs), c.policy, row["variant"],
                 fmt(idle.get("cpu_us_per_frame", math.nan), ".1f"), fmt(idle.get("fps", math.nan), ",.0f"),
-                fmt(row["vs_raw_cpu_eff"]), fmt(row["vs_torchrl_fps"]),
+                fmt(row["vs_raw_cpu_eff"]), fmt(row["vs_raw_fps"]), fmt(row["vs_torchrl_fps"]),
                 fmt(busy.get("cpu_us_per_frame", math.nan), ".1f"), fmt(busy.get("fps", math.nan), ",.0f"),
                 fmt(row["busy_over_idle_fps"]),
             ))  # fmt: skip
@@ -770,7 +859,9 @@ def machine() -> dict[str, Any]:
 
 def versions() -> dict[str, str]:
     out = {}
-    for dist in ("aiocollect", "torchrl", "torch", "tensordict", "gymnasium", "ale-py", "mujoco", "numpy"):
+    for dist in (
+        "aiocollect", "torchrl", "torch", "tensordict", "gymnasium", "ale-py", "mujoco", "envpool", "numpy",
+    ):  # fmt: skip
         try:
             out[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
@@ -791,8 +882,16 @@ def csv(choices: tuple[Any, ...], cast: Callable[[str], Any] = str) -> Callable[
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--envs", type=csv(ENVS), help=f"comma-separated, from {', '.join(ENVS)}")
-    parser.add_argument("--num-envs", type=csv(NUM_ENVS, int), help="comma-separated, from 1, 8, 32")
+    parser.add_argument(
+        "--envs",
+        type=csv(ENVS + POOL_ENVS),
+        help=f"comma-separated, from {', '.join(ENVS + POOL_ENVS)} (EnvPool's only when named)",
+    )
+    parser.add_argument(
+        "--num-envs",
+        type=csv(NUM_ENVS + POOL_NUM_ENVS, int),
+        help="comma-separated, from 1, 8, 32 (gymnasium), 256, 1024 (EnvPool)",
+    )
     parser.add_argument("--policies", type=csv(POLICIES), help=f"comma-separated, from {', '.join(POLICIES)}")
     parser.add_argument(
         "--collectors", type=csv(COLLECTORS), help=f"comma-separated, from {', '.join(COLLECTORS)}"
@@ -817,7 +916,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     q = args.quick
     args.envs = args.envs or (["CartPole-v1", "ALE/Pong-v5"] if q else list(ENVS))
-    args.num_envs = args.num_envs or ([8] if q else list(NUM_ENVS))
+    args.num_envs = args.num_envs or ([8] if q else [*NUM_ENVS, *POOL_NUM_ENVS])
     args.policies = args.policies or (["tdseq", "random"] if q else list(POLICIES))
     args.collectors = args.collectors or list(COLLECTORS)
     args.busy = args.busy or "both"
@@ -833,6 +932,8 @@ async def run(args: argparse.Namespace, log: Callable[[str], None]) -> list[Cell
     cells = []
     for env_id in args.envs:
         for n in args.num_envs:
+            if (n in POOL_NUM_ENVS) != is_pool(env_id):  # EnvPool's cells have their own sizes
+                continue
             for policy in args.policies:
                 log(f"{env_id} x{n} {policy}")
                 cells.append(await run_cell(env_id, n, policy, args, log))
@@ -848,10 +949,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.perf_counter() - start:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
     trl = "on" if args.torchrl else "off (not importable or --no-torchrl)"
-    log(
-        f"torch threads {torch.get_num_threads()}; torchrl {trl}; "
-        f"{len(args.envs) * len(args.num_envs) * len(args.policies)} cells"
-    )
+    pairs = sum((n in POOL_NUM_ENVS) == is_pool(e) for e in args.envs for n in args.num_envs)
+    log(f"torch threads {torch.get_num_threads()}; torchrl {trl}; {pairs * len(args.policies)} cells")
     cells = anyio.run(run, args, log)
     info = {
         "command": " ".join(["python", "benchmarks/matrix.py", *(sys.argv[1:] if argv is None else argv)]),

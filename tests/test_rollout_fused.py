@@ -369,3 +369,57 @@ def test_episode_statistics_and_ids_match_the_frames(num_envs: int | None) -> No
         assert result.episode_lengths == expected_lengths
         np.testing.assert_allclose(result.episode_returns, expected_returns, rtol=1e-9)
     assert len(counts) > n  # episodes ended
+
+
+def envpool_cartpole(shuffled: bool = False) -> GymEnv:
+    """An EnvPool CartPole of 5 envs; ``shuffled``: its steps report the envs in reverse order (with
+    ``info["env_id"]`` saying so), as a pool may, which the rollout puts back in env order."""
+    envpool = pytest.importorskip("envpool")
+    pool = envpool.make_gymnasium("CartPole-v1", num_envs=5, seed=0)
+    if shuffled:
+        step = pool.step
+
+        def reversed_step(action: Any) -> Any:
+            obs, reward, terminated, truncated, info = step(action)
+            back = slice(None, None, -1)
+            info = {**info, "env_id": info["env_id"][back]}
+            return obs[back], reward[back], terminated[back], truncated[back], info
+
+        pool.step = reversed_step
+    return GymEnv(pool)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # EnvPool's spaces warn about float64 bounds
+@pytest.mark.parametrize("kind", ["random", "tdmodule"])
+async def test_envpool_fused_loop_gives_the_per_step_batches(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EnvPool's fused loop (the partial reset sent before the step's entries are written, received
+    after) gives the per-step path's batches, and a pool reporting its envs out of order the same."""
+
+    async def run(shuffled: bool = False) -> list[Any]:
+        batches: list[Any] = []
+        async with Collector(
+            lambda: envpool_cartpole(shuffled),
+            policy_for(kind, "CartPole-v1"),
+            frames_per_batch=5 * 30,
+            total_frames=5 * 30 * 4,
+            init_random_frames=5 * 30,
+            seed=3,
+        ) as collector:
+            batches += [b.clone() async for b in collector]
+            batches.append(collector.statistics().episodes)
+        return batches
+
+    calls = count_fused_calls(monkeypatch)
+    with anyio.fail_after(60):
+        fused = await run()
+        assert calls  # the fused loop ran
+        shuffled = await run(shuffled=True)
+        monkeypatch.setattr(ArrayEnv, "fused_gym", property(lambda self: None))
+        calls.clear()
+        general = await run()
+        assert not calls
+    assert_same(fused, general)
+    assert_same(shuffled, general)
+    assert sum(int(b["next", "done"].sum()) for b in fused[:-1]) > 5  # partial resets were exercised

@@ -13,7 +13,7 @@ from gymnasium.vector import AutoresetMode
 from tensordict import TensorDict
 
 from ._gym_open import is_envpool, open_gym_env
-from ._gym_steps import env_action_steps, fusable_type, run_steps
+from ._gym_steps import by_env_id, env_action_steps, fusable_type, run_pool_steps, run_steps
 from ._info import InfoKeys, InfoReader, info_specs
 from ._spaces import (
     LeafSpec,
@@ -465,18 +465,22 @@ class GymEnv:
     @property
     def _fused_steps(self) -> bool:
         """Whether :meth:`_run_steps` can collect: one observation array (no Dict space, no info
-        entries), one action entry, one env or a gymnasium vector env with same-step autoreset, and no
-        subclass override of a method the fused loop stands in for (``_gym_steps.FUSED_BYPASSES``)."""
+        entries), one action entry, one env, a gymnasium vector env with same-step autoreset or an
+        unwrapped EnvPool pool, and no subclass override of a method the fused loop stands in for
+        (``_gym_steps.FUSED_BYPASSES``)."""
         return (
             self._plain_obs_dtype is not None
             and not self._composite
-            and not self._pool
-            and self._same_step
+            and (self._same_step or (self._pool and self._env is self._env.unwrapped))
             and not self._needs_reset
             and fusable_type(self, GymEnv)
         )
 
-    _run_steps = run_steps
+    def _run_steps(self, *args: Any) -> tuple[int, np.ndarray]:
+        """The rollout's fused loop (where :attr:`_fused_steps` holds): ``_gym_steps.run_steps``, or
+        ``run_pool_steps`` for an EnvPool pool."""
+        return (run_pool_steps if self._pool else run_steps)(self, *args)
+
     _env_action_steps = env_action_steps
 
     def _step_env_action(self, env_action: Any) -> ArrayStep:
@@ -507,7 +511,7 @@ class GymEnv:
         if self._pool:
             order = np.asarray(info["env_id"])
             if order.shape != (self._num_envs,) or (order != self._pool_ids).any():
-                obs, reward, terminated, truncated, info, done = _by_env_id(
+                obs, reward, terminated, truncated, info, done = by_env_id(
                     order, obs, reward, terminated, truncated, info, done
                 )
         if self._same_step:
@@ -568,17 +572,3 @@ class GymEnv:
     @property
     def _pool_ids(self) -> np.ndarray:
         return self._env.unwrapped.all_env_ids
-
-
-def _by_env_id(order: np.ndarray, *results: Any) -> Any:
-    """EnvPool step results put in env-id order (a pool in sync mode gives them so already)."""
-    if order.shape != (len(results[-1]),):
-        raise ValueError(f"EnvPool stepped the envs {order.tolist()}, not all of them once")
-    perm = np.argsort(order)
-
-    def take(value: Any) -> Any:
-        if isinstance(value, Mapping):
-            return {k: take(v) for k, v in value.items()}
-        return np.asarray(value)[perm]
-
-    return tuple(take(value) for value in results)

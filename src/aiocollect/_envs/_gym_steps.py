@@ -1,11 +1,13 @@
 """``GymEnv``'s batch paths for the rollout core: the actions of a whole batch checked and converted at
-once, and the fused loop that steps a ``GymEnv`` of one observation array (``GymEnv._run_steps``).
+once, and the fused loops that step a ``GymEnv`` of one observation array (``GymEnv._run_steps``): a
+gymnasium env or same-step vector env, or an EnvPool pool.
 
 Both are ``GymEnv`` methods (assigned in its class body); they live here to keep ``_gym.py`` readable.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -15,7 +17,7 @@ if TYPE_CHECKING:
     from ._gym import GymEnv
     from ._spaces import NestedKey
 
-__all__ = ["FUSED_BYPASSES", "env_action_steps", "fusable_type", "run_steps"]
+__all__ = ["FUSED_BYPASSES", "by_env_id", "env_action_steps", "fusable_type", "run_pool_steps", "run_steps"]
 
 #: the GymEnv methods the fused loop (``GymEnv._run_steps``) does the work of: a subclass that overrides one
 #: of them (to fail, to change observations, ...) is stepped by the per-step path, which calls them
@@ -171,3 +173,98 @@ def run_steps(
         self._autoreset_pending = pending
         self._last_obs = {"observation": root}
     return taken, root
+
+
+def run_pool_steps(
+    self: GymEnv,
+    steps: int,
+    root: np.ndarray,
+    act: Any,
+    actions: list[Any] | None,
+    slots: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    out_hist: list[Any],
+    stop: Any,
+) -> tuple[int, np.ndarray]:
+    """:func:`run_steps` for an EnvPool pool (sync mode, unwrapped): what ``steps`` calls of
+    :meth:`GymEnv._step_arrays` give, and the same calls into the pool.
+
+    Where episodes ended, the pool's partial reset (``reset(options={"reset_mask": done})``, which is
+    ``_reset(env ids)`` then ``recv``) is split: the reset is sent at once, the step's entries are
+    written into the batch while the pool's threads reset, and only then are the reset observations
+    received. A pool resets the ended envs itself only at their next step (next-step autoreset), so
+    this round trip is the price of same-step data; overlapping it with the writes hides part of it.
+    """
+    pool = self._env
+    env_step = pool.step
+    send_reset = pool._reset
+    recv = pool.recv
+    reset_info = bool(pool.config["gym_reset_return_info"])
+    ids = self._pool_ids
+    num_envs = self._num_envs
+    leaf = policy_action(self)
+    array = self._array
+    dtype = self._plain_obs_dtype
+    assert dtype is not None  # _fused_steps
+    from_numpy = torch.from_numpy
+    count_nonzero = np.count_nonzero
+    flatnonzero = np.flatnonzero
+    obs_slot, next_slot, reward_slot, terminated_slot, truncated_slot = slots
+    pending: Any = self._autoreset_pending
+    taken = steps
+    try:
+        for t in range(steps):
+            if stop is not None and stop.is_set():
+                taken = t
+                break
+            obs_slot[t] = root
+            if actions is None:
+                out = act(from_numpy(root))
+                out_hist.append(out)
+                env_action = leaf("action", out["action"])
+            else:
+                env_action = actions[t]
+            obs, reward, terminated, truncated, info = env_step(env_action)
+            done = terminated | truncated
+            order = info["env_id"]
+            if order.shape != (num_envs,) or (order != ids).any():
+                obs, reward, terminated, truncated, info, done = by_env_id(
+                    np.asarray(order), obs, reward, terminated, truncated, info, done
+                )
+            nxt = array(obs, dtype)
+            if count_nonzero(done):
+                self._pool_fresh = False
+                send_reset(flatnonzero(done).astype(np.int32))  # what reset_mask becomes in the pool
+                root = nxt.copy()  # the reset observations go into a copy: nxt is the step's
+                next_slot[t] = nxt
+                reward_slot[t] = reward
+                terminated_slot[t] = terminated
+                truncated_slot[t] = truncated
+                new_obs, new_info = recv(reset=True, return_info=reset_info)
+                root[np.asarray(new_info["env_id"])] = array(new_obs, dtype)
+                pending = done
+                continue
+            root = nxt
+            pending = None
+            next_slot[t] = nxt
+            reward_slot[t] = reward  # cast to the slot's float32, as np.asarray(reward, float32)
+            terminated_slot[t] = terminated
+            truncated_slot[t] = truncated
+    finally:
+        self._autoreset_pending = pending
+        self._last_obs = {"observation": root}
+    return taken, root
+
+
+def by_env_id(order: np.ndarray, *results: Any) -> Any:
+    """EnvPool step results (the last one the done flags) put in env-id order (a pool in sync mode gives
+    them so already)."""
+    if order.shape != (len(results[-1]),):
+        raise ValueError(f"EnvPool stepped the envs {order.tolist()}, not all of them once")
+    perm = np.argsort(order)
+
+    def take(value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return {k: take(v) for k, v in value.items()}
+        return np.asarray(value)[perm]
+
+    return tuple(take(value) for value in results)
