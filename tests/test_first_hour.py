@@ -190,9 +190,11 @@ def test_anyio_is_all_the_async_engine_needs() -> None:
     code = (
         "import sys, builtins\n"
         "real = builtins.__import__\n"
-        "def guard(name, *a, **k):\n"
-        "    if name.split('.')[0] == 'sniffio': raise ModuleNotFoundError(name)\n"
-        "    return real(name, *a, **k)\n"
+        "def guard(name, globals=None, *a, **k):\n"  # aiocollect's own imports (anyio<4.12 has sniffio)
+        "    ours = (globals or {}).get('__name__', '').startswith('aiocollect')\n"
+        "    if ours and name.split('.')[0] == 'sniffio':\n"
+        "        raise ModuleNotFoundError(name)\n"
+        "    return real(name, globals, *a, **k)\n"
         "builtins.__import__ = guard\n"
         "import anyio, aiocollect, gymnasium as gym\n"
         "from aiocollect import AsyncEnvCollector, GymEnv, ThreadedAsyncEnv\n"

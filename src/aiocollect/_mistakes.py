@@ -20,7 +20,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 __all__ = ["check_main_guard", "explicit_keywords", "unguarded_main_line", "warn_user"]
 
@@ -90,6 +90,10 @@ def _keyword_error(cls_name: str, name: str, accepted: list[str]) -> TypeError:
     return TypeError(message)
 
 
+@overload
+def explicit_keywords(init: _F) -> _F: ...
+@overload
+def explicit_keywords(*, refused: Mapping[str, str]) -> Callable[[_F], _F]: ...
 def explicit_keywords(init: _F | None = None, *, refused: Mapping[str, str] | None = None) -> Any:
     """Decorate a public constructor: an unknown keyword raises a ``TypeError`` that names the class the
     user wrote, suggests the closest keyword, and points TorchRL's spellings to ours; a keyword of
