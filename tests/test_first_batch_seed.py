@@ -147,3 +147,22 @@ async def test_reset_before_the_first_batch_discards_nothing(anyio_backend, back
     # worker i's ids are i, i + 2, ...; each reset of its four envs takes the next four: the first batch
     # runs on the ones of the third reset (after the one at start, reset() and set_seed)
     assert sorted(ids.tolist()) == [worker + 2 * k for k in range(8, 12)]
+
+
+async def test_compat_set_seed_before_the_loop_seeds_the_first_batch(anyio_backend):
+    """TorchRL's order, through ``aiocollect.compat``: ``set_seed`` first (it starts the workers), then
+    iterate: two such runs give the same batches from the first one on."""
+    from aiocollect import compat
+
+    runs = []
+    for _ in range(2):
+        collector = compat.MultiaSyncDataCollector(
+            [cartpole4] * 2, frames_per_batch=16, total_frames=96, worker_backend="serial"
+        )
+        with anyio.fail_after(60):
+            await collector.set_seed(4)
+            runs.append(per_worker([b async for b in collector]))
+    for i in (0, 1):
+        n = min(len(runs[0][i]), len(runs[1][i]))
+        assert n >= 1
+        assert_same(runs[0][i][:n], runs[1][i][:n])
