@@ -44,7 +44,7 @@ LONG_MODULES: dict[str, int] = {
     "aiocollect/_remote/_nodes.py": 485,
     "aiocollect/_remote/_ray.py": 523,
     "aiocollect/_rollout.py": 599,
-    "aiocollect/_serve/_ws.py": 582,
+    "aiocollect/_serve/_ws.py": 585,
     "aiocollect/_workers/_pool.py": 431,
     "aiocollect/_workers/_worker.py": 522,
 }

@@ -137,9 +137,10 @@ async def test_a_python_heavy_env_leaves_the_loop_free() -> None:
     # the median over rounds was 10.4-10.5 ms in about 1 run in 6 on an idle 2-core machine (with the code
     # of the previous release too), so the bound is 11 ms. Unless the machine is so loaded that the plain
     # worker thread's p99 is over that already (the loop then waits for a core, not for us): then no worse
-    # than that, with 50 % slack
+    # than twice that (at load 5-8 on 2 cores the ratio read 1.8 once; a loop held by the rollout, the
+    # defect this guards against, lags by a whole batch: hundreds of ms)
     bound = 2 * sys.getswitchinterval() + 0.001
-    assert p99 <= max(bound, 1.5 * reference_p99), (p99, reference_p99)
+    assert p99 <= max(bound, 2.0 * reference_p99), (p99, reference_p99)
 
 
 class DropBuffer:

@@ -416,7 +416,10 @@ async def connect(
             extra_headers=[(b"authorization", f"Bearer {token}".encode())],
         )
         with anyio.fail_after(connect_timeout):
-            await stream.send(ws.send(request))
+            try:
+                await stream.send(ws.send(request))
+            except (anyio.BrokenResourceError, OSError):  # reset at once (a server going down)
+                raise RemoteConnectionError(f"{url} closed the connection during the handshake") from None
             status, body = await _handshake_answer(stream, ws, url)
     except BaseException:
         with anyio.CancelScope(shield=True):
