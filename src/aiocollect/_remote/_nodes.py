@@ -26,7 +26,7 @@ import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from tensordict import TensorDictBase
 
-from .._errors import WorkerTimeoutError, as_error, worker_died
+from .._errors import WorkerError, WorkerTimeoutError, as_error, worker_died
 from .._events import WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
 from .._fleet import FleetCollector
 from .._gather import gather
@@ -233,6 +233,22 @@ class NodeFleet(FleetCollector):
             cause=cause,
         )
 
+    def _broke_protocol(self, node: RemoteNode, exc: Exception) -> BaseException:
+        """A ``WorkerError`` naming ``node``, whose control connection carried what no node sends (a
+        frame that does not unpickle, an object that is no message): a rogue process with the token, or a
+        node gone wrong. Its connection is closed; ``exc`` is the ``__cause__``."""
+        where = (
+            f"node {node.index} ({self._engine_name} rank {node.rank}"
+            + (f", {node.host}" if node.host else "")
+            + (f", pid {node.pid})" if node.pid else ")")
+        )
+        said = f"{type(exc).__name__}: {exc}"
+        error = WorkerError(f"{where} broke the control protocol ({said}); its connection was closed")
+        error.type_name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+        error.message = str(exc)
+        error.__cause__ = exc
+        return error
+
     async def _within_progress_timeout(self, node: RemoteNode, fn: Callable[[], Any]) -> Any:
         """``await fn()`` (a node's next batch); a node that takes longer than ``progress_timeout``
         fails the collector with ``WorkerTimeoutError`` naming it."""
@@ -407,24 +423,22 @@ class NodeFleet(FleetCollector):
                     msg = await channel.receive()
                 except (EOFError, OSError):
                     break
-                if isinstance(msg, Result):
-                    self._waiters.resolve(("call", msg.request_id), msg.value)
-                elif isinstance(msg, Loaded):
-                    if msg.version > node.policy_version:
-                        node.policy_version = msg.version
-                        self._hub.publish(WeightsLoaded(msg.version, node.index))
-                    node.loaded_event.set()
-                    node.loaded_event = anyio.Event()
-                elif isinstance(msg, NodeReady):
-                    node.ready, node.pid, node.host = msg, msg.pid, msg.host
-                    node.ready_event.set()
-                elif isinstance(msg, Failed):
+                except Exception as exc:  # a frame that does not unpickle
                     failed = True
-                    self._fail(node, as_error(msg.error))
-                else:
-                    await self._on_notice(node, msg)
+                    self._fail(node, self._broke_protocol(node, exc))
+                    break
+                try:
+                    await self._on_message(node, msg)
+                except Exception as exc:  # no message of the protocol, or one out of place
+                    failed = True
+                    self._fail(node, self._broke_protocol(node, exc))
+                    break
+                if isinstance(msg, Failed):
+                    failed = True
         finally:
             node.gone.set()
+            if failed:
+                channel.close()  # nothing more of it is read
             if not failed and not self._closing:
                 exitcode = None
                 if node.process is not None:
@@ -435,6 +449,24 @@ class NodeFleet(FleetCollector):
             elif not failed and node.state != WorkerState.FAILED:
                 node.state = WorkerState.STOPPED
                 self._hub.publish(WorkerStopped(node.index))
+
+    async def _on_message(self, node: RemoteNode, msg: Any) -> None:
+        """One message from ``node``'s control connection."""
+        if isinstance(msg, Result):
+            self._waiters.resolve(("call", msg.request_id), msg.value)
+        elif isinstance(msg, Loaded):
+            if msg.version > node.policy_version:
+                node.policy_version = msg.version
+                self._hub.publish(WeightsLoaded(msg.version, node.index))
+            node.loaded_event.set()
+            node.loaded_event = anyio.Event()
+        elif isinstance(msg, NodeReady):
+            node.ready, node.pid, node.host = msg, msg.pid, msg.host
+            node.ready_event.set()
+        elif isinstance(msg, Failed):
+            self._fail(node, as_error(msg.error))
+        else:
+            await self._on_notice(node, msg)
 
     async def _shutdown(self) -> None:
         with anyio.CancelScope(shield=True):
