@@ -554,3 +554,26 @@ async def test_a_rogue_node_is_one_error_naming_it(engine, how, anyio_backend):
     thread.join(30)
     assert not thread.is_alive()
     assert _alive({pid}) == []
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+async def test_leaving_with_a_stopped_node_kills_it_within_2_s(engine, anyio_backend):
+    """A node that hangs (SIGSTOP: it answers nothing, not even ``Close``) before progress_timeout: leaving
+    ``async with`` gives it 2 s whatever worker_timeout, then kills it (it took 15 s + 2 s)."""
+    if (anyio_backend, engine) == ("trio", "rpc"):
+        pytest.skip("one backend is enough for RPC: the grace is the trainer's, not the engine's")
+    cls, _ = ENGINES[engine]
+    with anyio.fail_after(90):
+        async with cls(
+            [pendulum, pendulum],
+            frames_per_batch=16,
+            total_frames=-1,
+            collector_kwargs={"worker_timeout": 60},
+        ) as c:
+            await c.__anext__()
+            pids = _tree(c.node_pids())
+            os.kill(c.node_pids()[1], signal.SIGSTOP)
+            leaving = time.monotonic()
+        left_in = time.monotonic() - leaving
+    assert _alive(pids) == []
+    assert left_in < 2 + 2, f"leaving `async with` took {left_in:.1f} s"

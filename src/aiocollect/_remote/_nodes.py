@@ -56,10 +56,9 @@ from ._messages import (
     Setup,
 )
 
-#: seconds a node gets to close its collector (and reap its processes) after ``Close``
-_CLOSE_GRACE = 15.0
-#: the same for a hung node (it missed ``progress_timeout``): leaving ``async with`` takes about 3 s
-_FAILED_CLOSE_GRACE = 2.0
+#: seconds a node gets to close its collector (and reap its processes) and hang up after ``Close``,
+#: whatever its collector's ``worker_timeout``: then it is killed (a hung node may answer nothing)
+_CLOSE_GRACE = 2.0
 #: default ``progress_timeout``: seconds a node may take to deliver one batch before it counts as hung
 DEFAULT_PROGRESS_TIMEOUT = 600.0
 
@@ -87,8 +86,6 @@ class RemoteNode:
     #: delivered a batch since its last weight update (update_at_each_batch)
     fresh: bool = False
     in_flight: bool = False
-    #: missed progress_timeout: stopped without the full grace period
-    hung: bool = False
     buffer: Any = None
     connected: anyio.Event = field(default_factory=anyio.Event)
     gone: anyio.Event = field(default_factory=anyio.Event)
@@ -258,7 +255,6 @@ class NodeFleet(FleetCollector):
         with anyio.move_on_after(timeout) as scope:
             return await fn()
         assert scope.cancelled_caught
-        node.hung = True
         where = f"node {node.index} ({self._engine_name} rank {node.rank}" + (
             f", {node.host}, pid {node.pid})" if node.host else ")"
         )
@@ -481,15 +477,15 @@ class NodeFleet(FleetCollector):
                     with contextlib.suppress(Exception):
                         await node.channel.send(Close())
 
-            # a node closes its collector (reaping its workers) in the grace period; a hung one (it
-            # missed progress_timeout) gets a short one, then is terminated
+            # a node closes its collector (reaping its workers) and hangs up within the grace period, then
+            # gets 5 s to exit (a submitit job writes its result); one that did not hang up (hung,
+            # stopped) is killed at once: leaving `async with` with a hung node takes 2 s
             async def close(node: RemoteNode) -> None:
-                grace = _FAILED_CLOSE_GRACE if node.hung else _CLOSE_GRACE
                 if node.channel is not None:
-                    with anyio.move_on_after(grace):
+                    with anyio.move_on_after(_CLOSE_GRACE):
                         await node.gone.wait()
                 if node.process is not None:
-                    await node.process.stop(0.5 if node.hung else 5.0)
+                    await node.process.stop(5.0 if node.channel is None or node.gone.is_set() else 0.0)
 
             await gather(*[partial(close, node) for node in self._nodes])
             for node in self._nodes:
