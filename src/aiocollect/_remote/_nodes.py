@@ -56,8 +56,7 @@ from ._messages import (
     Setup,
 )
 
-#: seconds a node gets to close its collector (and reap its processes) and hang up after ``Close``,
-#: whatever its collector's ``worker_timeout``: then it is killed (a hung node may answer nothing)
+#: seconds a node gets to close its collector and hang up after ``Close`` (any worker_timeout): then killed
 _CLOSE_GRACE = 2.0
 #: default ``progress_timeout``: seconds a node may take to deliver one batch before it counts as hung
 DEFAULT_PROGRESS_TIMEOUT = 600.0
@@ -217,32 +216,19 @@ class NodeFleet(FleetCollector):
         assert self._failure is not None
         raise self._failure
 
-    def _died(
-        self, node: RemoteNode, exitcode: int | None, cause: BaseException | None = None
-    ) -> BaseException:
-        return worker_died(
-            node.index,
-            exitcode,
-            member="node",
-            engine=self._engine_name,
-            rank=node.rank,
-            host=node.host,
-            cause=cause,
-        )
+    def _died(self, node: RemoteNode, exitcode: int | None, cause: Any = None) -> BaseException:
+        where = {"engine": self._engine_name, "rank": node.rank, "host": node.host, "cause": cause}
+        return worker_died(node.index, exitcode, member="node", **where)
+
+    def _where(self, node: RemoteNode) -> str:
+        host = f", {node.host}, pid {node.pid}" if node.host else ""
+        return f"node {node.index} ({self._engine_name} rank {node.rank}{host})"
 
     def _broke_protocol(self, node: RemoteNode, exc: Exception) -> BaseException:
-        """A ``WorkerError`` naming ``node``, whose control connection carried what no node sends (a
-        frame that does not unpickle, an object that is no message): a rogue process with the token, or a
-        node gone wrong. Its connection is closed; ``exc`` is the ``__cause__``."""
-        where = (
-            f"node {node.index} ({self._engine_name} rank {node.rank}"
-            + (f", {node.host}" if node.host else "")
-            + (f", pid {node.pid})" if node.pid else ")")
-        )
+        """A ``WorkerError``: ``node`` (a rogue with the token?) sent what no node sends (``exc``)."""
         said = f"{type(exc).__name__}: {exc}"
-        error = WorkerError(f"{where} broke the control protocol ({said}); its connection was closed")
-        error.type_name = f"{type(exc).__module__}.{type(exc).__qualname__}"
-        error.message = str(exc)
+        error = WorkerError(f"{self._where(node)} broke the control protocol ({said}); it was closed")
+        error.type_name, error.message = f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc)
         error.__cause__ = exc
         return error
 
@@ -255,9 +241,7 @@ class NodeFleet(FleetCollector):
         with anyio.move_on_after(timeout) as scope:
             return await fn()
         assert scope.cancelled_caught
-        where = f"node {node.index} ({self._engine_name} rank {node.rank}" + (
-            f", {node.host}, pid {node.pid})" if node.host else ")"
-        )
+        where = self._where(node)
         error = WorkerTimeoutError(
             f"{where} delivered no batch within progress_timeout={timeout:g} s: a hung env or policy? "
             "(give a larger progress_timeout for slower batches, or None for no limit)"
@@ -417,20 +401,28 @@ class NodeFleet(FleetCollector):
             while True:
                 try:
                     msg = await channel.receive()
+                    if isinstance(msg, Result):
+                        self._waiters.resolve(("call", msg.request_id), msg.value)
+                    elif isinstance(msg, Loaded):
+                        if msg.version > node.policy_version:
+                            node.policy_version = msg.version
+                            self._hub.publish(WeightsLoaded(msg.version, node.index))
+                        node.loaded_event.set()
+                        node.loaded_event = anyio.Event()
+                    elif isinstance(msg, NodeReady):
+                        node.ready, node.pid, node.host = msg, msg.pid, msg.host
+                        node.ready_event.set()
+                    elif isinstance(msg, Failed):
+                        self._fail(node, as_error(msg.error))
+                    else:
+                        await self._on_notice(node, msg)
                 except (EOFError, OSError):
                     break
-                except Exception as exc:  # a frame that does not unpickle
+                except Exception as exc:  # a frame that does not unpickle, an object that is no message
                     failed = True
                     self._fail(node, self._broke_protocol(node, exc))
                     break
-                try:
-                    await self._on_message(node, msg)
-                except Exception as exc:  # no message of the protocol, or one out of place
-                    failed = True
-                    self._fail(node, self._broke_protocol(node, exc))
-                    break
-                if isinstance(msg, Failed):
-                    failed = True
+                failed = failed or isinstance(msg, Failed)
         finally:
             node.gone.set()
             if failed:
@@ -446,24 +438,6 @@ class NodeFleet(FleetCollector):
                 node.state = WorkerState.STOPPED
                 self._hub.publish(WorkerStopped(node.index))
 
-    async def _on_message(self, node: RemoteNode, msg: Any) -> None:
-        """One message from ``node``'s control connection."""
-        if isinstance(msg, Result):
-            self._waiters.resolve(("call", msg.request_id), msg.value)
-        elif isinstance(msg, Loaded):
-            if msg.version > node.policy_version:
-                node.policy_version = msg.version
-                self._hub.publish(WeightsLoaded(msg.version, node.index))
-            node.loaded_event.set()
-            node.loaded_event = anyio.Event()
-        elif isinstance(msg, NodeReady):
-            node.ready, node.pid, node.host = msg, msg.pid, msg.host
-            node.ready_event.set()
-        elif isinstance(msg, Failed):
-            self._fail(node, as_error(msg.error))
-        else:
-            await self._on_notice(node, msg)
-
     async def _shutdown(self) -> None:
         with anyio.CancelScope(shield=True):
             if self._background is not None:
@@ -477,9 +451,7 @@ class NodeFleet(FleetCollector):
                     with contextlib.suppress(Exception):
                         await node.channel.send(Close())
 
-            # a node closes its collector (reaping its workers) and hangs up within the grace period, then
-            # gets 5 s to exit (a submitit job writes its result); one that did not hang up (hung,
-            # stopped) is killed at once: leaving `async with` with a hung node takes 2 s
+            # a node that hung up in the grace period gets 5 s to exit (a submitit job); others are killed
             async def close(node: RemoteNode) -> None:
                 if node.channel is not None:
                     with anyio.move_on_after(_CLOSE_GRACE):
