@@ -30,11 +30,14 @@ from aiocollect import (
     MultiSyncCollector,
     RPCCollector,
     WorkerDiedError,
+    WorkerError,
     WorkerTimeoutError,
     _distributed_weights,
 )
-from aiocollect._remote import _trainer
+from aiocollect._remote import _launchers, _trainer
+from aiocollect._remote._processes import ExternalNode
 from aiocollect._transport._store import StoreServer
+from aiocollect._transport._wire import encode
 from support import ConstantPolicy, fd_count, pendulum
 from support import process_tree as _tree
 from support import wait_gone as _alive
@@ -492,3 +495,85 @@ def test_the_trainer_exits_at_once_after_a_failed_start(engine, tmp_path, anyio_
     assert "raised KeyError" in proc.stdout
     returned = float(proc.stdout.split("main returned")[1].split()[0])
     assert ended - returned < 10, f"the process exited {ended - returned:.1f} s after main returned"
+
+
+class _RogueLauncher(_launchers.Launcher):
+    """Node 0 is a real node; node 1 is a local process that has the token (it connects and says hello as
+    rank 2) and then breaks the protocol as ``how`` says."""
+
+    local = True
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+        self.started: list[Any] = []
+
+    async def launch(self, address: Any, ranks: list[int]) -> dict[int, Any]:
+        nodes = await _launchers.MPLauncher().launch(address, ranks[:-1])
+        self.started = [node.pid for node in nodes.values()]
+        thread = threading.Thread(target=self._rogue, args=(address, ranks[-1]), daemon=True)
+        thread.start()
+        self.started.append(thread)
+        nodes[ranks[-1]] = ExternalNode()
+        return nodes
+
+    def _rogue(self, address: Any, rank: int) -> None:
+        with _launchers.connect(address, rank) as sock:
+            if self.how == "hangs_up":
+                return
+            if self.how == "garbage":  # a frame that does not unpickle
+                sock.sendall(struct.pack("!Q", 5) + b"\x80\x05junk")
+            elif self.how == "unexpected":  # a valid pickle that is no message of the protocol
+                sock.sendall(encode(12345))
+            sock.settimeout(30)
+            with contextlib.suppress(OSError):
+                while sock.recv(1 << 16):  # until the trainer closes it
+                    pass
+
+
+@pytest.mark.parametrize("how", ["garbage", "unexpected", "hangs_up"])
+@pytest.mark.parametrize("engine", list(ENGINES))
+async def test_a_rogue_node_is_one_error_naming_it(engine, how, anyio_backend):
+    """A process with the token that breaks the control protocol (a frame that does not unpickle, an object
+    that is no message) or hangs up is one error of the vocabulary naming the node, not an ExceptionGroup
+    of the collector's tasks, and the real node is stopped."""
+    if (anyio_backend, how) == ("trio", "hangs_up"):
+        pytest.skip("one backend is enough for a hang-up (the other faults tests cover EOF)")
+    cls, name = ENGINES[engine]
+    launcher = _RogueLauncher(how)
+    with anyio.fail_after(90):
+        with pytest.raises(Exception) as info:
+            async with cls([pendulum, pendulum], frames_per_batch=16, total_frames=-1, launcher=launcher):
+                pass
+    error = info.value
+    expected = WorkerDiedError if how == "hangs_up" else WorkerError
+    assert type(error) is expected, repr(error)
+    assert "node 1" in str(error) and name in str(error), str(error)
+    if how != "hangs_up":
+        assert "broke the control protocol" in str(error)
+    pid, thread = launcher.started
+    thread.join(30)
+    assert not thread.is_alive()
+    assert _alive({pid}) == []
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+async def test_leaving_with_a_stopped_node_kills_it_within_2_s(engine, anyio_backend):
+    """A node that hangs (SIGSTOP: it answers nothing, not even ``Close``) before progress_timeout: leaving
+    ``async with`` gives it 2 s whatever worker_timeout, then kills it (it took 15 s + 2 s)."""
+    if (anyio_backend, engine) == ("trio", "rpc"):
+        pytest.skip("one backend is enough for RPC: the grace is the trainer's, not the engine's")
+    cls, _ = ENGINES[engine]
+    with anyio.fail_after(90):
+        async with cls(
+            [pendulum, pendulum],
+            frames_per_batch=16,
+            total_frames=-1,
+            collector_kwargs={"worker_timeout": 60},
+        ) as c:
+            await c.__anext__()
+            pids = _tree(c.node_pids())
+            os.kill(c.node_pids()[1], signal.SIGSTOP)
+            leaving = time.monotonic()
+        left_in = time.monotonic() - leaving
+    assert _alive(pids) == []
+    assert left_in < 2 + 2, f"leaving `async with` took {left_in:.1f} s"

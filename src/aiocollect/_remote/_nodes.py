@@ -26,7 +26,7 @@ import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from tensordict import TensorDictBase
 
-from .._errors import WorkerTimeoutError, as_error, worker_died
+from .._errors import WorkerError, WorkerTimeoutError, as_error, worker_died
 from .._events import WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
 from .._fleet import FleetCollector
 from .._gather import gather
@@ -56,10 +56,8 @@ from ._messages import (
     Setup,
 )
 
-#: seconds a node gets to close its collector (and reap its processes) after ``Close``
-_CLOSE_GRACE = 15.0
-#: the same for a hung node (it missed ``progress_timeout``): leaving ``async with`` takes about 3 s
-_FAILED_CLOSE_GRACE = 2.0
+#: seconds a node gets to close its collector and hang up after ``Close`` (any worker_timeout): then killed
+_CLOSE_GRACE = 2.0
 #: default ``progress_timeout``: seconds a node may take to deliver one batch before it counts as hung
 DEFAULT_PROGRESS_TIMEOUT = 600.0
 
@@ -87,8 +85,6 @@ class RemoteNode:
     #: delivered a batch since its last weight update (update_at_each_batch)
     fresh: bool = False
     in_flight: bool = False
-    #: missed progress_timeout: stopped without the full grace period
-    hung: bool = False
     buffer: Any = None
     connected: anyio.Event = field(default_factory=anyio.Event)
     gone: anyio.Event = field(default_factory=anyio.Event)
@@ -220,18 +216,21 @@ class NodeFleet(FleetCollector):
         assert self._failure is not None
         raise self._failure
 
-    def _died(
-        self, node: RemoteNode, exitcode: int | None, cause: BaseException | None = None
-    ) -> BaseException:
-        return worker_died(
-            node.index,
-            exitcode,
-            member="node",
-            engine=self._engine_name,
-            rank=node.rank,
-            host=node.host,
-            cause=cause,
-        )
+    def _died(self, node: RemoteNode, exitcode: int | None, cause: Any = None) -> BaseException:
+        where = {"engine": self._engine_name, "rank": node.rank, "host": node.host, "cause": cause}
+        return worker_died(node.index, exitcode, member="node", **where)
+
+    def _where(self, node: RemoteNode) -> str:
+        host = f", {node.host}, pid {node.pid}" if node.host else ""
+        return f"node {node.index} ({self._engine_name} rank {node.rank}{host})"
+
+    def _broke_protocol(self, node: RemoteNode, exc: Exception) -> BaseException:
+        """A ``WorkerError``: ``node`` (a rogue with the token?) sent what no node sends (``exc``)."""
+        said = f"{type(exc).__name__}: {exc}"
+        error = WorkerError(f"{self._where(node)} broke the control protocol ({said}); it was closed")
+        error.type_name, error.message = f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc)
+        error.__cause__ = exc
+        return error
 
     async def _within_progress_timeout(self, node: RemoteNode, fn: Callable[[], Any]) -> Any:
         """``await fn()`` (a node's next batch); a node that takes longer than ``progress_timeout``
@@ -242,10 +241,7 @@ class NodeFleet(FleetCollector):
         with anyio.move_on_after(timeout) as scope:
             return await fn()
         assert scope.cancelled_caught
-        node.hung = True
-        where = f"node {node.index} ({self._engine_name} rank {node.rank}" + (
-            f", {node.host}, pid {node.pid})" if node.host else ")"
-        )
+        where = self._where(node)
         error = WorkerTimeoutError(
             f"{where} delivered no batch within progress_timeout={timeout:g} s: a hung env or policy? "
             "(give a larger progress_timeout for slower batches, or None for no limit)"
@@ -405,26 +401,32 @@ class NodeFleet(FleetCollector):
             while True:
                 try:
                     msg = await channel.receive()
+                    if isinstance(msg, Result):
+                        self._waiters.resolve(("call", msg.request_id), msg.value)
+                    elif isinstance(msg, Loaded):
+                        if msg.version > node.policy_version:
+                            node.policy_version = msg.version
+                            self._hub.publish(WeightsLoaded(msg.version, node.index))
+                        node.loaded_event.set()
+                        node.loaded_event = anyio.Event()
+                    elif isinstance(msg, NodeReady):
+                        node.ready, node.pid, node.host = msg, msg.pid, msg.host
+                        node.ready_event.set()
+                    elif isinstance(msg, Failed):
+                        self._fail(node, as_error(msg.error))
+                    else:
+                        await self._on_notice(node, msg)
                 except (EOFError, OSError):
                     break
-                if isinstance(msg, Result):
-                    self._waiters.resolve(("call", msg.request_id), msg.value)
-                elif isinstance(msg, Loaded):
-                    if msg.version > node.policy_version:
-                        node.policy_version = msg.version
-                        self._hub.publish(WeightsLoaded(msg.version, node.index))
-                    node.loaded_event.set()
-                    node.loaded_event = anyio.Event()
-                elif isinstance(msg, NodeReady):
-                    node.ready, node.pid, node.host = msg, msg.pid, msg.host
-                    node.ready_event.set()
-                elif isinstance(msg, Failed):
+                except Exception as exc:  # a frame that does not unpickle, an object that is no message
                     failed = True
-                    self._fail(node, as_error(msg.error))
-                else:
-                    await self._on_notice(node, msg)
+                    self._fail(node, self._broke_protocol(node, exc))
+                    break
+                failed = failed or isinstance(msg, Failed)
         finally:
             node.gone.set()
+            if failed:
+                channel.close()  # nothing more of it is read
             if not failed and not self._closing:
                 exitcode = None
                 if node.process is not None:
@@ -449,15 +451,13 @@ class NodeFleet(FleetCollector):
                     with contextlib.suppress(Exception):
                         await node.channel.send(Close())
 
-            # a node closes its collector (reaping its workers) in the grace period; a hung one (it
-            # missed progress_timeout) gets a short one, then is terminated
+            # a node that hung up in the grace period gets 5 s to exit (a submitit job); others are killed
             async def close(node: RemoteNode) -> None:
-                grace = _FAILED_CLOSE_GRACE if node.hung else _CLOSE_GRACE
                 if node.channel is not None:
-                    with anyio.move_on_after(grace):
+                    with anyio.move_on_after(_CLOSE_GRACE):
                         await node.gone.wait()
                 if node.process is not None:
-                    await node.process.stop(0.5 if node.hung else 5.0)
+                    await node.process.stop(5.0 if node.channel is None or node.gone.is_set() else 0.0)
 
             await gather(*[partial(close, node) for node in self._nodes])
             for node in self._nodes:

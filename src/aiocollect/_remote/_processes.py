@@ -33,7 +33,7 @@ class NodeProcess(abc.ABC):
 
     @abc.abstractmethod
     async def stop(self, grace: float) -> None:
-        """Wait up to ``grace`` seconds for it to end, then end it (terminate, then kill)."""
+        """Wait up to ``grace`` seconds for it to end, then end it (kill it, or cancel its job)."""
 
     def describe(self) -> str:
         return ""
@@ -92,10 +92,10 @@ class MPNode(NodeProcess):
     async def stop(self, grace: float) -> None:
         with anyio.CancelScope(shield=True):
             if not await anyio.to_thread.run_sync(self._ended, grace):
-                self.process.terminate()
-                if not await anyio.to_thread.run_sync(self._ended, 2.0):
-                    self.process.kill()
-                    await anyio.to_thread.run_sync(self._ended, None)
+                # killed, not terminated: a stopped or hung node would not act on SIGTERM (it had its
+                # grace period); its group (forkserver, workers) goes with it in _reap
+                self.process.kill()
+                await anyio.to_thread.run_sync(self._ended, None)
             self._reap()
             # release its sentinel pipe now (left to the garbage collector, 2 fds a node stayed open);
             # a watcher still waiting on it closes it when it wakes (at once: the process ended)
