@@ -12,9 +12,6 @@ A value of the wrong type raises ``TypeError``, a value out of range ``ValueErro
 
 from __future__ import annotations
 
-import os
-import sys
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, Literal, TypeVar
@@ -22,6 +19,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from tensordict.nn import InteractionType
 
+from ._mistakes import warn_user
 from ._validation import (
     Devices,
     compile_arg,
@@ -47,22 +45,12 @@ __all__ = [
     "worker_backend_arg",
 ]
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-
 _O = TypeVar("_O", "RolloutOptions", "WeightSchedule")
 
 
 def warn_deprecated(message: str) -> None:
     """A ``DeprecationWarning`` attributed to the first caller outside aiocollect (the user's line)."""
-    frame = sys._getframe(1)
-    level = 2
-    # "<string>": a dataclass's generated __init__
-    while frame.f_back is not None and (
-        frame.f_code.co_filename.startswith(_PACKAGE_DIR) or frame.f_code.co_filename == "<string>"
-    ):
-        frame = frame.f_back
-        level += 1
-    warnings.warn(message, DeprecationWarning, stacklevel=level)
+    warn_user(message, DeprecationWarning)
 
 
 def renamed_keyword(new: str, new_value: Any, old: str, old_value: Any, *, default: Any = None) -> Any:
