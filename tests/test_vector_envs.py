@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import warnings
 from typing import Any
@@ -168,8 +169,8 @@ def collect(env_fn: Any, policy: Any = None, *, batches: int, **kwargs: Any) -> 
 
 
 # -- AsyncVectorEnv in every collector ---------------------------------------------------------------
-def async_vec_env() -> GymEnv:
-    return GymEnv(async_cartpoles())
+def async_vec_env(context: str | None = None) -> GymEnv:
+    return GymEnv(async_cartpoles(context=context))
 
 
 def check_batches(batches: list[TensorDict]) -> None:
@@ -183,16 +184,20 @@ def check_batches(batches: list[TensorDict]) -> None:
 
 @pytest.mark.parametrize("backend", ["serial", "process"])
 async def test_async_vector_env_in_multi_collectors(backend):
+    # serial workers are threads of this process, where torch.compile's threads may have run (earlier
+    # tests): on Python 3.13 filelock then refuses a fork from another thread, so the envs' subprocesses
+    # start through a forkserver there
+    make = functools.partial(async_vec_env, "forkserver") if backend == "serial" else async_vec_env
     with anyio.fail_after(120):
         async with MultiSyncCollector(
-            [async_vec_env] * 2,
+            [make] * 2,
             frames_per_batch=2 * N * 8,
             total_frames=2 * N * 8 * 2,
             worker_backend=backend,
         ) as c:
             sync_batches = [b async for b in c]
         async with MultiAsyncCollector(
-            [async_vec_env] * 2, frames_per_batch=N * 8, total_frames=N * 8 * 4, worker_backend=backend
+            [make] * 2, frames_per_batch=N * 8, total_frames=N * 8 * 4, worker_backend=backend
         ) as c:
             async_batches = [b async for b in c]
     assert [b.batch_size for b in sync_batches] == [(2, N, 8)] * 2
