@@ -70,7 +70,7 @@ class _EnvsFirstReady(FirstReady):
     parent cannot tell a gap from a pause; the workers give fresh ids themselves."""
 
     def __init__(self, workers: int, track_versions: bool) -> None:
-        super().__init__(renames=False)
+        super().__init__(renames=False, lazy=False)  # no set_seed or reset to wait for
         self._track_versions = track_versions
         self._cut = [0] * workers  # per worker: the newest floor one of its batches was dropped at
 

@@ -34,13 +34,16 @@ class FirstReady:
 
     ``renames``: the parent renames the trajectories that go on after a batch it dropped (a rollout
     worker's batch holds a frame of every trajectory in flight, so the ones in flight at the end of the
-    last delivered batch and present in the next one went on across the dropped one).
+    last delivered batch and present in the next one went on across the dropped one). ``lazy``: workers
+    collect from the first batch asked for on: a ``set_seed`` or ``reset`` before applies to every frame.
     """
 
     sync = False
 
-    def __init__(self, *, renames: bool = True) -> None:
+    def __init__(self, *, renames: bool = True, lazy: bool = True) -> None:
         self._renames_after_drops = renames
+        self._lazy = lazy
+        self._pending: RunFree | None = None  # what each worker gets at the first batch asked for
         #: batch notices a flush took from the pool's stream and kept (fresh ones, a failure)
         self._backlog: deque[Any] = deque()
         #: on-policy (max_policy_lag=0): slots delivered and not yet handed back (until the next batch
@@ -75,13 +78,21 @@ class FirstReady:
         """Batches are delivered one worker at a time: any layouts go."""
 
     async def started(self, fleet: MultiCollectorBase, pool: WorkerPool) -> None:
-        """The workers run: each collects freely from now on (its share of the random frames first)."""
+        """The workers run: each collects freely from the first batch (``lazy``) or now, random first."""
         self._renames = [TrajectoryRenames() for _ in range(fleet.num_workers)]
         init_random = fleet._options.init_random_frames
         per_worker_random = math.ceil(init_random / fleet.num_workers) if init_random else 0
-        for i in range(fleet.num_workers):
-            await pool.send(i, RunFree(random_frames=per_worker_random))
-            pool.workers[i].expected_since = anyio.current_time()
+        self._pending = RunFree(random_frames=per_worker_random)
+        if not self._lazy:
+            await self._run_free(pool)
+
+    async def _run_free(self, pool: WorkerPool) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            with anyio.CancelScope(shield=True):  # a worker left out would never deliver
+                for i in range(len(pool.workers)):
+                    await pool.send(i, pending)
+                    pool.workers[i].expected_since = anyio.current_time()
 
     @staticmethod
     def floor_after(fleet: MultiCollectorBase, version: int, flush: bool) -> int | None:
@@ -147,6 +158,7 @@ class FirstReady:
         self._renames[index].dropped()
 
     async def next_batch(self, fleet: MultiCollectorBase, pool: WorkerPool) -> Delivery:
+        await self._run_free(pool)  # the first batch asked for: the workers start collecting
         held, self._held = self._held, []
         for index, slot in held:  # the trainer asks for a batch: the workers collect again
             await self._release(pool, index, slot)
@@ -191,7 +203,8 @@ class FirstReady:
 
 class MultiAsyncCollector(MultiCollectorBase):
     """Each batch is one worker's full rollout, first ready first served; workers never wait for the
-    trainer (each collects at most one batch ahead), so batches may lag the newest weights.
+    trainer (each collects at most one batch ahead, from the first batch asked for on: a ``set_seed``
+    right after ``async with`` seeds every batch), so batches may lag the newest weights.
 
     Every frame carries ``("collector", "worker_id")``. Arguments are :class:`MultiSyncCollector`'s
     without ``preemptive_threshold`` and ``cat_results``; ``frames_per_batch`` is per batch (each worker
