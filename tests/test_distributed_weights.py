@@ -353,10 +353,15 @@ async def test_worker_killed_during_update_raises():
                 frames_per_batch=40,  # a 2 s batch: the broadcast waits for each worker's boundary
                 weight_sync=DistributedWeightSync(),
             ) as c:
+                # workers collect from the first batch asked for: after it, both are mid-batch
+                await c.__anext__()
                 killer = threading.Timer(0.5, os.kill, (c._pool.workers[1].process.pid, signal.SIGKILL))
                 killer.start()
                 start = time.perf_counter()
-                await c.update_weights(wait=True)
+                try:
+                    await c.update_weights(wait=True)
+                finally:
+                    killer.cancel()  # an update that failed early must not leave the timer to a later test
     elapsed = time.perf_counter() - start
     assert info.value.exitcode == -signal.SIGKILL
     assert elapsed < 20, f"the update took {elapsed:.1f} s to fail"
@@ -370,6 +375,7 @@ async def test_worker_killed_between_updates_raises():
             async with MultiSyncCollector(
                 [pendulum, pendulum], trainer, frames_per_batch=8, weight_sync=DistributedWeightSync()
             ) as c:
+                await c.__anext__()
                 await c.update_weights(wait=True)
                 os.kill(c._pool.workers[0].process.pid, signal.SIGKILL)
                 for _ in range(100):
