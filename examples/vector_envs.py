@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import gymnasium as gym
@@ -50,8 +51,10 @@ def make_env(args: Args) -> GymEnv:
     if args.envpool:
         import envpool
 
-        # EnvPool: a C++ thread pool with next-step autoreset; GymEnv resets ended envs at once
-        return GymEnv(envpool.make_gymnasium("CartPole-v1", num_envs=args.num_envs, seed=args.seed))
+        # EnvPool: a C++ thread pool with next-step autoreset; GymEnv resets ended envs at once. (Typed
+        # Any: EnvPool's pools are gymnasium vector envs at run time, not to a type checker)
+        pool: Any = envpool.make_gymnasium("CartPole-v1", num_envs=args.num_envs, seed=args.seed)
+        return GymEnv(pool)
     # gymnasium's defaults: next-step autoreset. RecordEpisodeStatistics on each sub-env puts an
     # "episode" record (return "r", length "l", time "t") in the info of the step that ends an episode
     vec = gym.make_vec(
