@@ -95,6 +95,8 @@ LAYERS: dict[str, int] = {
     "_gather": 0,
     "_gcfreeze": 0,
     "_mistakes": 0,
+    "_signals": 0,
+    "_resume": 0,
     # envs (no policies: an env never imports a policy)
     "_envs": 1,
     # policies, random policies for an env, weights as TensorDicts

@@ -369,7 +369,7 @@ class Collector(CollectorBase):
             self._background = scope
             task_status.started()
             try:
-                while not self._budget_reached():
+                while not self._budget_reached() and not self._stop_requested:
                     await self._acquire_batch_lock()
                     try:
                         self._check_open()
@@ -395,7 +395,9 @@ class Collector(CollectorBase):
     def _free_run(self, stop: threading.Event, *, frames: int) -> None:
         """In the rollout thread: collect into the replay buffer until stopped, paused, the budget is
         reached, or another job waits for the thread."""
-        while not stop.is_set() and not self._paused and not self._thread.pending():
+        while (
+            not stop.is_set() and not self._paused and not self._thread.pending() and not self._stop_requested
+        ):
             if 0 < self.total_frames <= frames:
                 return
             out = self._collect_in_thread(stop, frames < self._init_random_frames)
