@@ -46,7 +46,7 @@ LONG_MODULES: dict[str, int] = {
     "aiocollect/_rollout.py": 599,
     "aiocollect/_serve/_ws.py": 585,
     "aiocollect/_workers/_pool.py": 431,
-    "aiocollect/_workers/_worker.py": 522,
+    "aiocollect/_workers/_worker.py": 523,
 }
 
 #: cohesive modules allowed past the target, each with the size it may reach and why
