@@ -45,6 +45,9 @@ CASES = {
     # 2 env worker processes, the policy in the trainer (central inference over shared memory)
     "central_inference": ["central_inference.py", "--total-frames", "2560", "--frames-per-batch", "512"]
     + ["--envs-per-worker", "8"],
+    # a fresh checkpoint file (an old one would be resumed); preemption: test_signals.py
+    "long_run": ["long_run.py", "--total-frames", "2000", "--frames-per-batch", "400"]
+    + ["--checkpoint", str(Path(tempfile.mkdtemp(prefix="aiocollect-long-run-")) / "run.pt")],
     # 2 env server processes, the policy served too
     "remote_envs": ["remote_envs.py", "--total-frames", "2000", "--frames-per-batch", "500"]
     + ["--envs-per-server", "4", "--remote-policy"],

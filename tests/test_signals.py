@@ -94,3 +94,62 @@ def test_second_sigterm_terminates(tmp_path: Path) -> None:
     child.proc.send_signal(signal.SIGTERM)
     code, _, _ = child.finish(timeout=60)
     assert code == -signal.SIGTERM
+
+
+# -- examples/long_run.py: preempted, resumed by the same command ------------------------------------
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "long_run.py"
+
+
+def long_run(checkpoint: Path, *flags: str) -> subprocess.Popen[str]:
+    argv = [sys.executable, str(EXAMPLE), "--total-frames", "4000", "--frames-per-batch", "400"]
+    argv += ["--checkpoint-every", "2", "--checkpoint", str(checkpoint), *flags]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finished(proc: subprocess.Popen[str]) -> str:
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err
+    return out
+
+
+def preempted(checkpoint: Path, *flags: str) -> dict:
+    """Run the example until its first checkpoint, then SIGTERM it: it exits 0 with a checkpoint whose
+    counts agree with what the trainer got."""
+    proc = long_run(checkpoint, *flags)
+    child = Child.__new__(Child)
+    child.proc = proc
+    child._selector = selectors.DefaultSelector()
+    child._selector.register(proc.stdout, selectors.EVENT_READ)  # type: ignore[arg-type]
+    assert child.line().startswith("checkpoint at")
+    proc.send_signal(signal.SIGTERM)
+    assert "stopped by SIGTERM" in finished(proc)
+    saved = torch.load(checkpoint, weights_only=True)
+    frames = saved["collector"]["frames"]
+    assert frames == 400 * saved["trainer"]["batches"] and 800 <= frames < 4000
+    assert saved["buffer"]["size"] == frames  # every batch delivered went to the buffer, no other
+    return saved
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    pa, pb = (torch.load(p, weights_only=True)["policy"] for p in (a, b))
+    return all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_long_run_example_resumes_exactly(backend: str, tmp_path: Path) -> None:
+    flags = {"asyncio": [], "uvloop": ["--uvloop"], "trio": ["--trio"]}[backend]
+    finished(long_run(tmp_path / "whole.pt", *flags))
+    preempted(tmp_path / "cut.pt", *flags)
+    out = finished(long_run(tmp_path / "cut.pt", *flags))
+    assert "resumed from" in out and "done" in out
+    assert torch.load(tmp_path / "cut.pt", weights_only=True)["collector"]["frames"] == 4000
+    assert same_weights(tmp_path / "whole.pt", tmp_path / "cut.pt")  # the same data, the same training
+
+
+def test_long_run_example_without_env_state_resumes_alike_twice(tmp_path: Path) -> None:
+    preempted(tmp_path / "cut.pt", "--no-env-state")
+    copy = tmp_path / "copy.pt"
+    copy.write_bytes((tmp_path / "cut.pt").read_bytes())
+    finished(long_run(tmp_path / "cut.pt", "--no-env-state"))
+    finished(long_run(copy, "--no-env-state"))
+    assert same_weights(tmp_path / "cut.pt", copy)
