@@ -141,7 +141,7 @@ def test_every_example_is_tested() -> None:
 ROOT = EXAMPLES.parent
 # pages whose every ```python block is a complete program (a block after <!-- continue --> extends the one
 # before it; <!-- skip --> before a block leaves out a fragment): add a page here once its blocks run
-RUNNABLE_PAGES = ["index", "conventions", "collector", "envs", "policies", "async-envs", "serve"]
+RUNNABLE_PAGES = ["index", "conventions", "collector", "envs", "policies", "async-envs", "serve", "long-runs"]
 DOC_PAGES = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in RUNNABLE_PAGES)]
 _BLOCK = re.compile(r"(<!-- (continue|skip) -->\s*\n)?^```python[^\n]*\n(.*?)^```", re.S | re.M)
 

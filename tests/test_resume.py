@@ -230,3 +230,14 @@ def test_mujoco_state_round_trips() -> None:
     env.action_space.seed(1)
     assert (steps(env, 50) == a).all()
     env.close()
+
+
+@ASYNCIO_ONLY
+async def test_async_collector_of_several_workers_refuses_env_state() -> None:
+    async with MultiAsyncCollector(
+        [cartpole] * 2, None, frames_per_batch=32, total_frames=-1, seed=0, max_policy_lag=0
+    ) as c:
+        await take(c, 1)
+        with pytest.raises(ValueError, match="with 2 workers"):
+            await c.state_dict(envs=True)
+        assert "worker1" in await c.state_dict()  # without env state it saves

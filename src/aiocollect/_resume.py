@@ -28,6 +28,7 @@ import torch
 
 __all__ = [
     "RESUME_KEYS",
+    "check_fleet_env_state",
     "derived_seed",
     "env_state",
     "load_env_state",
@@ -205,6 +206,17 @@ def member_state(
     if envs:
         state["env_state"] = {"env": env_state(rollout.env.env), "flight": flight(rollout)}
     return state
+
+
+def check_fleet_env_state(envs: bool, sync: bool, num_workers: int) -> None:
+    """``state_dict(envs=True)`` of a first-ready fleet: only one worker can stop at the batch delivered
+    (the others have batches in flight that no checkpoint holds)."""
+    if envs and not sync and num_workers > 1:
+        raise ValueError(
+            f"state_dict(envs=True) of a MultiAsyncCollector with {num_workers} workers: the workers "
+            "whose batch was not delivered have collected past the checkpoint; save the env state with "
+            "one worker (and max_policy_lag=0), or save without it (the envs then start from reset)"
+        )
 
 
 def worker_state(worker: Any, envs: bool) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from .._options import (
     refuse_schedule,
     worker_backend_arg,
 )
+from .._resume import check_fleet_env_state
 from .._stats import WorkerStatistics
 from .._torch_settings import TorchSettings
 from .._trajectories import split_trajectories
@@ -398,6 +399,7 @@ class MultiCollectorBase(FleetCollector):
     async def state_dict(self, *, envs: bool = False) -> dict[str, Any]:
         """Per-worker state (trajectory-id counters, policy versions, frames, random states; ``envs``:
         the envs' own state, see ``Collector.state_dict``) plus the counters."""
+        check_fleet_env_state(envs, self._delivery.sync, self.num_workers)  # _resume.py
         async with self._lock:
             workers = await self._active_pool().call_all(GetState(envs=envs))
         state: dict[str, Any] = {f"worker{i}": sd for i, sd in enumerate(workers)}
