@@ -45,6 +45,9 @@ CASES = {
     # 2 env worker processes, the policy in the trainer (central inference over shared memory)
     "central_inference": ["central_inference.py", "--total-frames", "2560", "--frames-per-batch", "512"]
     + ["--envs-per-worker", "8"],
+    # a fresh checkpoint file (an old one would be resumed); preemption: test_signals.py
+    "long_run": ["long_run.py", "--total-frames", "2000", "--frames-per-batch", "400"]
+    + ["--checkpoint", str(Path(tempfile.mkdtemp(prefix="aiocollect-long-run-")) / "run.pt")],
     # 2 env server processes, the policy served too
     "remote_envs": ["remote_envs.py", "--total-frames", "2000", "--frames-per-batch", "500"]
     + ["--envs-per-server", "4", "--remote-policy"],
@@ -138,7 +141,7 @@ def test_every_example_is_tested() -> None:
 ROOT = EXAMPLES.parent
 # pages whose every ```python block is a complete program (a block after <!-- continue --> extends the one
 # before it; <!-- skip --> before a block leaves out a fragment): add a page here once its blocks run
-RUNNABLE_PAGES = ["index", "conventions", "collector", "envs", "policies", "async-envs", "serve"]
+RUNNABLE_PAGES = ["index", "conventions", "collector", "envs", "policies", "async-envs", "serve", "long-runs"]
 DOC_PAGES = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in RUNNABLE_PAGES)]
 _BLOCK = re.compile(r"(<!-- (continue|skip) -->\s*\n)?^```python[^\n]*\n(.*?)^```", re.S | re.M)
 

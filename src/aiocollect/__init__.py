@@ -45,6 +45,7 @@ from ._multi import (
 from ._options import RolloutOptions, WeightSchedule
 from ._policies import RandomPolicy
 from ._procenv import ProcessVectorEnv
+from ._signals import SignalStop, stop_on_signals
 from ._sinks import Sink, TensorBoardSink, WandbSink
 from ._stats import CollectorStatistics, WorkerState, WorkerStatistics
 from ._trajectories import split_trajectories
@@ -142,6 +143,7 @@ __all__ = [
     "Resumed",
     "RolloutOptions",
     "SharedMemoryWeightSync",
+    "SignalStop",
     "ThreadedAsyncEnv",
     "ThreadedAsyncVectorEnv",
     "WorkerDiedError",
@@ -165,6 +167,7 @@ __all__ = [
     "__version__",
     "set_worker_warnings",
     "split_trajectories",
+    "stop_on_signals",
     "submitit_delayed_launcher",
     # serve (issue 16): envs and policies over WebSocket
     "EnvServer",

@@ -306,7 +306,7 @@ class MultiAsyncEnvCollector(MultiCollectorBase):
     async def reset(self) -> None:
         raise self._unsupported("reset")
 
-    async def state_dict(self) -> dict[str, Any]:
+    async def state_dict(self, *, envs: bool = False) -> dict[str, Any]:
         raise self._unsupported("state_dict")
 
     async def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -13,6 +13,7 @@ from gymnasium.vector import AutoresetMode
 from tensordict import TensorDict
 
 from ._gym_open import is_envpool, open_gym_env
+from ._gym_state import env_state, set_env_state, set_vector_state, vector_state
 from ._gym_steps import by_env_id, env_action_steps, fusable_type, run_pool_steps, run_steps
 from ._info import InfoKeys, InfoReader, info_specs
 from ._spaces import (
@@ -276,6 +277,50 @@ class GymEnv:
         pool.close()
         self._pool_fresh = True
         self._needs_reset = True
+
+    def get_state(self) -> dict[str, Any]:
+        """The envs' own state (numpy arrays, Python scalars, lists, dicts), for ``state_dict(envs=True)``:
+        classic control, ALE and MuJoCo envs (their ``TimeLimit`` counters and random generators
+        included), one or in a ``SyncVectorEnv``; other envs raise a ``TypeError`` naming what cannot be
+        saved. :meth:`set_state` restores it into a ``GymEnv`` made alike.
+
+        Example:
+            >>> import torch
+            >>> env = GymEnv("CartPole-v1", seed=0)
+            >>> _ = env.reset()
+            >>> saved = env.get_state()
+            >>> step = lambda: env.step(env.reset().set("action", torch.tensor(1)))
+            >>> a = step()
+            >>> env.set_state(saved)
+            >>> torch.equal(step()["next", "observation"], a["next", "observation"])
+            True
+        """
+        if self._pool:
+            raise TypeError("GymEnv.get_state: an EnvPool pool cannot save its state; save without env state")
+        envs = vector_state(self._env) if self._vector else env_state(self._env)
+        last = None if self._last_obs is None else [[k, v.copy()] for k, v in self._last_obs.items()]
+        pending = self._autoreset_pending
+        return {
+            "envs": envs,
+            "needs_reset": self._needs_reset,
+            "seed": self._seed,
+            "last_obs": last,
+            "autoreset_pending": None if pending is None else np.array(pending, copy=True),
+        }
+
+    def set_state(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`get_state`'s output (arrays may come back as tensors, from a checkpoint)."""
+        state = _as_arrays(state)
+        if self._vector:
+            set_vector_state(self._env, state["envs"])
+        else:
+            set_env_state(self._env, state["envs"])
+        self._needs_reset = bool(state["needs_reset"])
+        self._seed = state["seed"]
+        last = state["last_obs"]
+        self._last_obs = None if last is None else {_key(k): np.array(v) for k, v in last}
+        pending = state["autoreset_pending"]
+        self._autoreset_pending = None if pending is None else np.array(pending, dtype=bool)
 
     def reset(self, td: TensorDict | None = None) -> TensorDict:
         reset = None if td is None else td.get("_reset", None)
@@ -572,3 +617,18 @@ class GymEnv:
     @property
     def _pool_ids(self) -> np.ndarray:
         return self._env.unwrapped.all_env_ids
+
+
+def _as_arrays(value: Any) -> Any:
+    """Tensors (a state back from a checkpoint) as numpy arrays; lists and dicts walked."""
+    if isinstance(value, torch.Tensor):
+        return value.numpy().copy()
+    if isinstance(value, Mapping):
+        return {k: _as_arrays(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_as_arrays(v) for v in value]
+    return value
+
+
+def _key(key: Any) -> NestedKey:
+    return tuple(key) if isinstance(key, list) else key

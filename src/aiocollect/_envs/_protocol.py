@@ -35,12 +35,14 @@ class EnvProtocol(Protocol):
     * ``close()``.
 
     Optional: ``has_truncated`` (default ``True``); an env that never truncates sets it to ``False`` and
-    ``set_truncated=True`` is then refused. Agent groups (multi-agent keys, as TorchRL lays them out): a
-    ``Dict`` action space whose leaves are all named ``"action"`` is written at ``(group, "action")``;
+    ``set_truncated=True`` is then refused. ``get_state()`` / ``set_state(state)``: the env's own state as
+    tensors, numpy arrays, Python scalars, lists and dicts, for checkpoints that resume exactly
+    (``state_dict(envs=True)``, see docs/long-runs.md). Agent groups (multi-agent keys, as TorchRL lays them
+    out): a ``Dict`` action space whose leaves are all named ``"action"`` is written at ``(group, "action")``;
     ``reward_space`` and ``done_space`` (``Dict`` spaces) name the per-agent rewards and done flags of
     ``step()``'s ``"next"`` (see docs/policies.md, "Multi-agent keys"). In ``step``'s ``"next"``,
-    ``"truncated"`` may be left out (never truncated) and ``"terminated"`` too when ``"done"`` is there
-    (done means terminated).
+    ``"truncated"`` may be left out (never truncated) and ``"terminated"`` too when ``"done"`` is there (done
+    means terminated).
 
     The collectors read such an env's tensors once per step and copy them (converted to the dtypes of
     the observation space), so an env may return tensors it updates in place later. This is the slow

@@ -70,6 +70,7 @@ class CollectorBase(abc.ABC):
         self._lag = LoopLag()
         self._background_error: Exception | None = None
         self._last_frames = 0  # frames of the batch delivered last (fill() reads them)
+        self._stop_requested = False  # request_stop(): the next batch turn ends the iteration
 
     # -- state ------------------------------------------------------------------------------------
     @property
@@ -82,6 +83,15 @@ class CollectorBase(abc.ABC):
 
     def _budget_reached(self) -> bool:
         return 0 < self.total_frames <= self._stats.frames
+
+    def request_stop(self) -> None:
+        """End ``async for`` (``fill()``, ``start()``) once the batch in flight is delivered or written
+        (never a partial one); sync: from a signal handler, a thread or a task (``stop_on_signals``)."""
+        self._stop_requested = True
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested
 
     def _active(self) -> None:
         """Raise unless the collector can deliver a batch (open; fleets: also entered)."""
@@ -138,16 +148,17 @@ class CollectorBase(abc.ABC):
         return _Fill(self)
 
     async def _batch_turn(self) -> None:
-        """The start of every ``__anext__``: ``StopAsyncIteration`` once the budget is spent, else wait
-        for the batch lock (after any ``pause()``) and check again, since another consumer may have taken
-        the last batch or closed the collector meanwhile. The caller releases ``self._lock`` when done."""
+        """The start of every ``__anext__``: ``StopAsyncIteration`` once the budget is spent or a stop
+        requested, else wait for the batch lock (after any ``pause()``) and check again, since another
+        consumer may have taken the last batch or closed the collector meanwhile. The caller releases
+        ``self._lock`` when done."""
         self._active()
-        if self._budget_reached():
+        if self._stop_requested or self._budget_reached():
             raise StopAsyncIteration
         await self._acquire_batch_lock()
         try:
             self._active()
-            if self._budget_reached():
+            if self._stop_requested or self._budget_reached():
                 raise StopAsyncIteration
         except BaseException:
             self._lock.release()

@@ -23,6 +23,7 @@ from .._errors import WorkerTimeoutError
 from .._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
 from .._mistakes import explicit_keywords, warn_user
 from .._options import RolloutOptions, WeightSchedule, refuse_schedule
+from .._resume import load_member, member_state
 from .._rng import RolloutRNG, forked_rng
 from .._rollout import RolloutResult, build_rollout, open_env
 from .._rollout_thread import Doorbell, Job, RolloutThread
@@ -369,7 +370,7 @@ class Collector(CollectorBase):
             self._background = scope
             task_status.started()
             try:
-                while not self._budget_reached():
+                while not self._budget_reached() and not self._stop_requested:
                     await self._acquire_batch_lock()
                     try:
                         self._check_open()
@@ -395,7 +396,9 @@ class Collector(CollectorBase):
     def _free_run(self, stop: threading.Event, *, frames: int) -> None:
         """In the rollout thread: collect into the replay buffer until stopped, paused, the budget is
         reached, or another job waits for the thread."""
-        while not stop.is_set() and not self._paused and not self._thread.pending():
+        while (
+            not stop.is_set() and not self._paused and not self._thread.pending() and not self._stop_requested
+        ):
             if 0 < self.total_frames <= frames:
                 return
             out = self._collect_in_thread(stop, frames < self._init_random_frames)
@@ -496,8 +499,9 @@ class Collector(CollectorBase):
         """Reset the env: the next batch starts new episodes (with new trajectory ids)."""
         await self._control(self._rollout.reset)
 
-    async def state_dict(self) -> dict[str, Any]:
-        """Counters, trajectory-id counter, policy version and (for ``nn.Module`` policies) weights."""
+    async def state_dict(self, *, envs: bool = False) -> dict[str, Any]:
+        """Counters, trajectory ids, policy version, weights, random states; ``envs``: env state too."""
+        fix = "make the collector with prefetch=0" if self._prefetch else None
 
         def read() -> dict[str, Any]:
             state: dict[str, Any] = {
@@ -505,6 +509,7 @@ class Collector(CollectorBase):
                 "batches": self._stats.batches,
                 "episodes": self._stats.episodes,
                 **self._rollout.state_dict(),
+                **member_state(self._rollout, self._rng, self._random_policy, envs=envs, ahead=fix),
             }
             if isinstance(self._policy, torch.nn.Module):
                 state["policy"] = module_weights(self._policy).detach().clone().to_dict()
@@ -513,7 +518,7 @@ class Collector(CollectorBase):
         return await self._control(read)
 
     async def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved; the frame budget continues from the saved count."""
+        """Restore :meth:`state_dict`'s output; the frame budget continues from the saved count."""
         missing = {"frames", "batches", "next_traj_id", "policy_version"} - set(state)
         if missing:
             raise KeyError(f"state dict lacks {sorted(missing)}")
@@ -523,7 +528,7 @@ class Collector(CollectorBase):
             if "policy" in state and isinstance(self._policy, torch.nn.Module):
                 weights = as_weights(state["policy"])
                 check_compatible(module_weights(self._policy), weights)
-            self._rollout.load_state_dict(dict(state))
+            load_member(self._rollout, self._rng, self._random_policy, dict(state), int(state["frames"]))
             self._stats.load(int(state["frames"]), int(state["batches"]), int(state.get("episodes", 0)))
             if weights is not None:
                 copy_weights(module_weights(self._policy), weights)

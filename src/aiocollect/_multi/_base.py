@@ -30,6 +30,7 @@ from .._options import (
     refuse_schedule,
     worker_backend_arg,
 )
+from .._resume import check_fleet_env_state
 from .._stats import WorkerStatistics
 from .._torch_settings import TorchSettings
 from .._trajectories import split_trajectories
@@ -395,10 +396,12 @@ class MultiCollectorBase(FleetCollector):
     async def _call_member(self, index: int, op: FleetOp) -> Any:
         return await self._active_pool().call(index, op)
 
-    async def state_dict(self) -> dict[str, Any]:
-        """Per-worker state (trajectory-id counters, policy versions, frames) plus the counters."""
+    async def state_dict(self, *, envs: bool = False) -> dict[str, Any]:
+        """Per-worker state (trajectory-id counters, policy versions, frames, random states; ``envs``:
+        the envs' own state, see ``Collector.state_dict``) plus the counters."""
+        check_fleet_env_state(envs, self._delivery.sync, self.num_workers)  # _resume.py
         async with self._lock:
-            workers = await self._active_pool().call_all(GetState())
+            workers = await self._active_pool().call_all(GetState(envs=envs))
         state: dict[str, Any] = {f"worker{i}": sd for i, sd in enumerate(workers)}
         state.update(self._counters())
         weights = workers and await self._active_pool().call(0, GetWeights())

@@ -150,9 +150,11 @@ class NodeCore:
         return table.to(inner.device)[inner.clamp(0, size - 1)]
 
     # -- state --------------------------------------------------------------------------------------
-    async def state(self, versioned: bool) -> dict[str, Any]:
-        """The collector's state dict; ``versioned``: with the version map, and the policy apart."""
-        inner = dict(await self.collector.state_dict())
+    async def state(self, versioned: bool, envs: bool = False) -> dict[str, Any]:
+        """The collector's state dict (random states included; ``envs``: the envs' own state too);
+        ``versioned``: with the version map, and the policy apart."""
+        c = self.collector
+        inner = dict(await (c.state_dict(envs=True) if envs else c.state_dict()))
         if not versioned:
             return inner
         policy = inner.pop("policy", None)
@@ -186,8 +188,8 @@ class NodeCore:
                 return await c.set_seed(seed)
             case Reset():
                 return await c.reset()
-            case GetState(versioned=versioned):
-                return await self.state(versioned)
+            case GetState(versioned=versioned, envs=envs):
+                return await self.state(versioned, envs)
             case LoadState(state=state, versioned=versioned):
                 return await self.load_state(state, versioned)
             case WaitLoaded(version=version):

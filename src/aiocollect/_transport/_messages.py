@@ -162,9 +162,11 @@ class Reset(Operation):
 class GetState(Operation):
     """Reply: the member's state dict. ``versioned`` (hosted collectors only): the hosted collector's
     state with the trainer's version map, the policy's weights apart; off, a worker's rollout state and
-    frame count, or a hosted collector's own ``state_dict()``."""
+    frame count, or a hosted collector's own ``state_dict()``. ``envs``: with the envs' own state (and
+    the trajectories in flight)."""
 
     versioned: bool = False
+    envs: bool = False
 
 
 @dataclass(frozen=True)

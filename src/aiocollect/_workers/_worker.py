@@ -23,6 +23,7 @@ import torch
 
 from .._envs._adapter import check_env
 from .._options import RolloutOptions, WeightSchedule
+from .._resume import load_member, worker_state
 from .._rng import RolloutRNG
 from .._rollout import build_rollout
 from .._torch_settings import TorchSettings
@@ -335,13 +336,13 @@ class Worker:
 
     def get_state(self, op: GetState) -> dict[str, Any]:
         _unversioned(op)
-        return {**self.rollout.state_dict(), "frames": self.frames}
+        return {**self.rollout.state_dict(), "frames": self.frames, **worker_state(self, op.envs)}
 
     def load_state(self, op: LoadState) -> None:
         _unversioned(op)
         state = dict(op.state)
-        self.rollout.load_state_dict(state)
         self.frames = int(state.get("frames", 0))
+        load_member(self.rollout, self.rng, self.random_policy, state, self.frames)
 
     def get_weights(self, op: GetWeights) -> dict[str, torch.Tensor] | None:
         if not isinstance(self.policy, torch.nn.Module):

@@ -1,0 +1,155 @@
+"""``stop_on_signals`` with real signals, in subprocesses (``stop_child.py``), under asyncio, uvloop and
+trio: the first SIGTERM mid-batch ends the run after that batch (exit 0, counts consistent); a second
+signal meets the default handler."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+CHILD = Path(__file__).with_name("stop_child.py")
+BACKENDS = ["asyncio", "uvloop", "trio"]
+
+
+class Child:
+    def __init__(self, backend: str, kind: str, checkpoint: Path, step: float = 0.05) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(CHILD), backend, kind, str(checkpoint), str(step)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
+        self._selector = selectors.DefaultSelector()
+        assert self.proc.stdout is not None
+        self._selector.register(self.proc.stdout, selectors.EVENT_READ)
+
+    def line(self, timeout: float = 120.0) -> str:
+        """The child's next line of output (fails the test after ``timeout`` seconds)."""
+        assert self.proc.stdout is not None
+        if not self._selector.select(timeout):
+            self.proc.kill()
+            raise AssertionError(f"no output from the child in {timeout} s: {self.proc.communicate()}")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"the child ended: {self.proc.communicate()}")
+        return line.strip()
+
+    def finish(self, timeout: float) -> tuple[int, float, str]:
+        """Wait for the exit: (return code, seconds waited, stderr)."""
+        started = time.monotonic()
+        try:
+            _, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate()
+            raise AssertionError(f"the child did not exit within {timeout} s: {err}") from None
+        return self.proc.returncode, time.monotonic() - started, err
+
+
+CASES = [(b, "collector") for b in BACKENDS] + [("asyncio", "sync"), ("trio", "async")]
+
+
+@pytest.mark.parametrize(("backend", "kind"), CASES)
+def test_sigterm_mid_batch_stops_after_the_batch(backend: str, kind: str, tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.pt"
+    child = Child(backend, kind, path)
+    first = float(child.line().split()[1])  # one batch delivered: the next is in flight
+    child.line()  # a second one too: its time is a batch's time, start-up aside
+    child.proc.send_signal(signal.SIGTERM)
+    code, waited, err = child.finish(timeout=60)
+    assert code == 0, err
+    saved = torch.load(path, weights_only=True)
+    assert saved["signal"] == signal.SIGTERM
+    assert saved["received"] == saved["state"]["frames"]
+    assert saved["received"] % 20 == 0 and saved["received"] >= 40  # whole batches only
+    assert waited < max(first, 1.0) + 2.0 + 3.0  # the batch, 2 s, and the process's own exit
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_second_sigint_raises_keyboard_interrupt(backend: str, tmp_path: Path) -> None:
+    child = Child(backend, "collector", tmp_path / "checkpoint.pt", step=0.25)  # 5 s batches
+    child.line()  # a batch delivered: the next takes 5 s
+    child.proc.send_signal(signal.SIGINT)
+    assert child.line() == "stopping"
+    child.proc.send_signal(signal.SIGINT)
+    code, _, err = child.finish(timeout=60)
+    assert code != 0 and "KeyboardInterrupt" in err
+    assert not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_second_sigterm_terminates(tmp_path: Path) -> None:
+    child = Child("asyncio", "collector", tmp_path / "checkpoint.pt", step=0.25)
+    child.line()
+    child.proc.send_signal(signal.SIGTERM)
+    assert child.line() == "stopping"
+    child.proc.send_signal(signal.SIGTERM)
+    code, _, _ = child.finish(timeout=60)
+    assert code == -signal.SIGTERM
+
+
+# -- examples/long_run.py: preempted, resumed by the same command ------------------------------------
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "long_run.py"
+
+
+def long_run(checkpoint: Path, *flags: str) -> subprocess.Popen[str]:
+    argv = [sys.executable, str(EXAMPLE), "--total-frames", "4000", "--frames-per-batch", "400"]
+    argv += ["--checkpoint-every", "2", "--checkpoint", str(checkpoint), *flags]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finished(proc: subprocess.Popen[str]) -> str:
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err
+    return out
+
+
+def preempted(checkpoint: Path, *flags: str) -> dict:
+    """Run the example until its first checkpoint, then SIGTERM it: it exits 0 with a checkpoint whose
+    counts agree with what the trainer got."""
+    proc = long_run(checkpoint, *flags)
+    child = Child.__new__(Child)
+    child.proc = proc
+    child._selector = selectors.DefaultSelector()
+    child._selector.register(proc.stdout, selectors.EVENT_READ)  # type: ignore[arg-type]
+    assert child.line().startswith("checkpoint at")
+    proc.send_signal(signal.SIGTERM)
+    assert "stopped by SIGTERM" in finished(proc)
+    saved = torch.load(checkpoint, weights_only=True)
+    frames = saved["collector"]["frames"]
+    assert frames == 400 * saved["trainer"]["batches"] and 800 <= frames < 4000
+    assert saved["buffer"]["size"] == frames  # every batch delivered went to the buffer, no other
+    return saved
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    pa, pb = (torch.load(p, weights_only=True)["policy"] for p in (a, b))
+    return all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_long_run_example_resumes_exactly(backend: str, tmp_path: Path) -> None:
+    flags = {"asyncio": [], "uvloop": ["--uvloop"], "trio": ["--trio"]}[backend]
+    finished(long_run(tmp_path / "whole.pt", *flags))
+    preempted(tmp_path / "cut.pt", *flags)
+    out = finished(long_run(tmp_path / "cut.pt", *flags))
+    assert "resumed from" in out and "done" in out
+    assert torch.load(tmp_path / "cut.pt", weights_only=True)["collector"]["frames"] == 4000
+    assert same_weights(tmp_path / "whole.pt", tmp_path / "cut.pt")  # the same data, the same training
+
+
+def test_long_run_example_without_env_state_resumes_alike_twice(tmp_path: Path) -> None:
+    preempted(tmp_path / "cut.pt", "--no-env-state")
+    copy = tmp_path / "copy.pt"
+    copy.write_bytes((tmp_path / "cut.pt").read_bytes())
+    finished(long_run(tmp_path / "cut.pt", "--no-env-state"))
+    finished(long_run(copy, "--no-env-state"))
+    assert same_weights(tmp_path / "cut.pt", copy)
