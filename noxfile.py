@@ -67,6 +67,14 @@ def slow(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def longrun(session: nox.Session) -> None:
+    """Tests marked longrun: graceful stops on real signals and resumed runs (examples/long_run.py), each in
+    subprocesses, under asyncio, uvloop and trio (the default suite runs one case per loop)."""
+    install(session, "test")
+    session.run("python", "-m", "pytest", "-m", "longrun", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def distributed(session: nox.Session) -> None:
     """Tests marked distributed: DistributedWeightSync, DistributedCollector and RPCCollector over gloo and
     TensorPipe on 127.0.0.1, submitit's local executor, RayCollector on a local Ray cluster, and

@@ -1,6 +1,10 @@
 """``stop_on_signals`` with real signals, in subprocesses (``stop_child.py``), under asyncio, uvloop and
 trio: the first SIGTERM mid-batch ends the run after that batch (exit 0, counts consistent); a second
-signal meets the default handler."""
+signal meets the default handler.
+
+Each case starts Python processes (seconds each on a loaded 2-core machine): the default suite runs one
+SIGTERM case per kind of loop and the second-signal case; the rest are marked ``longrun`` (``nox -s
+longrun``, in CI)."""
 
 from __future__ import annotations
 
@@ -55,7 +59,14 @@ class Child:
         return self.proc.returncode, time.monotonic() - started, err
 
 
-CASES = [(b, "collector") for b in BACKENDS] + [("asyncio", "sync"), ("trio", "async")]
+LONGRUN = pytest.mark.longrun
+CASES = [
+    ("asyncio", "collector"),
+    pytest.param("uvloop", "collector", marks=LONGRUN),
+    pytest.param("trio", "collector", marks=LONGRUN),
+    pytest.param("asyncio", "sync", marks=LONGRUN),
+    ("trio", "async"),
+]
 
 
 @pytest.mark.parametrize(("backend", "kind"), CASES)
@@ -74,6 +85,7 @@ def test_sigterm_mid_batch_stops_after_the_batch(backend: str, kind: str, tmp_pa
     assert waited < max(first, 1.0) + 2.0 + 3.0  # the batch, 2 s, and the process's own exit
 
 
+@LONGRUN
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_second_sigint_raises_keyboard_interrupt(backend: str, tmp_path: Path) -> None:
     child = Child(backend, "collector", tmp_path / "checkpoint.pt", step=0.25)  # 5 s batches
@@ -135,6 +147,7 @@ def same_weights(a: Path, b: Path) -> bool:
     return all(torch.equal(pa[k], pb[k]) for k in pa)
 
 
+@LONGRUN
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_long_run_example_resumes_exactly(backend: str, tmp_path: Path) -> None:
     flags = {"asyncio": [], "uvloop": ["--uvloop"], "trio": ["--trio"]}[backend]
@@ -146,6 +159,7 @@ def test_long_run_example_resumes_exactly(backend: str, tmp_path: Path) -> None:
     assert same_weights(tmp_path / "whole.pt", tmp_path / "cut.pt")  # the same data, the same training
 
 
+@LONGRUN
 def test_long_run_example_without_env_state_resumes_alike_twice(tmp_path: Path) -> None:
     preempted(tmp_path / "cut.pt", "--no-env-state")
     copy = tmp_path / "copy.pt"
