@@ -30,6 +30,7 @@ from .._progress import Progress
 from .._stats import StatsTracker
 
 if TYPE_CHECKING:
+    from .._episodes import EpisodeStatistics
     from .._sinks import Sink
 
 __all__ = ["CollectorBase"]
@@ -230,6 +231,12 @@ class CollectorBase(abc.ABC):
         """Measure the event loop's lag while the collector is entered (statistics().loop_lag_ms)."""
         assert self._task_group is not None
         self._task_group.start_soon(self._lag.run)
+
+    def episode_statistics(self) -> EpisodeStatistics | None:
+        """With ``trajs_per_batch``: trajectories in flight, delivered and discarded, their mean and
+        longest length and policy-version spans (:class:`EpisodeStatistics`); else ``None``."""
+        assembler = getattr(self, "_episodes", None)
+        return None if assembler is None else assembler.statistics(self._stats.episodes, self._stats.frames)
 
     # -- events -----------------------------------------------------------------------------------
     def events(self, max_buffer: int = 1024, kinds: Collection[str] | None = None) -> EventStream:
