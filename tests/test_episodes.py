@@ -21,7 +21,7 @@ from aiocollect import (
     ThreadedAsyncEnv,
 )
 from aiocollect._episodes import TrajectoryAssembler
-from episode_envs import Stamped, check_trajectories
+from episode_envs import Stamped, check_trajectories, trajectories
 
 pytestmark = pytest.mark.anyio
 
@@ -111,7 +111,7 @@ async def test_multi_collectors_whole_trajectories(cls, split_trajs):
     assert collector.episode_statistics().delivered == len(got)
 
 
-async def test_multi_process_worker_batches():
+async def test_multi_process_worker_batches(leaks):
     from support import cartpole
 
     async with MultiSyncCollector([cartpole] * 2, trajs_per_batch=3, total_frames=300, seed=1) as c:
@@ -308,3 +308,82 @@ async def test_multi_fill_writes_whole_trajectories(cls):
     assert buffer.batches
     for batch in buffer.batches:
         check_trajectories(batch, 2)
+
+
+def test_assembler_keeps_non_tensor_entries():
+    ids = torch.tensor([[0, 0, 1, 1], [2, 2, 2, 2]])
+    done = torch.tensor([[[False], [True], [False], [True]], [[False], [False], [False], [True]]])
+    frames = TensorDict({("collector", "traj_ids"): ids, ("next", "done"): done}, batch_size=[2, 4])
+    frames.set_non_tensor("task", "balance")
+    assembler = TrajectoryAssembler(3)
+    assembler.push(frames)
+    out = assembler.pop().batch
+    assert out["collector", "traj_ids"].tolist() == [0, 0, 2, 2, 2, 2, 1, 1]  # started at t=0: 0, 2; then 1
+    assert out.get_non_tensor("task") == "balance"
+
+
+class Linear(torch.nn.Module):
+    """observation -> action 0 or 1, with weights to update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Linear(3, 1)
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        return (self.w(observation).squeeze(-1) > 0).long()
+
+
+async def test_version_span_of_episodes_across_updates():
+    """Async envs: an episode in flight at a weight update goes on with the new weights; each frame
+    keeps its policy version, and the statistics give each trajectory's oldest and newest."""
+    stamps, lengths = itertools.count(), {}
+    policy = Linear()
+    collector = AsyncEnvCollector(
+        [lambda: ThreadedAsyncEnv(Stamped(stamps, lengths, max_length=300))] * 4,
+        policy,
+        trajs_per_batch=2,
+        total_frames=3000,
+        track_policy_version=True,
+    )
+    spans = []
+    with anyio.fail_after(60):
+        async with collector:
+            async for batch in collector:
+                check_trajectories(batch, 2)
+                for traj in trajectories(batch):
+                    version = traj["collector", "policy_version"]
+                    spans.append((int(version.min()), int(version.max())))
+                    assert bool((version.diff() >= 0).all())  # frames in order, versions never go back
+                stats = collector.episode_statistics()
+                assert list(stats.version_spans) == spans[-2:]
+                await collector.update_weights(policy)
+    assert stats.max_version_span == max(b - a for a, b in spans) >= 1
+    assert stats.in_flight >= 0 and stats.delivered == len(spans)
+
+
+#: the workers' loop for the test's own backend (asyncio, asyncio+uvloop, trio)
+LOOPS = {"asyncio": "asyncio", "asyncio+uvloop": "uvloop", "trio": "trio"}
+
+
+def stamped_vector() -> GymEnv:
+    return vector(itertools.count(), {}, 2)
+
+
+def stamped_async() -> Any:
+    return ThreadedAsyncEnv(Stamped(itertools.count(), {}))
+
+
+@pytest.mark.parametrize("cls", [MultiSyncCollector, MultiAsyncCollector])
+async def test_worker_processes(cls, leaks):
+    """The same invariants with the workers in processes (each counts its own stamps)."""
+    collector = cls([stamped_vector] * 2, trajs_per_batch=3, total_frames=300, max_frames_per_traj=20)
+    got = await collect(collector, 3, 20)
+    assert collector.statistics().frames == sum(n for _, n in got) >= 300
+
+
+async def test_async_env_worker_processes(request, leaks):
+    collector = MultiAsyncEnvCollector(
+        [[stamped_async] * 3] * 2, trajs_per_batch=4, total_frames=300, loop=LOOPS[request.node.callspec.id]
+    )
+    got = await collect(collector, 4)
+    assert collector.statistics().frames == sum(n for _, n in got) >= 300
