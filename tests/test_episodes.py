@@ -387,3 +387,41 @@ async def test_async_env_worker_processes(request, leaks):
     )
     got = await collect(collector, 4)
     assert collector.statistics().frames == sum(n for _, n in got) >= 300
+
+
+async def test_flush_discards_the_trajectories_it_tears():
+    """update_weights(flush=True) drops batches collected ahead: the trajectories they cut are
+    discarded (counted), and every delivered one is still whole."""
+    policy = Linear()
+    collector = MultiAsyncCollector(
+        [lambda: vector(itertools.count(), {}, 2, max_length=60)] * 2,
+        policy,
+        trajs_per_batch=2,
+        total_frames=1500,
+        worker_backend="serial",
+    )
+    with anyio.fail_after(60):
+        async with collector:
+            async for batch in collector:
+                check_trajectories(batch, 2)
+                await collector.update_weights(policy, flush=True)
+    stats = collector.episode_statistics()
+    assert stats.frames_discarded > 0  # torn ones, never delivered
+    assert collector.statistics().frames == stats.frames_delivered >= 1500
+
+
+async def test_flush_on_async_env_workers():
+    policy = Linear()
+    collector = MultiAsyncEnvCollector(
+        [[lambda: ThreadedAsyncEnv(Stamped(itertools.count(), {}, max_length=60))] * 2] * 2,
+        policy,
+        trajs_per_batch=2,
+        total_frames=1500,
+        worker_backend="serial",
+    )
+    with anyio.fail_after(60):
+        async with collector:
+            async for batch in collector:
+                check_trajectories(batch, 2)
+                await collector.update_weights(policy, flush=True)
+    assert collector.statistics().frames == collector.episode_statistics().frames_delivered >= 1500

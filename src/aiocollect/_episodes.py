@@ -218,15 +218,24 @@ class TrajectoryAssembler:
         return traj
 
     def taint(self, source: int | None = None) -> None:
-        """Frames of ``source`` (of every source: ``None``) were dropped before they got here: the
-        trajectories they cut are discarded as they show up (see the module's docstring)."""
-        for s in self._sources if source is None else (source,):
+        """Frames of ``source`` (of every source: ``None``) were dropped before they got here: its
+        trajectories in flight lost frames (discarded, and so are the frames still to come under their
+        ids), and each slot's next new trajectory may be one of them renamed, or one begun in the dropped
+        frames (discarded as it shows up)."""
+        sources = self._sources if source is None else {source}
+        for s in sources:
             self._tainted[s] = set()
+        for traj in list(self._open.values()):
+            if traj.slot // _SLOT_STRIDE in sources and not traj.complete and not traj.discarded:
+                self._discard(traj, absorb=True)
 
-    def _discard(self, traj: _Traj) -> None:
+    def _discard(self, traj: _Traj, *, absorb: bool = False) -> None:
+        """Count ``traj``'s frames as discarded and let go of them; ``absorb``: its id stays known, so
+        that frames still to come under it are discarded too (until its end, or its slot's next)."""
         traj.discarded = True
         self.frames_discarded += traj.frames
-        del self._open[traj.ident]
+        if not absorb:
+            del self._open[traj.ident]
         self._release(traj)
 
     def _release(self, traj: _Traj) -> None:

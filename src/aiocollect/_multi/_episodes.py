@@ -24,16 +24,16 @@ class Episodes:
     """Deliver ``trajs_per_batch`` whole trajectories per batch, gathering frames with ``inner``.
 
     The workers collect frame chunks of about :data:`CHUNK_FRAMES` frames each (``frames_per_batch`` is
-    theirs); a delivered batch counts the frames of its trajectories (``total_frames`` too). Frames a
-    stale batch took away (``update_weights(flush=True)``) tear the trajectories in flight: those are
-    discarded, counted in ``frames_discarded`` of the episode statistics.
+    theirs); a delivered batch counts the frames of its trajectories (``total_frames`` too). A flush
+    (``update_weights(flush=True)``) drops frames: the trajectories it tears are discarded, counted in
+    ``frames_discarded`` of the episode statistics.
     """
 
     def __init__(self, inner: Delivering, trajs_per_batch: int) -> None:
         self.inner = inner
         self.sync = inner.sync
         self.assembler = TrajectoryAssembler(trajs_per_batch)
-        self._dropped_seen = 0
+        self._floors: dict[int, int] = {}  # per worker, the staleness floor last seen (drop_stale)
         self._version = 0
 
     @staticmethod
@@ -70,6 +70,12 @@ class Episodes:
         return self.inner.floor_after(fleet, version, flush)
 
     async def drop_stale(self, fleet: MultiCollectorBase, pool: WorkerPool) -> None:
+        """A flush raised the floors of some workers: their batches waiting are dropped and their
+        rollouts in flight restart, so the trajectories they have in flight are torn."""
+        for index, floor in enumerate(fleet._floors):
+            if floor != self._floors.get(index, 0):
+                self._floors[index] = floor
+                self.assembler.taint(index)
         await self.inner.drop_stale(fleet, pool)
 
     async def load_behind(self, fleet: MultiCollectorBase, pool: WorkerPool, raised: list[int]) -> None:
@@ -82,18 +88,9 @@ class Episodes:
     async def next_batch(self, fleet: MultiCollectorBase, pool: WorkerPool) -> Delivery:
         assembler = self.assembler
         while not assembler.ready():
-            self._check_drops(fleet)
             out = await self.inner.next_batch(fleet, pool)
-            self._check_drops(fleet)
             assembler.push(out.batch, source=out.worker_id or 0)
             self._version = out.policy_version
         popped = assembler.pop()
         episodes = [(-1, r, n) for r, n in zip(popped.returns, popped.lengths, strict=True)]
         return Delivery(popped.batch, len(popped.batch), [episodes], None, self._version)
-
-    def _check_drops(self, fleet: MultiCollectorBase) -> None:
-        """Frames dropped as stale since the last look: the trajectories in flight are torn."""
-        dropped = fleet._frames_discarded()
-        if dropped != self._dropped_seen:
-            self._dropped_seen = dropped
-            self.assembler.taint()
