@@ -211,7 +211,8 @@ async def test_reset_discards_the_cut_trajectories():
         (Collector, {"set_truncated": True}, "drop set_truncated"),
         (MultiSyncCollector, {"preemptive_threshold": 0.5}, "drop preemptive_threshold"),
         (MultiSyncCollector, {"cat_results": -1}, "drop cat_results"),
-        (MultiAsyncCollector, {"max_policy_lag": 1}, "drop max_policy_lag"),
+        (MultiSyncCollector, {"max_policy_lag": 1}, "drop max_policy_lag"),
+        (MultiAsyncCollector, {"max_policy_lag": -1}, "max_policy_lag"),
         (AsyncEnvCollector, {"on_env_error": "drop"}, "on_env_error='raise'"),
     ],
 )
@@ -425,3 +426,26 @@ async def test_flush_on_async_env_workers():
                 check_trajectories(batch, 2)
                 await collector.update_weights(policy, flush=True)
     assert collector.statistics().frames == collector.episode_statistics().frames_delivered >= 1500
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+async def test_max_policy_lag_bounds_each_episodes_oldest_frame(lag):
+    """MultiAsyncCollector(trajs_per_batch, max_policy_lag=k): an episode whose oldest frame is more
+    than k versions behind the newest weights is discarded (counted), never delivered."""
+    policy = Linear()
+    collector = MultiAsyncCollector(
+        [lambda: vector(itertools.count(), {}, 2, max_length=40)] * 2,
+        policy,
+        trajs_per_batch=2,
+        total_frames=1200,
+        max_policy_lag=lag,
+        track_policy_version=True,
+        worker_backend="serial",
+    )
+    with anyio.fail_after(60):
+        async with collector:
+            async for batch in collector:
+                check_trajectories(batch, 2)
+                assert int(batch["collector", "policy_version"].min()) >= collector.policy_version - lag
+                await collector.update_weights(policy)
+    assert collector.episode_statistics().frames_discarded > 0

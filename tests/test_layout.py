@@ -38,7 +38,7 @@ LONG_MODULES: dict[str, int] = {
     "aiocollect/_fast_policy.py": 598,
     "aiocollect/_local/_collector.py": 626,  # issue 30: trajs_per_batch
     "aiocollect/_multi/_base.py": 601,
-    "aiocollect/_multi/_async.py": 419,  # issue 30: trajs_per_batch (two explicit-keyword constructors)
+    "aiocollect/_multi/_async.py": 420,  # issue 30: trajs_per_batch (two explicit-keyword constructors)
     # two public collectors' explicit keyword signatures (DistributedCollector, DistributedSyncCollector)
     "aiocollect/_remote/_gloo.py": 446,
     "aiocollect/_remote/_launchers.py": 460,

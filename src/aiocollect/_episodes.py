@@ -50,6 +50,7 @@ class _Traj:
     slot: int
     pieces: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (batch seq, frame indices)
     frames: int = 0
+    oldest: int = 1 << 62  # the oldest policy version of its frames (push's ``version``)
     complete: bool = False
     discarded: bool = False
 
@@ -61,7 +62,8 @@ class EpisodeStatistics:
     Attributes:
         in_flight: trajectories admitted and not yet delivered.
         delivered: trajectories delivered; ``frames_delivered`` their frames.
-        frames_discarded: frames of trajectories cut before their end (a ``reset()``, a stale batch).
+        frames_discarded: frames of trajectories discarded: cut before their end (a ``reset()``, a
+            flush) or begun too long ago (``max_policy_lag``).
         mean_length, max_length: of the delivered trajectories (``nan``/0 before the first).
         version_spans: per trajectory of the last batch, its oldest and newest policy version (with
             ``track_policy_version``; else empty); ``max_version_span``: the largest ``newest - oldest``
@@ -151,9 +153,10 @@ class TrajectoryAssembler:
         )
 
     # -- in ---------------------------------------------------------------------------------------
-    def push(self, batch: TensorDictBase, *, source: int = 0) -> None:
+    def push(self, batch: TensorDictBase, *, source: int = 0, version: int = 0) -> None:
         """Take in one frame batch (``[*B, T]``, time last, or flat with ``("collector", "env_id")``);
-        ``source`` tells apart the slots of batches from different workers."""
+        ``source`` tells apart the slots of batches from different workers; ``version``: the oldest
+        policy version of its frames (see :meth:`drop_older`)."""
         if batch.batch_dims == 0 or batch.numel() == 0:
             return
         flat, slot_of, key_of = _flat_frames(batch)
@@ -189,6 +192,7 @@ class TrajectoryAssembler:
                 continue
             traj.pieces.append((seq, idx))
             traj.frames += int(idx.numel())
+            traj.oldest = min(traj.oldest, version)
             self._refs[seq] += 1
             if done[lasts[k]]:
                 traj.complete = True
@@ -216,6 +220,13 @@ class TrajectoryAssembler:
         else:
             self._order.append(traj)
         return traj
+
+    def drop_older(self, version: int) -> None:
+        """Discard the trajectories (open or complete) with a frame older than policy ``version``."""
+        for traj in list(self._open.values()):
+            if traj.oldest < version and not traj.discarded:
+                self._complete -= traj.complete
+                self._discard(traj, absorb=not traj.complete)
 
     def taint(self, source: int | None = None) -> None:
         """Frames of ``source`` (of every source: ``None``) were dropped before they got here: its

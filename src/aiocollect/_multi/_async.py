@@ -218,7 +218,8 @@ class MultiAsyncCollector(MultiCollectorBase):
     are dropped and rollouts in flight restart on the new weights (the envs are not reset); the frames
     this discards are counted in ``statistics().frames_discarded``. ``max_policy_lag=k`` delivers
     nothing more than ``k`` versions old. With ``trajs_per_batch`` an episode goes on across weight
-    updates (each frame keeps its ``policy_version``); one a flush tears is discarded.
+    updates (each frame keeps its ``policy_version``), ``max_policy_lag=k`` discards an episode whose
+    oldest frame is more than ``k`` versions old, and one a flush tears is discarded.
 
     Example:
         >>> import anyio
@@ -278,9 +279,9 @@ class MultiAsyncCollector(MultiCollectorBase):
             frames_per_batch,
             reset_at_each_iter=reset_at_each_iter,
             set_truncated=set_truncated,
-            max_policy_lag=max_policy_lag,
         )
-        delivery = Episodes.over(FirstReady(), trajs)
+        # with trajs_per_batch, max_policy_lag bounds each episode's oldest frame (the workers drop none)
+        delivery = Episodes.over(FirstReady(), trajs, lag=max_policy_lag)
         frames_per_batch = Episodes.frames(frames_per_batch, trajs, rollout)  # per worker
         super().__init__(
             create_env_fns,
@@ -309,7 +310,7 @@ class MultiAsyncCollector(MultiCollectorBase):
             worker_backend=worker_backend,
             start_method=start_method,
             weight_sync=weight_sync,
-            max_policy_lag=max_policy_lag,
+            max_policy_lag=None if trajs else max_policy_lag,
             progress=progress,
             traj_id_start=traj_id_start,
             traj_id_stride=traj_id_stride,

@@ -11,6 +11,7 @@ from tensordict import TensorDictBase
 
 from .._episodes import TrajectoryAssembler
 from .._episodes_args import CHUNK_FRAMES
+from .._validation import lag_arg
 from ._delivery import Delivering, Delivery
 
 if TYPE_CHECKING:
@@ -29,17 +30,18 @@ class Episodes:
     ``frames_discarded`` of the episode statistics.
     """
 
-    def __init__(self, inner: Delivering, trajs_per_batch: int) -> None:
+    def __init__(self, inner: Delivering, trajs_per_batch: int, lag: int | None = None) -> None:
         self.inner = inner
+        self.lag = lag_arg(lag)  # an episode's oldest frame: at most this many versions old
         self.sync = inner.sync
         self.assembler = TrajectoryAssembler(trajs_per_batch)
         self._floors: dict[int, int] = {}  # per worker, the staleness floor last seen (drop_stale)
         self._version = 0
 
     @staticmethod
-    def over(delivery: Delivering, trajs_per_batch: int | None) -> Delivering:
+    def over(delivery: Delivering, trajs_per_batch: int | None, lag: int | None = None) -> Delivering:
         """``delivery`` itself, or with ``trajs_per_batch`` an :class:`Episodes` over it."""
-        return delivery if trajs_per_batch is None else Episodes(delivery, trajs_per_batch)
+        return delivery if trajs_per_batch is None else Episodes(delivery, trajs_per_batch, lag)
 
     @staticmethod
     def frames(frames_per_batch: Any, trajs_per_batch: int | None, rollout: Any, workers: Any = None) -> Any:
@@ -85,11 +87,17 @@ class Episodes:
         """Whole trajectories, flat over frames (or padded ``[N, T]`` with ``split_trajs``), as they are."""
         return batch
 
+    def _ready(self, fleet: MultiCollectorBase) -> bool:
+        """Whether a batch is ready, once the episodes whose oldest frame is too old are discarded."""
+        if self.lag is not None:
+            self.assembler.drop_older(fleet._version - self.lag)
+        return self.assembler.ready()
+
     async def next_batch(self, fleet: MultiCollectorBase, pool: WorkerPool) -> Delivery:
         assembler = self.assembler
-        while not assembler.ready():
+        while not self._ready(fleet):
             out = await self.inner.next_batch(fleet, pool)
-            assembler.push(out.batch, source=out.worker_id or 0)
+            assembler.push(out.batch, source=out.worker_id or 0, version=out.policy_version)
             self._version = out.policy_version
         popped = assembler.pop()
         episodes = [(-1, r, n) for r, n in zip(popped.returns, popped.lengths, strict=True)]
