@@ -449,3 +449,9 @@ async def test_max_policy_lag_bounds_each_episodes_oldest_frame(lag):
                 assert int(batch["collector", "policy_version"].min()) >= collector.policy_version - lag
                 await collector.update_weights(policy)
     assert collector.episode_statistics().frames_discarded > 0
+
+
+async def test_no_len_for_batches_that_vary():
+    async with Collector(vector(itertools.count(), {}), trajs_per_batch=2, total_frames=100) as collector:
+        with pytest.raises(TypeError, match="no len"):
+            len(collector)

@@ -91,6 +91,8 @@ class CollectorBase(abc.ABC):
     def __len__(self) -> int:
         if self.total_frames < 0:
             raise TypeError("an endless collector (total_frames=-1) has no len()")
+        if getattr(self, "_episodes", None) is not None:
+            raise TypeError("a trajs_per_batch collector has no len(): its batches vary in frames")
         return ceil(self.total_frames / self.frames_per_batch)
 
     def __aiter__(self) -> AsyncIterator[TensorDictBase]:
