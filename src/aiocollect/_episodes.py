@@ -11,6 +11,8 @@ short ones behind them (latency), and is not biased toward short episodes.
 A slot (an env row of a ``[*B, T]`` batch, or ``("collector", "env_id")`` in a flat batch, per source)
 that starts a new trajectory while its previous one is still open had that one cut (a ``reset()``, a
 ``set_seed()``): the cut trajectory is discarded and counted in ``frames_discarded``, never delivered.
+So are the trajectories a flush tears (:meth:`TrajectoryAssembler.taint`) and, with ``max_policy_lag``,
+those begun with weights too old (:meth:`TrajectoryAssembler.drop_older`).
 
 Plain synchronous code (no event loop): the collectors call it where their frame batches arrive.
 """
