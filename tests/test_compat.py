@@ -174,7 +174,6 @@ async def test_iterating_into_a_replay_buffer_yields_none_without_a_warning() ->
             "weight_sync_schemes= is not supported.*update_policy_weights_",
         ),
         ({"weight_updater": object()}, TypeError, "weight_updater"),
-        ({"trajs_per_batch": 4}, TypeError, "split_trajs=True"),
         ({"interruptor": object()}, TypeError, "preemptive_threshold"),
         ({"num_collectors": 2}, TypeError, "no metaclass"),
         ({"backend": "process"}, TypeError, "dispatch is not implemented"),

@@ -33,6 +33,8 @@ CASES = {
     # the sinks that are installed (tensorboard: the test extra; wandb: nox -s sinks), into a temp dir
     "logging_sinks": ["logging_sinks.py", "--total-frames", "2000", "--frames-per-batch", "400"]
     + ["--every", "0.2", "--logdir", str(Path(tempfile.gettempdir()) / "aiocollect-example-runs")],
+    # REINFORCE on whole episodes (trajs_per_batch)
+    "episodes": ["episodes.py", "--total-frames", "3000", "--trajs-per-batch", "4"],
     "recurrent_policy": ["recurrent_policy.py", "--total-frames", "2000", "--frames-per-batch", "400"],
     "multi_async_onpolicy": ["multi_async_onpolicy.py", "--total-frames", "2048"]
     + ["--frames-per-update", "512", "--backend", "serial"],
@@ -141,7 +143,17 @@ def test_every_example_is_tested() -> None:
 ROOT = EXAMPLES.parent
 # pages whose every ```python block is a complete program (a block after <!-- continue --> extends the one
 # before it; <!-- skip --> before a block leaves out a fragment): add a page here once its blocks run
-RUNNABLE_PAGES = ["index", "conventions", "collector", "envs", "policies", "async-envs", "serve", "long-runs"]
+RUNNABLE_PAGES = [
+    "index",
+    "conventions",
+    "collector",
+    "envs",
+    "policies",
+    "async-envs",
+    "serve",
+    "long-runs",
+    "episodes",
+]
 DOC_PAGES = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in RUNNABLE_PAGES)]
 _BLOCK = re.compile(r"(<!-- (continue|skip) -->\s*\n)?^```python[^\n]*\n(.*?)^```", re.S | re.M)
 

@@ -31,13 +31,14 @@ TARGET_BODY_LINES = 50
 # in _rollout.py, issue 34's pool loop, issue 31's ProcessVectorEnv).
 LONG_MODULES: dict[str, int] = {
     "aiocollect/_procenv/_env.py": 487,
-    "aiocollect/_asyncenv/_collector.py": 480,
+    "aiocollect/_asyncenv/_collector.py": 501,  # issue 30: trajs_per_batch
     "aiocollect/_asyncenv/_run.py": 553,
     "aiocollect/_asyncenv/_worker.py": 444,
     "aiocollect/_distributed_weights.py": 483,
     "aiocollect/_fast_policy.py": 598,
-    "aiocollect/_local/_collector.py": 612,
+    "aiocollect/_local/_collector.py": 626,  # issue 30: trajs_per_batch
     "aiocollect/_multi/_base.py": 601,
+    "aiocollect/_multi/_async.py": 420,  # issue 30: trajs_per_batch (two explicit-keyword constructors)
     # two public collectors' explicit keyword signatures (DistributedCollector, DistributedSyncCollector)
     "aiocollect/_remote/_gloo.py": 446,
     "aiocollect/_remote/_launchers.py": 460,
@@ -71,7 +72,10 @@ LONG_FUNCTIONS: dict[str, int] = {
     "aiocollect/_envs/_gym.py:GymEnv.__init__": 63,
     "aiocollect/_fast_policy.py:_Compiler._prob_module": 61,
     "aiocollect/_multi/_base.py:MultiCollectorBase._start_workers": 60,
-    "aiocollect/_local/_collector.py:Collector.__init__": 60,
+    "aiocollect/_local/_collector.py:Collector.__init__": 64,
+    # explicit-keyword constructors that also check trajs_per_batch against the options that cut episodes
+    "aiocollect/_multi/_sync.py:MultiSyncCollector.__init__": 57,
+    "aiocollect/_asyncenv/_multi.py:MultiAsyncEnvCollector.__init__": 56,
     "aiocollect/_remote/_ray.py:RayCollector.__init__": 59,
     "aiocollect/_envs/_gym_steps.py:run_steps": 59,
     "aiocollect/_asyncenv/_run.py:Engine.__init__": 59,
@@ -97,6 +101,7 @@ LAYERS: dict[str, int] = {
     "_mistakes": 0,
     "_signals": 0,
     "_resume": 0,
+    "_episodes_args": 0,
     # envs (no policies: an env never imports a policy)
     "_envs": 1,
     # policies, random policies for an env, weights as TensorDicts
@@ -113,6 +118,7 @@ LAYERS: dict[str, int] = {
     "_rollout_thread": 3,
     "_storage": 3,
     "_trajectories": 3,
+    "_episodes": 3,
     # worker processes and weight-sync schemes
     "_workers": 4,
     "_weightsync": 4,

@@ -19,6 +19,7 @@ from ._envs._async import AsyncEnvProtocol, AsyncVectorEnvProtocol, ThreadedAsyn
 from ._envs._async_vector import ThreadedAsyncVectorEnv
 from ._envs._gym import GymEnv
 from ._envs._protocol import EnvProtocol
+from ._episodes import EpisodeStatistics
 from ._errors import CollectorClosedError, WorkerDiedError, WorkerError, WorkerTimeoutError
 from ._events import (
     BatchDelivered,
@@ -126,6 +127,7 @@ __all__ = [
     "DistributedWeightSync",
     "EnvProtocol",
     "EpisodeFinished",
+    "EpisodeStatistics",
     "Event",
     "EventStream",
     "GymEnv",

@@ -14,6 +14,8 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
+from .._episodes import TrajectoryAssembler
+from .._episodes_args import async_chunk, trajs_per_batch_arg
 from .._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
 from .._gcfreeze import GcHold
 from .._local._base import CollectorBase
@@ -88,6 +90,8 @@ class AsyncEnvCollector(CollectorBase):
             callable ``td -> td``, awaited on the loop), or ``None`` for random actions.
         frames_per_batch: frames in each batch.
         total_frames: frames to collect (rounded up to whole batches); ``-1`` (default): endless.
+        trajs_per_batch: instead of ``frames_per_batch``, batches of this many whole trajectories, in
+            the order they started (see :class:`Collector`).
         min_batch: envs waiting that start a policy call (default: half of the envs), counted in
             sub-envs (a vector env's sub-envs are never split across policy calls).
         max_wait: seconds the oldest waiting env waits before a policy call on fewer than ``min_batch``
@@ -146,8 +150,9 @@ class AsyncEnvCollector(CollectorBase):
         env_fns: Sequence[Callable[[], Any]],
         policy: Any = None,
         *,
-        frames_per_batch: int,
+        frames_per_batch: int | None = None,
         total_frames: int | None = -1,
+        trajs_per_batch: int | None = None,
         min_batch: int | None = None,
         max_wait: float = 0.002,
         max_frames_per_traj: int | None = None,
@@ -165,7 +170,11 @@ class AsyncEnvCollector(CollectorBase):
         # every argument is checked here, before any env is built
         self._env_fns = env_fns_arg(env_fns)
         n = len(self._env_fns)
-        self.frames_per_batch = positive_int("frames_per_batch", frames_per_batch)
+        trajs = trajs_per_batch_arg(
+            "AsyncEnvCollector", trajs_per_batch, frames_per_batch, on_env_error=on_env_error == "drop"
+        )
+        self._episodes = None if trajs is None else TrajectoryAssembler(trajs)  # whole trajectories
+        self.frames_per_batch = positive_int("frames_per_batch", async_chunk(frames_per_batch, trajs, n))
         self.total_frames = total_frames_arg(total_frames)
         # counted in (sub-)envs: the default, half of them, is known once the envs are built
         self._min_batch_arg = optional_positive_int("min_batch", min_batch, fix="None: half of the envs")
@@ -189,16 +198,17 @@ class AsyncEnvCollector(CollectorBase):
                 f"(1 + prefetch) * frames_per_batch = {ahead} frames may be collected or stepping at once, "
                 f"fewer than the {n} envs: the others wait. Raise frames_per_batch or prefetch"
             )
-        if self.total_frames > 0 and self.total_frames % self.frames_per_batch:
+        if self.total_frames > 0 and self.total_frames % self.frames_per_batch and trajs is None:
             warn_user(
                 f"total_frames={self.total_frames} is not a multiple of frames_per_batch="
                 f"{self.frames_per_batch}: the last batch is not cut, {self._target()} frames are collected"
             )
         self._engine: Engine | None = None
         self._policy: BatchPolicy | None = None
+        self._version = 0  # trajs_per_batch: the policy version of the newest frames taken
 
     def _target(self) -> int:
-        if self.total_frames < 0:
+        if self.total_frames < 0 or self._episodes is not None:  # episodes: the budget is delivered frames
             return -1
         return ceil(self.total_frames / self.frames_per_batch) * self.frames_per_batch
 
@@ -336,6 +346,8 @@ class AsyncEnvCollector(CollectorBase):
 
     # -- the iterator -----------------------------------------------------------------------------
     def _budget_reached(self) -> bool:
+        if self._episodes is not None:
+            return 0 < self.total_frames <= self._stats.frames
         engine = self._engine
         return engine is not None and engine.exhausted
 
@@ -348,24 +360,38 @@ class AsyncEnvCollector(CollectorBase):
         try:
             engine = self._engine
             assert engine is not None
-            while not engine.complete and engine.error is None:
-                self._active()
-                await engine.consumer_signal.wait()
-            if engine.error is not None:
-                error = engine.error
-                with anyio.CancelScope(shield=True):
-                    await self._fail(error)
-                raise error
-            return await self._deliver(engine)
+            while True:
+                while not engine.complete and engine.error is None:
+                    self._active()
+                    await engine.consumer_signal.wait()
+                if engine.error is not None:
+                    error = engine.error
+                    with anyio.CancelScope(shield=True):
+                        await self._fail(error)
+                    raise error
+                if self._episodes is None:
+                    return await self._deliver(engine)
+                frames = engine.take_batch()
+                self._version = frames.version
+                self._episodes.push(frames.finish())
+                if self._episodes.ready():
+                    return await self._deliver(engine)
         finally:
             self._lock.release()
 
     async def _deliver(self, engine: Engine) -> TensorDictBase | None:
-        frames = engine.take_batch()
-        version = frames.version
-        batch: TensorDictBase = frames.finish()
-        self._record(batch.shape[0], frames.episodes, worker_id=None, policy_version=version)
-        if self._split_trajs:
+        if self._episodes is None:
+            frames = engine.take_batch()
+            version, episodes = frames.version, frames.episodes
+            batch: TensorDictBase = frames.finish()
+        else:  # whole trajectories in admission order (already flat over them: no sort for split_trajs)
+            popped = self._episodes.pop()
+            version, batch = self._version, popped.batch
+            episodes = [(-1, r, n) for r, n in zip(popped.returns, popped.lengths, strict=True)]
+        self._record(batch.shape[0], episodes, worker_id=None, policy_version=version)
+        if self._split_trajs and self._episodes is not None:
+            batch = split_trajectories(batch)
+        elif self._split_trajs:
             order = torch.sort(batch.get(("collector", "traj_ids")), stable=True).indices
             batch = split_trajectories(batch[order])
         if self._postproc is not None:

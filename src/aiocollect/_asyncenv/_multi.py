@@ -13,11 +13,13 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
+from .._episodes_args import async_chunk, trajs_per_batch_arg
 from .._events import WorkerFailed
 from .._mistakes import explicit_keywords
 from .._multi._async import FirstReady
 from .._multi._base import MultiCollectorBase
 from .._multi._delivery import Delivery
+from .._multi._episodes import Episodes
 from .._trajectories import split_trajectories
 from .._validation import (
     exploration_type_arg,
@@ -50,16 +52,21 @@ class _Finish:
     its envs), then the user's ``postproc``."""
 
     def __init__(
-        self, split_trajs: bool, postproc: Callable[[TensorDictBase], TensorDictBase] | None
+        self,
+        split_trajs: bool,
+        postproc: Callable[[TensorDictBase], TensorDictBase] | None,
+        grouped: bool = False,
     ) -> None:
         self.split_trajs = split_trajs
         self.postproc = postproc
+        self.grouped = grouped  # trajs_per_batch: whole trajectories one after the other already
 
     def __call__(self, batch: TensorDictBase) -> TensorDictBase:
         batch.names = None  # a flat batch of frames, not a time dimension
         if self.split_trajs:
-            order = torch.sort(batch.get(("collector", "traj_ids")), stable=True).indices
-            batch = split_trajectories(batch[order])
+            if not self.grouped:
+                batch = batch[torch.sort(batch.get(("collector", "traj_ids")), stable=True).indices]
+            batch = split_trajectories(batch)
         return self.postproc(batch) if self.postproc is not None else batch
 
 
@@ -143,6 +150,8 @@ class MultiAsyncEnvCollector(MultiCollectorBase):
             called in the worker).
         policy: as ``AsyncEnvCollector``'s (an ``nn.Module`` gets its weights from :meth:`update_weights`).
         frames_per_batch: frames in each batch (each worker's batches), or one value per worker.
+        trajs_per_batch: instead of ``frames_per_batch``, batches of this many whole trajectories (as
+            :class:`AsyncEnvCollector`'s); the trajectories a flush tears are discarded.
         init_random_frames: the first ``ceil(init_random_frames / workers)`` actions of each worker
             (rounded up to whole batches of it) are random, the policy's other outputs zeros.
         max_policy_lag: deliver nothing more than this many versions older than the newest published;
@@ -195,8 +204,9 @@ class MultiAsyncEnvCollector(MultiCollectorBase):
         env_fns_per_worker: Sequence[Sequence[Callable[[], Any]]],
         policy: Any = None,
         *,
-        frames_per_batch: int | Sequence[int],
+        frames_per_batch: int | Sequence[int] | None = None,
         total_frames: int | None = -1,
+        trajs_per_batch: int | None = None,
         min_batch: int | None = None,
         max_wait: float = 0.002,
         max_frames_per_traj: int | None = None,
@@ -224,8 +234,16 @@ class MultiAsyncEnvCollector(MultiCollectorBase):
         traj_id_stride: int = 1,
     ) -> None:
         shares = shares_arg(env_fns_per_worker)
-        fpb = frames_arg(frames_per_batch, len(shares))
         lag = lag_arg(max_policy_lag)
+        trajs = trajs_per_batch_arg(
+            "MultiAsyncEnvCollector",
+            trajs_per_batch,
+            frames_per_batch,
+            max_policy_lag=lag,
+            on_env_error="drop" if on_env_error == "drop" else None,
+        )
+        frames_per_batch = async_chunk(frames_per_batch, trajs, max(len(share) for share in shares))
+        fpb = frames_arg(frames_per_batch, len(shares))
         if prefetch is None:  # on-policy: what a worker collects ahead is dropped at the next update
             prefetch = 0 if lag == 0 else 1
         random_frames = init_random_frames_arg(init_random_frames)
@@ -245,13 +263,16 @@ class MultiAsyncEnvCollector(MultiCollectorBase):
         self.num_envs = sum(len(share) for share in shares)
         self._rows: list[int | None] = [None] * len(shares)  # per worker: its env ids (EnvRows)
         warn_envs_wait(shares, fpb, self._async_config.prefetch)
+        delivery = Episodes.over(_EnvsFirstReady(len(shares), self._track_versions), trajs)
         super().__init__(
             [EnvShare(share) for share in shares],
             policy,
             frames_per_batch=frames_per_batch if isinstance(frames_per_batch, int) else list(fpb),
             total_frames=total_frames,
             init_random_frames=random_frames,
-            postproc=_Finish(flag("split_trajs", split_trajs), optional_callable("postproc", postproc)),
+            postproc=_Finish(
+                flag("split_trajs", split_trajs), optional_callable("postproc", postproc), trajs is not None
+            ),
             replay_buffer=replay_buffer,
             storing_device=storing_device,
             max_policy_lag=lag,
@@ -265,8 +286,13 @@ class MultiAsyncEnvCollector(MultiCollectorBase):
             worker_timeout=worker_timeout,
             traj_id_start=traj_id_start,
             traj_id_stride=traj_id_stride,
-            delivery=_EnvsFirstReady(len(shares), self._track_versions),
+            delivery=delivery,
         )
+        self._episodes = Episodes.assembler_of(delivery)
+
+    def _budget_fits_batches(self) -> bool:
+        # trajs_per_batch: batches vary in frames, total_frames counts the delivered ones
+        return isinstance(self._delivery, Episodes) or super()._budget_fits_batches()
 
     def _worker_body(self) -> Any:
         return functools.partial(run_async_worker, self._async_config)

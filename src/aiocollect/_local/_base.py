@@ -30,6 +30,7 @@ from .._progress import Progress
 from .._stats import StatsTracker
 
 if TYPE_CHECKING:
+    from .._episodes import EpisodeStatistics
     from .._sinks import Sink
 
 __all__ = ["CollectorBase"]
@@ -100,6 +101,8 @@ class CollectorBase(abc.ABC):
     def __len__(self) -> int:
         if self.total_frames < 0:
             raise TypeError("an endless collector (total_frames=-1) has no len()")
+        if getattr(self, "_episodes", None) is not None:
+            raise TypeError("a trajs_per_batch collector has no len(): its batches vary in frames")
         return ceil(self.total_frames / self.frames_per_batch)
 
     def __aiter__(self) -> AsyncIterator[TensorDictBase]:
@@ -241,6 +244,12 @@ class CollectorBase(abc.ABC):
         """Measure the event loop's lag while the collector is entered (statistics().loop_lag_ms)."""
         assert self._task_group is not None
         self._task_group.start_soon(self._lag.run)
+
+    def episode_statistics(self) -> EpisodeStatistics | None:
+        """With ``trajs_per_batch``: trajectories in flight, delivered and discarded, their mean and
+        longest length and policy-version spans (:class:`EpisodeStatistics`); else ``None``."""
+        assembler = getattr(self, "_episodes", None)
+        return None if assembler is None else assembler.statistics(self._stats.episodes, self._stats.frames)
 
     # -- events -----------------------------------------------------------------------------------
     def events(self, max_buffer: int = 1024, kinds: Collection[str] | None = None) -> EventStream:

@@ -6,9 +6,9 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
-from math import ceil
+from math import ceil, prod
 from typing import Any, TypeVar
 
 import anyio
@@ -19,6 +19,8 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
+from .._episodes import TrajectoryAssembler, collect_episodes
+from .._episodes_args import chunk_frames, refuse_cuts, trajs_per_batch_arg
 from .._errors import WorkerTimeoutError
 from .._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
 from .._mistakes import explicit_keywords, warn_user
@@ -99,6 +101,10 @@ class Collector(CollectorBase):
             With ``prefetch=k`` the trainer gets a batch at once, but up to ``k`` batches were collected
             with older weights: ``("collector", "policy_version")`` (``track_policy_version=True``) says
             which.
+        trajs_per_batch: instead of ``frames_per_batch``, batches of this many whole trajectories (each
+            from a reset to its ``("next", "done")``), flat over frames (``[N, T]`` with a mask with
+            ``split_trajs``), in the order they started; ``total_frames`` counts their frames. See
+            the episodes guide (docs/episodes.md).
 
     Example:
         >>> import anyio
@@ -143,10 +149,13 @@ class Collector(CollectorBase):
         traj_id_stride: int = 1,
         worker_timeout: float | None = None,
         prefetch: int = 0,
+        trajs_per_batch: int | None = None,
         rollout: RolloutOptions | None = None,
         weights: WeightSchedule | None = None,
     ) -> None:
         # -- every argument is checked before the env is built ----------------------------------
+        trajs = trajs_per_batch_arg("Collector", trajs_per_batch, frames_per_batch)
+        frames_per_batch = 1 if trajs and rollout is None else frames_per_batch  # chunks: _build_rollout
         options = RolloutOptions.from_kwargs(
             rollout,
             frames_per_batch=frames_per_batch,
@@ -172,6 +181,7 @@ class Collector(CollectorBase):
             max_policy_lag=max_policy_lag,
         )
         self._options, self._schedule = options, schedule
+        refuse_cuts("Collector", trajs, options)
         if not isinstance(options.frames_per_batch, int):
             raise TypeError(
                 f"Collector takes one frames_per_batch (an int), got {options.frames_per_batch!r}"
@@ -192,6 +202,7 @@ class Collector(CollectorBase):
         policy_arg(policy)
         # -- the env, the policy and the rollout ------------------------------------------------
         env = open_env(create_env_fn, options)
+        self._episodes: TrajectoryAssembler | None = None if trajs is None else TrajectoryAssembler(trajs)
         try:
             self._build_rollout(env, policy)
         except BaseException:
@@ -212,6 +223,8 @@ class Collector(CollectorBase):
         """The collector's own policy, the random policy and the rollout, checked with one dry call."""
         self._env = env
         self._source_policy = policy
+        if self._episodes is not None and self._options.frames_per_batch == 1:  # trajs_per_batch's chunks
+            self._options = replace(self._options, frames_per_batch=chunk_frames(prod(env.batch_size)))
         self._rollout, self._policy, self._random_policy = build_rollout(
             env,
             policy,
@@ -235,7 +248,7 @@ class Collector(CollectorBase):
                 f"frames_per_batch={requested} is not a multiple of the env batch "
                 f"size {list(env.batch_size)}: each batch has {self.frames_per_batch} frames"
             )
-        if self.total_frames > 0 and self.total_frames % self.frames_per_batch:
+        if self.total_frames > 0 and self.total_frames % self.frames_per_batch and self._episodes is None:
             warn_user(
                 f"total_frames={self.total_frames} is not a multiple of the batch size "
                 f"{self.frames_per_batch}: the last batch is not cut, {len(self) * self.frames_per_batch} "
@@ -347,7 +360,13 @@ class Collector(CollectorBase):
         )
 
     def _collect_in_thread(self, stop: threading.Event, random: bool) -> _Batch:
-        result = self._rng.run(lambda: self._rollout.collect(random=random, stop=stop))
+        def collect() -> RolloutResult:
+            return self._rng.run(lambda: self._rollout.collect(random=random, stop=stop))
+
+        if self._episodes is None:
+            result = collect()
+        else:  # whole trajectories, assembled here in the rollout thread
+            result = collect_episodes(self._episodes, collect, stop, self._rollout.policy_version)
         batch: TensorDictBase = result.batch
         if stop.is_set():  # cancelled: the caller discards this
             return _Batch(None, result)

@@ -13,6 +13,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
+from .._episodes_args import trajs_per_batch_arg
 from .._mistakes import explicit_keywords
 from .._options import RolloutOptions, WeightSchedule
 from .._transport._messages import Release, RunFree
@@ -20,6 +21,7 @@ from .._weightsync import WeightSync
 from .._workers._pool import WorkerPool
 from ._base import MultiCollectorBase
 from ._delivery import Delivery, episodes_of
+from ._episodes import Episodes
 from ._renames import TrajectoryRenames
 
 __all__ = ["FirstReady", "MultiAsyncCollector", "ProcessCollector"]
@@ -215,7 +217,9 @@ class MultiAsyncCollector(MultiCollectorBase):
     batches collected entirely with the newest weights: at each update, batches waiting in the slots
     are dropped and rollouts in flight restart on the new weights (the envs are not reset); the frames
     this discards are counted in ``statistics().frames_discarded``. ``max_policy_lag=k`` delivers
-    nothing more than ``k`` versions old.
+    nothing more than ``k`` versions old. With ``trajs_per_batch`` an episode goes on across weight
+    updates (each frame keeps its ``policy_version``), ``max_policy_lag=k`` discards an episode whose
+    oldest frame is more than ``k`` versions old, and one a flush tears is discarded.
 
     Example:
         >>> import anyio
@@ -267,11 +271,22 @@ class MultiAsyncCollector(MultiCollectorBase):
         rollout: RolloutOptions | None = None,
         weights: WeightSchedule | None = None,
         backend: str | None = None,
+        trajs_per_batch: int | None = None,
     ) -> None:
+        trajs = trajs_per_batch_arg(
+            "MultiAsyncCollector",
+            trajs_per_batch,
+            frames_per_batch,
+            reset_at_each_iter=reset_at_each_iter,
+            set_truncated=set_truncated,
+        )
+        # with trajs_per_batch, max_policy_lag bounds each episode's oldest frame (the workers drop none)
+        delivery = Episodes.over(FirstReady(), trajs, lag=max_policy_lag)
+        frames_per_batch = Episodes.frames(frames_per_batch, trajs, rollout)  # per worker
         super().__init__(
             create_env_fns,
             policy,
-            delivery=FirstReady(),
+            delivery=delivery,
             frames_per_batch=frames_per_batch,
             total_frames=total_frames,
             max_frames_per_traj=max_frames_per_traj,
@@ -295,7 +310,7 @@ class MultiAsyncCollector(MultiCollectorBase):
             worker_backend=worker_backend,
             start_method=start_method,
             weight_sync=weight_sync,
-            max_policy_lag=max_policy_lag,
+            max_policy_lag=None if trajs else max_policy_lag,
             progress=progress,
             traj_id_start=traj_id_start,
             traj_id_stride=traj_id_stride,
@@ -304,6 +319,11 @@ class MultiAsyncCollector(MultiCollectorBase):
             weights=weights,
             backend=backend,
         )
+        self._episodes = Episodes.assembler_of(delivery)
+
+    def _budget_fits_batches(self) -> bool:
+        # trajs_per_batch: batches vary in frames, total_frames counts the delivered ones
+        return isinstance(self._delivery, Episodes) or super()._budget_fits_batches()
 
 
 class ProcessCollector(MultiCollectorBase):

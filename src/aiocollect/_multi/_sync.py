@@ -11,6 +11,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
+from .._episodes_args import trajs_per_batch_arg
 from .._mistakes import explicit_keywords, warn_user
 from .._options import RolloutOptions, WeightSchedule
 from .._transport._messages import Collect
@@ -18,6 +19,7 @@ from .._weightsync import WeightSync
 from .._workers._pool import WorkerPool
 from ._base import MultiCollectorBase
 from ._delivery import Delivery, episodes_of
+from ._episodes import Episodes
 
 __all__ = ["Gather", "MultiSyncCollector"]
 
@@ -191,6 +193,8 @@ class MultiSyncCollector(MultiCollectorBase):
         create_env_fns: one env constructor per worker.
         cat_results: ``"stack"`` (``[N, ..., T]``), ``0`` (cat along dim 0) or ``-1`` (cat along time).
         preemptive_threshold: fraction of workers to wait for, in ``(0, 1]``.
+        trajs_per_batch: instead of ``frames_per_batch``, batches of this many whole trajectories, in
+            the order they started (see :class:`Collector`); the workers collect chunks of frames.
         update_at_each_batch: publish the policy's weights before every batch.
         worker_backend: ``"process"`` (default) or ``"serial"`` (same workers as threads, for
             debugging). ``backend=`` is its deprecated spelling.
@@ -255,7 +259,20 @@ class MultiSyncCollector(MultiCollectorBase):
         rollout: RolloutOptions | None = None,
         weights: WeightSchedule | None = None,
         backend: str | None = None,
+        trajs_per_batch: int | None = None,
     ) -> None:
+        trajs = trajs_per_batch_arg(
+            "MultiSyncCollector",
+            trajs_per_batch,
+            frames_per_batch,
+            reset_at_each_iter=reset_at_each_iter,
+            set_truncated=set_truncated,
+            preemptive_threshold=preemptive_threshold,
+            cat_results=cat_results if cat_results == -1 else None,
+            max_policy_lag=max_policy_lag,
+        )
+        delivery = Episodes.over(Gather(preemptive_threshold, cat_results), trajs)
+        frames_per_batch = Episodes.frames(frames_per_batch, trajs, rollout, create_env_fns)
         if preemptive_threshold is not None and (
             isinstance(preemptive_threshold, bool)
             or not isinstance(preemptive_threshold, (int, float))
@@ -267,7 +284,7 @@ class MultiSyncCollector(MultiCollectorBase):
         super().__init__(
             create_env_fns,
             policy,
-            delivery=Gather(preemptive_threshold, cat_results),
+            delivery=delivery,
             frames_per_batch=frames_per_batch,
             total_frames=total_frames,
             max_frames_per_traj=max_frames_per_traj,
@@ -300,3 +317,8 @@ class MultiSyncCollector(MultiCollectorBase):
             weights=weights,
             backend=backend,
         )
+        self._episodes = Episodes.assembler_of(delivery)
+
+    def _budget_fits_batches(self) -> bool:
+        # trajs_per_batch: batches vary in frames, total_frames counts the delivered ones
+        return isinstance(self._delivery, Episodes) or super()._budget_fits_batches()

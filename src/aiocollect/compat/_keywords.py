@@ -37,12 +37,6 @@ REFUSED: dict[str, str] = {
     "weight_recv_schemes": "a collector is never a weight receiver in aiocollect; drop the keyword",
     "interruptor": "use MultiSyncCollector(preemptive_threshold=...) for preemption",
     "worker_idx": "worker indices are set by the multi-process collectors; drop the keyword",
-    "trajs_per_batch": (
-        "batches of whole trajectories are not implemented; use split_trajs=True or "
-        "aiocollect.split_trajectories on the batches"
-    ),
-    "trajs_per_write": "trajs_per_batch is not implemented, so neither is trajs_per_write",
-    "traj_format": "trajs_per_batch is not implemented, so neither is traj_format",
     "collector_class": (
         "workers always run aiocollect's rollout; drop collector_class (multi-level collectors are not "
         "implemented)"
@@ -117,6 +111,7 @@ def normalise(kwargs: dict[str, Any]) -> dict[str, Any]:
             kwargs[name] = None
     if kwargs.get("split_trajs", False) is None:
         kwargs["split_trajs"] = False
+    _trajectory_format(kwargs)
     if kwargs.get("compile_policy", False) is None:
         kwargs["compile_policy"] = False
     version = kwargs.get("track_policy_version", False)
@@ -126,6 +121,27 @@ def normalise(kwargs: dict[str, Any]) -> dict[str, Any]:
             f"itself); got {version!r}"
         )
     return kwargs
+
+
+def _trajectory_format(kwargs: dict[str, Any]) -> None:
+    """TorchRL's ``traj_format`` (``"padded"``: ``[N, T]`` with a mask, its default without a replay
+    buffer; ``"cat"``: flat over frames) as ``split_trajs``; ``trajs_per_write`` may only be ``None``."""
+    fmt = kwargs.pop("traj_format", None)
+    per_write = kwargs.pop("trajs_per_write", None)
+    if kwargs.get("trajs_per_batch") is None:
+        if fmt is not None or per_write is not None:
+            name = "traj_format" if fmt is not None else "trajs_per_write"
+            raise ValueError(f"{name}= needs trajs_per_batch=N (it says how trajectory batches are laid out)")
+        return
+    if fmt not in (None, "padded", "cat"):
+        raise ValueError(f"traj_format must be 'padded' or 'cat', got {fmt!r}")
+    if per_write is not None:
+        raise TypeError(
+            f"trajs_per_write={per_write!r} is not supported: each batch of trajs_per_batch trajectories is "
+            "one replay_buffer.extend; drop trajs_per_write (or set trajs_per_batch to it)"
+        )
+    if fmt == "padded" or (fmt is None and kwargs.get("replay_buffer") is None):
+        kwargs["split_trajs"] = True
 
 
 _ROLLOUT_FIELDS = frozenset(f.name for f in dataclasses.fields(RolloutOptions))

@@ -1,0 +1,95 @@
+"""The arguments of ``trajs_per_batch`` (whole trajectories per batch, see ``_episodes.py``), checked
+before any env is built or process started, and the frame chunk an episode collector steps at a time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._options import RolloutOptions
+
+__all__ = [
+    "CHUNK_FRAMES",
+    "async_chunk",
+    "chunk_frames",
+    "refuse_cuts",
+    "refuse_with_episodes",
+    "trajs_per_batch_arg",
+]
+
+
+def trajs_per_batch_arg(collector: str, value: Any, frames_per_batch: Any, **cuts: Any) -> int | None:
+    """``trajs_per_batch`` checked against ``frames_per_batch`` (one of the two sizes a batch) and
+    against the options that would cut trajectories (``cuts``, see :func:`refuse_with_episodes`).
+
+    Example:
+        >>> trajs_per_batch_arg("Collector", 4, None, reset_at_each_iter=False)
+        4
+        >>> trajs_per_batch_arg("Collector", 4, 200)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: Collector(trajs_per_batch=4) sizes a batch in trajectories; ...: give one of them, not both
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"trajs_per_batch must be a positive int (trajectories per batch), got {value!r}")
+    if value <= 0:
+        raise ValueError(f"trajs_per_batch must be a positive int (trajectories per batch), got {value!r}")
+    if frames_per_batch is not None:
+        raise TypeError(
+            f"{collector}(trajs_per_batch={value}) sizes a batch in trajectories; "
+            f"frames_per_batch={frames_per_batch!r} sizes it in frames: give one of them, not both"
+        )
+    refuse_with_episodes(collector, value, **cuts)
+    return value
+
+
+def refuse_with_episodes(collector: str, trajs_per_batch: int, **given: Any) -> None:
+    """Options that cut trajectories, refused with ``trajs_per_batch`` (each named with its fix)."""
+    fixes = {
+        "reset_at_each_iter": "episodes run to their end; drop reset_at_each_iter",
+        "set_truncated": "a trajectory ends at its own done; drop set_truncated (max_frames_per_traj "
+        "truncates long episodes)",
+        "preemptive_threshold": "preemption cuts trajectories; drop preemptive_threshold",
+        "max_policy_lag": "dropping stale frames would cut trajectories; drop max_policy_lag",
+        "cat_results": "batches of whole trajectories are flat over frames; drop cat_results",
+        "on_env_error": "a dropped env's episode would never end; use on_env_error='raise'",
+    }
+    for name, value in given.items():
+        if value not in (None, False):
+            call = f"{collector}(trajs_per_batch={trajs_per_batch})"
+            raise ValueError(f"{call} does not take {name}={value!r}: {fixes[name]}")
+
+
+#: frames per chunk an episode collector steps between looks at its trajectories (see chunk_frames)
+CHUNK_FRAMES = 256
+
+
+def chunk_frames(env_numel: int, per: int = CHUNK_FRAMES) -> int:
+    """The frame batch an episode collector collects at a time: about ``per`` frames, a whole number of
+    steps of every env slot (at least 4 steps), so that the per-batch hand-off stays small per frame."""
+    envs = max(env_numel, 1)
+    return envs * max(4, -(-per // envs))
+
+
+def async_chunk(frames_per_batch: Any, trajs_per_batch: int | None, envs: int) -> Any:
+    """The async-env collectors' ``frames_per_batch``: the user's, or with ``trajs_per_batch`` a chunk of
+    :data:`CHUNK_FRAMES` frames (4 per env at least, so that every env has steps in flight)."""
+    if trajs_per_batch is not None:
+        return max(CHUNK_FRAMES, 4 * envs)
+    if frames_per_batch is None:
+        raise TypeError(
+            "frames_per_batch is required (or trajs_per_batch=N for batches of whole trajectories)"
+        )
+    return frames_per_batch
+
+
+def refuse_cuts(collector: str, trajs_per_batch: int | None, options: RolloutOptions) -> None:
+    """:func:`refuse_with_episodes` on the rollout options that would cut trajectories."""
+    if trajs_per_batch is not None:
+        refuse_with_episodes(
+            collector,
+            trajs_per_batch,
+            reset_at_each_iter=options.reset_at_each_iter,
+            set_truncated=options.set_truncated,
+        )

@@ -1,0 +1,104 @@
+"""``trajs_per_batch`` for the multi-process collectors: :class:`Episodes`, a :class:`Delivering` over
+another (``Gather`` or ``FirstReady``) that feeds its frame batches to one
+:class:`~aiocollect._episodes.TrajectoryAssembler` and delivers whole trajectories instead."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from tensordict import TensorDictBase
+
+from .._episodes import TrajectoryAssembler
+from .._episodes_args import CHUNK_FRAMES
+from .._validation import lag_arg
+from ._delivery import Delivering, Delivery
+
+if TYPE_CHECKING:
+    from .._workers._pool import WorkerPool
+    from ._base import MultiCollectorBase
+
+__all__ = ["Episodes"]
+
+
+class Episodes:
+    """Deliver ``trajs_per_batch`` whole trajectories per batch, gathering frames with ``inner``.
+
+    The workers collect frame chunks of about :data:`CHUNK_FRAMES` frames each (``frames_per_batch`` is
+    theirs); a delivered batch counts the frames of its trajectories (``total_frames`` too). A flush
+    (``update_weights(flush=True)``) drops frames: the trajectories it tears are discarded, counted in
+    ``frames_discarded`` of the episode statistics.
+    """
+
+    def __init__(self, inner: Delivering, trajs_per_batch: int, lag: int | None = None) -> None:
+        self.inner = inner
+        self.lag = lag_arg(lag)  # an episode's oldest frame: at most this many versions old
+        self.sync = inner.sync
+        self.assembler = TrajectoryAssembler(trajs_per_batch)
+        self._floors: dict[int, int] = {}  # per worker, the staleness floor last seen (drop_stale)
+        self._version = 0
+
+    @staticmethod
+    def over(delivery: Delivering, trajs_per_batch: int | None, lag: int | None = None) -> Delivering:
+        """``delivery`` itself, or with ``trajs_per_batch`` an :class:`Episodes` over it."""
+        return delivery if trajs_per_batch is None else Episodes(delivery, trajs_per_batch, lag)
+
+    @staticmethod
+    def frames(frames_per_batch: Any, trajs_per_batch: int | None, rollout: Any, workers: Any = None) -> Any:
+        """The ``frames_per_batch`` the workers collect: the user's, or with ``trajs_per_batch`` (and no
+        ``rollout=`` saying it) chunks of :data:`CHUNK_FRAMES` per worker (``workers``: the sync
+        collector's env fns, whose total it splits)."""
+        if trajs_per_batch is None or rollout is not None:
+            return frames_per_batch
+        return CHUNK_FRAMES * (len(workers) if isinstance(workers, Sequence) else 1)
+
+    @staticmethod
+    def assembler_of(delivery: Delivering) -> TrajectoryAssembler | None:
+        return delivery.assembler if isinstance(delivery, Episodes) else None
+
+    def split_frames(self, frames_per_batch: int | Sequence[int], n: int) -> list[int]:
+        return self.inner.split_frames(frames_per_batch, n)
+
+    def slots_per_worker(self, fleet: MultiCollectorBase) -> int:
+        return self.inner.slots_per_worker(fleet)
+
+    def check_layouts(self, ready: list[Any]) -> None:
+        self.inner.check_layouts(ready)
+
+    async def started(self, fleet: MultiCollectorBase, pool: WorkerPool) -> None:
+        await self.inner.started(fleet, pool)
+
+    def floor_after(self, fleet: MultiCollectorBase, version: int, flush: bool) -> int | None:
+        return self.inner.floor_after(fleet, version, flush)
+
+    async def drop_stale(self, fleet: MultiCollectorBase, pool: WorkerPool) -> None:
+        """A flush raised the floors of some workers: their batches waiting are dropped and their
+        rollouts in flight restart, so the trajectories they have in flight are torn."""
+        for index, floor in enumerate(fleet._floors):
+            if floor != self._floors.get(index, 0):
+                self._floors[index] = floor
+                self.assembler.taint(index)
+        await self.inner.drop_stale(fleet, pool)
+
+    async def load_behind(self, fleet: MultiCollectorBase, pool: WorkerPool, raised: list[int]) -> None:
+        await self.inner.load_behind(fleet, pool, raised)
+
+    def frames_for_buffer(self, fleet: MultiCollectorBase, batch: TensorDictBase) -> TensorDictBase:
+        """Whole trajectories, flat over frames (or padded ``[N, T]`` with ``split_trajs``), as they are."""
+        return batch
+
+    def _ready(self, fleet: MultiCollectorBase) -> bool:
+        """Whether a batch is ready, once the episodes whose oldest frame is too old are discarded."""
+        if self.lag is not None:
+            self.assembler.drop_older(fleet._version - self.lag)
+        return self.assembler.ready()
+
+    async def next_batch(self, fleet: MultiCollectorBase, pool: WorkerPool) -> Delivery:
+        assembler = self.assembler
+        while not self._ready(fleet):
+            out = await self.inner.next_batch(fleet, pool)
+            assembler.push(out.batch, source=out.worker_id or 0, version=out.policy_version)
+            self._version = out.policy_version
+        popped = assembler.pop()
+        episodes = [(-1, r, n) for r, n in zip(popped.returns, popped.lengths, strict=True)]
+        return Delivery(popped.batch, len(popped.batch), [episodes], None, self._version)
