@@ -18,7 +18,6 @@ from typing import Any
 import anyio
 import anyio.abc
 import anyio.to_thread
-import cloudpickle
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from tensordict import TensorDictBase
 
@@ -131,7 +130,8 @@ class RayActors:
             warn_user(
                 "ray is initialised already: ray_init_config is ignored (this collector uses that cluster)"
             )
-        self.actors = await anyio.to_thread.run_sync(self._create_actors)
+        policy_blob = await self.fleet._pickled_policy("the Ray actors")
+        self.actors = await anyio.to_thread.run_sync(self._create_actors, policy_blob)
         # the actors' processes start (or wait for the resources they ask for: Ray queues them)
         where = [a.handle.where.remote() for a in self.actors]
 
@@ -147,7 +147,6 @@ class RayActors:
         with anyio.move_on_after(_PENDING_WARNING_S):
             infos = await placed()
         if infos is None:
-            ray = self._ray
             warn_user(
                 f"RayCollector: the actors have not started after {_PENDING_WARNING_S:.0f} s; Ray may lack "
                 f"the resources they ask for (remote_config={self.plan.remote_configs[0]}, available now: "
@@ -360,14 +359,10 @@ class RayActors:
             ]
         )
 
-    def _create_actors(self) -> list[Actor]:
-        """In a worker thread: pickle the policy, put it and the arguments in the object store, create
-        the actors."""
+    def _create_actors(self, policy_blob: bytes) -> list[Actor]:
+        """In a worker thread: put the pickled policy and the arguments in the object store, create the
+        actors."""
         ray = self._ray
-        try:
-            policy_blob = cloudpickle.dumps(self.fleet._source_policy)
-        except Exception as exc:
-            raise TypeError(f"the policy cannot be pickled for the Ray actors: {exc}") from exc
         policy_ref = ray.put(policy_blob)
         cls = actor_class()
         actors = []
