@@ -304,7 +304,7 @@ async def test_submitit_local_executor_jobs(tmp_path):
             assert len(pickles) == 2
             assert {stat.S_IMODE(p.stat().st_mode) for p in pickles} == {0o600}
             assert {stat.S_IMODE(p.parent.stat().st_mode) for p in pickles} == {0o700}
-            jobs = [n.process for n in c._nodes]
+            jobs = [n.process for n in c._nodes.nodes]
             job_pids = {j.pid for j in jobs}
             pids = _ours(job_pids)
             batches = await _check_weights_and_budget(c, policy, sync=False, nodes=2, fpb=32, total=192)

@@ -34,7 +34,7 @@ from aiocollect import (
     WorkerTimeoutError,
     _distributed_weights,
 )
-from aiocollect._remote import _launchers, _trainer
+from aiocollect._remote import _launchers, _nodes
 from aiocollect._remote._processes import ExternalNode
 from aiocollect._transport._store import StoreServer
 from aiocollect._transport._wire import encode
@@ -309,7 +309,7 @@ async def test_a_local_client_without_the_token_cannot_disturb_the_rendezvous(
             super().__init__(host, port)
             results.append(_rogue(self.address.port, held))
 
-    for module in (_trainer, _distributed_weights):  # the collectors' store, the weights' store
+    for module in (_nodes, _distributed_weights):  # the collectors' store, the weights' store
         monkeypatch.setattr(module, "StoreServer", Attacked)
     cls, _ = ENGINES[engine]
     try:

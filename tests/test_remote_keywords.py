@@ -30,11 +30,16 @@ def make(cls, policy=None, **kwargs):
     return cls(pendulum, policy, frames_per_batch=8, num_collectors=2, **kwargs)
 
 
+def schedule(c):
+    """The weight plan the collector's transport follows."""
+    return c._transport.plan.weights
+
+
 @pytest.mark.parametrize("cls", ENGINES)
 def test_update_after_each_batch_is_a_deprecated_alias(cls):
     with pytest.warns(DeprecationWarning, match="use update_at_each_batch"):
         c = make(cls, ConstantPolicy(), update_after_each_batch=True)
-    assert c._update_at_each_batch if cls is RayCollector else c._after_each
+    assert schedule(c).at_each_batch
     with pytest.raises(TypeError, match="not both"):
         make(cls, ConstantPolicy(), update_at_each_batch=True, update_after_each_batch=True)
 
@@ -44,11 +49,11 @@ def test_update_after_each_batch_is_a_deprecated_alias(cls):
 def test_interval_zero_and_minus_one_mean_none(cls, old):
     with pytest.warns(DeprecationWarning, match="max_weight_update_interval=None"):
         c = make(cls, ConstantPolicy(), max_weight_update_interval=old)
-    assert c._interval == 0
+    assert schedule(c).interval is None
     with pytest.raises(ValueError, match="max_weight_update_interval"):
         make(cls, ConstantPolicy(), max_weight_update_interval=-2)
-    assert make(cls, ConstantPolicy(), max_weight_update_interval=None)._interval == 0
-    assert make(cls, ConstantPolicy(), max_weight_update_interval=3)._interval == 3
+    assert schedule(make(cls, ConstantPolicy(), max_weight_update_interval=None)).interval is None
+    assert schedule(make(cls, ConstantPolicy(), max_weight_update_interval=3)).interval == 3
 
 
 @pytest.mark.parametrize("cls", ENGINES)
@@ -78,6 +83,6 @@ def test_collector_kwargs_are_checked_on_the_trainer(cls):
 @pytest.mark.parametrize("cls", ENGINES)
 def test_a_weight_schedule_object_is_accepted(cls):
     c = make(cls, ConstantPolicy(), weights=WeightSchedule(max_weight_update_interval=2))
-    assert c._interval == 2
+    assert schedule(c).interval == 2
     with pytest.raises(TypeError, match="both given"):
         make(cls, ConstantPolicy(), weights=WeightSchedule(), max_weight_update_interval=2)

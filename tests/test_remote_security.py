@@ -228,7 +228,7 @@ async def test_a_connection_reset_on_the_control_listener_ends_that_connection_o
             pendulum, ConstantPolicy(0.0), frames_per_batch=8, num_collectors=1
         ) as collector:
             await collector.__anext__()
-            port = collector._address.port
+            port = collector._transport._address.port
             for data in (b"", b"x", b"\xff" * 100):
                 _reset(port, data)
             async with await anyio.connect_tcp("127.0.0.1", port) as garbage:

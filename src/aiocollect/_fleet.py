@@ -1,19 +1,20 @@
-"""What the collectors that drive several members share, whatever carries their batches: worker processes
+"""The one collector over several members, whatever carries their batches: worker processes
 (``MultiSyncCollector``, ``MultiAsyncCollector``), torch.distributed or RPC nodes (``DistributedCollector``,
-``RPCCollector``) and Ray actors (``RayCollector``).
+``DistributedSyncCollector``, ``RPCCollector``) and Ray actors (``RayCollector``).
 
-One copy of the control surface: policy versions, per-member statistics, the seed chain, the frame and
-version counters of ``state_dict``, and the checks of ``update_weights``' arguments. A subclass says how
-to list its members and how to call one (:meth:`FleetCollector._members`,
-:meth:`FleetCollector._call_member`, which takes a typed operation of :data:`FleetOp`); the transport is
-its own.
+One copy of the collector surface: iteration, ``update_weights`` (lock, versions, staleness floors,
+events, ``wait``), ``state_dict``, the seed chain, per-member statistics, and the trajectory renames
+after a dropped batch. What differs per family is a :class:`Transport` the collector holds (the nodes of
+``_remote/_nodes.py``, the actors of ``_remote/_ray_fleet.py``): start the members, the next delivery,
+publish weights, load them now, call a typed operation (:data:`FleetOp`) on a member, stop. The trainer
+side mirror of ``NodeCore``. (The worker pool's collectors, ``MultiCollectorBase``, still override the
+iteration and the weights; see ``docs/architecture.md``.)
 """
 
 from __future__ import annotations
 
-import abc
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, ClassVar, Protocol
 
@@ -22,17 +23,19 @@ import anyio.to_thread
 import cloudpickle
 from tensordict import TensorDictBase
 
+from ._events import WeightsPublished
 from ._gather import gather
 from ._local._base import CollectorBase
 from ._mistakes import warn_user
 from ._stats import CollectorStatistics, WorkerState, WorkerStatistics
-from ._transport._messages import FleetOp, Reset, SetSeed
-from ._validation import seed_arg
+from ._transport._messages import FleetOp, GetState, LoadState, Reset, SetSeed
+from ._validation import flag, seed_arg
 from ._weights import as_weights, check_compatible
 
 
 class Member(Protocol):
-    """The collector's view of one worker, node or actor (read-only here)."""
+    """The collector's view of one worker, node or actor (its version is restored by
+    ``load_state_dict``)."""
 
     @property
     def index(self) -> int: ...
@@ -40,12 +43,66 @@ class Member(Protocol):
     def state(self) -> str: ...  # a WorkerState (a str enum)
     @property
     def frames(self) -> int: ...
+
+    policy_version: int
+
+
+@dataclass
+class Arrival:
+    """A batch a transport delivered: its frames, its finished episodes ``(member, return, length)``,
+    the member it came from (``None``: one from each, stacked) and the oldest policy version in it."""
+
+    batch: TensorDictBase
+    frames: int
+    episodes: list[tuple[int, float, int]]
+    member: int | None
+    policy_version: int
+
+
+class Transport(Protocol):
+    """How a :class:`FleetCollector` reaches its members (nodes, actors). Built by the public class with
+    the collector it serves; the collector calls it, and it tells the collector of deliveries
+    (:meth:`FleetCollector._stale`), weight loads and failures through the collector's events."""
+
+    #: ``state_dict``'s key of member ``i``: ``f"{state_prefix}{i}"``
+    state_prefix: str
+    #: members' states carry their version map, and the policy apart (``GetState(versioned=True)``)
+    versioned: bool
+
     @property
-    def policy_version(self) -> int: ...
+    def started(self) -> bool:
+        """Whether the members run (``async with`` entered)."""
+
+    def members(self) -> Sequence[Member]:
+        """The members (their states before start-up, as they were after shutdown)."""
+
+    async def start(self) -> list[int]:
+        """Start every member; each one's ``frames_per_batch``. Raises if one fails to start."""
+
+    async def run(self) -> None:
+        """Once the members are seeded: start collecting (ask for the first batches)."""
+
+    async def next_delivery(self) -> Arrival:
+        """The next batch (one member's, or one of each stacked), never one below its member's floor."""
+
+    async def publish(self, weights: TensorDictBase, version: int, ids: list[int]) -> Any:
+        """Send ``weights`` as ``version`` to members ``ids``, loaded before their next batch; what
+        :meth:`load_now` needs of this publication (Ray: the weights' object ref)."""
+
+    async def load_now(self, ids: list[int], version: int, published: Any) -> None:
+        """Return once members ``ids`` run ``version`` (``published``: what :meth:`publish` returned)."""
+
+    async def call_each(self, ops: Sequence[tuple[int, FleetOp]]) -> list[Any]:
+        """Run each ``(member, op)`` concurrently; the replies in order (a remote exception is raised with
+        its own type)."""
+
+    async def stop(self) -> None:
+        """Stop and reap every member. Idempotent."""
 
 
 class FleetCollector(CollectorBase):
-    """A collector over ``_fleet_size`` members, addressed by index ``0 .. _fleet_size - 1``."""
+    """A collector over ``_fleet_size`` members, addressed by index ``0 .. _fleet_size - 1``, reached
+    through a :class:`Transport` (``_init_fleet``)."""
 
     #: what a member is called in error messages ("worker", "node", "actor")
     _member_noun: ClassVar[str] = "worker"
@@ -56,29 +113,168 @@ class FleetCollector(CollectorBase):
     _seed: int | None
     #: the members' statistics as they were when the collector closed (for statistics() afterwards)
     _last_workers: tuple[WorkerStatistics, ...] = ()
+    _transport: Transport
+    _size: int
+    #: frames delivered to the consumer were too stale (``update_weights(flush=True)``) and dropped
+    _dropped_frames: int = 0
+
+    def _init_fleet(
+        self,
+        transport: Transport,
+        *,
+        size: int,
+        sync: bool,
+        total_frames: int,
+        frames_per_batch: int,
+        policy: Any,
+        weights_template: TensorDictBase | None,
+        seed: int | None,
+        replay_buffer: Any = None,
+        progress: Any = None,
+    ) -> None:
+        """What every transport's collector sets up: counters, versions, floors, the transport."""
+        from ._multi._renames import DroppedBatchRenames  # (_multi imports this module)
+
+        self._transport, self._size, self._sync = transport, size, sync
+        self.total_frames, self.frames_per_batch = total_frames, frames_per_batch
+        self._source_policy, self._weights_template, self._seed = policy, weights_template, seed
+        self.replay_buffer = replay_buffer
+        self._init_base(progress)
+        self._version = 0
+        self._weights_lock = anyio.Lock()
+        self._entered = self._progress_closed = False
+        #: per member, the oldest version a delivered batch may have (update_weights(flush=True))
+        self._floors = [0] * size
+        #: trajectories that go on after a dropped batch take fresh ids (no delivered id spans a gap)
+        self._renames = DroppedBatchRenames()
 
     @property
-    @abc.abstractmethod
     def _fleet_size(self) -> int:
         """The number of members."""
+        return self._size
 
-    @abc.abstractmethod
     def _members(self) -> Sequence[Member]:
-        """The members while the collector holds them; empty before it is entered or after it closed
-        (if it lets them go)."""
+        """The members while the collector holds them."""
+        return self._transport.members()
 
-    @abc.abstractmethod
     def _active(self) -> None:
         """Raise unless the collector is open and entered (``async with``)."""
+        self._check_open()
+        if self._task_group is None or not self._transport.started:
+            name = type(self).__name__
+            raise RuntimeError(
+                f"{name} starts its {self._member_noun}s in `async with`: write "
+                f"`async with {name}(...) as collector: async for batch in collector:`"
+            )
 
-    @abc.abstractmethod
     async def _call_member(self, index: int, op: FleetOp) -> Any:
         """Run ``op`` on member ``index`` (its worker or hosted collector) and return its reply; a remote
         exception is raised with its own type."""
+        return (await self._transport.call_each([(index, op)]))[0]
 
     async def _call_all(self, op: FleetOp) -> list[Any]:
         """Run ``op`` on every member concurrently; the replies in member order."""
         return await gather(*[partial(self._call_member, i, op) for i in range(self._fleet_size)])
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def _on_enter(self) -> None:
+        if self._entered:
+            raise RuntimeError(f"the collector was entered already: a {type(self).__name__} is entered once")
+        self._entered = True
+        fpbs = await self._transport.start()
+        if self._sync:
+            self.frames_per_batch = sum(fpbs)
+        elif len(set(fpbs)) == 1:
+            self.frames_per_batch = fpbs[0]
+        await self._members_started()
+        await self._transport.run()
+
+    async def aclose(self) -> None:
+        """Stop every member (each closes its collector and reaps its processes), then reap the members.
+        Idempotent; ``async with`` does it."""
+        with anyio.CancelScope(shield=True):
+            if self._background is not None:
+                self._background.cancel()
+            self._closed = True
+            await self._transport.stop()
+            self._hub.close()
+            if not self._progress_closed:
+                self._progress_closed = True
+                self._finish_progress()
+
+    # -- iteration --------------------------------------------------------------------------------
+    async def __anext__(self) -> TensorDictBase | None:
+        await self._batch_turn()
+        try:
+            out = await self._transport.next_delivery()
+            self._record(out.frames, out.episodes, worker_id=out.member, policy_version=out.policy_version)
+            if self.replay_buffer is not None:
+                await anyio.to_thread.run_sync(self.replay_buffer.extend, out.batch)
+                return None
+            return out.batch
+        finally:
+            self._lock.release()
+
+    def _stale(self, index: int, policy_version: int, frames: int) -> bool:
+        """Whether a batch of member ``index`` was collected below its floor (before an
+        ``update_weights(flush=True)`` reached it): then it is counted as discarded and must be dropped."""
+        if policy_version >= self._floors[index]:
+            return False
+        self._dropped_frames += frames
+        self._renames.dropped(index)
+        return True
+
+    def _delivered(self, index: int, batch: TensorDictBase) -> None:
+        """Member ``index``'s ``batch`` goes to the consumer: its trajectories renamed past any drop."""
+        self._renames.delivered(index, batch)
+
+    # -- weights ----------------------------------------------------------------------------------
+    async def update_weights(
+        self,
+        policy_or_weights: Any = None,
+        *,
+        worker_ids: Sequence[int] | None = None,
+        wait: bool = False,
+        flush: bool = False,
+    ) -> int:
+        """Send weights to the members and return the new policy version.
+
+        A member loads them into its collector before its next batch (never mid-batch); ``wait=True``
+        returns once every targeted member runs them. Concurrent calls are serialised (versions strictly
+        increase). ``flush=True`` (``sync=False``): a batch a targeted member collected with older
+        weights is dropped when it arrives (counted in ``statistics().frames_discarded``) and the member
+        asked for another, so every batch delivered afterwards runs the new weights. Rollouts in flight
+        finish before they are dropped (they are not preempted, as in ``MultiAsyncCollector``).
+
+        Args:
+            policy_or_weights: an ``nn.Module``, a TensorDict of weights or a state dict; ``None``: the
+                policy the collector was built with (its current weights).
+            worker_ids: the members to update (indices ``0 .. num_collectors - 1``; default: all).
+            wait: also wait until those members run the new weights.
+            flush: deliver nothing collected with older weights from now on.
+
+        Example:
+            >>> async def train(collector, policy):  # doctest: +SKIP
+            ...     async for batch in collector:
+            ...         ppo_update(policy, batch)
+            ...         await collector.update_weights(policy, flush=True)  # the next batch is on-policy
+        """
+        self._active()
+        weights = self._weights_to_publish(policy_or_weights)
+        flag("wait", wait)
+        flag("flush", flush)
+        ids = self._target_ids(worker_ids)
+        async with self._weights_lock:
+            version = self._version + 1
+            published = await self._transport.publish(weights, version, ids)
+            self._version = version
+            if flush:
+                for i in ids:
+                    self._floors[i] = version
+            self._hub.publish(WeightsPublished(version))
+        if wait:
+            await self._transport.load_now(ids, version, published)
+        return version
 
     # -- arguments ------------------------------------------------------------------------------------
     def _target_ids(self, worker_ids: Sequence[int] | None) -> list[int]:
@@ -137,9 +333,9 @@ class FleetCollector(CollectorBase):
         return replace(snapshot, frames_discarded=discarded) if discarded else snapshot
 
     def _frames_discarded(self) -> int:
-        """Frames collected and never delivered because newer weights overtook them (0 unless a subclass
-        flushes: ``update_weights(flush=True)``)."""
-        return 0
+        """Frames collected and never delivered because newer weights overtook them
+        (``update_weights(flush=True)``)."""
+        return self._dropped_frames
 
     # -- start-up -------------------------------------------------------------------------------------
     async def _pickled_policy(self, for_whom: str) -> bytes:
@@ -194,6 +390,41 @@ class FleetCollector(CollectorBase):
             await self._call_all(Reset())
 
     # -- state dict -----------------------------------------------------------------------------------
+    async def state_dict(self) -> dict[str, Any]:
+        """Each member's collector state (trajectory-id counters, versions) plus the counters (and, for
+        Ray actors, the policy's weights from actor 0)."""
+        self._active()
+        versioned, prefix = self._transport.versioned, self._transport.state_prefix
+        async with self._lock:
+            states = await self._call_all(GetState(versioned=versioned))
+        if not versioned:
+            out: dict[str, Any] = {f"{prefix}{i}": s for i, s in enumerate(states)}
+            out.update(self._counters())
+            return out
+        out = {f"{prefix}{i}": {k: v for k, v in s.items() if k != "policy"} for i, s in enumerate(states)}
+        out.update(self._counters())
+        if states and states[0]["policy"] is not None:
+            out["policy"] = states[0]["policy"]
+        return out
+
+    async def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (same number of members); the frame budget continues
+        from the saved count (and saved weights are loaded into every member)."""
+        versioned, prefix = self._transport.versioned, self._transport.state_prefix
+        self._check_state(state, prefix)
+        self._active()
+        async with self._lock:
+            ops = [
+                (i, LoadState(dict(state[f"{prefix}{i}"]), versioned=versioned)) for i in range(self._size)
+            ]
+            await self._transport.call_each(ops)
+            self._load_counters(state)
+            if versioned:
+                for member in self._transport.members():
+                    member.policy_version = int(state[f"{prefix}{member.index}"].get("version", 0))
+        if "policy" in state and self._weights_template is not None:
+            await self.update_weights(state["policy"], wait=True)
+
     def _counters(self) -> dict[str, int]:
         """The collector's own part of ``state_dict``."""
         return {
@@ -215,4 +446,4 @@ class FleetCollector(CollectorBase):
         self._version = max(self._version, int(state.get("policy_version", 0)))
 
 
-__all__ = ["FleetCollector", "Member"]
+__all__ = ["Arrival", "FleetCollector", "Member", "Transport"]

@@ -34,6 +34,7 @@ from tensordict import TensorDict, TensorDictBase
 from .._daemon import run_abandonable
 from .._distributed_weights import DistributedWeightSync
 from .._errors import RemoteFailure
+from .._fleet import FleetCollector
 from .._gather import gather
 from .._local._collector import Collector
 from .._mistakes import explicit_keywords
@@ -47,8 +48,8 @@ from .._weights import module_weights
 from ._args import UNSET
 from ._messages import BatchNotice, CallFailed, Close, Collect, Loaded, NodeBatch, NodeReady, Request, Setup
 from ._node import NodeCore
-from ._nodes import DEFAULT_PROGRESS_TIMEOUT, RemoteNode
-from ._trainer import RemoteCollectorBase
+from ._nodes import DEFAULT_PROGRESS_TIMEOUT, Nodes, RemoteNode
+from ._trainer import NodeCollectorMixin, NodePlan, init_nodes, node_plan
 
 _TIMEOUT = 120.0  # seconds: rendezvous and transfers of the data group
 
@@ -165,117 +166,15 @@ async def run_node(chan: AsyncChannel, setup: Setup, where: str) -> None:
             store.close()
 
 
-class DistributedCollector(RemoteCollectorBase):
-    """Collect on many processes or machines with ``torch.distributed``; the trainer is rank 0.
-
-    Each node (rank ``i + 1``) runs one of our collectors (``collector_class``) and sends its batches to
-    the trainer over a private process group (point-to-point ``send``/``recv`` of one flat buffer per
-    batch, awaited in a thread); weights go through :class:`~aiocollect.DistributedWeightSync`. The
-    trainer's own default process group (DDP) is never touched.
-
-    ``sync=False`` (default): each batch is one node's (``frames_per_batch`` frames, with
-    ``("collector", "node_id")``), first come first served; a node collects its next batch while the
-    trainer trains. ``sync=True``: each batch stacks one batch per node (``[num_collectors, ...]``,
-    ``frames_per_batch`` in total).
-
-    Args:
-        create_env_fn: an env constructor for every node, or a list of them (one per node).
-        policy: as for :class:`Collector`; it is pickled to every node.
-        frames_per_batch: frames per delivered batch.
-        total_frames: the budget; ``-1`` for endless.
-        backend: ``"gloo"`` (CPU; tested), ``"nccl"`` (one GPU per rank; not tested here), ``"ucc"`` (if
-            this torch has it). ``"mpi"`` raises: MPI ranks must all be started by ``mpirun``.
-        launcher: ``"mp"`` (processes on this machine), ``"submitit"`` (one job per node; see
-            ``slurm_kwargs``) or ``"submitit_delayed"`` (inside :func:`submitit_delayed_launcher`).
-        sync: see above.
-        num_collectors: the number of nodes (default: ``len(create_env_fn)`` for a list).
-        collector_class: :class:`Collector`, :class:`MultiSyncCollector` or :class:`MultiAsyncCollector`.
-        collector_kwargs: keyword arguments for every node's collector, or a list (one dict per node).
-            ``seed`` seeds node ``i`` after node ``i - 1`` (as :meth:`set_seed`).
-        num_workers_per_collector: worker processes per node (Multi collector classes).
-        slurm_kwargs: for ``"submitit"``: ``executor.update_parameters(...)`` arguments, plus ``folder``
-            (submitit's, shared by the machines) and ``cluster`` (``None``: Slurm if available, or
-            ``"local"``); for ``"submitit_delayed"``: optionally ``rendezvous`` (the file).
-        progress_timeout: seconds a node may take to deliver one batch (default 600: generous, so that
-            a hung env or policy is noticed without any setting); then the collector fails with
-            ``WorkerTimeoutError`` naming the node. ``None``: no limit. (``collector_kwargs=
-            {"worker_timeout": ...}`` also limits each worker inside the nodes.)
-        tcp_port: the trainer's control port (default: a free one). Nodes connect to it; the data and
-            weight groups use free ports of their own.
-        trainer_address: the address the trainer's ports (control, data and weights stores, gloo) bind
-            to and the nodes connect to. Default: ``127.0.0.1`` for nodes on this machine (``"mp"``,
-            submitit's ``cluster="local"``); for jobs on other machines, this machine's address on its
-            outgoing route (the interface of the default route): give the cluster network's address
-            here when that is not it. Nothing listens on a wildcard address.
-        update_at_each_batch: the node that delivered (``sync=False``) or every node (``sync=True``)
-            gets the current weights before its next batch (``update_after_each_batch``: the deprecated
-            spelling).
-        max_weight_update_interval: a node that produced this many batches without a weight update gets
-            one before its next batch (``None``: off; ``0`` and ``-1`` are deprecated spellings of it).
-        weights: a :class:`~aiocollect.WeightSchedule` instead of the two keywords above.
-        progress: as for :class:`Collector`.
-
-    Example:
-        >>> import anyio
-        >>> from aiocollect import DistributedCollector, GymEnv
-        >>> async def main():  # doctest: +SKIP
-        ...     async with DistributedCollector(lambda: GymEnv("CartPole-v1"), frames_per_batch=64,
-        ...                                     total_frames=256, num_collectors=2) as c:
-        ...         async for batch in c:
-        ...             print(batch.batch_size)
-    """
+class GlooNodes(Nodes):
+    """Nodes whose batches travel over a private ``torch.distributed`` process group (``backend``)."""
 
     _engine = "_gloo"
     _engine_name = "torch.distributed"
 
-    @explicit_keywords
-    def __init__(
-        self,
-        create_env_fn: Any,
-        policy: Any = None,
-        *,
-        backend: str = "gloo",
-        frames_per_batch: int,
-        total_frames: int | None = -1,
-        sync: bool = False,
-        num_collectors: int | None = None,
-        collector_class: type = Collector,
-        collector_kwargs: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
-        num_workers_per_collector: int = 1,
-        launcher: Any = "mp",
-        slurm_kwargs: Mapping[str, Any] | None = None,
-        tcp_port: int | None = None,
-        trainer_address: str | None = None,
-        progress_timeout: float | None = DEFAULT_PROGRESS_TIMEOUT,
-        update_at_each_batch: bool = False,
-        max_weight_update_interval: int | None = None,
-        progress: Any = None,
-        update_after_each_batch: Any = UNSET,
-        weights: WeightSchedule | None = None,
-    ) -> None:
-        check_backend(backend)
+    def __init__(self, fleet: FleetCollector, plan: NodePlan, backend: str) -> None:
+        super().__init__(fleet, plan)
         self.backend = backend
-        super().__init__(
-            create_env_fn,
-            policy,
-            frames_per_batch=frames_per_batch,
-            total_frames=total_frames,
-            sync=sync,
-            num_collectors=num_collectors,
-            collector_class=collector_class,
-            collector_kwargs=collector_kwargs,
-            num_workers_per_collector=num_workers_per_collector,
-            launcher=launcher,
-            slurm_kwargs=slurm_kwargs,
-            tcp_port=tcp_port,
-            trainer_address=trainer_address,
-            progress_timeout=progress_timeout,
-            update_at_each_batch=update_at_each_batch,
-            max_weight_update_interval=max_weight_update_interval,
-            progress=progress,
-            update_after_each_batch=update_after_each_batch,
-            weights=weights,
-        )
         self._group: Any = None
         self._sender: Any = None
         self._receivers: list[Any] = []
@@ -286,7 +185,7 @@ class DistributedCollector(RemoteCollectorBase):
         self._host = host
 
         await self._open_store(host, _TIMEOUT)
-        if self._weights_template is not None:
+        if self.plan.weights.template is not None:
             scheme = DistributedWeightSync(
                 backend="nccl" if self.backend == "nccl" else "gloo",
                 init_method=f"tcp://{host}:0",
@@ -294,7 +193,7 @@ class DistributedCollector(RemoteCollectorBase):
                 interface=interface_from_env(),
             )
             self._sender = await anyio.to_thread.run_sync(
-                scheme.open_sender, self._weights_template.clone(), self.num_collectors, self._send_to
+                scheme.open_sender, self.plan.weights.template.clone(), self.num_nodes, self._send_to
             )
             self._receivers = self._sender.receivers()
 
@@ -307,15 +206,13 @@ class DistributedCollector(RemoteCollectorBase):
         }
 
     async def _send_to(self, index: int, message: Any) -> None:
-        channel = self._nodes[index].channel
+        channel = self.nodes[index].channel
         assert channel is not None
         await channel.send(message)
 
     async def _connect_transport(self) -> None:
         def build() -> None:
-            self._group = _data_group(
-                self.backend, self._store, 0, self.num_collectors + 1, self._host, _TIMEOUT
-            )
+            self._group = _data_group(self.backend, self._store, 0, self.num_nodes + 1, self._host, _TIMEOUT)
 
         # abandoned if a node fails meanwhile: a daemon thread, which cannot hold the process's exit
         fns: list[Callable[[], Any]] = [partial(run_abandonable, build)]
@@ -383,7 +280,120 @@ class DistributedCollector(RemoteCollectorBase):
         self._close_store()
 
 
-class DistributedSyncCollector(DistributedCollector):
+class DistributedCollector(NodeCollectorMixin, FleetCollector):
+    """Collect on many processes or machines with ``torch.distributed``; the trainer is rank 0.
+
+    Each node (rank ``i + 1``) runs one of our collectors (``collector_class``) and sends its batches to
+    the trainer over a private process group (point-to-point ``send``/``recv`` of one flat buffer per
+    batch, awaited in a thread); weights go through :class:`~aiocollect.DistributedWeightSync`. The
+    trainer's own default process group (DDP) is never touched.
+
+    ``sync=False`` (default): each batch is one node's (``frames_per_batch`` frames, with
+    ``("collector", "node_id")``), first come first served; a node collects its next batch while the
+    trainer trains. ``sync=True``: each batch stacks one batch per node (``[num_collectors, ...]``,
+    ``frames_per_batch`` in total).
+
+    Args:
+        create_env_fn: an env constructor for every node, or a list of them (one per node).
+        policy: as for :class:`Collector`; it is pickled to every node.
+        frames_per_batch: frames per delivered batch.
+        total_frames: the budget; ``-1`` for endless.
+        backend: ``"gloo"`` (CPU; tested), ``"nccl"`` (one GPU per rank; not tested here), ``"ucc"`` (if
+            this torch has it). ``"mpi"`` raises: MPI ranks must all be started by ``mpirun``.
+        launcher: ``"mp"`` (processes on this machine), ``"submitit"`` (one job per node; see
+            ``slurm_kwargs``) or ``"submitit_delayed"`` (inside :func:`submitit_delayed_launcher`).
+        sync: see above.
+        num_collectors: the number of nodes (default: ``len(create_env_fn)`` for a list).
+        collector_class: :class:`Collector`, :class:`MultiSyncCollector` or :class:`MultiAsyncCollector`.
+        collector_kwargs: keyword arguments for every node's collector, or a list (one dict per node).
+            ``seed`` seeds node ``i`` after node ``i - 1`` (as :meth:`set_seed`).
+        num_workers_per_collector: worker processes per node (Multi collector classes).
+        slurm_kwargs: for ``"submitit"``: ``executor.update_parameters(...)`` arguments, plus ``folder``
+            (submitit's, shared by the machines) and ``cluster`` (``None``: Slurm if available, or
+            ``"local"``); for ``"submitit_delayed"``: optionally ``rendezvous`` (the file).
+        progress_timeout: seconds a node may take to deliver one batch (default 600: generous, so that
+            a hung env or policy is noticed without any setting); then the collector fails with
+            ``WorkerTimeoutError`` naming the node. ``None``: no limit. (``collector_kwargs=
+            {"worker_timeout": ...}`` also limits each worker inside the nodes.)
+        tcp_port: the trainer's control port (default: a free one). Nodes connect to it; the data and
+            weight groups use free ports of their own.
+        trainer_address: the address the trainer's ports (control, data and weights stores, gloo) bind
+            to and the nodes connect to. Default: ``127.0.0.1`` for nodes on this machine (``"mp"``,
+            submitit's ``cluster="local"``); for jobs on other machines, this machine's address on its
+            outgoing route (the interface of the default route): give the cluster network's address
+            here when that is not it. Nothing listens on a wildcard address.
+        update_at_each_batch: the node that delivered (``sync=False``) or every node (``sync=True``)
+            gets the current weights before its next batch (``update_after_each_batch``: the deprecated
+            spelling).
+        max_weight_update_interval: a node that produced this many batches without a weight update gets
+            one before its next batch (``None``: off; ``0`` and ``-1`` are deprecated spellings of it).
+        weights: a :class:`~aiocollect.WeightSchedule` instead of the two keywords above.
+        progress: as for :class:`Collector`.
+
+    Example:
+        >>> import anyio
+        >>> from aiocollect import DistributedCollector, GymEnv
+        >>> async def main():  # doctest: +SKIP
+        ...     async with DistributedCollector(lambda: GymEnv("CartPole-v1"), frames_per_batch=64,
+        ...                                     total_frames=256, num_collectors=2) as c:
+        ...         async for batch in c:
+        ...             print(batch.batch_size)
+    """
+
+    _member_noun = "node"
+
+    @explicit_keywords
+    def __init__(
+        self,
+        create_env_fn: Any,
+        policy: Any = None,
+        *,
+        backend: str = "gloo",
+        frames_per_batch: int,
+        total_frames: int | None = -1,
+        sync: bool = False,
+        num_collectors: int | None = None,
+        collector_class: type = Collector,
+        collector_kwargs: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+        num_workers_per_collector: int = 1,
+        launcher: Any = "mp",
+        slurm_kwargs: Mapping[str, Any] | None = None,
+        tcp_port: int | None = None,
+        trainer_address: str | None = None,
+        progress_timeout: float | None = DEFAULT_PROGRESS_TIMEOUT,
+        update_at_each_batch: bool = False,
+        max_weight_update_interval: int | None = None,
+        progress: Any = None,
+        update_after_each_batch: Any = UNSET,
+        weights: WeightSchedule | None = None,
+    ) -> None:
+        check_backend(backend)
+        self.backend = backend
+        plan = node_plan(
+            create_env_fn,
+            policy,
+            frames_per_batch=frames_per_batch,
+            total_frames=total_frames,
+            sync=sync,
+            num_collectors=num_collectors,
+            collector_class=collector_class,
+            collector_kwargs=collector_kwargs,
+            num_workers_per_collector=num_workers_per_collector,
+            launcher=launcher,
+            slurm_kwargs=slurm_kwargs,
+            tcp_port=tcp_port,
+            trainer_address=trainer_address,
+            progress_timeout=progress_timeout,
+            update_at_each_batch=update_at_each_batch,
+            max_weight_update_interval=max_weight_update_interval,
+            update_after_each_batch=update_after_each_batch,
+            weights=weights,
+            owner=type(self).__name__,
+        )
+        init_nodes(self, GlooNodes(self, plan, backend), plan, progress)
+
+
+class DistributedSyncCollector(NodeCollectorMixin, FleetCollector):
     """:class:`DistributedCollector` with ``sync=True``: every batch stacks one batch per node
     (``[num_collectors, ...]``), all collected with the same weights.
 
@@ -391,6 +401,8 @@ class DistributedSyncCollector(DistributedCollector):
         >>> from aiocollect import DistributedSyncCollector, GymEnv
         >>> # DistributedSyncCollector(lambda: GymEnv("CartPole-v1"), frames_per_batch=128, num_collectors=2)
     """
+
+    _member_noun = "node"
 
     @explicit_keywords
     def __init__(
@@ -419,10 +431,11 @@ class DistributedSyncCollector(DistributedCollector):
     ) -> None:
         if sync is not True:
             raise ValueError("DistributedSyncCollector is sync=True; use DistributedCollector for sync=False")
-        super().__init__(
+        check_backend(backend)
+        self.backend = backend
+        plan = node_plan(
             create_env_fn,
             policy,
-            backend=backend,
             frames_per_batch=frames_per_batch,
             total_frames=total_frames,
             sync=sync,
@@ -437,10 +450,11 @@ class DistributedSyncCollector(DistributedCollector):
             progress_timeout=progress_timeout,
             update_at_each_batch=update_at_each_batch,
             max_weight_update_interval=max_weight_update_interval,
-            progress=progress,
             update_after_each_batch=update_after_each_batch,
             weights=weights,
+            owner=type(self).__name__,
         )
+        init_nodes(self, GlooNodes(self, plan, backend), plan, progress)
 
 
-__all__ = ["DistributedCollector", "DistributedSyncCollector"]
+__all__ = ["DistributedCollector", "DistributedSyncCollector", "GlooNodes"]

@@ -1,6 +1,7 @@
-"""The trainer's view of its nodes (``DistributedCollector``, ``RPCCollector``): launching them, their
-control connections, replies, failures and shutdown. :class:`~._trainer.RemoteCollectorBase` builds the
-collector surface on it; an engine supplies the transport hooks.
+"""The nodes of ``DistributedCollector``, ``DistributedSyncCollector`` and ``RPCCollector`` as a transport
+of the one :class:`~aiocollect._fleet.FleetCollector` (:class:`Nodes`): launching them, their control
+connections, replies, failures and shutdown, asking them for batches (sync and async) and sending them
+weights. An engine subclasses it with its data plane (``_gloo.GlooNodes``, ``_rpc.RpcNodes``).
 
 Roles: the trainer is rank 0, node ``i`` is rank ``i + 1``. The **control** channel is one TCP connection
 per node (see ``_launchers``), framed pickles both ways: set-up, batch requests, control operations,
@@ -15,29 +16,29 @@ import contextlib
 import itertools
 import math
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.abc
 import anyio.to_thread
+import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from tensordict import TensorDictBase
 
 from .._errors import WorkerError, WorkerTimeoutError, as_error, worker_died
 from .._events import WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
-from .._fleet import FleetCollector
+from .._fleet import Arrival, FleetCollector
 from .._gather import gather
-from .._options import RolloutOptions
 from .._stats import WorkerState
-from .._transport._messages import Failed, Result
+from .._transport._messages import Failed, FleetOp, Result
+from .._transport._store import StoreClient, StoreServer
 from .._transport._waiters import Waiter, WaiterTable
 from .._transport._wire import AsyncChannel
 from ._launchers import (
     HELLO_SIZE,
-    Launcher,
     NodeProcess,
     TrainerAddress,
     check_hello,
@@ -55,6 +56,7 @@ from ._messages import (
     Request,
     Setup,
 )
+from ._trainer import NodePlan
 
 #: seconds a node gets to close its collector and hang up after ``Close`` (any worker_timeout): then killed
 _CLOSE_GRACE = 2.0
@@ -96,34 +98,26 @@ class RemoteNode:
         return self.index + 1
 
 
-class NodeFleet(FleetCollector):
-    """The nodes of a remote collector, their connections and the transport hooks of an engine."""
+class Nodes(abc.ABC):
+    """The nodes of a node collector (``fleet``), a :class:`~aiocollect._fleet.Transport`; an engine
+    subclasses it with the hooks of its data plane."""
 
-    _member_noun = "node"
+    state_prefix = "node"
+    versioned = False
     #: the module that runs a node (``_gloo``, ``_rpc``), and the engine's name in errors
     _engine: str
     _engine_name: str
-    num_collectors: int
-    _sync: bool
-    _node_fpb: int
-    _payloads: list[bytes]
-    _rollouts: list[RolloutOptions]
-    _policy_payload: bytes
-    _launcher: Launcher
-    _tcp_port: int
-    _trainer_address: str | None
-    _progress_timeout: float | None
 
-    def _init_state(self) -> None:
-        self._nodes = [RemoteNode(i) for i in range(self.num_collectors)]
-        self._version = 0
-        self._weights_lock = anyio.Lock()
+    def __init__(self, fleet: FleetCollector, plan: NodePlan) -> None:
+        self.fleet, self.plan = fleet, plan
+        self.num_nodes = plan.num_nodes
+        self.nodes = [RemoteNode(i) for i in range(self.num_nodes)]
         self._failure: BaseException | None = None
         self._failed_event = anyio.Event()
-        self._entered = False
         self._closing = False
         self._listener: socket.socket | None = None
         self._address: TrainerAddress | None = None
+        self._policy_payload = b""
         #: callers waiting for a node's reply: ("call", id) -> Result value, ("batch", node, seq) -> notice
         self._waiters = WaiterTable(on_orphan=self._on_orphan)
         self._ids = itertools.count(1)
@@ -137,15 +131,152 @@ class NodeFleet(FleetCollector):
         self._io: anyio.abc.TaskGroup | None = None
         self._io_stop = anyio.Event()
         self._io_closed = anyio.Event()
+        #: the authenticated store of the collector's groups, served here, and the trainer's own client
+        self._store_server: StoreServer | None = None
+        self._store: StoreClient | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._io is not None
+
+    def members(self) -> Sequence[RemoteNode]:
+        return self.nodes
+
+    # -- batches --------------------------------------------------------------------------------------
+    async def next_delivery(self) -> Arrival:
+        if self._failure is not None:
+            raise self._failure
+        return await (self._next_sync() if self.plan.sync else self._next_async())
+
+    async def _fetch(self, node: RemoteNode) -> NodeBatch:
+        result = await self._fetch_batch(node)
+        node.frames += result.frames
+        node.since_update += 1
+        node.fresh = True
+        return result
+
+    def _update_due(self, node: RemoteNode) -> bool:
+        weights, interval = self.plan.weights, self.plan.weights.interval or 0
+        return (weights.at_each_batch and node.fresh) or (interval > 0 and node.since_update >= interval)
+
+    async def _next_sync(self) -> Arrival:
+        due = [node.index for node in self.nodes if self._update_due(node)]
+        if due:
+            await self.fleet.update_weights(worker_ids=due)
+        results = await self._guard(lambda: gather(*[partial(self._fetch, node) for node in self.nodes]))
+        shapes = {tuple(r.batch.batch_size) for r in results}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"sync=True stacks one batch per node; the nodes' batches differ: {sorted(shapes)}"
+            )
+        batch = cast("TensorDictBase", torch.stack([r.batch for r in results], 0))
+        batch.names = [None] * (batch.ndim - 1) + ["time"]
+        episodes = [(i, ret, n) for i, r in enumerate(results) for ret, n in r.episodes]
+        frames = sum(r.frames for r in results)
+        return Arrival(batch, frames, episodes, None, min(r.policy_version for r in results))
+
+    def _node_frames(self, node: RemoteNode) -> int:
+        return node.ready.frames_per_batch if node.ready is not None else self.plan.node_fpb
+
+    async def _top_up(self, eager: bool) -> None:
+        """Ask idle nodes for their next batch (what the budget still needs); nodes due for weights get
+        them first. ``eager`` (right after a delivery) leaves ``update_at_each_batch`` nodes for the
+        next ``__anext__``, so that they get the weights trained on that batch."""
+        chosen, due = [], []
+        fleet = self.fleet
+        for node in self.nodes:
+            if node.in_flight or node.state != WorkerState.COLLECTING:
+                continue
+            if eager and self.plan.weights.at_each_batch and node.fresh:
+                continue
+            if 0 < fleet.total_frames <= fleet._stats.frames + self._outstanding:
+                break
+            chosen.append(node)
+            self._outstanding += self._node_frames(node)
+            node.in_flight = True
+            if self._update_due(node):
+                due.append(node.index)
+        if due:
+            await fleet.update_weights(worker_ids=due)
+        assert self._io is not None
+        for node in chosen:
+            self._io.start_soon(self._fetch_task, node)
+
+    async def _fetch_task(self, node: RemoteNode) -> None:
+        try:
+            result = await self._fetch(node)
+        except Exception as exc:
+            if self._failure is None:
+                self._fail(node, exc)
+            return
+        finally:
+            node.in_flight = False
+        self._deliveries_send.send_nowait((node.index, result))
+
+    async def _next_async(self) -> Arrival:
+        while True:
+            await self._top_up(eager=False)
+            item = await self._deliveries.receive()
+            if isinstance(item, Failure):
+                self._deliveries_send.send_nowait(item)
+                raise item.error
+            index, result = item
+            self._outstanding -= self._node_frames(self.nodes[index])
+            # one collected before an update_weights(flush=True) reached its node: dropped, asked again
+            if not self.fleet._stale(index, result.policy_version, result.frames):
+                break
+        batch = result.batch
+        self.fleet._delivered(index, batch)
+        batch.set(("collector", "node_id"), torch.full(batch.batch_size, index, dtype=torch.int64))
+        batch.names = [None] * (batch.ndim - 1) + ["time"]
+        await self._top_up(eager=True)
+        episodes = [(index, ret, n) for ret, n in result.episodes]
+        return Arrival(batch, result.frames, episodes, index, result.policy_version)
+
+    # -- weights and calls ------------------------------------------------------------------------------
+    async def publish(self, weights: TensorDictBase, version: int, ids: list[int]) -> None:
+        if self._failure is not None:
+            raise self._failure
+        await self._guard(partial(self._send_weights, weights, version, ids))
+        for i in ids:
+            self.nodes[i].since_update = 0
+            self.nodes[i].fresh = False
+
+    async def load_now(self, ids: list[int], version: int, published: Any = None) -> None:
+        await self._guard(lambda: gather(*[partial(self._wait_loaded, self.nodes[i], version) for i in ids]))
+
+    async def _wait_loaded(self, node: RemoteNode, version: int) -> None:
+        while node.policy_version < version:
+            await node.loaded_event.wait()
+
+    async def call_each(self, ops: Sequence[tuple[int, FleetOp]]) -> list[Any]:
+        # one guard over the gather: a node failure ends every call at once
+        calls = [partial(self._call, self.nodes[i], op) for i, op in ops]
+        replies: list[Any] = await self._guard(lambda: gather(*calls))
+        return replies
+
+    async def _open_store(self, host: str, client_timeout: float) -> None:
+        """Serve the collector's authenticated store on ``host`` and connect the trainer's client (whose
+        operations time out after ``client_timeout`` seconds)."""
+        self._store_server = server = StoreServer(host)
+        self._store = await anyio.to_thread.run_sync(server.client, client_timeout)
+
+    def _close_store(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        if self._store_server is not None:
+            self._store_server.close()
+            self._store_server = None
 
     # -- transport hooks ----------------------------------------------------------------------------
-    async def _open_transport(self, host: str) -> None:
+    async def _open_transport(self, host: str) -> None:  # noqa: B027 (a hook: nothing by default)
         """Trainer side of the data plane, before nodes are set up."""
 
     def _transport_setup(self, index: int) -> dict[str, Any]:
         return {}
 
-    async def _connect_transport(self) -> None:
+    async def _connect_transport(self) -> None:  # noqa: B027 (a hook: nothing by default)
         """Runs while the nodes join the data plane."""
 
     @abc.abstractmethod
@@ -170,7 +301,7 @@ class NodeFleet(FleetCollector):
     async def _on_notice(self, node: RemoteNode, msg: Any) -> None:
         raise TypeError(f"unexpected message from node {node.index}: {msg!r}")
 
-    def _close_transport(self) -> None:
+    def _close_transport(self) -> None:  # noqa: B027 (a hook: nothing by default)
         """Release the trainer's side of the data plane (nodes are gone)."""
 
     # -- waiting --------------------------------------------------------------------------------------
@@ -183,9 +314,9 @@ class NodeFleet(FleetCollector):
         """A reply nobody takes (its caller was cancelled): a batch is still taken off the wire, or its
         node would block in its send for ever; a call's result is dropped."""
         if key[0] == "batch" and self._io is not None and not self._io_closed.is_set():
-            self._io.start_soon(self._drain, self._nodes[key[1]], value)
+            self._io.start_soon(self._drain, self.nodes[key[1]], value)
 
-    async def _drain(self, node: RemoteNode, notice: Any) -> None:
+    async def _drain(self, node: RemoteNode, notice: Any) -> None:  # noqa: B027 (a hook: nothing by default)
         """Receive a batch nobody waits for any more, and drop it (transports with a data plane)."""
 
     async def _guard(self, fn: Callable[[], Any]) -> Any:
@@ -235,7 +366,7 @@ class NodeFleet(FleetCollector):
     async def _within_progress_timeout(self, node: RemoteNode, fn: Callable[[], Any]) -> Any:
         """``await fn()`` (a node's next batch); a node that takes longer than ``progress_timeout``
         fails the collector with ``WorkerTimeoutError`` naming it."""
-        timeout = self._progress_timeout
+        timeout = self.plan.progress_timeout
         if timeout is None:
             return await fn()
         with anyio.move_on_after(timeout) as scope:
@@ -252,26 +383,26 @@ class NodeFleet(FleetCollector):
     def _fail(self, node: RemoteNode | None, error: BaseException) -> None:
         if node is not None and node.state not in (WorkerState.FAILED, WorkerState.STOPPED):
             node.state = WorkerState.FAILED
-            self._hub.publish(WorkerFailed(node.index, f"{type(error).__name__}: {error}"))
+            self.fleet._hub.publish(WorkerFailed(node.index, f"{type(error).__name__}: {error}"))
         if self._failure is not None:
             return
         self._failure = error
-        self._failed = True
-        self._closed_reason = f"a node failed with {type(error).__name__}: {error}"
+        self.fleet._failed = True
+        self.fleet._closed_reason = f"a node failed with {type(error).__name__}: {error}"
         self._failed_event.set()
         self._waiters.fail(error)
         self._deliveries_send.send_nowait(Failure(error))
 
     # -- lifecycle ------------------------------------------------------------------------------------
-    async def _on_enter(self) -> None:
-        if self._entered:
-            raise RuntimeError("the collector was entered already")
-        self._entered = True
-        assert self._task_group is not None
+    async def start(self) -> list[int]:
+        assert self.fleet._task_group is not None
         self._deliveries_send, self._deliveries = anyio.create_memory_object_stream[Any](math.inf)
-        self._policy_payload = await self._pickled_policy("the nodes")
-        await self._task_group.start(self._io_host)
-        await self._start()
+        self._policy_payload = await self.fleet._pickled_policy("the nodes")
+        await self.fleet._task_group.start(self._io_host)
+        return await self._start()
+
+    async def run(self) -> None:  # noqa: B027 (a hook: nothing by default)
+        """Nodes are asked for batches as ``async for`` asks (``_top_up``)."""
 
     async def _io_host(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         """Owns the collector's I/O tasks (listener, connections, transfers); once they ended at
@@ -283,7 +414,7 @@ class NodeFleet(FleetCollector):
                 await self._io_stop.wait()
                 tg.cancel_scope.cancel()
         finally:
-            for node in self._nodes:
+            for node in self.nodes:
                 if node.channel is not None:
                     node.channel.close()
             if self._listener is not None:
@@ -291,60 +422,51 @@ class NodeFleet(FleetCollector):
                 self._listener = None
             self._io_closed.set()
 
-    async def aclose(self) -> None:
-        """Stop every node (each closes its collector and reaps its processes), then reap the nodes."""
-        await self._shutdown()
-
-    async def _start(self) -> None:
+    async def _start(self) -> list[int]:
         tg = self._io
         assert tg is not None
-        launcher = self._launcher
+        launcher = self.plan.launcher
         # the address every port of the trainer binds and the nodes connect to: loopback for nodes on
         # this machine; for jobs on other machines the interface that routes out (or trainer_address)
-        host = self._trainer_address or ("127.0.0.1" if launcher.local else routable_host())
-        listener = socket.create_server((host, self._tcp_port), backlog=max(16, self.num_collectors))
+        host = self.plan.trainer_address or ("127.0.0.1" if launcher.local else routable_host())
+        listener = socket.create_server((host, self.plan.tcp_port), backlog=max(16, self.num_nodes))
         listener.setblocking(False)
         self._listener = listener
         self._address = address = TrainerAddress(host, listener.getsockname()[1], new_token())
         tg.start_soon(self._accept_loop, listener, address.token)
         await self._open_transport(host)
-        processes = await launcher.launch(address, [node.rank for node in self._nodes])
-        for node in self._nodes:
+        processes = await launcher.launch(address, [node.rank for node in self.nodes])
+        for node in self.nodes:
             node.process = processes[node.rank]
             tg.start_soon(self._watch_process, node)
 
         async def all_ready() -> None:
-            for node in self._nodes:
+            for node in self.nodes:
                 await node.connected.wait()
-            for node in self._nodes:
+            for node in self.nodes:
                 spec = HostSpec(
                     index=node.index,
-                    num_nodes=self.num_collectors,
-                    payload=self._payloads[node.index],
+                    num_nodes=self.num_nodes,
+                    payload=self.plan.payloads[node.index],
                     policy_payload=self._policy_payload,
-                    rollout=self._rollouts[node.index],
+                    rollout=self.plan.rollouts[node.index],
                 )
                 setup = Setup(self._engine, spec, self._transport_setup(node.index))
                 assert node.channel is not None
                 await node.channel.send(setup, encode_in_thread=True)  # it carries the pickled policy
 
             async def ready() -> None:
-                for node in self._nodes:
+                for node in self.nodes:
                     await node.ready_event.wait()
 
             await gather(self._connect_transport, ready)
 
         await self._guard(all_ready)
-        for node in self._nodes:
+        for node in self.nodes:
             assert node.ready is not None
             node.state = WorkerState.COLLECTING
-            self._hub.publish(WorkerStarted(node.index))
-        fpbs = {node.ready.frames_per_batch for node in self._nodes if node.ready is not None}
-        if self._sync:
-            self.frames_per_batch = sum(n.ready.frames_per_batch for n in self._nodes if n.ready is not None)
-        elif len(fpbs) == 1:
-            self.frames_per_batch = fpbs.pop()
-        await self._members_started()
+            self.fleet._hub.publish(WorkerStarted(node.index))
+        return [n.ready.frames_per_batch for n in self.nodes if n.ready is not None]
 
     async def _accept_loop(self, listener: socket.socket, token: str) -> None:
         assert self._io is not None
@@ -376,10 +498,10 @@ class NodeFleet(FleetCollector):
                 data += chunk
         hello = check_hello(data, token)
         rank = hello[0] if hello else -1
-        if hello is None or not 1 <= rank <= self.num_collectors or self._nodes[rank - 1].channel is not None:
+        if hello is None or not 1 <= rank <= self.num_nodes or self.nodes[rank - 1].channel is not None:
             sock.close()  # not one of ours (nothing of it was unpickled)
             return
-        node = self._nodes[rank - 1]
+        node = self.nodes[rank - 1]
         node.pid = hello[1]
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         node.channel = AsyncChannel(sock)
@@ -406,7 +528,7 @@ class NodeFleet(FleetCollector):
                     elif isinstance(msg, Loaded):
                         if msg.version > node.policy_version:
                             node.policy_version = msg.version
-                            self._hub.publish(WeightsLoaded(msg.version, node.index))
+                            self.fleet._hub.publish(WeightsLoaded(msg.version, node.index))
                         node.loaded_event.set()
                         node.loaded_event = anyio.Event()
                     elif isinstance(msg, NodeReady):
@@ -436,17 +558,14 @@ class NodeFleet(FleetCollector):
                 self._fail(node, self._died(node, exitcode))
             elif not failed and node.state != WorkerState.FAILED:
                 node.state = WorkerState.STOPPED
-                self._hub.publish(WorkerStopped(node.index))
+                self.fleet._hub.publish(WorkerStopped(node.index))
 
-    async def _shutdown(self) -> None:
+    async def stop(self) -> None:
         with anyio.CancelScope(shield=True):
-            if self._background is not None:
-                self._background.cancel()
             if self._closing:
                 return
             self._closing = True
-            self._closed = True
-            for node in self._nodes:
+            for node in self.nodes:
                 if node.channel is not None and not node.gone.is_set():
                     with contextlib.suppress(Exception):
                         await node.channel.send(Close())
@@ -459,8 +578,8 @@ class NodeFleet(FleetCollector):
                 if node.process is not None:
                     await node.process.stop(5.0 if node.channel is None or node.gone.is_set() else 0.0)
 
-            await gather(*[partial(close, node) for node in self._nodes])
-            for node in self._nodes:
+            await gather(*[partial(close, node) for node in self.nodes])
+            for node in self.nodes:
                 if node.state not in (WorkerState.FAILED, WorkerState.STOPPED):
                     node.state = WorkerState.STOPPED
             await anyio.to_thread.run_sync(self._close_transport)
@@ -469,17 +588,6 @@ class NodeFleet(FleetCollector):
                 await self._io_closed.wait()
             self._deliveries_send.close()
             self._deliveries.close()
-            self._hub.close()
-            self._finish_progress()
-
-    def _active(self) -> None:
-        self._check_open()
-        if self._task_group is None:
-            name = type(self).__name__
-            raise RuntimeError(
-                f"{name} starts its nodes in `async with`: write "
-                f"`async with {name}(...) as collector: async for batch in collector:`"
-            )
 
 
-__all__ = ["DEFAULT_PROGRESS_TIMEOUT", "Failure", "NodeFleet", "RemoteNode"]
+__all__ = ["DEFAULT_PROGRESS_TIMEOUT", "Failure", "Nodes", "RemoteNode"]

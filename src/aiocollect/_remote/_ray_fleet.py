@@ -1,14 +1,16 @@
-"""The trainer's view of :class:`~aiocollect.RayCollector`'s actors: starting them (and a local Ray
-cluster if none runs), awaiting Ray's object refs on any event loop, Ray's errors in the shared
-vocabulary, and closing the actors (their collectors reap their workers) and the cluster it started."""
+"""The actors of :class:`~aiocollect.RayCollector` as a transport of the one
+:class:`~aiocollect._fleet.FleetCollector` (:class:`RayActors`): starting them (and a local Ray cluster if
+none runs), asking them for batches (sync and async), weights through Ray's object store, awaiting Ray's
+object refs on any event loop, Ray's errors in the shared vocabulary, and closing the actors (their
+collectors reap their workers) and the cluster it started."""
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import os
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -16,22 +18,23 @@ from typing import Any
 import anyio
 import anyio.abc
 import anyio.to_thread
-import cloudpickle
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from tensordict import TensorDictBase
 
-from .._events import (
-    WorkerStarted,
-    WorkerStopped,
-)
-from .._fleet import FleetCollector
+from .._errors import CollectorClosedError, WorkerTimeoutError
+from .._events import WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
+from .._fleet import Arrival, FleetCollector
 from .._gather import gather
 from .._mistakes import warn_user
 from .._options import RolloutOptions
 from .._pids import pid_alive
 from .._stats import WorkerState
+from .._transport._messages import FleetOp
+from ._args import WeightPlan
 from ._ray_actor import actor_class, import_ray, unwrap_ray_error
 from ._ray_local import init_local
 from ._ray_reaper import Watchdog, descendants, start_watchdog
+from ._ray_wire import from_wires, weights_to_wire
 
 #: remote options used unless ``remote_config`` says otherwise
 DEFAULT_REMOTE_CONFIG: dict[str, Any] = {"num_cpus": 1}
@@ -66,72 +69,77 @@ class Actor:
     hung: bool = False
 
 
-class ActorFleet(FleetCollector):
-    """The actors of a :class:`~aiocollect.RayCollector`; the collector surface is the subclass's."""
+@dataclass(frozen=True)
+class ActorPlan:
+    """A ``RayCollector``'s keywords, checked: what its actors run and where."""
 
-    _member_noun = "actor"
-    num_collectors: int
-    _sync: bool
-    _per_actor_fpb: int
-    _payloads: list[bytes]
-    _rollouts: list[RolloutOptions]
-    _remote_configs: list[dict[str, Any]]
-    _ray_init_config: dict[str, Any] | None
-    _ray: Any
-    _started_ray: bool
-    _watchdog: Watchdog | None
-    _entered: bool
-    _actors: list[Actor]
-    _limiter: anyio.CapacityLimiter | None
-    _torn_down: bool
-    _progress_closed: bool
-    _results_send: MemoryObjectSendStream[tuple[int, Any]] | None
-    _results_receive: MemoryObjectReceiveStream[tuple[int, Any]] | None
+    sync: bool
+    #: per actor: the pickled env constructors and collector arguments, its rollout options, its Ray
+    #: options
+    payloads: list[bytes]
+    rollouts: list[RolloutOptions]
+    remote_configs: list[dict[str, Any]]
+    ray_init_config: dict[str, Any] | None
+    weights: WeightPlan
+    progress_timeout: float | None
 
-    @abc.abstractmethod
-    async def _submit(self, actor: Actor) -> Any:
-        """Ask ``actor`` for its next batch (async mode: its result goes to ``_results_send``)."""
 
-    # -- lifecycle (CollectorBase's async with: __aenter__ calls _on_enter, __aexit__ calls aclose) ----
-    async def _on_enter(self) -> None:
-        if self._entered:
-            raise RuntimeError("the collector was entered already: a RayCollector is entered once")
-        self._entered = True
-        await self._start()
+class RayActors:
+    """The actors of a ``RayCollector`` (``fleet``), a :class:`~aiocollect._fleet.Transport`."""
 
-    async def aclose(self) -> None:
-        """Close every remote collector (a grace period for their workers), kill every actor and shut
-        down the Ray cluster if this collector started it. Idempotent; ``async with`` does it."""
-        await self._shutdown()
+    state_prefix = "worker"
+    versioned = True
 
-    async def _start(self) -> None:
+    def __init__(self, fleet: FleetCollector, plan: ActorPlan) -> None:
+        self.fleet, self.plan = fleet, plan
+        self.num_actors = len(plan.payloads)
+        self._ray: Any = None
+        self._started_ray = False
+        self._watchdog: Watchdog | None = None
+        self.actors: list[Actor] = []
+        self._results_send: MemoryObjectSendStream[tuple[int, Any]] | None = None
+        self._results_receive: MemoryObjectReceiveStream[tuple[int, Any]] | None = None
+        self._due: list[int] = []  # async mode: actors to ask for their next batch
+        self._limiter: anyio.CapacityLimiter | None = None
+        self._torn_down = False
+        self._delivered = 0
+
+    @property
+    def started(self) -> bool:
+        return bool(self.actors)
+
+    def members(self) -> Sequence[Actor]:
+        return self.actors
+
+    async def start(self) -> list[int]:
         ray = self._ray = import_ray()
-        self._limiter = anyio.CapacityLimiter(2 * self.num_collectors + 2)
+        self._limiter = anyio.CapacityLimiter(2 * self.num_actors + 2)
         if not ray.is_initialized():
             config = dict(DEFAULT_RAY_INIT_CONFIG)
-            if self._ray_init_config is not None:
+            if self.plan.ray_init_config is not None:
                 config = (
-                    dict(self._ray_init_config)
-                    if "address" in self._ray_init_config
-                    else {**config, **self._ray_init_config}
+                    dict(self.plan.ray_init_config)
+                    if "address" in self.plan.ray_init_config
+                    else {**config, **self.plan.ray_init_config}
                 )
             await anyio.to_thread.run_sync(init_local, ray, config)
             self._started_ray = True
             # kills the cluster's processes should this process die without shutting it down
             self._watchdog = await anyio.to_thread.run_sync(start_watchdog)
-        elif self._ray_init_config is not None:
+        elif self.plan.ray_init_config is not None:
             warn_user(
                 "ray is initialised already: ray_init_config is ignored (this collector uses that cluster)"
             )
-        self._actors = await anyio.to_thread.run_sync(self._create_actors)
+        policy_blob = await self.fleet._pickled_policy("the Ray actors")
+        self.actors = await anyio.to_thread.run_sync(self._create_actors, policy_blob)
         # the actors' processes start (or wait for the resources they ask for: Ray queues them)
-        where = [a.handle.where.remote() for a in self._actors]
+        where = [a.handle.where.remote() for a in self.actors]
 
         async def placed() -> list[Any]:
             return await gather(
                 *[
                     partial(self._call, a, lambda ref=ref: ref, what="start")
-                    for a, ref in zip(self._actors, where, strict=True)
+                    for a, ref in zip(self.actors, where, strict=True)
                 ]
             )
 
@@ -139,64 +147,236 @@ class ActorFleet(FleetCollector):
         with anyio.move_on_after(_PENDING_WARNING_S):
             infos = await placed()
         if infos is None:
-            ray = self._ray
             warn_user(
                 f"RayCollector: the actors have not started after {_PENDING_WARNING_S:.0f} s; Ray may lack "
-                f"the resources they ask for (remote_config={self._remote_configs[0]}, available now: "
+                f"the resources they ask for (remote_config={self.plan.remote_configs[0]}, available now: "
                 f"{ray.available_resources()}). Still waiting: cancel (e.g. anyio.fail_after) to give up"
             )
             infos = await placed()
-        for actor, info in zip(self._actors, infos, strict=True):
+        for actor, info in zip(self.actors, infos, strict=True):
             actor.info = info
         watchdog = self._watchdog
         if watchdog is not None:  # the cluster we started runs, its agents and our actors with it
             await anyio.to_thread.run_sync(lambda: watchdog.watch(descendants(os.getpid())))
         fpbs = await gather(
-            *[partial(self._call, a, a.handle.start.remote, what="start") for a in self._actors]
+            *[partial(self._call, a, a.handle.start.remote, what="start") for a in self.actors]
         )
-        for actor, fpb in zip(self._actors, fpbs, strict=True):
+        for actor, fpb in zip(self.actors, fpbs, strict=True):
             actor.info["frames_per_batch"] = int(fpb)
             actor.state = WorkerState.COLLECTING
-            self._hub.publish(WorkerStarted(actor.index))
-        self.frames_per_batch = sum(fpbs) if self._sync else fpbs[0]
-        await self._members_started()
-        if not self._sync:
+            self.fleet._hub.publish(WorkerStarted(actor.index))
+        return [int(f) for f in fpbs]
+
+    async def run(self) -> None:
+        if not self.plan.sync:
             self._results_send, self._results_receive = anyio.create_memory_object_stream[tuple[int, Any]](
-                self.num_collectors
+                self.num_actors
             )
-            for actor in self._actors:
+            for actor in self.actors:
                 await self._submit(actor)
 
-    def _create_actors(self) -> list[Actor]:
-        """In a worker thread: pickle the policy, put it and the arguments in the object store, create
-        the actors."""
-        ray = self._ray
+    async def next_delivery(self) -> Arrival:
+        fleet = self.fleet
         try:
-            policy_blob = cloudpickle.dumps(self._source_policy)
+            out = await (self._next_sync() if self.plan.sync else self._next_async())
         except Exception as exc:
-            raise TypeError(f"the policy cannot be pickled for the Ray actors: {exc}") from exc
+            if fleet._closed and not fleet._failed:  # closed under us (aclose from another task)
+                raise CollectorClosedError(f"the collector is closed: {fleet._closed_reason}") from exc
+            fleet._failed = fleet._closed = True
+            fleet._closed_reason = f"a remote collector failed with {type(exc).__name__}: {exc}"
+            await self._teardown()
+            fleet._hub.close()
+            raise
+        self._delivered += 1
+        return out
+
+    async def _submit(self, actor: Actor) -> Any:
+        """Ask ``actor`` for its next batch, sending weights with the request when some are due."""
+        interval = self.plan.weights.interval or 0
+        if interval > 0 and actor.since_update >= interval and actor.pending is None:
+            await self.fleet.update_weights(worker_ids=[actor.index])
+        version, weights = actor.pending if actor.pending is not None else (None, None)
+        if actor.pending is not None:
+            actor.pending = None
+            actor.since_update = 0
+        ref = actor.handle.next.remote(version, weights)
+        if not self.plan.sync:
+            assert self.fleet._task_group is not None
+            self.fleet._task_group.start_soon(self._wait_one, actor, ref)
+        return ref
+
+    async def _wait_one(self, actor: Actor, ref: Any) -> None:
+        """Async mode, in the task group: await one batch and hand it (or its error) to ``__anext__``."""
+        try:
+            out: Any = await self._await_batch(actor, ref)
+        except Exception as exc:
+            out = exc
+        send = self._results_send
+        if send is not None:
+            try:
+                await send.send((actor.index, out))
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                pass
+
+    async def _await_batch(self, actor: Actor, ref: Any) -> Any:
+        """``ref`` (an actor's next batch); an actor that takes longer than ``progress_timeout`` is
+        ``WorkerTimeoutError`` naming it (and is killed, not closed, when the collector closes)."""
+        timeout = self.plan.progress_timeout
+        if timeout is None:
+            return await self._await(ref)
+        with anyio.move_on_after(timeout):
+            return await self._await(ref)
+        actor.hung = True
+        actor_id = getattr(getattr(actor.handle, "_actor_id", None), "hex", lambda: None)()
+        info = actor.info
+        where = f"actor {actor.index} (Ray actor {actor_id}" + (
+            f", {info['hostname']}, pid {info['pid']})" if "pid" in info else ")"
+        )
+        raise WorkerTimeoutError(
+            f"{where} delivered no batch within progress_timeout={timeout:g} s: a hung env or policy? "
+            "(give a larger progress_timeout for slower batches, or None for no limit)"
+        )
+
+    def _delivered_by(self, actor: Actor, meta: dict[str, Any]) -> list[tuple[int, float, int]]:
+        actor.frames += int(meta["frames"])
+        actor.since_update += 1
+        version = int(meta["policy_version"])
+        if version > actor.policy_version:
+            actor.policy_version = version
+            self.fleet._hub.publish(WeightsLoaded(version, actor.index))
+        return [(actor.index, r, n) for r, n in meta["episodes"]]
+
+    def _failed_actor(self, actor: Actor, exc: BaseException, what: str) -> BaseException:
+        actor.state = WorkerState.FAILED
+        error = unwrap_ray_error(exc, f"actor {actor.index} ({what})", actor)
+        self.fleet._hub.publish(WorkerFailed(actor.index, f"{type(error).__name__}: {error}"))
+        return error
+
+    async def _next_async(self) -> Arrival:
+        due, self._due = self._due, []
+        for index in due:
+            if self.plan.weights.at_each_batch:
+                await self.fleet.update_weights(worker_ids=[index])
+            await self._submit(self.actors[index])
+        assert self._results_receive is not None
+        while True:
+            index, out = await self._results_receive.receive()
+            actor = self.actors[index]
+            if isinstance(out, BaseException):
+                error = self._failed_actor(actor, out, "next batch")
+                raise error from error.__cause__
+            wire, meta = out
+            if not self.fleet._stale(index, int(meta["policy_version"]), int(meta["frames"])):
+                break
+            # collected before an update_weights(flush=True) reached this actor: dropped, and the actor
+            # asked again (its request carries the new weights, loaded before the batch)
+            await self._submit(actor)
+        batch = await anyio.to_thread.run_sync(from_wires, [wire], False)
+        self.fleet._delivered(index, batch)
+        episodes = self._delivered_by(actor, meta)
+        if self.plan.weights.at_each_batch:
+            self._due.append(index)  # asked for again at the next __anext__: after the training step
+        else:
+            await self._submit(actor)
+        return Arrival(batch, int(meta["frames"]), episodes, index, int(meta["policy_version"]))
+
+    async def _next_sync(self) -> Arrival:
+        if self.plan.weights.at_each_batch and self._delivered:
+            await self.fleet.update_weights()
+        interval = self.plan.weights.interval or 0
+        due = [
+            a.index for a in self.actors if interval > 0 and a.since_update >= interval and a.pending is None
+        ]
+        if due:  # one put for every actor due (max_weight_update_interval)
+            await self.fleet.update_weights(worker_ids=due)
+        refs = [await self._submit(actor) for actor in self.actors]
+
+        async def one(actor: Actor, ref: Any) -> Any:
+            try:
+                return await self._await_batch(actor, ref)
+            except Exception as exc:
+                error = self._failed_actor(actor, exc, "next batch")
+                raise error from error.__cause__
+
+        outs = await gather(*[partial(one, a, r) for a, r in zip(self.actors, refs, strict=True)])
+        parts = [b for b, _ in outs]
+        episodes: list[tuple[int, float, int]] = []
+        for actor, (_, meta) in zip(self.actors, outs, strict=True):
+            episodes.extend(self._delivered_by(actor, meta))
+        shapes = {tuple(b.batch_size) for b in parts}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"sync=True stacks one batch per actor, but the actors' batches differ: {sorted(shapes)}; "
+                "give every actor the same env batch size, or use sync=False"
+            )
+        # the one copy of the batch on the trainer, off the loop (a pixel batch copies for milliseconds)
+        batch = await anyio.to_thread.run_sync(from_wires, parts, True)
+        return Arrival(
+            batch,
+            sum(int(m["frames"]) for _, m in outs),
+            episodes,
+            None,
+            min(int(m["policy_version"]) for _, m in outs),
+        )
+
+    # -- weights and calls ------------------------------------------------------------------------
+    async def publish(self, weights: TensorDictBase, version: int, ids: list[int]) -> Any:
+        """Put the weights in Ray's object store once: each targeted actor fetches them with its next
+        batch request and loads them before that batch (never mid-batch); the object ref."""
+
+        def put() -> Any:  # the copy out of the trainer's tensors and the pickling, off the loop
+            return self._ray.put(weights_to_wire(weights))
+
+        ref = await anyio.to_thread.run_sync(put)
+        for i in ids:
+            self.actors[i].pending = (version, ref)
+        return ref
+
+    async def load_now(self, ids: list[int], version: int, published: Any) -> None:
+        """Send the weights at once (an actor collecting a batch finishes it first)."""
+        actors = [self.actors[i] for i in ids]
+        loaded = await gather(
+            *[
+                partial(self._call, a, a.handle.load_weights.remote, version, published, what="weights")
+                for a in actors
+            ]
+        )
+        for actor, v in zip(actors, loaded, strict=True):
+            if actor.pending is not None and actor.pending[0] <= v:
+                actor.pending = None
+                actor.since_update = 0
+            if v > actor.policy_version:
+                actor.policy_version = int(v)
+                self.fleet._hub.publish(WeightsLoaded(int(v), actor.index))
+
+    async def call_each(self, ops: Sequence[tuple[int, FleetOp]]) -> list[Any]:
+        return await gather(
+            *[
+                partial(
+                    self._call, self.actors[i], self.actors[i].handle.call.remote, op, what=type(op).__name__
+                )
+                for i, op in ops
+            ]
+        )
+
+    def _create_actors(self, policy_blob: bytes) -> list[Actor]:
+        """In a worker thread: put the pickled policy and the arguments in the object store, create the
+        actors."""
+        ray = self._ray
         policy_ref = ray.put(policy_blob)
         cls = actor_class()
         actors = []
         payload_refs: dict[bytes, Any] = {}
-        for i, payload in enumerate(self._payloads):
+        for i, payload in enumerate(self.plan.payloads):
             if payload not in payload_refs:  # the same constructor for every actor: one object
                 payload_refs[payload] = ray.put(payload)
-            spec = (i, self.num_collectors, policy_ref, payload_refs[payload], self._rollouts[i])
-            handle = cls.options(**self._remote_configs[i]).remote(*spec, self._sync)
+            spec = (i, self.num_actors, policy_ref, payload_refs[payload], self.plan.rollouts[i])
+            handle = cls.options(**self.plan.remote_configs[i]).remote(*spec, self.plan.sync)
             actors.append(Actor(i, handle))
         return actors
 
-    async def _shutdown(self) -> None:
-        with anyio.CancelScope(shield=True):
-            if self._background is not None:
-                self._background.cancel()
-            self._closed = True
-            await self._teardown()
-            self._hub.close()
-            if not self._progress_closed:
-                self._progress_closed = True
-                self._finish_progress()
+    async def stop(self) -> None:
+        await self._teardown()
 
     async def _teardown(self) -> None:
         """Close the remote collectors (a grace period), kill the actors, end a cluster we started."""
@@ -207,7 +387,7 @@ class ActorFleet(FleetCollector):
             for stream in (self._results_send, self._results_receive):
                 if stream is not None:
                     stream.close()
-            actors = [a for a in self._actors if a.state != WorkerState.STOPPED]
+            actors = [a for a in self.actors if a.state != WorkerState.STOPPED]
             if actors:
                 with anyio.move_on_after(_CLOSE_GRACE):
                     await gather(*[partial(self._close_one, a) for a in actors if not a.hung])
@@ -215,7 +395,7 @@ class ActorFleet(FleetCollector):
                 for actor in actors:
                     if actor.state != WorkerState.FAILED:
                         actor.state = WorkerState.STOPPED
-                    self._hub.publish(WorkerStopped(actor.index))
+                    self.fleet._hub.publish(WorkerStopped(actor.index))
             if self._started_ray:
                 self._started_ray = False
                 try:
@@ -274,14 +454,5 @@ class ActorFleet(FleetCollector):
             error = unwrap_ray_error(exc, f"actor {actor.index} ({what})", actor)
             raise error from error.__cause__  # Ray's error stays the cause of a WorkerDiedError
 
-    # -- iteration --------------------------------------------------------------------------------
-    def _active(self) -> None:
-        self._check_open()
-        if not self._actors or self._task_group is None:
-            raise RuntimeError(
-                "RayCollector starts its actors in `async with`: write `async with RayCollector(...) as "
-                "collector: async for batch in collector:`"
-            )
 
-
-__all__ = ["DEFAULT_RAY_INIT_CONFIG", "DEFAULT_REMOTE_CONFIG", "Actor", "ActorFleet"]
+__all__ = ["DEFAULT_RAY_INIT_CONFIG", "DEFAULT_REMOTE_CONFIG", "Actor", "ActorPlan", "RayActors"]

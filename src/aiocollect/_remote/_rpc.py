@@ -38,6 +38,7 @@ from tensordict import TensorDictBase
 
 from .._daemon import run_abandonable
 from .._errors import RemoteFailure, as_error
+from .._fleet import FleetCollector
 from .._gather import gather
 from .._local._collector import Collector
 from .._mistakes import explicit_keywords
@@ -57,8 +58,8 @@ from ._messages import (
     StageWeights,
 )
 from ._node import NodeCore
-from ._nodes import DEFAULT_PROGRESS_TIMEOUT, RemoteNode
-from ._trainer import RemoteCollectorBase
+from ._nodes import DEFAULT_PROGRESS_TIMEOUT, Nodes, RemoteNode
+from ._trainer import NodeCollectorMixin, NodePlan, init_nodes, node_plan
 
 _TIMEOUT = 120.0
 #: how long closing waits for an abandoned rendezvous (a node failed during start-up) to end once its store
@@ -175,94 +176,18 @@ async def run_node(chan: AsyncChannel, setup: Setup, where: str) -> None:
 
 
 # -- trainer side ----------------------------------------------------------------------------------
-class RPCCollector(RemoteCollectorBase):
-    """Collect on many processes or machines with ``torch.distributed.rpc`` (TensorPipe).
-
-    .. warning::
-        torch's RPC framework is in maintenance mode: prefer :class:`DistributedCollector` (same
-        arguments and behaviour) or ``RayCollector``. One ``RPCCollector`` per process at a time (RPC has
-        one agent per process), and not beside your own ``init_rpc``.
-
-    Arguments and behaviour are :class:`DistributedCollector`'s (``backend`` excepted), plus:
-
-    Args:
-        tensorpipe_options: keyword arguments for ``TensorPipeRpcBackendOptions`` (e.g.
-            ``{"num_worker_threads": 8, "_transports": ["uv"]}``; ``init_method`` is ours). Checked here.
-        rpc_timeout: seconds for the rendezvous and for calls other than batches (a batch may take any
-            time; a dead node is noticed by its connection).
-
-    Example:
-        >>> from aiocollect import GymEnv, RPCCollector
-        >>> # async with RPCCollector(lambda: GymEnv("CartPole-v1"), frames_per_batch=64, num_collectors=2,
-        >>> #                         total_frames=256) as c: ...
-    """
+class RpcNodes(Nodes):
+    """Nodes whose batches, weights and calls travel as ``torch.distributed.rpc`` calls."""
 
     _engine = "_rpc"
     _engine_name = "torch.distributed.rpc"
 
-    @explicit_keywords
     def __init__(
-        self,
-        create_env_fn: Any,
-        policy: Any = None,
-        *,
-        tensorpipe_options: Mapping[str, Any] | None = None,
-        rpc_timeout: float = _TIMEOUT,
-        frames_per_batch: int,
-        total_frames: int | None = -1,
-        sync: bool = False,
-        num_collectors: int | None = None,
-        collector_class: type = Collector,
-        collector_kwargs: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
-        num_workers_per_collector: int = 1,
-        launcher: Any = "mp",
-        slurm_kwargs: Mapping[str, Any] | None = None,
-        tcp_port: int | None = None,
-        trainer_address: str | None = None,
-        progress_timeout: float | None = DEFAULT_PROGRESS_TIMEOUT,
-        update_at_each_batch: bool = False,
-        max_weight_update_interval: int | None = None,
-        progress: Any = None,
-        update_after_each_batch: Any = UNSET,
-        weights: WeightSchedule | None = None,
+        self, fleet: FleetCollector, plan: NodePlan, options: dict[str, Any], timeout: float
     ) -> None:
-        if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, (int, float)) or not rpc_timeout > 0:
-            raise ValueError(f"rpc_timeout must be a positive number of seconds, got {rpc_timeout!r}")
-        options = dict(tensorpipe_options or {})
-        if "init_method" in options:
-            raise ValueError(
-                "tensorpipe_options cannot set init_method: RPCCollector runs its own rendezvous"
-            )
-        options.setdefault("rpc_timeout", float(rpc_timeout))
-        try:
-            _options(options)  # torchrl's copy(...).update(...) returned None: check them here, for real
-        except TypeError as exc:
-            raise TypeError(
-                f"tensorpipe_options are not TensorPipeRpcBackendOptions arguments: {exc}"
-            ) from exc
-        super().__init__(
-            create_env_fn,
-            policy,
-            frames_per_batch=frames_per_batch,
-            total_frames=total_frames,
-            sync=sync,
-            num_collectors=num_collectors,
-            collector_class=collector_class,
-            collector_kwargs=collector_kwargs,
-            num_workers_per_collector=num_workers_per_collector,
-            launcher=launcher,
-            slurm_kwargs=slurm_kwargs,
-            tcp_port=tcp_port,
-            trainer_address=trainer_address,
-            progress_timeout=progress_timeout,
-            update_at_each_batch=update_at_each_batch,
-            max_weight_update_interval=max_weight_update_interval,
-            progress=progress,
-            update_after_each_batch=update_after_each_batch,
-            weights=weights,
-        )
+        super().__init__(fleet, plan)
         self._tp_options = options
-        self._rpc_timeout = float(rpc_timeout)
+        self._rpc_timeout = timeout
         self._names: list[str] = []
         self._agent = False
         self._init_done: threading.Event | None = None
@@ -281,7 +206,7 @@ class RPCCollector(RemoteCollectorBase):
         tag = secrets.token_hex(4)
         self._prefix = f"aiocollect-{tag}"
         self._names = [f"aiocollect-{tag}-trainer"] + [
-            f"aiocollect-{tag}-node{i}" for i in range(self.num_collectors)
+            f"aiocollect-{tag}-node{i}" for i in range(self.num_nodes)
         ]
 
     def _transport_setup(self, index: int) -> dict[str, Any]:
@@ -343,7 +268,7 @@ class RPCCollector(RemoteCollectorBase):
             lambda: {k: cast("torch.Tensor", v).detach().to("cpu", copy=True) for k, v in weights.items()}
         )
         op = StageWeights(plain, version)
-        await gather(*[partial(self._rpc_async, self._nodes[i], op) for i in ids])
+        await gather(*[partial(self._rpc_async, self.nodes[i], op) for i in ids])
 
     async def _call(self, node: RemoteNode, op: ControlOp) -> Any:
         return await self._rpc_async(node, op, rpc_timeout=0)
@@ -361,4 +286,92 @@ class RPCCollector(RemoteCollectorBase):
         self._close_store()
 
 
-__all__ = ["RPCCollector"]
+class RPCCollector(NodeCollectorMixin, FleetCollector):
+    """Collect on many processes or machines with ``torch.distributed.rpc`` (TensorPipe).
+
+    .. warning::
+        torch's RPC framework is in maintenance mode: prefer :class:`DistributedCollector` (same
+        arguments and behaviour) or ``RayCollector``. One ``RPCCollector`` per process at a time (RPC has
+        one agent per process), and not beside your own ``init_rpc``.
+
+    Arguments and behaviour are :class:`DistributedCollector`'s (``backend`` excepted), plus:
+
+    Args:
+        tensorpipe_options: keyword arguments for ``TensorPipeRpcBackendOptions`` (e.g.
+            ``{"num_worker_threads": 8, "_transports": ["uv"]}``; ``init_method`` is ours). Checked here.
+        rpc_timeout: seconds for the rendezvous and for calls other than batches (a batch may take any
+            time; a dead node is noticed by its connection).
+
+    Example:
+        >>> from aiocollect import GymEnv, RPCCollector
+        >>> # async with RPCCollector(lambda: GymEnv("CartPole-v1"), frames_per_batch=64, num_collectors=2,
+        >>> #                         total_frames=256) as c: ...
+    """
+
+    _member_noun = "node"
+
+    @explicit_keywords
+    def __init__(
+        self,
+        create_env_fn: Any,
+        policy: Any = None,
+        *,
+        tensorpipe_options: Mapping[str, Any] | None = None,
+        rpc_timeout: float = _TIMEOUT,
+        frames_per_batch: int,
+        total_frames: int | None = -1,
+        sync: bool = False,
+        num_collectors: int | None = None,
+        collector_class: type = Collector,
+        collector_kwargs: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+        num_workers_per_collector: int = 1,
+        launcher: Any = "mp",
+        slurm_kwargs: Mapping[str, Any] | None = None,
+        tcp_port: int | None = None,
+        trainer_address: str | None = None,
+        progress_timeout: float | None = DEFAULT_PROGRESS_TIMEOUT,
+        update_at_each_batch: bool = False,
+        max_weight_update_interval: int | None = None,
+        progress: Any = None,
+        update_after_each_batch: Any = UNSET,
+        weights: WeightSchedule | None = None,
+    ) -> None:
+        if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, (int, float)) or not rpc_timeout > 0:
+            raise ValueError(f"rpc_timeout must be a positive number of seconds, got {rpc_timeout!r}")
+        options = dict(tensorpipe_options or {})
+        if "init_method" in options:
+            raise ValueError(
+                "tensorpipe_options cannot set init_method: RPCCollector runs its own rendezvous"
+            )
+        options.setdefault("rpc_timeout", float(rpc_timeout))
+        try:
+            _options(options)  # torchrl's copy(...).update(...) returned None: check them here, for real
+        except TypeError as exc:
+            raise TypeError(
+                f"tensorpipe_options are not TensorPipeRpcBackendOptions arguments: {exc}"
+            ) from exc
+        plan = node_plan(
+            create_env_fn,
+            policy,
+            frames_per_batch=frames_per_batch,
+            total_frames=total_frames,
+            sync=sync,
+            num_collectors=num_collectors,
+            collector_class=collector_class,
+            collector_kwargs=collector_kwargs,
+            num_workers_per_collector=num_workers_per_collector,
+            launcher=launcher,
+            slurm_kwargs=slurm_kwargs,
+            tcp_port=tcp_port,
+            trainer_address=trainer_address,
+            progress_timeout=progress_timeout,
+            update_at_each_batch=update_at_each_batch,
+            max_weight_update_interval=max_weight_update_interval,
+            update_after_each_batch=update_after_each_batch,
+            weights=weights,
+            owner=type(self).__name__,
+        )
+        init_nodes(self, RpcNodes(self, plan, options, float(rpc_timeout)), plan, progress)
+
+
+__all__ = ["RPCCollector", "RpcNodes"]
