@@ -241,3 +241,14 @@ async def test_async_collector_of_several_workers_refuses_env_state() -> None:
         with pytest.raises(ValueError, match="with 2 workers"):
             await c.state_dict(envs=True)
         assert "worker1" in await c.state_dict()  # without env state it saves
+
+
+
+async def test_remote_collectors_refuse_env_state_by_name() -> None:
+    """``state_dict(envs=True)`` on a collector over nodes: a ValueError that says why, before any node
+    is asked (the collector need not be entered to see it)."""
+    from aiocollect import DistributedCollector
+
+    collector = DistributedCollector([cartpole], None, frames_per_batch=8, total_frames=8)
+    with pytest.raises(ValueError, match=r"DistributedCollector.state_dict\(envs=True\).*collects ahead"):
+        await collector.state_dict(envs=True)

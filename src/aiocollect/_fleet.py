@@ -390,9 +390,16 @@ class FleetCollector(CollectorBase):
             await self._call_all(Reset())
 
     # -- state dict -----------------------------------------------------------------------------------
-    async def state_dict(self) -> dict[str, Any]:
-        """Each member's collector state (trajectory-id counters, versions) plus the counters (and, for
-        Ray actors, the policy's weights from actor 0)."""
+    async def state_dict(self, *, envs: bool = False) -> dict[str, Any]:
+        """Each member's collector state (trajectory-id counters, versions, random states) plus the
+        counters (and, for Ray actors, the policy's weights from actor 0). ``envs=True`` is refused: a
+        node or actor collects ahead of the batch delivered, so no checkpoint holds its envs' state."""
+        if envs:
+            raise ValueError(
+                f"{type(self).__name__}.state_dict(envs=True): each {self._member_noun} collects ahead of "
+                "the batch delivered, so its envs' state is past the checkpoint; save without envs=True "
+                "(the envs then start from reset when the checkpoint is loaded)"
+            )
         self._active()
         versioned, prefix = self._transport.versioned, self._transport.state_prefix
         async with self._lock:
