@@ -243,7 +243,6 @@ async def test_async_collector_of_several_workers_refuses_env_state() -> None:
         assert "worker1" in await c.state_dict()  # without env state it saves
 
 
-
 async def test_remote_collectors_refuse_env_state_by_name() -> None:
     """``state_dict(envs=True)`` on a collector over nodes: a ValueError that says why, before any node
     is asked (the collector need not be entered to see it)."""
