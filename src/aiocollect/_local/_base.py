@@ -144,6 +144,7 @@ class CollectorBase(abc.ABC):
         self._active()
         if self._budget_reached():
             raise StopAsyncIteration
+        self._stats.awaiting()  # statistics().trainer_wait: until _record
         await self._acquire_batch_lock()
         try:
             self._active()

@@ -27,6 +27,7 @@ from .._rng import RolloutRNG, forked_rng
 from .._rollout import RolloutResult, build_rollout, open_env
 from .._rollout_thread import Doorbell, Job, RolloutThread
 from .._stats import CollectorStatistics, WorkerStatistics
+from .._timesplit import SplitWindow
 from .._trajectories import split_trajectories
 from .._validation import (
     flag,
@@ -199,7 +200,7 @@ class Collector(CollectorBase):
         self.frames_per_batch = self._rollout.frames_per_batch
         self._init_random_frames = self._rounded_budgets(env)
         # the rollout thread, started on entering (or at the first batch), and what it hands back
-        self._thread = RolloutThread(f"aiocollect-rollout-{id(self):x}")
+        self._thread = RolloutThread(f"aiocollect-rollout-{id(self):x}", clock=self._rollout.clock)
         self._bells: list[Doorbell] = []  # made with the thread (see _submit)
         # a collector dropped without aclose() (never entered, or its iteration abandoned) ends its thread
         weakref.finalize(self, _end_thread, self._thread, self._bells)
@@ -219,6 +220,7 @@ class Collector(CollectorBase):
             copy_module=True,
             storing_device=self._options.devices.storing,
         )
+        self._split = SplitWindow()  # the rollout clock's recent totals: statistics().time_split
         # the policy samples with the collector's own torch RNG state when seeded (see _rng.py)
         self._rng = RolloutRNG(self._seed)
         # one dry policy call: a broken policy fails here, not later. It draws from a forked RNG so
@@ -597,7 +599,11 @@ class Collector(CollectorBase):
         version = self._rollout.policy_version
         worker = WorkerStatistics(0, state, self._stats.frames, version)
         return self._stats.snapshot(
-            version, workers=(worker,), paused=self.paused, loop_lag_ms=self._lag.percentiles_ms()
+            version,
+            workers=(worker,),
+            paused=self.paused,
+            loop_lag_ms=self._lag.percentiles_ms(),
+            splits=[self._split.seconds(self._rollout.clock.totals())],
         )
 
     def __repr__(self) -> str:
