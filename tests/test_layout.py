@@ -63,7 +63,7 @@ LONG_FUNCTIONS: dict[str, int] = {
     "aiocollect/_envs/_gym_steps.py:run_pool_steps": 59,
     "aiocollect/_remote/_gloo.py:run_node": 78,
     "aiocollect/_asyncenv/_run.py:Engine._env_task": 75,
-    "aiocollect/dashboard/_routes.py:build_app": 68,
+    "aiocollect/dashboard/_routes.py:build_app": 69,
     "aiocollect/_multi/_base.py:MultiCollectorBase.__init__": 67,
     "aiocollect/_envs/_gym.py:GymEnv._step_env_action": 67,
     "aiocollect/_remote/_ray_fleet.py:ActorFleet._start": 65,
