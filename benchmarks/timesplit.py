@@ -6,15 +6,18 @@ in this thread: one with the rollout's ``SplitClock`` (``on``), one with a clock
 (``off``: ``NULL_CLOCK``), the order flipping each pair, so that the shared machine's drift hits both
 alike. CPU time is this thread's (``time.thread_time``: other processes' load does not count). The report
 gives, per case, the median µs per frame of each and the median of the per-round ratios ``on / off``
-with their range. (Per batch the clock also reads the time around the rollout thread's wait, and a worker
-sends 7 numbers with its batch notice: a few µs per batch of 512 frames, not counted here.)
+with their range; on a loaded machine that ratio's noise (a few %) hides a cost this small, so ``bound``
+also gives the clock's own CPU per frame (its cost per policy call and per batch, timed alone with
+``timeit`` in CPU time) over the frame's CPU without it. (Per batch the clock also reads the time around
+the rollout thread's wait, and a worker sends 7 numbers with its batch notice: a few µs per batch of 512
+frames, not counted here.)
 
 Cases: CartPole with a random policy (fused loop, actions drawn once per batch), CartPole with an MLP
 (fused loop, a policy call per step), 8 CartPoles with a TensorDictModule MLP (the generic loop), and
 Pendulum with an MLP and ``max_frames_per_traj`` (the generic loop, one env).
 
 ```bash
-python benchmarks/timesplit.py --rounds 7 --batches 40
+python benchmarks/timesplit.py --rounds 9 --batches 8
 ```
 """
 
@@ -68,6 +71,15 @@ CASES: dict[str, Callable[[], tuple[Any, Any, dict[str, Any]]]] = {
 }
 
 
+#: policy calls per frame of each case (a random policy draws a batch's actions at once: none)
+CALLS_PER_FRAME = {
+    "cartpole-random": 0.0,
+    "cartpole-mlp": 1.0,
+    "cartpole8-tdmodule": 1 / 8,
+    "pendulum-mlp-maxsteps": 1.0,
+}
+
+
 def measure(case: str, rounds: int, batches: int) -> tuple[list[float], list[float]]:
     """Per round, µs of CPU per frame with the clock and without: one rollout, its batches alternating
     between the two (the order flipping each pair), so that drift cancels."""
@@ -110,14 +122,15 @@ def per_call_ns(repeat: int = 7, number: int = 200_000) -> tuple[float, float]:
         return x
 
     timed = clock.timed_policy(call)
-    bare = min(timeit.repeat(lambda: call(1), repeat=repeat, number=number)) / number
-    wrapped = min(timeit.repeat(lambda: timed(1), repeat=repeat, number=number)) / number
+    cpu = time.thread_time  # this thread's CPU time: the time it waits for a core does not count
+    bare = min(timeit.repeat(lambda: call(1), repeat=repeat, number=number, timer=cpu)) / number
+    wrapped = min(timeit.repeat(lambda: timed(1), repeat=repeat, number=number, timer=cpu)) / number
 
     def marks() -> None:
         since = clock.loop_ended(clock.loop_started())
         clock.batch_written(since, 1)
 
-    batch = min(timeit.repeat(marks, repeat=repeat, number=number // 10)) / (number // 10)
+    batch = min(timeit.repeat(marks, repeat=repeat, number=number // 10, timer=cpu)) / (number // 10)
     return (wrapped - bare) * 1e9, batch * 1e9
 
 
@@ -131,16 +144,21 @@ def main() -> None:
     cases = args.cases.split(",")
     load = os.getloadavg()[0]
     print(f"load average {load:.1f}; {args.rounds} rounds x {args.batches} batch pairs of {FRAMES_PER_BATCH}")
-    print(f"{'case':24} {'off µs/frame':>13} {'on µs/frame':>12} {'on/off (median)':>16} {'range':>16}")
+    per_call, per_batch = per_call_ns()
+    head = f"{'case':24} {'off µs/frame':>13} {'on µs/frame':>12} {'on/off (median)':>16} {'range':>16}"
+    print(f"{head} {'bound':>7}")
     for case in cases:
         on, off = measure(case, args.rounds, args.batches)
         ratios = [a / b for a, b in zip(on, off, strict=True)]
+        # the clock's own CPU per frame over the frame's CPU without it
+        bound = (
+            (CALLS_PER_FRAME[case] * per_call + per_batch / FRAMES_PER_BATCH) / 1e3 / statistics.median(off)
+        )
         print(
             f"{case:24} {statistics.median(off):13.2f} {statistics.median(on):12.2f} "
-            f"{statistics.median(ratios):16.4f} {min(ratios):7.4f}-{max(ratios):.4f}"
+            f"{statistics.median(ratios):16.4f} {min(ratios):7.4f}-{max(ratios):.4f} {bound:7.2%}"
         )
-    per_call, per_batch = per_call_ns()
-    print(f"clock cost: {per_call:.0f} ns per policy call, {per_batch:.0f} ns per batch (best of 7, timeit)")
+    print(f"clock cost: {per_call:.0f} ns per policy call, {per_batch:.0f} ns per batch (timeit, CPU time)")
     print(f"load average {os.getloadavg()[0]:.1f}")
 
 

@@ -32,11 +32,11 @@ TARGET_BODY_LINES = 50
 LONG_MODULES: dict[str, int] = {
     "aiocollect/_procenv/_env.py": 487,
     "aiocollect/_asyncenv/_collector.py": 480,
-    "aiocollect/_asyncenv/_run.py": 553,
-    "aiocollect/_asyncenv/_worker.py": 444,
+    "aiocollect/_asyncenv/_run.py": 560,
+    "aiocollect/_asyncenv/_worker.py": 446,
     "aiocollect/_distributed_weights.py": 483,
     "aiocollect/_fast_policy.py": 598,
-    "aiocollect/_local/_collector.py": 613,
+    "aiocollect/_local/_collector.py": 612,
     "aiocollect/_multi/_base.py": 601,
     # two public collectors' explicit keyword signatures (DistributedCollector, DistributedSyncCollector)
     "aiocollect/_remote/_gloo.py": 446,
@@ -74,7 +74,7 @@ LONG_FUNCTIONS: dict[str, int] = {
     "aiocollect/_local/_collector.py:Collector.__init__": 60,
     "aiocollect/_remote/_ray.py:RayCollector.__init__": 59,
     "aiocollect/_envs/_gym_steps.py:run_steps": 59,
-    "aiocollect/_asyncenv/_run.py:Engine.__init__": 59,
+    "aiocollect/_asyncenv/_run.py:Engine.__init__": 60,
     "aiocollect/_serve/_actions.py:batch_action_checker": 54,
     "aiocollect/_asyncenv/_collector.py:AsyncEnvCollector._on_enter": 52,
 }

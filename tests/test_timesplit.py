@@ -11,10 +11,19 @@ from typing import Any
 
 import anyio
 import gymnasium as gym
+import numpy as np
 import pytest
 import torch
 
-from aiocollect import Collector, CollectorStatistics, GymEnv, MultiAsyncCollector, MultiSyncCollector
+from aiocollect import (
+    AsyncEnvCollector,
+    Collector,
+    CollectorStatistics,
+    GymEnv,
+    MultiAsyncCollector,
+    MultiAsyncEnvCollector,
+    MultiSyncCollector,
+)
 from aiocollect._sinks import statistics_scalars
 from aiocollect._timesplit import PARTS, SplitClock, SplitWindow, combine_splits
 from support import HookedEnv
@@ -180,3 +189,73 @@ def test_sinks_write_the_idle_ratios_and_the_split() -> None:
     assert scalars["collector/collector_wait"] == 0.2
     assert {f"collector/time_split/{p}" for p in PARTS} <= set(scalars)
     assert {f"collector/time_split_us/{p}" for p in PARTS} <= set(scalars)
+
+
+class SleepyAsyncEnv:
+    """An async env (CartPole's spaces) whose step awaits ``delay`` seconds: a network call."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.t = 0
+
+    async def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
+        self.t = 0
+        return np.zeros(4, np.float32), {}
+
+    async def step(self, action: Any) -> Any:
+        await anyio.sleep(self.delay)
+        self.t += 1
+        return np.zeros(4, np.float32), 1.0, self.t >= 20, False, {}
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.anyio
+async def test_async_env_engine_split() -> None:
+    """The engine's policy task: awaiting the envs (env), the policy, the consumer (wait)."""
+    fns = [partial(SleepyAsyncEnv, 0.005) for _ in range(4)]
+    stats = await run(AsyncEnvCollector(fns, frames_per_batch=40, total_frames=400))
+    check_split(stats.time_split, stats.time_split_us)
+    assert stats.time_split["env"] > 0.5  # type: ignore[index]
+    assert stats.trainer_wait is not None and stats.trainer_wait > 0.5
+    fast = [partial(SleepyAsyncEnv, 0.0) for _ in range(4)]
+    stats = await run(AsyncEnvCollector(fast, frames_per_batch=40, total_frames=200), train=0.05)
+    assert stats.collector_wait is not None and stats.collector_wait > 0.5
+    assert stats.trainer_wait is not None and stats.trainer_wait < 0.5
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {"use_uvloop": False})])
+async def test_async_env_workers_report_their_split() -> None:
+    """Each worker process of MultiAsyncEnvCollector sends its engine's totals with its batch notices."""
+    fns = [[partial(SleepyAsyncEnv, 0.005) for _ in range(3)] for _ in range(2)]
+    stats = await run(MultiAsyncEnvCollector(fns, frames_per_batch=30, total_frames=300))
+    check_split(stats.time_split, stats.time_split_us)
+    assert stats.time_split["env"] > 0.4  # type: ignore[index]
+    assert len(stats.workers) == 2
+    for worker in stats.workers:
+        check_split(worker.time_split, worker.time_split_us)
+
+
+@pytest.mark.anyio
+async def test_split_outlives_the_workers() -> None:
+    """After the collector closed (its workers gone), statistics() keeps their last measured split."""
+    collector = MultiSyncCollector(
+        [slow_env] * 2, None, frames_per_batch=40, total_frames=120, worker_backend="serial"
+    )
+    inside = await run(collector)
+    after = collector.statistics()
+    assert inside.time_split is not None and after.time_split == inside.time_split
+    assert [w.time_split for w in after.workers] == [w.time_split for w in inside.workers]
+
+
+@pytest.mark.anyio
+async def test_a_closed_collector_keeps_its_last_split() -> None:
+    collector = Collector(partial(slow_env, 0.001), None, frames_per_batch=20, total_frames=100)
+    inside = await run(collector)
+    await anyio.sleep(0.05)  # a closed collector's numbers do not drift
+    assert collector.statistics().time_split == inside.time_split

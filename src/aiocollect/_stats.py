@@ -123,6 +123,9 @@ class StatsTracker:
         self._waits: deque[tuple[float, float]] = deque()
         self._waiting_since: float | None = None
         self._first_ask: float | None = None
+        #: the last measured split (by worker id, and of them all): kept once the workers are gone
+        self._last_split: tuple[dict[int, WorkerStatistics], tuple[dict[str, float], dict[str, float]]] | None
+        self._last_split = None
 
     def awaiting(self) -> None:
         """The consumer starts waiting for a batch (``__anext__``); :meth:`record` ends the wait."""
@@ -205,13 +208,22 @@ class StatsTracker:
         paused: bool = False,
         loop_lag_ms: dict[str, float] | None = None,
         splits: Sequence[tuple[float, list[float], int] | None] = (),
+        split: tuple[float, list[float], int] | None = None,
     ) -> CollectorStatistics:
         """The statistics now: frames/s reads 0 while ``paused``, and once the run has ended (``total_frames``
         delivered) every worker that did not fail reads ``stopped``. ``splits``: each worker's measured
-        time split (``SplitWindow.seconds()``, in the order of ``workers``; ``None``: not measured)."""
+        time split (``SplitWindow.seconds()``, in the order of ``workers``; ``None``: not measured);
+        ``split``: the collector's own, where its workers keep none (the async-env engine's)."""
         returns = self._returns
         lengths = self._lengths
         workers, combined = _with_splits(workers, splits)
+        if combined is None and split is not None:
+            combined = combine_splits([split])
+        if combined is not None:
+            self._last_split = ({w.worker_id: w for w in workers}, combined)
+        elif self._last_split is not None:  # the workers are gone (a closed collector): their last split
+            last, combined = self._last_split
+            workers = tuple(_split_of(w, last.get(w.worker_id)) for w in workers)
         if self.finished:
             workers = tuple(
                 w
@@ -237,6 +249,13 @@ class StatsTracker:
             time_split=combined[0] if combined is not None else None,
             time_split_us=combined[1] if combined is not None else None,
         )
+
+
+def _split_of(worker: WorkerStatistics, measured: WorkerStatistics | None) -> WorkerStatistics:
+    if measured is None or measured.time_split is None:
+        return worker
+    split, per_frame, wait = measured.time_split, measured.time_split_us, measured.collector_wait
+    return replace(worker, time_split=split, time_split_us=per_frame, collector_wait=wait)
 
 
 def _with_splits(

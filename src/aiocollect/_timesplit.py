@@ -56,7 +56,7 @@ class SplitClock:
       a worker thread of the serial backend).
     """
 
-    __slots__ = ("env", "frames", "policy", "started", "transfer", "wait", "waiting_since")
+    __slots__ = ("_window", "env", "frames", "policy", "started", "transfer", "wait", "waiting_since")
 
     def __init__(self) -> None:
         self.started = perf_counter()
@@ -66,6 +66,7 @@ class SplitClock:
         self.wait = 0.0
         self.frames = 0
         self.waiting_since: float | None = None
+        self._window: SplitWindow | None = None
 
     # -- the rollout's hooks (once per batch, and around each policy call) --------------------------------
     def loop_started(self) -> tuple[float, float]:
@@ -95,6 +96,16 @@ class SplitClock:
         return timed
 
     @contextlib.contextmanager
+    def spent(self, part: str) -> Iterator[None]:
+        """Around time that goes to ``part`` (``"env"``, ``"policy"``, ``"transfer"``): the async-env
+        engine's policy task awaits the envs and the policy."""
+        start = perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, part, getattr(self, part) + perf_counter() - start)
+
+    @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
         """Around a wait for the consumer (an open wait counts in :meth:`totals` while it lasts)."""
         self.waiting_since = start = perf_counter()
@@ -104,12 +115,25 @@ class SplitClock:
             self.waiting_since = None
             self.wait += perf_counter() - start
 
+    def done(self) -> None:
+        """The producer has collected its budget: from now on it waits (for the consumer to take it)."""
+        if self.waiting_since is None:
+            self.waiting_since = perf_counter()
+
     def totals(self) -> Totals:
         """The cumulative seconds now (an open wait counted up to now)."""
         now = perf_counter()
         since = self.waiting_since
         wait = self.wait + (now - since if since is not None else 0.0)
         return (now, self.started, self.env, self.policy, self.transfer, wait, self.frames)
+
+    def recent(self) -> tuple[float, list[float], int]:
+        """The split of the last ~10 s (:meth:`SplitWindow.seconds`), read where the clock runs."""
+        if self._window is None:
+            self._window = SplitWindow()
+        measured = self._window.seconds(self.totals())
+        assert measured is not None  # a sample was just added
+        return measured
 
 
 class NullClock(SplitClock):
@@ -159,6 +183,9 @@ class SplitWindow:
         old = samples[0] if len(samples) > 1 else (new[1], new[1], 0.0, 0.0, 0.0, 0.0, 0)
         wall = new[0] - old[0]
         parts = [max(new[i] - old[i], 0.0) for i in range(2, 6)]
+        measured = sum(parts)
+        if measured > wall > 0:  # an interval read across two samples' edges: scaled to the wall time
+            parts = [p * wall / measured for p in parts]
         parts.append(max(wall - sum(parts), 0.0))
         return wall, parts, new[6] - old[6]
 

@@ -27,7 +27,6 @@ from .._rng import RolloutRNG, forked_rng
 from .._rollout import RolloutResult, build_rollout, open_env
 from .._rollout_thread import Doorbell, Job, RolloutThread
 from .._stats import CollectorStatistics, WorkerStatistics
-from .._timesplit import SplitWindow
 from .._trajectories import split_trajectories
 from .._validation import (
     flag,
@@ -220,7 +219,6 @@ class Collector(CollectorBase):
             copy_module=True,
             storing_device=self._options.devices.storing,
         )
-        self._split = SplitWindow()  # the rollout clock's recent totals: statistics().time_split
         # the policy samples with the collector's own torch RNG state when seeded (see _rng.py)
         self._rng = RolloutRNG(self._seed)
         # one dry policy call: a broken policy fails here, not later. It draws from a forked RNG so
@@ -603,7 +601,7 @@ class Collector(CollectorBase):
             workers=(worker,),
             paused=self.paused,
             loop_lag_ms=self._lag.percentiles_ms(),
-            splits=[self._split.seconds(self._rollout.clock.totals())],
+            splits=[None if self._closed else self._rollout.clock.recent()],  # closed: the last one
         )
 
     def __repr__(self) -> str:
