@@ -223,7 +223,7 @@ async def test_async_env_engine_split() -> None:
     assert stats.time_split["env"] > 0.5  # type: ignore[index]
     assert stats.trainer_wait is not None and stats.trainer_wait > 0.5
     fast = [partial(SleepyAsyncEnv, 0.0) for _ in range(4)]
-    stats = await run(AsyncEnvCollector(fast, frames_per_batch=40, total_frames=200), train=0.05)
+    stats = await run(AsyncEnvCollector(fast, frames_per_batch=20, total_frames=100), train=0.2)
     assert stats.collector_wait is not None and stats.collector_wait > 0.5
     assert stats.trainer_wait is not None and stats.trainer_wait < 0.5
 
