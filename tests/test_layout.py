@@ -43,7 +43,7 @@ LONG_MODULES: dict[str, int] = {
     "aiocollect/_remote/_launchers.py": 460,
     "aiocollect/_remote/_nodes.py": 485,
     "aiocollect/_remote/_ray.py": 523,
-    "aiocollect/_rollout.py": 606,
+    "aiocollect/_rollout.py": 607,
     "aiocollect/_serve/_ws.py": 585,
     "aiocollect/_workers/_pool.py": 435,
     "aiocollect/_workers/_worker.py": 529,
@@ -60,7 +60,7 @@ EXEMPT_MODULES: dict[str, tuple[int, str]] = {
 
 LONG_FUNCTIONS: dict[str, int] = {
     "aiocollect/_rollout.py:Rollout._finish": 51,
-    "aiocollect/_envs/_gym_steps.py:run_pool_steps": 59,
+    "aiocollect/_envs/_gym_steps.py:run_pool_steps": 68,
     "aiocollect/_remote/_gloo.py:run_node": 78,
     "aiocollect/_asyncenv/_run.py:Engine._env_task": 75,
     "aiocollect/dashboard/_routes.py:build_app": 69,
@@ -73,7 +73,7 @@ LONG_FUNCTIONS: dict[str, int] = {
     "aiocollect/_multi/_base.py:MultiCollectorBase._start_workers": 60,
     "aiocollect/_local/_collector.py:Collector.__init__": 60,
     "aiocollect/_remote/_ray.py:RayCollector.__init__": 59,
-    "aiocollect/_envs/_gym_steps.py:run_steps": 59,
+    "aiocollect/_envs/_gym_steps.py:run_steps": 68,
     "aiocollect/_asyncenv/_run.py:Engine.__init__": 60,
     "aiocollect/_serve/_actions.py:batch_action_checker": 54,
     "aiocollect/_asyncenv/_collector.py:AsyncEnvCollector._on_enter": 52,

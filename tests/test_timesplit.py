@@ -132,9 +132,13 @@ async def test_trainer_bound_collector() -> None:
 
 
 @pytest.mark.anyio
-async def test_policy_bound_collector() -> None:
-    """A policy sleeping 2 ms per call: the policy takes the time (the env's share is small)."""
-    collector = Collector(slow_env, SleepyPolicy(0.002), frames_per_batch=20, total_frames=200)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-loop", "generic-loop"])
+async def test_policy_bound_collector(fused: bool) -> None:
+    """A policy sleeping 2 ms per call: the policy takes the time (the env's share is small), in GymEnv's
+    fused loop and in the rollout's generic one (``max_frames_per_traj`` takes it)."""
+    kwargs: dict[str, Any] = {} if fused else {"max_frames_per_traj": 50}
+    collector = Collector(slow_env, SleepyPolicy(0.002), frames_per_batch=20, total_frames=200, **kwargs)
+    assert collector._rollout.env.fused_gym is not None  # fused, unless max_frames_per_traj
     stats = await run(collector)
     check_split(stats.time_split, stats.time_split_us)
     assert stats.time_split["policy"] > 0.6  # type: ignore[index]

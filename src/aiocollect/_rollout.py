@@ -429,11 +429,12 @@ class Rollout:
         steps, obs = fused._run_steps(
             self.steps_per_batch,
             self._root["observation"],
-            self.clock.timed_policy(one_input(runner, "observation")),
+            one_input(runner, "observation"),
             block_actions,
             (obs_slots[0][0][1], obs_slots[1][0][1], reward, terminated, truncated),
             hist.out,
             stop,
+            self.clock if self.clock.measures else None,
         )
         hist.written = True
         self._root = {"observation": obs}

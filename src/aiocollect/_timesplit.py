@@ -57,6 +57,7 @@ class SplitClock:
     """
 
     __slots__ = ("_window", "env", "frames", "policy", "started", "transfer", "wait", "waiting_since")
+    measures = True
 
     def __init__(self) -> None:
         self.started = perf_counter()
@@ -138,6 +139,8 @@ class SplitClock:
 
 class NullClock(SplitClock):
     """A clock that measures nothing (the overhead benchmark's baseline)."""
+
+    measures = False
 
     def loop_ended(self, mark: tuple[float, float]) -> float:
         return 0.0
