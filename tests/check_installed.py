@@ -145,6 +145,9 @@ def extras() -> None:
         names_extra("TensorBoardSink", "tensorboard", lambda: aiocollect.TensorBoardSink(tempfile.mkdtemp()))
     if not installed("wandb"):
         names_extra("WandbSink", "wandb", lambda: aiocollect.WandbSink(project="check"))
+    if not installed("prometheus_client"):
+        collector = Collector(make_env, None, frames_per_batch=200, total_frames=200)
+        names_extra("metrics_text", "metrics", lambda: aiocollect.metrics_text(collector))
     if not installed("ray"):
 
         async def ray_collector() -> None:

@@ -53,6 +53,11 @@ CASES = {
     # 2 env server processes, the policy served too
     "remote_envs": ["remote_envs.py", "--total-frames", "2000", "--frames-per-batch", "500"]
     + ["--envs-per-server", "4", "--remote-policy"],
+    # docs/why-slow.md: the env-bound run as documented (defaults), the others smaller
+    "why_slow": ["why_slow.py"],
+    "why_slow_policy": ["why_slow.py", "--case", "policy", "--total-frames", "400", "--width", "256"],
+    "why_slow_trainer": ["why_slow.py", "--case", "trainer", "--total-frames", "400", "--train-ms", "5"],
+    "why_slow_handoff": ["why_slow.py", "--case", "handoff", "--total-frames", "320"],
 }
 
 

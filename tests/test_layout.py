@@ -31,30 +31,31 @@ TARGET_BODY_LINES = 50
 # in _rollout.py, issue 34's pool loop, issue 31's ProcessVectorEnv).
 LONG_MODULES: dict[str, int] = {
     "aiocollect/_procenv/_env.py": 487,
-    "aiocollect/_asyncenv/_collector.py": 501,  # issue 30: trajs_per_batch
-    "aiocollect/_asyncenv/_run.py": 553,
-    "aiocollect/_asyncenv/_worker.py": 444,
+    "aiocollect/_asyncenv/_collector.py": 502,  # issue 30: trajs_per_batch
+    "aiocollect/_asyncenv/_run.py": 560,
+    "aiocollect/_asyncenv/_worker.py": 446,
     "aiocollect/_distributed_weights.py": 483,
     "aiocollect/_fast_policy.py": 598,
-    "aiocollect/_local/_collector.py": 631,  # issue 30: trajs_per_batch; issue 29: stop flag, resume hooks
-    # the lifecycle every collector shares: issue 29's request_stop, issue 30's episode_statistics
-    "aiocollect/_local/_base.py": 409,
+    "aiocollect/_local/_collector.py": 635,  # issue 30: trajs_per_batch; issue 29: stop flag, resume hooks
+    # the lifecycle every collector shares: issue 29's request_stop, issue 30's episode_statistics, issue 32's
+    # trainer_wait
+    "aiocollect/_local/_base.py": 410,
     "aiocollect/_multi/_base.py": 601,
     "aiocollect/_multi/_async.py": 420,  # issue 30: trajs_per_batch (two explicit-keyword constructors)
     # two public collectors' explicit keyword signatures (DistributedCollector, DistributedSyncCollector) and
     # GlooNodes, their transport (issue 27: DistributedSyncCollector subclasses DistributedCollector no more)
     "aiocollect/_remote/_gloo.py": 460,
     "aiocollect/_remote/_launchers.py": 460,
-    "aiocollect/_rollout.py": 599,
+    "aiocollect/_rollout.py": 607,
     "aiocollect/_serve/_ws.py": 585,
-    "aiocollect/_workers/_pool.py": 431,
-    "aiocollect/_workers/_worker.py": 523,
+    "aiocollect/_workers/_pool.py": 435,
+    "aiocollect/_workers/_worker.py": 530,
 }
 
 #: cohesive modules allowed past the target, each with the size it may reach and why
 EXEMPT_MODULES: dict[str, tuple[int, str]] = {
     "aiocollect/_fleet.py": (
-        449,
+        461,
         "FleetCollector is the one collector over several members (iteration, weights, state dict, seeds, "
         "statistics, written once for every transport) beside the Transport protocol it holds",
     ),
@@ -79,14 +80,14 @@ EXEMPT_MODULES: dict[str, tuple[int, str]] = {
 
 LONG_FUNCTIONS: dict[str, int] = {
     "aiocollect/_rollout.py:Rollout._finish": 51,
-    "aiocollect/_envs/_gym_steps.py:run_pool_steps": 59,
+    "aiocollect/_envs/_gym_steps.py:run_pool_steps": 68,
     "aiocollect/_remote/_gloo.py:run_node": 78,
     "aiocollect/_asyncenv/_run.py:Engine._env_task": 75,
-    "aiocollect/dashboard/_routes.py:build_app": 68,
+    "aiocollect/dashboard/_routes.py:build_app": 69,
     "aiocollect/_multi/_base.py:MultiCollectorBase.__init__": 67,
     "aiocollect/_envs/_gym.py:GymEnv._step_env_action": 67,
     "aiocollect/_remote/_ray_fleet.py:RayActors.start": 54,
-    "aiocollect/_rollout.py:Rollout._run": 67,
+    "aiocollect/_rollout.py:Rollout._run": 68,
     "aiocollect/_envs/_gym.py:GymEnv.__init__": 63,
     "aiocollect/_fast_policy.py:_Compiler._prob_module": 61,
     "aiocollect/_multi/_base.py:MultiCollectorBase._start_workers": 60,
@@ -95,8 +96,8 @@ LONG_FUNCTIONS: dict[str, int] = {
     "aiocollect/_multi/_sync.py:MultiSyncCollector.__init__": 57,
     "aiocollect/_asyncenv/_multi.py:MultiAsyncEnvCollector.__init__": 56,
     "aiocollect/_remote/_ray.py:RayCollector.__init__": 59,
-    "aiocollect/_envs/_gym_steps.py:run_steps": 59,
-    "aiocollect/_asyncenv/_run.py:Engine.__init__": 59,
+    "aiocollect/_envs/_gym_steps.py:run_steps": 68,
+    "aiocollect/_asyncenv/_run.py:Engine.__init__": 60,
     "aiocollect/_serve/_actions.py:batch_action_checker": 54,
     "aiocollect/_asyncenv/_collector.py:AsyncEnvCollector._on_enter": 52,
 }
@@ -113,6 +114,7 @@ LAYERS: dict[str, int] = {
     "_torch_settings": 0,
     "_events": 0,
     "_stats": 0,
+    "_timesplit": 0,
     "_progress": 0,
     "_gather": 0,
     "_gcfreeze": 0,
@@ -149,6 +151,7 @@ LAYERS: dict[str, int] = {
     "_asyncenv": 5,
     "_fleet": 5,
     "_sinks": 5,
+    "_metrics": 5,
     # remote collectors: their nodes and actors host local collectors
     "_remote": 6,
     # envs and policies served over WebSocket (issue 16): servers host envs and policies

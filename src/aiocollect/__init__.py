@@ -36,6 +36,7 @@ from ._events import (
     WorkerStopped,
 )
 from ._local._collector import Collector
+from ._metrics import metrics_text
 from ._multi import (
     MultiAsyncCollector,
     MultiCollector,
@@ -166,6 +167,7 @@ __all__ = [
     "Sink",
     "TensorBoardSink",
     "WandbSink",
+    "metrics_text",
     "__version__",
     "set_worker_warnings",
     "split_trajectories",

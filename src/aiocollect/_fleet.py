@@ -28,6 +28,7 @@ from ._gather import gather
 from ._local._base import CollectorBase
 from ._mistakes import warn_user
 from ._stats import CollectorStatistics, WorkerState, WorkerStatistics
+from ._timesplit import member_split
 from ._transport._messages import FleetOp, GetState, LoadState, Reset, SetSeed
 from ._validation import flag, seed_arg
 from ._weights import as_weights, check_compatible
@@ -327,7 +328,11 @@ class FleetCollector(CollectorBase):
         :class:`CollectorStatistics`)."""
         workers = self._worker_stats() or self._last_workers
         snapshot = self._stats.snapshot(
-            self._version, workers=workers, paused=self.paused, loop_lag_ms=self._lag.percentiles_ms()
+            self._version,
+            workers=workers,
+            paused=self.paused,
+            loop_lag_ms=self._lag.percentiles_ms(),
+            splits=[member_split(m) for m in self._members()],
         )
         discarded = self._frames_discarded()
         return replace(snapshot, frames_discarded=discarded) if discarded else snapshot

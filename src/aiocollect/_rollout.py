@@ -25,6 +25,7 @@ from ._recurrent import Carry, Recurrence, find_recurrence
 from ._rollout_batch import episode_stats, nested_td, stack_into, time_first, trajectory_ids
 from ._rollout_casts import ActionCaster, lossless_casts, truncation_keys
 from ._storage import StoragePool
+from ._timesplit import SplitClock
 
 __all__ = ["Rollout", "RolloutResult", "StopSignal", "build_rollout", "open_env"]
 
@@ -108,6 +109,7 @@ class Rollout:
         self._caster: ActionCaster | None = None  # lossless action casts (output_specs)
         self._specs: tuple[list[Any], list[tuple[tuple[int, ...], torch.dtype]]] | None = None
         self._storage = StoragePool()
+        self.clock = SplitClock()  # where the time goes (_timesplit.py): clocks per batch and policy call
         #: the policy's recurrent states (``_recurrent.py``): those the rollout carries are observations too
         self.recurrence = recurrence if recurrence is not None else Recurrence()
         self._carry = Carry(self.recurrence, self.batch_shape) if self.recurrence.specs else None
@@ -277,12 +279,16 @@ class Rollout:
         runner = self.random_runner if random else self.policy
         block, block_steps = self._random_block(runner)
         hist = _Steps(step_count=[] if self.options.step_count else None)
+        mark = self.clock.loop_started()
         with torch.no_grad(), set_interaction_type(self.options.exploration_type):
             steps = self._run(self._obs_slots(views), runner, block_steps, hist, stop, views)
+        since = self.clock.loop_ended(mark)
         if block is not None:  # a random batch: the actions of every step at once, steps first
             nb = len(self.batch_shape)
             hist.out = [{k: v[:steps].movedim(0, nb) for k, v in block.items()}]
-        return self._finish(batch, views, steps, hist, block is not None, into)
+        result = self._finish(batch, views, steps, hist, block is not None, into)
+        self.clock.batch_written(since, result.frames)
+        return result
 
     def _obs_slots(
         self, views: dict[Any, np.ndarray]
@@ -356,6 +362,7 @@ class Rollout:
             fused = env.fused_gym
             if fused is not None:  # a GymEnv of one observation array: its own loop
                 return self._run_fused(fused, obs_slots, runner, block_actions, hist, stop, views)
+        runner = self.clock.timed_policy(runner)
         for t in range(T):
             if stop is not None and stop.is_set():
                 steps = t
@@ -427,6 +434,7 @@ class Rollout:
             (obs_slots[0][0][1], obs_slots[1][0][1], reward, terminated, truncated),
             hist.out,
             stop,
+            self.clock if self.clock.measures else None,
         )
         hist.written = True
         self._root = {"observation": obs}

@@ -25,6 +25,7 @@ import anyio.lowlevel
 import anyio.to_thread
 
 from ._errors import WorkerTimeoutError
+from ._timesplit import SplitClock
 from ._torch_settings import TorchSettings
 
 __all__ = ["Doorbell", "Job", "RolloutThread"]
@@ -243,8 +244,10 @@ class RolloutThread:
         42
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, clock: SplitClock | None = None) -> None:
         self.name = name
+        #: adds the thread's idle time (no job queued: no batch asked for) to its ``wait``
+        self.clock = clock
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._exited = threading.Event()
@@ -276,9 +279,14 @@ class RolloutThread:
 
     def _run(self, settings: TorchSettings) -> None:
         settings.apply()
+        get = self._jobs.get
         try:
             while True:
-                job = self._jobs.get()
+                if self.clock is None:
+                    job = get()
+                else:
+                    with self.clock.waiting():
+                        job = get()
                 if job is _STOP:
                     return
                 job.run()

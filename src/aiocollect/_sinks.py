@@ -43,6 +43,12 @@ def statistics_scalars(stats: CollectorStatistics, prefix: str = "collector/") -
     if stats.loop_lag_ms:
         values["loop_lag_p50_ms"] = stats.loop_lag_ms.get("p50")
         values["loop_lag_p99_ms"] = stats.loop_lag_ms.get("p99")
+    values["trainer_wait"] = stats.trainer_wait
+    values["collector_wait"] = stats.collector_wait
+    for part, fraction in (stats.time_split or {}).items():
+        values[f"time_split/{part}"] = fraction
+    for part, us in (stats.time_split_us or {}).items():
+        values[f"time_split_us/{part}"] = us
     return {prefix + k: float(v) for k, v in values.items() if v is not None}
 
 

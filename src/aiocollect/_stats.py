@@ -5,8 +5,11 @@ from __future__ import annotations
 import enum
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
+
+from ._timesplit import combine_splits
 
 __all__ = ["WORKER_STATES", "CollectorStatistics", "StatsTracker", "WorkerState", "WorkerStatistics"]
 
@@ -27,12 +30,20 @@ WORKER_STATES = tuple(state.value for state in WorkerState)
 @dataclass(frozen=True)
 class WorkerStatistics:
     """One worker: ``state`` is a :class:`WorkerState`, i.e. one of the strings ``"starting"``,
-    ``"collecting"``, ``"paused"``, ``"stopped"``, ``"failed"``."""
+    ``"collecting"``, ``"paused"``, ``"stopped"``, ``"failed"``.
+
+    ``time_split`` (fractions of the worker's wall time) and ``time_split_us`` (µs per frame), keyed
+    ``"env"``, ``"policy"``, ``"transfer"``, ``"wait"``, ``"other"``, over the last ~10 s, and
+    ``collector_wait`` (its ``"wait"`` fraction: its batches waited for the consumer): ``None`` where the
+    worker does not measure them (see docs/why-slow.md)."""
 
     worker_id: int
     state: str
     frames: int
     policy_version: int
+    time_split: dict[str, float] | None = None
+    time_split_us: dict[str, float] | None = None
+    collector_wait: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state", WorkerState(self.state))
@@ -59,6 +70,13 @@ class CollectorStatistics:
             collector is entered (``async with``); ``None`` before.
         frames_discarded: frames collected and never delivered because newer weights overtook them
             (``update_weights(flush=True)``, ``max_policy_lag=0`` on ``MultiAsyncCollector``).
+        trainer_wait: the fraction of the last ~10 s of wall time the consumer spent awaiting the next batch
+            (in ``async for``); ``None`` before it first asked.
+        collector_wait: the fraction of the producers' time their ready batches waited for the consumer
+            (the ``"wait"`` of ``time_split``); ``None`` where not measured.
+        time_split: where the producers' wall time went over the last ~10 s, as fractions keyed ``"env"``,
+            ``"policy"``, ``"transfer"``, ``"wait"``, ``"other"`` (all workers together); ``None`` where
+            not measured. ``time_split_us``: the same as µs per frame.
 
     Example:
         >>> CollectorStatistics(0, 0, 0, None, None, 0.0, 0).to_dict()["frames"]
@@ -78,6 +96,10 @@ class CollectorStatistics:
     paused: bool = False
     loop_lag_ms: dict[str, float] | None = None
     frames_discarded: int = 0
+    trainer_wait: float | None = None
+    collector_wait: float | None = None
+    time_split: dict[str, float] | None = None
+    time_split_us: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,9 +119,44 @@ class StatsTracker:
         self._rate_window_s = rate_window_s
         self._started = time.monotonic()
         self._first: float | None = None  # when the first batch was delivered
+        # the consumer's waits for a batch: closed (start, end) intervals, and the open one's start
+        self._waits: deque[tuple[float, float]] = deque()
+        self._waiting_since: float | None = None
+        self._first_ask: float | None = None
+        #: the last measured split (by worker id, and of them all): kept once the workers are gone
+        self._last_split: tuple[dict[int, WorkerStatistics], tuple[dict[str, float], dict[str, float]]] | None
+        self._last_split = None
+
+    def awaiting(self) -> None:
+        """The consumer starts waiting for a batch (``__anext__``); :meth:`record` ends the wait."""
+        now = time.monotonic()
+        if self._first_ask is None:
+            self._first_ask = now
+        if self._waiting_since is not None:  # the last wait was cancelled: it counts until now
+            self._waits.append((self._waiting_since, now))
+        self._waiting_since = now
+
+    def trainer_wait(self, now: float | None = None) -> float | None:
+        """The fraction of the last ``rate_window_s`` seconds (since the first ask, in a younger run) the
+        consumer spent waiting for a batch; ``None`` before it first asked."""
+        if self._first_ask is None:
+            return None
+        now = time.monotonic() if now is None else now
+        start = max(now - self._rate_window_s, self._first_ask)
+        waits = self._waits
+        while waits and waits[0][1] <= start:
+            waits.popleft()
+        waited = sum(min(end, now) - max(begin, start) for begin, end in waits if end > start)
+        if self._waiting_since is not None:
+            waited += now - max(self._waiting_since, start)
+        span = now - start
+        return min(max(waited / span, 0.0), 1.0) if span > 0 else 0.0
 
     def record(self, frames: int, returns: list[float], lengths: list[int]) -> None:
         now = time.monotonic()
+        if self._waiting_since is not None:
+            self._waits.append((self._waiting_since, now))
+            self._waiting_since = None
         self.frames += frames
         self.batches += 1
         self.episodes += len(returns)
@@ -150,11 +207,23 @@ class StatsTracker:
         workers: tuple[WorkerStatistics, ...] = (),
         paused: bool = False,
         loop_lag_ms: dict[str, float] | None = None,
+        splits: Sequence[tuple[float, list[float], int] | None] = (),
+        split: tuple[float, list[float], int] | None = None,
     ) -> CollectorStatistics:
         """The statistics now: frames/s reads 0 while ``paused``, and once the run has ended (``total_frames``
-        delivered) every worker that did not fail reads ``stopped``."""
+        delivered) every worker that did not fail reads ``stopped``. ``splits``: each worker's measured
+        time split (``SplitWindow.seconds()``, in the order of ``workers``; ``None``: not measured);
+        ``split``: the collector's own, where its workers keep none (the async-env engine's)."""
         returns = self._returns
         lengths = self._lengths
+        workers, combined = _with_splits(workers, splits)
+        if combined is None and split is not None:
+            combined = combine_splits([split])
+        if combined is not None:
+            self._last_split = ({w.worker_id: w for w in workers}, combined)
+        elif self._last_split is not None:  # the workers are gone (a closed collector): their last split
+            last, combined = self._last_split
+            workers = tuple(_split_of(w, last.get(w.worker_id)) for w in workers)
         if self.finished:
             workers = tuple(
                 w
@@ -175,4 +244,32 @@ class StatsTracker:
             mean_length=sum(lengths) / len(lengths) if lengths else None,
             frames_per_second=0.0 if paused else self.frames_per_second(),
             policy_version=policy_version,
+            trainer_wait=self.trainer_wait(),
+            collector_wait=combined[0]["wait"] if combined is not None else None,
+            time_split=combined[0] if combined is not None else None,
+            time_split_us=combined[1] if combined is not None else None,
         )
+
+
+def _split_of(worker: WorkerStatistics, measured: WorkerStatistics | None) -> WorkerStatistics:
+    if measured is None or measured.time_split is None:
+        return worker
+    split, per_frame, wait = measured.time_split, measured.time_split_us, measured.collector_wait
+    return replace(worker, time_split=split, time_split_us=per_frame, collector_wait=wait)
+
+
+def _with_splits(
+    workers: tuple[WorkerStatistics, ...], splits: Sequence[tuple[float, list[float], int] | None]
+) -> tuple[tuple[WorkerStatistics, ...], tuple[dict[str, float], dict[str, float]] | None]:
+    """The workers with their time splits filled in, and the split of them all."""
+    if not any(s is not None for s in splits):
+        return workers, None
+    out = list(workers)
+    for i, measured in enumerate(splits[: len(out)]):
+        split = combine_splits([measured])
+        if split is not None:
+            fractions, per_frame = split
+            out[i] = replace(
+                out[i], time_split=fractions, time_split_us=per_frame, collector_wait=fractions["wait"]
+            )
+    return tuple(out), combine_splits(splits)

@@ -490,8 +490,9 @@ class AsyncEnvCollector(CollectorBase):
                 WorkerStatistics(i, "failed" if i in engine.dropped else state, frames, version)
                 for i, frames in enumerate(engine.env_frames)
             )
+        split = engine.clock.recent() if engine is not None and not self._closed else None  # its policy task
         return self._stats.snapshot(
-            version, workers=workers, paused=self.paused, loop_lag_ms=self._lag.percentiles_ms()
+            version, workers=workers, paused=self.paused, loop_lag_ms=self._lag.percentiles_ms(), split=split
         )
 
     def __repr__(self) -> str:

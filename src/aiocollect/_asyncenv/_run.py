@@ -30,6 +30,7 @@ import torch
 
 from .._envs._spaces import LeafSpec, NestedKey
 from .._events import WorkerFailed
+from .._timesplit import SplitClock
 from ._envset import EnvSet
 from ._frames import FrameBatch, Layout, PolicyCall
 from ._policy import ActionCodec, BatchPolicy
@@ -104,6 +105,7 @@ class Engine(VectorSteps):
         self.dropped: set[int] = set()
         self.version = 0
         self.batch_sizes: deque[int] = deque(maxlen=10_000)  # of the recent policy calls
+        self.clock = SplitClock()  # the policy task's time: awaiting envs, the policy, the consumer
         self.error: BaseException | None = None
         # hand-offs between the env tasks and the policy task
         self._ready: list[int] = []  # rows (a vector env's all at once)
@@ -368,6 +370,7 @@ class Engine(VectorSteps):
                 n = await self._next_batch_size()
                 if n == 0:
                     self._end_actions()
+                    self.clock.done()
                     return
                 await self._act(n)
         except Exception as exc:
@@ -397,7 +400,8 @@ class Engine(VectorSteps):
                     room = min(room, config.target - completed - self._in_flight)
                 if self.is_paused():
                     self._wake_at = 0
-                    await self._resumed()
+                    with self.clock.waiting():
+                        await self._resumed()
                     continue
                 waiting = len(self._ready)
                 if room > 0 and waiting:
@@ -406,12 +410,13 @@ class Engine(VectorSteps):
                     if waiting >= need or late <= 0:
                         return min(waiting, room)
                     self._wake_at = need  # the env that makes it `need` wakes us
-                    with anyio.move_on_after(late):
+                    with anyio.move_on_after(late), self.clock.spent("env"):
                         await self.policy_signal.wait()
                     continue
                 # no env waits (the first to be ready wakes us), or no room (a batch taken wakes us)
                 self._wake_at = 1 if room > 0 else 0
-                await self.policy_signal.wait()
+                with self.clock.spent("env") if room > 0 else self.clock.waiting():
+                    await self.policy_signal.wait()
         finally:
             self._wake_at = 0  # acting (or ending): the envs need not wake us
 
@@ -431,10 +436,12 @@ class Engine(VectorSteps):
             async with self.policy_lock:
                 version = self.version
                 tensors = {key: torch.from_numpy(a) for key, a in zip(self.spec.obs_keys, obs, strict=True)}
-                out = await self.policy(tensors, n)
+                with self.clock.spent("policy"):
+                    out = await self.policy(tensors, n)
         finally:
             self._acting = False
         self.batch_sizes.append(n)
+        self.clock.frames += n
         outputs = {key: _as_numpy(value, n) for key, value in out.items()}
         if self._layout is None:
             self._layout = self._make_layout(outputs)

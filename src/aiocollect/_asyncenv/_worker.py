@@ -402,6 +402,7 @@ class _AsyncWorker:
         self.free.discard(slot)
         self.slots[slot].td.update_(batch)
         episodes, self.episodes = self.episodes, []
+        engine = getattr(self.collector, "_engine", None)  # its time split goes with the notice
         self.chan.send(
             BatchReady(
                 slot=slot,
@@ -410,6 +411,7 @@ class _AsyncWorker:
                 policy_version=int(batch.get(VERSION).max()),
                 episode_returns=[e[1] for e in episodes],
                 episode_lengths=[e[2] for e in episodes],
+                time_split=engine.clock.totals() if engine is not None else (),
             )
         )
 

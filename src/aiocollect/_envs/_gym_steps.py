@@ -8,6 +8,7 @@ Both are ``GymEnv`` methods (assigned in its class body); they live here to keep
 from __future__ import annotations
 
 from collections.abc import Mapping
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -103,6 +104,7 @@ def run_steps(
     slots: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
     out_hist: list[Any],
     stop: Any,
+    clock: Any = None,
 ) -> tuple[int, np.ndarray]:
     """The rollout's hot loop where :attr:`GymEnv._fused_steps` holds: what ``steps`` calls of
     :meth:`GymEnv._step_arrays` give, without a call, a dict and a named tuple per step.
@@ -112,7 +114,8 @@ def run_steps(
     from ``out = act(torch.from_numpy(root))`` (``out`` appended to ``out_hist``, ``out["action"]``
     checked as :meth:`GymEnv._step_arrays` does); the next observation, the reward, terminated and
     truncated go to ``slots[1:][t]`` (time-first views of the batch). Stops early where
-    ``stop.is_set()``. Returns (steps taken, the observation to act on next).
+    ``stop.is_set()``. ``clock``: a ``SplitClock`` that gets the policy calls' time. Returns (steps taken,
+    the observation to act on next).
     """
     env_step = self._env.step
     reset = self._env.reset
@@ -122,6 +125,8 @@ def run_steps(
     assert dtype is not None  # _fused_steps
     from_numpy = torch.from_numpy
     count_nonzero = np.count_nonzero
+    perf = perf_counter if clock is not None else None
+    policy_s = 0.0
     obs_slot, next_slot, reward_slot, terminated_slot, truncated_slot = slots
     vector = self._vector
     pending: Any = self._autoreset_pending
@@ -133,7 +138,12 @@ def run_steps(
                 break
             obs_slot[t] = root
             if actions is None:
-                out = act(from_numpy(root))
+                if perf is None:
+                    out = act(from_numpy(root))
+                else:  # the time split's policy share: two clock reads, no call added
+                    start = perf()
+                    out = act(from_numpy(root))
+                    policy_s += perf() - start
                 out_hist.append(out)
                 env_action = leaf("action", out["action"])
             else:
@@ -172,6 +182,8 @@ def run_steps(
     finally:
         self._autoreset_pending = pending
         self._last_obs = {"observation": root}
+        if clock is not None:
+            clock.policy += policy_s
     return taken, root
 
 
@@ -184,6 +196,7 @@ def run_pool_steps(
     slots: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray],
     out_hist: list[Any],
     stop: Any,
+    clock: Any = None,
 ) -> tuple[int, np.ndarray]:
     """:func:`run_steps` for an EnvPool pool (sync mode, unwrapped): what ``steps`` calls of
     :meth:`GymEnv._step_arrays` give, and the same calls into the pool.
@@ -207,6 +220,8 @@ def run_pool_steps(
     assert dtype is not None  # _fused_steps
     from_numpy = torch.from_numpy
     count_nonzero = np.count_nonzero
+    perf = perf_counter if clock is not None else None
+    policy_s = 0.0
     flatnonzero = np.flatnonzero
     obs_slot, next_slot, reward_slot, terminated_slot, truncated_slot = slots
     pending: Any = self._autoreset_pending
@@ -218,7 +233,12 @@ def run_pool_steps(
                 break
             obs_slot[t] = root
             if actions is None:
-                out = act(from_numpy(root))
+                if perf is None:
+                    out = act(from_numpy(root))
+                else:  # the time split's policy share: two clock reads, no call added
+                    start = perf()
+                    out = act(from_numpy(root))
+                    policy_s += perf() - start
                 out_hist.append(out)
                 env_action = leaf("action", out["action"])
             else:
@@ -252,6 +272,8 @@ def run_pool_steps(
     finally:
         self._autoreset_pending = pending
         self._last_obs = {"observation": root}
+        if clock is not None:
+            clock.policy += policy_s
     return taken, root
 
 

@@ -158,6 +158,7 @@ class CollectorBase(abc.ABC):
         self._active()
         if self._stop_requested or self._budget_reached():
             raise StopAsyncIteration
+        self._stats.awaiting()  # statistics().trainer_wait: until _record
         await self._acquire_batch_lock()
         try:
             self._active()

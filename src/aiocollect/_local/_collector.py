@@ -211,7 +211,7 @@ class Collector(CollectorBase):
         self.frames_per_batch = self._rollout.frames_per_batch
         self._init_random_frames = self._rounded_budgets(env)
         # the rollout thread, started on entering (or at the first batch), and what it hands back
-        self._thread = RolloutThread(f"aiocollect-rollout-{id(self):x}")
+        self._thread = RolloutThread(f"aiocollect-rollout-{id(self):x}", clock=self._rollout.clock)
         self._bells: list[Doorbell] = []  # made with the thread (see _submit)
         # a collector dropped without aclose() (never entered, or its iteration abandoned) ends its thread
         weakref.finalize(self, _end_thread, self._thread, self._bells)
@@ -621,7 +621,11 @@ class Collector(CollectorBase):
         version = self._rollout.policy_version
         worker = WorkerStatistics(0, state, self._stats.frames, version)
         return self._stats.snapshot(
-            version, workers=(worker,), paused=self.paused, loop_lag_ms=self._lag.percentiles_ms()
+            version,
+            workers=(worker,),
+            paused=self.paused,
+            loop_lag_ms=self._lag.percentiles_ms(),
+            splits=[None if self._closed else self._rollout.clock.recent()],  # closed: the last one
         )
 
     def __repr__(self) -> str:

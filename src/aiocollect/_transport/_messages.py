@@ -110,6 +110,8 @@ class BatchReady:
     #: trajectories this batch continues from the previous one if it drops that one (sent only when the
     #: previous batch was still unread with older weights: see ``Worker.collect``)
     spare_ids: tuple[int, ...] = ()
+    #: the worker's time split so far (``_timesplit.Totals``; empty where it keeps none)
+    time_split: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)

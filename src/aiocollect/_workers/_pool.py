@@ -35,6 +35,7 @@ from .._events import Event, WeightsLoaded, WorkerFailed, WorkerStarted, WorkerS
 from .._gather import gather
 from .._mistakes import check_main_guard
 from .._stats import WorkerState
+from .._timesplit import SplitWindow
 from .._transport._messages import (
     Attach,
     BatchReady,
@@ -113,6 +114,8 @@ class WorkerHandle:
     expected_since: float | None = None
     #: slots holding a delivered batch the parent has not released yet
     held_slots: int = 0
+    #: the worker's recent time split, from its batch notices (statistics().workers[i].time_split)
+    time_split: SplitWindow = field(default_factory=SplitWindow)
 
     @property
     def exitcode(self) -> int | None:
@@ -288,6 +291,7 @@ class WorkerPool:
         if isinstance(msg, BatchReady):
             self.note_version(handle.index, msg.policy_version)
             handle.frames += msg.frames
+            handle.time_split.add(msg.time_split)
             handle.held_slots += 1
             # with a free slot left it goes on collecting (async mode); otherwise it waits for us
             more = handle.held_slots < self.slots_per_worker

@@ -236,7 +236,8 @@ class Worker:
             return
         while self._behind():
             # the newer weights are on their way (a message, a write in progress): take them in
-            incoming = chan.recv(timeout=0.001)
+            with self.rollout.clock.waiting():
+                incoming = chan.recv(timeout=0.001)
             if incoming is not None:
                 self.handle_between_batches(chan, incoming)
             self.load_weights()
@@ -306,6 +307,7 @@ class Worker:
             episode_returns=returns,
             episode_lengths=lengths,
             spare_ids=spare_ids,
+            time_split=self.rollout.clock.totals(),
         )
 
     def _spare_ids(self) -> tuple[int, ...]:
@@ -371,7 +373,8 @@ class Worker:
         """Sync mode: one batch per ``Collect``; ``RunFree`` switches to async mode."""
         try:
             while True:
-                msg = chan.recv()
+                with self.rollout.clock.waiting():  # for the parent's next Collect
+                    msg = chan.recv()
                 if isinstance(msg, Collect):
                     chan.send(self.collect(chan, msg.slot, msg.random))
                 elif isinstance(msg, RunFree):
@@ -386,7 +389,11 @@ class Worker:
         self.free = set(range(len(self.slots)))
         while True:
             while True:
-                incoming = chan.poll() if self.free else chan.recv()
+                if self.free:
+                    incoming = chan.poll()
+                else:
+                    with self.rollout.clock.waiting():  # both slots unread: for the parent
+                        incoming = chan.recv()
                 if incoming is None:
                     break
                 self.handle_between_batches(chan, incoming)

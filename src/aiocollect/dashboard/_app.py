@@ -231,6 +231,10 @@ def create_app(
       lifespan runs: a statistics sample every ``interval`` seconds, the episodes, the trainer's metrics
       and the other events; each series halves its resolution when full (bounded memory for any run).
     * ``GET /statistics``: ``collector.statistics().to_dict()`` as JSON.
+    * ``GET /metrics``: the same statistics as Prometheus metrics in the OpenMetrics text format
+      (:func:`aiocollect.metrics_text`: counters, rates, idle ratios, the time split; labels ``collector``
+      and ``worker``), for a Prometheus server to scrape; needs ``pip install "aiocollect[metrics]"``
+      (else 501). Behind the same host check as every route.
     * ``POST /pause``, ``POST /resume``: a pause held by the app (``collector.pause()`` entered in a task of
       the app's lifespan, released on resume or at shutdown); both answer ``{"held", "paused"}``.
     * ``POST /update-weights``: ``await collector.update_weights()``; answers ``{"version": N}``.

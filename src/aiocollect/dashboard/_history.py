@@ -26,6 +26,8 @@ CSV_STATISTICS = (
     "max_return",
     "policy_version",
     "paused",
+    "trainer_wait",
+    "collector_wait",
 )
 
 

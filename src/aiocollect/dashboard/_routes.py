@@ -21,7 +21,15 @@ from .._errors import CollectorClosedError
 from ._app import DashboardControls, LifespanNotRunning, sse, to_json
 from ._guard import Guard
 
-__all__ = ["PAGE", "SSE_HEADERS", "EventStreamResponse", "build_app", "history_routes", "json_response"]
+__all__ = [
+    "PAGE",
+    "SSE_HEADERS",
+    "EventStreamResponse",
+    "build_app",
+    "history_routes",
+    "json_response",
+    "metrics_routes",
+]
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -143,6 +151,25 @@ def history_routes(controls: DashboardControls) -> list[Route]:
     ]
 
 
+def metrics_routes(controls: DashboardControls) -> list[Route]:
+    """``/metrics``: the statistics as Prometheus metrics (OpenMetrics text; the ``metrics`` extra), read
+    on the loop and formatted off it; 501 naming the extra where ``prometheus_client`` is missing."""
+    collector = controls.collector
+    name = type(collector).__name__
+
+    async def metrics(request: Request) -> Response:
+        from .._metrics import CONTENT_TYPE, format_metrics
+
+        stats = collector.statistics()
+        try:
+            body = await anyio.to_thread.run_sync(format_metrics, stats, name)
+        except ImportError as exc:
+            return Response(f"{exc}\n", status_code=501, media_type="text/plain; charset=utf-8")
+        return Response(body, media_type=CONTENT_TYPE, headers={"Cache-Control": "no-cache"})
+
+    return [Route("/metrics", metrics, methods=["GET"])]
+
+
 def build_app(controls: DashboardControls, *, title: str, interval: float, max_buffer: int) -> Starlette:
     collector = controls.collector
     policy = controls.policy
@@ -202,6 +229,7 @@ def build_app(controls: DashboardControls, *, title: str, interval: float, max_b
             Route("/events", events, methods=["GET"]),
             Route("/statistics", statistics, methods=["GET"]),
             *history_routes(controls),
+            *metrics_routes(controls),
             Route("/pause", pause, methods=["POST"]),
             Route("/resume", resume, methods=["POST"]),
             Route("/update-weights", update_weights, methods=["POST"]),

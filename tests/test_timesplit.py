@@ -1,0 +1,265 @@
+"""Where the time goes: ``statistics().trainer_wait``, ``collector_wait`` and ``time_split`` on workloads
+whose answer is known (an env that sleeps, a policy that sleeps, a trainer that sleeps), and the window's
+arithmetic on its own. Tolerances are wide: they must hold on a loaded 2-core machine."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+import anyio
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from aiocollect import (
+    AsyncEnvCollector,
+    Collector,
+    CollectorStatistics,
+    GymEnv,
+    MultiAsyncCollector,
+    MultiAsyncEnvCollector,
+    MultiSyncCollector,
+)
+from aiocollect._sinks import statistics_scalars
+from aiocollect._timesplit import PARTS, SplitClock, SplitWindow, combine_splits
+from support import HookedEnv
+
+PARTS_SET = set(PARTS)
+
+
+def slow_env(step_delay: float = 0.0) -> GymEnv:
+    return GymEnv(HookedEnv(gym.make("CartPole-v1"), step_delay=step_delay))
+
+
+class SleepyPolicy(torch.nn.Module):
+    """CartPole's action 0, after sleeping ``delay`` seconds (a slow forward pass)."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.delay)
+        return torch.zeros(observation.shape[:-1], dtype=torch.int64)
+
+
+def check_split(split: dict[str, float] | None, per_frame: dict[str, float] | None) -> None:
+    assert split is not None and per_frame is not None
+    assert set(split) == PARTS_SET == set(per_frame)
+    assert all(v >= 0 for v in split.values()) and all(v >= 0 for v in per_frame.values())
+    assert sum(split.values()) == pytest.approx(1.0, abs=1e-6)
+
+
+# -- the window's arithmetic ------------------------------------------------------------------------------
+def test_window_reads_the_parts_of_its_span() -> None:
+    window = SplitWindow(window_s=10.0)
+    assert window.seconds() is None
+    # (now, started, env, policy, transfer, wait, frames)
+    window.add((10.0, 0.0, 4.0, 2.0, 1.0, 2.0, 100))
+    wall, parts, frames = window.seconds()  # type: ignore[misc]
+    assert (wall, frames) == (10.0, 100)  # since the producer started
+    assert parts == pytest.approx([4.0, 2.0, 1.0, 2.0, 1.0])
+    window.add((20.0, 0.0, 14.0, 2.0, 1.0, 2.0, 300))  # 10 s of env only
+    fractions, per_frame = window.read()
+    assert fractions["env"] == pytest.approx(1.0)
+    assert per_frame["env"] == pytest.approx(10.0 * 1e6 / 200)
+    window.add((35.0, 0.0, 14.0, 2.0, 1.0, 17.0, 300))  # then 15 s of waiting: the window forgets env
+    fractions, _ = window.read()
+    assert fractions["wait"] == pytest.approx(1.0)
+
+
+def test_window_ignores_a_sender_without_a_clock() -> None:
+    window = SplitWindow()
+    window.add(())
+    assert window.seconds() is None
+    assert combine_splits([None, None]) is None
+
+
+def test_combined_split_weights_producers_by_their_time() -> None:
+    busy = (10.0, [10.0, 0.0, 0.0, 0.0, 0.0], 1000)
+    idle = (10.0, [0.0, 0.0, 0.0, 10.0, 0.0], 0)
+    fractions, per_frame = combine_splits([busy, idle, None])  # type: ignore[misc]
+    assert fractions["env"] == pytest.approx(0.5) and fractions["wait"] == pytest.approx(0.5)
+    assert per_frame["env"] == pytest.approx(10.0 * 1e6 / 1000)
+
+
+def test_clock_counts_an_open_wait() -> None:
+    clock = SplitClock()
+    with clock.waiting():
+        time.sleep(0.01)
+        inside = clock.totals()[5]
+    assert inside >= 0.009
+    assert clock.wait >= inside
+
+
+# -- known workloads ----------------------------------------------------------------------------------------
+
+
+async def run(collector: Any, train: float = 0.0) -> CollectorStatistics:
+    with anyio.fail_after(60):
+        async with collector:
+            async for _ in collector:
+                if train:
+                    await anyio.sleep(train)  # the trainer's own work: not awaiting a batch
+            return collector.statistics()
+
+
+@pytest.mark.anyio
+async def test_env_bound_collector() -> None:
+    """An env sleeping 1 ms per step, a trainer doing nothing: the trainer waits, the env takes the time."""
+    stats = await run(Collector(partial(slow_env, 0.001), None, frames_per_batch=20, total_frames=300))
+    assert stats.trainer_wait is not None and stats.trainer_wait > 0.7
+    check_split(stats.time_split, stats.time_split_us)
+    assert stats.time_split["env"] > 0.6  # type: ignore[index]
+    assert stats.time_split_us["env"] > 800  # type: ignore[index]  # µs per frame: ~1 ms sleep per frame
+    assert stats.collector_wait is not None and stats.collector_wait < 0.3
+    (worker,) = stats.workers
+    assert worker.time_split == stats.time_split and worker.collector_wait == stats.collector_wait
+
+
+@pytest.mark.anyio
+async def test_trainer_bound_collector() -> None:
+    """A fast env and a trainer sleeping 30 ms per batch: the batches wait for the trainer."""
+    stats = await run(Collector(slow_env, None, frames_per_batch=20, total_frames=200), train=0.03)
+    assert stats.trainer_wait is not None and stats.trainer_wait < 0.5
+    assert stats.collector_wait is not None and stats.collector_wait > 0.5
+    check_split(stats.time_split, stats.time_split_us)
+    assert stats.time_split["wait"] == stats.collector_wait  # type: ignore[index]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-loop", "generic-loop"])
+async def test_policy_bound_collector(fused: bool) -> None:
+    """A policy sleeping 2 ms per call: the policy takes the time (the env's share is small), in GymEnv's
+    fused loop and in the rollout's generic one (``max_frames_per_traj`` takes it)."""
+    kwargs: dict[str, Any] = {} if fused else {"max_frames_per_traj": 50}
+    collector = Collector(slow_env, SleepyPolicy(0.002), frames_per_batch=20, total_frames=200, **kwargs)
+    assert collector._rollout.env.fused_gym is not None  # fused, unless max_frames_per_traj
+    stats = await run(collector)
+    check_split(stats.time_split, stats.time_split_us)
+    assert stats.time_split["policy"] > 0.6  # type: ignore[index]
+    assert stats.time_split["env"] < 0.3  # type: ignore[index]
+    assert stats.time_split_us["policy"] > 1500  # type: ignore[index]
+
+
+@pytest.mark.anyio
+async def test_statistics_before_the_first_batch() -> None:
+    collector = Collector(slow_env, None, frames_per_batch=20, total_frames=40)
+    stats = collector.statistics()
+    assert stats.trainer_wait is None  # the consumer has not asked yet
+    await collector.aclose()
+    json_ready = stats.to_dict()
+    assert "time_split" in json_ready and "trainer_wait" in json_ready
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", [MultiSyncCollector, MultiAsyncCollector])
+async def test_workers_report_their_split(kind: type) -> None:
+    """Each worker process measures its own split and sends it with its batch notices."""
+    collector = kind(
+        [partial(slow_env, 0.001)] * 2, None, frames_per_batch=40, total_frames=400, worker_backend="process"
+    )
+    stats = await run(collector)
+    check_split(stats.time_split, stats.time_split_us)
+    assert stats.time_split["env"] > 0.5  # type: ignore[index]
+    assert stats.trainer_wait is not None and stats.trainer_wait > 0.5
+    assert len(stats.workers) == 2
+    for worker in stats.workers:
+        check_split(worker.time_split, worker.time_split_us)
+        assert worker.collector_wait == worker.time_split["wait"]  # type: ignore[index]
+        assert worker.time_split["env"] > 0.4  # type: ignore[index]
+
+
+@pytest.mark.anyio
+async def test_serial_workers_wait_for_the_trainer() -> None:
+    collector = MultiSyncCollector(
+        [slow_env] * 2, None, frames_per_batch=40, total_frames=200, worker_backend="serial"
+    )
+    stats = await run(collector, train=0.04)
+    assert stats.collector_wait is not None and stats.collector_wait > 0.5
+    assert all(w.collector_wait is not None and w.collector_wait > 0.4 for w in stats.workers)
+
+
+def test_sinks_write_the_idle_ratios_and_the_split() -> None:
+    split = dict.fromkeys(PARTS, 0.2)
+    stats = CollectorStatistics(100, 1, 0, None, None, 50.0, 0, trainer_wait=0.9, collector_wait=0.2)
+    stats = replace(stats, time_split=split, time_split_us=split)
+    scalars = statistics_scalars(stats)
+    assert scalars["collector/trainer_wait"] == 0.9
+    assert scalars["collector/collector_wait"] == 0.2
+    assert {f"collector/time_split/{p}" for p in PARTS} <= set(scalars)
+    assert {f"collector/time_split_us/{p}" for p in PARTS} <= set(scalars)
+
+
+class SleepyAsyncEnv:
+    """An async env (CartPole's spaces) whose step awaits ``delay`` seconds: a network call."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.t = 0
+
+    async def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
+        self.t = 0
+        return np.zeros(4, np.float32), {}
+
+    async def step(self, action: Any) -> Any:
+        await anyio.sleep(self.delay)
+        self.t += 1
+        return np.zeros(4, np.float32), 1.0, self.t >= 20, False, {}
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.anyio
+async def test_async_env_engine_split() -> None:
+    """The engine's policy task: awaiting the envs (env), the policy, the consumer (wait)."""
+    fns = [partial(SleepyAsyncEnv, 0.005) for _ in range(4)]
+    stats = await run(AsyncEnvCollector(fns, frames_per_batch=40, total_frames=400))
+    check_split(stats.time_split, stats.time_split_us)
+    assert stats.time_split["env"] > 0.5  # type: ignore[index]
+    assert stats.trainer_wait is not None and stats.trainer_wait > 0.5
+    fast = [partial(SleepyAsyncEnv, 0.0) for _ in range(4)]
+    stats = await run(AsyncEnvCollector(fast, frames_per_batch=20, total_frames=100), train=0.2)
+    assert stats.collector_wait is not None and stats.collector_wait > 0.5
+    assert stats.trainer_wait is not None and stats.trainer_wait < 0.5
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {"use_uvloop": False})])
+async def test_async_env_workers_report_their_split() -> None:
+    """Each worker process of MultiAsyncEnvCollector sends its engine's totals with its batch notices."""
+    fns = [[partial(SleepyAsyncEnv, 0.005) for _ in range(3)] for _ in range(2)]
+    stats = await run(MultiAsyncEnvCollector(fns, frames_per_batch=30, total_frames=300))
+    check_split(stats.time_split, stats.time_split_us)
+    assert stats.time_split["env"] > 0.4  # type: ignore[index]
+    assert len(stats.workers) == 2
+    for worker in stats.workers:
+        check_split(worker.time_split, worker.time_split_us)
+
+
+@pytest.mark.anyio
+async def test_split_outlives_the_workers() -> None:
+    """After the collector closed (its workers gone), statistics() keeps their last measured split."""
+    collector = MultiSyncCollector(
+        [slow_env] * 2, None, frames_per_batch=40, total_frames=120, worker_backend="serial"
+    )
+    inside = await run(collector)
+    after = collector.statistics()
+    assert inside.time_split is not None and after.time_split == inside.time_split
+    assert [w.time_split for w in after.workers] == [w.time_split for w in inside.workers]
+
+
+@pytest.mark.anyio
+async def test_a_closed_collector_keeps_its_last_split() -> None:
+    collector = Collector(partial(slow_env, 0.001), None, frames_per_batch=20, total_frames=100)
+    inside = await run(collector)
+    await anyio.sleep(0.05)  # a closed collector's numbers do not drift
+    assert collector.statistics().time_split == inside.time_split
