@@ -36,7 +36,7 @@ LONG_MODULES: dict[str, int] = {
     "aiocollect/_asyncenv/_worker.py": 446,
     "aiocollect/_distributed_weights.py": 483,
     "aiocollect/_fast_policy.py": 598,
-    "aiocollect/_local/_collector.py": 635,  # issue 30: trajs_per_batch; issue 29: stop flag, resume hooks
+    "aiocollect/_local/_collector.py": 640,  # issue 30: trajs_per_batch; issue 29: stop flag, resume hooks
     # the lifecycle every collector shares: issue 29's request_stop, issue 30's episode_statistics, issue 32's
     # trainer_wait
     "aiocollect/_local/_base.py": 410,

@@ -438,6 +438,7 @@ class Collector(CollectorBase):
         async with self._lock:
             if self._thread.alive() and not self._thread_stuck:
                 await self._submit(lambda stop: None).wait()
+                self._count_free_results()  # start()'s batches written by now are counted by now
 
     def _submit(self, fn: Callable[[threading.Event], T], *, free: bool = False) -> Job[T]:
         """Queue ``fn(stop)`` in the rollout thread, started now (with this thread's torch settings) if
@@ -494,6 +495,10 @@ class Collector(CollectorBase):
         self._check_open()
         async with self._lock:
             self._check_open()
+            if self._free_results or self._background is not None:
+                # start(): the batches it wrote before fn runs are counted first (state_dict reads them)
+                await self._submit(lambda stop: None).wait()
+                self._count_free_results()
             return await self._submit(lambda stop: fn()).wait()
 
     async def set_seed(self, seed: int) -> int:
