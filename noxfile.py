@@ -69,7 +69,8 @@ def slow(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def longrun(session: nox.Session) -> None:
     """Tests marked longrun: graceful stops on real signals and resumed runs (examples/long_run.py), each in
-    subprocesses, under asyncio, uvloop and trio (the default suite runs one case per loop)."""
+    subprocesses, under asyncio, uvloop and trio, and the variants of examples/why_slow.py (the default suite
+    runs one case of each)."""
     install(session, "test")
     session.run("python", "-m", "pytest", "-m", "longrun", *session.posargs)
 

@@ -80,8 +80,14 @@ def run_example(argv: list[str], timeout: float) -> subprocess.CompletedProcess[
     )
 
 
+#: the variants of an example the default suite leaves to ``nox -s longrun`` (it runs the example's default)
+LONGRUN_CASES = {"why_slow_policy", "why_slow_trainer", "why_slow_handoff"}
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.longrun) if n in LONGRUN_CASES else n for n in CASES]
+)
 def test_example_runs(name: str) -> None:
     proc = run_example(CASES[name], scaled_timeout(100))
     assert proc.returncode == 0, proc.stderr

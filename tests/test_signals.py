@@ -3,7 +3,7 @@ trio: the first SIGTERM mid-batch ends the run after that batch (exit 0, counts 
 signal meets the default handler.
 
 Each case starts Python processes (seconds each on a loaded 2-core machine): the default suite runs one
-SIGTERM case per kind of loop and the second-signal case; the rest are marked ``longrun`` (``nox -s
+SIGTERM case (asyncio) and the second SIGTERM; the rest are marked ``longrun`` (``nox -s
 longrun``, in CI)."""
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ CASES = [
     pytest.param("uvloop", "collector", marks=LONGRUN),
     pytest.param("trio", "collector", marks=LONGRUN),
     pytest.param("asyncio", "sync", marks=LONGRUN),
-    ("trio", "async"),
+    pytest.param("trio", "async", marks=LONGRUN),
 ]
 
 
