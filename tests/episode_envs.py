@@ -11,7 +11,22 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-__all__ = ["Stamped", "check_trajectories", "trajectories"]
+__all__ = ["Stamped", "Stamps", "check_trajectories", "trajectories"]
+
+
+class Stamps:
+    """``0, 1, 2, ...`` as ``next()`` asks: ``itertools.count`` without its pickling (deprecated in Python
+    3.13: env fns that close over a counter are pickled for worker processes)."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def __iter__(self) -> Stamps:
+        return self
+
+    def __next__(self) -> int:
+        self.next += 1
+        return self.next - 1
 
 
 class Stamped(gym.Env[np.ndarray, np.int64]):
@@ -22,7 +37,7 @@ class Stamped(gym.Env[np.ndarray, np.int64]):
     action_space = gym.spaces.Discrete(2)
 
     def __init__(self, stamps: Any = None, lengths: dict[int, int] | None = None, max_length: int = 30):
-        self._stamps = stamps if stamps is not None else itertools.count()
+        self._stamps = stamps if stamps is not None else Stamps()
         self.lengths = lengths if lengths is not None else {}
         self._max = max_length
         self._stamp = self._step = self._length = 0

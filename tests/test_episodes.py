@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import anyio
@@ -21,7 +20,7 @@ from aiocollect import (
     ThreadedAsyncEnv,
 )
 from aiocollect._episodes import TrajectoryAssembler
-from episode_envs import Stamped, check_trajectories, trajectories
+from episode_envs import Stamped, Stamps, check_trajectories, trajectories
 
 pytestmark = pytest.mark.anyio
 
@@ -48,7 +47,7 @@ async def collect(collector: Any, n: int, max_frames_per_traj: int | None = None
 async def test_collector_whole_trajectories_in_admission_order(split_trajs, max_frames_per_traj):
     """Every batch holds N whole trajectories; over the run they are exactly the first episodes started,
     in the order they started (no length bias), and total_frames counts their frames."""
-    stamps, lengths = itertools.count(), {}
+    stamps, lengths = Stamps(), {}
     collector = Collector(
         vector(stamps, lengths),
         trajs_per_batch=5,
@@ -78,7 +77,7 @@ async def test_admission_order_is_not_finish_order():
     """One slot's episodes are long, the other's short: a batch waits for the long one admitted first
     instead of filling up with short ones."""
     lengths: dict[int, int] = {}
-    stamps = itertools.count()
+    stamps = Stamps()
 
     class LongShort(Stamped):
         def reset(self, *, seed=None, options=None):
@@ -96,7 +95,7 @@ async def test_admission_order_is_not_finish_order():
 @pytest.mark.parametrize("cls", [MultiSyncCollector, MultiAsyncCollector])
 @pytest.mark.parametrize("split_trajs", [False, True])
 async def test_multi_collectors_whole_trajectories(cls, split_trajs):
-    stamps, lengths = itertools.count(), {}
+    stamps, lengths = Stamps(), {}
     collector = cls(
         [lambda: vector(stamps, lengths, 2)] * 2,
         trajs_per_batch=4,
@@ -128,7 +127,7 @@ def _async_env(stamps: Any, lengths: dict[int, int]) -> Any:
 
 @pytest.mark.parametrize("split_trajs", [False, True])
 async def test_async_env_collector(split_trajs):
-    stamps, lengths = itertools.count(), {}
+    stamps, lengths = Stamps(), {}
     collector = AsyncEnvCollector(
         [_async_env(stamps, lengths)] * 4, trajs_per_batch=3, total_frames=300, split_trajs=split_trajs
     )
@@ -139,7 +138,7 @@ async def test_async_env_collector(split_trajs):
 
 
 async def test_multi_async_env_collector():
-    stamps, lengths = itertools.count(), {}
+    stamps, lengths = Stamps(), {}
     collector = MultiAsyncEnvCollector(
         [[_async_env(stamps, lengths)] * 2] * 2,
         trajs_per_batch=3,
@@ -154,7 +153,7 @@ async def test_multi_async_env_collector():
 async def test_fill_writes_whole_trajectories():
     from support import ListBuffer
 
-    stamps, lengths = itertools.count(), {}
+    stamps, lengths = Stamps(), {}
     buffer = ListBuffer()
     collector = Collector(vector(stamps, lengths), trajs_per_batch=2, total_frames=200, replay_buffer=buffer)
     with anyio.fail_after(60):
@@ -166,7 +165,7 @@ async def test_fill_writes_whole_trajectories():
 
 
 async def test_resume_keeps_the_episode_accounting():
-    stamps, lengths = itertools.count(), {}
+    stamps, lengths = Stamps(), {}
     first = Collector(vector(stamps, lengths), trajs_per_batch=2, total_frames=300, seed=0)
     with anyio.fail_after(60):
         async with first:
@@ -188,7 +187,7 @@ async def test_resume_keeps_the_episode_accounting():
 
 
 async def test_reset_discards_the_cut_trajectories():
-    stamps, lengths = itertools.count(), {}
+    stamps, lengths = Stamps(), {}
     collector = Collector(vector(stamps, lengths, max_length=200), trajs_per_batch=2, total_frames=-1)
     with anyio.fail_after(60):
         async with collector:
@@ -263,7 +262,7 @@ async def test_compat_takes_torchrl_trajs_per_batch(traj_format, padded):
     """TorchRL's spelling: frames_per_batch is then the chunk the env steps at a time."""
     from aiocollect.compat import SyncDataCollector
 
-    stamps, lengths = itertools.count(), {}
+    stamps, lengths = Stamps(), {}
     kwargs = {} if traj_format is None else {"traj_format": traj_format}
     collector = SyncDataCollector(
         vector(stamps, lengths), None, frames_per_batch=16, trajs_per_batch=3, total_frames=100, **kwargs
@@ -287,7 +286,7 @@ def test_compat_refuses_what_it_cannot_honour(kwargs, match):
     from aiocollect.compat import SyncDataCollector
 
     with pytest.raises((TypeError, ValueError), match=match):
-        SyncDataCollector(vector(itertools.count(), {}), None, frames_per_batch=16, **kwargs)
+        SyncDataCollector(vector(Stamps(), {}), None, frames_per_batch=16, **kwargs)
 
 
 @pytest.mark.parametrize("cls", [MultiSyncCollector, MultiAsyncCollector])
@@ -296,7 +295,7 @@ async def test_multi_fill_writes_whole_trajectories(cls):
 
     buffer = ListBuffer()
     collector = cls(
-        [lambda: vector(itertools.count(), {}, 2)] * 2,
+        [lambda: vector(Stamps(), {}, 2)] * 2,
         trajs_per_batch=2,
         total_frames=120,
         replay_buffer=buffer,
@@ -337,7 +336,7 @@ class Linear(torch.nn.Module):
 async def test_version_span_of_episodes_across_updates():
     """Async envs: an episode in flight at a weight update goes on with the new weights; each frame
     keeps its policy version, and the statistics give each trajectory's oldest and newest."""
-    stamps, lengths = itertools.count(), {}
+    stamps, lengths = Stamps(), {}
     policy = Linear()
     collector = AsyncEnvCollector(
         [lambda: ThreadedAsyncEnv(Stamped(stamps, lengths, max_length=300))] * 4,
@@ -367,11 +366,11 @@ LOOPS = {"asyncio": "asyncio", "asyncio+uvloop": "uvloop", "trio": "trio"}
 
 
 def stamped_vector() -> GymEnv:
-    return vector(itertools.count(), {}, 2)
+    return vector(Stamps(), {}, 2)
 
 
 def stamped_async() -> Any:
-    return ThreadedAsyncEnv(Stamped(itertools.count(), {}))
+    return ThreadedAsyncEnv(Stamped(Stamps(), {}))
 
 
 @pytest.mark.parametrize("cls", [MultiSyncCollector, MultiAsyncCollector])
@@ -395,7 +394,7 @@ async def test_flush_discards_the_trajectories_it_tears():
     discarded (counted), and every delivered one is still whole."""
     policy = Linear()
     collector = MultiAsyncCollector(
-        [lambda: vector(itertools.count(), {}, 2, max_length=60)] * 2,
+        [lambda: vector(Stamps(), {}, 2, max_length=60)] * 2,
         policy,
         trajs_per_batch=2,
         total_frames=1500,
@@ -414,7 +413,7 @@ async def test_flush_discards_the_trajectories_it_tears():
 async def test_flush_on_async_env_workers():
     policy = Linear()
     collector = MultiAsyncEnvCollector(
-        [[lambda: ThreadedAsyncEnv(Stamped(itertools.count(), {}, max_length=60))] * 2] * 2,
+        [[lambda: ThreadedAsyncEnv(Stamped(Stamps(), {}, max_length=60))] * 2] * 2,
         policy,
         trajs_per_batch=2,
         total_frames=1500,
@@ -434,7 +433,7 @@ async def test_max_policy_lag_bounds_each_episodes_oldest_frame(lag):
     than k versions behind the newest weights is discarded (counted), never delivered."""
     policy = Linear()
     collector = MultiAsyncCollector(
-        [lambda: vector(itertools.count(), {}, 2, max_length=40)] * 2,
+        [lambda: vector(Stamps(), {}, 2, max_length=40)] * 2,
         policy,
         trajs_per_batch=2,
         total_frames=1200,
@@ -452,6 +451,6 @@ async def test_max_policy_lag_bounds_each_episodes_oldest_frame(lag):
 
 
 async def test_no_len_for_batches_that_vary():
-    async with Collector(vector(itertools.count(), {}), trajs_per_batch=2, total_frames=100) as collector:
+    async with Collector(vector(Stamps(), {}), trajs_per_batch=2, total_frames=100) as collector:
         with pytest.raises(TypeError, match="no len"):
             len(collector)
