@@ -281,6 +281,45 @@ async def test_doorbell_keeps_a_ring_that_came_after_the_waiter_was_cancelled() 
         bell.close()
 
 
+async def test_doorbell_wait_is_a_checkpoint_when_a_ring_is_there() -> None:
+    """A task taking rings from a thread that always rang again must still yield: other tasks run, and a
+    cancel scope ends its loop (the loop had spun, never yielding, in a CI run of start())."""
+    bell = Doorbell()
+    others = 0
+
+    async def other() -> None:
+        nonlocal others
+        while True:
+            others += 1
+            await anyio.lowlevel.checkpoint()
+
+    try:
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(other)
+                with anyio.move_on_after(0.1):
+                    while True:
+                        bell.ring()  # the thread rang again before this task took the last ring
+                        await bell.wait()
+                tg.cancel_scope.cancel()
+        assert others > 10
+    finally:
+        bell.close()
+
+
+async def test_doorbell_cancelled_at_its_checkpoint_keeps_the_ring() -> None:
+    bell = Doorbell()
+    try:
+        bell.ring()
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await bell.wait()
+        with anyio.fail_after(5):
+            await bell.wait()  # the ring is still there
+    finally:
+        bell.close()
+
+
 async def test_doorbell_ring_after_close_does_not_raise() -> None:
     bell = Doorbell()
     with anyio.move_on_after(0.01):

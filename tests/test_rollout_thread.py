@@ -163,7 +163,11 @@ async def test_start_fills_the_buffer_while_the_loop_is_blocked() -> None:
             while rb.calls == 0:  # noqa: ASYNC110 - written by the rollout thread, no event to await
                 await anyio.sleep(0.01)
         before = rb.calls
-        time.sleep(1.0)  # noqa: ASYNC251 - the point: synchronous trainer code holds the loop
+        # the point: synchronous trainer code holds the loop (1 s is ~300 batches when idle; up to 5 s
+        # on a loaded machine)
+        blocked_until = time.monotonic() + 5.0
+        while rb.calls - before < 5 and time.monotonic() < blocked_until:
+            time.sleep(0.1)  # noqa: ASYNC251
         during = rb.calls - before
         assert during >= 5, during  # TorchRL's background collection goes on too
         # the loop counts what the thread wrote meanwhile; paused, so that the thread (which may write

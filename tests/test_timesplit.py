@@ -25,6 +25,7 @@ from aiocollect import (
     MultiSyncCollector,
 )
 from aiocollect._sinks import statistics_scalars
+from aiocollect._stats import StatsTracker
 from aiocollect._timesplit import PARTS, SplitClock, SplitWindow, combine_splits
 from support import HookedEnv
 
@@ -263,3 +264,16 @@ async def test_a_closed_collector_keeps_its_last_split() -> None:
     inside = await run(collector)
     await anyio.sleep(0.05)  # a closed collector's numbers do not drift
     assert collector.statistics().time_split == inside.time_split
+
+
+def test_the_consumer_waits_kept_are_bounded_by_the_window_when_never_read() -> None:
+    """A run of days whose trainer never reads trainer_wait keeps a window of waits, not one per batch."""
+    tracker = StatsTracker(rate_window_s=0.05)
+    for _ in range(50):
+        tracker.awaiting()
+        tracker.record(8, [], [])
+    time.sleep(0.06)
+    tracker.awaiting()
+    tracker.record(8, [], [])
+    assert len(tracker._waits) <= 2
+    assert tracker.trainer_wait() is not None

@@ -67,18 +67,30 @@ class Doorbell:
                 pass
 
     async def wait(self) -> None:
-        """Wait for at least one ring since the last ``wait`` (and take them all)."""
+        """Wait for at least one ring since the last ``wait`` (and take them all).
+
+        Always a checkpoint, even when a ring is already there: a thread that rings faster than the
+        waiting task handles its rings must not keep that task from yielding to the loop (its other
+        tasks, and a cancellation, would never get their turn). Cancelled, a ring already there stays.
+        """
+        suspended = False
         while True:
             with self._lock:
-                if self._rung:
+                rung = self._rung
+                if not rung:
+                    event = anyio.Event()
+                    wake = _thread_safe_wake(event)
+                    if wake is None:
+                        pair = self._pair = self._pair or _socket_pair()
+                    else:
+                        self._wake = wake
+            if rung:
+                if not suspended:
+                    await anyio.lowlevel.checkpoint()
+                with self._lock:
                     self._rung = False
-                    return
-                event = anyio.Event()
-                wake = _thread_safe_wake(event)
-                if wake is None:
-                    pair = self._pair = self._pair or _socket_pair()
-                else:
-                    self._wake = wake
+                return
+            suspended = True
             if wake is None:
                 await _wait_socket(pair[0])
                 continue

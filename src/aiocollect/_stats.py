@@ -168,9 +168,12 @@ class StatsTracker:
         self._forget(now)
 
     def _forget(self, now: float) -> None:
-        """Drop the deliveries older than the rate window."""
+        """Drop the deliveries and the consumer's waits older than the rate window (a run of days that
+        never reads ``trainer_wait`` keeps no more than a window of them)."""
         while self._deliveries and now - self._deliveries[0][0] > self._rate_window_s:
             self._deliveries.popleft()
+        while self._waits and now - self._waits[0][1] > self._rate_window_s:
+            self._waits.popleft()
 
     def mean_return(self) -> float | None:
         return sum(self._returns) / len(self._returns) if self._returns else None
