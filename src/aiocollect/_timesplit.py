@@ -243,13 +243,12 @@ class SplitWindows:
 
 def producer_totals(collector: Any) -> tuple[Totals | tuple[()], ...]:
     """The cumulative :data:`Totals` of each producer of ``collector`` now: a ``Collector``'s rollout
-    thread, an ``AsyncEnvCollector``'s engine, or each worker of a multi-worker collector (its newest batch
-    notice; ``()`` for one not heard from yet); ``()`` for a collector that keeps no split. What a node or
-    actor sends with each batch (a few numbers per producer)."""
-    for owner in ("_rollout", "_engine"):
-        clock = getattr(getattr(collector, owner, None), "clock", None)
-        if isinstance(clock, SplitClock):
-            return (clock.totals(),)
+    thread, or each worker of a multi-worker collector (its newest batch notice; ``()`` for one not heard
+    from yet); ``()`` for a collector that keeps no split. What a node or actor sends with each batch (7
+    numbers per producer)."""
+    clock = getattr(getattr(collector, "_rollout", None), "clock", None)
+    if isinstance(clock, SplitClock):
+        return (clock.totals(),)
     members = getattr(collector, "_members", None)
     if not callable(members):
         return ()
