@@ -133,7 +133,9 @@ async def test_distributed_async_weights_budget_traj_ids_and_reaping():
         batches,
         lambda b: [(int(b["collector", "node_id"][0]), int(t)) for t in b["collector", "traj_ids"].unique()],
     )
-    assert c.statistics().workers[0].state == "stopped"
+    closed = c.statistics()
+    assert closed.workers[0].state == "stopped"
+    assert closed.time_split is not None and closed.workers[1].time_split is not None  # the last split
     assert _alive(pids) == []
 
 
