@@ -16,8 +16,17 @@ Cases: CartPole with a random policy (fused loop, actions drawn once per batch),
 (fused loop, a policy call per step), 8 CartPoles with a TensorDictModule MLP (the generic loop), and
 Pendulum with an MLP and ``max_frames_per_traj`` (the generic loop, one env).
 
+``--node-frames 32,512`` measures what a torch.distributed/RPC node or a Ray actor adds per batch to carry
+its collector's split to the trainer: a node core (``NodeCore``, hosting a ``Collector`` of CartPoles with
+a random policy, the cheapest frames) produces batches of that many frames, and each is announced as a
+node does (its ``BatchNotice`` pickled and unpickled, as over the control connection) and recorded as the
+trainer does; the batches alternate between carrying the split (``on``: ``producer_totals`` sent, added to
+the member's ``SplitWindows``) and not (``off``), the order flipping each pair. CPU time is the process's
+(the rollout thread's and the event loop's).
+
 ```bash
 python benchmarks/timesplit.py --rounds 9 --batches 8
+python benchmarks/timesplit.py --cases none --node-frames 32,512 --rounds 15 --batches 40
 ```
 """
 
@@ -25,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import statistics
 import time
 from collections.abc import Callable
@@ -134,16 +144,90 @@ def per_call_ns(repeat: int = 7, number: int = 200_000) -> tuple[float, float]:
     return (wrapped - bare) * 1e9, batch * 1e9
 
 
+def measure_node(frames_per_batch: int, rounds: int, batches: int) -> tuple[list[float], list[float]]:
+    """Per round, µs of the process's CPU per frame of a node's batches with the split carried and without
+    (a node core and the trainer's side in this process; the transport's bytes are pickled, not sent)."""
+    import aiocollect._remote._node as node_module
+    from aiocollect._remote._messages import BatchNotice
+    from aiocollect._timesplit import SplitWindows, producer_totals
+
+    def without(collector: Any) -> tuple[()]:
+        return ()
+
+    async def run() -> tuple[list[float], list[float]]:
+        core = node_module.NodeCore(
+            Collector(
+                lambda: GymEnv("CartPole-v1"), None, frames_per_batch=frames_per_batch, total_frames=-1
+            ),
+            None,
+        )
+        windows = SplitWindows()
+        async with core:
+            for _ in range(5):  # warm-up
+                await core.next_batch()
+            on: list[float] = []
+            off: list[float] = []
+            for _ in range(rounds):
+                cpu = {True: 0.0, False: 0.0}
+                frames = {True: 0, False: 0}
+                for i in range(batches):
+                    for split_on in (True, False) if i % 2 == 0 else (False, True):
+                        node_module.producer_totals = producer_totals if split_on else without
+                        start = time.process_time()
+                        out = await core.next_batch()
+                        notice = pickle.loads(pickle.dumps(out.notice(i, None)))
+                        assert isinstance(notice, BatchNotice)
+                        if split_on:
+                            windows.add(notice.time_split)
+                        cpu[split_on] += time.process_time() - start
+                        frames[split_on] += out.frames
+                on.append(cpu[True] / frames[True] * 1e6)
+                off.append(cpu[False] / frames[False] * 1e6)
+        node_module.producer_totals = producer_totals
+        return on, off
+
+    return anyio.run(run)
+
+
+def node_per_batch_ns(repeat: int = 7, number: int = 20_000) -> float:
+    """ns of CPU per batch that carrying the split adds, timed alone (``timeit``): the node's
+    ``producer_totals``, the 7 numbers more in its pickled notice, the trainer's ``SplitWindows.add``."""
+    import timeit
+
+    from aiocollect._remote._messages import BatchNotice
+    from aiocollect._timesplit import SplitClock, SplitWindows, producer_totals
+
+    class Hosted:  # a Collector as producer_totals sees it: its rollout's clock
+        class _rollout:
+            clock = SplitClock()
+
+    hosted, windows = Hosted(), SplitWindows()
+    episodes = [(10.0, 10)]
+
+    def carried() -> None:
+        notice = BatchNotice(1, 32, None, episodes, 0, producer_totals(hosted))
+        windows.add(pickle.loads(pickle.dumps(notice)).time_split)
+
+    def bare() -> None:
+        pickle.loads(pickle.dumps(BatchNotice(1, 32, None, episodes, 0)))
+
+    cpu = time.thread_time
+    with_split = min(timeit.repeat(carried, repeat=repeat, number=number, timer=cpu)) / number
+    without_split = min(timeit.repeat(bare, repeat=repeat, number=number, timer=cpu)) / number
+    return (with_split - without_split) * 1e9
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batches", type=int, default=30)
-    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--cases", default=",".join(CASES), help="'none': only the node cases")
+    parser.add_argument("--node-frames", default="", help="frames per batch of the node cases (e.g. 32,512)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    cases = args.cases.split(",")
+    cases = [] if args.cases == "none" else args.cases.split(",")
     load = os.getloadavg()[0]
-    print(f"load average {load:.1f}; {args.rounds} rounds x {args.batches} batch pairs of {FRAMES_PER_BATCH}")
+    print(f"load average {load:.1f}; {args.rounds} rounds x {args.batches} batch pairs")
     per_call, per_batch = per_call_ns()
     head = f"{'case':24} {'off µs/frame':>13} {'on µs/frame':>12} {'on/off (median)':>16} {'range':>16}"
     print(f"{head} {'bound':>7}")
@@ -159,6 +243,18 @@ def main() -> None:
             f"{statistics.median(ratios):16.4f} {min(ratios):7.4f}-{max(ratios):.4f} {bound:7.2%}"
         )
     print(f"clock cost: {per_call:.0f} ns per policy call, {per_batch:.0f} ns per batch (timeit, CPU time)")
+    if args.node_frames:
+        carried = node_per_batch_ns()
+        print(f"a node carrying its split: {carried:.0f} ns per batch (timeit, CPU time)")
+        for fpb in (int(n) for n in args.node_frames.split(",")):
+            on, off = measure_node(fpb, args.rounds, args.batches)
+            ratios = [a / b for a, b in zip(on, off, strict=True)]
+            bound = carried / 1e3 / fpb / statistics.median(off)
+            name = f"node, batches of {fpb}"
+            print(
+                f"{name:24} {statistics.median(off):13.2f} {statistics.median(on):12.2f} "
+                f"{statistics.median(ratios):16.4f} {min(ratios):7.4f}-{max(ratios):.4f} {bound:7.2%}"
+            )
     print(f"load average {os.getloadavg()[0]:.1f}")
 
 

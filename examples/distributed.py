@@ -135,6 +135,9 @@ async def main(args: Args) -> None:
         f"done: {stats.frames} frames in {elapsed:.1f} s ({stats.frames / elapsed:.0f} frames/s overall, "
         f"start-up included); update_weights median {statistics.median(update_ms):.2f} ms"
     )
+    # where the time went (docs/why-slow.md): the trainer's wait for batches, the nodes' (actors') split
+    split = ", ".join(f"{part} {fraction:.0%}" for part, fraction in (stats.time_split or {}).items())
+    print(f"trainer_wait {stats.trainer_wait or 0:.2f}; the nodes' time: {split}")
 
 
 def parse() -> Args:

@@ -444,3 +444,31 @@ async def leaks(warm_forkserver: None) -> AsyncIterator[Leaks]:
         await baseline.settle()
     finally:
         Leaks.active = None
+
+
+def check_remote_split(collector: Any, members: int) -> None:
+    """A remote collector's (nodes', actors') time split, measured by each member's collector and carried
+    with its batches: the collector's and each member's fractions sum to 1, µs per frame are positive,
+    ``collector_wait`` is the ``"wait"`` part, and ``metrics_text`` gives each member's by worker label."""
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    from aiocollect import metrics_text
+
+    stats = collector.statistics()
+    assert len(stats.workers) == members
+    parts = {"env", "policy", "transfer", "wait", "other"}
+    for owner in (stats, *stats.workers):
+        split, per_frame = owner.time_split, owner.time_split_us
+        assert split is not None and per_frame is not None, owner
+        assert set(split) == parts == set(per_frame)
+        assert all(v >= 0 for v in split.values()) and sum(split.values()) == pytest.approx(1.0, abs=1e-6)
+        assert all(v >= 0 for v in per_frame.values()) and per_frame["env"] > 0
+        assert owner.collector_wait == split["wait"]
+    found: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(metrics_text(collector, name="remote")):
+        for sample in family.samples:
+            if sample.name == "aiocollect_worker_time_split":
+                found[sample.labels["worker"], sample.labels["part"]] = sample.value
+    assert set(found) == {(str(i), part) for i in range(members) for part in parts}
+    for i in range(members):
+        assert sum(found[str(i), part] for part in parts) == pytest.approx(1.0, abs=1e-6)

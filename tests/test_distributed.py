@@ -25,7 +25,7 @@ from aiocollect import (
     RPCCollector,
     submitit_delayed_launcher,
 )
-from support import ConstantPolicy, pendulum
+from support import ConstantPolicy, check_remote_split, pendulum
 from support import process_tree as _ours
 from support import wait_gone as _alive
 
@@ -128,11 +128,14 @@ async def test_distributed_async_weights_budget_traj_ids_and_reaping():
             stats = c.statistics()
             assert {w.worker_id for w in stats.workers} == {0, 1}
             assert sum(w.frames for w in stats.workers) >= 256
+            check_remote_split(c, members=2)
     _traj_ids_disjoint(
         batches,
         lambda b: [(int(b["collector", "node_id"][0]), int(t)) for t in b["collector", "traj_ids"].unique()],
     )
-    assert c.statistics().workers[0].state == "stopped"
+    closed = c.statistics()
+    assert closed.workers[0].state == "stopped"
+    assert closed.time_split is not None and closed.workers[1].time_split is not None  # the last split
     assert _alive(pids) == []
 
 
@@ -158,6 +161,7 @@ async def test_distributed_sync_stacks_per_node_with_multi_collectors():
                 with torch.no_grad():
                     policy.value.fill_(float(len(batches)))
             assert c.policy_version == 3  # before batches 2, 3 and 4
+            check_remote_split(c, members=2)  # each node's: its 2 workers' together
             pids = _ours(c.node_pids())
     assert [tuple(b.batch_size) for b in batches] == [(2, 2, 16)] * 4
     for i, b in enumerate(batches):
@@ -260,6 +264,7 @@ async def test_rpc_async_then_sync_in_one_process():
             ) as c:
                 pids = _ours(c.node_pids())
                 batches = await _check_weights_and_budget(c, policy, sync=sync, nodes=2, fpb=32, total=192)
+                check_remote_split(c, members=2)
         if sync:
             assert [tuple(b.batch_size) for b in batches] == [(2, 16)] * 6
             _traj_ids_disjoint(

@@ -142,6 +142,7 @@ def test_distributed_example_runs(name: str) -> None:
     assert "frames/s" in proc.stdout and "mean return" in proc.stdout, proc.stdout
     assert "frames    4096" in proc.stdout, proc.stdout  # the whole budget, batch by batch
     assert "published v2" in proc.stdout, proc.stdout
+    assert "the nodes' time: env " in proc.stdout, proc.stdout  # their time split reached the trainer
 
 
 def test_every_example_is_tested() -> None:

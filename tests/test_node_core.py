@@ -12,6 +12,7 @@ import torch
 from aiocollect import Collector, GymEnv, MultiSyncCollector, RolloutOptions
 from aiocollect._remote._messages import HostSpec, StageWeights, WaitLoaded
 from aiocollect._remote._node import NodeCore
+from aiocollect._timesplit import SplitWindows
 from aiocollect._transport._messages import GetAttr, GetState, LoadState, Reset, SetSeed
 
 pytestmark = pytest.mark.anyio
@@ -85,3 +86,28 @@ async def test_a_hosted_multi_process_collector_answers_from_worker_0():
         assert isinstance(await core.call(GetAttr("policy", "value")), torch.nn.Parameter)
         assert await core.call(SetSeed(3)) == 4  # the seed chain over its two workers
         await core.call(LoadState(await core.call(GetState(versioned=True)), versioned=True))
+
+
+@pytest.mark.parametrize(
+    "hosted",
+    [None, ([pendulum, pendulum], MultiSyncCollector, {"worker_backend": "serial"})],
+    ids=["collector", "multi-sync"],
+)
+async def test_batches_carry_the_time_split_of_each_producer(hosted):
+    """Each batch carries the hosted collector's producers' totals (one per rollout: the trainer reads
+    them as the node's time split), cumulative from batch to batch."""
+    core = NodeCore.from_spec(spec(hosted=hosted))
+    windows = SplitWindows()
+    producers = 1 if hosted is None else 2
+    async with core:
+        first = await core.next_batch()
+        second = await core.next_batch()
+    for out in (first, second):
+        assert len(out.time_split) == producers
+        assert all(len(totals) == 7 for totals in out.time_split)
+        windows.add(out.time_split)
+    # cumulative: the producers' frames so far grow from batch to batch
+    assert sum(t[6] for t in second.time_split) > sum(t[6] for t in first.time_split) > 0
+    fractions, per_frame = windows.read()
+    assert sum(fractions.values()) == pytest.approx(1.0)
+    assert per_frame["env"] > 0 and fractions["env"] > 0

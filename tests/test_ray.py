@@ -32,7 +32,7 @@ from aiocollect import (
     WorkerDiedError,
     WorkerTimeoutError,
 )
-from support import ConstantPolicy, ListBuffer, broken_factory, pendulum
+from support import ConstantPolicy, ListBuffer, broken_factory, check_remote_split, pendulum
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180), pytest.mark.usefixtures("support_by_value")]
 #: the tests that start Ray; the others (argument checks, no ray import) run in the default suite
@@ -165,6 +165,7 @@ async def test_sync_stacks_one_batch_per_actor(ray_cluster):
                     trainer.value.fill_(0.5)
                 assert await c.update_weights() == 1
         stats = c.statistics()
+        check_remote_split(c, members=2)
     kinds = [e.kind async for e in events]  # the stream ends when the collector closes
     assert_gone(procs)
     assert [tuple(b.batch_size) for b in batches] == [(2, 16)] * 4
@@ -285,6 +286,7 @@ async def test_multi_process_collectors_inside_actors(ray_cluster):
         batches = [b async for b in c]
         procs = ray_processes(c)
         assert len(procs) >= 2 + 4  # two actors, two workers under each
+        check_remote_split(c, members=2)  # each actor's: its 2 worker processes' together
     assert_gone(procs)
     assert [tuple(b.batch_size) for b in batches] == [(2, 8)] * 6  # an actor's batch: [workers, time]
     assert all(actions(b) == {0.25} for b in batches)

@@ -26,7 +26,7 @@ from aiocollect import (
 )
 from aiocollect._sinks import statistics_scalars
 from aiocollect._stats import StatsTracker
-from aiocollect._timesplit import PARTS, SplitClock, SplitWindow, combine_splits
+from aiocollect._timesplit import PARTS, SplitClock, SplitWindow, SplitWindows, combine_splits, member_split
 from support import HookedEnv
 
 PARTS_SET = set(PARTS)
@@ -86,6 +86,30 @@ def test_combined_split_weights_producers_by_their_time() -> None:
     fractions, per_frame = combine_splits([busy, idle, None])  # type: ignore[misc]
     assert fractions["env"] == pytest.approx(0.5) and fractions["wait"] == pytest.approx(0.5)
     assert per_frame["env"] == pytest.approx(10.0 * 1e6 / 1000)
+
+
+def test_a_hosted_collectors_producers_read_together() -> None:
+    """A node's or actor's batches carry one Totals per producer of its collector: the windows of each
+    read as one, like a collector's workers; a node without a split (or a malformed entry) adds nothing."""
+    windows = SplitWindows(window_s=10.0)
+    assert windows.seconds() is None and member_split(windows) is None
+    windows.add(())  # an older node: no split
+    windows.add([(10.0, 0.0, 10.0, 0.0, 0.0, 0.0, 100), ()])  # producer 1 not heard from yet
+    assert windows.seconds() == (10.0, pytest.approx([10.0, 0.0, 0.0, 0.0, 0.0]), 100)
+    # producer 1 on its own clock (another process): 5 s of waiting
+    windows.add([(20.0, 0.0, 20.0, 0.0, 0.0, 0.0, 200), (105.0, 100.0, 0.0, 0.0, 0.0, 5.0, 0), "bad"])
+    wall, parts, frames = windows.seconds()  # type: ignore[misc]
+    # producer 0 from its older sample on (10 s, 100 frames), producer 1 since it started (5 s)
+    assert (wall, frames) == (pytest.approx(15.0), 100)
+    assert parts == pytest.approx([10.0, 0.0, 0.0, 5.0, 0.0])
+    fractions, per_frame = windows.read()
+    assert fractions["env"] == pytest.approx(2 / 3) and fractions["wait"] == pytest.approx(1 / 3)
+    assert per_frame["env"] == pytest.approx(10.0 * 1e6 / 100)
+
+    class Member:
+        time_split = windows
+
+    assert member_split(Member()) == windows.seconds()
 
 
 def test_clock_counts_an_open_wait() -> None:

@@ -7,7 +7,9 @@ is the loop's time less the policy's. Its owner adds the time it waits for the c
 
 ``totals()`` is a plain tuple (it travels with each worker's batch notice); a :class:`SplitWindow` keeps
 the recent ones and reads the split of the last ``window_s`` seconds: fractions of the wall time and
-microseconds per frame, keyed by :data:`PARTS`.
+microseconds per frame, keyed by :data:`PARTS`. A node or actor hosts a whole collector: it sends
+:func:`producer_totals` (one ``Totals`` per producer of its collector) with each batch, and the trainer
+keeps them in a :class:`SplitWindows` (one window per producer, read together).
 
 Example:
     >>> clock = SplitClock()
@@ -31,9 +33,11 @@ __all__ = [
     "NullClock",
     "SplitClock",
     "SplitWindow",
+    "SplitWindows",
     "Totals",
     "combine_splits",
     "member_split",
+    "producer_totals",
 ]
 
 #: the parts of a time split, in the order they are reported
@@ -196,6 +200,61 @@ class SplitWindow:
         """``(fractions of the wall time, µs per frame)``, each keyed by :data:`PARTS` (zeros before)."""
         return _split(self.seconds(live))
 
+    def latest(self) -> Totals | tuple[()]:
+        """The newest totals added (``()`` before any)."""
+        return self._samples[-1] if self._samples else ()
+
+
+class SplitWindows:
+    """The :class:`SplitWindow` of each producer of a hosted collector (a node's, an actor's), fed with
+    the :func:`producer_totals` each of its batches carries; :meth:`seconds` reads them together, as
+    :func:`combine_splits` does a collector's workers.
+
+    Example:
+        >>> windows = SplitWindows()
+        >>> windows.add([(10.0, 0.0, 8.0, 0.0, 0.0, 2.0, 100), ()])  # two producers, one not heard from
+        >>> round(windows.read()[0]["env"], 2)
+        0.8
+    """
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._windows: list[SplitWindow] = []
+
+    def add(self, totals: Sequence[Any]) -> None:
+        """One batch's :func:`producer_totals` (``()`` from a sender without a split)."""
+        if not isinstance(totals, tuple | list):
+            return
+        windows = self._windows
+        while len(windows) < len(totals):
+            windows.append(SplitWindow(self.window_s))
+        for window, sample in zip(windows, totals, strict=False):
+            if isinstance(sample, tuple | list):
+                window.add(sample)
+
+    def seconds(self) -> tuple[float, list[float], int] | None:
+        """(wall seconds, seconds per part, frames) of the producers together; ``None`` before a sample."""
+        return _summed([w.seconds() for w in self._windows])
+
+    def read(self) -> tuple[dict[str, float], dict[str, float]]:
+        """``(fractions of the wall time, µs per frame)``, as :meth:`SplitWindow.read`."""
+        return _split(self.seconds())
+
+
+def producer_totals(collector: Any) -> tuple[Totals | tuple[()], ...]:
+    """The cumulative :data:`Totals` of each producer of ``collector`` now: a ``Collector``'s rollout
+    thread, or each worker of a multi-worker collector (its newest batch notice; ``()`` for one not heard
+    from yet); ``()`` for a collector that keeps no split. What a node or actor sends with each batch (7
+    numbers per producer)."""
+    clock = getattr(getattr(collector, "_rollout", None), "clock", None)
+    if isinstance(clock, SplitClock):
+        return (clock.totals(),)
+    members = getattr(collector, "_members", None)
+    if not callable(members):
+        return ()
+    windows = [getattr(m, "time_split", None) for m in members()]
+    return tuple(w.latest() if isinstance(w, SplitWindow) else () for w in windows)
+
 
 def _split(
     measured: tuple[float, list[float], int] | None,
@@ -213,17 +272,24 @@ def combine_splits(
 ) -> tuple[dict[str, float], dict[str, float]] | None:
     """The split of several producers together: the fractions of their summed wall time, and µs of their
     summed time per frame of them all; ``None`` when none has measured anything."""
+    summed = _summed(measured)
+    return _split(summed) if summed is not None else None
+
+
+def _summed(
+    measured: Sequence[tuple[float, list[float], int] | None],
+) -> tuple[float, list[float], int] | None:
+    """Several producers' (wall, parts, frames) added up; ``None`` when none has measured anything."""
     known = [m for m in measured if m is not None]
     if not known:
         return None
     wall = sum(m[0] for m in known)
     parts = [sum(m[1][i] for m in known) for i in range(len(PARTS))]
-    frames = sum(m[2] for m in known)
-    return _split((wall, parts, frames))
+    return wall, parts, sum(m[2] for m in known)
 
 
 def member_split(member: Any) -> tuple[float, list[float], int] | None:
     """The measured split of a fleet member that keeps a ``time_split`` :class:`SplitWindow` (a worker
-    handle), else ``None``."""
+    handle) or :class:`SplitWindows` (a node, an actor), else ``None``."""
     window = getattr(member, "time_split", None)
-    return window.seconds() if isinstance(window, SplitWindow) else None
+    return window.seconds() if isinstance(window, SplitWindow | SplitWindows) else None

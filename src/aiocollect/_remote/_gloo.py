@@ -119,10 +119,7 @@ async def run_node(chan: AsyncChannel, setup: Setup, where: str) -> None:
                 await anyio.to_thread.run_sync(buffer.pack, batch)
                 if device.type == "cuda":
                     await anyio.to_thread.run_sync(torch.cuda.synchronize, device)
-                notice = BatchNotice(
-                    request.seq, out.frames, layout if new_layout else None, out.episodes, out.policy_version
-                )
-                await chan.send(notice)
+                await chan.send(out.notice(request.seq, layout if new_layout else None))
                 await anyio.to_thread.run_sync(_send_wait, group, buffer.data, request.seq & 0x7FFFFFFF)
 
         async def loaded(version: int) -> None:
@@ -256,7 +253,7 @@ class GlooNodes(Nodes):
             if self._failure is not None:
                 raise self._failure from None
             raise
-        return NodeBatch(batch, notice.frames, notice.episodes, notice.policy_version)
+        return NodeBatch(batch, notice.frames, notice.episodes, notice.policy_version, notice.time_split)
 
     async def _on_notice(self, node: RemoteNode, msg: Any) -> None:
         if not isinstance(msg, BatchNotice):

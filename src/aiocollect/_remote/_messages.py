@@ -76,6 +76,8 @@ class BatchNotice:
     layout: Any
     episodes: list[tuple[float, int]]
     policy_version: int
+    #: the node's time split so far (``_timesplit.producer_totals``; empty from a node without one)
+    time_split: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,12 @@ class NodeBatch:
     frames: int
     episodes: list[tuple[float, int]]
     policy_version: int
+    #: its collector's time split so far: one ``_timesplit.Totals`` per producer (``producer_totals``)
+    time_split: tuple[Any, ...] = ()
+
+    def notice(self, seq: int, layout: Any) -> BatchNotice:
+        """The :class:`BatchNotice` that announces it (``layout`` ``None``: the previous batch's)."""
+        return BatchNotice(seq, self.frames, layout, self.episodes, self.policy_version, self.time_split)
 
 
 # -- trainer -> node ---------------------------------------------------------------------------------

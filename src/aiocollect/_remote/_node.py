@@ -20,6 +20,7 @@ from tensordict import TensorDict
 
 from .._events import BatchDelivered, EpisodeFinished
 from .._multi._base import MultiCollectorBase
+from .._timesplit import producer_totals
 from .._transport._messages import GetAttr, GetState, LoadState, Reset, SetSeed
 from ._messages import ControlOp, HostSpec, NextBatch, NodeBatch, StageWeights, WaitLoaded
 
@@ -124,7 +125,8 @@ class NodeCore:
     async def next_batch(self) -> NodeBatch:
         """The next batch (weights received before the request are loaded first), its frames, the
         episodes that ended in it and the trainer's version it was collected with; the batch's
-        ``("collector", "policy_version")`` is in the trainer's versions."""
+        ``("collector", "policy_version")`` is in the trainer's versions; its ``time_split``: the
+        collector's producers' totals (``_timesplit.producer_totals``), for the trainer's split."""
         await self.wait_applied(self.received)
         batch = await self.iterator.__anext__()
         frames, inner_version, seen, episodes = 0, 0, False, []
@@ -139,7 +141,7 @@ class NodeCore:
         if _VERSION_KEY in batch.keys(include_nested=True):
             batch.set(_VERSION_KEY, self._outer(batch.get(_VERSION_KEY)))
         version = self.outer_of_inner.get(inner_version, self.applied)
-        return NodeBatch(batch, frames, episodes, version)
+        return NodeBatch(batch, frames, episodes, version, producer_totals(self.collector))
 
     def _outer(self, inner: torch.Tensor) -> torch.Tensor:
         """The trainer's versions of the collector's ``inner`` versions (unknown ones as they are)."""

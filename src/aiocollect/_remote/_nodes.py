@@ -33,6 +33,7 @@ from .._events import WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
 from .._fleet import Arrival, FleetCollector
 from .._gather import gather
 from .._stats import WorkerState
+from .._timesplit import SplitWindows
 from .._transport._messages import Failed, FleetOp, Result
 from .._transport._store import StoreClient, StoreServer
 from .._transport._waiters import Waiter, WaiterTable
@@ -92,6 +93,7 @@ class RemoteNode:
     gone: anyio.Event = field(default_factory=anyio.Event)
     ready_event: anyio.Event = field(default_factory=anyio.Event)
     loaded_event: anyio.Event = field(default_factory=anyio.Event)
+    time_split: SplitWindows = field(default_factory=SplitWindows)  # its collector's, from its batches
 
     @property
     def rank(self) -> int:
@@ -151,6 +153,7 @@ class Nodes(abc.ABC):
     async def _fetch(self, node: RemoteNode) -> NodeBatch:
         result = await self._fetch_batch(node)
         node.frames += result.frames
+        node.time_split.add(result.time_split)
         node.since_update += 1
         node.fresh = True
         return result

@@ -118,6 +118,7 @@ class RemoteCollectorActor:
                 ("collector", "worker_id"), torch.full(batch.batch_size, self._index, dtype=torch.int64)
             )
         meta = {"frames": out.frames, "episodes": out.episodes, "policy_version": out.policy_version}
+        meta["time_split"] = out.time_split  # the actor's collector's split so far (producer_totals)
         return to_wire(batch), meta
 
     async def call(self, op: ControlOp) -> Any:

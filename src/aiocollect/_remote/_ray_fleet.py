@@ -29,6 +29,7 @@ from .._mistakes import warn_user
 from .._options import RolloutOptions
 from .._pids import pid_alive
 from .._stats import WorkerState
+from .._timesplit import SplitWindows
 from .._transport._messages import FleetOp
 from ._args import WeightPlan
 from ._ray_actor import actor_class, import_ray, unwrap_ray_error
@@ -67,6 +68,7 @@ class Actor:
     leftover: list[int] = field(default_factory=list)
     #: it missed ``progress_timeout``: killed without a graceful close
     hung: bool = False
+    time_split: SplitWindows = field(default_factory=SplitWindows)  # its collector's, from its batches
 
 
 @dataclass(frozen=True)
@@ -239,6 +241,7 @@ class RayActors:
 
     def _delivered_by(self, actor: Actor, meta: dict[str, Any]) -> list[tuple[int, float, int]]:
         actor.frames += int(meta["frames"])
+        actor.time_split.add(meta.get("time_split", ()))
         actor.since_update += 1
         version = int(meta["policy_version"])
         if version > actor.policy_version:

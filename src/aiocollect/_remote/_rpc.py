@@ -142,7 +142,8 @@ async def _handle(op: ControlOp) -> Any:
             for k, v in batch.items(include_nested=True, leaves_only=True)
         }
         names = tuple(batch.names) if batch.names is not None else None
-        return leaves, (tuple(batch.batch_size), names), value.frames, value.episodes, value.policy_version
+        layout = (tuple(batch.batch_size), names)
+        return leaves, layout, value.frames, value.episodes, value.policy_version, value.time_split
     return value
 
 
@@ -258,10 +259,10 @@ class RpcNodes(Nodes):
 
     async def _fetch_batch(self, node: RemoteNode) -> NodeBatch:
         # no timeout: a batch takes what it takes; a dead node is noticed by its connection
-        leaves, layout, frames, episodes, version = await self._within_progress_timeout(
+        leaves, layout, frames, episodes, version, *split = await self._within_progress_timeout(
             node, partial(self._rpc_async, node, NextBatch(), rpc_timeout=0)
         )
-        return NodeBatch(rebuild(leaves, *layout), frames, episodes, version)
+        return NodeBatch(rebuild(leaves, *layout), frames, episodes, version, *split)
 
     async def _send_weights(self, weights: TensorDictBase, version: int, ids: list[int]) -> None:
         plain = await anyio.to_thread.run_sync(
