@@ -368,6 +368,19 @@ async def test_control_calls(backend):
         assert len(rest) == 3  # the budget continues from the saved 16 frames
 
 
+async def test_getattr_reaches_any_worker():
+    """``getattr_env``/``getattr_policy`` ask worker 0, or the worker ``node=`` names (as on the remote
+    collectors: one method for every fleet)."""
+    async with MultiAsyncCollector(
+        [cartpole, cartpole4], frames_per_batch=16, worker_backend="serial", total_frames=32
+    ) as c:
+        with anyio.fail_after(30):
+            assert await c.getattr_env("batch_size") == torch.Size([])
+            assert await c.getattr_env("batch_size", node=1) == torch.Size([4])
+            with pytest.raises(AttributeError):
+                await c.getattr_policy("no_such_attribute", node=1)
+
+
 class Buffer:
     def __init__(self):
         self.batches = []

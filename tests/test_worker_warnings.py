@@ -55,7 +55,7 @@ TRAINER = textwrap.dedent(
         async with c:
             async for _ in c:
                 pass
-        print(f"ran {c._show_warnings}", flush=True)
+        print(f"ran {c._workers._show_warnings}", flush=True)
 
     async def main():
         await run(collector("default-hidden"))
@@ -150,4 +150,4 @@ def test_the_variable_is_read_at_construction(monkeypatch):
     shown = MultiSyncCollector([make], frames_per_batch=4)
     monkeypatch.setenv("AIOCOLLECT_WORKER_WARNINGS", "0")
     hidden = MultiSyncCollector([make], frames_per_batch=4)
-    assert shown._show_warnings and not hidden._show_warnings
+    assert shown._workers._show_warnings and not hidden._workers._show_warnings

@@ -1,14 +1,15 @@
 """The one collector over several members, whatever carries their batches: worker processes
-(``MultiSyncCollector``, ``MultiAsyncCollector``), torch.distributed or RPC nodes (``DistributedCollector``,
-``DistributedSyncCollector``, ``RPCCollector``) and Ray actors (``RayCollector``).
+(``MultiSyncCollector``, ``MultiAsyncCollector``, ``ProcessCollector``, ``MultiAsyncEnvCollector``),
+torch.distributed or RPC nodes (``DistributedCollector``, ``DistributedSyncCollector``, ``RPCCollector``)
+and Ray actors (``RayCollector``).
 
 One copy of the collector surface: iteration, ``update_weights`` (lock, versions, staleness floors,
-events, ``wait``), ``state_dict``, the seed chain, per-member statistics, and the trajectory renames
-after a dropped batch. What differs per family is a :class:`Transport` the collector holds (the nodes of
-``_remote/_nodes.py``, the actors of ``_remote/_ray_fleet.py``): start the members, the next delivery,
-publish weights, load them now, call a typed operation (:data:`FleetOp`) on a member, stop. The trainer
-side mirror of ``NodeCore``. (The worker pool's collectors, ``MultiCollectorBase``, still override the
-iteration and the weights; see ``docs/architecture.md``.)
+events, ``wait``), ``state_dict``, the seed chain, ``getattr_*``, per-member statistics, and the
+trajectory renames after a dropped batch. What differs per family is a :class:`Transport` the collector
+holds (the worker pool of ``_multi/_workers.py``, the nodes of ``_remote/_nodes.py``, the actors of
+``_remote/_ray_fleet.py``): start the members, the next delivery (sync or async), publish weights to some
+or all members, load them now, call a typed operation (:data:`FleetOp`) on a member, drop stale
+deliveries, stop. The trainer side mirror of ``NodeCore``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ._local._base import CollectorBase
 from ._mistakes import warn_user
 from ._stats import CollectorStatistics, WorkerState, WorkerStatistics
 from ._timesplit import member_split
-from ._transport._messages import FleetOp, GetState, LoadState, Reset, SetSeed
+from ._transport._messages import FleetOp, GetAttr, GetState, LoadState, Reset, SetSeed
 from ._validation import flag, seed_arg
 from ._weights import as_weights, check_compatible
 
@@ -93,12 +94,30 @@ class Transport(Protocol):
     async def load_now(self, ids: list[int], version: int, published: Any) -> None:
         """Return once members ``ids`` run ``version`` (``published``: what :meth:`publish` returned)."""
 
+    async def published(self, version: int, ids: list[int], raised: list[int]) -> None:
+        """Under the weights lock, after :meth:`publish`: the floors of members ``raised`` rose
+        (``FleetCollector._floors``): drop what waits below them."""
+
+    async def load_behind(self, raised: list[int]) -> None:
+        """After a publication (no ``wait``) that raised the floors of members ``raised``."""
+
+    def discarded(self) -> int:
+        """Frames the members collected and discarded themselves (restarted on newer weights)."""
+
+    def check_env_state(self, envs: bool) -> None:
+        """Raise ``ValueError`` if ``state_dict(envs=envs)`` cannot hold the members' envs."""
+
+    async def saved_policy(self, states: list[Any]) -> Any:
+        """The policy weights ``state_dict`` saves (``None``: none), from the members' ``states``
+        (which it may strip)."""
+
     async def call_each(self, ops: Sequence[tuple[int, FleetOp]]) -> list[Any]:
         """Run each ``(member, op)`` concurrently; the replies in order (a remote exception is raised with
         its own type)."""
 
     async def stop(self) -> None:
-        """Stop and reap every member. Idempotent."""
+        """Mark the collector closed (``_closed``) once no batch can start any more (worker pools: after
+        the batch in flight), then stop and reap every member. Idempotent."""
 
 
 class FleetCollector(CollectorBase):
@@ -118,6 +137,10 @@ class FleetCollector(CollectorBase):
     _size: int
     #: frames delivered to the consumer were too stale (``update_weights(flush=True)``) and dropped
     _dropped_frames: int = 0
+    #: max_policy_lag where the collector itself drops batches too old (first-ready worker pools)
+    _floor_lag: int | None = None
+    #: each member's frames per batch, once started
+    _member_frames: list[int]
 
     def _init_fleet(
         self,
@@ -141,7 +164,7 @@ class FleetCollector(CollectorBase):
         self._source_policy, self._weights_template, self._seed = policy, weights_template, seed
         self.replay_buffer = replay_buffer
         self._init_base(progress)
-        self._version = 0
+        self._version = self._issued = 0  # _issued: the last version handed to a publish
         self._weights_lock = anyio.Lock()
         self._entered = self._progress_closed = False
         #: per member, the oldest version a delivered batch may have (update_weights(flush=True))
@@ -182,11 +205,8 @@ class FleetCollector(CollectorBase):
         if self._entered:
             raise RuntimeError(f"the collector was entered already: a {type(self).__name__} is entered once")
         self._entered = True
-        fpbs = await self._transport.start()
-        if self._sync:
-            self.frames_per_batch = sum(fpbs)
-        elif len(set(fpbs)) == 1:
-            self.frames_per_batch = fpbs[0]
+        self._member_frames = fpbs = await self._transport.start()
+        self.frames_per_batch = (sum if self._sync else max)(fpbs)
         await self._members_started()
         await self._transport.run()
 
@@ -196,8 +216,8 @@ class FleetCollector(CollectorBase):
         with anyio.CancelScope(shield=True):
             if self._background is not None:
                 self._background.cancel()
-            self._closed = True
             await self._transport.stop()
+            self._closed = True
             self._hub.close()
             if not self._progress_closed:
                 self._progress_closed = True
@@ -240,17 +260,21 @@ class FleetCollector(CollectorBase):
     ) -> int:
         """Send weights to the members and return the new policy version.
 
-        A member loads them into its collector before its next batch (never mid-batch); ``wait=True``
-        returns once every targeted member runs them. Concurrent calls are serialised (versions strictly
-        increase). ``flush=True`` (``sync=False``): a batch a targeted member collected with older
-        weights is dropped when it arrives (counted in ``statistics().frames_discarded``) and the member
-        asked for another, so every batch delivered afterwards runs the new weights. Rollouts in flight
-        finish before they are dropped (they are not preempted, as in ``MultiAsyncCollector``).
+        A member loads them before its next batch (never mid-step); ``wait=True`` returns once every
+        targeted member runs them. Concurrent calls are serialised (versions strictly increase).
+
+        ``flush=True`` makes every batch delivered from then on (from the targeted members) one
+        collected entirely with the new weights; the frames this discards are counted in
+        ``statistics().frames_discarded``. Worker processes drop the batches waiting in their slots
+        and restart their rollouts in flight on the new weights (the envs are not reset);
+        ``MultiAsyncEnvCollector``'s workers drop the frames they hold below the floor and load the
+        new weights before this returns; a node or actor finishes its batch in flight, which is then
+        dropped. ``max_policy_lag=0`` on ``MultiAsyncCollector`` flushes at every update.
 
         Args:
             policy_or_weights: an ``nn.Module``, a TensorDict of weights or a state dict; ``None``: the
-                policy the collector was built with (its current weights).
-            worker_ids: the members to update (indices ``0 .. num_collectors - 1``; default: all).
+                policy the collector was built with (its current weights). Parameters and buffers.
+            worker_ids: the members to update (indices ``0 .. n - 1``; default: all).
             wait: also wait until those members run the new weights.
             flush: deliver nothing collected with older weights from now on.
 
@@ -260,22 +284,36 @@ class FleetCollector(CollectorBase):
             ...         ppo_update(policy, batch)
             ...         await collector.update_weights(policy, flush=True)  # the next batch is on-policy
         """
-        self._active()
+        flag("flush", flush)
+        self._check_open()  # a closed collector says so first, an un-entered one after the policy check
         weights = self._weights_to_publish(policy_or_weights)
         flag("wait", wait)
-        flag("flush", flush)
+        self._active()
         ids = self._target_ids(worker_ids)
         async with self._weights_lock:
-            version = self._version + 1
+            # numbers are never reused: an update interrupted midway may still reach some members
+            version = self._issued = self._issued + 1
             published = await self._transport.publish(weights, version, ids)
             self._version = version
-            if flush:
-                for i in ids:
-                    self._floors[i] = version
             self._hub.publish(WeightsPublished(version))
+            floor, raised = self._floor_after(version, flush), []
+            if floor is not None:
+                raised = [i for i in ids if floor > self._floors[i]]
+                for i in raised:
+                    self._floors[i] = floor
+            await self._transport.published(version, ids, raised)
         if wait:
             await self._transport.load_now(ids, version, published)
+        elif raised:
+            await self._transport.load_behind(raised)
         return version
+
+    def _floor_after(self, version: int, flush: bool) -> int | None:
+        """The oldest version delivered after publishing ``version`` (``None``: as before)."""
+        lag = self._floor_lag
+        if flush or lag == 0:
+            return version
+        return version - lag if lag is not None and version > lag else None
 
     # -- arguments ------------------------------------------------------------------------------------
     def _target_ids(self, worker_ids: Sequence[int] | None) -> list[int]:
@@ -339,8 +377,8 @@ class FleetCollector(CollectorBase):
 
     def _frames_discarded(self) -> int:
         """Frames collected and never delivered because newer weights overtook them
-        (``update_weights(flush=True)``)."""
-        return self._dropped_frames
+        (``update_weights(flush=True)``, ``max_policy_lag``): dropped here or by the members."""
+        return self._dropped_frames + self._transport.discarded()
 
     # -- start-up -------------------------------------------------------------------------------------
     async def _pickled_policy(self, for_whom: str) -> bytes:
@@ -367,8 +405,11 @@ class FleetCollector(CollectorBase):
             await self._seed_chain(self._seed)
 
     def _budget_fits_batches(self) -> bool:
-        """Whether ``total_frames`` is a whole number of batches (else a warning at start-up)."""
-        return self.total_frames % self.frames_per_batch == 0
+        """Whether ``total_frames`` is a whole number of batches (else a warning at start-up); batches
+        of whole trajectories, or of members' different sizes arriving in no set order, never warn."""
+        varied = not self._sync and len(set(self._member_frames)) > 1
+        whole_trajectories = getattr(self, "_episodes", None) is not None
+        return varied or whole_trajectories or self.total_frames % self.frames_per_batch == 0
 
     # -- seeds ----------------------------------------------------------------------------------------
     async def _seed_chain(self, seed: int) -> int:
@@ -394,29 +435,31 @@ class FleetCollector(CollectorBase):
         async with self._lock:
             await self._call_all(Reset())
 
+    async def getattr_env(self, name: str, node: int = 0) -> Any:
+        """An attribute of member ``node``'s env (worker 0's, for a multi-process node)."""
+        self._active()
+        return await self._call_member(node, GetAttr("env", name))
+
+    async def getattr_policy(self, name: str, node: int = 0) -> Any:
+        """An attribute of member ``node``'s policy."""
+        self._active()
+        return await self._call_member(node, GetAttr("policy", name))
+
     # -- state dict -----------------------------------------------------------------------------------
     async def state_dict(self, *, envs: bool = False) -> dict[str, Any]:
-        """Each member's collector state (trajectory-id counters, versions, random states) plus the
-        counters (and, for Ray actors, the policy's weights from actor 0). ``envs=True`` is refused: a
-        node or actor collects ahead of the batch delivered, so no checkpoint holds its envs' state."""
-        if envs:
-            raise ValueError(
-                f"{type(self).__name__}.state_dict(envs=True): each {self._member_noun} collects ahead of "
-                "the batch delivered, so its envs' state is past the checkpoint; save without envs=True "
-                "(the envs then start from reset when the checkpoint is loaded)"
-            )
+        """Each member's collector state (trajectory-id counters, versions, random states; ``envs``: the
+        envs' own state, see ``Collector.state_dict``, where the members can stop at the batch
+        delivered) plus the counters and the policy's weights."""
+        transport = self._transport
+        transport.check_env_state(envs)
         self._active()
-        versioned, prefix = self._transport.versioned, self._transport.state_prefix
         async with self._lock:
-            states = await self._call_all(GetState(versioned=versioned))
-        if not versioned:
-            out: dict[str, Any] = {f"{prefix}{i}": s for i, s in enumerate(states)}
-            out.update(self._counters())
-            return out
-        out = {f"{prefix}{i}": {k: v for k, v in s.items() if k != "policy"} for i, s in enumerate(states)}
+            states = await self._call_all(GetState(versioned=transport.versioned, envs=envs))
+        policy = await transport.saved_policy(states)
+        out: dict[str, Any] = {f"{transport.state_prefix}{i}": s for i, s in enumerate(states)}
         out.update(self._counters())
-        if states and states[0]["policy"] is not None:
-            out["policy"] = states[0]["policy"]
+        if policy is not None:
+            out["policy"] = policy
         return out
 
     async def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -456,6 +499,7 @@ class FleetCollector(CollectorBase):
         """Continue the budget from the saved counters; versions never go back."""
         self._stats.load(int(state["frames"]), int(state.get("batches", 0)), int(state.get("episodes", 0)))
         self._version = max(self._version, int(state.get("policy_version", 0)))
+        self._issued = max(self._issued, self._version)  # version numbers are never reused
 
 
 __all__ = ["Arrival", "FleetCollector", "Member", "Transport"]

@@ -15,11 +15,11 @@ from tensordict.nn import InteractionType
 
 from .._episodes_args import async_chunk, trajs_per_batch_arg
 from .._events import WorkerFailed
+from .._fleet import Arrival, FleetCollector
 from .._mistakes import explicit_keywords
 from .._multi._async import FirstReady
-from .._multi._base import MultiCollectorBase
-from .._multi._delivery import Delivery
 from .._multi._episodes import Episodes
+from .._multi._workers import Workers, WorkersMixin, init_workers
 from .._trajectories import split_trajectories
 from .._validation import (
     exploration_type_arg,
@@ -32,7 +32,6 @@ from .._validation import (
     seed_arg,
 )
 from .._weightsync import WeightSync
-from .._workers._pool import WorkerPool
 from ._collector import max_wait_arg, on_env_error_arg
 from ._multi_args import (
     UNSUPPORTED,
@@ -81,13 +80,13 @@ class _EnvsFirstReady(FirstReady):
         self._track_versions = track_versions
         self._cut = [0] * workers  # per worker: the newest floor one of its batches was dropped at
 
-    def stale(self, fleet: MultiCollectorBase, index: int, policy_version: int) -> bool:
-        stale = super().stale(fleet, index, policy_version)
+    def stale(self, w: Workers, index: int, policy_version: int) -> bool:
+        stale = super().stale(w, index, policy_version)
         if stale:  # dropped: see next_batch
-            self._cut[index] = max(self._cut[index], fleet._floors[index])
+            self._cut[index] = max(self._cut[index], w.floors[index])
         return stale
 
-    async def next_batch(self, fleet: MultiCollectorBase, pool: WorkerPool) -> Delivery:
+    async def next_batch(self, w: Workers) -> Arrival:
         """The next batch whose every frame is at or above its worker's floor, and that continues no
         trajectory of a batch dropped here under the same id.
 
@@ -96,28 +95,28 @@ class _EnvsFirstReady(FirstReady):
         the ones it cut before it knew of ``f`` are dropped too: they may go on with trajectory ids of
         the dropped one (from ``f`` on, the worker gives the trajectories in flight fresh ids)."""
         while True:
-            out = await super().next_batch(fleet, pool)
-            index = out.worker_id
+            out = await super().next_batch(w)
+            index = out.member
             assert index is not None
-            batch, floor = out.batch, fleet._floors[index]
+            batch, floor = out.batch, w.floors[index]
             if int(batch.get(VERSION).min()) < floor:
                 self._cut[index] = max(self._cut[index], floor)
             elif int(batch.get(FLOOR)[0]) >= self._cut[index]:
                 break
-            fleet._dropped_frames += out.frames
+            w.fleet._dropped_frames += out.frames
         out.batch = batch.exclude(FLOOR) if self._track_versions else batch.exclude(FLOOR, VERSION)
         return out
 
-    async def load_behind(self, fleet: MultiCollectorBase, pool: WorkerPool, raised: list[int]) -> None:
+    async def load_behind(self, w: Workers, raised: list[int]) -> None:
         """The workers whose floor rose and that run older weights load the new ones now, not after
         their next batch (each drops the frames it holds below the floor; its next batch would be
         dropped otherwise)."""
-        behind = [i for i in raised if pool.workers[i].policy_version < fleet._floors[i]]
+        behind = [i for i in raised if w.members()[i].policy_version < w.floors[i]]
         if behind:
-            await fleet._load_now(pool, behind)
+            await w.load_now(behind, w.floors[behind[0]], None)
 
 
-class MultiAsyncEnvCollector(MultiCollectorBase):
+class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
     """Async envs in worker processes: each process runs its own event loop, an
     :class:`AsyncEnvCollector` over its share of the envs with its own policy copy (dynamic batching of
     the ready envs), so that every core of the machine serves I/O-bound envs.
@@ -264,7 +263,8 @@ class MultiAsyncEnvCollector(MultiCollectorBase):
         self._rows: list[int | None] = [None] * len(shares)  # per worker: its env ids (EnvRows)
         warn_envs_wait(shares, fpb, self._async_config.prefetch)
         delivery = Episodes.over(_EnvsFirstReady(len(shares), self._track_versions), trajs)
-        super().__init__(
+        self._workers = init_workers(
+            self,
             [EnvShare(share) for share in shares],
             policy,
             frames_per_batch=frames_per_batch if isinstance(frames_per_batch, int) else list(fpb),
@@ -287,15 +287,9 @@ class MultiAsyncEnvCollector(MultiCollectorBase):
             traj_id_start=traj_id_start,
             traj_id_stride=traj_id_stride,
             delivery=delivery,
+            body=functools.partial(run_async_worker, self._async_config),
+            on_message=self._worker_message,
         )
-        self._episodes = Episodes.assembler_of(delivery)
-
-    def _budget_fits_batches(self) -> bool:
-        # trajs_per_batch: batches vary in frames, total_frames counts the delivered ones
-        return isinstance(self._delivery, Episodes) or super()._budget_fits_batches()
-
-    def _worker_body(self) -> Any:
-        return functools.partial(run_async_worker, self._async_config)
 
     def _worker_message(self, index: int, msg: Any) -> None:
         if isinstance(msg, WorkerFailed):  # an env dropped (on_env_error="drop"), its global env id

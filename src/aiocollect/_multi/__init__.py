@@ -1,5 +1,6 @@
 """The multi-process collectors: ``MultiSyncCollector``, ``MultiAsyncCollector``, ``ProcessCollector``
-and the ``MultiCollector(sync=...)`` factory. Their shared base is ``_base.MultiCollectorBase``.
+and the ``MultiCollector(sync=...)`` factory, each a ``FleetCollector`` over the worker pool
+(``_workers.Workers``, its transport).
 """
 
 from __future__ import annotations
@@ -7,14 +8,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ._args import set_worker_warnings
 from ._async import MultiAsyncCollector, ProcessCollector
-from ._base import MultiCollectorBase, set_worker_warnings
 from ._sync import MultiSyncCollector
 
 __all__ = [
     "MultiAsyncCollector",
     "MultiCollector",
-    "MultiCollectorBase",
     "MultiSyncCollector",
     "ProcessCollector",
     "set_worker_warnings",

@@ -14,15 +14,16 @@ from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
 from .._episodes_args import trajs_per_batch_arg
+from .._fleet import Arrival, FleetCollector
 from .._mistakes import explicit_keywords
 from .._options import RolloutOptions, WeightSchedule
 from .._transport._messages import Release, RunFree
 from .._weightsync import WeightSync
 from .._workers._pool import WorkerPool
-from ._base import MultiCollectorBase
-from ._delivery import Delivery, episodes_of
+from ._delivery import episodes_of
 from ._episodes import Episodes
 from ._renames import TrajectoryRenames
+from ._workers import Workers, WorkersMixin, init_workers
 
 __all__ = ["FirstReady", "MultiAsyncCollector", "ProcessCollector"]
 
@@ -66,42 +67,35 @@ class FirstReady:
         return [frames_per_batch] * n
 
     @staticmethod
-    def on_demand(fleet: MultiCollectorBase) -> bool:
+    def on_demand(w: Workers) -> bool:
         """On-policy (``max_policy_lag=0``): a batch collected while the trainer trains is dropped at its
         next update, and takes CPU from it. So each worker has one slot, handed back when the trainer
         asks for its next batch: the workers collect while the trainer waits for batches, and wait
         while it trains."""
-        return fleet._schedule.max_policy_lag == 0
+        return w.schedule.max_policy_lag == 0
 
-    def slots_per_worker(self, fleet: MultiCollectorBase) -> int:
-        return 1 if self.on_demand(fleet) else 2
+    def slots_per_worker(self, w: Workers) -> int:
+        return 1 if self.on_demand(w) else 2
 
     def check_layouts(self, ready: list[Any]) -> None:
         """Batches are delivered one worker at a time: any layouts go."""
 
-    async def started(self, fleet: MultiCollectorBase, pool: WorkerPool) -> None:
+    async def started(self, w: Workers) -> None:
         """The workers run: each collects freely from the first batch (``lazy``) or now, random first."""
-        self._renames = [TrajectoryRenames() for _ in range(fleet.num_workers)]
-        init_random = fleet._options.init_random_frames
-        per_worker_random = math.ceil(init_random / fleet.num_workers) if init_random else 0
+        self._renames = [TrajectoryRenames() for _ in range(w.num_workers)]
+        init_random = w.options.init_random_frames
+        per_worker_random = math.ceil(init_random / w.num_workers) if init_random else 0
         self._pending = RunFree(random_frames=per_worker_random)
         if not self._lazy:
-            await self._run_free(pool)
+            await self._run_free(w)
 
-    async def _run_free(self, pool: WorkerPool) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
+    async def _run_free(self, w: Workers) -> None:
+        pending, self._pending, pool = self._pending, None, w.pool
+        if pending is not None and pool is not None:
             with anyio.CancelScope(shield=True):  # a worker left out would never deliver
                 for i in range(len(pool.workers)):
                     await pool.send(i, pending)
                     pool.workers[i].expected_since = anyio.current_time()
-
-    @staticmethod
-    def floor_after(fleet: MultiCollectorBase, version: int, flush: bool) -> int | None:
-        lag = fleet._schedule.max_policy_lag
-        if flush or lag == 0:
-            return version
-        return version - lag if lag is not None and version > lag else None
 
     @staticmethod
     async def _release(pool: WorkerPool, index: int, slot: int) -> None:
@@ -114,9 +108,11 @@ class FirstReady:
         if handle.expected_since is None:  # it was blocked on full slots: it collects again now
             handle.expected_since = anyio.current_time()
 
-    async def drop_stale(self, fleet: MultiCollectorBase, pool: WorkerPool) -> None:
+    async def drop_stale(self, w: Workers) -> None:
         """Drop the batches waiting to be read that are now below their worker's floor: now, not when
         next read (their workers may be blocked on full slots, and collect again once a slot is free)."""
+        pool = w.pool
+        assert pool is not None
         with anyio.CancelScope(shield=True):
             waiting = list(self._backlog)
             self._backlog.clear()
@@ -126,17 +122,17 @@ class FirstReady:
                 except anyio.WouldBlock:
                     break
             for item in waiting:
-                if isinstance(item, tuple) and self.stale(fleet, item[0], item[1].policy_version):
-                    self._drop(fleet, item[0], item[1])
+                if isinstance(item, tuple) and self.stale(w, item[0], item[1].policy_version):
+                    self._drop(w, item[0], item[1])
                     await self._release(pool, item[0], item[1].slot)
                 else:  # fresh already (loaded before the floor was raised), or the pool's failure
                     self._backlog.append(item)
 
-    def stale(self, fleet: MultiCollectorBase, index: int, policy_version: int) -> bool:
+    def stale(self, w: Workers, index: int, policy_version: int) -> bool:
         """Whether a batch of worker ``index`` collected with ``policy_version`` is below its floor."""
-        return policy_version < fleet._floors[index]
+        return policy_version < w.floors[index]
 
-    async def _next_notice(self, fleet: MultiCollectorBase, pool: WorkerPool) -> tuple[int, Any]:
+    async def _next_notice(self, w: Workers, pool: WorkerPool) -> tuple[int, Any]:
         """The next fresh batch notice; stale ones (below their worker's floor) are dropped and their
         slots released, without a delivery."""
         while True:
@@ -147,35 +143,37 @@ class FirstReady:
                     pool.check()
                 index, notice = item
             else:
-                index, notice = await fleet._receive(pool)
-            if not self.stale(fleet, index, notice.policy_version):
+                index, notice = await w.receive()
+            if not self.stale(w, index, notice.policy_version):
                 return index, notice
-            self._drop(fleet, index, notice)
+            self._drop(w, index, notice)
             await self._release(pool, index, notice.slot)
 
-    def _drop(self, fleet: MultiCollectorBase, index: int, notice: Any) -> None:
+    def _drop(self, w: Workers, index: int, notice: Any) -> None:
         """Worker ``index``'s batch ``notice`` is stale: counted, not delivered (its trajectories that go
         on in the next batches take fresh ids)."""
-        fleet._dropped_frames += notice.frames
+        w.fleet._dropped_frames += notice.frames
         self._renames[index].dropped()
 
-    async def next_batch(self, fleet: MultiCollectorBase, pool: WorkerPool) -> Delivery:
-        await self._run_free(pool)  # the first batch asked for: the workers start collecting
+    async def next_batch(self, w: Workers) -> Arrival:
+        pool = w.pool
+        assert pool is not None
+        await self._run_free(w)  # the first batch asked for: the workers start collecting
         held, self._held = self._held, []
         for index, slot in held:  # the trainer asks for a batch: the workers collect again
             await self._release(pool, index, slot)
         while True:
-            index, notice = await self._next_notice(fleet, pool)
+            index, notice = await self._next_notice(w, pool)
             handle = pool.workers[index]
             batch = handle.slots[notice.slot].td.clone()  # the one copy out of shared memory
-            if not self.stale(fleet, index, notice.policy_version) and self.on_demand(fleet):
+            if not self.stale(w, index, notice.policy_version) and self.on_demand(w):
                 self._held.append((index, notice.slot))
                 break
             await self._release(pool, index, notice.slot)
-            if not self.stale(fleet, index, notice.policy_version):
+            if not self.stale(w, index, notice.policy_version):
                 break
             # overtaken while it was being read (a concurrent update_weights(flush=True))
-            self._drop(fleet, index, notice)
+            self._drop(w, index, notice)
         if self._renames_after_drops:
             ids = batch.get(_TRAJ_IDS)
             renamed = self._renames[index].delivered(ids, notice.steps, notice.spare_ids)
@@ -183,27 +181,21 @@ class FirstReady:
                 batch.set(_TRAJ_IDS, renamed)
         batch.set(("collector", "worker_id"), torch.full(batch.batch_size, index, dtype=torch.int64))
         batch.names = [None] * (batch.ndim - 1) + ["time"]
-        if fleet._schedule.update_at_each_batch and fleet._sender is not None:
-            await fleet.update_weights(worker_ids=[index])
-        return Delivery(
-            batch,
-            notice.frames,
-            [episodes_of(index, notice)],
-            worker_id=index,
-            policy_version=notice.policy_version,
-        )
+        if w.schedule.update_at_each_batch and w.sender is not None:
+            await w.fleet.update_weights(worker_ids=[index])
+        return Arrival(batch, notice.frames, episodes_of(index, notice), index, notice.policy_version)
 
     @staticmethod
-    def frames_for_buffer(fleet: MultiCollectorBase, batch: TensorDictBase) -> TensorDictBase:
+    def frames_for_buffer(w: Workers, batch: TensorDictBase) -> TensorDictBase:
         """What ``replay_buffer.extend`` gets: the batch as delivered (one worker's rollout, as torchrl's
         workers extend theirs)."""
         return batch
 
-    async def load_behind(self, fleet: MultiCollectorBase, pool: WorkerPool, raised: list[int]) -> None:
+    async def load_behind(self, w: Workers, raised: list[int]) -> None:
         """Nothing: a rollout worker's rollout in flight restarts on the new weights by itself."""
 
 
-class MultiAsyncCollector(MultiCollectorBase):
+class MultiAsyncCollector(WorkersMixin, FleetCollector):
     """Each batch is one worker's full rollout, first ready first served; workers never wait for the
     trainer (each collects at most one batch ahead, from the first batch asked for on: a ``set_seed``
     right after ``async with`` seeds every batch), so batches may lag the newest weights.
@@ -283,7 +275,8 @@ class MultiAsyncCollector(MultiCollectorBase):
         # with trajs_per_batch, max_policy_lag bounds each episode's oldest frame (the workers drop none)
         delivery = Episodes.over(FirstReady(), trajs, lag=max_policy_lag)
         frames_per_batch = Episodes.frames(frames_per_batch, trajs, rollout)  # per worker
-        super().__init__(
+        self._workers = init_workers(
+            self,
             create_env_fns,
             policy,
             delivery=delivery,
@@ -319,14 +312,9 @@ class MultiAsyncCollector(MultiCollectorBase):
             weights=weights,
             backend=backend,
         )
-        self._episodes = Episodes.assembler_of(delivery)
-
-    def _budget_fits_batches(self) -> bool:
-        # trajs_per_batch: batches vary in frames, total_frames counts the delivered ones
-        return isinstance(self._delivery, Episodes) or super()._budget_fits_batches()
 
 
-class ProcessCollector(MultiCollectorBase):
+class ProcessCollector(WorkersMixin, FleetCollector):
     """One collector in a separate process (torchrl's ``AsyncCollector``): it collects the next batch
     while the trainer works on this one.
 
@@ -382,7 +370,8 @@ class ProcessCollector(MultiCollectorBase):
     ) -> None:
         if not callable(create_env_fn):
             raise TypeError(f"create_env_fn must be a callable returning an env, got {create_env_fn!r}")
-        super().__init__(
+        self._workers = init_workers(
+            self,
             [create_env_fn],
             policy,
             delivery=FirstReady(),

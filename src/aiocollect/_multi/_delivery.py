@@ -1,33 +1,19 @@
 """How a multi-process collector gathers a batch from its workers (the :class:`Delivering` protocol:
-:class:`~._sync.Gather` for ``MultiSyncCollector``, :class:`~._async.FirstReady` for the others) and what
-a delivery hands back (:class:`Delivery`)."""
+:class:`~._sync.Gather` for ``MultiSyncCollector``, :class:`~._async.FirstReady` for the others), each
+handed as an :class:`~aiocollect._fleet.Arrival`."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tensordict import TensorDictBase
 
 if TYPE_CHECKING:
-    from .._workers._pool import WorkerPool
-    from ._base import MultiCollectorBase
+    from .._fleet import Arrival
+    from ._workers import Workers
 
-__all__ = ["Delivering", "Delivery", "episodes_of"]
-
-
-@dataclass
-class Delivery:
-    batch: TensorDictBase
-    frames: int
-    per_worker_episodes: list[list[tuple[int, float, int]]]
-    worker_id: int | None
-    policy_version: int
-
-    @property
-    def episodes(self) -> list[tuple[int, float, int]]:
-        return [e for episodes in self.per_worker_episodes for e in episodes]
+__all__ = ["Delivering", "episodes_of"]
 
 
 def episodes_of(worker_id: int, notice: Any) -> list[tuple[int, float, int]]:
@@ -36,16 +22,16 @@ def episodes_of(worker_id: int, notice: Any) -> list[tuple[int, float, int]]:
 
 class Delivering(Protocol):
     """How a batch is gathered from the workers: one rollout of each (``Gather``) or one worker's, the
-    first ready (``FirstReady``); the collector hands itself (``fleet``) to each call."""
+    first ready (``FirstReady``); the worker pool (``w``, the fleet's transport) hands itself to each
+    call."""
 
     sync: bool
 
     def split_frames(self, frames_per_batch: int | Sequence[int], n: int) -> list[int]: ...
-    def slots_per_worker(self, fleet: MultiCollectorBase) -> int: ...
+    def slots_per_worker(self, w: Workers) -> int: ...
     def check_layouts(self, ready: list[Any]) -> None: ...
-    async def started(self, fleet: MultiCollectorBase, pool: WorkerPool) -> None: ...
-    def floor_after(self, fleet: MultiCollectorBase, version: int, flush: bool) -> int | None: ...
-    async def drop_stale(self, fleet: MultiCollectorBase, pool: WorkerPool) -> None: ...
-    async def load_behind(self, fleet: MultiCollectorBase, pool: WorkerPool, raised: list[int]) -> None: ...
-    async def next_batch(self, fleet: MultiCollectorBase, pool: WorkerPool) -> Delivery: ...
-    def frames_for_buffer(self, fleet: MultiCollectorBase, batch: TensorDictBase) -> TensorDictBase: ...
+    async def started(self, w: Workers) -> None: ...
+    async def drop_stale(self, w: Workers) -> None: ...
+    async def load_behind(self, w: Workers, raised: list[int]) -> None: ...
+    async def next_batch(self, w: Workers) -> Arrival: ...
+    def frames_for_buffer(self, w: Workers, batch: TensorDictBase) -> TensorDictBase: ...

@@ -11,12 +11,12 @@ from tensordict import TensorDictBase
 
 from .._episodes import TrajectoryAssembler
 from .._episodes_args import CHUNK_FRAMES
+from .._fleet import Arrival
 from .._validation import lag_arg
-from ._delivery import Delivering, Delivery
+from ._delivery import Delivering
 
 if TYPE_CHECKING:
-    from .._workers._pool import WorkerPool
-    from ._base import MultiCollectorBase
+    from ._workers import Workers
 
 __all__ = ["Episodes"]
 
@@ -59,46 +59,43 @@ class Episodes:
     def split_frames(self, frames_per_batch: int | Sequence[int], n: int) -> list[int]:
         return self.inner.split_frames(frames_per_batch, n)
 
-    def slots_per_worker(self, fleet: MultiCollectorBase) -> int:
-        return self.inner.slots_per_worker(fleet)
+    def slots_per_worker(self, w: Workers) -> int:
+        return self.inner.slots_per_worker(w)
 
     def check_layouts(self, ready: list[Any]) -> None:
         self.inner.check_layouts(ready)
 
-    async def started(self, fleet: MultiCollectorBase, pool: WorkerPool) -> None:
-        await self.inner.started(fleet, pool)
+    async def started(self, w: Workers) -> None:
+        await self.inner.started(w)
 
-    def floor_after(self, fleet: MultiCollectorBase, version: int, flush: bool) -> int | None:
-        return self.inner.floor_after(fleet, version, flush)
-
-    async def drop_stale(self, fleet: MultiCollectorBase, pool: WorkerPool) -> None:
+    async def drop_stale(self, w: Workers) -> None:
         """A flush raised the floors of some workers: their batches waiting are dropped and their
         rollouts in flight restart, so the trajectories they have in flight are torn."""
-        for index, floor in enumerate(fleet._floors):
+        for index, floor in enumerate(w.floors):
             if floor != self._floors.get(index, 0):
                 self._floors[index] = floor
                 self.assembler.taint(index)
-        await self.inner.drop_stale(fleet, pool)
+        await self.inner.drop_stale(w)
 
-    async def load_behind(self, fleet: MultiCollectorBase, pool: WorkerPool, raised: list[int]) -> None:
-        await self.inner.load_behind(fleet, pool, raised)
+    async def load_behind(self, w: Workers, raised: list[int]) -> None:
+        await self.inner.load_behind(w, raised)
 
-    def frames_for_buffer(self, fleet: MultiCollectorBase, batch: TensorDictBase) -> TensorDictBase:
+    def frames_for_buffer(self, w: Workers, batch: TensorDictBase) -> TensorDictBase:
         """Whole trajectories, flat over frames (or padded ``[N, T]`` with ``split_trajs``), as they are."""
         return batch
 
-    def _ready(self, fleet: MultiCollectorBase) -> bool:
+    def _ready(self, w: Workers) -> bool:
         """Whether a batch is ready, once the episodes whose oldest frame is too old are discarded."""
         if self.lag is not None:
-            self.assembler.drop_older(fleet._version - self.lag)
+            self.assembler.drop_older(w.fleet._version - self.lag)
         return self.assembler.ready()
 
-    async def next_batch(self, fleet: MultiCollectorBase, pool: WorkerPool) -> Delivery:
+    async def next_batch(self, w: Workers) -> Arrival:
         assembler = self.assembler
-        while not self._ready(fleet):
-            out = await self.inner.next_batch(fleet, pool)
-            assembler.push(out.batch, source=out.worker_id or 0, version=out.policy_version)
+        while not self._ready(w):
+            out = await self.inner.next_batch(w)
+            assembler.push(out.batch, source=out.member or 0, version=out.policy_version)
             self._version = out.policy_version
         popped = assembler.pop()
         episodes = [(-1, r, n) for r, n in zip(popped.returns, popped.lengths, strict=True)]
-        return Delivery(popped.batch, len(popped.batch), [episodes], None, self._version)
+        return Arrival(popped.batch, len(popped.batch), episodes, None, self._version)

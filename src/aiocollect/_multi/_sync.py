@@ -12,14 +12,15 @@ from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
 from .._episodes_args import trajs_per_batch_arg
+from .._fleet import Arrival, FleetCollector
 from .._mistakes import explicit_keywords, warn_user
 from .._options import RolloutOptions, WeightSchedule
 from .._transport._messages import Collect
 from .._weightsync import WeightSync
 from .._workers._pool import WorkerPool
-from ._base import MultiCollectorBase
-from ._delivery import Delivery, episodes_of
+from ._delivery import episodes_of
 from ._episodes import Episodes
+from ._workers import Workers, WorkersMixin, init_workers
 
 __all__ = ["Gather", "MultiSyncCollector"]
 
@@ -36,20 +37,16 @@ class Gather:
         self._cat_results = cat_results
 
     @staticmethod
-    def slots_per_worker(fleet: MultiCollectorBase) -> int:
+    def slots_per_worker(w: Workers) -> int:
         return 1  # a worker collects when asked
 
-    async def started(self, fleet: MultiCollectorBase, pool: WorkerPool) -> None:
+    async def started(self, w: Workers) -> None:
         """Nothing: a worker collects when a batch is asked for."""
 
-    @staticmethod
-    def floor_after(fleet: MultiCollectorBase, version: int, flush: bool) -> int | None:
-        return version if flush else None
-
-    async def drop_stale(self, fleet: MultiCollectorBase, pool: WorkerPool) -> None:
+    async def drop_stale(self, w: Workers) -> None:
         """Nothing waits: batches are collected when asked for."""
 
-    async def load_behind(self, fleet: MultiCollectorBase, pool: WorkerPool, raised: list[int]) -> None:
+    async def load_behind(self, w: Workers, raised: list[int]) -> None:
         """Nothing: workers load the new weights before their next rollout."""
 
     @staticmethod
@@ -92,16 +89,17 @@ class Gather:
                 f"preempted batches of batched envs (worker batches {shapes}); use cat_results=-1 or 'stack'"
             )
 
-    async def next_batch(self, fleet: MultiCollectorBase, pool: WorkerPool) -> Delivery:
-        n = fleet.num_workers
-        if fleet._schedule.update_at_each_batch and fleet._sender is not None:
+    async def next_batch(self, w: Workers) -> Arrival:
+        n, fleet, pool = w.num_workers, w.fleet, w.pool
+        assert pool is not None
+        assert w.control is not None
+        if w.schedule.update_at_each_batch and w.sender is not None:
             await fleet.update_weights()
-        init_random = fleet._options.init_random_frames
+        init_random = w.options.init_random_frames
         random = (
             fleet._stats.frames < math.ceil(init_random / fleet.frames_per_batch) * fleet.frames_per_batch
         )
-        assert fleet._control is not None
-        stop = fleet._control.td["stop"]
+        stop = w.control.td["stop"]
         stop.zero_()
         for i in range(n):
             await pool.send(i, Collect(slot=0, random=random))
@@ -113,14 +111,14 @@ class Gather:
             # told to stop at their next step and deliver what they have
             with anyio.CancelScope() as gather:
                 while len(notices) < n:
-                    index, notice = await fleet._receive(pool)
+                    index, notice = await w.receive()
                     notices[index] = notice
                     if len(notices) >= need and len(notices) < n:
                         gather.cancel()
             if len(notices) < n:
                 pool.set_stop(stop, [i for i in range(n) if i not in notices], 1)
                 while len(notices) < n:
-                    index, notice = await fleet._receive(pool)
+                    index, notice = await w.receive()
                     notices[index] = notice
         except BaseException:
             # cancelled or failed mid-gather: stop the stragglers and drain them so that the next
@@ -129,24 +127,24 @@ class Gather:
                 if pool.failure is None:
                     pool.set_stop(stop, list(range(n)), 1)
                     while len(notices) < n:
-                        index, notice = await fleet._receive(pool)
+                        index, notice = await w.receive()
                         notices[index] = notice
             raise
         batch, valid = self._combine(pool, notices)
-        return Delivery(
+        return Arrival(
             batch,
             valid,
-            [episodes_of(i, notices[i]) for i in range(n)],
-            worker_id=None,
-            policy_version=min(notices[i].policy_version for i in range(n)),
+            [e for i in range(n) for e in episodes_of(i, notices[i])],
+            None,
+            min(notices[i].policy_version for i in range(n)),
         )
 
-    def frames_for_buffer(self, fleet: MultiCollectorBase, batch: TensorDictBase) -> TensorDictBase:
+    def frames_for_buffer(self, w: Workers, batch: TensorDictBase) -> TensorDictBase:
         """The stacked ``[workers, ..., T]`` batch with its worker dim folded into the next one: the entries
         torchrl's workers add when each extends the buffer with its own rollout (frames for single envs,
         ``[B, T]`` rows for batched ones), in worker order; frames a preempted worker did not collect are
         left out when the entries are frames."""
-        if self._cat_results != "stack" or fleet._options.split_trajs or batch.ndim < 2:
+        if self._cat_results != "stack" or w.options.split_trajs or batch.ndim < 2:
             return batch
         flat = batch.flatten(0, 1)
         mask_key = ("collector", "mask")
@@ -181,7 +179,7 @@ class Gather:
         return batch, valid
 
 
-class MultiSyncCollector(MultiCollectorBase):
+class MultiSyncCollector(WorkersMixin, FleetCollector):
     """Every batch holds one rollout from each worker, collected in parallel and stacked.
 
     ``frames_per_batch`` is the total per batch, split evenly over the workers (or a list, one value per
@@ -281,7 +279,8 @@ class MultiSyncCollector(MultiCollectorBase):
             raise ValueError(f"preemptive_threshold must be in (0, 1] or None, got {preemptive_threshold!r}")
         if cat_results != "stack" and (isinstance(cat_results, bool) or cat_results not in (0, -1)):
             raise ValueError(f"cat_results must be 'stack', 0 or -1, got {cat_results!r}")
-        super().__init__(
+        self._workers = init_workers(
+            self,
             create_env_fns,
             policy,
             delivery=delivery,
@@ -317,8 +316,3 @@ class MultiSyncCollector(MultiCollectorBase):
             weights=weights,
             backend=backend,
         )
-        self._episodes = Episodes.assembler_of(delivery)
-
-    def _budget_fits_batches(self) -> bool:
-        # trajs_per_batch: batches vary in frames, total_frames counts the delivered ones
-        return isinstance(self._delivery, Episodes) or super()._budget_fits_batches()

@@ -19,7 +19,7 @@ import torch
 from tensordict import TensorDict
 
 from .._events import BatchDelivered, EpisodeFinished
-from .._multi._base import MultiCollectorBase
+from .._fleet import FleetCollector
 from .._timesplit import producer_totals
 from .._transport._messages import GetAttr, GetState, LoadState, Reset, SetSeed
 from ._messages import ControlOp, HostSpec, NextBatch, NodeBatch, StageWeights, WaitLoaded
@@ -177,7 +177,7 @@ class NodeCore:
 
     async def get_attr(self, op: GetAttr) -> Any:
         c = self.collector
-        if isinstance(c, MultiCollectorBase):  # its env and policy live in its workers: ask worker 0
+        if isinstance(c, FleetCollector):  # its env and policy live in its workers: ask worker 0
             return await (c.getattr_env(op.name) if op.root == "env" else c.getattr_policy(op.name))
         return getattr(c.env if op.root == "env" else c.policy, op.name)
 

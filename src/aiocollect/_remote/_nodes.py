@@ -57,7 +57,7 @@ from ._messages import (
     Request,
     Setup,
 )
-from ._trainer import NodePlan
+from ._trainer import Hosts, NodePlan
 
 #: seconds a node gets to close its collector and hang up after ``Close`` (any worker_timeout): then killed
 _CLOSE_GRACE = 2.0
@@ -100,7 +100,7 @@ class RemoteNode:
         return self.index + 1
 
 
-class Nodes(abc.ABC):
+class Nodes(Hosts, abc.ABC):
     """The nodes of a node collector (``fleet``), a :class:`~aiocollect._fleet.Transport`; an engine
     subclasses it with the hooks of its data plane."""
 
@@ -273,13 +273,13 @@ class Nodes(abc.ABC):
             self._store_server = None
 
     # -- transport hooks ----------------------------------------------------------------------------
-    async def _open_transport(self, host: str) -> None:  # noqa: B027 (a hook: nothing by default)
+    async def _open_transport(self, host: str) -> None:
         """Trainer side of the data plane, before nodes are set up."""
 
     def _transport_setup(self, index: int) -> dict[str, Any]:
         return {}
 
-    async def _connect_transport(self) -> None:  # noqa: B027 (a hook: nothing by default)
+    async def _connect_transport(self) -> None:
         """Runs while the nodes join the data plane."""
 
     @abc.abstractmethod
@@ -304,7 +304,7 @@ class Nodes(abc.ABC):
     async def _on_notice(self, node: RemoteNode, msg: Any) -> None:
         raise TypeError(f"unexpected message from node {node.index}: {msg!r}")
 
-    def _close_transport(self) -> None:  # noqa: B027 (a hook: nothing by default)
+    def _close_transport(self) -> None:
         """Release the trainer's side of the data plane (nodes are gone)."""
 
     # -- waiting --------------------------------------------------------------------------------------
@@ -319,7 +319,7 @@ class Nodes(abc.ABC):
         if key[0] == "batch" and self._io is not None and not self._io_closed.is_set():
             self._io.start_soon(self._drain, self.nodes[key[1]], value)
 
-    async def _drain(self, node: RemoteNode, notice: Any) -> None:  # noqa: B027 (a hook: nothing by default)
+    async def _drain(self, node: RemoteNode, notice: Any) -> None:
         """Receive a batch nobody waits for any more, and drop it (transports with a data plane)."""
 
     async def _guard(self, fn: Callable[[], Any]) -> Any:
@@ -404,7 +404,7 @@ class Nodes(abc.ABC):
         await self.fleet._task_group.start(self._io_host)
         return await self._start()
 
-    async def run(self) -> None:  # noqa: B027 (a hook: nothing by default)
+    async def run(self) -> None:
         """Nodes are asked for batches as ``async for`` asks (``_top_up``)."""
 
     async def _io_host(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
@@ -564,6 +564,7 @@ class Nodes(abc.ABC):
                 self.fleet._hub.publish(WorkerStopped(node.index))
 
     async def stop(self) -> None:
+        self.fleet._closed = True  # nothing new starts (Transport.stop)
         with anyio.CancelScope(shield=True):
             if self._closing:
                 return

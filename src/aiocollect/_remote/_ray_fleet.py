@@ -36,6 +36,7 @@ from ._ray_actor import actor_class, import_ray, unwrap_ray_error
 from ._ray_local import init_local
 from ._ray_reaper import Watchdog, descendants, start_watchdog
 from ._ray_wire import from_wires, weights_to_wire
+from ._trainer import Hosts
 
 #: remote options used unless ``remote_config`` says otherwise
 DEFAULT_REMOTE_CONFIG: dict[str, Any] = {"num_cpus": 1}
@@ -86,7 +87,7 @@ class ActorPlan:
     progress_timeout: float | None
 
 
-class RayActors:
+class RayActors(Hosts):
     """The actors of a ``RayCollector`` (``fleet``), a :class:`~aiocollect._fleet.Transport`."""
 
     state_prefix = "worker"
@@ -379,6 +380,7 @@ class RayActors:
         return actors
 
     async def stop(self) -> None:
+        self.fleet._closed = True  # nothing new starts (Transport.stop)
         await self._teardown()
 
     async def _teardown(self) -> None:

@@ -13,7 +13,6 @@ from .._local._collector import Collector
 from .._multi._async import MultiAsyncCollector
 from .._multi._sync import MultiSyncCollector
 from .._options import RolloutOptions, WeightSchedule
-from .._transport._messages import GetAttr
 from .._validation import flag, positive_int, total_frames_arg
 from ._args import (
     UNSET,
@@ -187,21 +186,9 @@ class NodeCollectorMixin:
     if TYPE_CHECKING:
         _transport: Transport
 
-        def _active(self) -> None: ...
-
     @property
     def _nodes(self) -> Nodes:
         return cast("Nodes", self._transport)
-
-    async def getattr_env(self, name: str, node: int = 0) -> Any:
-        """An attribute of node ``node``'s env (worker 0's, for a multi-process node)."""
-        self._active()
-        return (await self._nodes.call_each([(node, GetAttr("env", name))]))[0]
-
-    async def getattr_policy(self, name: str, node: int = 0) -> Any:
-        """An attribute of node ``node``'s policy."""
-        self._active()
-        return (await self._nodes.call_each([(node, GetAttr("policy", name))]))[0]
 
     def node_pids(self) -> list[int | None]:
         """The process id of each node (as each node reported it)."""
@@ -215,4 +202,36 @@ class NodeCollectorMixin:
         )
 
 
-__all__ = ["UNSET", "NodeCollectorMixin", "NodePlan", "init_nodes", "node_plan"]
+class Hosts:
+    """What the transports whose members each host a collector (``Nodes``, ``RayActors``) answer alike:
+    a member collects ahead of the batch delivered (no env state in a checkpoint) and drops nothing itself;
+    the collector drops what arrives below a floor."""
+
+    fleet: FleetCollector
+    versioned: bool
+
+    async def published(self, version: int, ids: list[int], raised: list[int]) -> None:
+        """Nothing waits here: a stale batch is dropped when it arrives (``FleetCollector._stale``)."""
+
+    async def load_behind(self, raised: list[int]) -> None:
+        """Nothing: a member loads the new weights before its next batch."""
+
+    def discarded(self) -> int:
+        return 0
+
+    def check_env_state(self, envs: bool) -> None:
+        if envs:
+            fleet = self.fleet
+            raise ValueError(
+                f"{type(fleet).__name__}.state_dict(envs=True): each {fleet._member_noun} collects ahead "
+                "of the batch delivered, so its envs' state is past the checkpoint; save without envs=True "
+                "(the envs then start from reset when the checkpoint is loaded)"
+            )
+
+    async def saved_policy(self, states: list[Any]) -> Any:
+        """Versioned states carry the policy apart: the first member's is saved, once."""
+        policies = [s.pop("policy", None) for s in states] if self.versioned else [None]
+        return policies[0] if policies else None
+
+
+__all__ = ["UNSET", "Hosts", "NodeCollectorMixin", "NodePlan", "init_nodes", "node_plan"]
