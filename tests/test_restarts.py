@@ -16,7 +16,9 @@ import time
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import gymnasium as gym
+import numpy as np
 import pytest
 import torch
 from tensordict import TensorDictBase
@@ -343,3 +345,134 @@ async def test_workers_budget_spent_raises_the_env_error(kind: str, leaks: Any) 
         await collect(collector, entered)
     assert time.monotonic() - entered[0] < 2.0  # the workers are up: they fail at their first step
     assert any("restart budget spent: 2 restart(s)" in n for n in info.value.__notes__)
+
+
+# -- AsyncEnvCollector ------------------------------------------------------------------------------
+class AsyncFaulty(Faulty):
+    """:class:`Faulty`'s faults for async envs: each env's episodes never end on their own (so every
+    truncated frame is a restart's cut); its observation is its step count."""
+
+    def __call__(self) -> _AsyncEnv:  # type: ignore[override]
+        self.built += 1
+        return _AsyncEnv(self)
+
+
+class _AsyncEnv:
+    observation_space = gym.spaces.Box(0, 10**6, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, owner: Faulty) -> None:
+        self.owner = owner
+        self.t = 0
+
+    async def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
+        self.owner.seeds.append(seed)
+        self.t = 0
+        return np.zeros(1, np.float32), {}
+
+    async def step(self, action: int) -> Any:
+        await anyio.lowlevel.checkpoint()
+        self.owner.fault()
+        self.t += 1
+        return np.full(1, self.t, np.float32), 1.0, False, False, {}
+
+    async def close(self) -> None:
+        self.owner.closed += 1
+
+
+def check_async_contract(batches: list[TensorDictBase]) -> int:
+    """Per env, over its frames in order: a trajectory id changes only after a done frame or between
+    batches, and never comes back; returns the truncated frames (the restarts' cuts)."""
+    last: dict[int, tuple[int, int, bool]] = {}  # env id: (traj id, batch, done)
+    seen: set[int] = set()
+    cut = 0
+    for b, batch in enumerate(batches):
+        envs = batch["collector", "env_id"].tolist()
+        ids = batch["collector", "traj_ids"].tolist()
+        done = batch["next", "done"].reshape(-1).tolist()
+        truncated = batch["next", "truncated"].reshape(-1).tolist()
+        for env, i, d in zip(envs, ids, done, strict=True):
+            before = last.get(env)
+            if before is None or before[0] != i:
+                assert i not in seen, f"trajectory {i} goes on after another one"
+                seen.add(i)
+                assert before is None or before[2] or before[1] != b, f"env {env}'s trajectory ends undone"
+            last[env] = (i, b, d)
+        cut += sum(truncated)
+    return cut
+
+
+async def test_async_envs_restart(anyio_backend: Any) -> None:
+    from aiocollect import AsyncEnvCollector
+
+    faulty = AsyncFaulty(every=23)
+    fns = [faulty] * 4
+    collector = AsyncEnvCollector(fns, frames_per_batch=32, total_frames=256, seed=3, restart=FAST)
+    async with collector.events(kinds=["restarted"]) as events:
+        batches = await collect(collector)
+        restarted = []
+        while (event := events.receive_nowait()) is not None:
+            restarted.append(event)
+    assert sum(b.numel() for b in batches) == 256
+    cut = check_async_contract(batches)
+    restarts = collector.statistics().restarts
+    assert restarts == faulty.calls // 23 == len(restarted) > 5
+    assert 0 < cut <= restarts
+    assert faulty.built == 4 + restarts and faulty.closed == faulty.built
+    assert {e.env for e in restarted} <= {0, 1, 2, 3} and all(e.worker == 0 for e in restarted)
+    # env i is reset with seed 3 + i at first, with derive_seed(3 + i, k) after its k-th restart
+    assert sorted(faulty.seeds[:4]) == [3, 4, 5, 6]  # the tasks start in any order
+    assert set(faulty.seeds[4:]) <= {derive_seed(3 + i, k) for i in range(4) for k in range(1, restarts + 1)}
+
+
+async def test_async_env_budget_spent() -> None:
+    from aiocollect import AsyncEnvCollector
+
+    faulty = AsyncFaulty(always=True)
+    policy = RestartPolicy(max_restarts=2, backoff=0.0)
+    collector = AsyncEnvCollector([faulty], frames_per_batch=8, total_frames=32, restart=policy)
+    entered: list[float] = []
+    with pytest.raises(EnvFailure, match="step 3 failed") as info:
+        await collect(collector, entered)
+    assert time.monotonic() - entered[0] < 2.0
+    assert any("restart budget spent: 2 restart(s)" in n for n in info.value.__notes__)
+    assert faulty.closed == faulty.built == 3
+
+
+async def test_async_env_budget_spent_then_dropped() -> None:
+    from aiocollect import AsyncEnvCollector
+
+    always, healthy = AsyncFaulty(always=True), AsyncFaulty()
+    policy = RestartPolicy(max_restarts=2, backoff=0.0)
+    collector = AsyncEnvCollector(
+        [always, healthy], frames_per_batch=8, total_frames=32, restart=policy, on_env_error="drop"
+    )
+    batches = await collect(collector)
+    assert sum(b.numel() for b in batches) == 32
+    assert set(torch.cat([b["collector", "env_id"] for b in batches]).tolist()) == {1}
+    assert [w.restarts for w in collector.statistics().workers] == [2, 0]
+    assert always.closed == always.built == 3
+
+
+async def test_async_vector_env_restarts_whole() -> None:
+    from aiocollect import AsyncEnvCollector
+
+    faulty = Faulty(every=40)
+
+    def make() -> gym.vector.VectorEnv:  # a gymnasium vector env: the collector steps it in a thread
+        faulty.built += 1
+        return gym.vector.SyncVectorEnv([lambda: _FaultyWrapper(gym.make("CartPole-v1"), faulty)] * 3)
+
+    single = Faulty(every=40)
+
+    def make_single() -> gym.Env:  # a gymnasium env: stepped in a thread too
+        return _FaultyWrapper(gym.make("CartPole-v1"), single)
+
+    collector = AsyncEnvCollector([make, make_single], frames_per_batch=30, total_frames=300, restart=FAST)
+    batches = await collect(collector)
+    assert sum(b.numel() for b in batches) == 300
+    check_async_contract(batches)
+    workers = collector.statistics().workers
+    assert len(workers) == 4 and workers[1].restarts == workers[2].restarts == 0  # on the first row
+    assert workers[0].restarts == faulty.calls // 40 > 0 and workers[3].restarts == single.calls // 40
+    assert faulty.built == 1 + workers[0].restarts
