@@ -33,7 +33,7 @@ LONG_MODULES: dict[str, int] = {
     "aiocollect/_procenv/_env.py": 487,
     "aiocollect/_asyncenv/_collector.py": 510,  # issue 30: trajs_per_batch; issue 28: restart=
     "aiocollect/_asyncenv/_run.py": 608,  # issue 28: env restarts (_env_failed, _end_trajectories)
-    "aiocollect/_asyncenv/_worker.py": 446,
+    "aiocollect/_asyncenv/_worker.py": 454,  # issue 28: restart= and its Restarted events to the parent
     "aiocollect/_distributed_weights.py": 483,
     "aiocollect/_fast_policy.py": 598,
     # issue 30: trajs_per_batch; issue 29: stop flag, resume hooks; issue 28: restart=, Restarted events
@@ -94,7 +94,7 @@ LONG_FUNCTIONS: dict[str, int] = {
     "aiocollect/_local/_collector.py:Collector.__init__": 65,
     # explicit-keyword constructors that also check trajs_per_batch against the options that cut episodes
     "aiocollect/_multi/_sync.py:MultiSyncCollector.__init__": 57,
-    "aiocollect/_asyncenv/_multi.py:MultiAsyncEnvCollector.__init__": 56,
+    "aiocollect/_asyncenv/_multi.py:MultiAsyncEnvCollector.__init__": 57,
     "aiocollect/_remote/_ray.py:RayCollector.__init__": 59,
     "aiocollect/_envs/_gym_steps.py:run_steps": 68,
     "aiocollect/_asyncenv/_run.py:Engine.__init__": 62,

@@ -50,6 +50,21 @@ def rotating(shift: int) -> pytest.MarkDecorator:
     return pytest.mark.parametrize(("kind", "anyio_backend"), params)
 
 
+def one_backend(index: int) -> pytest.MarkDecorator:
+    """Backend ``index`` in the default suite, the two others marked slow."""
+    return pytest.mark.parametrize(
+        "anyio_backend",
+        [
+            pytest.param(
+                b,
+                id="uvloop" if b[1].get("use_uvloop") else b[0],
+                marks=() if j == index else (pytest.mark.slow,),
+            )
+            for j, b in enumerate(BACKENDS)
+        ],
+    )
+
+
 FAST = RestartPolicy(max_restarts=1000, window=60.0, backoff=0.0, max_backoff=0.0)
 
 
@@ -476,3 +491,23 @@ async def test_async_vector_env_restarts_whole() -> None:
     assert len(workers) == 4 and workers[1].restarts == workers[2].restarts == 0  # on the first row
     assert workers[0].restarts == faulty.calls // 40 > 0 and workers[3].restarts == single.calls // 40
     assert faulty.built == 1 + workers[0].restarts
+
+
+@one_backend(1)
+async def test_async_env_workers_restart(leaks: Any) -> None:
+    from aiocollect import MultiAsyncEnvCollector
+
+    faulty = AsyncFaulty(every=17)  # each worker process unpickles its own copy
+    collector = MultiAsyncEnvCollector(
+        [[faulty] * 2, [faulty] * 2], frames_per_batch=32, total_frames=256, restart=FAST
+    )
+    restarted = []
+    async with collector.events(kinds=["restarted"]) as events:
+        batches = await collect(collector)
+        while (event := events.receive_nowait()) is not None:
+            restarted.append(event)
+    assert sum(b.numel() for b in batches) == 256
+    assert check_async_contract(batches) > 0
+    assert (
+        restarted and {e.worker for e in restarted} <= {0, 1} and {e.env for e in restarted} <= {0, 1, 2, 3}
+    )
