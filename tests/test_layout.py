@@ -41,8 +41,9 @@ LONG_MODULES: dict[str, int] = {
     # the lifecycle every collector shares: issue 29's request_stop, issue 30's episode_statistics, issue 32's
     # trainer_wait
     "aiocollect/_local/_base.py": 410,
-    "aiocollect/_multi/_base.py": 601,
-    "aiocollect/_multi/_async.py": 420,  # issue 30: trajs_per_batch (two explicit-keyword constructors)
+    "aiocollect/_multi/_base.py": 604,  # issue 28: restart=
+    # issue 30: trajs_per_batch (two explicit-keyword constructors); issue 28: restart=
+    "aiocollect/_multi/_async.py": 425,
     # two public collectors' explicit keyword signatures (DistributedCollector, DistributedSyncCollector) and
     # GlooNodes, their transport (issue 27: DistributedSyncCollector subclasses DistributedCollector no more)
     "aiocollect/_remote/_gloo.py": 460,
@@ -84,7 +85,7 @@ LONG_FUNCTIONS: dict[str, int] = {
     "aiocollect/_remote/_gloo.py:run_node": 78,
     "aiocollect/_asyncenv/_run.py:Engine._env_task": 75,
     "aiocollect/dashboard/_routes.py:build_app": 69,
-    "aiocollect/_multi/_base.py:MultiCollectorBase.__init__": 67,
+    "aiocollect/_multi/_base.py:MultiCollectorBase.__init__": 68,
     "aiocollect/_envs/_gym.py:GymEnv._step_env_action": 67,
     "aiocollect/_remote/_ray_fleet.py:RayActors.start": 54,
     "aiocollect/_rollout.py:Rollout._run": 68,
@@ -93,7 +94,7 @@ LONG_FUNCTIONS: dict[str, int] = {
     "aiocollect/_multi/_base.py:MultiCollectorBase._start_workers": 60,
     "aiocollect/_local/_collector.py:Collector.__init__": 65,
     # explicit-keyword constructors that also check trajs_per_batch against the options that cut episodes
-    "aiocollect/_multi/_sync.py:MultiSyncCollector.__init__": 57,
+    "aiocollect/_multi/_sync.py:MultiSyncCollector.__init__": 58,
     "aiocollect/_asyncenv/_multi.py:MultiAsyncEnvCollector.__init__": 57,
     "aiocollect/_remote/_ray.py:RayCollector.__init__": 59,
     "aiocollect/_envs/_gym_steps.py:run_steps": 68,

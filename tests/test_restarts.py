@@ -333,9 +333,11 @@ async def test_backoff_is_cut_short_by_close() -> None:
 
 # -- worker processes ---------------------------------------------------------------------------------
 def _multi(kind: str, env: Faulty, policy: RestartPolicy, total: int = 256) -> Any:
-    cls = MultiSyncCollector if kind == "sync" else MultiAsyncCollector
+    """The flat keyword (sync), or the field of ``rollout=`` (async): the same option either way."""
+    if kind == "sync":  # each worker unpickles its own copy of ``env``
+        return MultiSyncCollector([env, env], frames_per_batch=64, total_frames=total, seed=1, restart=policy)
     options = RolloutOptions(frames_per_batch=64, total_frames=total, seed=1, restart=policy)
-    return cls([env, env], rollout=options)  # each worker unpickles its own copy
+    return MultiAsyncCollector([env, env], rollout=options)
 
 
 @rotating(0)

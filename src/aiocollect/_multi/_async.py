@@ -16,6 +16,7 @@ from tensordict.nn import InteractionType
 from .._episodes_args import trajs_per_batch_arg
 from .._mistakes import explicit_keywords
 from .._options import RolloutOptions, WeightSchedule
+from .._restart import RestartPolicy
 from .._transport._messages import Release, RunFree
 from .._weightsync import WeightSync
 from .._workers._pool import WorkerPool
@@ -272,6 +273,7 @@ class MultiAsyncCollector(MultiCollectorBase):
         weights: WeightSchedule | None = None,
         backend: str | None = None,
         trajs_per_batch: int | None = None,
+        restart: RestartPolicy | None = None,
     ) -> None:
         trajs = trajs_per_batch_arg(
             "MultiAsyncCollector",
@@ -318,6 +320,7 @@ class MultiAsyncCollector(MultiCollectorBase):
             rollout=rollout,
             weights=weights,
             backend=backend,
+            restart=restart,
         )
         self._episodes = Episodes.assembler_of(delivery)
 
@@ -379,6 +382,7 @@ class ProcessCollector(MultiCollectorBase):
         rollout: RolloutOptions | None = None,
         weights: WeightSchedule | None = None,
         backend: str | None = None,
+        restart: RestartPolicy | None = None,
     ) -> None:
         if not callable(create_env_fn):
             raise TypeError(f"create_env_fn must be a callable returning an env, got {create_env_fn!r}")
@@ -417,4 +421,5 @@ class ProcessCollector(MultiCollectorBase):
             rollout=rollout,
             weights=weights,
             backend=backend,
+            restart=restart,
         )

@@ -30,6 +30,7 @@ from .._options import (
     refuse_schedule,
     worker_backend_arg,
 )
+from .._restart import RestartPolicy
 from .._resume import check_fleet_env_state
 from .._stats import WorkerStatistics
 from .._torch_settings import TorchSettings
@@ -129,6 +130,7 @@ class MultiCollectorBase(FleetCollector):
         weights: WeightSchedule | None = None,
         backend: str | None = None,
         delivery: Delivering,
+        restart: RestartPolicy | None = None,
     ) -> None:
         env_fns = env_fns_arg(create_env_fns)
         self._delivery = delivery
@@ -150,6 +152,7 @@ class MultiCollectorBase(FleetCollector):
             compile_policy=compile_policy,
             traj_id_start=traj_id_start,
             traj_id_stride=traj_id_stride,
+            restart=restart,
         )
         schedule = WeightSchedule.from_kwargs(
             weights,

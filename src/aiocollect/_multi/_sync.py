@@ -14,6 +14,7 @@ from tensordict.nn import InteractionType
 from .._episodes_args import trajs_per_batch_arg
 from .._mistakes import explicit_keywords, warn_user
 from .._options import RolloutOptions, WeightSchedule
+from .._restart import RestartPolicy
 from .._transport._messages import Collect
 from .._weightsync import WeightSync
 from .._workers._pool import WorkerPool
@@ -260,6 +261,7 @@ class MultiSyncCollector(MultiCollectorBase):
         weights: WeightSchedule | None = None,
         backend: str | None = None,
         trajs_per_batch: int | None = None,
+        restart: RestartPolicy | None = None,
     ) -> None:
         trajs = trajs_per_batch_arg(
             "MultiSyncCollector",
@@ -316,6 +318,7 @@ class MultiSyncCollector(MultiCollectorBase):
             rollout=rollout,
             weights=weights,
             backend=backend,
+            restart=restart,
         )
         self._episodes = Episodes.assembler_of(delivery)
 
