@@ -218,13 +218,14 @@ def test_budget_counts_within_the_window() -> None:
     now = [0.0]
     budget = RestartBudget(RestartPolicy(max_restarts=2, window=10.0, backoff=1.0), clock=lambda: now[0])
     assert budget.admit(EnvFailure("a")) == 1.0
-    assert budget.admit(EnvFailure("b")) == 2.0
+    assert budget.admit(EnvFailure("b"), progressed=False) == 2.0  # failed again before a step
     with pytest.raises(EnvFailure, match="c") as info:
         budget.admit(EnvFailure("c"))
     assert "restart budget spent: 2 restart(s) within 10 s" in info.value.__notes__[0]
     now[0] = 10.5  # the first two are out of the window
-    assert budget.admit(EnvFailure("d")) == 1.0
-    assert [r.restarts for r in budget.drain()] == [1, 2, 3]
+    assert budget.admit(EnvFailure("d"), progressed=False) == 4.0  # the third attempt in a row
+    assert budget.admit(EnvFailure("e")) == 1.0  # the env stepped since: the backoff starts again
+    assert [r.restarts for r in budget.drain()] == [1, 2, 3, 4]
     assert budget.drain() == []
 
 

@@ -41,15 +41,17 @@ class RestartPolicy:
     A failed env is closed (an error on close is logged, not raised), rebuilt from its factory, seeded
     with a seed derived from its own and its restart count (:func:`derive_seed`), and reset; its running
     trajectory ends (its last frame still in the batch being built is marked truncated and done) and the
-    rebuilt env starts new trajectories. The wait before restart ``k`` (0, 1, ... within the window) is
-    ``min(backoff * 2**k, max_backoff)``. Past the budget the run ends with the env's own error, the
-    restart history attached as an exception note. ``restart=None`` (no policy) fails at the first
-    error, as always.
+    rebuilt env starts new trajectories. The wait before a restart is ``backoff``, doubled (up to
+    ``max_backoff``) for each failure in a row: a rebuilt env that fails again before it completes a
+    step (or whose build or reset fails) waits longer; one that stepped starts again at ``backoff``. The
+    ``k``-th consecutive attempt (from 0) waits ``min(backoff * 2**k, max_backoff)``. Past the budget
+    the run ends with the env's own error, the restart history attached as an exception note.
+    ``restart=None`` (no policy) fails at the first error, as always.
 
     Args:
         max_restarts: restarts allowed within ``window`` seconds (``0``: none, fail as without a policy).
         window: the sliding window, in seconds, the budget counts over (``math.inf``: the whole run).
-        backoff: seconds to wait before the first restart in a window; doubled for each further one.
+        backoff: seconds to wait before a restart; doubled for each consecutive failed attempt.
         max_backoff: the longest wait.
         on: the exception classes that count (default: any ``Exception`` raised by the env).
             ``KeyboardInterrupt``, cancellation and the collector's own argument checks never do.
@@ -95,7 +97,7 @@ class RestartPolicy:
         object.__setattr__(self, "on", on)
 
     def delay(self, k: int) -> float:
-        """Seconds to wait before restart ``k`` (0, 1, ...) within the window."""
+        """Seconds to wait before the ``k``-th consecutive attempt (0, 1, ...)."""
         return min(self.backoff * 2.0 ** min(k, 64), self.max_backoff)
 
     def counts(self, exc: BaseException) -> bool:
@@ -144,9 +146,11 @@ class Restart:
 class RestartBudget:
     """A policy's bookkeeping for one member: the restarts within the window, the backoff, the history.
 
-    ``admit(exc, env)`` answers a failure: it raises ``exc`` (with the history as a note) when the policy
-    does not restart it or the budget is spent, else records the restart and returns the seconds to wait
-    before it. ``pending`` holds the records not reported yet (the owner drains them into events).
+    ``admit(exc, env, progressed)`` answers a failure: it raises ``exc`` (with the history as a note) when
+    the policy does not restart it or the budget is spent, else records the restart and returns the
+    seconds to wait before it (``progressed``: the env completed a step since its last restart, which
+    sets the backoff back to its first value). ``pending`` holds the records not reported yet (the
+    owner drains them into events).
     """
 
     def __init__(self, policy: RestartPolicy, clock: Callable[[], float] = time.monotonic) -> None:
@@ -156,8 +160,9 @@ class RestartBudget:
         self.pending: deque[Restart] = deque()
         self._recent: deque[float] = deque()
         self._clock = clock
+        self._streak = 0  # failed attempts in a row: the backoff's exponent
 
-    def admit(self, exc: BaseException, env: int = 0) -> float:
+    def admit(self, exc: BaseException, env: int = 0, *, progressed: bool = True) -> float:
         """The seconds to wait before restarting after ``exc``; raises ``exc`` when it may not be."""
         if not self.policy.counts(exc):
             raise exc
@@ -168,7 +173,8 @@ class RestartBudget:
         if len(recent) >= self.policy.max_restarts:
             exc.add_note(self.note())
             raise exc
-        delay = self.policy.delay(len(recent))
+        self._streak = 0 if progressed else self._streak + 1
+        delay = self.policy.delay(self._streak)
         recent.append(now)
         self.count += 1
         record = Restart(env, f"{type(exc).__name__}: {exc}", self.count)

@@ -313,7 +313,7 @@ class Rollout:
         (:meth:`EnvRebuilder.rebuild`) and the batch goes on from step ``t``. The failed step leaves no
         frame, step ``t - 1`` ends its trajectories (``hist.cuts``), the rebuilt env starts new ones. An
         error before the first step, or of the policy, is raised as without a policy."""
-        start = 0
+        start, restarted = 0, -1  # restarted: the step a rebuilt env started at in this batch
         while True:
             counted = CountedStop(stop)
             try:
@@ -324,12 +324,14 @@ class Rollout:
                     raise
                 for per_step in (hist.out, hist.reward, hist.terminated, hist.truncated, hist.step_count):
                     del (per_step or [])[start:]
-                self.env, root = restarts.rebuild(self.env, exc, stop, self.recurrence.env_keys)
+                keys, progressed = self.recurrence.env_keys, start != restarted
+                self.env, root = restarts.rebuild(self.env, exc, stop, keys, progressed=progressed)
             kept = self._traj_ids, self._ep_return, self._ep_steps
             self.reset(root)
             if start:  # the trajectories end at the cut; _finish numbers the rebuilt env's from there
                 hist.cuts.append(start - 1)
                 self._traj_ids, self._ep_return, self._ep_steps = kept
+            restarted = start
 
     def _obs_slots(
         self, views: dict[Any, np.ndarray]

@@ -54,6 +54,7 @@ class EnvRestarts:
         self.hub = hub
         self.worker = 0
         self.offset = 0
+        self._frames_at_start = [0] * len(env_fns)  # env u's first row's frames when it (re)started
 
     def seed(self, seed: int | None, u: int) -> int | None:
         """The seed of env ``u``'s reset: ``seed`` at first, then one derived from it per restart."""
@@ -69,12 +70,17 @@ class EnvRestarts:
             counts[first] = self.budgets[u].count
         return counts
 
-    async def rebuild(self, u: int, exc: Exception, close: Callable[[int], Awaitable[None]]) -> Any:
+    async def rebuild(
+        self, u: int, exc: Exception, close: Callable[[int], Awaitable[None]], frames: list[int]
+    ) -> Any:
         """Env ``u``'s replacement, after ``close(u)`` and the backoff; raises the error to end with
-        (``exc``, or a failed build's) when the policy does not restart it or the budget is spent."""
+        (``exc``, or a failed build's) when the policy does not restart it or the budget is spent.
+        ``frames``: the frames of each row so far (whether the env stepped since it started)."""
         budget = self.budgets[u]
         first = self.spec.firsts[u]
-        delay = budget.admit(exc, first)
+        progressed = frames[first] > self._frames_at_start[u]
+        self._frames_at_start[u] = frames[first]
+        delay = budget.admit(exc, first, progressed=progressed)
         await close(u)
         expected = (self.spec.observation_space, self.spec.action_space)
         while True:
@@ -96,7 +102,7 @@ class EnvRestarts:
                             await env.close()
                         except Exception:  # the build's own error is the one that counts
                             pass
-                delay = budget.admit(build_exc, first)
+                delay = budget.admit(build_exc, first, progressed=False)
                 continue
             for record in budget.drain():
                 env_id = self.offset + record.env

@@ -306,7 +306,7 @@ class Engine(VectorSteps):
         if self.restarts is not None:
             self._end_trajectories(u)
             try:
-                env = await self.restarts.rebuild(u, exc, self.close_env)
+                env = await self.restarts.rebuild(u, exc, self.close_env, self.env_frames)
             except Exception as final:  # not restarted, or the budget is spent
                 exc = final
             else:

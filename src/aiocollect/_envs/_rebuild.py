@@ -79,13 +79,16 @@ class EnvRebuilder:
         self.seed = seed
 
     def rebuild(
-        self, failed: ArrayEnv, exc: BaseException, stop: Any, keys: list[Any]
+        self, failed: ArrayEnv, exc: BaseException, stop: Any, keys: list[Any], *, progressed: bool = True
     ) -> tuple[ArrayEnv, dict[Any, Any]]:
         """Close ``failed``, wait the backoff (cut short by ``stop``), build, seed, check and reset a new
         env: returns it and its reset observations. A build or reset that fails counts as one more
         failure. ``keys``: the recurrent states the env carries (``ArrayEnv.pass_to_env``). Raises the
-        error (``exc``, or the last one) when the policy does not restart it or the budget is spent."""
-        delay = self.budget.admit(exc)  # raises first: a failure not restarted leaves the env to its owner
+        error (``exc``, or the last one) when the policy does not restart it or the budget is spent.
+        ``progressed``: ``failed`` completed a step (the backoff starts again from its first value)."""
+        delay = self.budget.admit(
+            exc, progressed=progressed
+        )  # raises first: a failure not restarted leaves the env to its owner
         close_quietly(failed.env, exc)
         while True:
             wait_interruptibly(delay, stop)
@@ -108,7 +111,7 @@ class EnvRebuilder:
                 if raw is not None:
                     close_quietly(raw, build_exc)
                 try:
-                    delay = self.budget.admit(build_exc)
+                    delay = self.budget.admit(build_exc, progressed=False)
                 except BaseException:
                     if self.on_env is not None:
                         self.on_env(_ClosedEnv())  # the failed env is closed: not again by its owner
