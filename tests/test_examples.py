@@ -166,6 +166,7 @@ RUNNABLE_PAGES = [
     "serve",
     "long-runs",
     "episodes",
+    "faults",
 ]
 DOC_PAGES = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in RUNNABLE_PAGES)]
 _BLOCK = re.compile(r"(<!-- (continue|skip) -->\s*\n)?^```python[^\n]*\n(.*?)^```", re.S | re.M)

@@ -514,3 +514,31 @@ async def test_async_env_workers_restart(leaks: Any) -> None:
     assert (
         restarted and {e.worker for e in restarted} <= {0, 1} and {e.env for e in restarted} <= {0, 1, 2, 3}
     )
+
+
+# -- node-hosted collectors (torch.distributed and RPC nodes, Ray actors) ---------------------------------
+def test_remote_collectors_send_the_policy_typed() -> None:
+    from aiocollect._remote._args import member_rollouts
+
+    kwargs = [{"restart": FAST}, {"restart": FAST}]
+    options = member_rollouts(kwargs, 64)
+    assert [o.restart for o in options] == [FAST, FAST] and kwargs == [{}, {}]
+
+
+async def test_a_node_restarts_its_env() -> None:
+    import cloudpickle
+
+    from aiocollect._remote._messages import HostSpec
+    from aiocollect._remote._node import NodeCore
+
+    rollout = RolloutOptions(frames_per_batch=16, total_frames=-1, restart=FAST).for_member(0, 2)
+    env = Faulty(at=(6,))
+    host = HostSpec(0, 2, cloudpickle.dumps((env, Collector, {})), cloudpickle.dumps(None), rollout)
+    core = NodeCore.from_spec(host)
+    async with core:
+        with anyio.fail_after(10):
+            batch = (await core.next_batch()).batch
+        assert core.collector.statistics().restarts == 1
+    assert check_contract([batch]) == (16, 1)
+    assert batch["next", "truncated"][4].item()  # calls 1-5: frames 0-4
+    assert all(i % 2 == 0 for i in batch["collector", "traj_ids"].tolist())  # member 0 of 2's ids
