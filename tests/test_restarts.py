@@ -82,6 +82,7 @@ class Faulty:
         self.closed = 0
         self.seeds: list[int] = []
         self.raised: threading.Event | None = None  # set at each fault (in-process tests only)
+        self.failed_builds: set[int] = set()  # the builds (1, 2, ...) that raise
 
     def fault(self) -> None:
         self.calls += 1
@@ -93,6 +94,8 @@ class Faulty:
 
     def __call__(self) -> GymEnv:
         self.built += 1
+        if self.built in self.failed_builds:
+            raise EnvFailure(f"build {self.built} failed")
         if self.subclass:  # a GymEnv subclass with its own step: the rollout's per-step loop
             return _FaultyGymEnv(gym.make("CartPole-v1"), self)
         return _RecordingGymEnv(_FaultyWrapper(gym.make("CartPole-v1"), self), self)  # the fused loop
@@ -282,7 +285,7 @@ async def test_collector_env_raises_every_few_steps() -> None:
     assert restarts - len(batches) <= cut <= restarts
 
 
-async def test_collector_budget_spent_raises_the_env_error_promptly() -> None:
+async def test_collector_budget_spent_raises_the_env_error_promptly(leaks: Any) -> None:
     env = Faulty(always=True)
     policy = RestartPolicy(max_restarts=3, window=60.0, backoff=0.01)
     collector = Collector(env, frames_per_batch=16, total_frames=64, restart=policy)
@@ -295,6 +298,15 @@ async def test_collector_budget_spent_raises_the_env_error_promptly() -> None:
     assert collector.statistics().restarts == 3
 
 
+async def test_a_failed_rebuild_counts_and_is_retried() -> None:
+    env = Faulty(at=(5,))
+    env.failed_builds = {2}  # the first rebuild raises: the second one runs
+    collector = Collector(env, frames_per_batch=16, total_frames=32, restart=FAST)
+    batches = await collect(collector)
+    assert check_contract(batches) == (32, 1)
+    assert env.built == 3 and collector.statistics().restarts == 2
+
+
 async def test_without_a_policy_the_first_error_ends_the_run() -> None:
     env = Faulty(at=(3,))
     with pytest.raises(EnvFailure, match="step 3 failed"):
@@ -303,15 +315,19 @@ async def test_without_a_policy_the_first_error_ends_the_run() -> None:
 
 
 async def test_policy_errors_are_not_restarted() -> None:
+    calls = [0]
+
     def broken(td: TensorDictBase) -> TensorDictBase:
-        if td.get("observation")[0] > 10:  # never at the dry call; always at a step
-            return td
-        raise KeyError("policy bug")
+        calls[0] += 1
+        if calls[0] > 3:  # the dry call and two steps go well
+            raise KeyError("policy bug")
+        return td.set("action", torch.zeros((), dtype=torch.int64))
 
     env = Faulty()
+    collector = Collector(env, broken, frames_per_batch=16, total_frames=64, restart=FAST)
     with pytest.raises(KeyError, match="policy bug"):
-        await collect(Collector(env, broken, frames_per_batch=16, total_frames=64, restart=FAST))
-    assert env.built == 1
+        await collect(collector)
+    assert env.built == 1 and env.calls == 2 and collector.statistics().restarts == 0
 
 
 def test_restart_needs_an_env_factory() -> None:
@@ -319,7 +335,7 @@ def test_restart_needs_an_env_factory() -> None:
         Collector(GymEnv("CartPole-v1"), frames_per_batch=8, restart=FAST)
 
 
-async def test_backoff_is_cut_short_by_close() -> None:
+async def test_backoff_is_cut_short_by_close(leaks: Any) -> None:
     env = Faulty(at=(3,))
     env.raised = threading.Event()
     slow = RestartPolicy(max_restarts=1, backoff=60.0, max_backoff=60.0)
