@@ -19,6 +19,8 @@ def end_trajectories(views: dict[Any, Any], steps: list[int], nb: int, group_fla
     """Mark the frames of time ``steps`` (time is dim ``nb`` of the batch's ``views``) truncated and done:
     every truncated flag (the env's and its agent groups') and the done flag beside it, as TorchRL's
     ``set_truncated`` does. For ``set_truncated`` (the batch's last step) and a restarted env."""
+    if not steps:  # the common case: no restart in the batch
+        return
     keys = truncation_keys(group_flag_keys)
     for t in steps:
         index = (*(slice(None),) * nb, t)
