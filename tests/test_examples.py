@@ -58,6 +58,8 @@ CASES = {
     "why_slow_policy": ["why_slow.py", "--case", "policy", "--total-frames", "400", "--width", "256"],
     "why_slow_trainer": ["why_slow.py", "--case", "trainer", "--total-frames", "400", "--train-ms", "5"],
     "why_slow_handoff": ["why_slow.py", "--case", "handoff", "--total-frames", "320"],
+    # an env that crashes about once every 800 steps, restarted (RestartPolicy)
+    "restarts": ["restarts.py", "--total-frames", "4000", "--crash-every", "800"],
 }
 
 
@@ -165,6 +167,7 @@ RUNNABLE_PAGES = [
     "serve",
     "long-runs",
     "episodes",
+    "faults",
 ]
 DOC_PAGES = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in RUNNABLE_PAGES)]
 _BLOCK = re.compile(r"(<!-- (continue|skip) -->\s*\n)?^```python[^\n]*\n(.*?)^```", re.S | re.M)

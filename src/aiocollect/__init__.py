@@ -28,6 +28,7 @@ from ._events import (
     EventStream,
     MetricsLogged,
     Paused,
+    Restarted,
     Resumed,
     WeightsLoaded,
     WeightsPublished,
@@ -47,6 +48,7 @@ from ._multi import (
 from ._options import RolloutOptions, WeightSchedule
 from ._policies import RandomPolicy
 from ._procenv import ProcessVectorEnv
+from ._restart import RestartPolicy
 from ._signals import SignalStop, stop_on_signals
 from ._sinks import Sink, TensorBoardSink, WandbSink
 from ._stats import CollectorStatistics, WorkerState, WorkerStatistics
@@ -143,6 +145,8 @@ __all__ = [
     "RandomPolicy",
     "RPCCollector",
     "RayCollector",
+    "RestartPolicy",
+    "Restarted",
     "Resumed",
     "RolloutOptions",
     "SharedMemoryWeightSync",

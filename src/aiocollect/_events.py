@@ -24,6 +24,7 @@ __all__ = [
     "LoopLag",
     "MetricsLogged",
     "Paused",
+    "Restarted",
     "Resumed",
     "WeightsLoaded",
     "WeightsPublished",
@@ -98,6 +99,19 @@ class WorkerFailed(Event):
 class WorkerStopped(Event):
     kind: ClassVar[str] = "worker_stopped"
     worker_id: int
+
+
+@dataclass(frozen=True)
+class Restarted(Event):
+    """An env was rebuilt after a fault (``RestartPolicy``): ``worker`` is the member that hosts it (0 for
+    ``Collector`` and the async-env collectors' engine), ``env`` its index there, ``cause`` the error
+    (``"Type: message"``), ``restarts`` the env's restarts so far."""
+
+    kind: ClassVar[str] = "restarted"
+    worker: int
+    env: int
+    cause: str
+    restarts: int
 
 
 @dataclass(frozen=True)

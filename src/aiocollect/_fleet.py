@@ -357,6 +357,7 @@ class FleetCollector(CollectorBase):
                 WorkerState.PAUSED if self.paused and m.state == WorkerState.COLLECTING else m.state,
                 m.frames,
                 m.policy_version,
+                restarts=getattr(m, "restarts", 0),  # env restarts (worker pools; nodes report none yet)
             )
             for m in self._members()
         )

@@ -20,6 +20,7 @@ import torch
 from tensordict.nn import InteractionType
 
 from ._mistakes import warn_user
+from ._restart import RestartPolicy
 from ._validation import (
     Devices,
     compile_arg,
@@ -142,6 +143,8 @@ class RolloutOptions:
         step_count: with ``max_frames_per_traj``, write ``"step_count"`` and ``("next", "step_count")``
             (int64, steps since the episode's reset), the keys TorchRL's ``StepCounter`` adds
             (``aiocollect.compat`` sets it).
+        restart: a :class:`RestartPolicy`: an env that raises is closed, rebuilt from its factory and
+            reset, within the policy's budget (see docs/faults.md); ``None`` (default) fails at once.
 
     Example:
         >>> from aiocollect import RolloutOptions
@@ -174,6 +177,7 @@ class RolloutOptions:
     traj_id_stride: int = 1
     lossless_action_casts: bool = False
     step_count: bool = False
+    restart: RestartPolicy | None = None
 
     def __post_init__(self) -> None:
         fpb = self.frames_per_batch
@@ -203,6 +207,11 @@ class RolloutOptions:
         }
         for name in ("device", "env_device", "policy_device", "storing_device"):
             normal[name] = device_arg(name, getattr(self, name))
+        if self.restart is not None and not isinstance(self.restart, RestartPolicy):
+            raise TypeError(
+                f"restart must be a RestartPolicy or None, got {self.restart!r}: "
+                "e.g. restart=RestartPolicy(max_restarts=3, window=60.0)"
+            )
         if normal["step_count"] and normal["max_frames_per_traj"] is None:
             raise ValueError(
                 "step_count=True counts the steps max_frames_per_traj truncates at: give "

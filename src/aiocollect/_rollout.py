@@ -18,12 +18,14 @@ from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import set_interaction_type
 
 from ._envs._adapter import ArrayEnv, check_env
+from ._envs._rebuild import EnvRebuilder
 from ._envs._spaces import LeafSpec, NestedKey
 from ._options import RolloutOptions, WeightSchedule
 from ._policies import Runner, compile_policy, make_runner, one_input, random_policy_for
 from ._recurrent import Carry, Recurrence, find_recurrence
-from ._rollout_batch import episode_stats, nested_td, stack_into, time_first, trajectory_ids
-from ._rollout_casts import ActionCaster, lossless_casts, truncation_keys
+from ._restart import CountedStop
+from ._rollout_batch import end_trajectories, episode_stats, nested_td, stack_into, time_first, trajectory_ids
+from ._rollout_casts import ActionCaster, lossless_casts
 from ._storage import StoragePool
 from ._timesplit import SplitClock
 
@@ -59,6 +61,8 @@ class _Steps:
     step_count: list[Any] | None = None
     #: reward and flags went straight into the batch (the fused loop): nothing to stack
     written: bool = False
+    #: steps whose env was restarted after them (``RestartPolicy``): their frames end a trajectory
+    cuts: list[int] = field(default_factory=list)
 
 
 class StopSignal(Protocol):
@@ -110,6 +114,8 @@ class Rollout:
         self._specs: tuple[list[Any], list[tuple[tuple[int, ...], torch.dtype]]] | None = None
         self._storage = StoragePool()
         self.clock = SplitClock()  # where the time goes (_timesplit.py): clocks per batch and policy call
+        #: rebuilds the env after a fault (``RestartPolicy``; see :meth:`_run_restarting`), else ``None``
+        self.restarts: EnvRebuilder | None = None
         #: the policy's recurrent states (``_recurrent.py``): those the rollout carries are observations too
         self.recurrence = recurrence if recurrence is not None else Recurrence()
         self._carry = Carry(self.recurrence, self.batch_shape) if self.recurrence.specs else None
@@ -128,9 +134,10 @@ class Rollout:
         # one numpy call: ``start + stride * np.arange(n)`` costs ~4 us, and it runs at every episode end
         return np.arange(start, self._next_traj, stride, dtype=np.int64)
 
-    def reset(self) -> None:
-        """Reset every env and start new trajectories."""
-        self._root = self.env.reset()
+    def reset(self, root: dict[NestedKey, np.ndarray] | None = None) -> None:
+        """Reset every env (or take ``root``, the observations of a reset done already) and start new
+        trajectories."""
+        self._root = self.env.reset() if root is None else root
         if self._carry is not None:
             self._root = self._carry.start(self._root)
         shape = self.batch_shape
@@ -281,7 +288,10 @@ class Rollout:
         hist = _Steps(step_count=[] if self.options.step_count else None)
         mark = self.clock.loop_started()
         with torch.no_grad(), set_interaction_type(self.options.exploration_type):
-            steps = self._run(self._obs_slots(views), runner, block_steps, hist, stop, views)
+            if self.restarts is None:
+                steps = self._run(self._obs_slots(views), runner, block_steps, hist, stop, views)
+            else:
+                steps = self._run_restarting(self.restarts, views, runner, block_steps, hist, stop)
         since = self.clock.loop_ended(mark)
         if block is not None:  # a random batch: the actions of every step at once, steps first
             nb = len(self.batch_shape)
@@ -289,6 +299,39 @@ class Rollout:
         result = self._finish(batch, views, steps, hist, block is not None, into)
         self.clock.batch_written(since, result.frames)
         return result
+
+    def _run_restarting(
+        self,
+        restarts: EnvRebuilder,
+        views: dict[Any, np.ndarray],
+        runner: Runner,
+        block_steps: dict[NestedKey, Any] | None,
+        hist: _Steps,
+        stop: StopSignal | None,
+    ) -> int:
+        """:meth:`_run` under a restart policy: an env that raises at step ``t`` is rebuilt
+        (:meth:`EnvRebuilder.rebuild`) and the batch goes on from step ``t``. The failed step leaves no
+        frame, step ``t - 1`` ends its trajectories (``hist.cuts``), the rebuilt env starts new ones. An
+        error before the first step, or of the policy, is raised as without a policy."""
+        start, restarted = 0, -1  # restarted: the step a rebuilt env started at in this batch
+        while True:
+            counted = CountedStop(stop)
+            try:
+                return self._run(self._obs_slots(views), runner, block_steps, hist, counted, views, start)
+            except Exception as exc:
+                start += counted.calls - 1  # the failed step: `stop` is read first thing at every step
+                if counted.calls == 0 or (block_steps is None and len(hist.out) <= start):
+                    raise
+                for per_step in (hist.out, hist.reward, hist.terminated, hist.truncated, hist.step_count):
+                    del (per_step or [])[start:]
+                keys, progressed = self.recurrence.env_keys, start != restarted
+                self.env, root = restarts.rebuild(self.env, exc, stop, keys, progressed=progressed)
+            kept = self._traj_ids, self._ep_return, self._ep_steps
+            self.reset(root)
+            if start:  # the trajectories end at the cut; _finish numbers the rebuilt env's from there
+                hist.cuts.append(start - 1)
+                self._traj_ids, self._ep_return, self._ep_steps = kept
+            restarted = start
 
     def _obs_slots(
         self, views: dict[Any, np.ndarray]
@@ -338,9 +381,10 @@ class Rollout:
         hist: _Steps,
         stop: StopSignal | None,
         views: dict[Any, np.ndarray],
+        start: int = 0,
     ) -> int:
-        """The hot loop: step the env ``steps_per_batch`` times (fewer if ``stop`` is set); returns the
-        steps taken. Everything it reads per step is a local."""
+        """The hot loop: step the env ``steps_per_batch`` times (fewer if ``stop`` is set) from step
+        ``start`` (after a restart); returns the steps taken. Everything it reads per step is a local."""
         env = self.env
         caster = self._caster if runner is self.policy else None
         action_from = env.action_from if caster is None else caster.action_from
@@ -361,9 +405,9 @@ class Rollout:
         if carry is None and max_steps is None and caster is None and (block_actions is None or converted):
             fused = env.fused_gym
             if fused is not None:  # a GymEnv of one observation array: its own loop
-                return self._run_fused(fused, obs_slots, runner, block_actions, hist, stop, views)
+                return self._run_fused(fused, obs_slots, runner, block_actions, hist, stop, views, start)
         runner = self.clock.timed_policy(runner)
-        for t in range(T):
+        for t in range(start, T):
             if stop is not None and stop.is_set():
                 steps = t
                 break
@@ -419,26 +463,27 @@ class Rollout:
         hist: _Steps,
         stop: StopSignal | None,
         views: dict[Any, np.ndarray],
+        start: int,
     ) -> int:
         """:meth:`_run` by ``GymEnv._run_steps``: without a call, a dict or a named tuple per step, and
         reward and flags written straight into the batch."""
         nb = len(self.batch_shape)
         reward, terminated, truncated = (
-            time_first(views[("next", k)], nb) for k in ("reward", "terminated", "truncated")
+            time_first(views[("next", k)], nb)[start:] for k in ("reward", "terminated", "truncated")
         )
         steps, obs = fused._run_steps(
-            self.steps_per_batch,
+            self.steps_per_batch - start,
             self._root["observation"],
             one_input(runner, "observation"),
-            block_actions,
-            (obs_slots[0][0][1], obs_slots[1][0][1], reward, terminated, truncated),
+            block_actions if block_actions is None or not start else block_actions[start:],
+            (obs_slots[0][0][1][start:], obs_slots[1][0][1][start:], reward, terminated, truncated),
             hist.out,
             stop,
             self.clock if self.clock.measures else None,
         )
         hist.written = True
         self._root = {"observation": obs}
-        return int(steps)
+        return start + int(steps)
 
     def _finish(
         self,
@@ -465,6 +510,7 @@ class Rollout:
                 stack_into(reward[valid], hist.reward, nb)
                 stack_into(views[("next", "terminated")][valid], hist.terminated, nb)
                 stack_into(views[("next", "truncated")][valid], hist.truncated, nb)
+            end_trajectories(views, hist.cuts, nb, self.env.group_flag_keys)  # restarted envs' last frames
             done_v = views[("next", "done")]
             np.logical_or(
                 views[("next", "terminated")][valid],
@@ -485,9 +531,7 @@ class Rollout:
             reward[valid], views[("next", "done")][valid], self._ep_return, self._ep_steps
         )
         if self.options.set_truncated and steps > 0:
-            last: tuple[slice | int, ...] = (*lead, steps - 1)
-            for key in truncation_keys(self.env.group_flag_keys):
-                views[key][last] = True
+            end_trajectories(views, [steps - 1], nb, self.env.group_flag_keys)
         if self.track_policy_version:
             version = into.get(("collector", "policy_version"), None) if into is not None else None
             if version is None:
@@ -558,9 +602,14 @@ def build_rollout(
     *,
     copy_module: bool,
     storing_device: torch.device | None = None,
+    factory: Any = None,
+    on_env: Any = None,
 ) -> tuple[Rollout, Any, Any]:
     """The rollout of ``env`` (checked already) with ``policy`` (see :func:`own_policy`), for ``Collector``
-    and the workers alike: returns ``(rollout, the policy it runs, the env's random policy)``."""
+    and the workers alike: returns ``(rollout, the policy it runs, the env's random policy)``.
+
+    With ``options.restart``, ``factory`` rebuilds the env after a fault (``on_env`` is told of the new
+    one): see :class:`EnvRebuilder`."""
     array_env = ArrayEnv(env)
     # unseeded: it samples with the collector's torch RNG state (RolloutRNG), like the policy
     random_policy = random_policy_for(array_env)
@@ -584,6 +633,8 @@ def build_rollout(
         storing_device=storing_device,
         recurrence=recurrence,
     )
+    if options.restart is not None:
+        rollout.restarts = EnvRebuilder(factory, options.restart, seed=options.seed, on_env=on_env)
     return rollout, policy, random_policy
 
 

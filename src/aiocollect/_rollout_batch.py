@@ -10,7 +10,22 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-__all__ = ["episode_stats", "nested_td", "stack_into", "time_first", "trajectory_ids"]
+from ._rollout_casts import truncation_keys
+
+__all__ = ["end_trajectories", "episode_stats", "nested_td", "stack_into", "time_first", "trajectory_ids"]
+
+
+def end_trajectories(views: dict[Any, Any], steps: list[int], nb: int, group_flag_keys: list[Any]) -> None:
+    """Mark the frames of time ``steps`` (time is dim ``nb`` of the batch's ``views``) truncated and done:
+    every truncated flag (the env's and its agent groups') and the done flag beside it, as TorchRL's
+    ``set_truncated`` does. For ``set_truncated`` (the batch's last step) and a restarted env."""
+    if not steps:  # the common case: no restart in the batch
+        return
+    keys = truncation_keys(group_flag_keys)
+    for t in steps:
+        index = (*(slice(None),) * nb, t)
+        for key in keys:
+            views[key][index] = True
 
 
 def time_first(array: np.ndarray, axis: int) -> np.ndarray:

@@ -39,6 +39,7 @@ def statistics_scalars(stats: CollectorStatistics, prefix: str = "collector/") -
         "episodes": stats.episodes,
         "batches": stats.batches,
         "policy_version": stats.policy_version,
+        "restarts": stats.restarts,
     }
     if stats.loop_lag_ms:
         values["loop_lag_p50_ms"] = stats.loop_lag_ms.get("p50")

@@ -44,6 +44,8 @@ class WorkerStatistics:
     time_split: dict[str, float] | None = None
     time_split_us: dict[str, float] | None = None
     collector_wait: float | None = None
+    #: envs this worker rebuilt after a fault (``RestartPolicy``)
+    restarts: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "state", WorkerState(self.state))
@@ -77,6 +79,7 @@ class CollectorStatistics:
         time_split: where the producers' wall time went over the last ~10 s, as fractions keyed ``"env"``,
             ``"policy"``, ``"transfer"``, ``"wait"``, ``"other"`` (all workers together); ``None`` where
             not measured. ``time_split_us``: the same as µs per frame.
+        restarts: envs rebuilt after a fault (``RestartPolicy``), all workers together.
 
     Example:
         >>> CollectorStatistics(0, 0, 0, None, None, 0.0, 0).to_dict()["frames"]
@@ -100,6 +103,7 @@ class CollectorStatistics:
     collector_wait: float | None = None
     time_split: dict[str, float] | None = None
     time_split_us: dict[str, float] | None = None
+    restarts: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -251,6 +255,7 @@ class StatsTracker:
             collector_wait=combined[0]["wait"] if combined is not None else None,
             time_split=combined[0] if combined is not None else None,
             time_split_us=combined[1] if combined is not None else None,
+            restarts=sum(w.restarts for w in workers),
         )
 
 

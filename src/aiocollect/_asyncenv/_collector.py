@@ -20,6 +20,7 @@ from .._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStart
 from .._gcfreeze import GcHold
 from .._local._base import CollectorBase
 from .._mistakes import explicit_keywords, warn_user
+from .._restart import RestartPolicy
 from .._stats import CollectorStatistics, WorkerStatistics
 from .._trajectories import split_trajectories
 from .._validation import (
@@ -36,6 +37,7 @@ from .._validation import (
 )
 from ._envset import EnvSet, env_fns_arg, open_envs
 from ._policy import BatchPolicy, is_async_policy
+from ._restarts import env_restarts, restart_arg
 from ._run import Engine, EngineConfig
 
 __all__ = ["ENV_THREADS", "AsyncEnvCollector", "max_wait_arg"]
@@ -109,6 +111,9 @@ class AsyncEnvCollector(CollectorBase):
             :class:`WorkerFailed` event (``worker_id`` = the env index; a vector env's: one per sub-env) is
             published and the others go on (the failed step is no frame; when every env is dropped,
             ``RuntimeError``).
+        restart: a :class:`RestartPolicy`: an env (a vector env: all its sub-envs) that raises is closed,
+            rebuilt from its env fn after the backoff, and reset; its trajectories end, the others go on
+            (docs/faults.md). Past an env's budget, ``on_env_error`` decides. ``None``: no restarts.
         prefetch: batches collected ahead of ``async for`` (default 1); then the envs wait.
         postproc: a callable applied to each batch.
         replay_buffer: anything with ``extend(batch)`` (called in a worker thread); see :meth:`fill`.
@@ -166,9 +171,11 @@ class AsyncEnvCollector(CollectorBase):
         replay_buffer: Any = None,
         progress: Any = None,
         freeze_gc: bool = True,
+        restart: RestartPolicy | None = None,
     ) -> None:
         # every argument is checked here, before any env is built
         self._env_fns = env_fns_arg(env_fns)
+        self._restart = restart_arg(restart, self._env_fns)
         n = len(self._env_fns)
         trajs = trajs_per_batch_arg(
             "AsyncEnvCollector", trajs_per_batch, frames_per_batch, on_env_error=on_env_error == "drop"
@@ -261,6 +268,7 @@ class AsyncEnvCollector(CollectorBase):
             hub=self._hub,
             is_paused=lambda: self._paused > 0,
             resumed=self._resumed,
+            restarts=env_restarts(self._restart, self._env_fns, limiter, spec, self._hub),
         )
         for i in range(spec.rows):
             self._hub.publish(WorkerStarted(i))
@@ -487,8 +495,8 @@ class AsyncEnvCollector(CollectorBase):
         workers: tuple[WorkerStatistics, ...] = ()
         if engine is not None:
             workers = tuple(
-                WorkerStatistics(i, "failed" if i in engine.dropped else state, frames, version)
-                for i, frames in enumerate(engine.env_frames)
+                WorkerStatistics(i, "failed" if i in engine.dropped else state, frames, version, restarts=r)
+                for i, (frames, r) in enumerate(zip(engine.env_frames, engine.restart_counts(), strict=True))
             )
         split = engine.clock.recent() if engine is not None and not self._closed else None  # its policy task
         return self._stats.snapshot(

@@ -16,7 +16,7 @@ from .._envs._async import ThreadedAsyncEnv, is_async_vector_env
 from .._envs._async_vector import ThreadedAsyncVectorEnv
 from .._envs._spaces import LeafSpec, NestedKey, action_specs, flatten_obs, observation_specs
 
-__all__ = ["EnvSet", "env_fns_arg", "open_envs", "vector_width"]
+__all__ = ["EnvSet", "env_fns_arg", "open_envs", "reopen_env", "spaces_of", "vector_width"]
 
 
 def _is_async_env(env: Any) -> bool:
@@ -76,12 +76,17 @@ def open_envs(env_fns: list[Any], into: list[Any], limiter: Any) -> None:
         into.append(_open(fn, i, limiter))
 
 
+def reopen_env(fn: Any, u: int, limiter: Any) -> Any:
+    """Env ``u`` built again from its env fn ``fn`` (a restart), as :func:`open_envs` built it."""
+    return _open(fn, u, limiter)
+
+
 def vector_width(env: Any) -> int:
     """The number of sub-envs of an async vector env; 0 for a single async env."""
     return int(env.num_envs) if is_async_vector_env(env) else 0
 
 
-def _spaces_of(env: Any) -> tuple[spaces.Space[Any], spaces.Space[Any]]:
+def spaces_of(env: Any) -> tuple[spaces.Space[Any], spaces.Space[Any]]:
     """An env's (one sub-env's, for a vector env) observation and action spaces."""
     if is_async_vector_env(env):
         return env.single_observation_space, env.single_action_space
@@ -96,9 +101,9 @@ class EnvSet:
     def __init__(self, envs: list[Any]) -> None:
         self.observation_space: spaces.Space[Any]
         self.action_space: spaces.Space[Any]
-        self.observation_space, self.action_space = _spaces_of(envs[0])
+        self.observation_space, self.action_space = spaces_of(envs[0])
         for i, env in enumerate(envs[1:], 1):
-            obs_space, act_space = _spaces_of(env)
+            obs_space, act_space = spaces_of(env)
             if obs_space != self.observation_space or act_space != self.action_space:
                 raise ValueError(
                     f"env_fns[{i}] has the spaces {obs_space}, {act_space}, and env_fns[0] "

@@ -14,12 +14,13 @@ from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
 from .._episodes_args import async_chunk, trajs_per_batch_arg
-from .._events import WorkerFailed
+from .._events import Restarted, WorkerFailed
 from .._fleet import Arrival, FleetCollector
 from .._mistakes import explicit_keywords
 from .._multi._async import FirstReady
 from .._multi._episodes import Episodes
 from .._multi._workers import Workers, WorkersMixin, init_workers
+from .._restart import RestartPolicy
 from .._trajectories import split_trajectories
 from .._validation import (
     exploration_type_arg,
@@ -40,6 +41,7 @@ from ._multi_args import (
     shares_arg,
     warn_envs_wait,
 )
+from ._restarts import restart_arg
 from ._worker import EnvOffset, EnvRows, EnvShare, WorkerConfig, run_async_worker
 from ._worker_frames import FLOOR, VERSION
 
@@ -164,6 +166,8 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
             ``AsyncEnvCollector``'s, per worker (``max_frames_per_traj`` is refused with vector envs).
         on_env_error: as ``AsyncEnvCollector``'s, per worker: ``"drop"`` drops a failing env (its event
             carries its env id over all workers); a worker whose every env is dropped ends the collector.
+        restart: a :class:`RestartPolicy`: each worker restarts its failing envs as ``AsyncEnvCollector``
+            does (``Restarted`` events carry the worker and the env id over all workers).
         prefetch: as ``AsyncEnvCollector``'s, per worker (default 1; 0 with ``max_policy_lag=0``).
         seed: env ``i`` (over all workers) is first reset with ``seed + i`` (a vector env whose first
             sub-env is env ``i``: ``reset(seed=seed + i)``).
@@ -231,6 +235,7 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
         worker_timeout: float | None = None,
         traj_id_start: int = 0,
         traj_id_stride: int = 1,
+        restart: RestartPolicy | None = None,
     ) -> None:
         shares = shares_arg(env_fns_per_worker)
         lag = lag_arg(max_policy_lag)
@@ -257,6 +262,7 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
             random_frames=math.ceil(random_frames / len(shares)),
             pause_when_held=lag == 0,
             on_env_error=on_env_error_arg(on_env_error),
+            restart=restart_arg(restart, [fn for share in shares for fn in share]),
         )
         self._track_versions = flag("track_policy_version", track_policy_version)
         self.num_envs = sum(len(share) for share in shares)
@@ -292,7 +298,7 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
         )
 
     def _worker_message(self, index: int, msg: Any) -> None:
-        if isinstance(msg, WorkerFailed):  # an env dropped (on_env_error="drop"), its global env id
+        if isinstance(msg, (WorkerFailed, Restarted)):  # an env dropped or restarted, its global env id
             self._hub.publish(msg)
         elif isinstance(msg, EnvRows):  # a worker built its envs: once all have, each its first env id
             self._rows[index] = msg.rows

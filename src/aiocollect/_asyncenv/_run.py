@@ -34,6 +34,7 @@ from .._timesplit import SplitClock
 from ._envset import EnvSet
 from ._frames import FrameBatch, Layout, PolicyCall
 from ._policy import ActionCodec, BatchPolicy
+from ._restarts import EnvRestarts, truncate_last_frames
 from ._vector import END, IN_VECTOR, VectorSteps
 
 __all__ = ["DISPATCH_CHUNK", "Engine", "EngineConfig", "Signal"]
@@ -89,8 +90,10 @@ class Engine(VectorSteps):
         hub: Any,
         is_paused: Callable[[], bool],
         resumed: Callable[[], Awaitable[None]],
+        restarts: EnvRestarts | None = None,
     ) -> None:
         n = spec.rows
+        self.restarts = restarts  # restart=RestartPolicy(...): see _restart_env
         self.rows = n
         self.envs = envs
         self.spec = spec
@@ -149,6 +152,7 @@ class Engine(VectorSteps):
         self._resumed = resumed
         self.closed_envs: set[int] = set()
         self._scope: anyio.CancelScope | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
         self._ended = anyio.Event()
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -159,6 +163,7 @@ class Engine(VectorSteps):
             with anyio.CancelScope() as scope:
                 self._scope = scope
                 async with anyio.create_task_group() as tg:
+                    self._tg = tg
                     for u, (env, first, width) in enumerate(
                         zip(self.envs, self.spec.firsts, self.spec.widths, strict=True)
                     ):
@@ -212,8 +217,7 @@ class Engine(VectorSteps):
 
     async def _env_task(self, i: int, env: Any, u: int) -> None:  # env u, row i: the hot loop, in one piece
         try:
-            seed = None if self.config.seed is None else self.config.seed + i
-            obs, _ = await env.reset(seed=seed)
+            obs, _ = await env.reset(seed=self.reset_seed(i, u))
             rows, single = self._stage_rows(i)
             arrays = self.spec.arrays
             ready = self._ready
@@ -287,8 +291,34 @@ class Engine(VectorSteps):
         except Exception as exc:
             await self._env_failed(u, exc)
 
+    def restart_counts(self) -> list[int]:
+        """Per row (env id): the restarts of its env (a vector env's, on its first row)."""
+        return [0] * self.rows if self.restarts is None else self.restarts.per_row(self.rows)
+
+    def reset_seed(self, first: int, u: int) -> int | None:
+        """The seed of env ``u``'s first reset (its first row ``first``), derived anew after a restart."""
+        seed = None if self.config.seed is None else self.config.seed + first
+        return seed if self.restarts is None else self.restarts.seed(seed, u)
+
     async def _env_failed(self, u: int, exc: Exception) -> None:
-        """An env task's error: the collector's end, or (``on_env_error="drop"``) that env's."""
+        """An env task's error: a restart (``restart=``), the collector's end, or (``on_env_error="drop"``)
+        that env's."""
+        if self.restarts is not None:
+            self._end_trajectories(u)
+            try:
+                env = await self.restarts.rebuild(u, exc, self.close_env, self.env_frames)
+            except Exception as final:  # not restarted, or the budget is spent
+                exc = final
+            else:
+                self.envs[u] = env
+                self.closed_envs.discard(u)
+                first, width = self.spec.firsts[u], self.spec.widths[u]
+                assert self._tg is not None
+                if width:
+                    self._tg.start_soon(self._vector_task, u, env, first, width)
+                else:
+                    self._tg.start_soon(self._env_task, first, env, u)
+                return
         if not self.config.drop_failed_envs:
             self._fail(exc)
             return
@@ -305,6 +335,24 @@ class Engine(VectorSteps):
                 await self.envs[i].close()
             except Exception:  # closing is best effort: the env's own error was reported
                 pass
+
+    def _end_trajectories(self, u: int) -> None:
+        """Env ``u`` failed: the action it stepped with gives no frame; the last frame of each of its rows
+        in the batch being filled, if not done, is marked truncated; its rows' next frames are new
+        trajectories."""
+        first = self.spec.firsts[u]
+        rows = set(range(first, self._row_stop[first]))
+        if self._actions[first] is not None:  # mid-step: its frames will not come
+            self._actions[first : first + len(rows)] = [None] * len(rows)
+            self._in_flight -= len(rows)
+            self.policy_signal.set()  # room for other envs' steps
+            if self.idle:
+                self.idle_signal.set()
+        for i in rows:
+            self.traj_ids[i] = self.next_traj
+            self.next_traj += 1
+        if self._filling is not None:  # the calls of its frames are among self._calls (see _complete)
+            truncate_last_frames(self._filling, list(self._calls), rows)
 
     def _drop(self, u: int, exc: Exception) -> None:
         """Drop env ``u`` (a vector env: all its sub-envs): its rows read failed, an event for each."""

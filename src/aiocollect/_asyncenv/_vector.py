@@ -53,6 +53,7 @@ class VectorSteps:
     if TYPE_CHECKING:  # Engine's methods
 
         async def _env_failed(self, u: int, exc: Exception) -> None: ...
+        def reset_seed(self, first: int, u: int) -> int | None: ...
         def _new_batch(self) -> FrameBatch: ...
         def _complete(self, batch: FrameBatch) -> None: ...
         @property
@@ -63,8 +64,7 @@ class VectorSteps:
         stop = first + width
         rows = range(first, stop)
         try:
-            seed = None if self.config.seed is None else self.config.seed + first
-            obs, _ = await env.reset(seed=seed)
+            obs, _ = await env.reset(seed=self.reset_seed(first, u))
             blocks = self._blocks(obs, width)
             stage = [slot[first:stop] for slot in self.stage]
             is_future = self._new_waiter is not anyio.Event

@@ -27,7 +27,8 @@ import cloudpickle
 import torch
 from tensordict import TensorDictBase
 
-from .._events import EventStream, WorkerFailed
+from .._events import EventStream, Restarted, WorkerFailed
+from .._restart import RestartPolicy
 from .._transport._flat import layout_of
 from .._transport._messages import (
     Attach,
@@ -99,6 +100,8 @@ class WorkerConfig:
     pause_when_held: bool = False
     #: on_env_error: "raise" or "drop"
     on_env_error: str = "raise"
+    #: restart=: each worker restarts its own envs (``RestartPolicy``), or ``None``
+    restart: RestartPolicy | None = None
 
 
 class _Inner(AsyncEnvCollector):
@@ -111,7 +114,8 @@ class _Inner(AsyncEnvCollector):
     random_actions = 0
     random_seed: int | None = None
     place: Callable[[EnvSet], Awaitable[int]] | None = None
-    #: on_env_error="drop": the events of the envs dropped (subscribed before any env steps)
+    #: on_env_error="drop" or restart=: the events of the envs dropped or restarted (subscribed before any
+    #: env steps), for the parent
     drops: EventStream | None = None
 
     @contextlib.contextmanager
@@ -136,8 +140,8 @@ class _Inner(AsyncEnvCollector):
             self._seed += first
         if self.random_seed is not None:
             self.random_seed += first
-        if self._drop_failed:
-            self.drops = self.events(kinds={"worker_failed"})
+        if self._drop_failed or self._restart is not None:
+            self.drops = self.events(kinds={"worker_failed", "restarted"})
 
     def _engine_policy(self, policy: BatchPolicy, spec: EnvSet) -> Any:
         if not self.random_actions:
@@ -284,6 +288,9 @@ class _AsyncWorker:
             stream.close()
 
     def send_drop(self, event: Any) -> None:
+        if isinstance(event, Restarted):  # as the parent numbers them: this worker, a global env id
+            self.chan.send(replace(event, worker=self.index, env=self.first + event.env))
+            return
         if not isinstance(event, WorkerFailed) or event.worker_id < 0:
             return  # -1: the collector failed, which the worker's own failure reports
         local = event.worker_id
@@ -365,6 +372,7 @@ class _AsyncWorker:
             seed=config.seed,  # + this worker's first env id, once placed
             track_policy_version=True,  # each frame's version: the floor, the trainer's checks
             on_env_error=config.on_env_error,
+            restart=config.restart,
             prefetch=config.prefetch,
         )
         # init_random_frames: this worker's share, rounded up to whole batches (as MultiAsyncCollector's)

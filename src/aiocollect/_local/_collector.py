@@ -19,12 +19,14 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
+from .._envs._rebuild import env_factory
 from .._episodes import TrajectoryAssembler, collect_episodes
 from .._episodes_args import chunk_frames, refuse_cuts, trajs_per_batch_arg
 from .._errors import WorkerTimeoutError
-from .._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
+from .._events import Restarted, WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
 from .._mistakes import explicit_keywords, warn_user
 from .._options import RolloutOptions, WeightSchedule, refuse_schedule
+from .._restart import RestartPolicy
 from .._resume import load_member, member_state
 from .._rng import RolloutRNG, forked_rng
 from .._rollout import RolloutResult, build_rollout, open_env
@@ -105,6 +107,9 @@ class Collector(CollectorBase):
             from a reset to its ``("next", "done")``), flat over frames (``[N, T]`` with a mask with
             ``split_trajs``), in the order they started; ``total_frames`` counts their frames. See
             the episodes guide (docs/episodes.md).
+        restart: a :class:`RestartPolicy` (a field of :class:`RolloutOptions`): an env that raises in
+            ``reset``/``step`` is closed, rebuilt from ``create_env_fn`` (a callable, not an instance)
+            and the batch goes on (see docs/faults.md); ``None`` (default): the error ends the run.
 
     Example:
         >>> import anyio
@@ -152,6 +157,7 @@ class Collector(CollectorBase):
         trajs_per_batch: int | None = None,
         rollout: RolloutOptions | None = None,
         weights: WeightSchedule | None = None,
+        restart: RestartPolicy | None = None,
     ) -> None:
         # -- every argument is checked before the env is built ----------------------------------
         trajs = trajs_per_batch_arg("Collector", trajs_per_batch, frames_per_batch)
@@ -174,6 +180,7 @@ class Collector(CollectorBase):
             compile_policy=compile_policy,
             traj_id_start=traj_id_start,
             traj_id_stride=traj_id_stride,
+            restart=restart,
         )
         schedule = WeightSchedule.from_kwargs(
             weights,
@@ -204,7 +211,7 @@ class Collector(CollectorBase):
         env = open_env(create_env_fn, options)
         self._episodes: TrajectoryAssembler | None = None if trajs is None else TrajectoryAssembler(trajs)
         try:
-            self._build_rollout(env, policy)
+            self._build_rollout(env, policy, create_env_fn)
         except BaseException:
             env.close()
             raise
@@ -219,8 +226,9 @@ class Collector(CollectorBase):
         self._free_results: deque[RolloutResult] = deque()  # start(): in the buffer, not yet counted
         self._thread_stuck = False
 
-    def _build_rollout(self, env: Any, policy: Any) -> None:
-        """The collector's own policy, the random policy and the rollout, checked with one dry call."""
+    def _build_rollout(self, env: Any, policy: Any, create_env_fn: Any = None) -> None:
+        """The collector's own policy, the random policy and the rollout, checked with one dry call;
+        with a restart policy, the rollout rebuilds the env from ``create_env_fn``."""
         self._env = env
         self._source_policy = policy
         if self._episodes is not None and self._options.frames_per_batch == 1:  # trajs_per_batch's chunks
@@ -232,6 +240,8 @@ class Collector(CollectorBase):
             self._schedule,
             copy_module=True,
             storing_device=self._options.devices.storing,
+            factory=env_factory(create_env_fn, self._options.restart),
+            on_env=partial(setattr, self, "_env"),
         )
         # the policy samples with the collector's own torch RNG state when seeded (see _rng.py)
         self._rng = RolloutRNG(self._seed)
@@ -346,12 +356,20 @@ class Collector(CollectorBase):
         self._closed_reason = f"a batch failed with {type(exc).__name__}: {exc}"
         self._closed = True
         self._failed = True
+        self._publish_restarts()
         self._hub.publish(WorkerFailed(0, f"{type(exc).__name__}: {exc}"))
         await self._close_env()
         self._hub.close()
         await self._end_thread()
 
+    def _publish_restarts(self) -> None:
+        """``Restarted`` events for the env's restarts since the last call (drained in the loop)."""
+        if self._rollout.restarts is not None:
+            for r in self._rollout.restarts.budget.drain():
+                self._hub.publish(Restarted(0, r.env, r.cause, r.restarts))
+
     def _record_result(self, result: RolloutResult) -> None:
+        self._publish_restarts()
         self._record(
             result.frames,
             [(0, r, n) for r, n in zip(result.episode_returns, result.episode_lengths, strict=True)],
@@ -513,6 +531,8 @@ class Collector(CollectorBase):
         def apply() -> int:
             assert self._env is not None
             last = int(self._env.set_seed(seed))
+            if self._rollout.restarts is not None:
+                self._rollout.restarts.seeded(seed)
             self._rng.seed(seed)
             self._rollout.reset()
             return last
@@ -624,7 +644,10 @@ class Collector(CollectorBase):
         else:
             state = "paused" if self.paused else "collecting"
         version = self._rollout.policy_version
-        worker = WorkerStatistics(0, state, self._stats.frames, version)
+        restarts = self._rollout.restarts
+        worker = WorkerStatistics(
+            0, state, self._stats.frames, version, restarts=restarts.budget.count if restarts else 0
+        )
         return self._stats.snapshot(
             version,
             workers=(worker,),

@@ -17,6 +17,7 @@ from .._episodes_args import trajs_per_batch_arg
 from .._fleet import Arrival, FleetCollector
 from .._mistakes import explicit_keywords
 from .._options import RolloutOptions, WeightSchedule
+from .._restart import RestartPolicy
 from .._transport._messages import Release, RunFree
 from .._weightsync import WeightSync
 from .._workers._pool import WorkerPool
@@ -264,6 +265,7 @@ class MultiAsyncCollector(WorkersMixin, FleetCollector):
         weights: WeightSchedule | None = None,
         backend: str | None = None,
         trajs_per_batch: int | None = None,
+        restart: RestartPolicy | None = None,
     ) -> None:
         trajs = trajs_per_batch_arg(
             "MultiAsyncCollector",
@@ -311,6 +313,7 @@ class MultiAsyncCollector(WorkersMixin, FleetCollector):
             rollout=rollout,
             weights=weights,
             backend=backend,
+            restart=restart,
         )
 
 
@@ -367,6 +370,7 @@ class ProcessCollector(WorkersMixin, FleetCollector):
         rollout: RolloutOptions | None = None,
         weights: WeightSchedule | None = None,
         backend: str | None = None,
+        restart: RestartPolicy | None = None,
     ) -> None:
         if not callable(create_env_fn):
             raise TypeError(f"create_env_fn must be a callable returning an env, got {create_env_fn!r}")
@@ -406,4 +410,5 @@ class ProcessCollector(WorkersMixin, FleetCollector):
             rollout=rollout,
             weights=weights,
             backend=backend,
+            restart=restart,
         )

@@ -15,6 +15,7 @@ from .._episodes_args import trajs_per_batch_arg
 from .._fleet import Arrival, FleetCollector
 from .._mistakes import explicit_keywords, warn_user
 from .._options import RolloutOptions, WeightSchedule
+from .._restart import RestartPolicy
 from .._transport._messages import Collect
 from .._weightsync import WeightSync
 from .._workers._pool import WorkerPool
@@ -258,6 +259,7 @@ class MultiSyncCollector(WorkersMixin, FleetCollector):
         weights: WeightSchedule | None = None,
         backend: str | None = None,
         trajs_per_batch: int | None = None,
+        restart: RestartPolicy | None = None,
     ) -> None:
         trajs = trajs_per_batch_arg(
             "MultiSyncCollector",
@@ -315,4 +317,5 @@ class MultiSyncCollector(WorkersMixin, FleetCollector):
             rollout=rollout,
             weights=weights,
             backend=backend,
+            restart=restart,
         )

@@ -25,6 +25,7 @@ from .._errors import CollectorClosedError, WorkerTimeoutError
 from .._fleet import Arrival, FleetCollector
 from .._gather import gather
 from .._options import RolloutOptions, WeightSchedule, refuse_schedule, worker_backend_arg
+from .._restart import RestartPolicy
 from .._resume import check_fleet_env_state
 from .._stats import WorkerStatistics
 from .._torch_settings import TorchSettings
@@ -102,6 +103,7 @@ def init_workers(
     rollout: RolloutOptions | None = None,
     weights: WeightSchedule | None = None,
     backend: str | None = None,
+    restart: RestartPolicy | None = None,
     body: Any = None,
     on_message: Callable[[int, Any], None] | None = None,
 ) -> Workers:
@@ -127,6 +129,7 @@ def init_workers(
         compile_policy=compile_policy,
         traj_id_start=traj_id_start,
         traj_id_stride=traj_id_stride,
+        restart=restart,
     )
     schedule = WeightSchedule.from_kwargs(
         weights,
@@ -445,7 +448,7 @@ class Workers:
                 if self.pool is not None:
                     await self.pool.aclose()
                     self.fleet._last_workers = tuple(
-                        WorkerStatistics(w.index, w.state, w.frames, w.policy_version)
+                        WorkerStatistics(w.index, w.state, w.frames, w.policy_version, restarts=w.restarts)
                         for w in self.pool.workers
                     )
                 if self.control is not None:

@@ -31,7 +31,7 @@ import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._errors import WorkerDiedError, WorkerTimeoutError
-from .._events import Event, WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
+from .._events import Event, Restarted, WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
 from .._gather import gather
 from .._mistakes import check_main_guard
 from .._stats import WorkerState
@@ -116,6 +116,8 @@ class WorkerHandle:
     held_slots: int = 0
     #: the worker's recent time split, from its batch notices (statistics().workers[i].time_split)
     time_split: SplitWindow = field(default_factory=SplitWindow)
+    #: envs the worker rebuilt after a fault (``RestartPolicy``): statistics().workers[i].restarts
+    restarts: int = 0
 
     @property
     def exitcode(self) -> int | None:
@@ -292,6 +294,9 @@ class WorkerPool:
             self.note_version(handle.index, msg.policy_version)
             handle.frames += msg.frames
             handle.time_split.add(msg.time_split)
+            for r in msg.restarts:  # a rollout worker's env restarts: an event each, counted per worker
+                handle.restarts += 1
+                self._on_event(Restarted(handle.index, r.env, r.cause, r.restarts))
             handle.held_slots += 1
             # with a free slot left it goes on collecting (async mode); otherwise it waits for us
             more = handle.held_slots < self.slots_per_worker
@@ -311,6 +316,8 @@ class WorkerPool:
             self.fail(msg.error)
             return True
         else:
+            if isinstance(msg, Restarted):  # an async-env worker's env restart (it publishes its own)
+                handle.restarts += 1
             self._on_message(handle.index, msg)
         return False
 

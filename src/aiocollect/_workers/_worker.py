@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .._envs._adapter import check_env
+from .._envs._rebuild import env_factory
 from .._options import RolloutOptions, WeightSchedule
 from .._resume import load_member, worker_state
 from .._rng import RolloutRNG
@@ -176,7 +177,13 @@ class Worker:
         try:
             check_env(env)
             self.rollout, self.policy, self.random_policy = build_rollout(
-                env, policy, spec.rollout, spec.schedule, copy_module=False
+                env,
+                policy,
+                spec.rollout,
+                spec.schedule,
+                copy_module=False,
+                factory=env_factory(create_env_fn, spec.rollout.restart),
+                on_env=lambda new_env: setattr(self, "env", new_env),
             )
             self.rollout.output_specs()
             self.rng = RolloutRNG()
@@ -308,6 +315,7 @@ class Worker:
             episode_lengths=lengths,
             spare_ids=spare_ids,
             time_split=self.rollout.clock.totals(),
+            restarts=tuple(self.rollout.restarts.budget.drain()) if self.rollout.restarts else (),
         )
 
     def _spare_ids(self) -> tuple[int, ...]:
@@ -328,6 +336,8 @@ class Worker:
     # -- control operations (Call.op): one method per Operation type, dispatched by _OPERATIONS --------
     def set_seed(self, op: SetSeed) -> int:
         last = int(self.env.set_seed(op.seed))
+        if self.rollout.restarts is not None:
+            self.rollout.restarts.seeded(op.seed)
         self.random_policy.set_seed(op.seed)
         self.rng.seed(op.seed)
         self.rollout.reset()
