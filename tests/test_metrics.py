@@ -7,12 +7,13 @@ import sys
 from typing import Any
 
 import anyio
+import gymnasium as gym
 import httpx
 import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 import aiocollect
-from aiocollect import Collector, MultiSyncCollector
+from aiocollect import Collector, GymEnv, MultiSyncCollector, RestartPolicy
 from aiocollect.dashboard import create_app
 from support import cartpole2 as cartpole
 
@@ -60,6 +61,33 @@ async def test_metrics_text_of_a_collector() -> None:
     assert {s.labels["part"] for s in found["aiocollect_worker_time_split_us_per_frame"]} == PARTS
     assert value(found, "aiocollect_worker_frames_total", collector="ppo", worker="0") == 96
     assert value(found, "aiocollect_worker_state", collector="ppo", worker="0", state="collecting") == 1
+
+
+class FailsOnce(gym.Wrapper):
+    """CartPole whose first instance raises at its 10th step: one restart."""
+
+    built = 0
+
+    def __init__(self) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+        FailsOnce.built += 1
+        self.steps = 0 if FailsOnce.built == 1 else -(10**9)
+
+    def step(self, action: Any) -> Any:
+        self.steps += 1
+        if self.steps == 10:
+            raise RuntimeError("the simulator went unstable")
+        return self.env.step(action)
+
+
+async def test_metrics_count_restarts() -> None:
+    FailsOnce.built = 0
+    policy = RestartPolicy(max_restarts=2, backoff=0.0)
+    async with Collector(lambda: GymEnv(FailsOnce()), None, frames_per_batch=32, restart=policy) as collector:
+        await collect(collector, 2)
+        found = samples(aiocollect.metrics_text(collector, name="run"))
+    assert value(found, "aiocollect_restarts_total", collector="run") == 1
+    assert value(found, "aiocollect_worker_restarts_total", collector="run", worker="0") == 1
 
 
 async def test_metrics_text_labels_each_worker() -> None:

@@ -1,9 +1,9 @@
 """Prometheus metrics of a collector, in the OpenMetrics text format (``pip install "aiocollect[metrics]"``).
 
 ``prometheus_client`` writes the format; it is imported only when metrics are asked for. Each call reads
-``collector.statistics()`` once: the counters (frames, batches, episodes, discarded frames), the rates,
-the idle ratios and the time split, for the collector and for each of its workers (labels ``collector``
-and ``worker``).
+``collector.statistics()`` once: the counters (frames, batches, episodes, discarded frames, env
+restarts), the rates, the idle ratios and the time split, for the collector and for each of its workers
+(labels ``collector`` and ``worker``).
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ def statistics_metrics(stats: CollectorStatistics, name: str, core: Any) -> Iter
         ("batches", "batches delivered"),
         ("episodes", "episodes completed"),
         ("frames_discarded", "frames collected and dropped: newer weights overtook them"),
+        ("restarts", "envs rebuilt after a fault (RestartPolicy)"),
     ):
         family = counter(f"aiocollect_{key}", doc, labels=c)
         family.add_metric([name], getattr(stats, key))
@@ -96,18 +97,20 @@ def statistics_metrics(stats: CollectorStatistics, name: str, core: Any) -> Iter
     if not workers:
         return
     frames = counter("aiocollect_worker_frames", "frames a worker collected", labels=w)
+    restarts = counter("aiocollect_worker_restarts", "envs a worker rebuilt after a fault", labels=w)
     version = gauge("aiocollect_worker_policy_version", "the policy version a worker runs", labels=w)
     state = gauge("aiocollect_worker_state", "1 for a worker's state", labels=[*w, "state"])
     wait = gauge("aiocollect_worker_collector_wait", "fraction of time a worker's batches waited", labels=w)
     for worker in workers:
         labels = [name, str(worker.worker_id)]
         frames.add_metric(labels, worker.frames)
+        restarts.add_metric(labels, worker.restarts)
         version.add_metric(labels, worker.policy_version)
         for s in WORKER_STATES:
             state.add_metric([*labels, s], float(worker.state == s))
         if worker.collector_wait is not None:
             wait.add_metric(labels, worker.collector_wait)
-    yield from (frames, version, state, wait)
+    yield from (frames, restarts, version, state, wait)
 
 
 def _splits(stats: CollectorStatistics, name: str, core: Any) -> Iterator[Any]:
