@@ -31,7 +31,7 @@ TARGET_BODY_LINES = 50
 # in _rollout.py, issue 34's pool loop, issue 31's ProcessVectorEnv).
 LONG_MODULES: dict[str, int] = {
     "aiocollect/_procenv/_env.py": 487,
-    "aiocollect/_asyncenv/_collector.py": 502,  # issue 30: trajs_per_batch
+    "aiocollect/_asyncenv/_collector.py": 493,  # issue 30: trajs_per_batch
     "aiocollect/_asyncenv/_run.py": 560,
     "aiocollect/_asyncenv/_worker.py": 446,
     "aiocollect/_distributed_weights.py": 483,
@@ -99,7 +99,6 @@ LONG_FUNCTIONS: dict[str, int] = {
     "aiocollect/_envs/_gym_steps.py:run_steps": 68,
     "aiocollect/_asyncenv/_run.py:Engine.__init__": 60,
     "aiocollect/_serve/_actions.py:batch_action_checker": 54,
-    "aiocollect/_asyncenv/_collector.py:AsyncEnvCollector._on_enter": 52,
 }
 
 # Layers, bottom (0) to top. A module may import from its own layer and the layers below it.
