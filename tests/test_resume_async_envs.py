@@ -217,3 +217,30 @@ async def test_stop_on_signals_and_request_stop(tmp_path: Path) -> None:
         assert stop.received is None and got == 30
         state = await collector.state_dict(envs=True)
         assert state["frames"] == 30
+
+
+async def test_a_checkpoint_that_does_not_fit_leaves_the_collector_running() -> None:
+    class Greedy(torch.nn.Module):
+        def __init__(self, hidden: int) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.Linear(hidden, 2))
+
+        def forward(self, obs: torch.Tensor) -> torch.Tensor:
+            return self.net(obs).argmax(-1)
+
+    async with build(policy=Greedy(8)) as small:
+        state = await small.state_dict()
+    async with build(policy=Greedy(16)) as collector:
+        with anyio.fail_after(30), pytest.raises(ValueError, match="shape"):
+            await collector.load_state_dict(state)
+        assert len(await take(collector, 2)) == 2  # still collecting
+        with pytest.raises(KeyError, match="next_traj_id"):
+            await collector.load_state_dict({"frames": 0, "batches": 0, "policy_version": 0})
+
+
+async def test_whole_trajectories_refuse_env_state() -> None:
+    async with build(trajs_per_batch=2, frames_per_batch=None) as collector:
+        await take(collector, 1)
+        with anyio.fail_after(30), pytest.raises(ValueError, match="trajs_per_batch"):
+            await collector.state_dict(envs=True)
+        assert (await collector.state_dict())["batches"] == 1

@@ -42,7 +42,7 @@ from .._episodes import TrajectoryAssembler
 from .._resume import derived_seed, generator_state, set_generator_state, to_plain
 from .._rng import RolloutRNG
 from .._validation import seed_arg
-from .._weights import module_weights
+from .._weights import as_weights, check_compatible, module_weights
 from ._envstate import FromState, as_obs, maybe_await, raw_obs, state_methods
 from ._policy import BatchPolicy
 from ._run import Engine, EngineConfig, Signal
@@ -129,6 +129,10 @@ class CheckpointMixin:
         """Stop the engine (dropping what it collected ahead) and start a new one over the same envs: each
         env reset with ``seed + its env id`` (``None``: unseeded), or with ``obs`` (per env) as it is now,
         without a reset. Fresh trajectory ids; ``frames``: the budget left counts from there."""
+        with anyio.CancelScope(shield=True):  # never left without an engine
+            await self._restart_shielded(seed, obs, frames)
+
+    async def _restart_shielded(self, seed: int | None, obs: list[Any] | None, frames: int | None) -> None:
         old = self._engine
         assert old is not None
         assert self._task_group is not None
@@ -334,28 +338,41 @@ class CheckpointMixin:
                     f"the checkpoint holds the state of {len(saved['envs'])} envs, the collector has "
                     f"{len(engine.envs)}: load it into a collector made with the same env fns"
                 )
-            await engine.stop()  # no policy call in flight from here on
-            if "policy" in state and self._policy is not None and self._policy.module is not None:
-                await self._policy.load_weights(state["policy"])  # checked: a mismatch raises
-            frames = int(state["frames"])
-            rngs = state.get("rng")
-            if rngs is not None:
-                await self._in_policy_thread(lambda: self._load_random_states(engine, rngs))
-            engine.next_traj = int(state["next_traj_id"])
-            engine.version = int(state["policy_version"])
-            self._stats.load(frames, int(state["batches"]), int(state.get("episodes", 0)))
-            if saved is None:
-                rollout = None if rngs is None else rngs["rollout"]
-                await self._restart(None if rollout is None else derived_seed(rollout, frames), frames=frames)
-                return
-            for env, env_state in zip(engine.envs, saved["envs"], strict=True):
-                pair = state_methods(env)
+            methods = [] if saved is None else [state_methods(env) for env in engine.envs]
+            for env, pair in zip(engine.envs, methods, strict=False):  # what fails, before anything stops
                 if pair is None:
                     raise TypeError(
                         f"the checkpoint holds env state, but the env {type(env).__name__} has no "
                         "set_state(state); load it into a collector of the same envs, or drop 'env_state'"
                     )
-                await maybe_await(pair[1](env_state))
-            await self._restart(None, [as_obs(o) for o in saved["obs"]], frames=frames)
+            module = None if self._policy is None else self._policy.module
+            if "policy" in state and module is not None:
+                check_compatible(module_weights(module), as_weights(state["policy"]))
+            await engine.stop()  # no policy call in flight from here on
+            try:
+                await self._load_stopped(engine, state, methods)
+            except BaseException:  # the collector goes on, from reset
+                await self._restart(None)
+                raise
 
         await self._locked("load_state_dict", apply)
+
+    async def _load_stopped(self, engine: Engine, state: Mapping[str, Any], methods: list[Any]) -> None:
+        """:meth:`load_state_dict` once the engine is stopped (``methods``: each env's state methods)."""
+        saved = state.get("env_state")
+        if "policy" in state and self._policy is not None and self._policy.module is not None:
+            await self._policy.load_weights(state["policy"])
+        frames = int(state["frames"])
+        rngs = state.get("rng")
+        if rngs is not None:
+            await self._in_policy_thread(lambda: self._load_random_states(engine, rngs))
+        engine.next_traj = int(state["next_traj_id"])
+        engine.version = int(state["policy_version"])
+        self._stats.load(frames, int(state["batches"]), int(state.get("episodes", 0)))
+        if saved is None:
+            rollout = None if rngs is None else rngs["rollout"]
+            await self._restart(None if rollout is None else derived_seed(rollout, frames), frames=frames)
+            return
+        for pair, env_state in zip(methods, saved["envs"], strict=True):
+            await maybe_await(pair[1](env_state))
+        await self._restart(None, [as_obs(o) for o in saved["obs"]], frames=frames)
