@@ -13,14 +13,27 @@ import time
 from typing import Any
 
 import anyio
+import gymnasium as gym
 import torch
 from tensordict import TensorDictBase
 
-from aiocollect import Collector, GymEnv, MultiAsyncCollector, MultiSyncCollector, stop_on_signals
+from aiocollect import (
+    AsyncEnvCollector,
+    Collector,
+    GymEnv,
+    MultiAsyncCollector,
+    MultiAsyncEnvCollector,
+    MultiSyncCollector,
+    stop_on_signals,
+)
 
 
 def cartpole() -> GymEnv:
     return GymEnv("CartPole-v1")
+
+
+def gym_cartpole() -> gym.Env:
+    return gym.make("CartPole-v1")
 
 
 class SlowPolicy:
@@ -52,6 +65,10 @@ async def main(kind: str, path: str, step: float) -> None:
         collector: Any = Collector(cartpole, policy, **kwargs)
     elif kind == "sync":
         collector = MultiSyncCollector([cartpole] * 2, policy, **kwargs)
+    elif kind == "asyncenv":  # one env: a policy call per step, so a batch takes 20 steps' time
+        collector = AsyncEnvCollector([gym_cartpole], policy, **kwargs)
+    elif kind == "multiasyncenv":
+        collector = MultiAsyncEnvCollector([[gym_cartpole]] * 2, policy, **kwargs)
     else:
         collector = MultiAsyncCollector([cartpole] * 2, policy, **kwargs)
     received = 0
@@ -61,7 +78,10 @@ async def main(kind: str, path: str, step: float) -> None:
             received += batch.numel()
             print(f"batch {time.monotonic() - started:.3f}", flush=True)
             started = time.monotonic()
-        state = await collector.state_dict()
+        if kind == "multiasyncenv":  # no checkpoint (yet): its counts, as statistics() has them
+            state = {"frames": collector.statistics().frames}
+        else:
+            state = await collector.state_dict()
     signal = None if stop.received is None else int(stop.received)
     torch.save({"state": state, "received": received, "signal": signal}, path)
 

@@ -31,7 +31,7 @@ TARGET_BODY_LINES = 50
 # in _rollout.py, issue 34's pool loop, issue 31's ProcessVectorEnv).
 LONG_MODULES: dict[str, int] = {
     "aiocollect/_procenv/_env.py": 487,
-    "aiocollect/_asyncenv/_collector.py": 510,  # issue 30: trajs_per_batch; issue 28: restart=
+    "aiocollect/_asyncenv/_collector.py": 501,  # issue 30: trajs_per_batch; issue 28: restart=
     "aiocollect/_asyncenv/_run.py": 608,  # issue 28: env restarts (_env_failed, _end_trajectories)
     "aiocollect/_asyncenv/_worker.py": 454,  # issue 28: restart= and its Restarted events to the parent
     "aiocollect/_distributed_weights.py": 483,
@@ -106,7 +106,6 @@ LONG_FUNCTIONS: dict[str, int] = {
     "aiocollect/_envs/_gym_steps.py:run_steps": 68,
     "aiocollect/_asyncenv/_run.py:Engine.__init__": 62,
     "aiocollect/_serve/_actions.py:batch_action_checker": 54,
-    "aiocollect/_asyncenv/_collector.py:AsyncEnvCollector._on_enter": 53,
 }
 
 # Layers, bottom (0) to top. A module may import from its own layer and the layers below it.

@@ -66,6 +66,9 @@ CASES = [
     pytest.param("trio", "collector", marks=LONGRUN),
     pytest.param("asyncio", "sync", marks=LONGRUN),
     pytest.param("trio", "async", marks=LONGRUN),
+    pytest.param("asyncio", "asyncenv", marks=LONGRUN),
+    pytest.param("trio", "asyncenv", marks=LONGRUN),
+    pytest.param("uvloop", "multiasyncenv", marks=LONGRUN),
 ]
 
 

@@ -18,6 +18,7 @@ from aiocollect import (
     Collector,
     GymEnv,
     MultiAsyncCollector,
+    MultiAsyncEnvCollector,
     MultiSyncCollector,
     ThreadedAsyncEnv,
     stop_on_signals,
@@ -99,6 +100,21 @@ async def test_async_env_collector_stops() -> None:
                 delivered += batch.numel()
                 collector.request_stop()
         assert delivered == 16 and collector.statistics().frames == 16
+
+
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {})])  # worker processes: one loop is enough
+async def test_multi_async_env_collector_stops_with_consistent_counts(leaks: Any) -> None:
+    fns = [[lambda: gym.make("CartPole-v1")] * 2] * 2
+    async with MultiAsyncEnvCollector(fns, None, frames_per_batch=16, total_frames=-1, seed=0) as collector:
+        delivered = 0
+        with anyio.fail_after(60):
+            async for batch in collector:
+                delivered += batch.numel()
+                if delivered >= 32:
+                    collector.request_stop()
+        assert delivered == 32 and collector.statistics().frames == 32
+        with pytest.raises(TypeError, match="AsyncEnvCollector"):
+            await collector.state_dict()
 
 
 async def test_start_stops_after_the_write_in_progress() -> None:

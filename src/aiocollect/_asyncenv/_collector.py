@@ -21,6 +21,7 @@ from .._gcfreeze import GcHold
 from .._local._base import CollectorBase
 from .._mistakes import explicit_keywords, warn_user
 from .._restart import RestartPolicy
+from .._rng import RolloutRNG
 from .._stats import CollectorStatistics, WorkerStatistics
 from .._trajectories import split_trajectories
 from .._validation import (
@@ -35,6 +36,7 @@ from .._validation import (
     seed_arg,
     total_frames_arg,
 )
+from ._checkpoint import CheckpointMixin, SeededPolicy
 from ._envset import EnvSet, env_fns_arg, open_envs
 from ._policy import BatchPolicy, is_async_policy
 from ._restarts import env_restarts, restart_arg
@@ -66,7 +68,7 @@ def on_env_error_arg(value: Any) -> str:
     return str(value)
 
 
-class AsyncEnvCollector(CollectorBase):
+class AsyncEnvCollector(CheckpointMixin, CollectorBase):
     """Step many async envs concurrently on the event loop and batch the policy over the envs that are
     ready; ``async for batch in collector`` gives flat ``[frames]`` batches.
 
@@ -212,6 +214,8 @@ class AsyncEnvCollector(CollectorBase):
             )
         self._engine: Engine | None = None
         self._policy: BatchPolicy | None = None
+        self._rng = RolloutRNG(self._seed)  # a seeded collector's policy draws from its own generator
+        self._parked = False  # the engine's policy task waits while paused (see _checkpoint.py)
         self._version = 0  # trajs_per_batch: the policy version of the newest frames taken
 
     def _target(self) -> int:
@@ -230,7 +234,7 @@ class AsyncEnvCollector(CollectorBase):
             spec = EnvSet(envs)
             self._check_vector_envs(spec)
             await self._envs_opened(spec)
-            policy = BatchPolicy(
+            policy = SeededPolicy(
                 self._source_policy,
                 action_space=spec.action_space,
                 obs_keys=spec.obs_keys,
@@ -245,6 +249,7 @@ class AsyncEnvCollector(CollectorBase):
                     except Exception:  # best effort: the error that stopped us goes on
                         pass
             raise
+        policy.rng = self._rng = RolloutRNG(self._seed)  # the seed as _envs_opened left it
         policy.start()  # the thread gets the entering thread's torch settings
         self._policy = policy
         if self._gc_hold is not None:  # after the envs are built: they are long-lived too
@@ -260,16 +265,8 @@ class AsyncEnvCollector(CollectorBase):
             drop_failed_envs=self._drop_failed,
             track_policy_version=self._track_policy_version,
         )
-        self._engine = Engine(
-            envs,
-            spec,
-            self._engine_policy(policy, spec),
-            config,
-            hub=self._hub,
-            is_paused=lambda: self._paused > 0,
-            resumed=self._resumed,
-            restarts=env_restarts(self._restart, self._env_fns, limiter, spec, self._hub),
-        )
+        restarts = env_restarts(self._restart, self._env_fns, limiter, spec, self._hub)
+        self._engine = self._new_engine(envs, spec, self._engine_policy(policy, spec), config, restarts)
         for i in range(spec.rows):
             self._hub.publish(WorkerStarted(i))
         assert self._task_group is not None
@@ -307,11 +304,6 @@ class AsyncEnvCollector(CollectorBase):
     def _engine_policy(self, policy: BatchPolicy, spec: EnvSet) -> Any:
         """What the engine calls on each batch of ready envs: ``policy`` (a subclass may wrap it)."""
         return policy
-
-    async def _resumed(self) -> None:
-        event = self._unpaused
-        if event is not None:
-            await event.wait()
 
     async def aclose(self) -> None:
         """Stop the env tasks and the policy (after the steps and the policy call in flight), close every
@@ -356,8 +348,7 @@ class AsyncEnvCollector(CollectorBase):
     def _budget_reached(self) -> bool:
         if self._episodes is not None:
             return 0 < self.total_frames <= self._stats.frames
-        engine = self._engine
-        return engine is not None and engine.exhausted
+        return 0 < self._target() <= self._stats.frames  # a resumed collector counts from the checkpoint
 
     async def __anext__(self) -> TensorDictBase | None:
         if self._engine is None and not self._closed:

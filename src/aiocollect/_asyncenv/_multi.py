@@ -322,8 +322,9 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
 
     def _unsupported(self, what: str) -> TypeError:
         return TypeError(
-            f"MultiAsyncEnvCollector does not support {what}: its envs are seeded once with seed= (env i "
-            "with seed + i) and keep no resumable state"
+            f"MultiAsyncEnvCollector does not support {what}: its worker processes cannot save, load or "
+            "restart their engines yet (seed it once with seed=: env i with seed + i). AsyncEnvCollector "
+            "(one process) supports it; request_stop() and stop_on_signals() work with both"
         )
 
     async def set_seed(self, seed: int) -> int:
