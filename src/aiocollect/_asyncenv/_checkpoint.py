@@ -127,7 +127,7 @@ class CheckpointMixin:
         finally:
             self._parked = False
 
-    async def _restart(
+    async def _restart_engine(
         self, seed: int | None, obs: list[Any] | None = None, frames: int | None = None
     ) -> None:
         """Stop the engine (dropping what it collected ahead) and start a new one over the same envs: each
@@ -206,7 +206,7 @@ class CheckpointMixin:
             await engine.stop()  # first: no policy call draws from the new seed before the restart
             self._seed = seed
             await self._in_policy_thread(lambda: self._rng.seed(seed))
-            await self._restart(seed)
+            await self._restart_engine(seed)
             return seed + engine.rows - 1
 
         return int(await self._locked("set_seed", apply))
@@ -216,7 +216,7 @@ class CheckpointMixin:
         episodes, with fresh trajectory ids; batches collected ahead are dropped."""
 
         async def apply(engine: Engine) -> None:
-            await self._restart(None)
+            await self._restart_engine(None)
 
         await self._locked("reset", apply)
 
@@ -317,7 +317,7 @@ class CheckpointMixin:
                 for f, w in zip(firsts, widths, strict=True)
             ]
             states = [to_plain(await maybe_await(pair[0]())) for pair in methods if pair is not None]
-            await self._restart(None, obs)  # from the state saved, as a resumed collector
+            await self._restart_engine(None, obs)  # from the state saved, as a resumed collector
             return {"envs": states, "obs": [to_plain(o) for o in obs]}
         finally:
             self._paused -= 1
@@ -356,7 +356,7 @@ class CheckpointMixin:
             try:
                 await self._load_stopped(engine, state, methods)
             except BaseException:  # the collector goes on, from reset
-                await self._restart(None)
+                await self._restart_engine(None)
                 raise
 
         await self._locked("load_state_dict", apply)
@@ -375,8 +375,9 @@ class CheckpointMixin:
         self._stats.load(frames, int(state["batches"]), int(state.get("episodes", 0)))
         if saved is None:
             rollout = None if rngs is None else rngs["rollout"]
-            await self._restart(None if rollout is None else derived_seed(rollout, frames), frames=frames)
+            seed = None if rollout is None else derived_seed(rollout, frames)
+            await self._restart_engine(seed, frames=frames)
             return
         for pair, env_state in zip(methods, saved["envs"], strict=True):
             await maybe_await(pair[1](env_state))
-        await self._restart(None, [as_obs(o) for o in saved["obs"]], frames=frames)
+        await self._restart_engine(None, [as_obs(o) for o in saved["obs"]], frames=frames)

@@ -177,7 +177,7 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
     ) -> None:
         # every argument is checked here, before any env is built
         self._env_fns = env_fns_arg(env_fns)
-        self._restart = restart_arg(restart, self._env_fns)
+        self._restart_policy = restart_arg(restart, self._env_fns)
         n = len(self._env_fns)
         trajs = trajs_per_batch_arg(
             "AsyncEnvCollector", trajs_per_batch, frames_per_batch, on_env_error=on_env_error == "drop"
@@ -265,7 +265,7 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
             drop_failed_envs=self._drop_failed,
             track_policy_version=self._track_policy_version,
         )
-        restarts = env_restarts(self._restart, self._env_fns, limiter, spec, self._hub)
+        restarts = env_restarts(self._restart_policy, self._env_fns, limiter, spec, self._hub)
         self._engine = self._new_engine(envs, spec, self._engine_policy(policy, spec), config, restarts)
         for i in range(spec.rows):
             self._hub.publish(WorkerStarted(i))

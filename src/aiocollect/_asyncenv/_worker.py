@@ -140,7 +140,7 @@ class _Inner(AsyncEnvCollector):
             self._seed += first
         if self.random_seed is not None:
             self.random_seed += first
-        if self._drop_failed or self._restart is not None:
+        if self._drop_failed or self._restart_policy is not None:
             self.drops = self.events(kinds={"worker_failed", "restarted"})
 
     def _engine_policy(self, policy: BatchPolicy, spec: EnvSet) -> Any:
