@@ -230,12 +230,14 @@ def minimum_versions(session: nox.Session) -> None:
     # mypy --strict on the examples reads the installed libraries' type stubs: older numpy and gymnasium
     # stubs differ (not a run-time matter), so that one test runs against the newest versions only
     typing = "--deselect=tests/test_typing.py::test_examples_and_a_user_script_pass_mypy_strict"
-    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", typing, *session.posargs)
+    # the floors under asyncio and trio (anyio's backends); the README's test command runs uvloop too
+    loops = "--loops=asyncio,trio"
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", typing, loops, *session.posargs)
 
 
 @nox.session(python=NEWEST_PYTHON)
 def newest_python(session: nox.Session) -> None:
     """The default suite on the newest Python here (torch 2.13.0 for it comes from PyPI: a CUDA build that
-    runs on the CPU)."""
+    runs on the CPU), under asyncio: the README's test command runs every loop on 3.11 (CI's time limit)."""
     install(session, "test")
-    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", *session.posargs)
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "--loops=asyncio", *session.posargs)
