@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 import anyio.abc
@@ -25,12 +25,12 @@ from .._errors import CollectorClosedError, WorkerTimeoutError
 from .._fleet import Arrival, FleetCollector
 from .._gather import gather
 from .._options import RolloutOptions, WeightSchedule, refuse_schedule, worker_backend_arg
-from .._restart import RestartPolicy
+from .._restart import RestartPolicy, derive_seed
 from .._resume import check_fleet_env_state
 from .._stats import WorkerStatistics
 from .._torch_settings import TorchSettings
 from .._trajectories import split_trajectories
-from .._transport._messages import FleetOp, GetPath, GetWeights, LoadWeights, MapFn
+from .._transport._messages import FleetOp, GetPath, GetWeights, LoadWeights, MapFn, SetSeed
 from .._transport._shm import SharedBlock
 from .._validation import (
     optional_callable,
@@ -41,7 +41,13 @@ from .._validation import (
     timeout_arg,
 )
 from .._weights import flat_weights
-from .._weightsync import WeightSender, WeightSync, weight_sync_arg
+from .._weightsync import (
+    PipeWeightSync,
+    SharedMemoryWeightSync,
+    WeightSender,
+    WeightSync,
+    weight_sync_arg,
+)
 from .._workers._paths import parse_path
 from .._workers._pool import WorkerHandle, WorkerPool, start_forkserver
 from .._workers._worker import WorkerSpec, control_layout
@@ -213,6 +219,8 @@ class Workers:
         self.control: SharedBlock | None = None
         self.sender: WeightSender | None = None
         self._targets = [0] * self.num_workers  # per worker: the last version published for it
+        #: per worker, the weights last published for it (handed to a replacement, pipe sync)
+        self._last_weights: list[TensorDictBase | None] = [None] * self.num_workers
         self._saved_threads: int | None = None
         self._last_discarded = 0  # the control block's "discarded" when the collector closed
         self._stopped = False
@@ -282,6 +290,8 @@ class Workers:
             on_event=fleet._hub.publish,
             timeout=self.timeout,
             on_message=self._on_message or (lambda index, msg: None),
+            restart=self._worker_restarts(),
+            on_replaced=self._replaced,
         )
         if self.sender is not None:
             await gather(partial(pool.start, fleet._task_group), self.sender.connect)
@@ -293,6 +303,32 @@ class Workers:
 
     async def run(self) -> None:
         await self.delivery.started(self)
+
+    def _worker_restarts(self) -> RestartPolicy | None:
+        """The policy that replaces workers that die, hang or fail: the rollout workers', with weights
+        in shared memory or through the pipe (a collective transfer cannot take in a new process);
+        ``MultiAsyncEnvCollector``'s workers restart their envs themselves."""
+        sync = self._weight_sync
+        if self._body is not None or not isinstance(sync, (SharedMemoryWeightSync, PipeWeightSync)):
+            return None
+        return self.options.restart
+
+    async def _replaced(self, index: int) -> None:
+        """Worker ``index`` was replaced (``RestartPolicy``): seed it from its seed and its replacements,
+        load the newest weights published for it, then let it collect."""
+        pool = self.pool
+        assert pool is not None
+        handle = pool.workers[index]
+        seed = self.fleet.member_seeds.get(index)
+        if seed is not None:
+            await pool.call(index, SetSeed(cast("int", derive_seed(seed, pool.replacements(index)))))
+        if self.sender is not None:
+            weights = self._last_weights[index]
+            if not self.sender.one_copy and weights is not None:
+                await self.sender.publish(weights, self._targets[index], [index])
+            pool.note_version(index, await pool.call(index, LoadWeights()))
+        handle.expected_since = None
+        await self.delivery.replaced(self, index)
 
     # -- deliveries ---------------------------------------------------------------------------------
     async def next_delivery(self) -> Arrival:
@@ -338,6 +374,8 @@ class Workers:
                     f"workers {late} delivered no batch within worker_timeout={timeout} s "
                     "(a hung env or policy?)"
                 )
+                if all([pool.kill_hung(i, error) for i in late]):
+                    continue  # killed, to be replaced (RestartPolicy)
                 pool.fail(error)
                 raise error
 
@@ -353,9 +391,13 @@ class Workers:
             behind = enumerate(pool.workers)
             pending = [i for i, h in behind if i not in ids and self._targets[i] > h.policy_version]
             await self.load_now(pending, version, None)
-        await self._publish(pool, sender, weights, version, ids)
+        if pool.restart is not None:  # a worker that dies meanwhile gets these once replaced
+            await sender.publish(weights, version, ids)
+        else:
+            await self._publish(pool, sender, weights, version, ids)
         for i in ids:
             self._targets[i] = version
+            self._last_weights[i] = weights
 
     async def published(self, version: int, ids: list[int], raised: list[int]) -> None:
         """The shared floors first (a worker that reads the new "published" sees them), then the
@@ -426,8 +468,10 @@ class Workers:
         return await gather(*[partial(pool.call, i, op) for i, op in ops])
 
     def discarded(self) -> int:
-        control = self.control
-        return int(control.td["discarded"].sum()) if control is not None else self._last_discarded
+        control, pool = self.control, self.pool
+        replaced = pool.discarded_frames if pool is not None else 0
+        own = int(control.td["discarded"].sum()) if control is not None else self._last_discarded
+        return replaced + own
 
     def check_env_state(self, envs: bool) -> None:
         check_fleet_env_state(envs, self.delivery.sync, self.num_workers)  # _resume.py

@@ -19,13 +19,14 @@ import signal
 import socket
 import threading
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, get_args
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import anyio.to_thread
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -34,6 +35,7 @@ from .._errors import WorkerDiedError, WorkerTimeoutError
 from .._events import Event, Restarted, WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
 from .._gather import gather
 from .._mistakes import check_main_guard
+from .._restart import RestartBudget, RestartPolicy
 from .._stats import WorkerState
 from .._timesplit import SplitWindow
 from .._transport._messages import (
@@ -83,6 +85,18 @@ def _kill_leftover_workers() -> None:
             process.join(5)
 
 
+#: trajectory ids a worker's generation may take before its replacement's start (ids stay disjoint)
+_IDS_PER_GENERATION = 1 << 32
+
+
+def restarted_options(options: Any, restarts: int) -> Any:
+    """A worker's ``RolloutOptions`` for its ``restarts``-th replacement: its trajectory ids past every
+    earlier generation's (the same residue, so still disjoint from the other workers'); the seed of the
+    replacement comes from the fleet's seed chain (``derive_seed``)."""
+    start = options.traj_id_start + restarts * _IDS_PER_GENERATION * options.traj_id_stride
+    return replace(options, traj_id_start=start)
+
+
 def _check_op(op: object) -> None:
     """Raise ``TypeError`` unless ``op`` is an operation a worker answers."""
     if not isinstance(op, WorkerOp):
@@ -116,8 +130,13 @@ class WorkerHandle:
     held_slots: int = 0
     #: the worker's recent time split, from its batch notices (statistics().workers[i].time_split)
     time_split: SplitWindow = field(default_factory=SplitWindow)
-    #: envs the worker rebuilt after a fault (``RestartPolicy``): statistics().workers[i].restarts
+    #: envs the worker rebuilt after a fault, and the worker's own replacements (``RestartPolicy``):
+    #: statistics().workers[i].restarts
     restarts: int = 0
+    #: why the parent ended this worker (a hang, a failure it will replace it after), if it did
+    doomed: BaseException | None = None
+    #: batch notices of this worker not received yet (by id): a replaced worker's are dropped
+    notices: set[int] = field(default_factory=set)
 
     @property
     def exitcode(self) -> int | None:
@@ -164,8 +183,22 @@ class WorkerPool:
         on_event: Callable[[Event], None] = lambda event: None,
         timeout: float | None = None,
         on_message: Callable[[int, Any], None] = lambda index, msg: None,
+        restart: RestartPolicy | None = None,
+        on_replaced: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         self._on_event = on_event
+        #: replace a worker that dies, hangs or fails (``None``: fail fast); its budget per worker
+        self.restart = restart
+        self._budgets = [RestartBudget(restart) for _ in specs] if restart is not None else []
+        #: what the transport does once a replacement is ready (seed, weights, collect again)
+        self._on_replaced = on_replaced
+        #: frames of replaced workers' batches never delivered
+        self.discarded_frames = 0
+        self._replacing: dict[int, anyio.CancelScope] = {}
+        self._settled: dict[int, anyio.Event] = {}
+        #: ids of replaced workers' batch notices still in ``deliveries``
+        self._void: set[int] = set()
+        self._tg: anyio.abc.TaskGroup | None = None
         #: a worker body's own messages (not the rollout protocol's), with the worker's index
         self._on_message = on_message
         #: worker_timeout for control calls
@@ -187,26 +220,8 @@ class WorkerPool:
     # -- start ------------------------------------------------------------------------------------
     async def start(self, tg: anyio.abc.TaskGroup) -> None:
         """Start every worker and return when all are ready (or raise the first start-up error)."""
-        ctx = _context(self.start_method) if self.backend == "process" else None
         for spec in self.specs:
-            parent_sock, child_sock = socket.socketpair()
-            if ctx is not None:
-                # not daemonic: a worker may start processes (a torchrl ParallelEnv, a gymnasium
-                # AsyncVectorEnv); it leads its own process group, which aclose() and _reader reap whole
-                process = ctx.Process(
-                    target=worker_main,
-                    args=(child_sock, spec),
-                    name=f"aiocollect-worker-{spec.index}",
-                    daemon=False,
-                )
-                try:
-                    await anyio.to_thread.run_sync(process.start)
-                    _LIVE.add(process)
-                finally:
-                    child_sock.close()
-            else:
-                process = start_thread_worker(child_sock, spec)
-            handle = WorkerHandle(spec.index, spec, AsyncChannel(parent_sock), process)
+            handle = await self._spawn(spec)
             self.workers.append(handle)
             tg.start_soon(self._reader, handle)
         with anyio.CancelScope() as scope:
@@ -225,6 +240,29 @@ class WorkerPool:
                 for _ in range(self.slots_per_worker)
             ]
             await handle.channel.send(Attach(tuple(s.name for s in handle.slots)))
+        self._tg = tg  # from now on a worker that dies may be replaced (RestartPolicy)
+
+    async def _spawn(self, spec: WorkerSpec) -> WorkerHandle:
+        """Start the worker of ``spec`` (a process, or a thread with the serial backend)."""
+        parent_sock, child_sock = socket.socketpair()
+        if self.backend == "process":
+            # not daemonic: a worker may start processes (a torchrl ParallelEnv, a gymnasium
+            # AsyncVectorEnv); it leads its own process group, which aclose() and _reader reap whole
+            process = _context(self.start_method).Process(
+                target=worker_main,
+                args=(child_sock, spec),
+                name=f"aiocollect-worker-{spec.index}",
+                daemon=False,
+            )
+            try:
+                with anyio.CancelScope(shield=True):  # a started process is always handed back
+                    await anyio.to_thread.run_sync(process.start)
+                _LIVE.add(process)
+            finally:
+                child_sock.close()
+        else:
+            process = start_thread_worker(child_sock, spec)
+        return WorkerHandle(spec.index, spec, AsyncChannel(parent_sock), process)
 
     def _ready_event(self, handle: WorkerHandle) -> anyio.Event:
         event = getattr(handle, "_ready_event", None)
@@ -253,11 +291,16 @@ class WorkerPool:
                     signal_group(handle.process, signal.SIGKILL)
                     _LIVE.discard(handle.process)
                 handle.exited.set()
-                if not failed and not self.closing:
+                cause = handle.doomed
+                if cause is None and not failed and not self.closing:
+                    cause = WorkerDiedError(handle.index, handle.exitcode)
+                if cause is not None and self._replace_later(handle, cause):
+                    pass  # a replacement is on its way
+                elif cause is not None and not self.closing:
                     handle.state = WorkerState.FAILED
-                    error = WorkerDiedError(handle.index, handle.exitcode)
-                    self._on_event(WorkerFailed(handle.index, str(error)))
-                    self.fail(error)
+                    if handle.doomed is None:
+                        self._on_event(WorkerFailed(handle.index, str(cause)))
+                    self.fail(cause)
                 elif not failed:
                     handle.state = WorkerState.STOPPED
                     self._on_event(WorkerStopped(handle.index))
@@ -291,6 +334,8 @@ class WorkerPool:
     def _route(self, handle: WorkerHandle, msg: Any) -> bool:
         """Dispatch one message from a worker; ``True`` if it reported a failure."""
         if isinstance(msg, BatchReady):
+            if self.restart is not None:
+                handle.notices.add(id(msg))
             self.note_version(handle.index, msg.policy_version)
             handle.frames += msg.frames
             handle.time_split.add(msg.time_split)
@@ -313,13 +358,113 @@ class WorkerPool:
         elif isinstance(msg, Failed):
             handle.state = WorkerState.FAILED
             self._on_event(WorkerFailed(handle.index, f"{type(msg.error).__name__}: {msg.error}"))
-            self.fail(msg.error)
+            if self._replaceable(msg.error):
+                handle.doomed = msg.error  # replaced once it has exited (_reader)
+            else:
+                self.fail(msg.error)
             return True
         else:
             if isinstance(msg, Restarted):  # an async-env worker's env restart (it publishes its own)
                 handle.restarts += 1
             self._on_message(handle.index, msg)
         return False
+
+    # -- replacing workers (RestartPolicy) ----------------------------------------------------------
+    def _replaceable(self, error: BaseException) -> bool:
+        """Whether a worker that failed with ``error`` may be replaced: a policy is set, it counts
+        ``error``, and ``error`` is not an env's whose own restart budget ran out in the worker."""
+        if self.restart is None or self.closing or not self.restart.counts(error):
+            return False
+        return not any("restart budget spent" in n for n in getattr(error, "__notes__", ()))
+
+    def _replace_later(self, handle: WorkerHandle, cause: BaseException) -> bool:
+        """Start replacing ``handle`` (exited) if the policy and its budget allow; ``False`` if not (the
+        budget's history is then a note on ``cause``)."""
+        if self.restart is None or self.closing or self.failure is not None or self._tg is None:
+            return False
+        if self.workers[handle.index] is not handle or not self._replaceable(cause):
+            return False
+        try:
+            delay = self._budgets[handle.index].admit(cause, -1, progressed=handle.frames > 0)
+        except BaseException:
+            return False  # spent: `cause` carries the history
+        scope = anyio.CancelScope()
+        self._replacing[handle.index] = scope
+        self._settled[handle.index] = anyio.Event()
+        self._tg.start_soon(self._replace, handle, cause, delay, scope)
+        return True
+
+    def replacements(self, index: int) -> int:
+        """How many times worker ``index`` was replaced."""
+        return self._budgets[index].count if self._budgets else 0
+
+    def kill_hung(self, index: int, error: BaseException) -> bool:
+        """Kill worker ``index`` (hung: it delivered nothing within ``worker_timeout``) to replace it;
+        ``False`` when it cannot be (no policy, a thread worker, the budget spent: ``error`` then ends
+        the run)."""
+        handle = self.workers[index]
+        if not self._replaceable(error) or not isinstance(handle.process, mp.process.BaseProcess):
+            return False
+        if handle.doomed is None and not handle.exited.is_set():
+            budget = self._budgets[index]
+            if budget.spent():
+                error.add_note(budget.note())
+                return False
+            handle.doomed = error
+            handle.expected_since = None
+            signal_group(handle.process, signal.SIGKILL)
+        return True
+
+    async def _replace(
+        self, old: WorkerHandle, cause: BaseException, delay: float, scope: anyio.CancelScope
+    ) -> None:
+        """Replace ``old`` by a fresh worker of the same spec (trajectory ids past the old one's), on the
+        same slots; the transport (``on_replaced``) then seeds it, hands it the weights and has it collect.
+        A replacement that dies before it is ready is replaced in turn (the budget permitting)."""
+        index = old.index
+        budget = self._budgets[index]
+        restarts = budget.count
+        old.channel.close()
+        if isinstance(old.process, mp.process.BaseProcess):
+            with contextlib.suppress(ValueError):
+                old.process.close()
+        for msg_id in old.notices:  # its batches waiting to be read are dropped (receive)
+            self._void.add(msg_id)
+        try:
+            with scope:
+                await anyio.sleep(delay)
+                spec = replace(old.spec, rollout=restarted_options(old.spec.rollout, restarts))
+                new = await self._spawn(spec)
+                new.restarts, new.slots, new.frames = old.restarts + 1, old.slots, old.frames
+                new.policy_version = old.policy_version
+                self.workers[index] = new
+                assert self._tg is not None
+                self._tg.start_soon(self._reader, new)
+                async with anyio.create_task_group() as race:  # ready, or dead before it was
+
+                    async def until(event: anyio.Event) -> None:
+                        await event.wait()
+                        race.cancel_scope.cancel()
+
+                    race.start_soon(until, self._ready_event(new))
+                    race.start_soon(until, new.exited)
+                if new.ready is None:
+                    return  # it died starting (its reader replaces it again, or fails the pool)
+                await new.channel.send(Attach(tuple(s.name for s in new.slots)))
+                record = budget.drain()
+                if self._on_replaced is not None:
+                    await self._on_replaced(index)
+                for r in record:
+                    self._on_event(Restarted(index, r.env, r.cause, r.restarts))
+        except (OSError, anyio.BrokenResourceError):
+            pass  # the replacement died meanwhile: its reader says what comes next
+        except Exception as exc:
+            if self.failure is None and not self.closing:
+                self.fail(exc)
+        finally:
+            if self._replacing.get(index) is scope:
+                del self._replacing[index]
+                self._settled.pop(index).set()
 
     async def _join(self, handle: WorkerHandle, grace: float = 2.0) -> None:
         process = handle.process
@@ -357,6 +502,8 @@ class WorkerPool:
             with anyio.move_on_after(5.0):
                 await handle.exited.wait()
             self.check()
+            if self.restart is not None and handle.exited.is_set():
+                return  # being replaced: the replacement is brought up to date (``on_replaced``)
             raise
 
     async def call(self, index: int, op: WorkerOp) -> Any:
@@ -365,9 +512,12 @@ class WorkerPool:
         self.check()
         request_id = next(self._ids)
         with self._replies.expect(request_id) as waiter:
+            handle = self.workers[index]
             await self.send(index, Call(request_id, op))
             with anyio.move_on_after(self.timeout if self.timeout is not None else math.inf):
-                return await waiter.wait()
+                if self.restart is None:
+                    return await waiter.wait()
+                return await _reply_or_exit(waiter, handle)
         error = WorkerTimeoutError(
             f"worker {index} did not answer {op!r} within worker_timeout={self.timeout} s"
         )
@@ -381,11 +531,37 @@ class WorkerPool:
 
     async def receive(self) -> tuple[int, BatchReady]:
         """The next batch notice (any worker); raises the pool's failure."""
-        item = await self.deliveries.receive()
-        if isinstance(item, _Failure):
-            self._deliveries_send.send_nowait(item)  # every later receive raises too
-            raise item.error
-        return item
+        while True:
+            item = await self.deliveries.receive()
+            if isinstance(item, _Failure):
+                self._deliveries_send.send_nowait(item)  # every later receive raises too
+                raise item.error
+            if self.current(item):
+                return item
+
+    def receive_nowait(self) -> Any:
+        """The next batch notice or failure waiting (``anyio.WouldBlock`` if none); a replaced worker's
+        notices are dropped."""
+        while True:
+            item = self.deliveries.receive_nowait()
+            if isinstance(item, _Failure) or self.current(item):
+                return item
+
+    def current(self, item: tuple[int, BatchReady]) -> bool:
+        """Whether ``item`` (a notice taken from ``deliveries``) comes from its worker as it is now; a
+        replaced worker's is dropped, its frames counted as discarded."""
+        if self.restart is None:
+            return True
+        index, msg = item
+        if not self._void:
+            self.workers[index].notices.discard(id(msg))
+            return True
+        if id(msg) in self._void:
+            self._void.discard(id(msg))
+            self.discarded_frames += msg.frames
+            return False
+        self.workers[index].notices.discard(id(msg))
+        return True
 
     def set_stop(self, stop: torch.Tensor, indices: list[int], value: int) -> None:
         for i in indices:
@@ -396,6 +572,10 @@ class WorkerPool:
         """Ask every worker to stop, wait up to ``grace`` seconds, then terminate/kill; free the slots."""
         with anyio.CancelScope(shield=True):
             self.closing = True
+            for scope in list(self._replacing.values()):
+                scope.cancel()
+            for done in list(self._settled.values()):
+                await done.wait()  # a replacement being started settles (its process is reaped below)
             if self.failure is not None:
                 grace = min(grace, 0.5)  # after a failure, do not wait long for the others
             # bounded: a hung worker does not read, and a full socket would block this send for ever
@@ -433,6 +613,24 @@ class WorkerPool:
                         handle.process.close()
             self._deliveries_send.close()
             self.deliveries.close()
+
+
+async def _reply_or_exit(waiter: Any, handle: WorkerHandle) -> Any:
+    """The reply ``waiter`` gets, or (the worker exited first, to be replaced) why it exited."""
+    result: list[Any] = []
+    async with anyio.create_task_group() as tg:
+
+        async def reply() -> None:
+            result.append(await waiter.wait())
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(reply)
+        await handle.exited.wait()
+        await anyio.lowlevel.checkpoint()  # a reply sent before the exit is routed first
+        tg.cancel_scope.cancel()
+    if result:
+        return result[0]
+    raise handle.doomed or WorkerDiedError(handle.index, handle.exitcode)
 
 
 def thread_alive(handle: WorkerHandle) -> bool:
