@@ -107,7 +107,8 @@ async def test_killed_worker_is_replaced(kind: str, leaks: Any) -> None:
     assert [w.restarts for w in stats.workers] == [0, 1] and stats.restarts == 1
     assert stats.frames == 320
     generations = _check_generations(kind, batches)
-    assert generations[0] == {0} and generations[1] == {0, 1}
+    # async: worker 1 may have delivered nothing before it was killed
+    assert generations[0] == {0} and 1 in generations[1] and generations[1] <= {0, 1}
 
 
 class HangOnce(gym.Env):

@@ -10,6 +10,7 @@ How a batch is gathered is the :class:`~._delivery.Delivering` the public class 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
@@ -70,6 +71,12 @@ async def _first_exit(pool: WorkerPool) -> None:
 
         for handle in pool.workers:
             tg.start_soon(wait, handle.exited)
+
+
+def _envs_per_step(handle: WorkerHandle) -> int:
+    """Frames a worker's step makes: its batch's size without the time dim."""
+    size = handle.ready.batch_size[:-1] if handle.ready is not None else ()
+    return int(math.prod(size))
 
 
 def init_workers(
@@ -316,12 +323,18 @@ class Workers:
     async def _replaced(self, index: int) -> None:
         """Worker ``index`` was replaced (``RestartPolicy``): seed it from its seed and its replacements,
         load the newest weights published for it, then let it collect."""
-        pool = self.pool
+        pool, control = self.pool, self.control
         assert pool is not None
+        assert control is not None
         handle = pool.workers[index]
-        seed = self.fleet.member_seeds.get(index)
-        if seed is not None:
-            await pool.call(index, SetSeed(cast("int", derive_seed(seed, pool.replacements(index)))))
+        # the steps its predecessor began in its last batch are lost (the one it died in, too)
+        steps, numel = int(control.td["progress"][index]), _envs_per_step(handle)
+        control.td["progress"][index] = 0
+        if pool.replacer is not None:
+            pool.replacer.discarded_frames += max(0, steps - 1) * numel
+        seed, replacer = self.fleet.member_seeds.get(index), pool.replacer
+        if seed is not None and replacer is not None:
+            await pool.call(index, SetSeed(cast("int", derive_seed(seed, replacer.count(index)))))
         if self.sender is not None:
             weights = self._last_weights[index]
             if not self.sender.one_copy and weights is not None:
@@ -374,7 +387,7 @@ class Workers:
                     f"workers {late} delivered no batch within worker_timeout={timeout} s "
                     "(a hung env or policy?)"
                 )
-                if all([pool.kill_hung(i, error) for i in late]):
+                if pool.replacer is not None and all([pool.replacer.kill_hung(i, error) for i in late]):
                     continue  # killed, to be replaced (RestartPolicy)
                 pool.fail(error)
                 raise error
@@ -469,7 +482,7 @@ class Workers:
 
     def discarded(self) -> int:
         control, pool = self.control, self.pool
-        replaced = pool.discarded_frames if pool is not None else 0
+        replaced = pool.replacer.discarded_frames if pool is not None and pool.replacer is not None else 0
         own = int(control.td["discarded"].sum()) if control is not None else self._last_discarded
         return replaced + own
 

@@ -20,7 +20,7 @@ import socket
 import threading
 import weakref
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, get_args
 
@@ -35,7 +35,7 @@ from .._errors import WorkerDiedError, WorkerTimeoutError
 from .._events import Event, Restarted, WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
 from .._gather import gather
 from .._mistakes import check_main_guard
-from .._restart import RestartBudget, RestartPolicy
+from .._restart import RestartPolicy
 from .._stats import WorkerState
 from .._timesplit import SplitWindow
 from .._transport._messages import (
@@ -52,6 +52,7 @@ from .._transport._shm import SharedBlock
 from .._transport._waiters import WaiterTable
 from .._transport._wire import AsyncChannel
 from ._preload import PRELOAD
+from ._replace import Replacer
 from ._worker import WorkerSpec, start_thread_worker, worker_main
 
 __all__ = ["WorkerHandle", "WorkerPool", "signal_group", "start_forkserver", "thread_alive"]
@@ -83,18 +84,6 @@ def _kill_leftover_workers() -> None:
         with contextlib.suppress(Exception):
             signal_group(process, signal.SIGKILL)
             process.join(5)
-
-
-#: trajectory ids a worker's generation may take before its replacement's start (ids stay disjoint)
-_IDS_PER_GENERATION = 1 << 32
-
-
-def restarted_options(options: Any, restarts: int) -> Any:
-    """A worker's ``RolloutOptions`` for its ``restarts``-th replacement: its trajectory ids past every
-    earlier generation's (the same residue, so still disjoint from the other workers'); the seed of the
-    replacement comes from the fleet's seed chain (``derive_seed``)."""
-    start = options.traj_id_start + restarts * _IDS_PER_GENERATION * options.traj_id_stride
-    return replace(options, traj_id_start=start)
 
 
 def _check_op(op: object) -> None:
@@ -187,23 +176,16 @@ class WorkerPool:
         on_replaced: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         self._on_event = on_event
-        #: replace a worker that dies, hangs or fails (``None``: fail fast); its budget per worker
+        #: replaces a worker that dies, hangs or fails (``restart``; ``None``: fail fast)
         self.restart = restart
-        self._budgets = [RestartBudget(restart) for _ in specs] if restart is not None else []
-        #: what the transport does once a replacement is ready (seed, weights, collect again)
-        self._on_replaced = on_replaced
-        #: frames of replaced workers' batches never delivered
-        self.discarded_frames = 0
-        self._replacing: dict[int, anyio.CancelScope] = {}
-        self._settled: dict[int, anyio.Event] = {}
-        #: ids of replaced workers' batch notices still in ``deliveries``
-        self._void: set[int] = set()
-        self._tg: anyio.abc.TaskGroup | None = None
+        #: the collector's task group, once every worker started (replacements start in it)
+        self.tg: anyio.abc.TaskGroup | None = None
         #: a worker body's own messages (not the rollout protocol's), with the worker's index
         self._on_message = on_message
         #: worker_timeout for control calls
         self.timeout = timeout
         self.specs = specs
+        self.replacer = Replacer(self, restart, on_replaced) if restart is not None else None
         self.backend = backend
         self.start_method = start_method
         self.slots_per_worker = slots_per_worker
@@ -240,7 +222,7 @@ class WorkerPool:
                 for _ in range(self.slots_per_worker)
             ]
             await handle.channel.send(Attach(tuple(s.name for s in handle.slots)))
-        self._tg = tg  # from now on a worker that dies may be replaced (RestartPolicy)
+        self.tg = tg  # from now on a worker that dies may be replaced (RestartPolicy)
 
     async def _spawn(self, spec: WorkerSpec) -> WorkerHandle:
         """Start the worker of ``spec`` (a process, or a thread with the serial backend)."""
@@ -294,7 +276,7 @@ class WorkerPool:
                 cause = handle.doomed
                 if cause is None and not failed and not self.closing:
                     cause = WorkerDiedError(handle.index, handle.exitcode)
-                if cause is not None and self._replace_later(handle, cause):
+                if cause is not None and self.replacer is not None and self.replacer.later(handle, cause):
                     pass  # a replacement is on its way
                 elif cause is not None and not self.closing:
                     handle.state = WorkerState.FAILED
@@ -358,7 +340,7 @@ class WorkerPool:
         elif isinstance(msg, Failed):
             handle.state = WorkerState.FAILED
             self._on_event(WorkerFailed(handle.index, f"{type(msg.error).__name__}: {msg.error}"))
-            if self._replaceable(msg.error):
+            if self.replacer is not None and self.replacer.may_replace(msg.error):
                 handle.doomed = msg.error  # replaced once it has exited (_reader)
             else:
                 self.fail(msg.error)
@@ -368,103 +350,6 @@ class WorkerPool:
                 handle.restarts += 1
             self._on_message(handle.index, msg)
         return False
-
-    # -- replacing workers (RestartPolicy) ----------------------------------------------------------
-    def _replaceable(self, error: BaseException) -> bool:
-        """Whether a worker that failed with ``error`` may be replaced: a policy is set, it counts
-        ``error``, and ``error`` is not an env's whose own restart budget ran out in the worker."""
-        if self.restart is None or self.closing or not self.restart.counts(error):
-            return False
-        return not any("restart budget spent" in n for n in getattr(error, "__notes__", ()))
-
-    def _replace_later(self, handle: WorkerHandle, cause: BaseException) -> bool:
-        """Start replacing ``handle`` (exited) if the policy and its budget allow; ``False`` if not (the
-        budget's history is then a note on ``cause``)."""
-        if self.restart is None or self.closing or self.failure is not None or self._tg is None:
-            return False
-        if self.workers[handle.index] is not handle or not self._replaceable(cause):
-            return False
-        try:
-            delay = self._budgets[handle.index].admit(cause, -1, progressed=handle.frames > 0)
-        except BaseException:
-            return False  # spent: `cause` carries the history
-        scope = anyio.CancelScope()
-        self._replacing[handle.index] = scope
-        self._settled[handle.index] = anyio.Event()
-        self._tg.start_soon(self._replace, handle, cause, delay, scope)
-        return True
-
-    def replacements(self, index: int) -> int:
-        """How many times worker ``index`` was replaced."""
-        return self._budgets[index].count if self._budgets else 0
-
-    def kill_hung(self, index: int, error: BaseException) -> bool:
-        """Kill worker ``index`` (hung: it delivered nothing within ``worker_timeout``) to replace it;
-        ``False`` when it cannot be (no policy, a thread worker, the budget spent: ``error`` then ends
-        the run)."""
-        handle = self.workers[index]
-        if not self._replaceable(error) or not isinstance(handle.process, mp.process.BaseProcess):
-            return False
-        if handle.doomed is None and not handle.exited.is_set():
-            budget = self._budgets[index]
-            if budget.spent():
-                error.add_note(budget.note())
-                return False
-            handle.doomed = error
-            handle.expected_since = None
-            signal_group(handle.process, signal.SIGKILL)
-        return True
-
-    async def _replace(
-        self, old: WorkerHandle, cause: BaseException, delay: float, scope: anyio.CancelScope
-    ) -> None:
-        """Replace ``old`` by a fresh worker of the same spec (trajectory ids past the old one's), on the
-        same slots; the transport (``on_replaced``) then seeds it, hands it the weights and has it collect.
-        A replacement that dies before it is ready is replaced in turn (the budget permitting)."""
-        index = old.index
-        budget = self._budgets[index]
-        restarts = budget.count
-        old.channel.close()
-        if isinstance(old.process, mp.process.BaseProcess):
-            with contextlib.suppress(ValueError):
-                old.process.close()
-        for msg_id in old.notices:  # its batches waiting to be read are dropped (receive)
-            self._void.add(msg_id)
-        try:
-            with scope:
-                await anyio.sleep(delay)
-                spec = replace(old.spec, rollout=restarted_options(old.spec.rollout, restarts))
-                new = await self._spawn(spec)
-                new.restarts, new.slots, new.frames = old.restarts + 1, old.slots, old.frames
-                new.policy_version = old.policy_version
-                self.workers[index] = new
-                assert self._tg is not None
-                self._tg.start_soon(self._reader, new)
-                async with anyio.create_task_group() as race:  # ready, or dead before it was
-
-                    async def until(event: anyio.Event) -> None:
-                        await event.wait()
-                        race.cancel_scope.cancel()
-
-                    race.start_soon(until, self._ready_event(new))
-                    race.start_soon(until, new.exited)
-                if new.ready is None:
-                    return  # it died starting (its reader replaces it again, or fails the pool)
-                await new.channel.send(Attach(tuple(s.name for s in new.slots)))
-                record = budget.drain()
-                if self._on_replaced is not None:
-                    await self._on_replaced(index)
-                for r in record:
-                    self._on_event(Restarted(index, r.env, r.cause, r.restarts))
-        except (OSError, anyio.BrokenResourceError):
-            pass  # the replacement died meanwhile: its reader says what comes next
-        except Exception as exc:
-            if self.failure is None and not self.closing:
-                self.fail(exc)
-        finally:
-            if self._replacing.get(index) is scope:
-                del self._replacing[index]
-                self._settled.pop(index).set()
 
     async def _join(self, handle: WorkerHandle, grace: float = 2.0) -> None:
         process = handle.process
@@ -536,7 +421,7 @@ class WorkerPool:
             if isinstance(item, _Failure):
                 self._deliveries_send.send_nowait(item)  # every later receive raises too
                 raise item.error
-            if self.current(item):
+            if self.replacer is None or self.replacer.current(item):
                 return item
 
     def receive_nowait(self) -> Any:
@@ -544,24 +429,8 @@ class WorkerPool:
         notices are dropped."""
         while True:
             item = self.deliveries.receive_nowait()
-            if isinstance(item, _Failure) or self.current(item):
+            if isinstance(item, _Failure) or self.replacer is None or self.replacer.current(item):
                 return item
-
-    def current(self, item: tuple[int, BatchReady]) -> bool:
-        """Whether ``item`` (a notice taken from ``deliveries``) comes from its worker as it is now; a
-        replaced worker's is dropped, its frames counted as discarded."""
-        if self.restart is None:
-            return True
-        index, msg = item
-        if not self._void:
-            self.workers[index].notices.discard(id(msg))
-            return True
-        if id(msg) in self._void:
-            self._void.discard(id(msg))
-            self.discarded_frames += msg.frames
-            return False
-        self.workers[index].notices.discard(id(msg))
-        return True
 
     def set_stop(self, stop: torch.Tensor, indices: list[int], value: int) -> None:
         for i in indices:
@@ -572,10 +441,8 @@ class WorkerPool:
         """Ask every worker to stop, wait up to ``grace`` seconds, then terminate/kill; free the slots."""
         with anyio.CancelScope(shield=True):
             self.closing = True
-            for scope in list(self._replacing.values()):
-                scope.cancel()
-            for done in list(self._settled.values()):
-                await done.wait()  # a replacement being started settles (its process is reaped below)
+            if self.replacer is not None:
+                await self.replacer.cancel()  # a replacement being started settles (reaped below)
             if self.failure is not None:
                 grace = min(grace, 0.5)  # after a failure, do not wait long for the others
             # bounded: a hung worker does not read, and a full socket would block this send for ever
