@@ -312,7 +312,7 @@ class Workers:
         await self.delivery.started(self)
 
     def _worker_restarts(self) -> RestartPolicy | None:
-        """The policy that replaces workers that die, hang or fail: the rollout workers', with weights
+        """The policy that replaces workers that die or hang: the rollout workers', with weights
         in shared memory or through the pipe (a collective transfer cannot take in a new process);
         ``MultiAsyncEnvCollector``'s workers restart their envs themselves."""
         sync = self._weight_sync

@@ -43,9 +43,12 @@ from .._transport._messages import (
     BatchReady,
     Call,
     Close,
+    Collect,
     Failed,
     Ready,
+    Release,
     Result,
+    RunFree,
     WorkerOp,
 )
 from .._transport._shm import SharedBlock
@@ -122,10 +125,12 @@ class WorkerHandle:
     #: envs the worker rebuilt after a fault, and the worker's own replacements (``RestartPolicy``):
     #: statistics().workers[i].restarts
     restarts: int = 0
-    #: why the parent ended this worker (a hang, a failure it will replace it after), if it did
+    #: why the parent killed this worker to replace it (a hang past worker_timeout), if it did
     doomed: BaseException | None = None
     #: batch notices of this worker not received yet (by id): a replaced worker's are dropped
     notices: set[int] = field(default_factory=set)
+    #: whether it has its slots (a replacement starting has not: what would collect is not sent)
+    attached: bool = True
 
     @property
     def exitcode(self) -> int | None:
@@ -176,7 +181,7 @@ class WorkerPool:
         on_replaced: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         self._on_event = on_event
-        #: replaces a worker that dies, hangs or fails (``restart``; ``None``: fail fast)
+        #: replaces a worker that dies or hangs (``restart``; ``None``: fail fast)
         self.restart = restart
         #: the collector's task group, once every worker started (replacements start in it)
         self.tg: anyio.abc.TaskGroup | None = None
@@ -340,10 +345,7 @@ class WorkerPool:
         elif isinstance(msg, Failed):
             handle.state = WorkerState.FAILED
             self._on_event(WorkerFailed(handle.index, f"{type(msg.error).__name__}: {msg.error}"))
-            if self.replacer is not None and self.replacer.may_replace(msg.error):
-                handle.doomed = msg.error  # replaced once it has exited (_reader)
-            else:
-                self.fail(msg.error)
+            self.fail(msg.error)  # an error the worker raised (the policy's, a spent env budget): no restart
             return True
         else:
             if isinstance(msg, Restarted):  # an async-env worker's env restart (it publishes its own)
@@ -379,6 +381,8 @@ class WorkerPool:
     async def send(self, index: int, msg: Any) -> None:
         self.check()
         handle = self.workers[index]
+        if not handle.attached and isinstance(msg, (Collect, Release, RunFree)):
+            return  # a replacement starting: told what to collect once it runs (``on_replaced``)
         try:
             await handle.channel.send(msg)
         except OSError:

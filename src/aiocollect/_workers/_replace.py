@@ -1,4 +1,4 @@
-"""Replacing the worker processes of a pool that die, hang or fail, under a ``RestartPolicy``.
+"""Replacing the worker processes of a pool that die or hang, under a ``RestartPolicy``.
 
 A :class:`Replacer` belongs to one :class:`~._pool.WorkerPool`: per worker, a restart budget; the
 replacements in flight (started in the collector's task group, cancelled when the pool closes); and the
@@ -62,11 +62,9 @@ class Replacer:
         self._void: set[int] = set()
 
     def may_replace(self, error: BaseException) -> bool:
-        """Whether a worker that failed with ``error`` may be replaced: a policy is set, it counts
-        ``error``, and ``error`` is not an env's whose own restart budget ran out in the worker."""
-        if self.pool.closing or not self.policy.counts(error):
-            return False
-        return not any("restart budget spent" in n for n in getattr(error, "__notes__", ()))
+        """Whether a worker that died or hung (``error``) may be replaced: the pool is not closing and
+        the policy counts ``error``."""
+        return not self.pool.closing and self.policy.counts(error)
 
     def later(self, handle: WorkerHandle, cause: BaseException) -> bool:
         """Start replacing ``handle`` (exited) if the policy and its budget allow; ``False`` if not (the
@@ -131,7 +129,7 @@ class Replacer:
                 spec = replace(original, rollout=restarted_options(original.rollout, restarts))
                 new = await pool._spawn(spec)
                 new.restarts, new.slots, new.frames = old.restarts + 1, old.slots, old.frames
-                new.policy_version = old.policy_version
+                new.policy_version, new.attached = old.policy_version, False
                 pool.workers[index] = new
                 assert pool.tg is not None
                 pool.tg.start_soon(pool._reader, new)
@@ -146,6 +144,7 @@ class Replacer:
                 if new.ready is None:
                     return  # it died starting (its reader replaces it again, or fails the pool)
                 await new.channel.send(Attach(tuple(s.name for s in new.slots)))
+                new.attached = True
                 record = budget.drain()
                 if self._on_replaced is not None:
                     await self._on_replaced(index)
@@ -154,7 +153,9 @@ class Replacer:
         except (OSError, anyio.BrokenResourceError):
             pass  # the replacement died meanwhile: its reader says what comes next
         except Exception as exc:
-            if pool.failure is None and not pool.closing:
+            # a replacement that died while it was brought up to date (a call to it raised): its
+            # reader replaces it again or fails the pool; any other error fails the pool
+            if pool.failure is None and not pool.closing and not pool.workers[index].exited.is_set():
                 pool.fail(exc)
         finally:
             if self._replacing.get(index) is scope:
