@@ -53,6 +53,8 @@ def rotating(shift: int, kinds: tuple[str, ...] = ("sync", "async")) -> pytest.M
 
 
 def _collector(kind: str, total: int, **kwargs: Any) -> Any:
+    if kind == "process":
+        return ProcessCollector(cartpole, frames_per_batch=16, total_frames=total, **kwargs)
     if kind == "sync":
         return MultiSyncCollector([cartpole, cartpole], frames_per_batch=32, total_frames=total, **kwargs)
     return MultiAsyncCollector([cartpole, cartpole], frames_per_batch=16, total_frames=total, **kwargs)
@@ -85,30 +87,33 @@ def _check_generations(kind: str, batches: list[TensorDictBase], workers: int = 
     return seen
 
 
-@rotating(0)
+@rotating(0, kinds=("sync", "async", "process"))
 async def test_killed_worker_is_replaced(kind: str, leaks: Any) -> None:
     """A worker SIGKILLed mid-run is replaced: the run reaches total_frames exactly, the replacement's
     trajectories are new (ids of its own generation), the restart is an event and counted."""
     collector = _collector(kind, 320, restart=POLICY, seed=3)
+    victim = 0 if kind == "process" else 1
     batches = []
     async with collector, collector.events(kinds=["restarted"]) as events:
         with anyio.fail_after(60):
             async for batch in collector:
                 batches.append(batch.clone())
                 if len(batches) == 2:
-                    _kill(collector, 1)
+                    _kill(collector, victim)
                     restarted = [await anext(events)]  # the others' slots fill meanwhile
         while (event := events.receive_nowait()) is not None:
             restarted.append(event)
     assert sum(b.numel() for b in batches) == 320
-    assert [(e.worker, e.env, e.restarts) for e in restarted] == [(1, -1, 1)]
+    assert [(e.worker, e.env, e.restarts) for e in restarted] == [(victim, -1, 1)]
     assert restarted[0].cause.startswith("WorkerDiedError: ")
     stats = collector.statistics()
-    assert [w.restarts for w in stats.workers] == [0, 1] and stats.restarts == 1
-    assert stats.frames == 320
-    generations = _check_generations(kind, batches)
-    # async: worker 1 may have delivered nothing before it was killed
-    assert generations[0] == {0} and 1 in generations[1] and generations[1] <= {0, 1}
+    assert [w.restarts for w in stats.workers] == ([1] if kind == "process" else [0, 1])
+    assert stats.restarts == 1 and stats.frames == 320
+    generations = _check_generations(kind, batches, workers=len(stats.workers))
+    if kind == "process":
+        assert generations[0] == {0, 1}
+    else:  # async: worker 1 may have delivered nothing before it was killed
+        assert generations[0] == {0} and 1 in generations[1] and generations[1] <= {0, 1}
 
 
 class HangOnce(gym.Env):
