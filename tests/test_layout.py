@@ -52,7 +52,7 @@ LONG_MODULES: dict[str, int] = {
     "aiocollect/_serve/_ws.py": 585,
     # issue 28: each worker's env restarts, events and counts; step 2: worker replacement hooks (_spawn,
     # doomed workers, calls raced against a worker's exit), the Replacer itself in _replace.py
-    "aiocollect/_workers/_pool.py": 511,
+    "aiocollect/_workers/_pool.py": 514,
     # issue 28: env restarts (factory, seeds, BatchReady.restarts); step 2: steps begun counted (_Counting)
     "aiocollect/_workers/_worker.py": 562,
 }

@@ -131,6 +131,9 @@ class WorkerHandle:
     notices: set[int] = field(default_factory=set)
     #: whether it has its slots (a replacement starting has not: what would collect is not sent)
     attached: bool = True
+    #: the worker's frames when this process took over (a replacement that dies before it adds any
+    #: waits longer: the backoff)
+    born_frames: int = 0
 
     @property
     def exitcode(self) -> int | None:

@@ -75,7 +75,8 @@ class Replacer:
         if pool.workers[handle.index] is not handle or not self.may_replace(cause):
             return False
         try:
-            delay = self._budgets[handle.index].admit(cause, -1, progressed=handle.frames > 0)
+            progressed = handle.frames > handle.born_frames  # it delivered: the backoff starts again
+            delay = self._budgets[handle.index].admit(cause, -1, progressed=progressed)
         except BaseException:
             return False  # spent: `cause` carries the history
         scope = anyio.CancelScope()
@@ -129,6 +130,7 @@ class Replacer:
                 spec = replace(original, rollout=restarted_options(original.rollout, restarts))
                 new = await pool._spawn(spec)
                 new.restarts, new.slots, new.frames = old.restarts + 1, old.slots, old.frames
+                new.born_frames = old.frames
                 new.policy_version, new.attached = old.policy_version, False
                 pool.workers[index] = new
                 assert pool.tg is not None
