@@ -169,6 +169,8 @@ class FleetCollector(CollectorBase):
         self._entered = self._progress_closed = False
         #: per member, the oldest version a delivered batch may have (update_weights(flush=True))
         self._floors = [0] * size
+        #: the seed each member was last given (a replaced member's is derived from it)
+        self.member_seeds: dict[int, int] = {}
         #: trajectories that go on after a dropped batch take fresh ids (no delivered id spans a gap)
         self._renames = DroppedBatchRenames()
 
@@ -417,6 +419,7 @@ class FleetCollector(CollectorBase):
         """Seed member ``i`` with the seed after the last one member ``i - 1`` used; the last seed used."""
         last = seed - 1
         for i in range(self._fleet_size):
+            self.member_seeds[i] = last + 1
             last = int(await self._call_member(i, SetSeed(last + 1)))
         return last
 

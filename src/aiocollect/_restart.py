@@ -182,6 +182,13 @@ class RestartBudget:
         self.pending.append(record)
         return delay
 
+    def spent(self) -> bool:
+        """Whether the next ``admit`` would raise for want of budget."""
+        now, recent = self._clock(), self._recent
+        while recent and now - recent[0] > self.policy.window:
+            recent.popleft()
+        return len(recent) >= self.policy.max_restarts
+
     def drain(self) -> list[Restart]:
         """The records not reported yet (thread-safe against ``admit`` in another thread)."""
         out = []

@@ -55,6 +55,7 @@ class FirstReady:
         self._held: list[tuple[int, int]] = []
         #: per worker, the trajectories renamed because they go on across a batch dropped as stale
         self._renames: list[TrajectoryRenames] = []
+        self._random_frames = 0
 
     @staticmethod
     def split_frames(frames_per_batch: int | Sequence[int], n: int) -> list[int]:
@@ -86,6 +87,7 @@ class FirstReady:
         self._renames = [TrajectoryRenames() for _ in range(w.num_workers)]
         init_random = w.options.init_random_frames
         per_worker_random = math.ceil(init_random / w.num_workers) if init_random else 0
+        self._random_frames = per_worker_random
         self._pending = RunFree(random_frames=per_worker_random)
         if not self._lazy:
             await self._run_free(w)
@@ -105,8 +107,21 @@ class FirstReady:
         handle = pool.workers[index]
         with anyio.CancelScope(shield=True):
             await pool.send(index, Release(slot))
-        handle.held_slots -= 1
+        handle.held_slots = max(0, handle.held_slots - 1)  # 0 already: a replacement's
         if handle.expected_since is None:  # it was blocked on full slots: it collects again now
+            handle.expected_since = anyio.current_time()
+
+    async def replaced(self, w: Workers, index: int) -> None:
+        """Worker ``index`` was replaced (its batches not read yet were dropped): it collects freely
+        once the others do; its trajectories are all new."""
+        pool = w.pool
+        assert pool is not None
+        self._renames[index] = TrajectoryRenames()
+        self._held = [(i, slot) for i, slot in self._held if i != index]
+        handle = pool.workers[index]
+        handle.held_slots = 0
+        if self._pending is None:  # the workers collect already
+            await pool.send(index, RunFree(random_frames=max(0, self._random_frames - handle.frames)))
             handle.expected_since = anyio.current_time()
 
     async def drop_stale(self, w: Workers) -> None:
@@ -119,7 +134,7 @@ class FirstReady:
             self._backlog.clear()
             while True:
                 try:
-                    waiting.append(pool.deliveries.receive_nowait())
+                    waiting.append(pool.receive_nowait())
                 except anyio.WouldBlock:
                     break
             for item in waiting:

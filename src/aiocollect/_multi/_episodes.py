@@ -80,6 +80,11 @@ class Episodes:
     async def load_behind(self, w: Workers, raised: list[int]) -> None:
         await self.inner.load_behind(w, raised)
 
+    async def replaced(self, w: Workers, index: int) -> None:
+        """Worker ``index`` was replaced: its trajectories in flight are torn (never delivered)."""
+        self.assembler.taint(index)
+        await self.inner.replaced(w, index)
+
     def frames_for_buffer(self, w: Workers, batch: TensorDictBase) -> TensorDictBase:
         """Whole trajectories, flat over frames (or padded ``[N, T]`` with ``split_trajs``), as they are."""
         return batch

@@ -36,6 +36,9 @@ class Gather:
     def __init__(self, threshold: float | None, cat_results: Literal["stack"] | int) -> None:
         self._threshold = threshold
         self._cat_results = cat_results
+        #: while a batch is gathered: the notices so far, and whether its frames are random
+        self._notices: dict[int, Any] | None = None
+        self._random = False
 
     @staticmethod
     def slots_per_worker(w: Workers) -> int:
@@ -49,6 +52,16 @@ class Gather:
 
     async def load_behind(self, w: Workers, raised: list[int]) -> None:
         """Nothing: workers load the new weights before their next rollout."""
+
+    async def replaced(self, w: Workers, index: int) -> None:
+        """Worker ``index`` was replaced: during a gather, its share is collected again (its notice, if
+        any, went with its slot)."""
+        notices, pool = self._notices, w.pool
+        if notices is None or pool is None:
+            return
+        notices.pop(index, None)
+        await pool.send(index, Collect(slot=0, random=self._random))
+        pool.workers[index].expected_since = anyio.current_time()
 
     @staticmethod
     def split_frames(frames_per_batch: int | Sequence[int], n: int) -> list[int]:
@@ -102,11 +115,12 @@ class Gather:
         )
         stop = w.control.td["stop"]
         stop.zero_()
+        notices: dict[int, Any] = {}
+        self._notices, self._random = notices, random
         for i in range(n):
             await pool.send(i, Collect(slot=0, random=random))
             pool.workers[i].expected_since = anyio.current_time()
         need = n if self._threshold is None else math.ceil(self._threshold * n)
-        notices: dict[int, Any] = {}
         try:
             # preemption: the wait for the first `need` workers is a cancel scope; the late ones are then
             # told to stop at their next step and deliver what they have
@@ -131,6 +145,8 @@ class Gather:
                         index, notice = await w.receive()
                         notices[index] = notice
             raise
+        finally:
+            self._notices = None
         batch, valid = self._combine(pool, notices)
         return Arrival(
             batch,

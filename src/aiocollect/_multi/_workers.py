@@ -10,9 +10,10 @@ How a batch is gathered is the :class:`~._delivery.Delivering` the public class 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 import anyio.abc
@@ -25,12 +26,12 @@ from .._errors import CollectorClosedError, WorkerTimeoutError
 from .._fleet import Arrival, FleetCollector
 from .._gather import gather
 from .._options import RolloutOptions, WeightSchedule, refuse_schedule, worker_backend_arg
-from .._restart import RestartPolicy
+from .._restart import RestartPolicy, derive_seed
 from .._resume import check_fleet_env_state
 from .._stats import WorkerStatistics
 from .._torch_settings import TorchSettings
 from .._trajectories import split_trajectories
-from .._transport._messages import FleetOp, GetPath, GetWeights, LoadWeights, MapFn
+from .._transport._messages import FleetOp, GetPath, GetWeights, LoadWeights, MapFn, SetSeed
 from .._transport._shm import SharedBlock
 from .._validation import (
     optional_callable,
@@ -41,7 +42,13 @@ from .._validation import (
     timeout_arg,
 )
 from .._weights import flat_weights
-from .._weightsync import WeightSender, WeightSync, weight_sync_arg
+from .._weightsync import (
+    PipeWeightSync,
+    SharedMemoryWeightSync,
+    WeightSender,
+    WeightSync,
+    weight_sync_arg,
+)
 from .._workers._paths import parse_path
 from .._workers._pool import WorkerHandle, WorkerPool, start_forkserver
 from .._workers._worker import WorkerSpec, control_layout
@@ -64,6 +71,12 @@ async def _first_exit(pool: WorkerPool) -> None:
 
         for handle in pool.workers:
             tg.start_soon(wait, handle.exited)
+
+
+def _envs_per_step(handle: WorkerHandle) -> int:
+    """Frames a worker's step makes: its batch's size without the time dim."""
+    size = handle.ready.batch_size[:-1] if handle.ready is not None else ()
+    return int(math.prod(size))
 
 
 def init_workers(
@@ -213,6 +226,8 @@ class Workers:
         self.control: SharedBlock | None = None
         self.sender: WeightSender | None = None
         self._targets = [0] * self.num_workers  # per worker: the last version published for it
+        #: per worker, the weights last published for it (handed to a replacement, pipe sync)
+        self._last_weights: list[TensorDictBase | None] = [None] * self.num_workers
         self._saved_threads: int | None = None
         self._last_discarded = 0  # the control block's "discarded" when the collector closed
         self._stopped = False
@@ -282,6 +297,8 @@ class Workers:
             on_event=fleet._hub.publish,
             timeout=self.timeout,
             on_message=self._on_message or (lambda index, msg: None),
+            restart=self._worker_restarts(),
+            on_replaced=self._replaced,
         )
         if self.sender is not None:
             await gather(partial(pool.start, fleet._task_group), self.sender.connect)
@@ -293,6 +310,38 @@ class Workers:
 
     async def run(self) -> None:
         await self.delivery.started(self)
+
+    def _worker_restarts(self) -> RestartPolicy | None:
+        """The policy that replaces workers that die or hang: the rollout workers', with weights
+        in shared memory or through the pipe (a collective transfer cannot take in a new process);
+        ``MultiAsyncEnvCollector``'s workers restart their envs themselves."""
+        sync = self._weight_sync
+        if self._body is not None or not isinstance(sync, (SharedMemoryWeightSync, PipeWeightSync)):
+            return None
+        return self.options.restart
+
+    async def _replaced(self, index: int) -> None:
+        """Worker ``index`` was replaced (``RestartPolicy``): seed it from its seed and its replacements,
+        load the newest weights published for it, then let it collect."""
+        pool, control = self.pool, self.control
+        assert pool is not None
+        assert control is not None
+        handle = pool.workers[index]
+        # the steps its predecessor began in its last batch are lost (the one it died in, too)
+        steps, numel = int(control.td["progress"][index]), _envs_per_step(handle)
+        control.td["progress"][index] = 0
+        if pool.replacer is not None:
+            pool.replacer.discarded_frames += max(0, steps - 1) * numel
+        seed, replacer = self.fleet.member_seeds.get(index), pool.replacer
+        if seed is not None and replacer is not None:
+            await pool.call(index, SetSeed(cast("int", derive_seed(seed, replacer.count(index)))))
+        if self.sender is not None:
+            weights = self._last_weights[index]
+            if not self.sender.one_copy and weights is not None:
+                await self.sender.publish(weights, self._targets[index], [index])
+            pool.note_version(index, await pool.call(index, LoadWeights()))
+        handle.expected_since = None
+        await self.delivery.replaced(self, index)
 
     # -- deliveries ---------------------------------------------------------------------------------
     async def next_delivery(self) -> Arrival:
@@ -338,6 +387,8 @@ class Workers:
                     f"workers {late} delivered no batch within worker_timeout={timeout} s "
                     "(a hung env or policy?)"
                 )
+                if pool.replacer is not None and all([pool.replacer.kill_hung(i, error) for i in late]):
+                    continue  # killed, to be replaced (RestartPolicy)
                 pool.fail(error)
                 raise error
 
@@ -353,9 +404,13 @@ class Workers:
             behind = enumerate(pool.workers)
             pending = [i for i, h in behind if i not in ids and self._targets[i] > h.policy_version]
             await self.load_now(pending, version, None)
-        await self._publish(pool, sender, weights, version, ids)
+        if pool.restart is not None:  # a worker that dies meanwhile gets these once replaced
+            await sender.publish(weights, version, ids)
+        else:
+            await self._publish(pool, sender, weights, version, ids)
         for i in ids:
             self._targets[i] = version
+            self._last_weights[i] = weights
 
     async def published(self, version: int, ids: list[int], raised: list[int]) -> None:
         """The shared floors first (a worker that reads the new "published" sees them), then the
@@ -426,8 +481,10 @@ class Workers:
         return await gather(*[partial(pool.call, i, op) for i, op in ops])
 
     def discarded(self) -> int:
-        control = self.control
-        return int(control.td["discarded"].sum()) if control is not None else self._last_discarded
+        control, pool = self.control, self.pool
+        replaced = pool.replacer.discarded_frames if pool is not None and pool.replacer is not None else 0
+        own = int(control.td["discarded"].sum()) if control is not None else self._last_discarded
+        return replaced + own
 
     def check_env_state(self, envs: bool) -> None:
         check_fleet_env_state(envs, self.delivery.sync, self.num_workers)  # _resume.py

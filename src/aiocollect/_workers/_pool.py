@@ -19,13 +19,14 @@ import signal
 import socket
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, get_args
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import anyio.to_thread
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -34,6 +35,7 @@ from .._errors import WorkerDiedError, WorkerTimeoutError
 from .._events import Event, Restarted, WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
 from .._gather import gather
 from .._mistakes import check_main_guard
+from .._restart import RestartPolicy
 from .._stats import WorkerState
 from .._timesplit import SplitWindow
 from .._transport._messages import (
@@ -41,15 +43,19 @@ from .._transport._messages import (
     BatchReady,
     Call,
     Close,
+    Collect,
     Failed,
     Ready,
+    Release,
     Result,
+    RunFree,
     WorkerOp,
 )
 from .._transport._shm import SharedBlock
 from .._transport._waiters import WaiterTable
 from .._transport._wire import AsyncChannel
 from ._preload import PRELOAD
+from ._replace import Replacer
 from ._worker import WorkerSpec, start_thread_worker, worker_main
 
 __all__ = ["WorkerHandle", "WorkerPool", "signal_group", "start_forkserver", "thread_alive"]
@@ -116,8 +122,18 @@ class WorkerHandle:
     held_slots: int = 0
     #: the worker's recent time split, from its batch notices (statistics().workers[i].time_split)
     time_split: SplitWindow = field(default_factory=SplitWindow)
-    #: envs the worker rebuilt after a fault (``RestartPolicy``): statistics().workers[i].restarts
+    #: envs the worker rebuilt after a fault, and the worker's own replacements (``RestartPolicy``):
+    #: statistics().workers[i].restarts
     restarts: int = 0
+    #: why the parent killed this worker to replace it (a hang past worker_timeout), if it did
+    doomed: BaseException | None = None
+    #: batch notices of this worker not received yet (by id): a replaced worker's are dropped
+    notices: set[int] = field(default_factory=set)
+    #: whether it has its slots (a replacement starting has not: what would collect is not sent)
+    attached: bool = True
+    #: the worker's frames when this process took over (a replacement that dies before it adds any
+    #: waits longer: the backoff)
+    born_frames: int = 0
 
     @property
     def exitcode(self) -> int | None:
@@ -164,13 +180,20 @@ class WorkerPool:
         on_event: Callable[[Event], None] = lambda event: None,
         timeout: float | None = None,
         on_message: Callable[[int, Any], None] = lambda index, msg: None,
+        restart: RestartPolicy | None = None,
+        on_replaced: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         self._on_event = on_event
+        #: replaces a worker that dies or hangs (``restart``; ``None``: fail fast)
+        self.restart = restart
+        #: the collector's task group, once every worker started (replacements start in it)
+        self.tg: anyio.abc.TaskGroup | None = None
         #: a worker body's own messages (not the rollout protocol's), with the worker's index
         self._on_message = on_message
         #: worker_timeout for control calls
         self.timeout = timeout
         self.specs = specs
+        self.replacer = Replacer(self, restart, on_replaced) if restart is not None else None
         self.backend = backend
         self.start_method = start_method
         self.slots_per_worker = slots_per_worker
@@ -187,26 +210,8 @@ class WorkerPool:
     # -- start ------------------------------------------------------------------------------------
     async def start(self, tg: anyio.abc.TaskGroup) -> None:
         """Start every worker and return when all are ready (or raise the first start-up error)."""
-        ctx = _context(self.start_method) if self.backend == "process" else None
         for spec in self.specs:
-            parent_sock, child_sock = socket.socketpair()
-            if ctx is not None:
-                # not daemonic: a worker may start processes (a torchrl ParallelEnv, a gymnasium
-                # AsyncVectorEnv); it leads its own process group, which aclose() and _reader reap whole
-                process = ctx.Process(
-                    target=worker_main,
-                    args=(child_sock, spec),
-                    name=f"aiocollect-worker-{spec.index}",
-                    daemon=False,
-                )
-                try:
-                    await anyio.to_thread.run_sync(process.start)
-                    _LIVE.add(process)
-                finally:
-                    child_sock.close()
-            else:
-                process = start_thread_worker(child_sock, spec)
-            handle = WorkerHandle(spec.index, spec, AsyncChannel(parent_sock), process)
+            handle = await self._spawn(spec)
             self.workers.append(handle)
             tg.start_soon(self._reader, handle)
         with anyio.CancelScope() as scope:
@@ -225,6 +230,29 @@ class WorkerPool:
                 for _ in range(self.slots_per_worker)
             ]
             await handle.channel.send(Attach(tuple(s.name for s in handle.slots)))
+        self.tg = tg  # from now on a worker that dies may be replaced (RestartPolicy)
+
+    async def _spawn(self, spec: WorkerSpec) -> WorkerHandle:
+        """Start the worker of ``spec`` (a process, or a thread with the serial backend)."""
+        parent_sock, child_sock = socket.socketpair()
+        if self.backend == "process":
+            # not daemonic: a worker may start processes (a torchrl ParallelEnv, a gymnasium
+            # AsyncVectorEnv); it leads its own process group, which aclose() and _reader reap whole
+            process = _context(self.start_method).Process(
+                target=worker_main,
+                args=(child_sock, spec),
+                name=f"aiocollect-worker-{spec.index}",
+                daemon=False,
+            )
+            try:
+                with anyio.CancelScope(shield=True):  # a started process is always handed back
+                    await anyio.to_thread.run_sync(process.start)
+                _LIVE.add(process)
+            finally:
+                child_sock.close()
+        else:
+            process = start_thread_worker(child_sock, spec)
+        return WorkerHandle(spec.index, spec, AsyncChannel(parent_sock), process)
 
     def _ready_event(self, handle: WorkerHandle) -> anyio.Event:
         event = getattr(handle, "_ready_event", None)
@@ -253,11 +281,16 @@ class WorkerPool:
                     signal_group(handle.process, signal.SIGKILL)
                     _LIVE.discard(handle.process)
                 handle.exited.set()
-                if not failed and not self.closing:
+                cause = handle.doomed
+                if cause is None and not failed and not self.closing:
+                    cause = WorkerDiedError(handle.index, handle.exitcode)
+                if cause is not None and self.replacer is not None and self.replacer.later(handle, cause):
+                    pass  # a replacement is on its way
+                elif cause is not None and not self.closing:
                     handle.state = WorkerState.FAILED
-                    error = WorkerDiedError(handle.index, handle.exitcode)
-                    self._on_event(WorkerFailed(handle.index, str(error)))
-                    self.fail(error)
+                    if handle.doomed is None:
+                        self._on_event(WorkerFailed(handle.index, str(cause)))
+                    self.fail(cause)
                 elif not failed:
                     handle.state = WorkerState.STOPPED
                     self._on_event(WorkerStopped(handle.index))
@@ -291,6 +324,8 @@ class WorkerPool:
     def _route(self, handle: WorkerHandle, msg: Any) -> bool:
         """Dispatch one message from a worker; ``True`` if it reported a failure."""
         if isinstance(msg, BatchReady):
+            if self.restart is not None:
+                handle.notices.add(id(msg))
             self.note_version(handle.index, msg.policy_version)
             handle.frames += msg.frames
             handle.time_split.add(msg.time_split)
@@ -313,7 +348,7 @@ class WorkerPool:
         elif isinstance(msg, Failed):
             handle.state = WorkerState.FAILED
             self._on_event(WorkerFailed(handle.index, f"{type(msg.error).__name__}: {msg.error}"))
-            self.fail(msg.error)
+            self.fail(msg.error)  # an error the worker raised (the policy's, a spent env budget): no restart
             return True
         else:
             if isinstance(msg, Restarted):  # an async-env worker's env restart (it publishes its own)
@@ -349,6 +384,8 @@ class WorkerPool:
     async def send(self, index: int, msg: Any) -> None:
         self.check()
         handle = self.workers[index]
+        if not handle.attached and isinstance(msg, (Collect, Release, RunFree)):
+            return  # a replacement starting: told what to collect once it runs (``on_replaced``)
         try:
             await handle.channel.send(msg)
         except OSError:
@@ -357,6 +394,8 @@ class WorkerPool:
             with anyio.move_on_after(5.0):
                 await handle.exited.wait()
             self.check()
+            if self.restart is not None and handle.exited.is_set():
+                return  # being replaced: the replacement is brought up to date (``on_replaced``)
             raise
 
     async def call(self, index: int, op: WorkerOp) -> Any:
@@ -365,9 +404,12 @@ class WorkerPool:
         self.check()
         request_id = next(self._ids)
         with self._replies.expect(request_id) as waiter:
+            handle = self.workers[index]
             await self.send(index, Call(request_id, op))
             with anyio.move_on_after(self.timeout if self.timeout is not None else math.inf):
-                return await waiter.wait()
+                if self.restart is None:
+                    return await waiter.wait()
+                return await _reply_or_exit(waiter, handle)
         error = WorkerTimeoutError(
             f"worker {index} did not answer {op!r} within worker_timeout={self.timeout} s"
         )
@@ -381,11 +423,21 @@ class WorkerPool:
 
     async def receive(self) -> tuple[int, BatchReady]:
         """The next batch notice (any worker); raises the pool's failure."""
-        item = await self.deliveries.receive()
-        if isinstance(item, _Failure):
-            self._deliveries_send.send_nowait(item)  # every later receive raises too
-            raise item.error
-        return item
+        while True:
+            item = await self.deliveries.receive()
+            if isinstance(item, _Failure):
+                self._deliveries_send.send_nowait(item)  # every later receive raises too
+                raise item.error
+            if self.replacer is None or self.replacer.current(item):
+                return item
+
+    def receive_nowait(self) -> Any:
+        """The next batch notice or failure waiting (``anyio.WouldBlock`` if none); a replaced worker's
+        notices are dropped."""
+        while True:
+            item = self.deliveries.receive_nowait()
+            if isinstance(item, _Failure) or self.replacer is None or self.replacer.current(item):
+                return item
 
     def set_stop(self, stop: torch.Tensor, indices: list[int], value: int) -> None:
         for i in indices:
@@ -396,6 +448,8 @@ class WorkerPool:
         """Ask every worker to stop, wait up to ``grace`` seconds, then terminate/kill; free the slots."""
         with anyio.CancelScope(shield=True):
             self.closing = True
+            if self.replacer is not None:
+                await self.replacer.cancel()  # a replacement being started settles (reaped below)
             if self.failure is not None:
                 grace = min(grace, 0.5)  # after a failure, do not wait long for the others
             # bounded: a hung worker does not read, and a full socket would block this send for ever
@@ -433,6 +487,24 @@ class WorkerPool:
                         handle.process.close()
             self._deliveries_send.close()
             self.deliveries.close()
+
+
+async def _reply_or_exit(waiter: Any, handle: WorkerHandle) -> Any:
+    """The reply ``waiter`` gets, or (the worker exited first, to be replaced) why it exited."""
+    result: list[Any] = []
+    async with anyio.create_task_group() as tg:
+
+        async def reply() -> None:
+            result.append(await waiter.wait())
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(reply)
+        await handle.exited.wait()
+        await anyio.lowlevel.checkpoint()  # a reply sent before the exit is routed first
+        tg.cancel_scope.cancel()
+    if result:
+        return result[0]
+    raise handle.doomed or WorkerDiedError(handle.index, handle.exitcode)
 
 
 def thread_alive(handle: WorkerHandle) -> bool:

@@ -136,6 +136,9 @@ def control_layout(num_workers: int) -> FlatLayout:
             ("published", (num_workers,), torch.int64),
             ("floor", (num_workers,), torch.int64),
             ("discarded", (num_workers,), torch.int64),
+            # steps begun in the batch being collected (with a restart policy only): a worker that dies
+            # loses them (statistics().frames_discarded)
+            ("progress", (num_workers,), torch.int64),
         ]
     )
 
@@ -149,6 +152,20 @@ class _StopFlag:
 
     def is_set(self) -> bool:
         return bool(self._array[self._index])
+
+
+class _Counting:
+    """A stop signal that counts the steps begun in the worker's shared ``progress`` entry (the rollout
+    reads it once per step), so the parent can count what a worker that dies loses."""
+
+    def __init__(self, stop: Any, progress: np.ndarray, index: int) -> None:
+        self._stop = stop
+        self._progress = progress
+        self._index = index
+
+    def is_set(self) -> bool:
+        self._progress[self._index] += 1
+        return bool(self._stop.is_set())
 
 
 class _StopOrStale:
@@ -192,6 +209,7 @@ class Worker:
             self._published = self.control.td["published"].numpy()
             self._floor = self.control.td["floor"].numpy()
             self._discarded = self.control.td["discarded"].numpy()
+            self._progress = self.control.td["progress"].numpy()
             #: the policy version of the last batch sent; whether the trajectories in flight took new ids
             #: since (see ``collect``)
             self._sent_version = 0
@@ -279,11 +297,14 @@ class Worker:
         :meth:`_spare_ids`) for the parent to rename the trajectories it continues."""
         into = self.slots[slot].td  # the batch is written straight into the shared-memory slot
         unread = self._sent_slot is not None and self._sent_slot != slot and self._sent_slot not in self.free
-        stop = self._stop_or_stale if self.weights is not None else self.stop
+        stop: Any = self._stop_or_stale if self.weights is not None else self.stop
+        if self.spec.rollout.restart is not None:  # the parent replaces a worker that dies
+            stop = _Counting(stop, self._progress, self.spec.index)
         returns: list[float] = []
         lengths: list[int] = []
         while True:
             self.load_within_lag(chan)
+            self._progress[self.spec.index] = 0
             if self._sent_version < int(self._floor[self.spec.index]) and not self._split:
                 # frames since the last batch sent will be missing: new ids (the env is not reset)
                 self.rollout.load_state_dict(self.rollout.state_dict())
@@ -303,6 +324,7 @@ class Worker:
             self._discarded[self.spec.index] += result.frames  # overtaken by newer weights
             self._split = False
         self.frames += result.frames
+        self._progress[self.spec.index] = 0
         spare_ids = self._spare_ids() if unread and not self._split else ()
         self._sent_version = self.rollout.policy_version
         self._split = False

@@ -1,0 +1,268 @@
+"""Worker process restarts (``restart=RestartPolicy(...)``): a worker that dies or hangs is replaced.
+
+The replacement runs the same env constructor and policy, is seeded from its worker's seed and its
+replacement count, takes trajectory ids no earlier generation took, and loads the newest weights before
+its first frame. The run still reaches ``total_frames`` exactly; ``MultiSyncCollector`` collects the
+replaced worker's share of the batch again; a spent budget ends the run with the original error type
+(``WorkerDiedError``, ``WorkerTimeoutError``) and the restart history as a note.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDictBase
+
+from aiocollect import (
+    GymEnv,
+    MultiAsyncCollector,
+    MultiSyncCollector,
+    ProcessCollector,
+    RestartPolicy,
+    WorkerDiedError,
+    WorkerTimeoutError,
+)
+from support import cartpole, pendulum
+
+pytestmark = pytest.mark.anyio
+
+BACKENDS = [("asyncio", {"use_uvloop": False}), ("asyncio", {"use_uvloop": True}), ("trio", {})]
+POLICY = RestartPolicy(max_restarts=3, window=60.0, backoff=0.0, max_backoff=0.0)
+#: ids of a worker's first replacement start this far along its own sequence (``restarted_options``)
+GENERATION = 1 << 32
+
+
+def rotating(shift: int, kinds: tuple[str, ...] = ("sync", "async")) -> pytest.MarkDecorator:
+    """``kind`` x backend: one backend per kind in the default suite, the others marked slow."""
+    params = []
+    for i, kind in enumerate(kinds):
+        for j, backend in enumerate(BACKENDS):
+            marks = () if (i + shift) % len(BACKENDS) == j else (pytest.mark.slow,)
+            label = "uvloop" if backend[1].get("use_uvloop") else backend[0]
+            params.append(pytest.param(kind, backend, id=f"{kind}-{label}", marks=marks))
+    return pytest.mark.parametrize(("kind", "anyio_backend"), params)
+
+
+def _collector(kind: str, total: int, **kwargs: Any) -> Any:
+    if kind == "process":
+        return ProcessCollector(cartpole, frames_per_batch=16, total_frames=total, **kwargs)
+    if kind == "sync":
+        return MultiSyncCollector([cartpole, cartpole], frames_per_batch=32, total_frames=total, **kwargs)
+    return MultiAsyncCollector([cartpole, cartpole], frames_per_batch=16, total_frames=total, **kwargs)
+
+
+def _parts(kind: str, batch: TensorDictBase) -> list[tuple[int, TensorDictBase]]:
+    """(worker, frames) of a batch: a MultiSync batch is ``[workers, T]``."""
+    if kind == "sync":
+        return [(i, batch[i]) for i in range(batch.batch_size[0])]
+    return [(int(batch["collector", "worker_id"][0]), batch)]
+
+
+def _kill(collector: Any, index: int) -> float:
+    os.kill(collector._pool.workers[index].process.pid, signal.SIGKILL)
+    return time.monotonic()
+
+
+def _check_generations(kind: str, batches: list[TensorDictBase], workers: int = 2) -> list[set[int]]:
+    """Per worker, the generations its delivered frames came from; ids never go back to an older one."""
+    seen: list[set[int]] = [set() for _ in range(workers)]
+    for batch in batches:
+        for worker, part in _parts(kind, batch):
+            ids = part["collector", "traj_ids"].reshape(-1)
+            ids = ids[ids >= 0]
+            generations = {int(g) for g in (ids // (GENERATION * workers)).tolist()}
+            assert len(generations) == 1, generations  # no batch mixes a worker and its replacement
+            (g,) = generations
+            assert all(g >= old for old in seen[worker])
+            seen[worker].add(g)
+    return seen
+
+
+@rotating(0, kinds=("sync", "async", "process"))
+async def test_killed_worker_is_replaced(kind: str, leaks: Any) -> None:
+    """A worker SIGKILLed mid-run is replaced: the run reaches total_frames exactly, the replacement's
+    trajectories are new (ids of its own generation), the restart is an event and counted."""
+    collector = _collector(kind, 320, restart=POLICY, seed=3)
+    victim = 0 if kind == "process" else 1
+    batches = []
+    async with collector, collector.events(kinds=["restarted"]) as events:
+        with anyio.fail_after(60):
+            async for batch in collector:
+                batches.append(batch.clone())
+                if len(batches) == 2:
+                    _kill(collector, victim)
+                    restarted = [await anext(events)]  # the others' slots fill meanwhile
+        while (event := events.receive_nowait()) is not None:
+            restarted.append(event)
+    assert sum(b.numel() for b in batches) == 320
+    assert [(e.worker, e.env, e.restarts) for e in restarted] == [(victim, -1, 1)]
+    assert restarted[0].cause.startswith("WorkerDiedError: ")
+    stats = collector.statistics()
+    assert [w.restarts for w in stats.workers] == ([1] if kind == "process" else [0, 1])
+    assert stats.restarts == 1 and stats.frames == 320
+    generations = _check_generations(kind, batches, workers=len(stats.workers))
+    if kind == "process":
+        assert generations[0] == {0, 1}
+    else:  # async: worker 1 may have delivered nothing before it was killed
+        assert generations[0] == {0} and 1 in generations[1] and generations[1] <= {0, 1}
+
+
+class HangOnce(gym.Env):
+    """Pendulum-like: hangs at step 5 of the first env built with ``marker`` absent (creating it), so
+    only the first generation of a worker hangs."""
+
+    observation_space = gym.spaces.Box(-1, 1, (3,), np.float32)
+    action_space = gym.spaces.Box(-2, 2, (1,), np.float32)
+
+    def __init__(self, marker: str) -> None:
+        self.hang = not Path(marker).exists()
+        if self.hang:
+            Path(marker).write_text("hung")
+        self.t = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(3, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        if self.hang and self.t == 5:
+            time.sleep(3600)  # killed by the collector
+        return np.zeros(3, np.float32), 0.0, False, self.t % 20 == 0, {}
+
+
+def _hanging(marker: str) -> GymEnv:
+    return GymEnv(HangOnce(marker))
+
+
+@rotating(1, kinds=("async",))
+async def test_hung_worker_is_replaced(kind: str, leaks: Any, tmp_path: Path) -> None:
+    """A worker that delivers nothing within worker_timeout is killed and replaced; the others go on
+    meanwhile, and the replacement delivers."""
+    marker = str(tmp_path / "hung")
+    collector = MultiAsyncCollector(
+        [pendulum, lambda: _hanging(marker)],
+        frames_per_batch=16,
+        total_frames=-1,
+        worker_timeout=1.0,
+        restart=POLICY,
+    )
+    others = 0
+    async with collector, collector.events(kinds=["restarted"]) as events:
+        with anyio.fail_after(60):
+            async for batch in collector:
+                if int(batch["collector", "worker_id"][0]) == 0:
+                    others += 1
+                elif int(batch["collector", "traj_ids"].min()) >= GENERATION:
+                    break  # the replacement's first batch
+        restarted = []
+        while (event := events.receive_nowait()) is not None:
+            restarted.append(event)
+    assert others > 1  # worker 0 went on while worker 1 hung
+    assert [(e.worker, e.env) for e in restarted] == [(1, -1)]
+    assert restarted[0].cause.startswith("WorkerTimeoutError: ")
+    assert collector.statistics().workers[1].restarts == 1
+
+
+@rotating(2)
+async def test_spent_budget_raises_the_original_error(kind: str, leaks: Any) -> None:
+    """Past its budget, a worker's death ends the run with WorkerDiedError (the history as a note),
+    within 2 s."""
+    once = RestartPolicy(max_restarts=1, window=60.0, backoff=0.0, max_backoff=0.0)
+    collector = _collector(kind, -1, restart=once)
+    killed = 0.0
+    with pytest.raises(WorkerDiedError) as info:
+        async with collector, collector.events(kinds=["restarted"]) as events:
+            with anyio.fail_after(60):
+                async for _ in collector:
+                    if not killed or events.receive_nowait() is not None:
+                        killed = _kill(collector, 0)
+    caught = time.monotonic()
+    assert caught - killed < 2.0
+    assert info.value.exitcode == -signal.SIGKILL
+    assert any("restart budget spent" in note for note in info.value.__notes__)
+
+
+@pytest.mark.parametrize(
+    "anyio_backend",
+    [pytest.param(b, marks=() if i == 2 else pytest.mark.slow) for i, b in enumerate(BACKENDS)],
+)
+async def test_spent_budget_on_a_hang_raises_worker_timeout(leaks: Any, tmp_path: Path) -> None:
+    """ProcessCollector, ``max_restarts=0``: a hang ends the run with WorkerTimeoutError (the history
+    as a note), within 2 s of worker_timeout, as without a policy."""
+    none = RestartPolicy(max_restarts=0)
+    marker = str(tmp_path / "hung")
+    collector = ProcessCollector(
+        lambda: _hanging(marker), frames_per_batch=16, total_frames=-1, worker_timeout=0.5, restart=none
+    )
+    started = 0.0
+    with pytest.raises(WorkerTimeoutError) as info:
+        async with collector:
+            started = time.monotonic()  # the first batch hangs at its 5th step
+            with anyio.fail_after(30):
+                async for _ in collector:
+                    pass
+    assert time.monotonic() - started < 0.5 + 2.0  # worker_timeout, then the bound
+    assert any("restart budget spent" in note for note in info.value.__notes__)
+
+
+class Constant(torch.nn.Module):
+    """Pendulum action = its one weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        return self.weight.expand(*observation.shape[:-1], 1).clone()
+
+
+@rotating(1)
+async def test_replacement_runs_the_latest_weights(kind: str, leaks: Any) -> None:
+    """A replacement loads the weights published before its first frame: its frames never carry an
+    older version (nor older weights) than the last one published before the restart."""
+    policy = Constant()
+    if kind == "sync":
+        collector = MultiSyncCollector(
+            [pendulum, pendulum],
+            policy,
+            frames_per_batch=16,
+            total_frames=-1,
+            restart=POLICY,
+            track_policy_version=True,
+        )
+    else:
+        collector = MultiAsyncCollector(
+            [pendulum, pendulum],
+            policy,
+            frames_per_batch=8,
+            total_frames=-1,
+            restart=POLICY,
+            track_policy_version=True,
+        )
+    async with collector, collector.events(kinds=["restarted"]) as events:
+        with anyio.fail_after(60):
+            await collector.__anext__()
+            with torch.no_grad():
+                policy.weight.fill_(0.5)
+            version = await collector.update_weights(policy)
+            _kill(collector, 1)
+            await anext(events)  # replaced
+            after = 0
+            async for batch in collector:
+                for worker, part in _parts(kind, batch):
+                    if worker == 1 and int(part["collector", "traj_ids"].max()) >= GENERATION:
+                        assert (part["collector", "policy_version"] >= version).all()
+                        assert (part["action"] == 0.5).all()
+                        after += 1
+                if after >= 2:
+                    break
