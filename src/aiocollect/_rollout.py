@@ -363,7 +363,7 @@ class Rollout:
         self._root = {"observation": obs}
         since = self.clock.loop_ended(mark)
         keys = ("observation", ("next", "observation"), "action", *(("next", k) for k in _STAGED_NEXT))
-        columns.deliver([time_first(views[k], 1) for k in keys], steps)
+        columns.deliver([views[k] for k in keys], steps)
         hist = _Steps(written=True)
         hist.out = [{"action": torch.from_numpy(views["action"][:, :steps])}]
         result = self._finish(batch, views, steps, hist, True, into)
