@@ -47,7 +47,7 @@ LONG_MODULES: dict[str, int] = {
     # GlooNodes, their transport (issue 27: DistributedSyncCollector subclasses DistributedCollector no more)
     "aiocollect/_remote/_gloo.py": 460,
     "aiocollect/_remote/_launchers.py": 460,
-    "aiocollect/_rollout.py": 728,  # issue 28: restarts within a batch; issue 34: the column carry
+    "aiocollect/_rollout.py": 658,  # issue 28: env restarts within a batch (Rollout._run_restarting)
     "aiocollect/_serve/_ws.py": 585,
     "aiocollect/_workers/_pool.py": 442,  # issue 28: each worker's env restarts, events and counts
     "aiocollect/_workers/_worker.py": 540,  # issue 28: env restarts (factory, seeds, BatchReady.restarts)

@@ -20,9 +20,7 @@ from tensordict.nn import TensorDictModule
 from torch import nn
 
 from aiocollect import Collector, GymEnv
-from aiocollect._envs import _pool_carry
 from aiocollect._envs._adapter import ArrayEnv
-from aiocollect._rollout import Rollout
 from aiocollect._rollout_thread import Doorbell
 
 pytestmark = pytest.mark.anyio
@@ -453,7 +451,6 @@ async def test_envpool_fused_loop_gives_the_per_step_batches(
         return batches
 
     calls = count_fused_calls(monkeypatch)
-    monkeypatch.setattr(Rollout, "_column_carry", lambda self: None)  # the fused pool loop, not the carry
     with anyio.fail_after(60):
         fused = await run()
         assert calls  # the fused loop ran
@@ -465,102 +462,3 @@ async def test_envpool_fused_loop_gives_the_per_step_batches(
     assert_same(fused, general)
     assert_same(shuffled, general)
     assert sum(int(b["next", "done"].sum()) for b in fused[:-1]) > 5  # partial resets were exercised
-
-
-def cartpole_next(obs: np.ndarray, action: np.ndarray) -> np.ndarray:
-    """CartPole's dynamics (Euler, as gymnasium's and EnvPool's): the next observation of ``obs`` under
-    ``action`` (0 pushes left, 1 right)."""
-    x, x_dot, theta, theta_dot = (obs[..., i].astype(np.float64) for i in range(4))
-    force = np.where(action == 1, 10.0, -10.0)
-    cos, sin = np.cos(theta), np.sin(theta)
-    temp = (force + 0.05 * theta_dot**2 * sin) / 1.1
-    theta_acc = (9.8 * sin - cos * temp) / (0.5 * (4.0 / 3.0 - 0.1 * cos**2 / 1.1))
-    x_acc = temp - 0.05 * theta_acc * cos / 1.1
-    tau = 0.02
-    return np.stack(
-        [x + tau * x_dot, x_dot + tau * x_acc, theta + tau * theta_dot, theta_dot + tau * theta_acc], axis=-1
-    )
-
-
-async def carry_batches(bound: int | None, shuffled: bool, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Seven batches of 5 x 30 frames of random actions from an EnvPool CartPole (the column carry, with
-    ``bound`` frames of carry at most where given), and the collector's episode statistics."""
-    if bound is not None:
-        init = _pool_carry.ColumnCarry.__init__
-        monkeypatch.setattr(
-            _pool_carry.ColumnCarry, "__init__", lambda self, steps, n, lag: init(self, steps, n, bound)
-        )
-    batches: list[Any] = []
-    async with Collector(
-        lambda: envpool_cartpole(shuffled), None, frames_per_batch=5 * 30, total_frames=5 * 30 * 7, seed=3
-    ) as collector:
-        batches += [b.clone() async for b in collector]
-        columns = collector._rollout._columns
-        assert isinstance(columns, _pool_carry.ColumnCarry)  # the carry collected
-        if bound == 2:
-            assert columns.same_step_resets > 0  # the carry's bound was exercised
-        batches.append(collector.statistics())
-    return batches
-
-
-@pytest.mark.filterwarnings("ignore::UserWarning")  # EnvPool's spaces warn about float64 bounds
-@pytest.mark.parametrize(("lag", "shuffled"), [(None, False), (2, False), (3, True)])
-async def test_envpool_column_carry_delivers_transitions(
-    lag: int | None, shuffled: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Random batches from an EnvPool pool by the column carry (the pool's own next-step reset, each env
-    writing its column at its own pace): every frame is a transition (its next observation is CartPole's
-    step of its observation and action, none is the pool's reset step), a column's frames follow each
-    other within and across batches, episodes end with done, trajectory ids follow the episodes, and the
-    statistics count the delivered episodes."""
-    with anyio.fail_after(60):
-        *batches, stats = await carry_batches(lag, shuffled, monkeypatch)
-    steps = [torch.cat([b[key] for b in batches], dim=1).numpy() for key in CARRY_KEYS]
-    obs, nxt, action, reward, done, terminated, truncated, ids = steps
-    assert obs.shape == (5, 30 * 7, 4)
-    np.testing.assert_allclose(
-        nxt, cartpole_next(obs, action[..., 0] if action.ndim == 3 else action), atol=1e-4
-    )
-    done, terminated, truncated, reward = done[..., 0], terminated[..., 0], truncated[..., 0], reward[..., 0]
-    assert (reward == 1).all() and not truncated.any()
-    np.testing.assert_array_equal(done, terminated)
-    ended = (np.abs(nxt[..., 0]) > 2.4) | (np.abs(nxt[..., 2]) > 12 * 2 * np.pi / 360)
-    np.testing.assert_array_equal(terminated, ended)  # done exactly where CartPole's episode ends
-    go_on = ~done[:, :-1]
-    np.testing.assert_array_equal(obs[:, 1:][go_on], nxt[:, :-1][go_on])  # across batches too
-    assert (np.abs(obs[:, 1:][~go_on]) <= 0.05).all()  # after an end: the reset observation
-    np.testing.assert_array_equal(ids[:, 1:] == ids[:, :-1], go_on)
-    finished = ids[done]
-    assert len(set(finished.tolist())) == len(finished) == stats.episodes > 5
-    assert len(np.unique(ids)) == 5 + np.count_nonzero(~go_on)  # each trajectory its own id
-
-
-CARRY_KEYS = [
-    "observation",
-    ("next", "observation"),
-    "action",
-    ("next", "reward"),
-    ("next", "done"),
-    ("next", "terminated"),
-    ("next", "truncated"),
-    ("collector", "traj_ids"),
-]
-
-
-@pytest.mark.filterwarnings("ignore::UserWarning")
-async def test_envpool_column_carry_is_seeded(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same seed gives the column carry's batches again; a policy's batches take the fused pool loop."""
-    with anyio.fail_after(60):
-        first = await carry_batches(None, False, monkeypatch)
-        again = await carry_batches(None, False, monkeypatch)
-        assert_same(first[:-1], again[:-1])
-        async with Collector(
-            lambda: envpool_cartpole(),
-            policy_for("tdmodule", "CartPole-v1"),
-            frames_per_batch=50,
-            total_frames=100,
-            init_random_frames=50,
-            seed=3,
-        ) as collector:
-            assert len([b async for b in collector]) == 2
-            assert collector._rollout._columns is None  # random batches then a policy: no carry

@@ -18,7 +18,6 @@ from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import set_interaction_type
 
 from ._envs._adapter import ArrayEnv, check_env
-from ._envs._pool_carry import ColumnCarry, run_pool_carry
 from ._envs._rebuild import EnvRebuilder
 from ._envs._spaces import LeafSpec, NestedKey
 from ._options import RolloutOptions, WeightSchedule
@@ -33,7 +32,6 @@ from ._timesplit import SplitClock
 __all__ = ["Rollout", "RolloutResult", "StopSignal", "build_rollout", "open_env"]
 
 _FLAGS = ("done", "terminated", "truncated")
-_STAGED_NEXT = ("reward", "terminated", "truncated")  # the column carry's staged entries of the next step
 _ONE_VALUE = frozenset({*_FLAGS, *(("next", f) for f in (*_FLAGS, "reward"))})
 
 
@@ -120,9 +118,6 @@ class Rollout:
         self.restarts: EnvRebuilder | None = None
         #: the policy's recurrent states (``_recurrent.py``): those the rollout carries are observations too
         self.recurrence = recurrence if recurrence is not None else Recurrence()
-        #: the column carry of an EnvPool pool's random batches (``_envs/_pool_carry.py``): ``False``
-        #: until the first batch decides whether it applies, then a ``ColumnCarry`` or ``None``
-        self._columns: ColumnCarry | bool | None = False
         self._carry = Carry(self.recurrence, self.batch_shape) if self.recurrence.specs else None
         self._obs_specs = {**env.obs_specs, **self.recurrence.specs}
         if options.step_count and "step_count" in self._obs_specs:
@@ -143,8 +138,6 @@ class Rollout:
         """Reset every env (or take ``root``, the observations of a reset done already) and start new
         trajectories."""
         self._root = self.env.reset() if root is None else root
-        if isinstance(self._columns, ColumnCarry):
-            self._columns.drop()  # the carried frames' trajectories end with the reset
         if self._carry is not None:
             self._root = self._carry.start(self._root)
         shape = self.batch_shape
@@ -291,9 +284,6 @@ class Rollout:
             self.reset()
         batch, views = self._allocate(into)
         runner = self.random_runner if random else self.policy
-        columns = self._column_carry()
-        if columns is not None:
-            return self._collect_columns(columns, batch, views, runner, stop, into)
         block, block_steps = self._random_block(runner)
         hist = _Steps(step_count=[] if self.options.step_count else None)
         mark = self.clock.loop_started()
@@ -307,66 +297,6 @@ class Rollout:
             nb = len(self.batch_shape)
             hist.out = [{k: v[:steps].movedim(0, nb) for k, v in block.items()}]
         result = self._finish(batch, views, steps, hist, block is not None, into)
-        self.clock.batch_written(since, result.frames)
-        return result
-
-    def _column_carry(self) -> ColumnCarry | None:
-        """The column carry where every batch is random and the env an unwrapped EnvPool pool stepped
-        by the fused loop, with nothing per step the carry does not do (decided at the first batch; the
-        fused pool loop, ``_run_fused``, otherwise)."""
-        if self._columns is False:
-            options, env = self.options, self.env
-            fused = env.fused_gym
-            self._columns = None
-            if (
-                fused is not None
-                and fused._pool
-                and getattr(self.policy, "sample_steps", None) is not None
-                and list(self.output_specs()) == ["action"]
-                and env.numpy_actions
-                and len(self.batch_shape) == 1
-                and self._carry is None
-                and self._caster is None
-                and self.restarts is None
-                and options.max_frames_per_traj is None
-                and not options.step_count
-                and not options.reset_at_each_iter
-            ):
-                steps = self.steps_per_batch
-                self._columns = ColumnCarry(steps, env.numel, lag=max(steps, 8))
-        columns = self._columns
-        if isinstance(columns, ColumnCarry) and self.env.fused_gym is not None:
-            return columns
-        return None
-
-    def _collect_columns(
-        self,
-        columns: ColumnCarry,
-        batch: TensorDict,
-        views: dict[Any, np.ndarray],
-        runner: Runner,
-        stop: StopSignal | None,
-        into: TensorDictBase | None,
-    ) -> RolloutResult:
-        """:meth:`collect` by the column carry: random actions drawn a batch's steps at a time."""
-
-        def more() -> tuple[list[Any], np.ndarray]:
-            stored = runner.sample_steps(self.steps_per_batch)["action"].numpy()  # type: ignore[attr-defined]
-            converted = self.env.action_steps({"action": stored})
-            assert converted is not None  # numpy_actions, one action entry
-            return converted, stored
-
-        fused = self.env.fused_gym
-        assert fused is not None  # _column_carry
-        mark = self.clock.loop_started()
-        steps, obs = run_pool_carry(fused, columns, self._root["observation"], more, stop)
-        self._root = {"observation": obs}
-        since = self.clock.loop_ended(mark)
-        keys = ("observation", ("next", "observation"), "action", *(("next", k) for k in _STAGED_NEXT))
-        columns.deliver([views[k] for k in keys], steps)
-        hist = _Steps(written=True)
-        hist.out = [{"action": torch.from_numpy(views["action"][:, :steps])}]
-        result = self._finish(batch, views, steps, hist, True, into)
         self.clock.batch_written(since, result.frames)
         return result
 
