@@ -67,6 +67,13 @@ def slow(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def examples(session: nox.Session) -> None:
+    """Every example end to end in a subprocess (tests/test_examples.py, marked ``examples``)."""
+    install(session, "test")
+    session.run("python", "-m", "pytest", "-m", "examples", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def longrun(session: nox.Session) -> None:
     """Tests marked longrun: graceful stops on real signals and resumed runs (examples/long_run.py), each in
     subprocesses, under asyncio, uvloop and trio, and the variants of examples/why_slow.py (the default suite

@@ -88,9 +88,14 @@ LONGRUN_CASES = {"why_slow_policy", "why_slow_trainer", "why_slow_handoff"}
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.longrun) if n in LONGRUN_CASES else n for n in CASES]
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.longrun if n in LONGRUN_CASES else pytest.mark.examples)
+        for n in CASES
+    ],
 )
 def test_example_runs(name: str) -> None:
+    """Each example end to end in a subprocess (``nox -s examples``; its variants in ``nox -s longrun``)."""
     proc = run_example(CASES[name], scaled_timeout(100))
     assert proc.returncode == 0, proc.stderr
     assert "frames/s" in proc.stdout, proc.stdout

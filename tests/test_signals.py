@@ -101,6 +101,7 @@ def test_second_sigint_raises_keyboard_interrupt(backend: str, tmp_path: Path) -
     assert not (tmp_path / "checkpoint.pt").exists()
 
 
+@LONGRUN
 def test_second_sigterm_terminates(tmp_path: Path) -> None:
     child = Child("asyncio", "collector", tmp_path / "checkpoint.pt", step=0.25)
     child.line()
