@@ -19,7 +19,7 @@ from gymnasium import spaces
 from tensordict import TensorDictBase
 
 from aiocollect import AsyncEnvCollector, stop_on_signals
-from test_checkpoints import foreign_values
+from test_resume import saved, take
 
 pytestmark = pytest.mark.anyio
 
@@ -31,22 +31,6 @@ def vector() -> Any:
 def build(fns: Any = None, policy: Any = None, **kwargs: Any) -> AsyncEnvCollector:
     common: dict[str, Any] = {"frames_per_batch": 30, "total_frames": -1, "seed": 5, **kwargs}
     return AsyncEnvCollector(fns or [vector], policy, **common)
-
-
-async def take(collector: AsyncEnvCollector, n: int) -> list[TensorDictBase]:
-    out: list[TensorDictBase] = []
-    with anyio.fail_after(60):
-        async for batch in collector:
-            out.append(batch)
-            if len(out) == n:
-                break
-    return out
-
-
-def saved(state: dict[str, Any], path: Path) -> dict[str, Any]:
-    assert not foreign_values(state)
-    torch.save(state, path)
-    return torch.load(path, weights_only=True)
 
 
 async def run(n: int, state: dict[str, Any] | None = None, **kwargs: Any) -> TensorDictBase:
