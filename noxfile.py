@@ -9,6 +9,7 @@ the machine already has instead of pulling a multi-GB CUDA build.
 from __future__ import annotations
 
 import glob
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -22,6 +23,19 @@ TORCH = "torch==2.13.0"
 PYTHON = "3.11"
 #: the newest Python on our machines (tested by ``newest_python``; keep the README in sync)
 NEWEST_PYTHON = "3.13"
+
+
+def _interpreter(version: str) -> str:
+    """``version``'s interpreter by path where pyenv installed it: pyenv's ``python3.13`` shim refuses to run
+    a version that is not selected (CI's machines select 3.11 only), so nox would not find it by name."""
+    root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    found = glob.glob(os.path.join(root, "versions", f"{version}.*", "bin", f"python{version}"))
+
+    def patch(path: str) -> int:  # 3.13.10 after 3.13.9
+        digits = re.match(r"\d*", path.split(f"{version}.")[1]).group()
+        return int(digits or 0)
+
+    return max(found, key=patch) if found else version
 
 
 def install(session: nox.Session, *extras: str) -> None:
@@ -242,7 +256,7 @@ def minimum_versions(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "-p", "no:cacheprovider", typing, loops, *session.posargs)
 
 
-@nox.session(python=NEWEST_PYTHON)
+@nox.session(python=_interpreter(NEWEST_PYTHON))
 def newest_python(session: nox.Session) -> None:
     """The default suite on the newest Python here (torch 2.13.0 for it comes from PyPI: a CUDA build that
     runs on the CPU), under asyncio: the README's test command runs every loop on 3.11 (CI's time limit)."""
