@@ -219,3 +219,18 @@ def test_options_reach_the_workers():
     ids = anyio.run(main)
     # max_frames_per_traj=3: every 8-step rollout holds 3 trajectories; worker i's ids are 5 + i + 2k
     assert ids == [5, 6, 7, 8, 9, 10]
+
+
+@pytest.mark.parametrize("cls", ["MultiSyncCollector", "MultiAsyncCollector"])
+@pytest.mark.parametrize("cut", ["reset_at_each_iter", "set_truncated"])
+def test_trajectory_cuts_given_as_options_are_refused_with_trajs_per_batch(cls, cut):
+    """The multi-process collectors refuse a cut given through ``rollout=RolloutOptions(...)`` as they
+    refuse the keyword, before any worker starts."""
+    import aiocollect
+
+    def never():
+        raise AssertionError("no env is built")
+
+    collector = getattr(aiocollect, cls)
+    with pytest.raises(ValueError, match=f"drop {cut}"):
+        collector([never] * 2, trajs_per_batch=2, rollout=RolloutOptions(64, **{cut: True}))
