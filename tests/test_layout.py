@@ -363,3 +363,60 @@ def test_architecture_names_every_module() -> None:
         and (name := str(p.relative_to(PACKAGE))) not in text
     ]
     assert not unnamed, f"docs/architecture.md does not name: {unnamed}"
+
+
+def _self_assignments(cls_node: ast.ClassDef) -> Iterator[tuple[str, int]]:
+    """``(name, line)`` of every ``self.name = ...`` (plain, annotated or augmented) in ``cls_node``'s own
+    methods (nested classes are theirs)."""
+    for item in cls_node.body:
+        if not isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) or not item.args.args:
+            continue
+        me = item.args.args[0].arg
+        for node in ast.walk(item):
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, (ast.AnnAssign, ast.AugAssign))
+                else []
+            )
+            for target in targets:
+                for leaf in ast.walk(target):
+                    if (
+                        isinstance(leaf, ast.Attribute)
+                        and isinstance(leaf.value, ast.Name)
+                        and leaf.value.id == me
+                        and isinstance(leaf.ctx, ast.Store)
+                    ):
+                        yield leaf.attr, leaf.lineno
+
+
+def test_no_attribute_shadows_a_method() -> None:
+    """No instance attribute has the name of a method of its class, of a base or mixin, or of a subclass:
+    such an assignment silently replaces the method on that instance (``self._restart = policy`` once hid a
+    mixin's ``_restart()``, and mypy did not see it)."""
+    import importlib
+    import inspect
+
+    clashes = []
+    for path, tree in TREES.items():
+        if path.name == "_freeze.py":  # gc.freeze() when imported: the forkserver's preload only
+            continue
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        module = importlib.import_module(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+        for node in tree.body:
+            cls = getattr(module, node.name, None) if isinstance(node, ast.ClassDef) else None
+            if not isinstance(cls, type):
+                continue
+            family = [cls]  # the class and every subclass: a subclass's method is shadowed as well
+            for klass in family:
+                family.extend(k for k in klass.__subclasses__() if k not in family)
+            for name, line in _self_assignments(node):
+                for klass in family:
+                    found = inspect.getattr_static(klass, name, None)
+                    if inspect.isfunction(found) or isinstance(found, (staticmethod, classmethod)):
+                        owner = next(k for k in klass.__mro__ if name in vars(k))
+                        where = f"{path.relative_to(PACKAGE)}:{line} {cls.__name__}"
+                        clashes.append(f"{where}: self.{name} shadows {owner.__name__}.{name}()")
+                        break
+    assert not clashes, "attributes shadowing methods:\n" + "\n".join(clashes)

@@ -286,8 +286,8 @@ class MultiAsyncCollector(WorkersMixin, FleetCollector):
             "MultiAsyncCollector",
             trajs_per_batch,
             frames_per_batch,
-            reset_at_each_iter=reset_at_each_iter,
-            set_truncated=set_truncated,
+            reset_at_each_iter=reset_at_each_iter or bool(rollout and rollout.reset_at_each_iter),
+            set_truncated=set_truncated or bool(rollout and rollout.set_truncated),
         )
         # with trajs_per_batch, max_policy_lag bounds each episode's oldest frame (the workers drop none)
         delivery = Episodes.over(FirstReady(), trajs, lag=max_policy_lag)

@@ -22,7 +22,6 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
-from .._episodes_args import refuse_cuts
 from .._errors import CollectorClosedError, WorkerTimeoutError
 from .._fleet import Arrival, FleetCollector
 from .._gather import gather
@@ -152,9 +151,6 @@ def init_workers(
         max_policy_lag=max_policy_lag,
     )
     refuse_schedule(schedule, type(fleet).__name__, update_at_each_batch=True)
-    assembler = Episodes.assembler_of(delivery)
-    if assembler is not None:  # the cuts given through rollout=RolloutOptions(...) too
-        refuse_cuts(type(fleet).__name__, assembler.trajs_per_batch, options)
     n = len(env_fns)
     per_worker = delivery.split_frames(options.frames_per_batch, n)
     workers = Workers(
@@ -175,7 +171,7 @@ def init_workers(
     )
     fleet.num_workers = n  # type: ignore[attr-defined]
     fleet._floor_lag = None if delivery.sync else schedule.max_policy_lag
-    fleet._episodes = assembler  # type: ignore[attr-defined]
+    fleet._episodes = Episodes.assembler_of(delivery)  # type: ignore[attr-defined]
     fleet._init_fleet(
         workers,
         size=n,
