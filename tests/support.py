@@ -62,6 +62,7 @@ __all__ = [
     "rollout_threads",
     "segments",
     "support_by_value",
+    "take",
     "threads_in_package_code",
     "wait_gone",
     "warm_forkserver",
@@ -444,6 +445,17 @@ async def leaks(warm_forkserver: None) -> AsyncIterator[Leaks]:
         await baseline.settle()
     finally:
         Leaks.active = None
+
+
+async def take(collector: Any, n: int | None = None, seconds: float = 30) -> list[Any]:
+    """The batches of ``collector``'s ``async for`` (the first ``n`` when given), within ``seconds``."""
+    out: list[Any] = []
+    with anyio.fail_after(seconds):
+        async for batch in collector:
+            out.append(batch)
+            if n is not None and len(out) == n:
+                break
+    return out
 
 
 def check_remote_split(collector: Any, members: int) -> None:

@@ -25,6 +25,7 @@ from aiocollect import (
     ThreadedAsyncEnv,
     WorkerFailed,
 )
+from support import take
 
 pytestmark = pytest.mark.anyio
 
@@ -100,16 +101,6 @@ class StepPolicy(nn.Module):
 def make_envs(n: int, **kwargs) -> tuple[list[Counter], list]:
     envs = [Counter(i, **kwargs) for i in range(n)]
     return envs, [lambda env=env: env for env in envs]
-
-
-async def take(collector: AsyncEnvCollector, n: int | None = None) -> list[TensorDictBase]:
-    out: list[TensorDictBase] = []
-    with anyio.fail_after(20):
-        async for batch in collector:
-            out.append(batch)
-            if n is not None and len(out) == n:
-                break
-    return out
 
 
 def check_invariants(batches: list[TensorDictBase], num_envs: int) -> None:

@@ -22,6 +22,7 @@ from aiocollect import (
     ThreadedAsyncVectorEnv,
     WorkerFailed,
 )
+from support import take
 
 pytestmark = pytest.mark.anyio
 
@@ -138,16 +139,6 @@ def vec_fns(widths: list[int], **kwargs) -> tuple[list[VecCounter], list]:
         envs.append(VecCounter(first, width, **kwargs))
         first += width
     return envs, [lambda env=env: env for env in envs]
-
-
-async def take(collector: AsyncEnvCollector, n: int | None = None) -> list[TensorDictBase]:
-    out: list[TensorDictBase] = []
-    with anyio.fail_after(20):
-        async for batch in collector:
-            out.append(batch)
-            if n is not None and len(out) == n:
-                break
-    return out
 
 
 def check_invariants(batches: list[TensorDictBase], env_ids: range | list[int]) -> None:

@@ -12,21 +12,11 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from aiocollect import Collector, GymEnv
+from support import take
 
 pytestmark = pytest.mark.anyio
 
 CARTPOLE_BOUNDS = (2.4, 12 * 2 * torch.pi / 360)  # |x| and |theta| beyond which CartPole terminates
-
-
-async def take(collector: Collector, n: int | None = None) -> list[TensorDictBase]:
-    """The batches of ``async for`` (the first ``n`` of them when given)."""
-    out: list[TensorDictBase] = []
-    with anyio.fail_after(30):
-        async for batch in collector:
-            out.append(batch)
-            if n is not None and len(out) == n:
-                break
-    return out
 
 
 def along_time(batches: list[TensorDictBase], key) -> torch.Tensor:

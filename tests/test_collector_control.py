@@ -16,19 +16,9 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from aiocollect import Collector, CollectorStatistics, GymEnv
-from support import EnvFactory, ListBuffer, threads_in_package_code
+from support import EnvFactory, ListBuffer, take, threads_in_package_code
 
 pytestmark = pytest.mark.anyio
-
-
-async def take(collector: Collector, n: int | None = None) -> list[TensorDictBase]:
-    out: list[TensorDictBase] = []
-    with anyio.fail_after(30):
-        async for batch in collector:
-            out.append(batch)
-            if n is not None and len(out) == n:
-                break
-    return out
 
 
 def assert_same_batches(a: list[TensorDictBase], b: list[TensorDictBase], *, skip=()) -> None:
