@@ -33,7 +33,8 @@ LONG_MODULES: dict[str, int] = {
     "aiocollect/_procenv/_env.py": 487,
     "aiocollect/_asyncenv/_collector.py": 501,  # issue 30: trajs_per_batch; issue 28: restart=
     "aiocollect/_asyncenv/_run.py": 608,  # issue 28: env restarts (_env_failed, _end_trajectories)
-    "aiocollect/_asyncenv/_worker.py": 454,  # issue 28: restart= and its Restarted events to the parent
+    # issue 28: restart= and its Restarted events to the parent; issue 29: checkpoint calls, the send gate
+    "aiocollect/_asyncenv/_worker.py": 475,
     "aiocollect/_distributed_weights.py": 483,
     "aiocollect/_fast_policy.py": 598,
     # issue 30: trajs_per_batch; issue 29: stop flag, resume hooks; issue 28: restart=, Restarted events
@@ -61,7 +62,7 @@ LONG_MODULES: dict[str, int] = {
 #: cohesive modules allowed past the target, each with the size it may reach and why
 EXEMPT_MODULES: dict[str, tuple[int, str]] = {
     "aiocollect/_fleet.py": (
-        528,
+        542,
         "FleetCollector is the one collector over several members (iteration, weights, state dict, seeds, "
         "getattr_*, statistics, written once for every transport: worker pools, nodes, actors) beside the "
         "Transport protocol it holds",

@@ -448,13 +448,24 @@ class FleetCollector(CollectorBase):
             raise TypeError("set_seed needs an int")
         self._active()
         async with self._lock:
-            return await self._seed_chain(seed)
+            last = await self._seed_chain(seed)
+            await self._restarted()
+            return last
 
     async def reset(self) -> None:
         """Reset every member's envs: the next batches start new episodes."""
         self._active()
         async with self._lock:
             await self._call_all(Reset())
+            await self._restarted()
+
+    async def _restarted(self) -> None:
+        """Under the batch lock, after a seed, a reset, a load or a checkpoint with env state: members that
+        restart their collection then drop the batches they sent before (``MultiAsyncEnvCollector``)."""
+
+    def _check_env_state(self, envs: bool) -> None:
+        """Raise ``ValueError`` if ``state_dict(envs=envs)`` cannot hold the members' envs."""
+        self._transport.check_env_state(envs)
 
     async def getattr_env(self, name: str, node: int = 0) -> Any:
         """An attribute of member ``node``'s env (worker 0's, for a multi-process node)."""
@@ -472,10 +483,12 @@ class FleetCollector(CollectorBase):
         envs' own state, see ``Collector.state_dict``, where the members can stop at the batch
         delivered) plus the counters and the policy's weights."""
         transport = self._transport
-        transport.check_env_state(envs)
+        self._check_env_state(envs)
         self._active()
         async with self._lock:
             states = await self._call_all(GetState(versioned=transport.versioned, envs=envs))
+            if envs:
+                await self._restarted()
             if self._stop_requested:  # what members sent before their state: never delivered
                 self._stopping(drain=True)
         policy = await transport.saved_policy(states)
@@ -496,6 +509,7 @@ class FleetCollector(CollectorBase):
                 (i, LoadState(dict(state[f"{prefix}{i}"]), versioned=versioned)) for i in range(self._size)
             ]
             await self._transport.call_each(ops)
+            await self._restarted()
             self._load_counters(state)
             if versioned:
                 for member in self._transport.members():
