@@ -37,6 +37,7 @@ from .._transport._messages import (
     Close,
     GetAttr,
     GetPath,
+    GetState,
     GetWeights,
     LoadWeights,
     MapFn,
@@ -240,6 +241,8 @@ class _AsyncWorker:
         assert collector is not None
         if isinstance(op, LoadWeights):
             return await self.load_weights()
+        if isinstance(op, GetState) and not op.envs:  # no restart: at once (between two engine events)
+            return await serve_checkpoint(collector, self.frames, op)
         if isinstance(op, CHECKPOINT_OPS):
             async with self.gate.lock:  # between two batches taken in
                 reply = await serve_checkpoint(collector, self.frames, op)

@@ -70,7 +70,11 @@ async def serve_checkpoint(collector: Any, frames: WorkerFrames, op: Any) -> Any
             "state carries the trainer's versions already: send versioned=False"
         )
     if isinstance(op, GetState):
-        state = await collector.state_dict(envs=op.envs)
+        if op.envs:
+            state = await collector.state_dict(envs=True)
+        else:  # at once, not after the batch being collected: a plain state restarts nothing
+            engine = collector._check_restartable("state_dict", restarts=False)
+            state = await collector._read_state(engine, envs=False)
         state.pop("policy", None)  # the trainer saves the weights once, for every worker
         state["fresh_ids"] = frames.fresh
         return state
