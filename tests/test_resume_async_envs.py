@@ -244,7 +244,7 @@ def env_rows(data: TensorDictBase, env: int) -> TensorDictBase:
 def same_per_env(a: TensorDictBase, b: TensorDictBase, envs: int = 6) -> None:
     """Each env's frames in ``a`` and ``b`` agree as far as both go (which worker's batch comes first is
     timing: one may deliver more than the other)."""
-    compared = 0
+    compared = 0  # take_each: every env has frames on both sides
     for env in range(envs):
         x, y = env_rows(a, env), env_rows(b, env)
         k = min(len(x), len(y))
@@ -254,12 +254,25 @@ def same_per_env(a: TensorDictBase, b: TensorDictBase, envs: int = 6) -> None:
     assert compared >= 60
 
 
+async def take_each(collector: Any, n: int) -> TensorDictBase:
+    """Batches until each of the two workers delivered ``n`` (so that every env has frames to compare)."""
+    out: list[TensorDictBase] = []
+    counts = [0, 0]
+    with anyio.fail_after(60):
+        async for batch in collector:
+            out.append(batch)
+            counts[int(batch["collector", "worker_id"][0])] += 1
+            if min(counts) >= n:
+                break
+    return torch.cat(out)
+
+
 async def multi_run(n: int, state: dict[str, Any] | None = None, **kwargs: Any) -> TensorDictBase:
     async with multi(**kwargs) as collector:
         if state is not None:
             with anyio.fail_after(60):
                 await collector.load_state_dict(state)
-        return torch.cat(await take(collector, n))
+        return await take_each(collector, n)
 
 
 async def test_multi_resume_with_env_state_continues_the_saving_run(tmp_path: Path, leaks: Any) -> None:
@@ -267,9 +280,9 @@ async def test_multi_resume_with_env_state_continues_the_saving_run(tmp_path: Pa
         head = torch.cat(await take(collector, 3))
         with anyio.fail_after(60):
             state = saved(await collector.state_dict(envs=True), tmp_path / "ckpt.pt")
-        after = torch.cat(await take(collector, 6))  # the run that saved goes on from the saved state
+        after = await take_each(collector, 3)  # the run that saved goes on from the saved state
     assert state["frames"] == 90 and len(state["worker0"]["env_state"]["envs"]) == 1
-    resumed = await multi_run(6, state)
+    resumed = await multi_run(3, state)
     same_per_env(after, resumed)  # observations, actions, rewards, trajectory ids
     assert not ids(head) & ids(after)  # the trajectories in flight went on under fresh ids
     for worker, envs in ((0, [0, 1, 2]), (1, [3, 4, 5])):  # each env goes on from its saved observation
@@ -285,7 +298,7 @@ async def test_multi_resume_without_env_state_twice_is_identical(tmp_path: Path,
         head = torch.cat(await take(collector, 2))
         state = saved(await collector.state_dict(), tmp_path / "ckpt.pt")
     assert "env_state" not in state["worker0"] and "policy" not in state
-    first, second = await multi_run(4, state, loop="trio"), await multi_run(4, state, loop="trio")
+    first, second = await multi_run(2, state, loop="trio"), await multi_run(2, state, loop="trio")
     same_per_env(first, second)
     assert not ids(head) & (ids(first) | ids(second))  # no trajectory goes on across the resume
     starts = [env_rows(first, env)["observation"][:1] for env in range(6)]
@@ -299,7 +312,7 @@ async def test_multi_set_seed_and_reset(leaks: Any) -> None:
         await take(b, 3)
         with anyio.fail_after(60):
             assert await a.set_seed(11) == 16 and await b.set_seed(11) == 16  # 2 workers x 3 sub-envs
-        x, y = torch.cat(await take(a, 4)), torch.cat(await take(b, 4))
+        x, y = await take_each(a, 2), await take_each(b, 2)
         ours = ("collector", "traj_ids")  # each collector's ids go on from its own counters
         same_per_env(x.exclude(ours), y.exclude(ours))  # the same seed, the same data
         with anyio.fail_after(60):
@@ -327,7 +340,7 @@ async def test_multi_weights_and_version_resume(tmp_path: Path, leaks: Any) -> N
             source.net.weight.add_(1.0)
         assert await collector.update_weights(source, wait=True) == 1
         state = saved(await collector.state_dict(envs=True), tmp_path / "ckpt.pt")
-        after = torch.cat(await take(collector, 4))
+        after = await take_each(collector, 2)
     assert state["policy_version"] == 1
     fresh = Greedy()
     async with multi(policy=fresh) as collector:
@@ -336,7 +349,7 @@ async def test_multi_weights_and_version_resume(tmp_path: Path, leaks: Any) -> N
         assert collector.policy_version >= 1
         weights = await collector.get_distant_attr("policy.net.weight")
         assert all(torch.equal(w, source.net.weight) for w in weights)
-        resumed = torch.cat(await take(collector, 4))
+        resumed = await take_each(collector, 2)
     same_per_env(after.exclude(("collector", "policy_version")), resumed)
 
 
@@ -355,3 +368,27 @@ async def test_multi_checkpoint_refusals(leaks: Any) -> None:
         await take(collector, 1)
         with anyio.fail_after(60), pytest.raises(TypeError, match="env Plain cannot save its state"):
             await collector.state_dict(envs=True)
+
+
+@pytest.mark.parametrize("anyio_backend", [("asyncio", {})])
+async def test_multi_checkpoints_on_policy_and_with_whole_trajectories(leaks: Any) -> None:
+    """max_policy_lag=0 (a worker's one slot is the trainer's until the next batch) and trajs_per_batch
+    (trajectories being assembled in the trainer) go on after every restart."""
+    async with multi(max_policy_lag=0) as collector:
+        await take(collector, 2)
+        with anyio.fail_after(60):
+            assert await collector.set_seed(3) == 8
+            state = await collector.state_dict(envs=True)
+        before = await take_each(collector, 2)  # from the state saved, and again from it:
+        with anyio.fail_after(60):
+            await collector.load_state_dict(state)
+        same_per_env(before, await take_each(collector, 2))
+        with anyio.fail_after(60):
+            await collector.reset()
+        assert len(await take(collector, 2)) == 2
+    async with multi(trajs_per_batch=3, frames_per_batch=None) as collector:
+        await take(collector, 2)
+        with anyio.fail_after(60):
+            await collector.load_state_dict(await collector.state_dict())
+        batches = await take(collector, 2)
+        assert [len(b["collector", "traj_ids"].unique()) for b in batches] == [3, 3]
