@@ -89,6 +89,24 @@ def test_sigterm_mid_batch_stops_after_the_batch(backend: str, kind: str, tmp_pa
 
 
 @LONGRUN
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_multi_async_exits_within_the_batch_and_2_s(backend: str, tmp_path: Path) -> None:
+    """MultiAsyncCollector's workers start no batch after the stop and cut the ones in flight, so
+    ``state_dict()`` waits for none collected ahead: the process (which ``gc.freeze()``s last, as
+    examples/long_run.py does) exits within the issue's bound, the batch in flight + 2 s."""
+    path = tmp_path / "checkpoint.pt"
+    child = Child(backend, "async", path)
+    first = float(child.line().split()[1])  # a batch's time (the workers start at the first one)
+    child.line()
+    child.proc.send_signal(signal.SIGTERM)
+    code, waited, err = child.finish(timeout=60)
+    assert code == 0, err
+    saved = torch.load(path, weights_only=True)
+    assert saved["received"] == saved["state"]["frames"] and saved["received"] % 20 == 0
+    assert waited < max(first, 1.0) + 2.0
+
+
+@LONGRUN
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_second_sigint_raises_keyboard_interrupt(backend: str, tmp_path: Path) -> None:
     child = Child(backend, "collector", tmp_path / "checkpoint.pt", step=0.25)  # 5 s batches

@@ -14,7 +14,7 @@ deliveries, stop. The trainer side mirror of ``NodeCore``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, ClassVar, Protocol
@@ -141,6 +141,10 @@ class FleetCollector(CollectorBase):
     _floor_lag: int | None = None
     #: each member's frames per batch, once started
     _member_frames: list[int]
+    #: set by members that collect ahead (``FirstReady``): after ``request_stop()`` they stop collecting;
+    #: ``drain`` (on the loop): what they sent, never to be delivered, is counted as discarded
+    _halt_ahead: Callable[[bool], None] | None = None
+    _delivering = False  # a batch is on its way (__anext__): a stop requested meanwhile waits for it
 
     def _init_fleet(
         self,
@@ -218,6 +222,8 @@ class FleetCollector(CollectorBase):
         with anyio.CancelScope(shield=True):
             if self._background is not None:
                 self._background.cancel()
+            if self._stop_requested:
+                self._stopping(drain=True)
             await self._transport.stop()
             self._closed = True
             self._hub.close()
@@ -226,16 +232,27 @@ class FleetCollector(CollectorBase):
                 self._finish_progress()
 
     # -- iteration --------------------------------------------------------------------------------
+    def _stopping(self, drain: bool = False) -> None:
+        """A stop was requested (``drain``: on the event loop): the members stop collecting ahead, unless
+        a batch is being delivered (then once it is)."""
+        if self._halt_ahead is not None and not self._delivering:
+            self._halt_ahead(drain)
+
     async def __anext__(self) -> TensorDictBase | None:
         await self._batch_turn()
         try:
+            self._delivering = True
             out = await self._transport.next_delivery()
+            self._delivering = False
+            if self._stop_requested:  # asked for while this batch was on its way: it is the last
+                self._stopping(drain=True)
             self._record(out.frames, out.episodes, worker_id=out.member, policy_version=out.policy_version)
             if self.replay_buffer is not None:
                 await anyio.to_thread.run_sync(self.replay_buffer.extend, out.batch)
                 return None
             return out.batch
         finally:
+            self._delivering = False
             self._lock.release()
 
     def _stale(self, index: int, policy_version: int, frames: int) -> bool:
@@ -431,13 +448,24 @@ class FleetCollector(CollectorBase):
             raise TypeError("set_seed needs an int")
         self._active()
         async with self._lock:
-            return await self._seed_chain(seed)
+            last = await self._seed_chain(seed)
+            await self._restarted()
+            return last
 
     async def reset(self) -> None:
         """Reset every member's envs: the next batches start new episodes."""
         self._active()
         async with self._lock:
             await self._call_all(Reset())
+            await self._restarted()
+
+    async def _restarted(self) -> None:
+        """Under the batch lock, after a seed, a reset, a load or a checkpoint with env state: members that
+        restart their collection then drop the batches they sent before (``MultiAsyncEnvCollector``)."""
+
+    def _check_env_state(self, envs: bool) -> None:
+        """Raise ``ValueError`` if ``state_dict(envs=envs)`` cannot hold the members' envs."""
+        self._transport.check_env_state(envs)
 
     async def getattr_env(self, name: str, node: int = 0) -> Any:
         """An attribute of member ``node``'s env (worker 0's, for a multi-process node)."""
@@ -455,10 +483,14 @@ class FleetCollector(CollectorBase):
         envs' own state, see ``Collector.state_dict``, where the members can stop at the batch
         delivered) plus the counters and the policy's weights."""
         transport = self._transport
-        transport.check_env_state(envs)
+        self._check_env_state(envs)
         self._active()
         async with self._lock:
             states = await self._call_all(GetState(versioned=transport.versioned, envs=envs))
+            if envs:
+                await self._restarted()
+            if self._stop_requested:  # what members sent before their state: never delivered
+                self._stopping(drain=True)
         policy = await transport.saved_policy(states)
         out: dict[str, Any] = {f"{transport.state_prefix}{i}": s for i, s in enumerate(states)}
         out.update(self._counters())
@@ -477,6 +509,7 @@ class FleetCollector(CollectorBase):
                 (i, LoadState(dict(state[f"{prefix}{i}"]), versioned=versioned)) for i in range(self._size)
             ]
             await self._transport.call_each(ops)
+            await self._restarted()
             self._load_counters(state)
             if versioned:
                 for member in self._transport.members():

@@ -254,32 +254,36 @@ class CheckpointMixin:
         state (the frames collected ahead are dropped, trajectories go on under fresh ids), as a
         collector resumed from the checkpoint does. An env without ``get_state()`` raises ``TypeError``.
         """
-
-        async def read(engine: Engine) -> dict[str, Any]:
-            saved = await self._capture(engine) if envs else None
-            # a capture restarted the engine: its fresh ids are those a resume gives, from the old counter
-            next_traj, engine = engine.next_traj, self._engine or engine
-            state: dict[str, Any] = {
-                "frames": self._stats.frames,
-                "batches": self._stats.batches,
-                "episodes": self._stats.episodes,
-                "next_traj_id": next_traj,
-                "policy_version": engine.version,
-            }
-            state["rng"] = await self._in_policy_thread(lambda: self._random_states(engine))
-            if envs:
-                state["env_state"] = saved
-            module = self._policy.module if self._policy is not None else None
-            if module is not None:
-                weights = module_weights(module)
-                state["policy"] = await self._in_policy_thread(lambda: weights.detach().clone().to_dict())
-            return state
-
+        read = lambda engine: self._read_state(engine, envs)  # noqa: E731
         return dict(await self._locked("state_dict", read, restarts=envs))
 
-    async def _capture(self, engine: Engine) -> dict[str, Any] | None:
-        """The envs' state once each waits for its action (no policy call runs meanwhile), then the engine
-        restarted from it. ``None`` where the frame budget is collected (nothing is left to resume)."""
+    async def _read_state(self, engine: Engine, envs: bool) -> dict[str, Any]:
+        """:meth:`state_dict` under the batch lock; without ``envs``, any time between two engine events
+        (``MultiAsyncEnvCollector``'s workers read it so, not after the batch being collected)."""
+        rngs: list[Any] = []  # a capture reads them before it restarts the engine (which draws)
+        saved = await self._capture(engine, rngs) if envs else None
+        # a capture restarted the engine: its fresh ids are those a resume gives, from the old counter
+        next_traj, engine = engine.next_traj, self._engine or engine
+        state: dict[str, Any] = {
+            "frames": self._stats.frames,
+            "batches": self._stats.batches,
+            "episodes": self._stats.episodes,
+            "next_traj_id": next_traj,
+            "policy_version": engine.version,
+        }
+        state["rng"] = rngs[0] if rngs else await self._in_policy_thread(lambda: self._random_states(engine))
+        if envs:
+            state["env_state"] = saved
+        module = self._policy.module if self._policy is not None else None
+        if module is not None:
+            weights = module_weights(module)
+            state["policy"] = await self._in_policy_thread(lambda: weights.detach().clone().to_dict())
+        return state
+
+    async def _capture(self, engine: Engine, rngs: list[Any]) -> dict[str, Any] | None:
+        """The envs' state once each waits for its action (no policy call runs meanwhile; the random
+        states then go into ``rngs``), then the engine restarted from it. ``None`` where the frame budget
+        is collected (nothing is left to resume)."""
         if self._episodes is not None:
             raise ValueError(
                 "state_dict(envs=True) with trajs_per_batch: the trajectories being assembled are not saved; "
@@ -317,6 +321,7 @@ class CheckpointMixin:
                 for f, w in zip(firsts, widths, strict=True)
             ]
             states = [to_plain(await maybe_await(pair[0]())) for pair in methods if pair is not None]
+            rngs.append(await self._in_policy_thread(lambda: self._random_states(engine)))
             await self._restart_engine(None, obs)  # from the state saved, as a resumed collector
             return {"envs": states, "obs": [to_plain(o) for o in obs]}
         finally:

@@ -9,6 +9,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
+import anyio
 import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
@@ -22,6 +23,7 @@ from .._multi._episodes import Episodes
 from .._multi._workers import Workers, WorkersMixin, init_workers
 from .._restart import RestartPolicy
 from .._trajectories import split_trajectories
+from .._transport._messages import RunFree
 from .._validation import (
     exploration_type_arg,
     flag,
@@ -108,6 +110,28 @@ class _EnvsFirstReady(FirstReady):
             w.fleet._dropped_frames += out.frames
         out.batch = batch.exclude(FLOOR) if self._track_versions else batch.exclude(FLOOR, VERSION)
         return out
+
+    async def flush(self, w: Workers) -> None:
+        """Every worker restarted its engine and waits (see ``_worker_state.py``): drop the batches waiting
+        in the slots (counted as discarded), hand the slots back, then let the workers send again."""
+        pool = w.pool
+        assert pool is not None
+        with anyio.CancelScope(shield=True):
+            waiting = list(self._backlog)
+            self._backlog.clear()
+            while True:
+                try:
+                    waiting.append(pool.receive_nowait())
+                except anyio.WouldBlock:
+                    break
+            for item in waiting:
+                if isinstance(item, tuple):
+                    w.fleet._dropped_frames += item[1].frames
+                    await self._release(pool, item[0], item[1].slot)
+                else:  # the pool's failure: raised by whoever reads next
+                    self._backlog.append(item)
+            for i in range(len(pool.workers)):
+                await pool.send(i, RunFree(random_frames=0))
 
     async def load_behind(self, w: Workers, raised: list[int]) -> None:
         """The workers whose floor rose and that run older weights load the new ones now, not after
@@ -320,24 +344,35 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
             except Exception:  # the pool failed (a worker died or raised): its start-up raises why
                 return
 
-    def _unsupported(self, what: str) -> TypeError:
-        return TypeError(
-            f"MultiAsyncEnvCollector does not support {what}: its worker processes cannot save, load or "
-            "restart their engines yet (seed it once with seed=: env i with seed + i). AsyncEnvCollector "
-            "(one process) supports it; request_stop() and stop_on_signals() work with both"
-        )
+    # -- seeds, resets, checkpoints (served by each worker's AsyncEnvCollector: _worker_state.py) -------
+    def _check_env_state(self, envs: bool) -> None:
+        if envs and self._episodes is not None:  # type: ignore[attr-defined]
+            raise ValueError(
+                "state_dict(envs=True) with trajs_per_batch: the trajectories being assembled are not saved; "
+                "save without envs (the envs then start from reset at a resume)"
+            )
 
-    async def set_seed(self, seed: int) -> int:
-        raise self._unsupported("set_seed")
-
-    async def reset(self) -> None:
-        raise self._unsupported("reset")
-
-    async def state_dict(self, *, envs: bool = False) -> dict[str, Any]:
-        raise self._unsupported("state_dict")
+    async def _restarted(self) -> None:
+        """The workers restarted their engines and wait: the batches they sent before are dropped, then
+        they send again."""
+        delivery = self._workers.delivery
+        if isinstance(delivery, Episodes):  # the trajectories being assembled went with them
+            for i in range(self.num_workers):
+                delivery.assembler.taint(i)
+            delivery = delivery.inner
+        assert isinstance(delivery, _EnvsFirstReady)
+        await delivery.flush(self._workers)
 
     async def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        raise self._unsupported("load_state_dict")
+        """Restore :meth:`state_dict`'s output (same number of workers) into a collector made with the same
+        arguments: counters, trajectory ids, version and weights, random states, and each worker's envs,
+        from their saved state (``envs=True``) or reset (a seeded collector's with a seed derived from the
+        checkpoint). Each worker's engine restarts: what was collected before is dropped."""
+        policy = state.get("policy")
+        if policy is not None:  # each worker loads the weights before its engine restarts
+            keys = [f"worker{i}" for i in range(self.num_workers) if f"worker{i}" in state]
+            state = {**state, **{k: {**state[k], "policy": policy} for k in keys}}
+        await super().load_state_dict(state)
 
     def __repr__(self) -> str:
         return (

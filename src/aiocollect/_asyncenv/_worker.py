@@ -37,6 +37,7 @@ from .._transport._messages import (
     Close,
     GetAttr,
     GetPath,
+    GetState,
     GetWeights,
     LoadWeights,
     MapFn,
@@ -55,6 +56,7 @@ from ._envset import EnvSet
 from ._policy import BatchPolicy
 from ._worker_frames import VERSION, WorkerFrames
 from ._worker_random import RandomFirst
+from ._worker_state import CHECKPOINT_OPS, SendGate, restarts, serve_checkpoint
 
 __all__ = ["EnvOffset", "EnvRows", "EnvShare", "WorkerConfig", "run_async_worker"]
 
@@ -185,7 +187,10 @@ class _AsyncWorker:
         self.slots: list[SharedBlock] = []
         self.free: set[int] = set()
         self.attached = anyio.Event()
-        self.running = anyio.Event()
+        #: open once the trainer says ``RunFree`` (again after each call that restarted the engine)
+        self.gate = SendGate()
+        #: the next batch to send (``None``: none taken yet, or dropped by a restart)
+        self.batch: TensorDictBase | None = None
         self.freed = anyio.Event()
         # the version floor the trainer sets, and where this worker counts the frames it drops below it
         self.control = SharedBlock(control_layout(spec.num_workers), (), name=spec.control_name)
@@ -219,7 +224,7 @@ class _AsyncWorker:
             self.free = set(range(len(self.slots)))
             self.attached.set()
         elif isinstance(msg, RunFree):
-            self.running.set()
+            self.gate.open()
         elif isinstance(msg, Release):
             self.free.add(msg.slot)
             self.freed.set()
@@ -236,6 +241,17 @@ class _AsyncWorker:
         assert collector is not None
         if isinstance(op, LoadWeights):
             return await self.load_weights()
+        if isinstance(op, GetState) and not op.envs:  # no restart: at once (between two engine events)
+            return await serve_checkpoint(collector, self.frames, op)
+        if isinstance(op, CHECKPOINT_OPS):
+            async with self.gate.lock:  # between two batches taken in
+                reply = await serve_checkpoint(collector, self.frames, op)
+                if restarts(op):  # what was taken in and not sent is dropped; wait for RunFree
+                    self.gate.close()
+                    self.frames.restart(0 if self.batch is None else self.batch.shape[0])
+                    self.discarded[self.index] = self.frames.discarded
+                    self.batch, self.episodes = None, []
+            return reply
         module = collector.policy
         if isinstance(op, GetWeights):
             if not isinstance(module, torch.nn.Module):
@@ -248,10 +264,7 @@ class _AsyncWorker:
             return resolve(roots, op.path)
         if isinstance(op, MapFn):
             return resolve(roots, op.path)(*op.args, **op.kwargs)
-        raise TypeError(
-            f"{type(op).__name__} is not supported by MultiAsyncEnvCollector's workers (async envs are "
-            "seeded with seed=, and keep no resumable state)"
-        )
+        raise TypeError(f"{type(op).__name__} is not supported by MultiAsyncEnvCollector's workers")
 
     async def load_weights(self) -> int:
         """Load the newest published weights between two policy calls; the version the policy runs."""
@@ -387,8 +400,9 @@ class _AsyncWorker:
                 await self.collect(collector)
 
     async def collect(self, collector: _Inner) -> None:
-        """Send batches until cancelled (``Close``)."""
-        batch = await self.next_batch()
+        """Send batches until cancelled (``Close``); a batch is taken in and sent under the gate's lock,
+        and sent only while the gate is open (see ``_worker_state.py``)."""
+        self.batch = batch = await self.next_batch()
         with self.held():
             # the slots' layout is the first batch's
             self.layout, self.batch_size = layout_of(batch), tuple(batch.batch_size)
@@ -396,13 +410,23 @@ class _AsyncWorker:
                 Ready(self.layout, self.batch_size, self.fpb, policy_version=collector.policy_version)
             )
             await self.attached.wait()
-            await self.running.wait()
+            await self.gate.wait()
+        gate = self.gate
         while True:
-            self.send(batch)
+            await gate.wait()
+            async with gate.lock:
+                if not gate.is_open:  # a restart came meanwhile: wait for the trainer again
+                    continue
+                if self.batch is None:
+                    self.batch = await self.next_batch()
+                self.send(self.batch)
+                self.batch = None
             with self.held():
                 await self.load_weights()  # between batches, as the rollout workers do
                 await self.wait_for_slot()
-            batch = await self.next_batch()
+            async with gate.lock:
+                if self.batch is None:
+                    self.batch = await self.next_batch()
 
     def send(self, batch: TensorDictBase) -> None:
         """Write ``batch`` into a free slot and tell the trainer."""

@@ -47,10 +47,19 @@ class WorkerFrames:
         self.traj_stride = traj_stride
         #: frames dropped below the floor here
         self.discarded = 0
+        #: fresh ids given so far (in a checkpoint: no fresh id is given twice across a resume)
+        self.fresh = 0
         self._pending: TensorDictBase | None = None
+        self.restart()
+
+    def restart(self, unsent: int = 0) -> None:
+        """The collector restarted its engine (a seed, a reset, a checkpoint with env state, a load): the
+        frames taken in and not sent, and ``unsent`` more, are dropped (counted in :attr:`discarded`);
+        the trajectories go on under new collector ids, so none is renamed any more."""
+        self.discarded += self.pending + unsent
+        self._pending = None
         #: collector trajectory id -> fresh id in this worker's id space (trajectories that lost frames)
         self._renamed: dict[int, int] = {}
-        self._fresh = 0
         #: the newest collector trajectory id taken in so far
         self._newest = -1
         #: after a batch sent may have been dropped: the collector ids up to this one take a fresh id at
@@ -113,8 +122,8 @@ class WorkerFrames:
         return data
 
     def _rename(self, t: int) -> None:
-        self._renamed[t] = 2 * self._fresh + 1
-        self._fresh += 1
+        self._renamed[t] = 2 * self.fresh + 1
+        self.fresh += 1
         self._table = None
         if t <= self._split_upto:
             self._split_seen.add(t)

@@ -89,6 +89,11 @@ class CollectorBase(abc.ABC):
         """End ``async for`` (``fill()``, ``start()``) once the batch in flight is delivered or written
         (never a partial one); sync: from a signal handler, a thread or a task (``stop_on_signals``)."""
         self._stop_requested = True
+        self._stopping()
+
+    def _stopping(self, drain: bool = False) -> None:  # noqa: B027 - a hook: fleets stop their members
+        """A stop was requested: a collector whose members collect ahead of the batches delivered tells
+        them to stop (fleets); nothing here."""
 
     @property
     def stop_requested(self) -> bool:

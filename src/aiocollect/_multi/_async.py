@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import anyio
@@ -21,6 +22,7 @@ from .._restart import RestartPolicy
 from .._transport._messages import Release, RunFree
 from .._weightsync import WeightSync
 from .._workers._pool import WorkerPool
+from .._workers._worker import HALTED
 from ._delivery import episodes_of
 from ._episodes import Episodes
 from ._renames import TrajectoryRenames
@@ -89,8 +91,33 @@ class FirstReady:
         per_worker_random = math.ceil(init_random / w.num_workers) if init_random else 0
         self._random_frames = per_worker_random
         self._pending = RunFree(random_frames=per_worker_random)
+        w.fleet._halt_ahead = partial(self._halt, w)
         if not self._lazy:
             await self._run_free(w)
+
+    def _halt(self, w: Workers, drain: bool) -> None:
+        """``request_stop()``, once no batch is being delivered: no worker starts another batch and the
+        ones in flight end at their next step (each worker counts their frames as discarded: never
+        delivered). ``drain`` (on the event loop): the batches waiting to be read are counted as
+        discarded too. A cheap write to shared memory otherwise: any thread may call it."""
+        pool, control = w.pool, w.control
+        if pool is None or control is None:  # not started, or closed
+            return
+        control.td["stop"].fill_(HALTED)
+        if not drain:
+            return
+        waiting = list(self._backlog)
+        self._backlog.clear()
+        while True:
+            try:
+                waiting.append(pool.receive_nowait())
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+        for item in waiting:
+            if isinstance(item, tuple):
+                w.fleet._dropped_frames += item[1].frames
+            else:  # the pool's failure: raised by whoever reads next
+                self._backlog.append(item)
 
     async def _run_free(self, w: Workers) -> None:
         pending, self._pending, pool = self._pending, None, w.pool

@@ -57,6 +57,7 @@ from .._weights import flat_weights
 from ._paths import resolve
 
 __all__ = [
+    "HALTED",
     "Worker",
     "WorkerSpec",
     "build_env",
@@ -127,7 +128,8 @@ class _Closing(Exception):
 
 
 def control_layout(num_workers: int) -> FlatLayout:
-    """Per-worker arrays shared with the parent: stop flags (preemption), published weight versions,
+    """Per-worker arrays shared with the parent: stop flags (preemption; in async mode also "start no
+    batch": 1 at shutdown, :data:`HALTED` after ``request_stop()``), published weight versions,
     version floors (the oldest version a batch may still be delivered with: a rollout that falls below
     its floor is restarted on the newer weights) and the frames each worker discarded that way."""
     return FlatLayout.build(
@@ -143,6 +145,11 @@ def control_layout(num_workers: int) -> FlatLayout:
     )
 
 
+#: a stop flag's value after ``request_stop()`` (async mode): the batch in flight ends at its next step and
+#: is not sent (its frames are counted as discarded), and no batch starts any more
+HALTED = 2
+
+
 class _StopFlag:
     """``is_set()`` reads this worker's entry of the shared stop array (preemption)."""
 
@@ -152,6 +159,9 @@ class _StopFlag:
 
     def is_set(self) -> bool:
         return bool(self._array[self._index])
+
+    def halted(self) -> bool:
+        return int(self._array[self._index]) == HALTED
 
 
 class _Counting:
@@ -417,21 +427,27 @@ class Worker:
             return
 
     def run_free(self, chan: BlockingChannel, msg: RunFree) -> None:
-        """Async mode: collect continuously, at most one batch ahead of the parent (two slots)."""
+        """Async mode: collect continuously, at most one batch ahead of the parent (two slots); once the
+        stop flag is set (``request_stop()``, shutdown) start no batch, only serve the parent."""
         self.free = set(range(len(self.slots)))
         while True:
             while True:
-                if self.free:
+                if self.free and not self.stop.is_set():
                     incoming = chan.poll()
                 else:
-                    with self.rollout.clock.waiting():  # both slots unread: for the parent
+                    with self.rollout.clock.waiting():  # both slots unread, or stopped: for the parent
                         incoming = chan.recv()
                 if incoming is None:
                     break
                 self.handle_between_batches(chan, incoming)
             slot = min(self.free)
             self.free.discard(slot)
-            chan.send(self.collect(chan, slot, random=self.frames < msg.random_frames))
+            ready = self.collect(chan, slot, random=self.frames < msg.random_frames)
+            if self.stop.halted():  # cut short by request_stop(): never delivered, so not sent
+                self._discarded[self.spec.index] += ready.frames
+                self.free.add(slot)
+                continue
+            chan.send(ready)
             self._sent_slot = slot
 
     def close(self) -> None:
