@@ -20,6 +20,7 @@ from tensordict.nn import set_interaction_type
 from ._envs._adapter import ArrayEnv, check_env
 from ._envs._rebuild import EnvRebuilder
 from ._envs._spaces import LeafSpec, NestedKey
+from ._groups import EpisodeSeeds, SeededEnv
 from ._options import RolloutOptions, WeightSchedule
 from ._policies import Runner, compile_policy, make_runner, one_input, random_policy_for
 from ._recurrent import Carry, Recurrence, find_recurrence
@@ -97,6 +98,15 @@ class Rollout:
     ) -> None:
         if not isinstance(options.frames_per_batch, int):
             raise TypeError(f"a rollout collects one frames_per_batch, got {options.frames_per_batch!r}")
+        if options.group_size is not None:  # seeded episodes, in groups of slots (_groups.py)
+            seeds = EpisodeSeeds(
+                max(env.numel, 1),
+                options.group_size,
+                options.seed,
+                options.traj_id_start,
+                options.traj_id_stride,
+            )
+            env = SeededEnv(env, seeds)  # type: ignore[assignment]  # an ArrayEnv with seeded resets
         self.env = env
         self.policy = policy
         self.random_runner = random_runner
@@ -151,13 +161,25 @@ class Rollout:
         return self._next_traj
 
     def state_dict(self) -> dict[str, Any]:
-        return {"next_traj_id": self._next_traj, "policy_version": self.policy_version}
+        state = {"next_traj_id": self._next_traj, "policy_version": self.policy_version}
+        if isinstance(self.env, SeededEnv):
+            state["group_round"] = self.env.next_round
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._next_traj = int(state["next_traj_id"])
         self.policy_version = int(state["policy_version"])
+        if isinstance(self.env, SeededEnv):  # groups: every slot starts a round no group has used yet
+            self.env.start_at(max(int(state.get("group_round", 0)), self.env.next_round))
+            self.reset()
+            return
         # the carried trajectories get fresh ids, as after a reset
         self._traj_ids = self._new_ids(max(self.env.numel, 1)).reshape(self.batch_shape)
+
+    def seed_groups(self, seed: int) -> None:
+        """``set_seed(seed)``: the groups' reset seeds derive from ``seed`` from the next reset on."""
+        if isinstance(self.env, SeededEnv):
+            self.env.seeds.rebase(seed, self.env.next_round)
 
     def output_specs(self) -> dict[NestedKey, LeafSpec]:
         """Keys, shapes and dtypes the policy writes (from one dry call on the current observation)."""
@@ -228,6 +250,8 @@ class Rollout:
             if self.options.step_count:  # TorchRL's StepCounter keys
                 shapes["step_count"] = shapes[("next", "step_count")] = ((*bt, 1), torch.int64)
             shapes[("collector", "traj_ids")] = (bt, torch.int64)
+            if isinstance(self.env, SeededEnv):
+                shapes[("collector", "group_id")] = (bt, torch.int64)
             self._specs = (list(shapes), list(shapes.values()))
         return self._specs
 
@@ -524,6 +548,8 @@ class Rollout:
             self._traj_ids, self._next_traj = trajectory_ids(
                 traj_v[valid], done_v[valid], self._traj_ids, self._next_traj, self.options.traj_id_stride
             )
+            if isinstance(self.env, SeededEnv):  # group ids from the episode ends, as trajectory ids
+                self.env.write_groups(views[("collector", "group_id")][valid], done_v[valid])
         if steps < self.steps_per_batch:
             # frames never collected: traj id -1 marks them invalid (their other entries are garbage)
             traj_v[(*lead, slice(steps, None))] = -1

@@ -30,18 +30,31 @@ class Episodes:
     ``frames_discarded`` of the episode statistics.
     """
 
-    def __init__(self, inner: Delivering, trajs_per_batch: int, lag: int | None = None) -> None:
+    def __init__(
+        self, inner: Delivering, trajs_per_batch: int, lag: int | None = None, group_size: int | None = None
+    ) -> None:
         self.inner = inner
         self.lag = lag_arg(lag)  # an episode's oldest frame: at most this many versions old
         self.sync = inner.sync
-        self.assembler = TrajectoryAssembler(trajs_per_batch)
+        self.group_size = group_size  # the workers' rollouts seed their episodes in groups of this many
+        self.assembler = TrajectoryAssembler(trajs_per_batch, group_size)
         self._floors: dict[int, int] = {}  # per worker, the staleness floor last seen (drop_stale)
         self._version = 0
 
     @staticmethod
-    def over(delivery: Delivering, trajs_per_batch: int | None, lag: int | None = None) -> Delivering:
+    def over(
+        delivery: Delivering,
+        trajs_per_batch: int | None,
+        lag: int | None = None,
+        group_size: int | None = None,
+    ) -> Delivering:
         """``delivery`` itself, or with ``trajs_per_batch`` an :class:`Episodes` over it."""
-        return delivery if trajs_per_batch is None else Episodes(delivery, trajs_per_batch, lag)
+        return delivery if trajs_per_batch is None else Episodes(delivery, trajs_per_batch, lag, group_size)
+
+    @staticmethod
+    def group_size_of(delivery: Delivering) -> int | None:
+        """The ``group_size`` the workers' rollouts take (``RolloutOptions.group_size``)."""
+        return delivery.group_size if isinstance(delivery, Episodes) else None
 
     @staticmethod
     def frames(frames_per_batch: Any, trajs_per_batch: int | None, rollout: Any, workers: Any = None) -> Any:
