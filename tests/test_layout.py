@@ -108,7 +108,7 @@ LONG_FUNCTIONS: dict[str, int] = {
     "aiocollect/_local/_collector.py:Collector.__init__": 67,
     # explicit-keyword constructors that also check trajs_per_batch against the options that cut episodes
     "aiocollect/_multi/_sync.py:MultiSyncCollector.__init__": 59,
-    "aiocollect/_asyncenv/_multi.py:MultiAsyncEnvCollector.__init__": 59,  # issue 27: its workers' body
+    "aiocollect/_asyncenv/_multi.py:MultiAsyncEnvCollector.__init__": 60,  # issue 27: its workers' body
     "aiocollect/_remote/_ray.py:RayCollector.__init__": 59,
     "aiocollect/_envs/_gym_steps.py:run_steps": 68,
     "aiocollect/_asyncenv/_run.py:Engine.__init__": 65,

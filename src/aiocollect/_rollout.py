@@ -98,14 +98,9 @@ class Rollout:
     ) -> None:
         if not isinstance(options.frames_per_batch, int):
             raise TypeError(f"a rollout collects one frames_per_batch, got {options.frames_per_batch!r}")
-        if options.group_size is not None:  # seeded episodes, in groups of slots (_groups.py)
-            seeds = EpisodeSeeds(
-                max(env.numel, 1),
-                options.group_size,
-                options.seed,
-                options.traj_id_start,
-                options.traj_id_stride,
-            )
+        if options.group_size is not None or options.on_update == "restart":  # seeded episodes (_groups.py)
+            start, stride = options.traj_id_start, options.traj_id_stride
+            seeds = EpisodeSeeds(max(env.numel, 1), options.group_size or 1, options.seed, start, stride)
             env = SeededEnv(env, seeds)  # type: ignore[assignment]  # an ArrayEnv with seeded resets
         self.env = env
         self.policy = policy
@@ -144,9 +139,12 @@ class Rollout:
         # one numpy call: ``start + stride * np.arange(n)`` costs ~4 us, and it runs at every episode end
         return np.arange(start, self._next_traj, stride, dtype=np.int64)
 
-    def reset(self, root: dict[NestedKey, np.ndarray] | None = None) -> None:
+    def reset(self, root: dict[NestedKey, np.ndarray] | None = None, *, again: bool = False) -> None:
         """Reset every env (or take ``root``, the observations of a reset done already) and start new
-        trajectories."""
+        trajectories; ``again``: the episodes in flight, from their own initial states (seeded episodes)."""
+        self._episodes_version = self.policy_version  # on_update="restart": the version episodes began with
+        if again:  # (a SeededEnv)
+            root = self.env.restart()  # type: ignore[attr-defined]
         self._root = self.env.reset() if root is None else root
         if self._carry is not None:
             self._root = self._carry.start(self._root)
@@ -250,7 +248,7 @@ class Rollout:
             if self.options.step_count:  # TorchRL's StepCounter keys
                 shapes["step_count"] = shapes[("next", "step_count")] = ((*bt, 1), torch.int64)
             shapes[("collector", "traj_ids")] = (bt, torch.int64)
-            if isinstance(self.env, SeededEnv):
+            if self.options.group_size is not None:
                 shapes[("collector", "group_id")] = (bt, torch.int64)
             self._specs = (list(shapes), list(shapes.values()))
         return self._specs
@@ -306,6 +304,8 @@ class Rollout:
         """
         if self.options.reset_at_each_iter:
             self.reset()
+        elif self.options.on_update == "restart" and self.policy_version != self._episodes_version:
+            self.reset(again=True)  # new weights: the episodes in flight start again (their frames discarded)
         batch, views = self._allocate(into)
         runner = self.random_runner if random else self.policy
         block, block_steps = self._random_block(runner)
@@ -548,7 +548,7 @@ class Rollout:
             self._traj_ids, self._next_traj = trajectory_ids(
                 traj_v[valid], done_v[valid], self._traj_ids, self._next_traj, self.options.traj_id_stride
             )
-            if isinstance(self.env, SeededEnv):  # group ids from the episode ends, as trajectory ids
+            if isinstance(self.env, SeededEnv) and self.options.group_size:  # group ids, as trajectory ids
                 self.env.write_groups(views[("collector", "group_id")][valid], done_v[valid])
         if steps < self.steps_per_batch:
             # frames never collected: traj id -1 marks them invalid (their other entries are garbage)

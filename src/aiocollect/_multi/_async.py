@@ -13,7 +13,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
-from .._episodes_args import group_size_arg, trajs_per_batch_arg
+from .._episodes_args import episode_args, trajs_per_batch_arg
 from .._fleet import Arrival, FleetCollector
 from .._mistakes import explicit_keywords
 from .._options import RolloutOptions, WeightSchedule
@@ -282,6 +282,7 @@ class MultiAsyncCollector(WorkersMixin, FleetCollector):
         trajs_per_batch: int | None = None,
         restart: RestartPolicy | None = None,
         group_size: int | None = None,
+        on_update: str = "continue",
     ) -> None:
         trajs = trajs_per_batch_arg(
             "MultiAsyncCollector",
@@ -291,8 +292,8 @@ class MultiAsyncCollector(WorkersMixin, FleetCollector):
             set_truncated=set_truncated,
         )
         # with trajs_per_batch, max_policy_lag bounds each episode's oldest frame (the workers drop none)
-        group = group_size_arg("MultiAsyncCollector", group_size, trajs)
-        delivery = Episodes.over(FirstReady(), trajs, lag=max_policy_lag, group_size=group)
+        group, update = episode_args("MultiAsyncCollector", trajs, group_size, on_update, restart)
+        delivery = Episodes.over(FirstReady(), trajs, lag=max_policy_lag, group_size=group, on_update=update)
         frames_per_batch = Episodes.frames(frames_per_batch, trajs, rollout)  # per worker
         self._workers = init_workers(
             self,

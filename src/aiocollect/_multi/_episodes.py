@@ -31,12 +31,18 @@ class Episodes:
     """
 
     def __init__(
-        self, inner: Delivering, trajs_per_batch: int, lag: int | None = None, group_size: int | None = None
+        self,
+        inner: Delivering,
+        trajs_per_batch: int,
+        lag: int | None = None,
+        group_size: int | None = None,
+        on_update: str = "continue",
     ) -> None:
         self.inner = inner
         self.lag = lag_arg(lag)  # an episode's oldest frame: at most this many versions old
         self.sync = inner.sync
-        self.group_size = group_size  # the workers' rollouts seed their episodes in groups of this many
+        # what the workers' rollouts take (RolloutOptions): seeded episodes in groups, restarted at updates
+        self.for_rollouts = {"group_size": group_size, "on_update": on_update}
         self.assembler = TrajectoryAssembler(trajs_per_batch, group_size)
         self._floors: dict[int, int] = {}  # per worker, the staleness floor last seen (drop_stale)
         self._version = 0
@@ -47,14 +53,17 @@ class Episodes:
         trajs_per_batch: int | None,
         lag: int | None = None,
         group_size: int | None = None,
+        on_update: str = "continue",
     ) -> Delivering:
         """``delivery`` itself, or with ``trajs_per_batch`` an :class:`Episodes` over it."""
-        return delivery if trajs_per_batch is None else Episodes(delivery, trajs_per_batch, lag, group_size)
+        if trajs_per_batch is None:
+            return delivery
+        return Episodes(delivery, trajs_per_batch, lag, group_size, on_update)
 
     @staticmethod
-    def group_size_of(delivery: Delivering) -> int | None:
-        """The ``group_size`` the workers' rollouts take (``RolloutOptions.group_size``)."""
-        return delivery.group_size if isinstance(delivery, Episodes) else None
+    def rollout_options(delivery: Delivering) -> dict[str, Any]:
+        """What the workers' rollouts take of the episodes (``RolloutOptions.group_size``, ``on_update``)."""
+        return delivery.for_rollouts if isinstance(delivery, Episodes) else {}
 
     @staticmethod
     def frames(frames_per_batch: Any, trajs_per_batch: int | None, rollout: Any, workers: Any = None) -> Any:

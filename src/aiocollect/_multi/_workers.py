@@ -143,7 +143,7 @@ def init_workers(
         traj_id_start=traj_id_start,
         traj_id_stride=traj_id_stride,
         restart=restart,
-        group_size=Episodes.group_size_of(delivery),
+        **Episodes.rollout_options(delivery),
     )
     schedule = WeightSchedule.from_kwargs(
         weights,
