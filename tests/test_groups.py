@@ -167,10 +167,24 @@ async def test_seeded_groups_are_reproducible():
                     out += [t["observation"][0].tolist() for t in trajectories(batch)]
         return out
 
-    def make() -> Collector:
-        return Collector(walks(4), trajs_per_batch=4, group_size=2, total_frames=200, seed=7)
+    def make(seed: int = 7) -> Collector:
+        return Collector(walks(4), trajs_per_batch=4, group_size=2, total_frames=200, seed=seed)
 
-    assert await firsts(make()) == await firsts(make())
+    expected = await firsts(make())
+    assert await firsts(make()) == expected
+    reseeded = Collector(walks(4), trajs_per_batch=4, group_size=2, total_frames=-1, seed=3)
+    got: list[list[float]] = []
+    with anyio.fail_after(60):
+        async with reseeded:  # set_seed(7) after a batch: then the groups of a collector seeded 7
+            async for _ in reseeded:
+                break
+            await reseeded.set_seed(7)
+            async for batch in reseeded:  # (after the groups complete before set_seed, still delivered)
+                got += [t["observation"][0].tolist() for t in trajectories(batch)]
+                if expected[0] in got and len(got) - got.index(expected[0]) >= 8:
+                    break
+    start = got.index(expected[0])
+    assert got[start : start + 8] == expected[:8]
 
 
 async def test_reset_discards_the_groups_it_cuts():

@@ -183,8 +183,9 @@ class GroupOrder:
 
 class SeededEnv:
     """The rollout's array env with seeded episodes: :meth:`reset` starts the next round of the slots it
-    resets, seeded; a step's ended episodes are reset again at once, seeded (after the env's own
-    autoreset, whose observations they replace). Everything else is the wrapped env's.
+    resets (of all of them: a round none has begun), seeded; a step's ended episodes are reset again at
+    once, seeded (after the env's own autoreset, whose observations they replace). Everything else is
+    the wrapped env's.
 
     ``restart(mask)`` starts the episodes of the slots in ``mask`` again from their own seed (the same
     round): ``on_update="restart"``.
@@ -219,8 +220,8 @@ class SeededEnv:
 
     def reset(self, mask: np.ndarray | None = None) -> dict[Any, np.ndarray]:
         flat = None if mask is None else np.asarray(mask, dtype=bool).reshape(-1)
-        if flat is None:
-            self.rounds += 1
+        if flat is None:  # every slot: a round no slot has begun (the groups in flight are cut)
+            self.rounds[:] = self.next_round
         else:
             self.rounds[flat] += 1
         return self._reset(flat)
