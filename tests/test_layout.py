@@ -31,13 +31,13 @@ TARGET_BODY_LINES = 50
 # in _rollout.py, issue 34's pool loop, issue 31's ProcessVectorEnv).
 LONG_MODULES: dict[str, int] = {
     "aiocollect/_procenv/_env.py": 487,
-    "aiocollect/_asyncenv/_collector.py": 514,  # issue 30: trajs_per_batch; issue 28: restart=
+    "aiocollect/_asyncenv/_collector.py": 513,  # issue 30: trajs_per_batch; issue 28: restart=
     "aiocollect/_asyncenv/_run.py": 654,  # issue 28: env restarts (_env_failed, _end_trajectories)
     "aiocollect/_asyncenv/_worker.py": 454,  # issue 28: restart= and its Restarted events to the parent
     "aiocollect/_distributed_weights.py": 483,
     "aiocollect/_fast_policy.py": 598,
     # issue 30: trajs_per_batch; issue 29: stop flag, resume hooks; issue 28: restart=, Restarted events
-    "aiocollect/_local/_collector.py": 674,
+    "aiocollect/_local/_collector.py": 671,
     # the lifecycle every collector shares: issue 29's request_stop, issue 30's episode_statistics, issue 32's
     # trainer_wait
     "aiocollect/_local/_base.py": 410,
@@ -48,7 +48,7 @@ LONG_MODULES: dict[str, int] = {
     # GlooNodes, their transport (issue 27: DistributedSyncCollector subclasses DistributedCollector no more)
     "aiocollect/_remote/_gloo.py": 460,
     "aiocollect/_remote/_launchers.py": 460,
-    "aiocollect/_rollout.py": 686,  # issue 28: env restarts within a batch (Rollout._run_restarting)
+    "aiocollect/_rollout.py": 684,  # issue 28: env restarts within a batch (Rollout._run_restarting)
     "aiocollect/_serve/_ws.py": 585,
     # issue 28: each worker's env restarts, events and counts; step 2: worker replacement hooks (_spawn,
     # doomed workers, calls raced against a worker's exit), the Replacer itself in _replace.py
