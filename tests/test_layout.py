@@ -43,7 +43,7 @@ LONG_MODULES: dict[str, int] = {
     "aiocollect/_local/_base.py": 410,
     # issue 30: trajs_per_batch (two explicit-keyword constructors); issue 28: restart=
     # issue 28 step 2: FirstReady.replaced (a replaced worker collects freely again)
-    "aiocollect/_multi/_async.py": 432,
+    "aiocollect/_multi/_async.py": 434,
     # two public collectors' explicit keyword signatures (DistributedCollector, DistributedSyncCollector) and
     # GlooNodes, their transport (issue 27: DistributedSyncCollector subclasses DistributedCollector no more)
     "aiocollect/_remote/_gloo.py": 460,

@@ -227,7 +227,9 @@ class MultiAsyncCollector(WorkersMixin, FleetCollector):
     this discards are counted in ``statistics().frames_discarded``. ``max_policy_lag=k`` delivers
     nothing more than ``k`` versions old. With ``trajs_per_batch`` an episode goes on across weight
     updates (each frame keeps its ``policy_version``), ``max_policy_lag=k`` discards an episode whose
-    oldest frame is more than ``k`` versions old, and one a flush tears is discarded.
+    oldest frame is more than ``k`` versions old, and one a flush tears is discarded; with
+    ``on_update="restart"`` the episodes in flight start again from their initial state when a worker
+    loads new weights, and ``group_size`` delivers groups of episodes (see :class:`Collector`).
 
     Example:
         >>> import anyio
