@@ -110,7 +110,7 @@ LONG_FUNCTIONS: dict[str, int] = {
     "aiocollect/_multi/_sync.py:MultiSyncCollector.__init__": 59,
     "aiocollect/_asyncenv/_multi.py:MultiAsyncEnvCollector.__init__": 60,  # issue 27: its workers' body
     "aiocollect/_remote/_ray.py:RayCollector.__init__": 59,
-    "aiocollect/_envs/_gym_steps.py:run_steps": 68,
+    "aiocollect/_envs/_gym_steps.py:run_steps": 70,
     "aiocollect/_asyncenv/_run.py:Engine.__init__": 65,
     "aiocollect/_serve/_actions.py:batch_action_checker": 54,
 }

@@ -206,9 +206,10 @@ class SeededEnv:
         return getattr(self._env, name)
 
     @property
-    def fused_gym(self) -> None:
-        """Never fused: the per-step loop resets ended episodes through :meth:`stepper`."""
-        return None
+    def fused_gym(self) -> Any:
+        """The wrapped env's fused loop (a ``GymEnv``'s), told to reseed the episodes it ends."""
+        gym = self._env.fused_gym
+        return None if gym is None else _FusedSeeded(gym, self)
 
     def start_at(self, round_: int) -> None:
         """The next :meth:`reset` of all slots starts round ``round_`` (a resumed collector: fresh groups)."""
@@ -250,6 +251,13 @@ class SeededEnv:
             return result
 
         return seeded_step
+
+    def next_seeds(self, done: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The episodes ``done`` ended (reset already, unseeded) go to their next round: the mask and the
+        seeds to reset them with (the fused loop's :meth:`reset`)."""
+        flat = np.asarray(done, dtype=bool).reshape(-1)
+        self.rounds[flat] += 1
+        return flat.reshape(self._shape), self.seeds.slot_seeds(self.rounds, flat).reshape(self._shape)
 
     def write_groups(self, out: np.ndarray, done: np.ndarray) -> None:
         """The group id of every frame of a batch into ``out`` (``[*B, T]``) from its done flags."""
@@ -308,3 +316,17 @@ class RowEpisodes:
         self.rounds[:] = first
         self.seeds.rebase(self.seeds.base_seed, first)
         self.group_ids[:] = self.seeds.group_id(self._blocks, self.rounds)
+
+
+class _FusedSeeded:
+    """A ``GymEnv``'s fused loop (``_gym_steps.run_steps``) whose ended episodes are reset again, seeded."""
+
+    def __init__(self, gym: Any, seeded: SeededEnv) -> None:
+        self._gym, self._seeded = gym, seeded
+
+    def _run_steps(self, *args: Any) -> tuple[int, np.ndarray]:
+        return self._gym._run_steps(*args, reseed=self._reseed)
+
+    def _reseed(self, root: np.ndarray | None, done: np.ndarray) -> np.ndarray:
+        mask, seeds = self._seeded.next_seeds(done)
+        return self._gym._reseed_rows(root, mask, seeds)

@@ -552,10 +552,18 @@ class GymEnv:
             and fusable_type(self, GymEnv)
         )
 
-    def _run_steps(self, *args: Any) -> tuple[int, np.ndarray]:
+    def _run_steps(self, *args: Any, **kwargs: Any) -> tuple[int, np.ndarray]:
         """The rollout's fused loop (where :attr:`_fused_steps` holds): ``_gym_steps.run_steps``, or
         ``run_pool_steps`` for an EnvPool pool."""
-        return (run_pool_steps if self._pool else run_steps)(self, *args)
+        return (run_pool_steps if self._pool else run_steps)(self, *args, **kwargs)
+
+    def _reseed_rows(self, root: np.ndarray | None, mask: np.ndarray, seeds: np.ndarray) -> np.ndarray:
+        """The fused loop's :meth:`_reset_seeded`: the sub-envs in ``mask`` reset with their ``seeds``,
+        their observations written into ``root`` (the observations to act on; one env: ``None``)."""
+        if root is None:  # one env
+            return self._array(self._env.reset(seed=int(seeds))[0], self._plain_obs_dtype)  # type: ignore[arg-type]
+        seeded = [int(s) if m else None for s, m in zip(seeds, mask, strict=True)]
+        return self._merge_reset({"observation": root}, mask, seeded)["observation"]
 
     _env_action_steps = env_action_steps
 
