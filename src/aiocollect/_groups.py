@@ -24,6 +24,17 @@ import numpy as np
 __all__ = ["EpisodeSeeds", "Group", "GroupOrder", "RowEpisodes", "SeededEnv"]
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """One SplitMix64 step (Steele, Lea and Flood 2014): a 64-bit int to a well-mixed 64-bit int."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
 class EpisodeSeeds:
     """The reset seed and the group id of round ``k`` of each block of ``group`` slots.
 
@@ -55,13 +66,15 @@ class EpisodeSeeds:
     def rebase(self, seed: int | None, first_round: int) -> None:
         """Seeds from ``seed`` on, round ``first_round`` taking the seeds round 0 had (``set_seed``)."""
         base: Any = np.random.SeedSequence().entropy if seed is None else seed
-        self.base_seed = int(base) & ((1 << 63) - 1)
-        self._first = first_round
+        self.base_seed = _splitmix64(int(base) & _MASK64)
+        self.first_round = first_round
 
     def seed(self, block: int, k: int) -> int:
         """The reset seed of round ``k`` of ``block`` (a 32-bit int, what gymnasium takes)."""
-        words = [self.base_seed, self.start, block, k - self._first]
-        return int(np.random.SeedSequence(words).generate_state(1)[0])
+        h = self.base_seed
+        for word in (self.start, block, k - self.first_round):  # SplitMix64 over the words: a few us
+            h = _splitmix64(h ^ (word & _MASK64))
+        return h >> 32
 
     def group_id(self, block: int | np.ndarray, k: int | np.ndarray) -> Any:
         return self.start + self.stride * (k * self.blocks + block)
@@ -314,7 +327,7 @@ class RowEpisodes:
         does)."""
         first = int(old.rounds.max()) + 1
         self.rounds[:] = first
-        self.seeds.rebase(self.seeds.base_seed, first)
+        self.seeds.first_round = first  # (the seed as the new engine's config says)
         self.group_ids[:] = self.seeds.group_id(self._blocks, self.rounds)
 
 
