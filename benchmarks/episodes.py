@@ -3,9 +3,12 @@ collector, interleaved in one run (the machine is shared: only the ratios mean s
 
     python benchmarks/episodes.py                       # CartPole-v1 and Pendulum-v1, 8 envs
     python benchmarks/episodes.py --frames 40000 --rounds 5
+    python benchmarks/episodes.py --groups 4            # group_size=4 against plain trajs_per_batch
 
 CPU time is the process's and its children's (worker processes), over ``--frames`` frames after one
-warm-up batch; the policy is a small MLP (the user's path). Issue 30's target: <= 1.10x.
+warm-up batch; the policy is a small MLP (the user's path). Issue 30's target: <= 1.10x. With
+``--groups G`` the baseline is ``trajs_per_batch`` and the case measured adds ``group_size=G`` (seeded
+resets, the per-step loop instead of the fused one, the group accounting).
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ async def measure(make: Callable[[], Any], frames: int) -> tuple[float, float]:
 
 
 def cases(
-    task: str, envs: int, trajs: int, chunk: int
+    task: str, envs: int, trajs: int, chunk: int, groups: int | None = None
 ) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
     def env() -> GymEnv:
         return GymEnv(task, num_envs=envs)
@@ -74,6 +77,17 @@ def cases(
         return GymEnv(task, num_envs=envs // 2)
 
     policy = policy_for(task)
+    if groups is not None:  # plain episodes against groups of episodes
+        return {
+            f"Collector, {envs} envs": (
+                lambda: Collector(env, policy, trajs_per_batch=trajs),
+                lambda: Collector(env, policy, trajs_per_batch=trajs, group_size=groups),
+            ),
+            f"MultiSyncCollector, 2 workers x {envs // 2} envs": (
+                lambda: MultiSyncCollector([workers] * 2, policy, trajs_per_batch=trajs),
+                lambda: MultiSyncCollector([workers] * 2, policy, trajs_per_batch=trajs, group_size=groups),
+            ),
+        }
     return {
         f"Collector, {envs} envs": (
             lambda: Collector(env, policy, frames_per_batch=chunk),
@@ -88,9 +102,14 @@ def cases(
 
 async def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    print(f"{'task':<12} {'collector':<40} {'frames us/frame':>16} {'episodes us/frame':>18} {'ratio':>7}")
+    base_name, ours_name = ("episodes", "groups") if args.groups else ("frames", "episodes")
+    print(
+        f"{'task':<12} {'collector':<40} {base_name + ' us/frame':>16} "
+        f"{ours_name + ' us/frame':>18} {'ratio':>7}"
+    )
     for task in args.tasks:
-        for name, (frames_case, episodes_case) in cases(task, args.envs, args.trajs, args.chunk).items():
+        chosen = cases(task, args.envs, args.trajs, args.chunk, args.groups)
+        for name, (frames_case, episodes_case) in chosen.items():
             ratios, base, ours = [], [], []
             for _ in range(args.rounds):  # interleaved: both see the same load
                 a, _ = await measure(frames_case, args.frames)
@@ -114,4 +133,5 @@ if __name__ == "__main__":
     parser.add_argument("--chunk", type=int, default=256, help="frames_per_batch of the frame batches")
     parser.add_argument("--frames", type=int, default=20_000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--groups", type=int, default=None, help="group_size (against trajs_per_batch)")
     anyio.run(main, parser.parse_args())

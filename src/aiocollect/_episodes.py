@@ -19,9 +19,7 @@ Plain synchronous code (no event loop): the collectors call it where their frame
 
 from __future__ import annotations
 
-import threading
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -34,11 +32,12 @@ try:  # public from tensordict 0.15
 except ImportError:  # pragma: no cover - tensordict 0.14
     from tensordict.base import _is_leaf_nontensor as is_leaf_nontensor
 
-from ._rollout import RolloutResult
+from ._groups import Group, GroupOrder
 
-__all__ = ["EpisodeBatch", "EpisodeStatistics", "TrajectoryAssembler", "collect_episodes"]
+__all__ = ["EpisodeBatch", "EpisodeStatistics", "TrajectoryAssembler"]
 
 _TRAJ = ("collector", "traj_ids")
+_GROUP = ("collector", "group_id")
 _ENV_ID = ("collector", "env_id")
 _VERSION = ("collector", "policy_version")
 _DONE = ("next", "done")
@@ -55,6 +54,7 @@ class _Traj:
     oldest: int = 1 << 62  # the oldest policy version of its frames (push's ``version``)
     complete: bool = False
     discarded: bool = False
+    group: Group | None = None
 
 
 @dataclass(frozen=True)
@@ -113,8 +113,10 @@ class TrajectoryAssembler:
         1
     """
 
-    def __init__(self, trajs_per_batch: int) -> None:
+    def __init__(self, trajs_per_batch: int, group_size: int | None = None) -> None:
         self.trajs_per_batch = trajs_per_batch
+        #: with ``group_size``, trajectories are delivered in whole groups (``("collector", "group_id")``)
+        self._grouping = None if group_size is None else GroupOrder(group_size, trajs_per_batch)
         self._order: deque[_Traj] = deque()  # admission order, open and complete
         self._open: dict[int, _Traj] = {}  # by trajectory id, until delivered or discarded
         self._slots: dict[int, _Traj] = {}  # each slot's newest trajectory
@@ -133,6 +135,12 @@ class TrajectoryAssembler:
         self.max_length = 0
         self._spans: tuple[tuple[int, int], ...] = ()
         self._max_span = 0
+
+    def emptied(self) -> TrajectoryAssembler:
+        """A new assembler of the same sizes, holding nothing (the frames in assembly were dropped)."""
+        return TrajectoryAssembler(
+            self.trajs_per_batch, None if self._grouping is None else self._grouping.size
+        )
 
     # -- numbers ----------------------------------------------------------------------------------
     @property
@@ -164,6 +172,7 @@ class TrajectoryAssembler:
         flat, slot_of, key_of = _flat_frames(batch)
         ids = batch.get(_TRAJ).reshape(-1)
         done = batch.get(_DONE).reshape(-1).numpy()
+        groups = batch.get(_GROUP).reshape(-1).numpy() if self._grouping is not None else None
         order = torch.sort(ids, stable=True).indices
         uniq_t, counts = torch.unique_consecutive(ids[order], return_counts=True)
         uniq = uniq_t.tolist()
@@ -186,7 +195,8 @@ class TrajectoryAssembler:
             idx = order[bounds[k] : bounds[k + 1]]
             traj = self._open.get(ident)
             if traj is None:
-                traj = self._admit(ident, source, int(slot_of[firsts[k]]))
+                group = -1 if groups is None else int(groups[firsts[k]])
+                traj = self._admit(ident, source, int(slot_of[firsts[k]]), group)
             if traj.discarded:  # torn: its frames are counted, never delivered
                 self.frames_discarded += int(idx.numel())
                 if done[lasts[k]]:
@@ -199,12 +209,15 @@ class TrajectoryAssembler:
             if done[lasts[k]]:
                 traj.complete = True
                 self._complete += 1
+                if traj.group is not None:
+                    traj.group.complete += 1
         self._pushing = -1
         if not self._refs[seq]:
             del self._refs[seq], self._batches[seq], self._leaves[seq]
 
-    def _admit(self, ident: int, source: int, row: int) -> _Traj:
-        """A trajectory seen for the first time: it starts in its slot, which had the one before cut."""
+    def _admit(self, ident: int, source: int, row: int, group: int = -1) -> _Traj:
+        """A trajectory seen for the first time: it starts in its slot, which had the one before cut
+        (with groups: started again, where the new one is of the same group, else its group is cut)."""
         slot = source * _SLOT_STRIDE + row
         traj = _Traj(ident, slot)
         previous = self._slots.get(slot)
@@ -212,15 +225,20 @@ class TrajectoryAssembler:
             if previous.discarded:
                 del self._open[previous.ident]
             else:
-                self._discard(previous)
+                again = previous.group is not None and previous.group.ident == group
+                self._discard(previous, again=again)
         self._slots[slot] = traj
         self._open[ident] = traj
         cleared = self._tainted.get(source)
         if cleared is not None and row not in cleared:
             cleared.add(row)
             traj.discarded = True
-        else:
+            if self._grouping is not None:
+                self._discard_all(self._grouping.kill(group))
+        elif self._grouping is None:
             self._order.append(traj)
+        else:
+            traj.discarded = not self._grouping.join(traj, group)
         return traj
 
     def drop_older(self, version: int) -> None:
@@ -242,14 +260,23 @@ class TrajectoryAssembler:
             if traj.slot // _SLOT_STRIDE in sources and not traj.complete and not traj.discarded:
                 self._discard(traj, absorb=True)
 
-    def _discard(self, traj: _Traj, *, absorb: bool = False) -> None:
+    def _discard(self, traj: _Traj, *, absorb: bool = False, again: bool = False) -> None:
         """Count ``traj``'s frames as discarded and let go of them; ``absorb``: its id stays known, so
-        that frames still to come under it are discarded too (until its end, or its slot's next)."""
+        that frames still to come under it are discarded too (until its end, or its slot's next).
+        Its group is discarded too, unless ``again`` (the trajectory is being started again)."""
         traj.discarded = True
         self.frames_discarded += traj.frames
         if not absorb:
             del self._open[traj.ident]
         self._release(traj)
+        if self._grouping is not None:
+            self._discard_all(self._grouping.leave(traj, again=again))
+
+    def _discard_all(self, trajs: list[_Traj]) -> None:
+        """Discard the members of a group discarded (complete or not)."""
+        for traj in trajs:
+            self._complete -= traj.complete
+            self._discard(traj, absorb=not traj.complete)
 
     def _release(self, traj: _Traj) -> None:
         for seq, _ in traj.pieces:
@@ -263,6 +290,8 @@ class TrajectoryAssembler:
         """Whether the next ``trajs_per_batch`` trajectories in admission order are all complete."""
         if self._complete < self.trajs_per_batch:
             return False
+        if self._grouping is not None:
+            return self._grouping.ready() is not None
         self._drop_discarded_head()
         n = 0
         for traj in self._order:
@@ -281,7 +310,7 @@ class TrajectoryAssembler:
 
     def pop(self) -> EpisodeBatch:
         """The next ``trajs_per_batch`` trajectories, flat over frames (check :meth:`ready` first)."""
-        taken: list[_Traj] = []
+        taken: list[_Traj] = [] if self._grouping is None else self._grouping.take()
         while len(taken) < self.trajs_per_batch:
             traj = self._order.popleft()
             if traj.discarded:
@@ -364,31 +393,3 @@ def _version_spans(batch: TensorDictBase, lengths: list[int]) -> list[tuple[int,
     for part in torch.split(version.reshape(-1), lengths):
         spans.append((int(part.min()), int(part.max())))
     return spans
-
-
-def collect_episodes(
-    assembler: TrajectoryAssembler,
-    collect: Callable[[], RolloutResult],
-    stop: threading.Event | None,
-    version: int,
-) -> RolloutResult:
-    """In a rollout thread: frame batches from ``collect()`` into ``assembler`` until a batch of whole
-    trajectories is ready; that batch as a :class:`RolloutResult` (``frames``: its frames, episodes: its
-    trajectories). If ``stop`` is set first, the last frame batch (the caller discards it: its frames
-    stay in the assembler)."""
-    while not assembler.ready():
-        result = collect()
-        version = result.policy_version
-        assembler.push(result.batch)
-        if stop is not None and stop.is_set():
-            return result
-    out = assembler.pop()
-    frames = out.batch.shape[0]
-    return RolloutResult(
-        out.batch,
-        steps=frames,
-        frames=frames,
-        episode_returns=out.returns,
-        episode_lengths=out.lengths,
-        policy_version=version,
-    )

@@ -1,5 +1,6 @@
-"""The arguments of ``trajs_per_batch`` (whole trajectories per batch, see ``_episodes.py``), checked
-before any env is built or process started, and the frame chunk an episode collector steps at a time."""
+"""The arguments of ``trajs_per_batch`` (whole trajectories per batch, see ``_episodes.py``) and of its
+groups and weight-update rule (``group_size``, ``on_update``, see ``_groups.py``), checked before any env is
+built or process started, and the frame chunk an episode collector steps at a time."""
 
 from __future__ import annotations
 
@@ -10,8 +11,13 @@ from ._options import RolloutOptions
 __all__ = [
     "CHUNK_FRAMES",
     "async_chunk",
+    "check_async_envs",
     "chunk_frames",
+    "episode_args",
+    "group_size_arg",
+    "on_update_arg",
     "refuse_cuts",
+    "refuse_episode_args",
     "refuse_with_episodes",
     "trajs_per_batch_arg",
 ]
@@ -92,4 +98,101 @@ def refuse_cuts(collector: str, trajs_per_batch: int | None, options: RolloutOpt
             trajs_per_batch,
             reset_at_each_iter=options.reset_at_each_iter,
             set_truncated=options.set_truncated,
+        )
+
+
+def group_size_arg(collector: str, group_size: Any, trajs_per_batch: int | None) -> int | None:
+    """``group_size`` checked: a positive int, with ``trajs_per_batch`` a multiple of it.
+
+    Example:
+        >>> group_size_arg("Collector", 4, 8)
+        4
+        >>> group_size_arg("Collector", 4, 6)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Collector(group_size=4) ...: trajs_per_batch=6 must be a multiple of group_size=4 (...)
+    """
+    if group_size is None:
+        return None
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(f"group_size must be a positive int (rollouts per group), got {group_size!r}")
+    if group_size <= 0:
+        raise ValueError(f"group_size must be a positive int (rollouts per group), got {group_size!r}")
+    if trajs_per_batch is None:
+        raise TypeError(
+            f"{collector}(group_size={group_size}) delivers whole groups of trajectories: give "
+            f"trajs_per_batch too (a multiple of {group_size})"
+        )
+    if trajs_per_batch % group_size:
+        fix = -(-trajs_per_batch // group_size) * group_size
+        raise ValueError(
+            f"{collector}(group_size={group_size}) delivers whole groups: trajs_per_batch={trajs_per_batch} "
+            f"must be a multiple of group_size={group_size} (e.g. trajs_per_batch={fix})"
+        )
+    return group_size
+
+
+def on_update_arg(collector: str, on_update: Any, trajs_per_batch: int | None) -> str:
+    """``on_update`` checked: ``"continue"`` or ``"restart"`` (which needs ``trajs_per_batch``).
+
+    Example:
+        >>> on_update_arg("AsyncEnvCollector", "again", 4)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: on_update must be 'continue' (...) or 'restart' (...), got 'again'
+    """
+    if on_update not in ("continue", "restart"):
+        raise ValueError(
+            "on_update must be 'continue' (episodes go on with the new weights) or 'restart' (episodes "
+            f"in flight start again from their initial state), got {on_update!r}"
+        )
+    if on_update == "restart" and trajs_per_batch is None:
+        raise TypeError(
+            f"{collector}(on_update='restart') discards the episodes in flight at a weight update, which "
+            "only batches of whole trajectories can do: give trajs_per_batch"
+        )
+    return str(on_update)
+
+
+def episode_args(
+    collector: str, trajs_per_batch: int | None, group_size: Any, on_update: Any, restart: Any = None
+) -> tuple[int | None, str]:
+    """``group_size`` and ``on_update`` of a collector of async envs, checked (:func:`group_size_arg`,
+    :func:`on_update_arg`); neither is taken with ``restart=`` (a rebuilt env starts its episode anew)."""
+    group = group_size_arg(collector, group_size, trajs_per_batch)
+    update = on_update_arg(collector, on_update, trajs_per_batch)
+    if restart is not None and (group is not None or update == "restart"):
+        what = f"group_size={group}" if group is not None else "on_update='restart'"
+        raise ValueError(
+            f"{collector}({what}) and restart= are not taken together (a rebuilt env would start its "
+            "episode anew, outside its group): drop one of them"
+        )
+    return group, update
+
+
+def refuse_episode_args(collector: str, trajs_per_batch: int | None, group_size: Any, on_update: Any) -> None:
+    """``group_size`` and ``on_update="restart"`` checked, and refused where they are not built yet."""
+    group, update = episode_args(collector, trajs_per_batch, group_size, on_update)
+    if group is not None or update == "restart":
+        what = f"group_size={group}" if group is not None else "on_update='restart'"
+        raise ValueError(
+            f"{collector} does not take {what} yet (its worker processes' envs are not seeded per episode): "
+            "use AsyncEnvCollector (one process) or MultiAsyncCollector"
+        )
+
+
+def check_async_envs(rows: int, has_vector: bool, group_size: int | None, on_update: str) -> None:
+    """What seeded episodes need of an async-env collector's envs (checked once they are built)."""
+    if group_size is None and on_update != "restart":
+        return
+    what = f"group_size={group_size}" if group_size is not None else "on_update='restart'"
+    if has_vector:
+        raise ValueError(
+            f"{what} resets each env with a seed of its own, which an async vector env cannot do (it resets "
+            "its sub-envs itself, same-step autoreset): give single async envs (e.g. ThreadedAsyncEnv)"
+        )
+    if group_size is not None and rows % group_size:
+        raise ValueError(
+            f"group_size={group_size} needs the envs in whole groups: {rows} envs is not a multiple of "
+            f"{group_size}; give a multiple of {group_size} env fns"
         )

@@ -145,6 +145,11 @@ class RolloutOptions:
             (``aiocollect.compat`` sets it).
         restart: a :class:`RestartPolicy`: an env that raises is closed, rebuilt from its factory and
             reset, within the policy's budget (see docs/faults.md); ``None`` (default) fails at once.
+        group_size: episodes in groups of this many that start from the same initial state (the same
+            reset seed), each frame with its ``("collector", "group_id")``: the collectors' keyword
+            (with ``trajs_per_batch``, see docs/episodes.md, "Groups").
+        on_update: ``"continue"`` or ``"restart"``: the episodes in flight when the rollout's policy
+            version changes start again from their initial state (``MultiAsyncCollector``'s keyword).
 
     Example:
         >>> from aiocollect import RolloutOptions
@@ -178,6 +183,8 @@ class RolloutOptions:
     lossless_action_casts: bool = False
     step_count: bool = False
     restart: RestartPolicy | None = None
+    group_size: int | None = None
+    on_update: str = "continue"
 
     def __post_init__(self) -> None:
         fpb = self.frames_per_batch
@@ -204,6 +211,8 @@ class RolloutOptions:
             "compile_policy": dict(compile_option) if isinstance(compile_option, Mapping) else compile_option,
             "traj_id_start": start,
             "traj_id_stride": stride,
+            "group_size": optional_positive_int("group_size", self.group_size),
+            "on_update": self.on_update,
         }
         for name in ("device", "env_device", "policy_device", "storing_device"):
             normal[name] = device_arg(name, getattr(self, name))
@@ -211,6 +220,13 @@ class RolloutOptions:
             raise TypeError(
                 f"restart must be a RestartPolicy or None, got {self.restart!r}: "
                 "e.g. restart=RestartPolicy(max_restarts=3, window=60.0)"
+            )
+        if self.on_update not in ("continue", "restart"):
+            raise ValueError(f"on_update must be 'continue' or 'restart', got {self.on_update!r}")
+        if self.restart is not None and (normal["group_size"] is not None or self.on_update == "restart"):
+            raise ValueError(
+                "group_size and on_update='restart' are not taken with restart= (a rebuilt env would start "
+                "its episode anew, outside its group): drop one of them"
             )
         if normal["step_count"] and normal["max_frames_per_traj"] is None:
             raise ValueError(

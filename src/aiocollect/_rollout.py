@@ -20,6 +20,7 @@ from tensordict.nn import set_interaction_type
 from ._envs._adapter import ArrayEnv, check_env
 from ._envs._rebuild import EnvRebuilder
 from ._envs._spaces import LeafSpec, NestedKey
+from ._groups import EpisodeSeeds, SeededEnv
 from ._options import RolloutOptions, WeightSchedule
 from ._policies import Runner, compile_policy, make_runner, one_input, random_policy_for
 from ._recurrent import Carry, Recurrence, find_recurrence
@@ -97,6 +98,10 @@ class Rollout:
     ) -> None:
         if not isinstance(options.frames_per_batch, int):
             raise TypeError(f"a rollout collects one frames_per_batch, got {options.frames_per_batch!r}")
+        if options.group_size is not None or options.on_update == "restart":  # seeded episodes (_groups.py)
+            start, stride = options.traj_id_start, options.traj_id_stride
+            seeds = EpisodeSeeds(max(env.numel, 1), options.group_size or 1, options.seed, start, stride)
+            env = SeededEnv(env, seeds)  # type: ignore[assignment]  # an ArrayEnv with seeded resets
         self.env = env
         self.policy = policy
         self.random_runner = random_runner
@@ -134,9 +139,12 @@ class Rollout:
         # one numpy call: ``start + stride * np.arange(n)`` costs ~4 us, and it runs at every episode end
         return np.arange(start, self._next_traj, stride, dtype=np.int64)
 
-    def reset(self, root: dict[NestedKey, np.ndarray] | None = None) -> None:
+    def reset(self, root: dict[NestedKey, np.ndarray] | None = None, *, again: bool = False) -> None:
         """Reset every env (or take ``root``, the observations of a reset done already) and start new
-        trajectories."""
+        trajectories; ``again``: the episodes in flight, from their own initial states (seeded episodes)."""
+        self._episodes_version = self.policy_version  # on_update="restart": the version episodes began with
+        if again:  # (a SeededEnv)
+            root = self.env.restart()  # type: ignore[attr-defined]
         self._root = self.env.reset() if root is None else root
         if self._carry is not None:
             self._root = self._carry.start(self._root)
@@ -151,13 +159,25 @@ class Rollout:
         return self._next_traj
 
     def state_dict(self) -> dict[str, Any]:
-        return {"next_traj_id": self._next_traj, "policy_version": self.policy_version}
+        state = {"next_traj_id": self._next_traj, "policy_version": self.policy_version}
+        if isinstance(self.env, SeededEnv):
+            state["group_round"] = self.env.next_round
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._next_traj = int(state["next_traj_id"])
         self.policy_version = int(state["policy_version"])
+        if isinstance(self.env, SeededEnv):  # groups: every slot starts a round no group has used yet
+            self.env.start_at(max(int(state.get("group_round", 0)), self.env.next_round))
+            self.reset()
+            return
         # the carried trajectories get fresh ids, as after a reset
         self._traj_ids = self._new_ids(max(self.env.numel, 1)).reshape(self.batch_shape)
+
+    def seed_groups(self, seed: int) -> None:
+        """``set_seed(seed)``: the groups' reset seeds derive from ``seed`` from the next reset on."""
+        if isinstance(self.env, SeededEnv):
+            self.env.seeds.rebase(seed, self.env.next_round)
 
     def output_specs(self) -> dict[NestedKey, LeafSpec]:
         """Keys, shapes and dtypes the policy writes (from one dry call on the current observation)."""
@@ -228,6 +248,8 @@ class Rollout:
             if self.options.step_count:  # TorchRL's StepCounter keys
                 shapes["step_count"] = shapes[("next", "step_count")] = ((*bt, 1), torch.int64)
             shapes[("collector", "traj_ids")] = (bt, torch.int64)
+            if self.options.group_size is not None:
+                shapes[("collector", "group_id")] = (bt, torch.int64)
             self._specs = (list(shapes), list(shapes.values()))
         return self._specs
 
@@ -282,6 +304,8 @@ class Rollout:
         """
         if self.options.reset_at_each_iter:
             self.reset()
+        elif self.options.on_update == "restart" and self.policy_version != self._episodes_version:
+            self.reset(again=True)  # new weights: the episodes in flight start again (their frames discarded)
         batch, views = self._allocate(into)
         runner = self.random_runner if random else self.policy
         block, block_steps = self._random_block(runner)
@@ -524,6 +548,8 @@ class Rollout:
             self._traj_ids, self._next_traj = trajectory_ids(
                 traj_v[valid], done_v[valid], self._traj_ids, self._next_traj, self.options.traj_id_stride
             )
+            if isinstance(self.env, SeededEnv) and self.options.group_size:  # group ids, as trajectory ids
+                self.env.write_groups(views[("collector", "group_id")][valid], done_v[valid])
         if steps < self.steps_per_batch:
             # frames never collected: traj id -1 marks them invalid (their other entries are garbage)
             traj_v[(*lead, slice(steps, None))] = -1

@@ -24,11 +24,13 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
+from ._episodes import TrajectoryAssembler
 from ._errors import WorkerTimeoutError
+from ._rollout import RolloutResult
 from ._timesplit import SplitClock
 from ._torch_settings import TorchSettings
 
-__all__ = ["Doorbell", "Job", "RolloutThread"]
+__all__ = ["Doorbell", "Job", "RolloutThread", "collect_episodes"]
 
 T = TypeVar("T")
 
@@ -333,3 +335,31 @@ class RolloutThread:
 
     def alive(self) -> bool:
         return self._thread is not None and not self._exited.is_set()
+
+
+def collect_episodes(
+    assembler: TrajectoryAssembler,
+    collect: Callable[[], RolloutResult],
+    stop: threading.Event | None,
+    version: int,
+) -> RolloutResult:
+    """In a rollout thread: frame batches from ``collect()`` into ``assembler`` until a batch of whole
+    trajectories is ready; that batch as a :class:`RolloutResult` (``frames``: its frames, episodes: its
+    trajectories). If ``stop`` is set first, the last frame batch (the caller discards it: its frames
+    stay in the assembler)."""
+    while not assembler.ready():
+        result = collect()
+        version = result.policy_version
+        assembler.push(result.batch)
+        if stop is not None and stop.is_set():
+            return result
+    out = assembler.pop()
+    frames = out.batch.shape[0]
+    return RolloutResult(
+        out.batch,
+        steps=frames,
+        frames=frames,
+        episode_returns=out.returns,
+        episode_lengths=out.lengths,
+        policy_version=version,
+    )

@@ -142,7 +142,7 @@ class CheckpointMixin:
         assert self._task_group is not None
         await old.stop()
         if self._episodes is not None:  # trajectories in assembly went with the frames dropped
-            self._episodes = TrajectoryAssembler(self._episodes.trajs_per_batch)
+            self._episodes = self._episodes.emptied()
         done = self._stats.frames if frames is None else frames
         target = self._target()
         if 0 < target <= done:  # the budget is collected already: nothing more to run
@@ -155,6 +155,7 @@ class CheckpointMixin:
         new.traj_ids[:] = np.arange(old.next_traj, old.next_traj + n)
         new.next_traj = old.next_traj + n
         new.version = old.version
+        new.go_on_from(old)  # seeded episodes: rounds (group ids) no group of the old engine used
         new.env_frames = old.env_frames
         self._engine = new
         await self._task_group.start(new.run)

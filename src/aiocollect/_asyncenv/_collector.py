@@ -15,7 +15,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
 from .._episodes import TrajectoryAssembler
-from .._episodes_args import async_chunk, trajs_per_batch_arg
+from .._episodes_args import async_chunk, check_async_envs, episode_args, trajs_per_batch_arg
 from .._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
 from .._gcfreeze import GcHold
 from .._local._base import CollectorBase
@@ -96,6 +96,11 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
         total_frames: frames to collect (rounded up to whole batches); ``-1`` (default): endless.
         trajs_per_batch: instead of ``frames_per_batch``, batches of this many whole trajectories, in
             the order they started (see :class:`Collector`).
+        group_size: with ``trajs_per_batch``, episodes in groups of envs that start from the same
+            initial state, delivered whole (see :class:`Collector`); single async envs only.
+        on_update: with ``trajs_per_batch``: ``"continue"`` (default: episodes go on with the new
+            weights) or ``"restart"``: the episodes in flight at :meth:`update_weights` are discarded
+            and started again from their initial state (docs/episodes.md).
         min_batch: envs waiting that start a policy call (default: half of the envs), counted in
             sub-envs (a vector env's sub-envs are never split across policy calls).
         max_wait: seconds the oldest waiting env waits before a policy call on fewer than ``min_batch``
@@ -174,6 +179,8 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
         progress: Any = None,
         freeze_gc: bool = True,
         restart: RestartPolicy | None = None,
+        group_size: int | None = None,
+        on_update: str = "continue",
     ) -> None:
         # every argument is checked here, before any env is built
         self._env_fns = env_fns_arg(env_fns)
@@ -182,7 +189,10 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
         trajs = trajs_per_batch_arg(
             "AsyncEnvCollector", trajs_per_batch, frames_per_batch, on_env_error=on_env_error == "drop"
         )
-        self._episodes = None if trajs is None else TrajectoryAssembler(trajs)  # whole trajectories
+        self._group_size, self._on_update = episode_args(
+            "AsyncEnvCollector", trajs, group_size, on_update, restart
+        )
+        self._episodes = None if trajs is None else TrajectoryAssembler(trajs, self._group_size)
         self.frames_per_batch = positive_int("frames_per_batch", async_chunk(frames_per_batch, trajs, n))
         self.total_frames = total_frames_arg(total_frames)
         # counted in (sub-)envs: the default, half of them, is known once the envs are built
@@ -264,6 +274,8 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
             seed=self._seed,
             drop_failed_envs=self._drop_failed,
             track_policy_version=self._track_policy_version,
+            group_size=self._group_size,
+            restart_on_update=self._on_update == "restart",
         )
         restarts = env_restarts(self._restart_policy, self._env_fns, limiter, spec, self._hub)
         self._engine = self._new_engine(envs, spec, self._engine_policy(policy, spec), config, restarts)
@@ -279,6 +291,7 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
 
     def _check_vector_envs(self, spec: EnvSet) -> None:
         """Refuse what vector envs cannot do, once the envs are built (an env fn's kind is known then)."""
+        check_async_envs(spec.rows, spec.has_vector, self._group_size, self._on_update)
         if not spec.has_vector:
             return
         if self._max_frames_per_traj is not None:
@@ -360,6 +373,8 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
             engine = self._engine
             assert engine is not None
             while True:
+                if self._episodes is not None and self._episodes.ready():  # from the frames taken already
+                    return await self._deliver(engine)
                 while not engine.complete and engine.error is None:
                     self._active()
                     await engine.consumer_signal.wait()
@@ -373,8 +388,6 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
                 frames = engine.take_batch()
                 self._version = frames.version
                 self._episodes.push(frames.finish())
-                if self._episodes.ready():
-                    return await self._deliver(engine)
         finally:
             self._lock.release()
 
@@ -445,8 +458,7 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
             )
         async with engine.policy_lock:
             await self._policy.load_weights(policy_or_weights)
-            engine.version += 1
-            version = engine.version
+            version = engine.new_version()
         self._hub.publish(WeightsPublished(version))
         self._hub.publish(WeightsLoaded(version, 0))
         return version

@@ -29,6 +29,7 @@ class Layout:
         out_specs: dict[NestedKey, LeafSpec],
         *,
         track_policy_version: bool,
+        group_ids: bool = False,
     ) -> None:
         self.obs_keys = list(obs_specs)
         self.out_keys = list(out_specs)
@@ -44,8 +45,11 @@ class Layout:
         entries[("collector", "env_id")] = ((), torch.int64)
         if track_policy_version:
             entries[("collector", "policy_version")] = ((), torch.int64)
+        if group_ids:  # group_size: each frame's ("collector", "group_id")
+            entries[("collector", "group_id")] = ((), torch.int64)
         self.entries = entries
         self.track_policy_version = track_policy_version
+        self.group_ids = group_ids
 
 
 class PolicyCall:
@@ -53,7 +57,7 @@ class PolicyCall:
     actions are numbered ``base`` to ``base + n - 1`` (actions are numbered in the order they are handed
     out, over the collector's life)."""
 
-    __slots__ = ("base", "env_ids", "n", "obs", "outputs", "traj_ids", "version")
+    __slots__ = ("base", "env_ids", "group_ids", "n", "obs", "outputs", "traj_ids", "version")
 
     def __init__(
         self,
@@ -63,8 +67,10 @@ class PolicyCall:
         traj_ids: np.ndarray,
         version: int,
         base: int,
+        group_ids: np.ndarray | None = None,
     ) -> None:
         self.obs = obs
+        self.group_ids = group_ids
         self.outputs = outputs
         self.env_ids = env_ids
         self.traj_ids = traj_ids
@@ -135,6 +141,8 @@ class FrameBatch:
             gather(key, [c.outputs[k] for c in calls])
         gather(("collector", "env_id"), [c.env_ids for c in calls])
         gather(("collector", "traj_ids"), [c.traj_ids for c in calls])
+        if layout.group_ids:
+            gather(("collector", "group_id"), [c.group_ids for c in calls])
         if layout.track_policy_version:
             gather(("collector", "policy_version"), [np.full(c.n, c.version, np.int64) for c in calls])
         views[("next", "reward")][:, 0] = self.reward

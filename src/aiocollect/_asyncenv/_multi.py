@@ -14,7 +14,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
-from .._episodes_args import async_chunk, trajs_per_batch_arg
+from .._episodes_args import async_chunk, refuse_episode_args, trajs_per_batch_arg
 from .._events import Restarted, WorkerFailed
 from .._fleet import Arrival, FleetCollector
 from .._mistakes import explicit_keywords
@@ -260,6 +260,8 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
         traj_id_start: int = 0,
         traj_id_stride: int = 1,
         restart: RestartPolicy | None = None,
+        group_size: int | None = None,
+        on_update: str = "continue",
     ) -> None:
         shares = shares_arg(env_fns_per_worker)
         lag = lag_arg(max_policy_lag)
@@ -270,6 +272,7 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
             max_policy_lag=lag,
             on_env_error="drop" if on_env_error == "drop" else None,
         )
+        refuse_episode_args("MultiAsyncEnvCollector", trajs, group_size, on_update)
         frames_per_batch = async_chunk(frames_per_batch, trajs, max(len(share) for share in shares))
         fpb = frames_arg(frames_per_batch, len(shares))
         if prefetch is None:  # on-policy: what a worker collects ahead is dropped at the next update

@@ -30,6 +30,7 @@ import torch
 
 from .._envs._spaces import LeafSpec, NestedKey
 from .._events import WorkerFailed
+from .._groups import RowEpisodes
 from .._timesplit import SplitClock
 from ._envset import EnvSet
 from ._frames import FrameBatch, Layout, PolicyCall
@@ -71,6 +72,9 @@ class EngineConfig:
     seed: int | None
     drop_failed_envs: bool
     track_policy_version: bool
+    #: seeded episodes (``_groups.py``): in groups of this many rows, and started again at each update
+    group_size: int | None = None
+    restart_on_update: bool = False
 
 
 class Engine(VectorSteps):
@@ -103,6 +107,9 @@ class Engine(VectorSteps):
         self.hub = hub
         self.stage = spec.staging(n)
         self.traj_ids = np.arange(n, dtype=np.int64)
+        # seeded episodes (group_size, on_update="restart"), else None: resets unseeded but the first
+        self.episodes = RowEpisodes.of(n, config.group_size, config.seed, restart=config.restart_on_update)
+        self._restarting = [False] * n if self.episodes is None else self.episodes.restarting
         self.next_traj = n
         self.env_frames = [0] * n
         self.dropped: set[int] = set()
@@ -232,6 +239,7 @@ class Engine(VectorSteps):
             max_len = self.config.max_frames_per_traj
             current_time = anyio.current_time
             ret, length = 0.0, 0
+            restarting = self._restarting
             while not self._no_more_actions:
                 if single is not None:
                     single[...] = obs
@@ -252,6 +260,9 @@ class Engine(VectorSteps):
                 action = actions[i]
                 if action is END:  # the budget is spent
                     return
+                if restarting[i]:  # on_update="restart": new weights; the action is not taken
+                    obs, ret, length = await self._restart(i, env)
+                    continue
                 obs, reward, terminated, truncated, _ = await env.step(action)
                 actions[i] = None
                 self._in_flight -= 1
@@ -287,9 +298,38 @@ class Engine(VectorSteps):
                 if idle_signal._event is not None and self.idle:  # a pause() waits for the steps in flight
                     idle_signal.set()
                 if done:
-                    obs, _ = await env.reset()
+                    obs, _ = await env.reset(seed=None if self.episodes is None else self.episodes.advance(i))
         except Exception as exc:
             await self._env_failed(u, exc)
+
+    async def _restart(self, i: int, env: Any) -> tuple[Any, float, int]:
+        """Row ``i``'s episode started again from its own seed, under a new trajectory id (its frames so
+        far are discarded by the trajectory assembler: a slot's trajectory cut and begun again), instead
+        of a step with the action it was handed."""
+        assert self.episodes is not None
+        self._restarting[i] = False
+        self._actions[i] = None
+        self._in_flight -= 1
+        self.policy_signal.set()  # room for a step
+        if self.idle:
+            self.idle_signal.set()  # a pause() waits for the steps in flight
+        self.traj_ids[i] = self.next_traj
+        self.next_traj += 1
+        obs, _ = await env.reset(seed=self.episodes.seed(i))
+        return obs, 0.0, 0
+
+    def go_on_from(self, old: Engine) -> None:
+        """A new engine over ``old``'s envs: its seeded episodes start rounds no group of ``old`` used."""
+        if self.episodes is not None and old.episodes is not None:
+            self.episodes.go_on_from(old.episodes)
+
+    def new_version(self) -> int:
+        """The policy version after an update (its weights loaded); with ``on_update="restart"`` every
+        episode in flight starts again."""
+        self.version += 1
+        if self.episodes is not None:
+            self.episodes.updated()
+        return self.version
 
     def restart_counts(self) -> list[int]:
         """Per row (env id): the restarts of its env (a vector env's, on its first row)."""
@@ -297,6 +337,8 @@ class Engine(VectorSteps):
 
     def reset_seed(self, first: int, u: int) -> int | None:
         """The seed of env ``u``'s first reset (its first row ``first``), derived anew after a restart."""
+        if self.episodes is not None:
+            return self.episodes.seed(first)
         seed = None if self.config.seed is None else self.config.seed + first
         return seed if self.restarts is None else self.restarts.seed(seed, u)
 
@@ -497,7 +539,10 @@ class Engine(VectorSteps):
             raise KeyError(f"the policy wrote {list(outputs)}, and {self._layout.out_keys} at its first call")
         arrays = self.codec.arrays(out, n)
         base = self._next_action
-        self._calls.append(PolicyCall(obs, list(outputs.values()), idx, self.traj_ids[idx], version, base))
+        groups = self.episodes.group_ids[idx] if self._layout.group_ids and self.episodes else None
+        self._calls.append(
+            PolicyCall(obs, list(outputs.values()), idx, self.traj_ids[idx], version, base, groups)
+        )
         self._in_flight += n
         if self.spec.has_vector:
             await self._dispatch_mixed(ids, arrays, base)
@@ -552,7 +597,8 @@ class Engine(VectorSteps):
 
     def _make_layout(self, outputs: dict[NestedKey, Any]) -> Layout:
         specs = {key: LeafSpec(tuple(value.shape[1:]), _dtype(value)) for key, value in outputs.items()}
-        return Layout(self.spec.obs_specs, specs, track_policy_version=self.config.track_policy_version)
+        grouped, versions = self.config.group_size is not None, self.config.track_policy_version
+        return Layout(self.spec.obs_specs, specs, track_policy_version=versions, group_ids=grouped)
 
 
 #: envs woken per loop iteration after a policy call (see ``Engine._act``)

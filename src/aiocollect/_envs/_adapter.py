@@ -245,6 +245,25 @@ class ArrayEnv:
         self._group_flags = {flag: root[flag] for flag in self._flag_keys}
         return root
 
+    def check_reset_seeded(self) -> None:
+        """Raise unless :meth:`reset_seeded` works for this env (``group_size``, ``on_update="restart"``)."""
+        if isinstance(self._gym, GymEnv):
+            self._gym._check_reset_seeded()
+        elif self.batch_shape or self.torchrl_arrays is not None:
+            raise ValueError(
+                f"group_size and on_update='restart' reset each env slot with a seed of its own, which "
+                f"{type(self.env).__name__} (batch size {list(self.batch_shape)}) cannot do: use a GymEnv "
+                "(a gymnasium env or vector env), or an env of batch size [] (seeded by set_seed, then reset)"
+            )
+
+    def reset_seeded(self, mask: np.ndarray | None, seeds: np.ndarray) -> dict[NestedKey, np.ndarray]:
+        """Reset the sub-envs in ``mask`` (all: ``None``), sub-env ``i`` with seed ``seeds[i]``; the
+        observations of every sub-env (see :meth:`check_reset_seeded`)."""
+        if isinstance(self._gym, GymEnv):
+            return self._gym._reset_seeded(mask, seeds)
+        self.env.set_seed(int(seeds.reshape(-1)[0]))  # one env: set_seed seeds its next reset
+        return self.reset()
+
     def step(self, action: torch.Tensor) -> ArrayStep:
         if self._gym is not None:
             return self._gym._step_arrays(action)

@@ -393,15 +393,46 @@ class GymEnv:
         self._last_obs = root
         return root
 
+    def _check_reset_seeded(self) -> None:
+        if self._pool:
+            raise ValueError(
+                "group_size and on_update='restart' reset each env slot with a seed of its own; an EnvPool "
+                "pool fixes its seeds when it is made: use a gymnasium vector env (gymnasium.make_vec)"
+            )
+
+    def _reset_seeded(self, mask: np.ndarray | None, seeds: np.ndarray) -> dict[NestedKey, np.ndarray]:
+        """Reset the sub-envs in ``mask`` (all: ``None``), sub-env ``i`` with ``seeds[i]`` (one env:
+        ``seeds`` of shape ``[]``); returns the observation of every sub-env."""
+        self._pool_fresh = False
+        if not self._vector:
+            root = self._observation(*self._env.reset(seed=int(seeds)))
+        elif mask is None or self._last_obs is None:
+            root = self._observation(*self._env.reset(seed=[int(s) for s in seeds]))
+        else:
+            mask = np.asarray(mask, dtype=bool)
+            base = {k: v.copy() for k, v in self._last_obs.items()}
+            root = self._merge_reset(
+                base, mask, [int(s) if m else None for s, m in zip(seeds, mask, strict=True)]
+            )
+        self._seed = None
+        self._needs_reset = False
+        self._autoreset_pending = None
+        self._last_obs = root
+        return root
+
     def _merge_reset(
-        self, base: dict[NestedKey, np.ndarray], mask: np.ndarray
+        self, base: dict[NestedKey, np.ndarray], mask: np.ndarray, seeds: list[int | None] | None = None
     ) -> dict[NestedKey, np.ndarray]:
         """Reset the sub-envs in ``mask`` and write their observations (and info entries) into ``base``.
 
         Gymnasium's vector envs return every sub-env's observation; EnvPool those of the reset ones
         (in the order of its ``info["env_id"]``).
         """
-        obs, info = self._reset(None, mask)
+        obs, info = (
+            self._reset(None, mask)
+            if seeds is None
+            else self._env.reset(seed=seeds, options={"reset_mask": mask})
+        )
         arrays = self._arrays(obs)
         first = next(iter(arrays.values()))
         if first.shape[0] == self._num_envs:
@@ -521,10 +552,18 @@ class GymEnv:
             and fusable_type(self, GymEnv)
         )
 
-    def _run_steps(self, *args: Any) -> tuple[int, np.ndarray]:
+    def _run_steps(self, *args: Any, **kwargs: Any) -> tuple[int, np.ndarray]:
         """The rollout's fused loop (where :attr:`_fused_steps` holds): ``_gym_steps.run_steps``, or
         ``run_pool_steps`` for an EnvPool pool."""
-        return (run_pool_steps if self._pool else run_steps)(self, *args)
+        return (run_pool_steps if self._pool else run_steps)(self, *args, **kwargs)
+
+    def _reseed_rows(self, root: np.ndarray | None, mask: np.ndarray, seeds: np.ndarray) -> np.ndarray:
+        """The fused loop's :meth:`_reset_seeded`: the sub-envs in ``mask`` reset with their ``seeds``,
+        their observations written into ``root`` (the observations to act on; one env: ``None``)."""
+        if root is None:  # one env
+            return self._array(self._env.reset(seed=int(seeds))[0], self._plain_obs_dtype)  # type: ignore[arg-type]
+        seeded = [int(s) if m else None for s, m in zip(seeds, mask, strict=True)]
+        return self._merge_reset({"observation": root}, mask, seeded)["observation"]
 
     _env_action_steps = env_action_steps
 

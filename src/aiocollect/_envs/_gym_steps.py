@@ -105,6 +105,7 @@ def run_steps(
     out_hist: list[Any],
     stop: Any,
     clock: Any = None,
+    reseed: Any = None,
 ) -> tuple[int, np.ndarray]:
     """The rollout's hot loop where :attr:`GymEnv._fused_steps` holds: what ``steps`` calls of
     :meth:`GymEnv._step_arrays` give, without a call, a dict and a named tuple per step.
@@ -114,8 +115,9 @@ def run_steps(
     from ``out = act(torch.from_numpy(root))`` (``out`` appended to ``out_hist``, ``out["action"]``
     checked as :meth:`GymEnv._step_arrays` does); the next observation, the reward, terminated and
     truncated go to ``slots[1:][t]`` (time-first views of the batch). Stops early where
-    ``stop.is_set()``. ``clock``: a ``SplitClock`` that gets the policy calls' time. Returns (steps taken,
-    the observation to act on next).
+    ``stop.is_set()``. ``clock``: a ``SplitClock`` that gets the policy calls' time. ``reseed(root, done)``:
+    the observations after the ended episodes are reset again, seeded (``group_size``; ``_groups.py``).
+    Returns (steps taken, the observation to act on next).
     """
     env_step = self._env.step
     reset = self._env.reset
@@ -160,6 +162,8 @@ def run_steps(
                     for i in np.nonzero(info.get("_final_obs", done))[0]:
                         nxt[i] = finals[i]
                     pending = done
+                    if reseed is not None:
+                        root = reseed(root, done)
                 else:
                     nxt = root
                     pending = None
@@ -170,7 +174,7 @@ def run_steps(
                 if terminated or truncated:
                     nxt = nxt.copy()  # the reset may write into the env's buffer
                     new_obs, _ = reset()
-                    root = array(new_obs, dtype)
+                    root = array(new_obs, dtype) if reseed is None else reseed(None, np.asarray(True))
                     pending = np.asarray(True)
                 else:
                     root = nxt

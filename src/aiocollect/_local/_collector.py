@@ -20,8 +20,8 @@ from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
 from .._envs._rebuild import env_factory
-from .._episodes import TrajectoryAssembler, collect_episodes
-from .._episodes_args import chunk_frames, refuse_cuts, trajs_per_batch_arg
+from .._episodes import TrajectoryAssembler
+from .._episodes_args import chunk_frames, group_size_arg, refuse_cuts, trajs_per_batch_arg
 from .._errors import WorkerTimeoutError
 from .._events import Restarted, WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
 from .._mistakes import explicit_keywords, warn_user
@@ -30,7 +30,7 @@ from .._restart import RestartPolicy
 from .._resume import load_member, member_state
 from .._rng import RolloutRNG, forked_rng
 from .._rollout import RolloutResult, build_rollout, open_env
-from .._rollout_thread import Doorbell, Job, RolloutThread
+from .._rollout_thread import Doorbell, Job, RolloutThread, collect_episodes
 from .._stats import CollectorStatistics, WorkerStatistics
 from .._trajectories import split_trajectories
 from .._validation import (
@@ -107,6 +107,10 @@ class Collector(CollectorBase):
             from a reset to its ``("next", "done")``), flat over frames (``[N, T]`` with a mask with
             ``split_trajs``), in the order they started; ``total_frames`` counts their frames. See
             the episodes guide (docs/episodes.md).
+        group_size: with ``trajs_per_batch`` (a multiple of it), episodes in groups of ``group_size``
+            that start from the same initial state (the same reset seed), delivered whole, each frame
+            with its ``("collector", "group_id")``; the env's batch size a multiple of it (docs/episodes.md,
+            "Groups").
         restart: a :class:`RestartPolicy` (a field of :class:`RolloutOptions`): an env that raises in
             ``reset``/``step`` is closed, rebuilt from ``create_env_fn`` (a callable, not an instance)
             and the batch goes on (see docs/faults.md); ``None`` (default): the error ends the run.
@@ -155,12 +159,14 @@ class Collector(CollectorBase):
         worker_timeout: float | None = None,
         prefetch: int = 0,
         trajs_per_batch: int | None = None,
+        group_size: int | None = None,
         rollout: RolloutOptions | None = None,
         weights: WeightSchedule | None = None,
         restart: RestartPolicy | None = None,
     ) -> None:
         # -- every argument is checked before the env is built ----------------------------------
         trajs = trajs_per_batch_arg("Collector", trajs_per_batch, frames_per_batch)
+        group = group_size_arg("Collector", group_size, trajs)
         frames_per_batch = 1 if trajs and rollout is None else frames_per_batch  # chunks: _build_rollout
         options = RolloutOptions.from_kwargs(
             rollout,
@@ -181,6 +187,7 @@ class Collector(CollectorBase):
             traj_id_start=traj_id_start,
             traj_id_stride=traj_id_stride,
             restart=restart,
+            group_size=group,
         )
         schedule = WeightSchedule.from_kwargs(
             weights,
@@ -209,7 +216,7 @@ class Collector(CollectorBase):
         policy_arg(policy)
         # -- the env, the policy and the rollout ------------------------------------------------
         env = open_env(create_env_fn, options)
-        self._episodes: TrajectoryAssembler | None = None if trajs is None else TrajectoryAssembler(trajs)
+        self._episodes = None if trajs is None else TrajectoryAssembler(trajs, group)
         try:
             self._build_rollout(env, policy, create_env_fn)
         except BaseException:
@@ -534,6 +541,7 @@ class Collector(CollectorBase):
             if self._rollout.restarts is not None:
                 self._rollout.restarts.seeded(seed)
             self._rng.seed(seed)
+            self._rollout.seed_groups(seed)
             self._rollout.reset()
             return last
 

@@ -14,7 +14,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
-from .._episodes_args import trajs_per_batch_arg
+from .._episodes_args import episode_args, trajs_per_batch_arg
 from .._fleet import Arrival, FleetCollector
 from .._mistakes import explicit_keywords
 from .._options import RolloutOptions, WeightSchedule
@@ -254,7 +254,9 @@ class MultiAsyncCollector(WorkersMixin, FleetCollector):
     this discards are counted in ``statistics().frames_discarded``. ``max_policy_lag=k`` delivers
     nothing more than ``k`` versions old. With ``trajs_per_batch`` an episode goes on across weight
     updates (each frame keeps its ``policy_version``), ``max_policy_lag=k`` discards an episode whose
-    oldest frame is more than ``k`` versions old, and one a flush tears is discarded.
+    oldest frame is more than ``k`` versions old, and one a flush tears is discarded; with
+    ``on_update="restart"`` the episodes in flight start again from their initial state when a worker
+    loads new weights, and ``group_size`` delivers groups of episodes (see :class:`Collector`).
 
     Example:
         >>> import anyio
@@ -308,6 +310,8 @@ class MultiAsyncCollector(WorkersMixin, FleetCollector):
         backend: str | None = None,
         trajs_per_batch: int | None = None,
         restart: RestartPolicy | None = None,
+        group_size: int | None = None,
+        on_update: str = "continue",
     ) -> None:
         trajs = trajs_per_batch_arg(
             "MultiAsyncCollector",
@@ -317,7 +321,8 @@ class MultiAsyncCollector(WorkersMixin, FleetCollector):
             set_truncated=set_truncated or bool(rollout and rollout.set_truncated),
         )
         # with trajs_per_batch, max_policy_lag bounds each episode's oldest frame (the workers drop none)
-        delivery = Episodes.over(FirstReady(), trajs, lag=max_policy_lag)
+        group, update = episode_args("MultiAsyncCollector", trajs, group_size, on_update, restart)
+        delivery = Episodes.over(FirstReady(), trajs, lag=max_policy_lag, group_size=group, on_update=update)
         frames_per_batch = Episodes.frames(frames_per_batch, trajs, rollout)  # per worker
         self._workers = init_workers(
             self,

@@ -30,18 +30,40 @@ class Episodes:
     ``frames_discarded`` of the episode statistics.
     """
 
-    def __init__(self, inner: Delivering, trajs_per_batch: int, lag: int | None = None) -> None:
+    def __init__(
+        self,
+        inner: Delivering,
+        trajs_per_batch: int,
+        lag: int | None = None,
+        group_size: int | None = None,
+        on_update: str = "continue",
+    ) -> None:
         self.inner = inner
         self.lag = lag_arg(lag)  # an episode's oldest frame: at most this many versions old
         self.sync = inner.sync
-        self.assembler = TrajectoryAssembler(trajs_per_batch)
+        # what the workers' rollouts take (RolloutOptions): seeded episodes in groups, restarted at updates
+        self.for_rollouts = {"group_size": group_size, "on_update": on_update}
+        self.assembler = TrajectoryAssembler(trajs_per_batch, group_size)
         self._floors: dict[int, int] = {}  # per worker, the staleness floor last seen (drop_stale)
         self._version = 0
 
     @staticmethod
-    def over(delivery: Delivering, trajs_per_batch: int | None, lag: int | None = None) -> Delivering:
+    def over(
+        delivery: Delivering,
+        trajs_per_batch: int | None,
+        lag: int | None = None,
+        group_size: int | None = None,
+        on_update: str = "continue",
+    ) -> Delivering:
         """``delivery`` itself, or with ``trajs_per_batch`` an :class:`Episodes` over it."""
-        return delivery if trajs_per_batch is None else Episodes(delivery, trajs_per_batch, lag)
+        if trajs_per_batch is None:
+            return delivery
+        return Episodes(delivery, trajs_per_batch, lag, group_size, on_update)
+
+    @staticmethod
+    def rollout_options(delivery: Delivering) -> dict[str, Any]:
+        """What the workers' rollouts take of the episodes (``RolloutOptions.group_size``, ``on_update``)."""
+        return delivery.for_rollouts if isinstance(delivery, Episodes) else {}
 
     @staticmethod
     def frames(frames_per_batch: Any, trajs_per_batch: int | None, rollout: Any, workers: Any = None) -> Any:

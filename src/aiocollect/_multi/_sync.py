@@ -11,7 +11,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
-from .._episodes_args import trajs_per_batch_arg
+from .._episodes_args import group_size_arg, trajs_per_batch_arg
 from .._fleet import Arrival, FleetCollector
 from .._mistakes import explicit_keywords, warn_user
 from .._options import RolloutOptions, WeightSchedule
@@ -210,6 +210,8 @@ class MultiSyncCollector(WorkersMixin, FleetCollector):
         preemptive_threshold: fraction of workers to wait for, in ``(0, 1]``.
         trajs_per_batch: instead of ``frames_per_batch``, batches of this many whole trajectories, in
             the order they started (see :class:`Collector`); the workers collect chunks of frames.
+        group_size: with ``trajs_per_batch``, episodes in groups that start from the same initial
+            state, delivered whole (see :class:`Collector`); each worker's env slots in whole groups.
         update_at_each_batch: publish the policy's weights before every batch.
         worker_backend: ``"process"`` (default) or ``"serial"`` (same workers as threads, for
             debugging). ``backend=`` is its deprecated spelling.
@@ -276,6 +278,7 @@ class MultiSyncCollector(WorkersMixin, FleetCollector):
         backend: str | None = None,
         trajs_per_batch: int | None = None,
         restart: RestartPolicy | None = None,
+        group_size: int | None = None,
     ) -> None:
         trajs = trajs_per_batch_arg(
             "MultiSyncCollector",
@@ -287,7 +290,8 @@ class MultiSyncCollector(WorkersMixin, FleetCollector):
             cat_results=cat_results if cat_results == -1 else None,
             max_policy_lag=max_policy_lag,
         )
-        delivery = Episodes.over(Gather(preemptive_threshold, cat_results), trajs)
+        group = group_size_arg("MultiSyncCollector", group_size, trajs)
+        delivery = Episodes.over(Gather(preemptive_threshold, cat_results), trajs, group_size=group)
         frames_per_batch = Episodes.frames(frames_per_batch, trajs, rollout, create_env_fns)
         if preemptive_threshold is not None and (
             isinstance(preemptive_threshold, bool)

@@ -143,6 +143,7 @@ def init_workers(
         traj_id_start=traj_id_start,
         traj_id_stride=traj_id_stride,
         restart=restart,
+        **Episodes.rollout_options(delivery),
     )
     schedule = WeightSchedule.from_kwargs(
         weights,

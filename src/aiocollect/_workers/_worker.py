@@ -372,6 +372,7 @@ class Worker:
             self.rollout.restarts.seeded(op.seed)
         self.random_policy.set_seed(op.seed)
         self.rng.seed(op.seed)
+        self.rollout.seed_groups(op.seed)
         self.rollout.reset()
         return last
 
