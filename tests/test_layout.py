@@ -87,14 +87,14 @@ EXEMPT_MODULES: dict[str, tuple[int, str]] = {
         "810 lines together then, 682 now)",
     ),
     "aiocollect/_envs/_gym.py": (
-        780,
-        "GymEnv is one class; its step methods belong in it (today they are functions in _gym_steps.py, "
-        "which imports GymEnv back, written so to meet the old 600-line cap)",
+        945,
+        "GymEnv is one class: what it wraps, its state, its step paths and its fused step loops (once "
+        "functions in _gym_steps.py that imported GymEnv back, written so to meet the old 600-line cap)",
     ),
 }
 
 LONG_FUNCTIONS: dict[str, int] = {
-    "aiocollect/_envs/_gym_steps.py:run_pool_steps": 68,
+    "aiocollect/_envs/_gym.py:GymEnv._run_pool_steps": 68,
     "aiocollect/_remote/_gloo.py:run_node": 78,
     "aiocollect/_asyncenv/_run.py:Engine._env_task": 78,
     "aiocollect/dashboard/_routes.py:build_app": 69,
@@ -113,7 +113,7 @@ LONG_FUNCTIONS: dict[str, int] = {
     "aiocollect/_multi/_sync.py:MultiSyncCollector.__init__": 59,
     "aiocollect/_asyncenv/_multi.py:MultiAsyncEnvCollector.__init__": 60,  # issue 27: its workers' body
     "aiocollect/_remote/_ray.py:RayCollector.__init__": 59,
-    "aiocollect/_envs/_gym_steps.py:run_steps": 70,
+    "aiocollect/_envs/_gym.py:GymEnv._run_gym_steps": 70,
     "aiocollect/_asyncenv/_run.py:Engine.__init__": 65,
     "aiocollect/_serve/_actions.py:batch_action_checker": 54,
 }

@@ -193,7 +193,7 @@ class Env64(gym.Wrapper[Any, Any, Any, Any]):
 async def test_a_float_box_action_reaches_the_env_as_the_per_step_path_gives_it(
     output: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The fused loop's own conversion of a float Box action (``_gym_steps.policy_action``): the same
+    """The fused loop's own conversion of a float Box action (``GymEnv._policy_action``): the same
     arrays, dtypes and batches as ``GymEnv._leaf_action`` on the per-step path."""
 
     class Policy(nn.Module):

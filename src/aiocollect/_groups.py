@@ -332,7 +332,7 @@ class RowEpisodes:
 
 
 class _FusedSeeded:
-    """A ``GymEnv``'s fused loop (``_gym_steps.run_steps``) whose ended episodes are reset again, seeded."""
+    """A ``GymEnv``'s fused loop (``GymEnv._run_gym_steps``) whose ended episodes are reset again, seeded."""
 
     def __init__(self, gym: Any, seeded: SeededEnv) -> None:
         self._gym, self._seeded = gym, seeded

@@ -15,8 +15,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from ._gym import ArrayStep, GymEnv, overrides_gym_env
-from ._gym_steps import fusable_type
+from ._gym import ArrayStep, GymEnv, fusable_type, overrides_gym_env
 from ._protocol import EnvProtocol
 from ._spaces import LeafSpec, NestedKey, action_specs, group_specs, grouped_action_keys, observation_specs
 from ._torchrl import TorchRLArrays, is_torchrl_env
@@ -199,7 +198,7 @@ class ArrayEnv:
     @property
     def _converts_actions(self) -> bool:
         """Whether a batch's actions may be converted at once and stepped past ``_step_arrays`` (not where
-        a GymEnv subclass overrides one of ``_gym_steps.FUSED_BYPASSES``: its override sees every step)."""
+        a GymEnv subclass overrides one of ``_gym.FUSED_BYPASSES``: its override sees every step)."""
         gym_env = self._gym
         return isinstance(gym_env, GymEnv) and fusable_type(gym_env, GymEnv)
 
