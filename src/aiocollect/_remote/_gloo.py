@@ -253,7 +253,8 @@ class GlooNodes(Nodes):
             if self._failure is not None:
                 raise self._failure from None
             raise
-        return NodeBatch(batch, notice.frames, notice.episodes, notice.policy_version, notice.time_split)
+        n = notice
+        return NodeBatch(batch, n.frames, n.episodes, n.policy_version, n.time_split, n.restarts)
 
     async def _on_notice(self, node: RemoteNode, msg: Any) -> None:
         if not isinstance(msg, BatchNotice):

@@ -94,6 +94,8 @@ class RemoteNode:
     ready_event: anyio.Event = field(default_factory=anyio.Event)
     loaded_event: anyio.Event = field(default_factory=anyio.Event)
     time_split: SplitWindows = field(default_factory=SplitWindows)  # its collector's, from its batches
+    #: its collector's env restarts (``RestartPolicy``), from its batches
+    restarts: int = 0
 
     @property
     def rank(self) -> int:
@@ -154,6 +156,7 @@ class Nodes(Hosts, abc.ABC):
         result = await self._fetch_batch(node)
         node.frames += result.frames
         node.time_split.add(result.time_split)
+        self.restarted(node, result.restarts)
         node.since_update += 1
         node.fresh = True
         return result

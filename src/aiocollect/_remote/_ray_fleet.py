@@ -70,6 +70,8 @@ class Actor:
     #: it missed ``progress_timeout``: killed without a graceful close
     hung: bool = False
     time_split: SplitWindows = field(default_factory=SplitWindows)  # its collector's, from its batches
+    #: its collector's env restarts and its own replacements (``RestartPolicy``)
+    restarts: int = 0
 
 
 @dataclass(frozen=True)
@@ -243,6 +245,7 @@ class RayActors(Hosts):
     def _delivered_by(self, actor: Actor, meta: dict[str, Any]) -> list[tuple[int, float, int]]:
         actor.frames += int(meta["frames"])
         actor.time_split.add(meta.get("time_split", ()))
+        self.restarted(actor, meta.get("restarts", ()))
         actor.since_update += 1
         version = int(meta["policy_version"])
         if version > actor.policy_version:

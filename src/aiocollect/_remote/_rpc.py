@@ -143,7 +143,8 @@ async def _handle(op: ControlOp) -> Any:
         }
         names = tuple(batch.names) if batch.names is not None else None
         layout = (tuple(batch.batch_size), names)
-        return leaves, layout, value.frames, value.episodes, value.policy_version, value.time_split
+        v = value  # time_split and restarts last: a trainer reads what follows the version as optional
+        return leaves, layout, v.frames, v.episodes, v.policy_version, v.time_split, v.restarts
     return value
 
 
@@ -259,10 +260,10 @@ class RpcNodes(Nodes):
 
     async def _fetch_batch(self, node: RemoteNode) -> NodeBatch:
         # no timeout: a batch takes what it takes; a dead node is noticed by its connection
-        leaves, layout, frames, episodes, version, *split = await self._within_progress_timeout(
+        leaves, layout, frames, episodes, version, *extra = await self._within_progress_timeout(
             node, partial(self._rpc_async, node, NextBatch(), rpc_timeout=0)
-        )
-        return NodeBatch(rebuild(leaves, *layout), frames, episodes, version, *split)
+        )  # extra: (time_split, restarts), or fewer from an older node
+        return NodeBatch(rebuild(leaves, *layout), frames, episodes, version, *extra)
 
     async def _send_weights(self, weights: TensorDictBase, version: int, ids: list[int]) -> None:
         plain = await anyio.to_thread.run_sync(

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+from .._events import Restarted
 from .._local._collector import Collector
 from .._multi._async import MultiAsyncCollector
 from .._multi._sync import MultiSyncCollector
@@ -209,6 +210,13 @@ class Hosts:
 
     fleet: FleetCollector
     versioned: bool
+
+    def restarted(self, member: Any, records: Sequence[tuple[int, str, int]]) -> None:
+        """``member`` (a node or actor) restarted its envs (``records``, from its batch: ``(env, cause,
+        restarts)`` each): counted in its ``restarts``, a ``Restarted`` event each, as for a worker."""
+        for env, cause, restarts in records:
+            member.restarts += 1
+            self.fleet._hub.publish(Restarted(member.index, int(env), str(cause), int(restarts)))
 
     async def published(self, version: int, ids: list[int], raised: list[int]) -> None:
         """Nothing waits here: a stale batch is dropped when it arrives (``FleetCollector._stale``)."""
