@@ -123,3 +123,9 @@ async def test_a_killed_node_under_a_policy_ends_the_run_saying_why(warm_forkser
     assert "not replaced" in "".join(getattr(info.value, "__notes__", []))
     assert seen - killed < 5
     assert _alive(pids) == []
+
+
+@pytest.mark.parametrize("cls", [DistributedCollector, DistributedSyncCollector, RPCCollector])
+def test_restart_must_be_a_policy(cls):
+    with pytest.raises(TypeError, match="restart must be a RestartPolicy or None"):
+        cls([pendulum], frames_per_batch=8, restart=3)

@@ -39,6 +39,7 @@ from .._gather import gather
 from .._local._collector import Collector
 from .._mistakes import explicit_keywords
 from .._options import WeightSchedule
+from .._restart import RestartPolicy
 from .._transport._flat import FlatBuffer, layout_of
 from .._transport._groups import check_backend, interface_from_env, new_group
 from .._transport._messages import Result
@@ -327,6 +328,11 @@ class DistributedCollector(NodeCollectorMixin, FleetCollector):
             one before its next batch (``None``: off; ``0`` and ``-1`` are deprecated spellings of it).
         weights: a :class:`~aiocollect.WeightSchedule` instead of the two keywords above.
         progress: as for :class:`Collector`.
+        restart: a :class:`~aiocollect.RestartPolicy` for every node's envs (unless ``collector_kwargs``
+            gives one of its own): each node's collector restarts an env that raises, and the trainer
+            sees those restarts. A node **process** that dies is not replaced (a torch.distributed group
+            cannot take in a new rank): it ends the run with ``WorkerDiedError``, as without a policy.
+            ``RayCollector`` replaces its actors. See docs/faults.md.
 
     Example:
         >>> import anyio
@@ -364,6 +370,7 @@ class DistributedCollector(NodeCollectorMixin, FleetCollector):
         progress: Any = None,
         update_after_each_batch: Any = UNSET,
         weights: WeightSchedule | None = None,
+        restart: RestartPolicy | None = None,
     ) -> None:
         check_backend(backend)
         self.backend = backend
@@ -387,6 +394,7 @@ class DistributedCollector(NodeCollectorMixin, FleetCollector):
             update_after_each_batch=update_after_each_batch,
             weights=weights,
             owner=type(self).__name__,
+            restart=restart,
         )
         init_nodes(self, GlooNodes(self, plan, backend), plan, progress)
 
@@ -426,6 +434,7 @@ class DistributedSyncCollector(NodeCollectorMixin, FleetCollector):
         progress: Any = None,
         update_after_each_batch: Any = UNSET,
         weights: WeightSchedule | None = None,
+        restart: RestartPolicy | None = None,
     ) -> None:
         if sync is not True:
             raise ValueError("DistributedSyncCollector is sync=True; use DistributedCollector for sync=False")
@@ -451,6 +460,7 @@ class DistributedSyncCollector(NodeCollectorMixin, FleetCollector):
             update_after_each_batch=update_after_each_batch,
             weights=weights,
             owner=type(self).__name__,
+            restart=restart,
         )
         init_nodes(self, GlooNodes(self, plan, backend), plan, progress)
 

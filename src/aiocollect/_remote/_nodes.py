@@ -57,7 +57,7 @@ from ._messages import (
     Request,
     Setup,
 )
-from ._trainer import Hosts, NodePlan
+from ._trainer import NOT_REPLACED, Hosts, NodePlan
 
 #: seconds a node gets to close its collector and hang up after ``Close`` (any worker_timeout): then killed
 _CLOSE_GRACE = 2.0
@@ -355,7 +355,10 @@ class Nodes(Hosts, abc.ABC):
 
     def _died(self, node: RemoteNode, exitcode: int | None, cause: Any = None) -> BaseException:
         where = {"engine": self._engine_name, "rank": node.rank, "host": node.host, "cause": cause}
-        return worker_died(node.index, exitcode, member="node", **where)
+        error = worker_died(node.index, exitcode, member="node", **where)
+        if self.plan.restart is not None:
+            error.add_note(NOT_REPLACED.format(engine=self._engine_name))
+        return error
 
     def _where(self, node: RemoteNode) -> str:
         host = f", {node.host}, pid {node.pid}" if node.host else ""

@@ -43,6 +43,7 @@ from .._gather import gather
 from .._local._collector import Collector
 from .._mistakes import explicit_keywords
 from .._options import WeightSchedule
+from .._restart import RestartPolicy
 from .._transport._flat import rebuild
 from .._transport._store import StoreClient
 from .._transport._wire import AsyncChannel
@@ -303,6 +304,8 @@ class RPCCollector(NodeCollectorMixin, FleetCollector):
             ``{"num_worker_threads": 8, "_transports": ["uv"]}``; ``init_method`` is ours). Checked here.
         rpc_timeout: seconds for the rendezvous and for calls other than batches (a batch may take any
             time; a dead node is noticed by its connection).
+        restart: as for :class:`DistributedCollector`: the nodes' envs are restarted, a node process
+            that dies is not replaced (an RPC group's membership is fixed once it started).
 
     Example:
         >>> from aiocollect import GymEnv, RPCCollector
@@ -337,6 +340,7 @@ class RPCCollector(NodeCollectorMixin, FleetCollector):
         progress: Any = None,
         update_after_each_batch: Any = UNSET,
         weights: WeightSchedule | None = None,
+        restart: RestartPolicy | None = None,
     ) -> None:
         if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, (int, float)) or not rpc_timeout > 0:
             raise ValueError(f"rpc_timeout must be a positive number of seconds, got {rpc_timeout!r}")
@@ -372,6 +376,7 @@ class RPCCollector(NodeCollectorMixin, FleetCollector):
             update_after_each_batch=update_after_each_batch,
             weights=weights,
             owner=type(self).__name__,
+            restart=restart,
         )
         init_nodes(self, RpcNodes(self, plan, options, float(rpc_timeout)), plan, progress)
 
