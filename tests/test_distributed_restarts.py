@@ -18,6 +18,7 @@ from aiocollect import (
     DistributedCollector,
     DistributedSyncCollector,
     GymEnv,
+    RayCollector,
     Restarted,
     RestartPolicy,
     RPCCollector,
@@ -125,7 +126,7 @@ async def test_a_killed_node_under_a_policy_ends_the_run_saying_why(warm_forkser
     assert _alive(pids) == []
 
 
-@pytest.mark.parametrize("cls", [DistributedCollector, DistributedSyncCollector, RPCCollector])
+@pytest.mark.parametrize("cls", [DistributedCollector, DistributedSyncCollector, RPCCollector, RayCollector])
 def test_restart_must_be_a_policy(cls):
     with pytest.raises(TypeError, match="restart must be a RestartPolicy or None"):
-        cls([pendulum], frames_per_batch=8, restart=3)
+        cls([pendulum], frames_per_batch=8, num_collectors=1, restart=3)
