@@ -293,12 +293,20 @@ def worker_processes(collector: Any) -> list[psutil.Process]:
     return out
 
 
-def sample_faults(start: float, frames: int, batches: int, last: Sample | None, collector: Any) -> Sample:
-    while True:  # a worker killed (and replaced) while it is read: read again
-        try:
-            return sample(start, frames, batches, last, worker_processes(collector))
-        except psutil.NoSuchProcess:
-            continue
+def sample_faults(
+    start: float, frames: int, batches: int, last: Sample | None, collector: Any
+) -> Sample | None:
+    """A sample, or ``None`` while a worker is being replaced (its killed process still in its slot, a
+    zombie): the caller samples again at its next batch."""
+    if not all(w.attached and w.state == "collecting" for w in collector._pool.workers):
+        return None  # a replacement starting: not attached to its slots yet
+    try:
+        workers = worker_processes(collector)
+        if len(workers) < WORKERS or any(w.status() == psutil.STATUS_ZOMBIE for w in workers):
+            return None
+        return sample(start, frames, batches, last, workers)
+    except psutil.NoSuchProcess:
+        return None
 
 
 async def calibrate(policy: nn.Module, fpb: int, seconds: float) -> float:
@@ -382,16 +390,20 @@ async def soak_faults(args: argparse.Namespace) -> Report:
                     report.weight_updates += 1
                     drain()
                     now = time.monotonic()
-                    if now >= next_sample:
-                        last = sample_faults(start, frames, batches, last, collector)
-                        report.samples.append(last)
-                        print_sample(last)
+                    if now >= next_sample and (
+                        taken := sample_faults(start, frames, batches, last, collector)
+                    ):
+                        report.samples.append(last := taken)
+                        print_sample(taken)
                         next_sample += args.interval
                 tg.cancel_scope.cancel()
             elapsed = time.monotonic() - start
-            last = sample_faults(start, frames, batches, last, collector)
-            report.samples.append(last)
-            print_sample(last)
+            with anyio.fail_after(30):  # a worker killed at the very end: its replacement first
+                # psutil has no event to wait on: polled
+                while (taken := sample_faults(start, frames, batches, last, collector)) is None:  # noqa: ASYNC110
+                    await anyio.sleep(0.05)
+            report.samples.append(taken)
+            print_sample(taken)
             drain()
             stats = collector.statistics()
             pids = [p.pid for p in worker_processes(collector)]

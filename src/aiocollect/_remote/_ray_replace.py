@@ -104,6 +104,8 @@ class ActorReplacer:
                 await self._bring_up(new, budget.count)
             except Exception as exc:
                 error, progressed, current = self.actors.failed_actor(new, exc, "restart"), False, new
+                if not actor_lost(error):  # it raised (its env's constructor...): a new one would too
+                    raise error from error.__cause__
                 continue
             for record in budget.drain():
                 new.restarts += 1
