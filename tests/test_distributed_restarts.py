@@ -12,6 +12,7 @@ import time
 import anyio
 import cloudpickle
 import gymnasium as gym
+import psutil
 import pytest
 
 from aiocollect import (
@@ -24,7 +25,7 @@ from aiocollect import (
     RPCCollector,
     WorkerDiedError,
 )
-from support import ConstantPolicy, pendulum
+from support import ConstantPolicy, fd_count, pendulum
 from support import process_tree as _tree
 from support import wait_gone as _alive
 
@@ -66,6 +67,22 @@ def crashing():
     return GymEnv(CrashesAt(gym.make("Pendulum-v1"), at=25))
 
 
+def _listening() -> list[tuple[str, int]]:
+    """This process's listening sockets."""
+    me = psutil.Process(os.getpid())
+    return sorted(
+        (c.laddr.ip, c.laddr.port) for c in me.net_connections("inet") if c.status == psutil.CONN_LISTEN
+    )
+
+
+def _settled(expected: tuple[int, list[tuple[str, int]]]) -> tuple[int, list[tuple[str, int]]]:
+    """Open fds and listening sockets once they are back to ``expected`` (or after 5 s)."""
+    deadline = time.monotonic() + 5.0
+    while (now := (fd_count(), _listening())) != expected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return now
+
+
 CLASSES = {"gloo": DistributedCollector, "gloo-sync": DistributedSyncCollector, "rpc": RPCCollector}
 
 
@@ -104,7 +121,9 @@ async def test_a_nodes_env_restarts_reach_the_trainer(kind, anyio_backend):
 
 async def test_a_killed_node_under_a_policy_ends_the_run_saying_why(warm_forkserver, anyio_backend):
     """torch.distributed cannot take a new rank into a live process group: a node killed under a restart
-    policy ends the run with ``WorkerDiedError`` as without one, a note saying it is not replaced."""
+    policy ends the run with ``WorkerDiedError`` as without one, a note saying it is not replaced; nothing
+    of it is left (processes, fds, listening sockets)."""
+    before = (fd_count(), _listening())
     with anyio.fail_after(90):
         async with DistributedCollector(
             [pendulum, pendulum],
@@ -124,6 +143,7 @@ async def test_a_killed_node_under_a_policy_ends_the_run_saying_why(warm_forkser
     assert "not replaced" in "".join(getattr(info.value, "__notes__", []))
     assert seen - killed < 5
     assert _alive(pids) == []
+    assert await anyio.to_thread.run_sync(_settled, before) == before
 
 
 @pytest.mark.parametrize("cls", [DistributedCollector, DistributedSyncCollector, RPCCollector, RayCollector])
