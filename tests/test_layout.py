@@ -46,7 +46,7 @@ LONG_MODULES: dict[str, int] = {
     "aiocollect/_multi/_async.py": 429,
     # two public collectors' explicit keyword signatures (DistributedCollector, DistributedSyncCollector) and
     # GlooNodes, their transport (issue 27: DistributedSyncCollector subclasses DistributedCollector no more)
-    "aiocollect/_remote/_gloo.py": 468,
+    "aiocollect/_remote/_gloo.py": 471,
     "aiocollect/_remote/_launchers.py": 460,
     "aiocollect/_rollout.py": 658,  # issue 28: env restarts within a batch (Rollout._run_restarting)
     "aiocollect/_serve/_ws.py": 585,

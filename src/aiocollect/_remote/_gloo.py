@@ -248,9 +248,12 @@ class GlooNodes(Nodes):
         try:
             batch = await anyio.to_thread.run_sync(recv)
         except Exception:
-            # typically the node died mid-transfer: its connection is about to say so
-            with anyio.move_on_after(2.0):
+            # the node died mid-transfer, typically: its connection says so, then (its exit code read, up
+            # to 2 s later) its reader fails the collector, unless it is closing: wait for both
+            with anyio.move_on_after(5.0):
                 await node.gone.wait()
+                if not self._closing:
+                    await self._failed_event.wait()
             if self._failure is not None:
                 raise self._failure from None
             raise
