@@ -163,7 +163,8 @@ def docs(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def soak(session: nox.Session) -> None:
     """Soak run (benchmarks/soak.py): 2 workers x 32 envs, a weight update every batch, memory, fds and
-    shared-memory segments sampled each minute; ``nox -s soak -- --minutes 3`` for a shorter one."""
+    shared-memory segments sampled each minute; ``nox -s soak -- --minutes 3`` for a shorter one,
+    ``nox -s soak -- --faults --minutes 5`` for issue 28's soak (env faults, a worker killed every 30 s)."""
     install(session)
     session.install("psutil>=5.9")
     session.run("python", "benchmarks/soak.py", *session.posargs)

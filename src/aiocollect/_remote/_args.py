@@ -22,6 +22,7 @@ from tensordict import TensorDictBase
 
 from .._mistakes import warn_user
 from .._options import RolloutOptions, WeightSchedule
+from .._restart import RestartPolicy
 from .._validation import positive_int, seed_arg
 from .._weights import flat_weights
 
@@ -207,6 +208,20 @@ def payloads(
     return out
 
 
+def with_restart(per: list[dict[str, Any]], restart: Any) -> list[dict[str, Any]]:
+    """Each member's collector keywords with ``restart`` (a node or actor collector's ``restart=``) for
+    its envs, where they give none of their own; ``TypeError`` unless it is a ``RestartPolicy`` or
+    ``None``."""
+    if restart is None:
+        return per
+    if not isinstance(restart, RestartPolicy):
+        raise TypeError(
+            f"restart must be a RestartPolicy or None, got {restart!r}: e.g. "
+            "restart=RestartPolicy(max_restarts=3, window=60.0)"
+        )
+    return [{"restart": restart, **kwargs} for kwargs in per]
+
+
 def seconds_or_none(name: str, value: Any) -> float | None:
     if value is None:
         return None
@@ -230,4 +245,5 @@ __all__ = [
     "seconds_or_none",
     "split_frames",
     "weight_plan",
+    "with_restart",
 ]

@@ -39,6 +39,7 @@ from .._gather import gather
 from .._local._collector import Collector
 from .._mistakes import explicit_keywords
 from .._options import WeightSchedule
+from .._restart import RestartPolicy
 from .._transport._flat import FlatBuffer, layout_of
 from .._transport._groups import check_backend, interface_from_env, new_group
 from .._transport._messages import Result
@@ -247,13 +248,17 @@ class GlooNodes(Nodes):
         try:
             batch = await anyio.to_thread.run_sync(recv)
         except Exception:
-            # typically the node died mid-transfer: its connection is about to say so
-            with anyio.move_on_after(2.0):
+            # the node died mid-transfer, typically: its connection says so, then (its exit code read, up
+            # to 2 s later) its reader fails the collector, unless it is closing: wait for both
+            with anyio.move_on_after(5.0):
                 await node.gone.wait()
+                if not self._closing:
+                    await self._failed_event.wait()
             if self._failure is not None:
                 raise self._failure from None
             raise
-        return NodeBatch(batch, notice.frames, notice.episodes, notice.policy_version, notice.time_split)
+        n = notice
+        return NodeBatch(batch, n.frames, n.episodes, n.policy_version, n.time_split, n.restarts)
 
     async def _on_notice(self, node: RemoteNode, msg: Any) -> None:
         if not isinstance(msg, BatchNotice):
@@ -326,6 +331,11 @@ class DistributedCollector(NodeCollectorMixin, FleetCollector):
             one before its next batch (``None``: off; ``0`` and ``-1`` are deprecated spellings of it).
         weights: a :class:`~aiocollect.WeightSchedule` instead of the two keywords above.
         progress: as for :class:`Collector`.
+        restart: a :class:`~aiocollect.RestartPolicy` for every node's envs (unless ``collector_kwargs``
+            gives one of its own): each node's collector restarts an env that raises, and the trainer
+            sees those restarts. A node **process** that dies is not replaced (a torch.distributed group
+            cannot take in a new rank): it ends the run with ``WorkerDiedError``, as without a policy.
+            ``RayCollector`` replaces its actors. See docs/faults.md.
 
     Example:
         >>> import anyio
@@ -363,6 +373,7 @@ class DistributedCollector(NodeCollectorMixin, FleetCollector):
         progress: Any = None,
         update_after_each_batch: Any = UNSET,
         weights: WeightSchedule | None = None,
+        restart: RestartPolicy | None = None,
     ) -> None:
         check_backend(backend)
         self.backend = backend
@@ -386,6 +397,7 @@ class DistributedCollector(NodeCollectorMixin, FleetCollector):
             update_after_each_batch=update_after_each_batch,
             weights=weights,
             owner=type(self).__name__,
+            restart=restart,
         )
         init_nodes(self, GlooNodes(self, plan, backend), plan, progress)
 
@@ -425,6 +437,7 @@ class DistributedSyncCollector(NodeCollectorMixin, FleetCollector):
         progress: Any = None,
         update_after_each_batch: Any = UNSET,
         weights: WeightSchedule | None = None,
+        restart: RestartPolicy | None = None,
     ) -> None:
         if sync is not True:
             raise ValueError("DistributedSyncCollector is sync=True; use DistributedCollector for sync=False")
@@ -450,6 +463,7 @@ class DistributedSyncCollector(NodeCollectorMixin, FleetCollector):
             update_after_each_batch=update_after_each_batch,
             weights=weights,
             owner=type(self).__name__,
+            restart=restart,
         )
         init_nodes(self, GlooNodes(self, plan, backend), plan, progress)
 

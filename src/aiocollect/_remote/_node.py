@@ -18,7 +18,7 @@ import cloudpickle
 import torch
 from tensordict import TensorDict
 
-from .._events import BatchDelivered, EpisodeFinished
+from .._events import BatchDelivered, EpisodeFinished, Restarted
 from .._fleet import FleetCollector
 from .._timesplit import producer_totals
 from .._transport._messages import GetAttr, GetState, LoadState, Reset, SetSeed
@@ -126,12 +126,16 @@ class NodeCore:
         """The next batch (weights received before the request are loaded first), its frames, the
         episodes that ended in it and the trainer's version it was collected with; the batch's
         ``("collector", "policy_version")`` is in the trainer's versions; its ``time_split``: the
-        collector's producers' totals (``_timesplit.producer_totals``), for the trainer's split."""
+        collector's producers' totals (``_timesplit.producer_totals``), for the trainer's split; its
+        ``restarts``: the collector's ``Restarted`` events since the previous batch, for the trainer's."""
         await self.wait_applied(self.received)
         batch = await self.iterator.__anext__()
         frames, inner_version, seen, episodes = 0, 0, False, []
+        restarts: list[tuple[int, str, int]] = []
         while (event := self.events.receive_nowait()) is not None:
-            if isinstance(event, EpisodeFinished):
+            if isinstance(event, Restarted):
+                restarts.append((int(event.env), str(event.cause), int(event.restarts)))
+            elif isinstance(event, EpisodeFinished):
                 episodes.append((float(event.episode_return), int(event.length)))
             elif isinstance(event, BatchDelivered):
                 frames += int(event.frames)
@@ -141,7 +145,7 @@ class NodeCore:
         if _VERSION_KEY in batch.keys(include_nested=True):
             batch.set(_VERSION_KEY, self._outer(batch.get(_VERSION_KEY)))
         version = self.outer_of_inner.get(inner_version, self.applied)
-        return NodeBatch(batch, frames, episodes, version, producer_totals(self.collector))
+        return NodeBatch(batch, frames, episodes, version, producer_totals(self.collector), tuple(restarts))
 
     def _outer(self, inner: torch.Tensor) -> torch.Tensor:
         """The trainer's versions of the collector's ``inner`` versions (unknown ones as they are)."""

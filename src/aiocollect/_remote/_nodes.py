@@ -57,7 +57,7 @@ from ._messages import (
     Request,
     Setup,
 )
-from ._trainer import Hosts, NodePlan
+from ._trainer import NOT_REPLACED, Hosts, NodePlan
 
 #: seconds a node gets to close its collector and hang up after ``Close`` (any worker_timeout): then killed
 _CLOSE_GRACE = 2.0
@@ -94,6 +94,8 @@ class RemoteNode:
     ready_event: anyio.Event = field(default_factory=anyio.Event)
     loaded_event: anyio.Event = field(default_factory=anyio.Event)
     time_split: SplitWindows = field(default_factory=SplitWindows)  # its collector's, from its batches
+    #: its collector's env restarts (``RestartPolicy``), from its batches
+    restarts: int = 0
 
     @property
     def rank(self) -> int:
@@ -154,6 +156,7 @@ class Nodes(Hosts, abc.ABC):
         result = await self._fetch_batch(node)
         node.frames += result.frames
         node.time_split.add(result.time_split)
+        self.restarted(node, result.restarts)
         node.since_update += 1
         node.fresh = True
         return result
@@ -352,7 +355,10 @@ class Nodes(Hosts, abc.ABC):
 
     def _died(self, node: RemoteNode, exitcode: int | None, cause: Any = None) -> BaseException:
         where = {"engine": self._engine_name, "rank": node.rank, "host": node.host, "cause": cause}
-        return worker_died(node.index, exitcode, member="node", **where)
+        error = worker_died(node.index, exitcode, member="node", **where)
+        if self.plan.restart is not None:
+            error.add_note(NOT_REPLACED.format(engine=self._engine_name))
+        return error
 
     def _where(self, node: RemoteNode) -> str:
         host = f", {node.host}, pid {node.pid}" if node.host else ""

@@ -21,6 +21,7 @@ from .._mistakes import explicit_keywords
 from .._multi._async import MultiAsyncCollector, ProcessCollector
 from .._multi._sync import MultiSyncCollector
 from .._options import WeightSchedule
+from .._restart import RestartPolicy
 from .._validation import flag, positive_int, replay_buffer_arg, total_frames_arg
 from ._args import (
     UNSET,
@@ -33,6 +34,7 @@ from ._args import (
     seconds_or_none,
     split_frames,
     weight_plan,
+    with_restart,
 )
 from ._nodes import DEFAULT_PROGRESS_TIMEOUT
 from ._ray_fleet import DEFAULT_REMOTE_CONFIG, ActorPlan, RayActors
@@ -114,6 +116,12 @@ class RayCollector(FleetCollector):
             a hung env or policy is noticed without any setting); then the collector fails with
             ``WorkerTimeoutError`` naming the actor, which is killed at once. ``None``: no limit.
         progress: as for :class:`Collector`.
+        restart: a :class:`~aiocollect.RestartPolicy`: an actor that dies (killed, its node lost) or
+            misses ``progress_timeout`` is replaced by a new actor (a derived seed, fresh trajectory
+            ids, the newest weights loaded before its first batch), at most ``max_restarts`` times
+            within ``window`` seconds per actor; each actor's collector restarts its envs under the
+            same policy (unless ``collector_kwargs`` gives it a ``restart`` of its own). See
+            docs/faults.md.
 
     Example:
         >>> import anyio
@@ -149,6 +157,7 @@ class RayCollector(FleetCollector):
         progress: Any = None,
         update_after_each_batch: Any = UNSET,
         weights: WeightSchedule | None = None,
+        restart: RestartPolicy | None = None,
     ) -> None:
         n = self.num_collectors = positive_int("num_collectors", num_collectors)
         timeout = seconds_or_none("progress_timeout", progress_timeout)
@@ -178,6 +187,7 @@ class RayCollector(FleetCollector):
         if ray_init_config is not None and not isinstance(ray_init_config, Mapping):
             raise TypeError(f"ray_init_config must be a dict of ray.init arguments, got {ray_init_config!r}")
         per_actor_fpb = split_frames(frames_per_batch, n, sync, "actor", stacklevel=3)
+        kwargs_list = with_restart(kwargs_list, restart)
         # pickled here (small: a bad one fails now); the policy once, in a thread, when entered
         check_keywords(collector_class, kwargs_list)
         rollouts = member_rollouts(kwargs_list, per_actor_fpb)  # checked here, sent typed (and taken out)
@@ -189,6 +199,7 @@ class RayCollector(FleetCollector):
             ray_init_config=dict(ray_init_config) if ray_init_config is not None else None,
             weights=plan,
             progress_timeout=timeout,
+            restart=restart,
         )
         self._init_fleet(
             RayActors(self, actors),

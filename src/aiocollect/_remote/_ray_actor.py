@@ -119,6 +119,7 @@ class RemoteCollectorActor:
             )
         meta = {"frames": out.frames, "episodes": out.episodes, "policy_version": out.policy_version}
         meta["time_split"] = out.time_split  # the actor's collector's split so far (producer_totals)
+        meta["restarts"] = out.restarts  # its collector's restarts since its previous batch
         return to_wire(batch), meta
 
     async def call(self, op: ControlOp) -> Any:

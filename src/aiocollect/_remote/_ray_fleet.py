@@ -28,6 +28,7 @@ from .._gather import gather
 from .._mistakes import warn_user
 from .._options import RolloutOptions
 from .._pids import pid_alive
+from .._restart import RestartPolicy
 from .._stats import WorkerState
 from .._timesplit import SplitWindows
 from .._transport._messages import FleetOp
@@ -35,6 +36,7 @@ from ._args import WeightPlan
 from ._ray_actor import actor_class, import_ray, unwrap_ray_error
 from ._ray_local import init_local
 from ._ray_reaper import Watchdog, descendants, start_watchdog
+from ._ray_replace import ActorReplacer
 from ._ray_wire import from_wires, weights_to_wire
 from ._trainer import Hosts
 
@@ -70,6 +72,10 @@ class Actor:
     #: it missed ``progress_timeout``: killed without a graceful close
     hung: bool = False
     time_split: SplitWindows = field(default_factory=SplitWindows)  # its collector's, from its batches
+    #: its collector's env restarts and its own replacements (``RestartPolicy``)
+    restarts: int = 0
+    #: its slot's frames when it started (a replacement: its predecessors')
+    born_frames: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,15 @@ class ActorPlan:
     ray_init_config: dict[str, Any] | None
     weights: WeightPlan
     progress_timeout: float | None
+    #: actors that die or hang are replaced under this policy (``None``: the run ends)
+    restart: RestartPolicy | None = None
+
+
+@dataclass(frozen=True)
+class _Lost:
+    """An actor that could not be replaced (its budget spent): ``error`` ends the run."""
+
+    error: BaseException
 
 
 class RayActors(Hosts):
@@ -106,6 +121,16 @@ class RayActors(Hosts):
         self._limiter: anyio.CapacityLimiter | None = None
         self._torn_down = False
         self._delivered = 0
+        self._refs: tuple[Any, list[Any]] | None = None  # the policy's and each actor's payload's refs
+        self.replacer = ActorReplacer(self, plan.restart) if plan.restart is not None else None
+
+    @property
+    def closing(self) -> bool:
+        return self._torn_down or self.fleet._closed
+
+    @property
+    def watchdog(self) -> Watchdog | None:
+        return self._watchdog
 
     @property
     def started(self) -> bool:
@@ -141,7 +166,7 @@ class RayActors(Hosts):
         async def placed() -> list[Any]:
             return await gather(
                 *[
-                    partial(self._call, a, lambda ref=ref: ref, what="start")
+                    partial(self.call, a, lambda ref=ref: ref, what="start")
                     for a, ref in zip(self.actors, where, strict=True)
                 ]
             )
@@ -162,7 +187,7 @@ class RayActors(Hosts):
         if watchdog is not None:  # the cluster we started runs, its agents and our actors with it
             await anyio.to_thread.run_sync(lambda: watchdog.watch(descendants(os.getpid())))
         fpbs = await gather(
-            *[partial(self._call, a, a.handle.start.remote, what="start") for a in self.actors]
+            *[partial(self.call, a, a.handle.start.remote, what="start") for a in self.actors]
         )
         for actor, fpb in zip(self.actors, fpbs, strict=True):
             actor.info["frames_per_batch"] = int(fpb)
@@ -176,7 +201,7 @@ class RayActors(Hosts):
                 self.num_actors
             )
             for actor in self.actors:
-                await self._submit(actor)
+                await self.submit(actor)
 
     async def next_delivery(self) -> Arrival:
         fleet = self.fleet
@@ -193,7 +218,7 @@ class RayActors(Hosts):
         self._delivered += 1
         return out
 
-    async def _submit(self, actor: Actor) -> Any:
+    async def submit(self, actor: Actor) -> Any:
         """Ask ``actor`` for its next batch, sending weights with the request when some are due."""
         interval = self.plan.weights.interval or 0
         if interval > 0 and actor.since_update >= interval and actor.pending is None:
@@ -243,6 +268,7 @@ class RayActors(Hosts):
     def _delivered_by(self, actor: Actor, meta: dict[str, Any]) -> list[tuple[int, float, int]]:
         actor.frames += int(meta["frames"])
         actor.time_split.add(meta.get("time_split", ()))
+        self.restarted(actor, meta.get("restarts", ()))
         actor.since_update += 1
         version = int(meta["policy_version"])
         if version > actor.policy_version:
@@ -250,7 +276,7 @@ class RayActors(Hosts):
             self.fleet._hub.publish(WeightsLoaded(version, actor.index))
         return [(actor.index, r, n) for r, n in meta["episodes"]]
 
-    def _failed_actor(self, actor: Actor, exc: BaseException, what: str) -> BaseException:
+    def failed_actor(self, actor: Actor, exc: BaseException, what: str) -> BaseException:
         actor.state = WorkerState.FAILED
         error = unwrap_ray_error(exc, f"actor {actor.index} ({what})", actor)
         self.fleet._hub.publish(WorkerFailed(actor.index, f"{type(error).__name__}: {error}"))
@@ -261,27 +287,32 @@ class RayActors(Hosts):
         for index in due:
             if self.plan.weights.at_each_batch:
                 await self.fleet.update_weights(worker_ids=[index])
-            await self._submit(self.actors[index])
+            await self.submit(self.actors[index])
         assert self._results_receive is not None
         while True:
             index, out = await self._results_receive.receive()
             actor = self.actors[index]
+            if isinstance(out, _Lost):
+                raise out.error
             if isinstance(out, BaseException):
-                error = self._failed_actor(actor, out, "next batch")
+                error = self.failed_actor(actor, out, "next batch")
+                if self.replacer is not None and self.replacer.may_replace(error):
+                    self.replacer.later(actor, error)  # the others deliver meanwhile
+                    continue
                 raise error from error.__cause__
             wire, meta = out
             if not self.fleet._stale(index, int(meta["policy_version"]), int(meta["frames"])):
                 break
             # collected before an update_weights(flush=True) reached this actor: dropped, and the actor
             # asked again (its request carries the new weights, loaded before the batch)
-            await self._submit(actor)
+            await self.submit(actor)
         batch = await anyio.to_thread.run_sync(from_wires, [wire], False)
         self.fleet._delivered(index, batch)
         episodes = self._delivered_by(actor, meta)
         if self.plan.weights.at_each_batch:
             self._due.append(index)  # asked for again at the next __anext__: after the training step
         else:
-            await self._submit(actor)
+            await self.submit(actor)
         return Arrival(batch, int(meta["frames"]), episodes, index, int(meta["policy_version"]))
 
     async def _next_sync(self) -> Arrival:
@@ -293,14 +324,19 @@ class RayActors(Hosts):
         ]
         if due:  # one put for every actor due (max_weight_update_interval)
             await self.fleet.update_weights(worker_ids=due)
-        refs = [await self._submit(actor) for actor in self.actors]
+        refs = [await self.submit(actor) for actor in self.actors]
 
         async def one(actor: Actor, ref: Any) -> Any:
-            try:
-                return await self._await_batch(actor, ref)
-            except Exception as exc:
-                error = self._failed_actor(actor, exc, "next batch")
-                raise error from error.__cause__
+            while True:
+                try:
+                    return await self._await_batch(actor, ref)
+                except Exception as exc:
+                    error = self.failed_actor(actor, exc, "next batch")
+                    if self.replacer is None or not self.replacer.may_replace(error):
+                        raise error from error.__cause__
+                # a new actor collects its share of this batch again (the others' wait for it)
+                actor = await self.replacer.replace(actor, error)
+                ref = await self.submit(actor)
 
         outs = await gather(*[partial(one, a, r) for a, r in zip(self.actors, refs, strict=True)])
         parts = [b for b, _ in outs]
@@ -334,14 +370,17 @@ class RayActors(Hosts):
         ref = await anyio.to_thread.run_sync(put)
         for i in ids:
             self.actors[i].pending = (version, ref)
+            if self.replacer is not None:  # a replacement loads it before its first batch
+                self.replacer.latest[i] = (version, ref)
         return ref
 
     async def load_now(self, ids: list[int], version: int, published: Any) -> None:
         """Send the weights at once (an actor collecting a batch finishes it first)."""
-        actors = [self.actors[i] for i in ids]
+        # an actor being replaced loads the newest weights before its first batch (ActorReplacer)
+        actors = [a for i in ids if (a := self.actors[i]).state != WorkerState.STARTING]
         loaded = await gather(
             *[
-                partial(self._call, a, a.handle.load_weights.remote, version, published, what="weights")
+                partial(self.call, a, a.handle.load_weights.remote, version, published, what="weights")
                 for a in actors
             ]
         )
@@ -357,7 +396,7 @@ class RayActors(Hosts):
         return await gather(
             *[
                 partial(
-                    self._call, self.actors[i], self.actors[i].handle.call.remote, op, what=type(op).__name__
+                    self.call, self.actors[i], self.actors[i].handle.call.remote, op, what=type(op).__name__
                 )
                 for i, op in ops
             ]
@@ -368,16 +407,29 @@ class RayActors(Hosts):
         actors."""
         ray = self._ray
         policy_ref = ray.put(policy_blob)
-        cls = actor_class()
-        actors = []
         payload_refs: dict[bytes, Any] = {}
-        for i, payload in enumerate(self.plan.payloads):
+        for payload in self.plan.payloads:
             if payload not in payload_refs:  # the same constructor for every actor: one object
                 payload_refs[payload] = ray.put(payload)
-            spec = (i, self.num_actors, policy_ref, payload_refs[payload], self.plan.rollouts[i])
-            handle = cls.options(**self.plan.remote_configs[i]).remote(*spec, self.plan.sync)
-            actors.append(Actor(i, handle))
-        return actors
+        self._refs = (policy_ref, [payload_refs[p] for p in self.plan.payloads])
+        return [self.new_actor(i, self.plan.rollouts[i]) for i in range(self.num_actors)]
+
+    def new_actor(self, index: int, rollout: RolloutOptions) -> Actor:
+        """A new actor for slot ``index`` running ``rollout`` (not started); a worker thread's call."""
+        assert self._refs is not None
+        policy_ref, payload_refs = self._refs
+        spec = (index, self.num_actors, policy_ref, payload_refs[index], rollout)
+        handle = actor_class().options(**self.plan.remote_configs[index]).remote(*spec, self.plan.sync)
+        return Actor(index, handle)
+
+    async def lost(self, index: int, error: BaseException) -> None:
+        """Actor ``index`` could not be replaced: ``error`` ends the run at the next delivery."""
+        send = self._results_send
+        if send is not None:
+            try:
+                await send.send((index, _Lost(error)))
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                pass
 
     async def stop(self) -> None:
         self.fleet._closed = True  # nothing new starts (Transport.stop)
@@ -389,6 +441,8 @@ class RayActors(Hosts):
             if self._torn_down:
                 return
             self._torn_down = True
+            if self.replacer is not None:  # an actor being started is then in the list, killed below
+                await self.replacer.cancel()
             for stream in (self._results_send, self._results_receive):
                 if stream is not None:
                     stream.close()
@@ -396,7 +450,7 @@ class RayActors(Hosts):
             if actors:
                 with anyio.move_on_after(_CLOSE_GRACE):
                     await gather(*[partial(self._close_one, a) for a in actors if not a.hung])
-                await anyio.to_thread.run_sync(self._kill, actors)
+                await anyio.to_thread.run_sync(self.kill_actors, actors)
                 for actor in actors:
                     if actor.state != WorkerState.FAILED:
                         actor.state = WorkerState.STOPPED
@@ -416,7 +470,7 @@ class RayActors(Hosts):
         except Exception:
             pass  # a dead or failed actor: it is killed next anyway
 
-    def _kill(self, actors: list[Actor]) -> None:
+    def kill_actors(self, actors: list[Actor]) -> None:
         ray = self._ray
         for actor in actors:
             try:
@@ -451,7 +505,7 @@ class RayActors(Hosts):
             )
         return await ref
 
-    async def _call(self, actor: Actor, method: Any, *args: Any, what: str) -> Any:
+    async def call(self, actor: Actor, method: Any, *args: Any, what: str) -> Any:
         """Call an actor method and await it; a remote exception is raised with its own type."""
         try:
             return await self._await(method(*args))

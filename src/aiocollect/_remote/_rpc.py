@@ -43,6 +43,7 @@ from .._gather import gather
 from .._local._collector import Collector
 from .._mistakes import explicit_keywords
 from .._options import WeightSchedule
+from .._restart import RestartPolicy
 from .._transport._flat import rebuild
 from .._transport._store import StoreClient
 from .._transport._wire import AsyncChannel
@@ -143,7 +144,8 @@ async def _handle(op: ControlOp) -> Any:
         }
         names = tuple(batch.names) if batch.names is not None else None
         layout = (tuple(batch.batch_size), names)
-        return leaves, layout, value.frames, value.episodes, value.policy_version, value.time_split
+        v = value  # time_split and restarts last: a trainer reads what follows the version as optional
+        return leaves, layout, v.frames, v.episodes, v.policy_version, v.time_split, v.restarts
     return value
 
 
@@ -259,10 +261,10 @@ class RpcNodes(Nodes):
 
     async def _fetch_batch(self, node: RemoteNode) -> NodeBatch:
         # no timeout: a batch takes what it takes; a dead node is noticed by its connection
-        leaves, layout, frames, episodes, version, *split = await self._within_progress_timeout(
+        leaves, layout, frames, episodes, version, *extra = await self._within_progress_timeout(
             node, partial(self._rpc_async, node, NextBatch(), rpc_timeout=0)
-        )
-        return NodeBatch(rebuild(leaves, *layout), frames, episodes, version, *split)
+        )  # extra: (time_split, restarts), or fewer from an older node
+        return NodeBatch(rebuild(leaves, *layout), frames, episodes, version, *extra)
 
     async def _send_weights(self, weights: TensorDictBase, version: int, ids: list[int]) -> None:
         plain = await anyio.to_thread.run_sync(
@@ -302,6 +304,8 @@ class RPCCollector(NodeCollectorMixin, FleetCollector):
             ``{"num_worker_threads": 8, "_transports": ["uv"]}``; ``init_method`` is ours). Checked here.
         rpc_timeout: seconds for the rendezvous and for calls other than batches (a batch may take any
             time; a dead node is noticed by its connection).
+        restart: as for :class:`DistributedCollector`: the nodes' envs are restarted, a node process
+            that dies is not replaced (an RPC group's membership is fixed once it started).
 
     Example:
         >>> from aiocollect import GymEnv, RPCCollector
@@ -336,6 +340,7 @@ class RPCCollector(NodeCollectorMixin, FleetCollector):
         progress: Any = None,
         update_after_each_batch: Any = UNSET,
         weights: WeightSchedule | None = None,
+        restart: RestartPolicy | None = None,
     ) -> None:
         if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, (int, float)) or not rpc_timeout > 0:
             raise ValueError(f"rpc_timeout must be a positive number of seconds, got {rpc_timeout!r}")
@@ -371,6 +376,7 @@ class RPCCollector(NodeCollectorMixin, FleetCollector):
             update_after_each_batch=update_after_each_batch,
             weights=weights,
             owner=type(self).__name__,
+            restart=restart,
         )
         init_nodes(self, RpcNodes(self, plan, options, float(rpc_timeout)), plan, progress)
 

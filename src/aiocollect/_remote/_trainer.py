@@ -9,10 +9,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+from .._events import Restarted
 from .._local._collector import Collector
 from .._multi._async import MultiAsyncCollector
 from .._multi._sync import MultiSyncCollector
 from .._options import RolloutOptions, WeightSchedule
+from .._restart import RestartPolicy
 from .._validation import flag, positive_int, total_frames_arg
 from ._args import (
     UNSET,
@@ -25,6 +27,7 @@ from ._args import (
     seconds_or_none,
     split_frames,
     weight_plan,
+    with_restart,
 )
 from ._launchers import Launcher, make_launcher
 
@@ -33,6 +36,11 @@ if TYPE_CHECKING:
     from ._nodes import Nodes
 
 _COLLECTOR_CLASSES = (Collector, MultiSyncCollector, MultiAsyncCollector)
+#: why a node that died under a restart policy ends the run all the same
+NOT_REPLACED = (
+    "restart=RestartPolicy(...): a {engine} node process is not replaced (its process group cannot take "
+    "in a new rank); its envs are restarted inside it. RayCollector replaces an actor that dies"
+)
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,8 @@ class NodePlan:
     tcp_port: int
     trainer_address: str | None
     progress_timeout: float | None
+    #: the policy the nodes' envs restart under (a node process itself is not replaced)
+    restart: RestartPolicy | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -81,6 +91,7 @@ def node_plan(
     update_after_each_batch: Any,
     weights: WeightSchedule | None,
     owner: str,
+    restart: RestartPolicy | None = None,
 ) -> NodePlan:
     """The keywords of a node collector (``owner``, its class name in errors) checked; the env
     constructors and collector arguments pickled here (small: a bad one fails now), the policy (which can
@@ -100,6 +111,7 @@ def node_plan(
     if collector_class is Collector and workers != 1:
         raise ValueError("num_workers_per_collector > 1 needs collector_class=MultiSyncCollector/Async")
     per_node, seed = collector_kwargs_arg(collector_kwargs, n, owner, "node")
+    per_node = with_restart(per_node, restart)
     plan = weight_plan(
         policy, update_at_each_batch, max_weight_update_interval, update_after_each_batch, weights
     )
@@ -131,6 +143,7 @@ def node_plan(
         tcp_port=tcp_port or 0,
         trainer_address=trainer_address,
         progress_timeout=timeout,
+        restart=restart,
     )
 
 
@@ -210,6 +223,13 @@ class Hosts:
     fleet: FleetCollector
     versioned: bool
 
+    def restarted(self, member: Any, records: Sequence[tuple[int, str, int]]) -> None:
+        """``member`` (a node or actor) restarted its envs (``records``, from its batch: ``(env, cause,
+        restarts)`` each): counted in its ``restarts``, a ``Restarted`` event each, as for a worker."""
+        for env, cause, restarts in records:
+            member.restarts += 1
+            self.fleet._hub.publish(Restarted(member.index, int(env), str(cause), int(restarts)))
+
     async def published(self, version: int, ids: list[int], raised: list[int]) -> None:
         """Nothing waits here: a stale batch is dropped when it arrives (``FleetCollector._stale``)."""
 
@@ -234,4 +254,4 @@ class Hosts:
         return policies[0] if policies else None
 
 
-__all__ = ["UNSET", "Hosts", "NodeCollectorMixin", "NodePlan", "init_nodes", "node_plan"]
+__all__ = ["NOT_REPLACED", "UNSET", "Hosts", "NodeCollectorMixin", "NodePlan", "init_nodes", "node_plan"]
