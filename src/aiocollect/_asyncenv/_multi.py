@@ -117,14 +117,7 @@ class _EnvsFirstReady(FirstReady):
         pool = w.pool
         assert pool is not None
         with anyio.CancelScope(shield=True):
-            waiting = list(self._backlog)
-            self._backlog.clear()
-            while True:
-                try:
-                    waiting.append(pool.receive_nowait())
-                except anyio.WouldBlock:
-                    break
-            for item in waiting:
+            for item in self._take_waiting(pool):
                 if isinstance(item, tuple):
                     w.fleet._dropped_frames += item[1].frames
                     await self._release(pool, item[0], item[1].slot)

@@ -106,18 +106,23 @@ class FirstReady:
         control.td["stop"].fill_(HALTED)
         if not drain:
             return
-        waiting = list(self._backlog)
-        self._backlog.clear()
-        while True:
-            try:
-                waiting.append(pool.receive_nowait())
-            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                break
-        for item in waiting:
+        for item in self._take_waiting(pool, anyio.EndOfStream, anyio.ClosedResourceError):
             if isinstance(item, tuple):
                 w.fleet._dropped_frames += item[1].frames
             else:  # the pool's failure: raised by whoever reads next
                 self._backlog.append(item)
+
+    def _take_waiting(self, pool: WorkerPool, *ends: type[Exception]) -> list[Any]:
+        """What waits to be read, taken: the backlog, then the pool's deliveries (until it has none, or
+        raises one of ``ends``)."""
+        waiting = list(self._backlog)
+        stop: tuple[type[Exception], ...] = (anyio.WouldBlock, *ends)
+        self._backlog.clear()
+        while True:
+            try:
+                waiting.append(pool.receive_nowait())
+            except stop:
+                return waiting
 
     async def _run_free(self, w: Workers) -> None:
         pending, self._pending, pool = self._pending, None, w.pool
@@ -157,14 +162,7 @@ class FirstReady:
         pool = w.pool
         assert pool is not None
         with anyio.CancelScope(shield=True):
-            waiting = list(self._backlog)
-            self._backlog.clear()
-            while True:
-                try:
-                    waiting.append(pool.receive_nowait())
-                except anyio.WouldBlock:
-                    break
-            for item in waiting:
+            for item in self._take_waiting(pool):
                 if isinstance(item, tuple) and self.stale(w, item[0], item[1].policy_version):
                     self._drop(w, item[0], item[1])
                     await self._release(pool, item[0], item[1].slot)
