@@ -8,7 +8,7 @@ collector, interleaved in one run (the machine is shared: only the ratios mean s
 CPU time is the process's and its children's (worker processes), over ``--frames`` frames after one
 warm-up batch; the policy is a small MLP (the user's path). Issue 30's target: <= 1.10x. With
 ``--groups G`` the baseline is ``trajs_per_batch`` and the case measured adds ``group_size=G`` (seeded
-resets, the per-step loop instead of the fused one, the group accounting).
+resets through the fused loop's reseed hook, the group accounting).
 """
 
 from __future__ import annotations
