@@ -234,3 +234,5 @@ def test_trajectory_cuts_given_as_options_are_refused_with_trajs_per_batch(cls, 
     collector = getattr(aiocollect, cls)
     with pytest.raises(ValueError, match=f"drop {cut}"):
         collector([never] * 2, trajs_per_batch=2, rollout=RolloutOptions(64, **{cut: True}))
+    with pytest.raises(ValueError, match=f"drop {cut}"):  # the keyword, checked in the same place
+        collector([never] * 2, trajs_per_batch=2, **{cut: True})

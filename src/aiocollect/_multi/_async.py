@@ -315,8 +315,6 @@ class MultiAsyncCollector(WorkersMixin, FleetCollector):
             "MultiAsyncCollector",
             trajs_per_batch,
             frames_per_batch,
-            reset_at_each_iter=reset_at_each_iter or bool(rollout and rollout.reset_at_each_iter),
-            set_truncated=set_truncated or bool(rollout and rollout.set_truncated),
         )
         # with trajs_per_batch, max_policy_lag bounds each episode's oldest frame (the workers drop none)
         group, update = episode_args("MultiAsyncCollector", trajs, group_size, on_update, restart)

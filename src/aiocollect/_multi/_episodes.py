@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 from tensordict import TensorDictBase
 
 from .._episodes import TrajectoryAssembler
-from .._episodes_args import CHUNK_FRAMES
+from .._episodes_args import CHUNK_FRAMES, refuse_cuts
 from .._fleet import Arrival
+from .._options import RolloutOptions
 from .._validation import lag_arg
 from ._delivery import Delivering
 
@@ -77,6 +78,15 @@ class Episodes:
     @staticmethod
     def assembler_of(delivery: Delivering) -> TrajectoryAssembler | None:
         return delivery.assembler if isinstance(delivery, Episodes) else None
+
+    @staticmethod
+    def checked(delivery: Delivering, collector: str, options: RolloutOptions) -> TrajectoryAssembler | None:
+        """:meth:`assembler_of`, once the rollout options that would cut its trajectories (given as
+        keywords or through ``rollout=RolloutOptions(...)``) are refused, as ``Collector`` refuses them."""
+        assembler = Episodes.assembler_of(delivery)
+        if assembler is not None:
+            refuse_cuts(collector, assembler.trajs_per_batch, options)
+        return assembler
 
     def split_frames(self, frames_per_batch: int | Sequence[int], n: int) -> list[int]:
         return self.inner.split_frames(frames_per_batch, n)

@@ -284,8 +284,6 @@ class MultiSyncCollector(WorkersMixin, FleetCollector):
             "MultiSyncCollector",
             trajs_per_batch,
             frames_per_batch,
-            reset_at_each_iter=reset_at_each_iter or bool(rollout and rollout.reset_at_each_iter),
-            set_truncated=set_truncated or bool(rollout and rollout.set_truncated),
             preemptive_threshold=preemptive_threshold,
             cat_results=cat_results if cat_results == -1 else None,
             max_policy_lag=max_policy_lag,

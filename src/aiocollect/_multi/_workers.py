@@ -172,7 +172,7 @@ def init_workers(
     )
     fleet.num_workers = n  # type: ignore[attr-defined]
     fleet._floor_lag = None if delivery.sync else schedule.max_policy_lag
-    fleet._episodes = Episodes.assembler_of(delivery)  # type: ignore[attr-defined]
+    fleet._episodes = Episodes.checked(delivery, type(fleet).__name__, options)  # type: ignore[attr-defined]
     fleet._init_fleet(
         workers,
         size=n,
