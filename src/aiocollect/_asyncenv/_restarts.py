@@ -81,6 +81,7 @@ class EnvRestarts:
         progressed = frames[first] > self._frames_at_start[u]
         self._frames_at_start[u] = frames[first]
         delay = budget.admit(exc, first, progressed=progressed)
+        self._publish(budget)
         await close(u)
         expected = (self.spec.observation_space, self.spec.action_space)
         while True:
@@ -103,11 +104,15 @@ class EnvRestarts:
                         except Exception:  # the build's own error is the one that counts
                             pass
                 delay = budget.admit(build_exc, first, progressed=False)
+                self._publish(budget)
                 continue
-            for record in budget.drain():
-                env_id = self.offset + record.env
-                self.hub.publish(Restarted(self.worker, env_id, record.cause, record.restarts))
             return env
+
+    def _publish(self, budget: RestartBudget) -> None:
+        """A ``Restarted`` event per attempt as it is made (failed rebuilds included), so that the events
+        and ``statistics().restarts`` agree while an env is still being rebuilt."""
+        for record in budget.drain():
+            self.hub.publish(Restarted(self.worker, self.offset + record.env, record.cause, record.restarts))
 
 
 def truncate_last_frames(batch: FrameBatch, calls: list[PolicyCall], rows: set[int]) -> None:
