@@ -14,7 +14,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
-from .._episodes_args import async_chunk, refuse_episode_args, trajs_per_batch_arg
+from .._episodes_args import async_chunk, episode_args, trajs_per_batch_arg
 from .._events import Restarted, WorkerFailed
 from .._fleet import Arrival, FleetCollector
 from .._mistakes import explicit_keywords
@@ -39,6 +39,7 @@ from ._collector import max_wait_arg, on_env_error_arg
 from ._multi_args import (
     UNSUPPORTED,
     frames_arg,
+    groups_arg,
     loop_arg,
     shares_arg,
     warn_envs_wait,
@@ -170,6 +171,12 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
         frames_per_batch: frames in each batch (each worker's batches), or one value per worker.
         trajs_per_batch: instead of ``frames_per_batch``, batches of this many whole trajectories (as
             :class:`AsyncEnvCollector`'s); the trajectories a flush tears are discarded.
+        group_size: with ``trajs_per_batch``, episodes in groups of ``group_size`` envs of one worker that
+            start from the same initial state, delivered whole (as :class:`AsyncEnvCollector`'s; each
+            worker's envs in whole groups; group ids unique over the workers, as trajectory ids are).
+        on_update: with ``trajs_per_batch``: ``"continue"`` (default) or ``"restart"``: the episodes in
+            flight when a worker loads new weights are discarded and started again from their initial
+            state (docs/episodes.md).
         init_random_frames: the first ``ceil(init_random_frames / workers)`` actions of each worker
             (rounded up to whole batches of it) are random, the policy's other outputs zeros.
         max_policy_lag: deliver nothing more than this many versions older than the newest published;
@@ -265,7 +272,8 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
             max_policy_lag=lag,
             on_env_error="drop" if on_env_error == "drop" else None,
         )
-        refuse_episode_args("MultiAsyncEnvCollector", trajs, group_size, on_update)
+        group, update = episode_args("MultiAsyncEnvCollector", trajs, group_size, on_update, restart)
+        groups_arg(shares, group)
         frames_per_batch = async_chunk(frames_per_batch, trajs, max(len(share) for share in shares))
         fpb = frames_arg(frames_per_batch, len(shares))
         if prefetch is None:  # on-policy: what a worker collects ahead is dropped at the next update
@@ -283,12 +291,15 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
             pause_when_held=lag == 0,
             on_env_error=on_env_error_arg(on_env_error),
             restart=restart_arg(restart, [fn for share in shares for fn in share]),
+            group_size=group,
+            on_update=update,
         )
         self._track_versions = flag("track_policy_version", track_policy_version)
         self.num_envs = sum(len(share) for share in shares)
         self._rows: list[int | None] = [None] * len(shares)  # per worker: its env ids (EnvRows)
         warn_envs_wait(shares, fpb, self._async_config.prefetch)
-        delivery = Episodes.over(_EnvsFirstReady(len(shares), self._track_versions), trajs)
+        first_ready = _EnvsFirstReady(len(shares), self._track_versions)
+        delivery = Episodes.over(first_ready, trajs, group_size=group, on_update=update)
         self._workers = init_workers(
             self,
             [EnvShare(share) for share in shares],

@@ -104,6 +104,10 @@ class WorkerConfig:
     on_env_error: str = "raise"
     #: restart=: each worker restarts its own envs (``RestartPolicy``), or ``None``
     restart: RestartPolicy | None = None
+    #: seeded episodes (``_groups.py``): in groups of this many of the worker's envs, and started again
+    #: when the worker loads new weights (``on_update="restart"``)
+    group_size: int | None = None
+    on_update: str = "continue"
 
 
 class _Inner(AsyncEnvCollector):
@@ -277,9 +281,12 @@ class _AsyncWorker:
         if receiver is None or module is None:
             return engine.version
         async with engine.policy_lock:
+            before = engine.version
             engine.version = await batch_policy.in_thread(
                 functools.partial(receiver.load, module, engine.version)
             )
+            if engine.version != before and engine.episodes is not None:  # on_update="restart"
+                engine.episodes.updated()
         return engine.version
 
     # -- env ids, dropped envs ----------------------------------------------------------------------
@@ -388,6 +395,8 @@ class _AsyncWorker:
             restart=config.restart,
             prefetch=config.prefetch,
         )
+        # seeded episodes: the engine's (the trainer assembles the trajectories: the worker sends frames)
+        collector._group_size, collector._on_update = config.group_size, config.on_update
         # init_random_frames: this worker's share, rounded up to whole batches (as MultiAsyncCollector's)
         collector.random_actions = math.ceil(config.random_frames / self.fpb) * self.fpb
         collector.random_seed = config.seed
