@@ -227,6 +227,73 @@ async def test_resume_starts_new_groups():
     assert after and not set(after) & set(before)
 
 
+async def test_async_env_groups_after_reset_are_reproducible():
+    """``AsyncEnvCollector.reset()`` with ``group_size``: the groups after it are seeded from the
+    collector's seed (the same in every run, whenever the reset comes), and none repeats a group before."""
+
+    async def run() -> tuple[dict[tuple[int, int], list[float]], set[tuple[float, ...]]]:
+        collector = AsyncEnvCollector(
+            async_walks(4), trajs_per_batch=4, group_size=2, total_frames=-1, seed=0
+        )
+        before: set[tuple[float, ...]] = set()
+        after: dict[int, list[float]] = {}
+        with anyio.fail_after(60):
+            async with collector:
+                async for batch in collector:
+                    check_groups(batch, 4, 2)
+                    before |= {tuple(t["observation"][0].tolist()) for t in trajectories(batch)}
+                    break
+                await collector.reset()
+                async for batch in collector:
+                    for group in check_groups(batch, 4, 2):
+                        first = batch["observation"][batch[GROUP] == group][0]
+                        after[group] = first.tolist()
+                    if len(after) >= 12:
+                        break
+        first_round = min(after) // 2  # group id = 2 * round + block (2 blocks of 2 envs)
+        return {(g % 2, g // 2 - first_round): obs for g, obs in after.items()}, before
+
+    (one, before), (two, _) = await run(), await run()
+    common = set(one) & set(two)
+    assert len(common) >= 6
+    assert all(one[k] == two[k] for k in common)
+    assert not {tuple(v) for v in one.values()} & before
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda **kw: AsyncEnvCollector(async_walks(4), **kw), id="AsyncEnvCollector"),
+        pytest.param(
+            lambda **kw: MultiAsyncEnvCollector([async_walks(2)] * 2, worker_backend="serial", **kw),
+            id="MultiAsyncEnvCollector",
+        ),
+    ],
+)
+async def test_async_env_resume_starts_new_groups(make):
+    """A fresh async-env collector that loads a checkpoint goes on with group ids no group before the
+    checkpoint had (it does not start again from 0)."""
+    first = make(trajs_per_batch=4, group_size=2, total_frames=-1, seed=0)
+    before: list[int] = []
+    with anyio.fail_after(60):
+        async with first:
+            async for batch in first:
+                before += check_groups(batch, 4, 2)
+                if len(before) >= 6:
+                    break
+            state = await first.state_dict()
+    second = make(trajs_per_batch=4, group_size=2, total_frames=-1, seed=0)
+    after: list[int] = []
+    with anyio.fail_after(60):
+        async with second:
+            await second.load_state_dict(state)
+            async for batch in second:
+                after += check_groups(batch, 4, 2)
+                if len(after) >= 6:
+                    break
+    assert len(set(after)) == len(after) and not set(after) & set(before)
+
+
 @pytest.mark.parametrize(
     ("cls", "kwargs", "error", "match"),
     [
