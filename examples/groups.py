@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import gymnasium as gym
@@ -88,7 +89,7 @@ async def main(args: Args) -> None:
     torch.manual_seed(args.seed)
     policy = Policy()
     optim = torch.optim.Adam(policy.parameters(), lr=args.lr)
-    episodes = {
+    episodes: dict[str, Any] = {
         "trajs_per_batch": args.groups_per_batch * args.group_size,
         "group_size": args.group_size,
         "split_trajs": True,
