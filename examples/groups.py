@@ -3,11 +3,15 @@ that start from the same initial state, and an episode's advantage is its return
 
     python examples/groups.py
     python examples/groups.py --group-size 8 --groups-per-batch 4 --total-frames 200000
+    python examples/groups.py --workers 2 --on-update restart   # async envs in 2 worker processes
 
 ``Collector(trajs_per_batch=N, group_size=G)`` seeds the resets so that the ``G`` env slots of a group
 reset to one state (the same reset seed), and delivers whole groups: ``[N, T]`` with ``split_trajs=True``,
 each episode with its ``("collector", "group_id")``. No value function is learnt: the group's mean return
-is the baseline, as GRPO does for the G answers to one prompt.
+is the baseline, as GRPO does for the G answers to one prompt. ``--workers N`` collects with
+``MultiAsyncEnvCollector`` instead (``2 * group_size`` async CartPole envs in each of ``N`` worker
+processes, each worker's envs in whole groups); ``--on-update restart`` starts the episodes in flight
+at each update again, so that every episode of a batch ran one policy.
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ import argparse
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
+import gymnasium as gym
 import torch
 from torch import nn
 
-from aiocollect import Collector, GymEnv
+from aiocollect import Collector, GymEnv, MultiAsyncEnvCollector, ThreadedAsyncEnv
 
 
 @dataclass
@@ -30,6 +36,13 @@ class Args:
     group_size: int = field(default=4, metadata={"help": "episodes per group (one initial state)"})
     groups_per_batch: int = field(default=4, metadata={"help": "groups per batch (one update)"})
     lr: float = field(default=0.01, metadata={"help": "Adam learning rate"})
+    workers: int = field(
+        default=0, metadata={"help": "0: Collector; N: MultiAsyncEnvCollector with N worker processes"}
+    )
+    on_update: str = field(
+        default="continue",
+        metadata={"help": "with --workers, 'continue' or 'restart': the episodes in flight at an update"},
+    )
     seed: int = field(
         default=1, metadata={"help": "seeds the groups' initial states, the policy and sampling"}
     )
@@ -59,6 +72,11 @@ class Policy(nn.Module):
         return action
 
 
+def cartpole() -> ThreadedAsyncEnv:
+    """One async CartPole env (a gymnasium env stepped in a thread), for ``--workers``."""
+    return ThreadedAsyncEnv(gym.make("CartPole-v1"))
+
+
 def group_advantages(returns: torch.Tensor, group_size: int) -> torch.Tensor:
     """Each episode's return minus the mean of its group, scaled by the group's spread (the groups are
     ``group_size`` consecutive episodes of the batch)."""
@@ -71,17 +89,22 @@ async def main(args: Args) -> None:
     torch.manual_seed(args.seed)
     policy = Policy()
     optim = torch.optim.Adam(policy.parameters(), lr=args.lr)
-    collector = Collector(
-        # the env slots form groups: num_envs a multiple of group_size
-        lambda: GymEnv("CartPole-v1", num_envs=2 * args.group_size),
-        policy,
-        trajs_per_batch=args.groups_per_batch * args.group_size,
-        group_size=args.group_size,
-        split_trajs=True,
-        total_frames=args.total_frames,
-        seed=args.seed,
-        progress=False,
-    )
+    episodes: dict[str, Any] = {
+        "trajs_per_batch": args.groups_per_batch * args.group_size,
+        "group_size": args.group_size,
+        "split_trajs": True,
+        "total_frames": args.total_frames,
+        "seed": args.seed,
+        "progress": False,
+    }
+    collector: Collector | MultiAsyncEnvCollector
+    if args.workers:  # each worker's envs in whole groups (a group runs in one worker)
+        share = [cartpole] * (2 * args.group_size)
+        collector = MultiAsyncEnvCollector(
+            [share] * args.workers, policy, on_update=args.on_update, **episodes
+        )
+    else:  # the env slots form groups: num_envs a multiple of group_size
+        collector = Collector(lambda: GymEnv("CartPole-v1", num_envs=2 * args.group_size), policy, **episodes)
     start = time.perf_counter()
     async with collector:
         updates = 0

@@ -37,6 +37,7 @@ CASES = {
     "episodes": ["episodes.py", "--total-frames", "3000", "--trajs-per-batch", "4"],
     # group-relative advantages on groups of episodes from one initial state (group_size)
     "groups": ["groups.py", "--total-frames", "3000"],
+    "groups_workers": ["groups.py", "--total-frames", "3000", "--workers", "2", "--on-update", "restart"],
     "recurrent_policy": ["recurrent_policy.py", "--total-frames", "2000", "--frames-per-batch", "400"],
     "multi_async_onpolicy": ["multi_async_onpolicy.py", "--total-frames", "2048"]
     + ["--frames-per-update", "512", "--backend", "serial"],

@@ -112,6 +112,10 @@ def async_walks(n: int) -> list[Any]:
             id="MultiAsyncCollector",
         ),
         pytest.param(lambda **kw: AsyncEnvCollector(async_walks(4), **kw), id="AsyncEnvCollector"),
+        pytest.param(
+            lambda **kw: MultiAsyncEnvCollector([async_walks(2)] * 2, worker_backend="serial", **kw),
+            id="MultiAsyncEnvCollector",
+        ),
     ],
 )
 async def test_groups_share_their_initial_state(make):
@@ -223,6 +227,73 @@ async def test_resume_starts_new_groups():
     assert after and not set(after) & set(before)
 
 
+async def test_async_env_groups_after_reset_are_reproducible():
+    """``AsyncEnvCollector.reset()`` with ``group_size``: the groups after it are seeded from the
+    collector's seed (the same in every run, whenever the reset comes), and none repeats a group before."""
+
+    async def run() -> tuple[dict[tuple[int, int], list[float]], set[tuple[float, ...]]]:
+        collector = AsyncEnvCollector(
+            async_walks(4), trajs_per_batch=4, group_size=2, total_frames=-1, seed=0
+        )
+        before: set[tuple[float, ...]] = set()
+        after: dict[int, list[float]] = {}
+        with anyio.fail_after(60):
+            async with collector:
+                async for batch in collector:
+                    check_groups(batch, 4, 2)
+                    before |= {tuple(t["observation"][0].tolist()) for t in trajectories(batch)}
+                    break
+                await collector.reset()
+                async for batch in collector:
+                    for group in check_groups(batch, 4, 2):
+                        first = batch["observation"][batch[GROUP] == group][0]
+                        after[group] = first.tolist()
+                    if len(after) >= 12:
+                        break
+        first_round = min(after) // 2  # group id = 2 * round + block (2 blocks of 2 envs)
+        return {(g % 2, g // 2 - first_round): obs for g, obs in after.items()}, before
+
+    (one, before), (two, _) = await run(), await run()
+    common = set(one) & set(two)
+    assert len(common) >= 6
+    assert all(one[k] == two[k] for k in common)
+    assert not {tuple(v) for v in one.values()} & before
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda **kw: AsyncEnvCollector(async_walks(4), **kw), id="AsyncEnvCollector"),
+        pytest.param(
+            lambda **kw: MultiAsyncEnvCollector([async_walks(2)] * 2, worker_backend="serial", **kw),
+            id="MultiAsyncEnvCollector",
+        ),
+    ],
+)
+async def test_async_env_resume_starts_new_groups(make):
+    """A fresh async-env collector that loads a checkpoint goes on with group ids no group before the
+    checkpoint had (it does not start again from 0)."""
+    first = make(trajs_per_batch=4, group_size=2, total_frames=-1, seed=0)
+    before: list[int] = []
+    with anyio.fail_after(60):
+        async with first:
+            async for batch in first:
+                before += check_groups(batch, 4, 2)
+                if len(before) >= 6:
+                    break
+            state = await first.state_dict()
+    second = make(trajs_per_batch=4, group_size=2, total_frames=-1, seed=0)
+    after: list[int] = []
+    with anyio.fail_after(60):
+        async with second:
+            await second.load_state_dict(state)
+            async for batch in second:
+                after += check_groups(batch, 4, 2)
+                if len(after) >= 6:
+                    break
+    assert len(set(after)) == len(after) and not set(after) & set(before)
+
+
 @pytest.mark.parametrize(
     ("cls", "kwargs", "error", "match"),
     [
@@ -246,20 +317,32 @@ async def test_resume_starts_new_groups():
             ValueError,
             "restart=",
         ),
+        (MultiAsyncEnvCollector, {"trajs_per_batch": 3, "group_size": 2}, ValueError, "group_size=2"),
         (
             MultiAsyncEnvCollector,
-            {"trajs_per_batch": 4, "group_size": 2},
-            ValueError,
-            "does not take group_size",
+            {"frames_per_batch": 8, "on_update": "restart"},
+            TypeError,
+            "trajs_per_batch",
         ),
-        (MultiAsyncEnvCollector, {"trajs_per_batch": 4, "on_update": "restart"}, ValueError, "on_update="),
+        (
+            MultiAsyncEnvCollector,
+            {"trajs_per_batch": 4, "group_size": 2, "restart": RestartPolicy()},
+            ValueError,
+            "restart=",
+        ),
+        (
+            MultiAsyncEnvCollector,
+            {"trajs_per_batch": 6, "group_size": 3},
+            ValueError,
+            r"env_fns_per_worker\[0\] has 2 env fns",
+        ),
     ],
 )
 def test_bad_input_is_refused_before_anything_starts(cls, kwargs, error, match):
     def never() -> Any:
         raise AssertionError("no env is built")
 
-    fns: Any = {Collector: never, MultiAsyncEnvCollector: [[never]] * 2}.get(cls, [never] * 2)
+    fns: Any = {Collector: never, MultiAsyncEnvCollector: [[never] * 2] * 2}.get(cls, [never] * 2)
     with pytest.raises(error, match=match):
         cls(fns, **kwargs)
 
@@ -303,6 +386,12 @@ class Argmax(torch.nn.Module):
             ),
             id="MultiAsyncCollector",
         ),
+        pytest.param(
+            lambda seeds, **kw: MultiAsyncEnvCollector(
+                [[lambda: ThreadedAsyncEnv(Walk(20))] * 4] * 2, Argmax(), worker_backend="serial", **kw
+            ),
+            id="MultiAsyncEnvCollector",
+        ),
     ],
 )
 async def test_restart_on_update(make):
@@ -331,7 +420,7 @@ async def test_restart_on_update(make):
     assert len(set(ids)) == len(ids)
     stats = collector.episode_statistics()
     assert stats.frames_discarded > 0 and stats.max_version_span == 0
-    if isinstance(collector, MultiAsyncCollector):
+    if isinstance(collector, (MultiAsyncCollector, MultiAsyncEnvCollector)):
         # started again, not skipped: every round of each of the 4 blocks (2 per worker) is delivered,
         # its group id (block b of worker w, round k: w + 2 * (2 * k + b)) 4 after the one before
         for block in range(4):
@@ -351,6 +440,33 @@ async def test_restart_on_update(make):
             distinct = list(dict.fromkeys(restarted))
             n = min(len(distinct), len(rounds))
             assert n > 3 and distinct[:n] == rounds[:n]
+
+
+async def test_multi_async_env_groups_across_worker_processes(leaks):
+    """``MultiAsyncEnvCollector`` with worker processes: group ids unique over the workers (each worker's
+    own: ``worker + 2 * k``), and a seeded run reproducible: each group id comes with the same episode."""
+
+    async def run() -> dict[int, list[float]]:
+        collector = MultiAsyncEnvCollector(
+            [async_walks(4)] * 2, trajs_per_batch=4, group_size=2, total_frames=600, seed=5
+        )
+        firsts: dict[int, list[float]] = {}
+        with anyio.fail_after(60):
+            async with collector:
+                async for batch in collector:
+                    check_groups(batch, 4, 2)
+                    for traj in trajectories(batch):
+                        group = int(traj[GROUP][0])
+                        first = traj["observation"][0].tolist()
+                        assert firsts.setdefault(group, first) == first
+        return firsts
+
+    one, two = await run(), await run()
+    assert {g % 2 for g in one} == {0, 1}, "both workers' groups"
+    common = set(one) & set(two)
+    assert len(common) >= 10
+    assert all(one[g] == two[g] for g in common)
+    assert len({tuple(v) for v in one.values()}) == len(one), "each group its own initial state"
 
 
 async def test_continue_is_the_default():

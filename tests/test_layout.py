@@ -35,7 +35,7 @@ LONG_MODULES: dict[str, int] = {
     "aiocollect/_asyncenv/_collector.py": 513,  # issue 30: trajs_per_batch, group_size; issue 28: restart=
     "aiocollect/_asyncenv/_run.py": 654,  # issue 28: env restarts; issue 30: groups, on_update
     # issue 28: restart= and its Restarted events to the parent; issue 29: checkpoint calls, the send gate
-    "aiocollect/_asyncenv/_worker.py": 478,
+    "aiocollect/_asyncenv/_worker.py": 470,
     "aiocollect/_distributed_weights.py": 483,
     "aiocollect/_fast_policy.py": 598,
     # issue 30: trajs_per_batch; issue 29: stop flag, resume hooks; issue 28: restart=, Restarted events
@@ -113,7 +113,7 @@ LONG_FUNCTIONS: dict[str, int] = {
     "aiocollect/_local/_collector.py:Collector.__init__": 67,
     # explicit-keyword constructors that also check trajs_per_batch against the options that cut episodes
     "aiocollect/_multi/_sync.py:MultiSyncCollector.__init__": 59,
-    "aiocollect/_asyncenv/_multi.py:MultiAsyncEnvCollector.__init__": 60,  # issue 27: its workers' body
+    "aiocollect/_asyncenv/_multi.py:MultiAsyncEnvCollector.__init__": 67,  # issue 27: its workers' body
     "aiocollect/_remote/_ray.py:RayCollector.__init__": 59,
     "aiocollect/_envs/_gym.py:GymEnv._run_gym_steps": 70,
     "aiocollect/_asyncenv/_run.py:Engine.__init__": 65,

@@ -25,13 +25,18 @@ from tensordict import TensorDictBase
 from aiocollect import (
     GymEnv,
     MultiAsyncCollector,
+    MultiAsyncEnvCollector,
     MultiSyncCollector,
+    PipeWeightSync,
     ProcessCollector,
     RestartPolicy,
     WorkerDiedError,
     WorkerTimeoutError,
 )
+from aiocollect._restart import derive_seed
 from support import cartpole, pendulum
+from test_async_envs import Counter, StepPolicy
+from test_async_workers import shares
 
 pytestmark = pytest.mark.anyio
 
@@ -266,3 +271,107 @@ async def test_replacement_runs_the_latest_weights(kind: str, leaks: Any) -> Non
                         after += 1
                 if after >= 2:
                     break
+
+
+# -- MultiAsyncEnvCollector: async envs in worker processes ---------------------------------------------
+def _async_env_collector(total: int, **kwargs: Any) -> MultiAsyncEnvCollector:
+    """2 worker processes of 3 ``Counter`` async envs each (env ids 0-2 and 3-5)."""
+    return MultiAsyncEnvCollector(
+        shares(2, 3), StepPolicy(), frames_per_batch=12, total_frames=total, **kwargs
+    )
+
+
+@rotating(2, kinds=("shared-memory", "pipe"))
+async def test_async_env_worker_is_replaced(kind: str, leaks: Any) -> None:
+    """MultiAsyncEnvCollector: a worker process SIGKILLed mid-run is replaced (its envs' restarts are
+    the worker's own): the run reaches total_frames exactly; the replacement has its predecessor's env
+    ids, trajectory ids of its own generation, envs reset with a seed derived from the worker's, and the
+    weights published before the kill (through shared memory or the pipe); the restart is an event and
+    counted."""
+    sync = PipeWeightSync() if kind == "pipe" else None
+    collector = _async_env_collector(240, restart=POLICY, seed=3, track_policy_version=True, weight_sync=sync)
+    batches: list[TensorDictBase] = []
+    async with collector, collector.events(kinds=["restarted", "worker_started"]) as events:
+        with anyio.fail_after(60):
+            async for batch in collector:
+                batches.append(batch.clone())
+                if len(batches) == 2:
+                    version = await collector.update_weights()
+                    _kill(collector, 1)
+                    started = await anext(events)  # the replacement is ready
+                    restarted = await anext(events)  # and up to date
+                    seeds = await collector.get_distant_attr("env.seeds")
+        stats = collector.statistics()
+    assert sum(b.numel() for b in batches) == 240 and stats.frames == 240
+    assert (type(started).__name__, started.worker_id) == ("WorkerStarted", 1)
+    assert (restarted.worker, restarted.env, restarted.restarts) == (1, -1, 1)
+    assert restarted.cause.startswith("WorkerDiedError: ")
+    assert stats.restarts == 1 and [w.restarts for w in stats.workers] == [0, 1]
+    assert seeds[0][0] == 3 and seeds[1][0] == derive_seed(3 + 3, 1)  # env 3: worker 1's first
+    generations = _check_generations("async", batches)
+    assert generations[0] == {0} and 1 in generations[1]
+    for batch in batches:
+        worker = int(batch["collector", "worker_id"][0])
+        assert ((batch["collector", "env_id"] // 3) == worker).all()
+        if int(batch["collector", "traj_ids"].min()) >= GENERATION * 2:
+            assert (batch["collector", "policy_version"] >= version).all()
+
+
+@rotating(0, kinds=("async-envs",))
+async def test_async_env_worker_spent_budget_raises(kind: str, leaks: Any) -> None:
+    """MultiAsyncEnvCollector past its budget: WorkerDiedError with the history as a note, within 2 s."""
+    once = RestartPolicy(max_restarts=1, window=60.0, backoff=0.0, max_backoff=0.0)
+    collector = _async_env_collector(-1, restart=once)
+    killed = 0.0
+    with pytest.raises(WorkerDiedError) as info:
+        async with collector, collector.events(kinds=["restarted"]) as events:
+            with anyio.fail_after(60):
+                async for _ in collector:
+                    if not killed or events.receive_nowait() is not None:
+                        killed = _kill(collector, 0)
+    assert time.monotonic() - killed < 2.0
+    assert info.value.exitcode == -signal.SIGKILL
+    assert any("restart budget spent" in note for note in info.value.__notes__)
+
+
+class BlockOnce(Counter):
+    """A ``Counter`` that blocks its worker's event loop (a sync call that never returns) at its 5th
+    step, in the first worker process only (``marker`` absent when it is built: it creates it)."""
+
+    def __init__(self, env_id: int, marker: str) -> None:
+        super().__init__(env_id)
+        self.block = not Path(marker).exists()
+        if self.block:
+            Path(marker).write_text("hung")
+
+    async def step(self, action: Any) -> Any:
+        if self.block and self.steps == 5:
+            time.sleep(3600)  # noqa: ASYNC251 - the whole worker hangs: killed by the collector
+        return await super().step(action)
+
+
+@rotating(1, kinds=("async-envs",))
+async def test_hung_async_env_worker_is_replaced(kind: str, leaks: Any, tmp_path: Path) -> None:
+    """A MultiAsyncEnvCollector worker that delivers nothing within worker_timeout is killed and
+    replaced; the other worker goes on meanwhile."""
+    marker = str(tmp_path / "hung")
+    fns = [
+        [lambda i=i: Counter(i) for i in range(3)],
+        [lambda i=i: BlockOnce(3 + i, marker) for i in range(3)],
+    ]
+    collector = MultiAsyncEnvCollector(
+        fns, frames_per_batch=12, total_frames=-1, worker_timeout=1.0, restart=POLICY
+    )
+    others = 0
+    async with collector, collector.events(kinds=["restarted"]) as events:
+        with anyio.fail_after(60):
+            async for batch in collector:
+                if int(batch["collector", "worker_id"][0]) == 0:
+                    others += 1
+                elif int(batch["collector", "traj_ids"].min()) >= GENERATION * 2:
+                    break  # the replacement's first batch
+        restarted = await anext(events)
+    assert others > 1
+    assert (restarted.worker, restarted.env) == (1, -1)
+    assert restarted.cause.startswith("WorkerTimeoutError: ")
+    assert collector.statistics().workers[1].restarts == 1

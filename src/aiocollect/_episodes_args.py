@@ -17,7 +17,6 @@ __all__ = [
     "group_size_arg",
     "on_update_arg",
     "refuse_cuts",
-    "refuse_episode_args",
     "refuse_with_episodes",
     "trajs_per_batch_arg",
 ]
@@ -168,17 +167,6 @@ def episode_args(
             "episode anew, outside its group): drop one of them"
         )
     return group, update
-
-
-def refuse_episode_args(collector: str, trajs_per_batch: int | None, group_size: Any, on_update: Any) -> None:
-    """``group_size`` and ``on_update="restart"`` checked, and refused where they are not built yet."""
-    group, update = episode_args(collector, trajs_per_batch, group_size, on_update)
-    if group is not None or update == "restart":
-        what = f"group_size={group}" if group is not None else "on_update='restart'"
-        raise ValueError(
-            f"{collector} does not take {what} yet (its worker processes' envs are not seeded per episode): "
-            "use AsyncEnvCollector (one process) or MultiAsyncCollector"
-        )
 
 
 def check_async_envs(rows: int, has_vector: bool, group_size: int | None, on_update: str) -> None:

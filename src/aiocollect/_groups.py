@@ -321,11 +321,16 @@ class RowEpisodes:
         if self.restart:
             self.restarting[:] = [True] * len(self.restarting)
 
-    def go_on_from(self, old: RowEpisodes) -> None:
-        """An engine made anew (a checkpoint loaded, a seed set): rounds no group of ``old`` used, seeded
-        as rounds 0, 1, ... (a collector given ``set_seed(s)`` then collects what a new one seeded ``s``
-        does)."""
-        first = int(old.rounds.max()) + 1
+    @property
+    def next_round(self) -> int:
+        """The first round no row has begun (a checkpoint's: a resume starts its groups there)."""
+        return int(self.rounds.max()) + 1
+
+    def go_on_from(self, old: RowEpisodes, at: int | None = None) -> None:
+        """An engine made anew (a checkpoint loaded, a seed set, a reset): rounds no group of ``old``
+        used (from round ``at`` at least: a checkpoint's), seeded as rounds 0, 1, ... (a collector given
+        ``set_seed(s)`` then collects what a new one seeded ``s`` does)."""
+        first = max(old.next_round, at or 0)
         self.rounds[:] = first
         self.seeds.first_round = first  # (the seed as the new engine's config says)
         self.group_ids[:] = self.seeds.group_id(self._blocks, self.rounds)

@@ -39,6 +39,7 @@ import torch
 
 from .._envs._spaces import NestedKey
 from .._episodes import TrajectoryAssembler
+from .._restart import derive_seed
 from .._resume import derived_seed, generator_state, set_generator_state, to_plain
 from .._rng import RolloutRNG
 from .._validation import seed_arg
@@ -128,15 +129,20 @@ class CheckpointMixin:
             self._parked = False
 
     async def _restart_engine(
-        self, seed: int | None, obs: list[Any] | None = None, frames: int | None = None
+        self,
+        seed: int | None,
+        obs: list[Any] | None = None,
+        frames: int | None = None,
+        group_round: int | None = None,
     ) -> None:
         """Stop the engine (dropping what it collected ahead) and start a new one over the same envs: each
         env reset with ``seed + its env id`` (``None``: unseeded), or with ``obs`` (per env) as it is now,
-        without a reset. Fresh trajectory ids; ``frames``: the budget left counts from there."""
+        without a reset. Fresh trajectory ids; ``frames``: the budget left counts from there; seeded
+        episodes go on from round ``group_round`` at least (a checkpoint's: ``RowEpisodes.go_on_from``)."""
         with anyio.CancelScope(shield=True):  # never left without an engine
-            await self._restart_shielded(seed, obs, frames)
+            await self._restart_shielded(seed, obs, frames, group_round)
 
-    async def _restart_shielded(self, seed: int | None, obs: list[Any] | None, frames: int | None) -> None:
+    async def _restart_shielded(self, seed: int | None, obs: Any, frames: int | None, at: int | None) -> None:
         old = self._engine
         assert old is not None
         assert self._task_group is not None
@@ -155,7 +161,8 @@ class CheckpointMixin:
         new.traj_ids[:] = np.arange(old.next_traj, old.next_traj + n)
         new.next_traj = old.next_traj + n
         new.version = old.version
-        new.go_on_from(old)  # seeded episodes: rounds (group ids) no group of the old engine used
+        if new.episodes is not None and old.episodes is not None:  # rounds (group ids) none used before
+            new.episodes.go_on_from(old.episodes, at)
         new.env_frames = old.env_frames
         self._engine = new
         await self._task_group.start(new.run)
@@ -214,10 +221,12 @@ class CheckpointMixin:
 
     async def reset(self) -> None:
         """Reset every env (unseeded: each goes on with its own generator): the next batch starts new
-        episodes, with fresh trajectory ids; batches collected ahead are dropped."""
+        episodes, with fresh trajectory ids; batches collected ahead are dropped. Groups (``group_size``)
+        go on seeded from the ones before: the same in every run of a seeded collector."""
 
         async def apply(engine: Engine) -> None:
-            await self._restart_engine(None)
+            episodes = engine.episodes
+            await self._restart_engine(None if episodes is None else derive_seed(episodes.seeds.base_seed, 1))
 
         await self._locked("reset", apply)
 
@@ -272,6 +281,8 @@ class CheckpointMixin:
             "next_traj_id": next_traj,
             "policy_version": engine.version,
         }
+        if engine.episodes is not None:  # seeded episodes: a resume's groups go on after these
+            state["group_round"] = engine.episodes.next_round
         state["rng"] = rngs[0] if rngs else await self._in_policy_thread(lambda: self._random_states(engine))
         if envs:
             state["env_state"] = saved
@@ -382,7 +393,7 @@ class CheckpointMixin:
         if saved is None:
             rollout = None if rngs is None else rngs["rollout"]
             seed = None if rollout is None else derived_seed(rollout, frames)
-            await self._restart_engine(seed, frames=frames)
+            await self._restart_engine(seed, frames=frames, group_round=state.get("group_round"))
             return
         for pair, env_state in zip(methods, saved["envs"], strict=True):
             await maybe_await(pair[1](env_state))

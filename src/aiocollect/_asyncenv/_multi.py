@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -14,7 +13,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
-from .._episodes_args import async_chunk, refuse_episode_args, trajs_per_batch_arg
+from .._episodes_args import async_chunk, episode_args, trajs_per_batch_arg
 from .._events import Restarted, WorkerFailed
 from .._fleet import Arrival, FleetCollector
 from .._mistakes import explicit_keywords
@@ -39,12 +38,14 @@ from ._collector import max_wait_arg, on_env_error_arg
 from ._multi_args import (
     UNSUPPORTED,
     frames_arg,
+    groups_arg,
     loop_arg,
     shares_arg,
     warn_envs_wait,
 )
 from ._restarts import restart_arg
 from ._worker import EnvOffset, EnvRows, EnvShare, WorkerConfig, run_async_worker
+from ._worker_envids import EnvIds
 from ._worker_frames import FLOOR, VERSION
 
 __all__ = ["MultiAsyncEnvCollector"]
@@ -148,7 +149,8 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
     reset. Weights reach a worker between two of its policy calls
     (after each of its batches, or at once with ``update_weights(wait=True)``); ``statistics()`` has one
     entry per worker process. A worker's env error is raised from ``async for`` with its type, a killed
-    worker raises :class:`WorkerDiedError`; ``async with`` ends every process and shared-memory segment.
+    worker raises :class:`WorkerDiedError` (unless ``restart=`` replaces it); ``async with`` ends every
+    process and shared-memory segment.
     With ``on_env_error="drop"`` a failing env is dropped and the others go on; each (sub-)env dropped is a
     :class:`WorkerFailed` event with its env id over all workers, and a worker whose every env is dropped
     ends the collector with ``RuntimeError``.
@@ -170,6 +172,12 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
         frames_per_batch: frames in each batch (each worker's batches), or one value per worker.
         trajs_per_batch: instead of ``frames_per_batch``, batches of this many whole trajectories (as
             :class:`AsyncEnvCollector`'s); the trajectories a flush tears are discarded.
+        group_size: with ``trajs_per_batch``, episodes in groups of ``group_size`` envs of one worker that
+            start from the same initial state, delivered whole (as :class:`AsyncEnvCollector`'s; each
+            worker's envs in whole groups; group ids unique over the workers, as trajectory ids are).
+        on_update: with ``trajs_per_batch``: ``"continue"`` (default) or ``"restart"``: the episodes in
+            flight when a worker loads new weights are discarded and started again from their initial
+            state (docs/episodes.md).
         init_random_frames: the first ``ceil(init_random_frames / workers)`` actions of each worker
             (rounded up to whole batches of it) are random, the policy's other outputs zeros.
         max_policy_lag: deliver nothing more than this many versions older than the newest published;
@@ -184,7 +192,9 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
         on_env_error: as ``AsyncEnvCollector``'s, per worker: ``"drop"`` drops a failing env (its event
             carries its env id over all workers); a worker whose every env is dropped ends the collector.
         restart: a :class:`RestartPolicy`: each worker restarts its failing envs as ``AsyncEnvCollector``
-            does (``Restarted`` events carry the worker and the env id over all workers).
+            does (``Restarted`` events carry the worker and the env id over all workers), and a worker
+            process that dies or hangs past ``worker_timeout`` is replaced within its budget (its env
+            ids, seeds derived from its own, fresh trajectory ids, the newest weights: docs/faults.md).
         prefetch: as ``AsyncEnvCollector``'s, per worker (default 1; 0 with ``max_policy_lag=0``).
         seed: env ``i`` (over all workers) is first reset with ``seed + i`` (a vector env whose first
             sub-env is env ``i``: ``reset(seed=seed + i)``).
@@ -265,7 +275,8 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
             max_policy_lag=lag,
             on_env_error="drop" if on_env_error == "drop" else None,
         )
-        refuse_episode_args("MultiAsyncEnvCollector", trajs, group_size, on_update)
+        group, update = episode_args("MultiAsyncEnvCollector", trajs, group_size, on_update, restart)
+        groups_arg(shares, group)
         frames_per_batch = async_chunk(frames_per_batch, trajs, max(len(share) for share in shares))
         fpb = frames_arg(frames_per_batch, len(shares))
         if prefetch is None:  # on-policy: what a worker collects ahead is dropped at the next update
@@ -283,12 +294,17 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
             pause_when_held=lag == 0,
             on_env_error=on_env_error_arg(on_env_error),
             restart=restart_arg(restart, [fn for share in shares for fn in share]),
+            group_size=group,
+            on_update=update,
+            traj_id_start=traj_id_start,
+            traj_id_stride=traj_id_stride,
         )
         self._track_versions = flag("track_policy_version", track_policy_version)
         self.num_envs = sum(len(share) for share in shares)
-        self._rows: list[int | None] = [None] * len(shares)  # per worker: its env ids (EnvRows)
+        self._env_ids = EnvIds(len(shares))  # each worker's first env id, once every worker built its envs
         warn_envs_wait(shares, fpb, self._async_config.prefetch)
-        delivery = Episodes.over(_EnvsFirstReady(len(shares), self._track_versions), trajs)
+        first_ready = _EnvsFirstReady(len(shares), self._track_versions)
+        delivery = Episodes.over(first_ready, trajs, group_size=group, on_update=update)
         self._workers = init_workers(
             self,
             [EnvShare(share) for share in shares],
@@ -312,6 +328,7 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
             worker_timeout=worker_timeout,
             traj_id_start=traj_id_start,
             traj_id_stride=traj_id_stride,
+            restart=restart,  # worker processes that die or hang are replaced (their envs: WorkerConfig)
             delivery=delivery,
             body=functools.partial(run_async_worker, self._async_config),
             on_message=self._worker_message,
@@ -321,20 +338,23 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
         if isinstance(msg, (WorkerFailed, Restarted)):  # an env dropped or restarted, its global env id
             self._hub.publish(msg)
         elif isinstance(msg, EnvRows):  # a worker built its envs: once all have, each its first env id
-            self._rows[index] = msg.rows
-            rows = self._rows
-            if all(r is not None for r in rows):
-                counts = [r for r in rows if r is not None]
-                self.num_envs = sum(counts)
+            try:
+                firsts = self._env_ids.counted(index, msg.rows)
+            except RuntimeError as exc:  # a replacement that built other envs
+                assert self._pool is not None
+                self._pool.fail(exc)
+                return
+            if firsts:
+                self.num_envs = self._env_ids.total
                 assert self._task_group is not None
-                self._task_group.start_soon(self._place_envs, [0, *itertools.accumulate(counts[:-1])])
+                self._task_group.start_soon(self._place_envs, firsts)
 
-    async def _place_envs(self, firsts: list[int]) -> None:
-        """Give each worker its first env id (they wait for it before resetting any env)."""
+    async def _place_envs(self, firsts: dict[int, int]) -> None:
+        """Give each worker (of ``firsts``) its first env id (they wait for it before resetting any env)."""
         pool = self._pool
         if pool is None:
             return
-        for i, first in enumerate(firsts):
+        for i, first in firsts.items():
             try:
                 await pool.send(i, EnvOffset(first))
             except Exception:  # the pool failed (a worker died or raised): its start-up raises why

@@ -14,6 +14,7 @@ from ._envset import env_fns_arg
 __all__ = [
     "UNSUPPORTED",
     "frames_arg",
+    "groups_arg",
     "loop_arg",
     "shares_arg",
     "warn_envs_wait",
@@ -86,6 +87,20 @@ def frames_arg(value: Any, workers: int) -> list[int]:
             )
         return [positive_int(f"frames_per_batch[{i}]", v) for i, v in enumerate(value)]
     return [positive_int("frames_per_batch", value)] * workers
+
+
+def groups_arg(shares: list[list[Any]], group_size: int | None) -> None:
+    """``group_size``: each worker's envs in whole groups (a group's envs run in one worker)."""
+    if group_size is None:
+        return
+    for i, share in enumerate(shares):
+        if len(share) % group_size:
+            fix = -(-len(share) // group_size) * group_size
+            raise ValueError(
+                f"group_size={group_size} needs each worker's envs in whole groups (a group runs in one "
+                f"worker): env_fns_per_worker[{i}] has {len(share)} env fns; give a multiple of "
+                f"{group_size} per worker (e.g. {fix})"
+            )
 
 
 def warn_envs_wait(shares: list[list[Any]], frames_per_batch: list[int], prefetch: int) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -50,12 +50,11 @@ from .._transport._shm import SharedBlock
 from .._transport._wire import BlockingChannel
 from .._weights import flat_weights
 from .._workers._paths import resolve
+from .._workers._replace import IDS_PER_GENERATION
 from .._workers._worker import control_layout
-from ._collector import AsyncEnvCollector
 from ._envset import EnvSet
-from ._policy import BatchPolicy
 from ._worker_frames import VERSION, WorkerFrames
-from ._worker_random import RandomFirst
+from ._worker_inner import InnerCollector
 from ._worker_state import CHECKPOINT_OPS, SendGate, restarts, serve_checkpoint
 
 __all__ = ["EnvOffset", "EnvRows", "EnvShare", "WorkerConfig", "run_async_worker"]
@@ -104,62 +103,22 @@ class WorkerConfig:
     on_env_error: str = "raise"
     #: restart=: each worker restarts its own envs (``RestartPolicy``), or ``None``
     restart: RestartPolicy | None = None
+    #: seeded episodes (``_groups.py``): in groups of this many of the worker's envs, and started again
+    #: when the worker loads new weights (``on_update="restart"``)
+    group_size: int | None = None
+    on_update: str = "continue"
+    #: the collector's ``traj_id_start`` and ``traj_id_stride``: a replacement's generation follows from
+    #: its own start (see :func:`generation`)
+    traj_id_start: int = 0
+    traj_id_stride: int = 1
 
 
-class _Inner(AsyncEnvCollector):
-    """An ``AsyncEnvCollector`` that keeps each delivered batch's episodes, whose first
-    ``random_actions`` actions are random (``init_random_frames``), and which learns its first env id
-    over all workers from ``place`` once its envs are built (its seeds, and ``random_seed``, are offset
-    by it)."""
-
-    episodes: list[tuple[int, float, int]] = []  # noqa: RUF012 - replaced per batch
-    random_actions = 0
-    random_seed: int | None = None
-    place: Callable[[EnvSet], Awaitable[int]] | None = None
-    #: on_env_error="drop" or restart=: the events of the envs dropped or restarted (subscribed before any
-    #: env steps), for the parent
-    drops: EventStream | None = None
-
-    @contextlib.contextmanager
-    def holding(self) -> Iterator[None]:
-        """No policy call starts while this is open (as in ``pause()``, without waiting for the steps in
-        flight: a hung env does not hold it back)."""
-        self._paused += 1
-        if self._unpaused is None:
-            self._unpaused = anyio.Event()
-        try:
-            yield
-        finally:
-            self._paused -= 1
-            if not self._paused and self._unpaused is not None:
-                self._unpaused.set()
-                self._unpaused = None
-
-    async def _envs_opened(self, spec: EnvSet) -> None:
-        assert self.place is not None
-        first = await self.place(spec)
-        if self._seed is not None:  # env i of this worker is env first + i of the collector
-            self._seed += first
-        if self.random_seed is not None:
-            self.random_seed += first
-        if self._drop_failed or self._restart_policy is not None:
-            self.drops = self.events(kinds={"worker_failed", "restarted"})
-
-    def _engine_policy(self, policy: BatchPolicy, spec: EnvSet) -> Any:
-        if not self.random_actions:
-            return policy
-        return RandomFirst(policy, spec.action_space, actions=self.random_actions, seed=self.random_seed)
-
-    def _record(
-        self,
-        frames: int,
-        episodes: list[tuple[int, float, int]],
-        *,
-        worker_id: int | None,
-        policy_version: int,
-    ) -> None:
-        self.episodes = list(episodes)
-        super()._record(frames, episodes, worker_id=worker_id, policy_version=policy_version)
+def generation(config: WorkerConfig, spec: Any) -> int:
+    """How many times worker ``spec.index`` was replaced before this process (``restart=``): the pool
+    starts replacement ``g`` with trajectory ids ``g`` generations past the first worker's
+    (``_workers/_replace.py``)."""
+    first = config.traj_id_start + spec.index * config.traj_id_stride
+    return (spec.rollout.traj_id_start - first) // (IDS_PER_GENERATION * spec.rollout.traj_id_stride)
 
 
 class _AsyncWorker:
@@ -196,7 +155,11 @@ class _AsyncWorker:
         self.control = SharedBlock(control_layout(spec.num_workers), (), name=spec.control_name)
         self.floor = self.control.td["floor"].numpy()
         self.discarded = self.control.td["discarded"].numpy()
-        self.collector: _Inner | None = None
+        self.progress = self.control.td["progress"].numpy()
+        self.generation = generation(config, spec)
+        self.own_floor = 0  # a replacement's: the version the trainer had it load (see call)
+        self.frames.discarded = int(self.discarded[self.index])  # a replacement: its predecessor's count
+        self.collector: InnerCollector | None = None
 
     # -- the control channel, read on the loop ----------------------------------------------------
     async def control_loop(self, scope: anyio.CancelScope) -> None:
@@ -240,7 +203,10 @@ class _AsyncWorker:
         collector = self.collector
         assert collector is not None
         if isinstance(op, LoadWeights):
-            return await self.load_weights()
+            version = await self.load_weights()
+            if self.generation:  # a replacement told to load (PipeWeightSync: now): no frame older
+                self.own_floor = max(self.own_floor, version)
+            return version
         if isinstance(op, GetState) and not op.envs:  # no restart: at once (between two engine events)
             return await serve_checkpoint(collector, self.frames, op)
         if isinstance(op, CHECKPOINT_OPS):
@@ -277,9 +243,12 @@ class _AsyncWorker:
         if receiver is None or module is None:
             return engine.version
         async with engine.policy_lock:
+            before = engine.version
             engine.version = await batch_policy.in_thread(
                 functools.partial(receiver.load, module, engine.version)
             )
+            if engine.version != before and engine.episodes is not None:  # on_update="restart"
+                engine.episodes.updated()
         return engine.version
 
     # -- env ids, dropped envs ----------------------------------------------------------------------
@@ -344,7 +313,7 @@ class _AsyncWorker:
         collector = self.collector
         assert collector is not None
         while True:
-            batch = self.frames.take(int(self.floor[self.index]))
+            batch = self.frames.take(max(int(self.floor[self.index]), self.own_floor))
             self.discarded[self.index] = self.frames.discarded
             if batch is not None:
                 return batch
@@ -374,7 +343,7 @@ class _AsyncWorker:
 
     async def run(self) -> None:
         config = self.config
-        collector = self.collector = _Inner(
+        collector = self.collector = InnerCollector(
             self.env_fns,
             self.policy,
             frames_per_batch=self.fpb,
@@ -388,18 +357,29 @@ class _AsyncWorker:
             restart=config.restart,
             prefetch=config.prefetch,
         )
-        # init_random_frames: this worker's share, rounded up to whole batches (as MultiAsyncCollector's)
-        collector.random_actions = math.ceil(config.random_frames / self.fpb) * self.fpb
+        # seeded episodes: the engine's (the trainer assembles the trajectories: the worker sends frames)
+        collector._group_size, collector._on_update = config.group_size, config.on_update
+        # init_random_frames: this worker's share, rounded up to whole batches (as MultiAsyncCollector's);
+        # a replacement's are its predecessor's, taken already
+        random = 0 if self.generation else config.random_frames
+        collector.random_actions = math.ceil(random / self.fpb) * self.fpb
         collector.random_seed = config.seed
         collector.place = self.place
+        collector.generation = self.generation
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.control_loop, tg.cancel_scope)  # first: it reads EnvOffset
-            async with collector:
-                if collector.drops is not None:
-                    tg.start_soon(self.forward_drops, collector.drops)
-                await self.collect(collector)
+            with contextlib.ExitStack() as held:
+                if self.generation and self.weights is not None:  # a replacement: the newest weights
+                    held.enter_context(collector.holding())  # before its first policy call
+                async with collector:
+                    if self.generation:
+                        await self.load_weights()
+                        held.close()
+                    if collector.drops is not None:
+                        tg.start_soon(self.forward_drops, collector.drops)
+                    await self.collect(collector)
 
-    async def collect(self, collector: _Inner) -> None:
+    async def collect(self, collector: InnerCollector) -> None:
         """Send batches until cancelled (``Close``); a batch is taken in and sent under the gate's lock,
         and sent only while the gate is open (see ``_worker_state.py``)."""
         self.batch = batch = await self.next_batch()
@@ -411,6 +391,9 @@ class _AsyncWorker:
             )
             await self.attached.wait()
             await self.gate.wait()
+        if int(batch.get(VERSION).min()) < self.own_floor:  # a replacement's, before its weights came
+            self.frames.discarded += batch.shape[0]
+            self.batch = None
         gate = self.gate
         while True:
             await gate.wait()
@@ -421,12 +404,21 @@ class _AsyncWorker:
                     self.batch = await self.next_batch()
                 self.send(self.batch)
                 self.batch = None
+                self.note_unsent()
             with self.held():
                 await self.load_weights()  # between batches, as the rollout workers do
                 await self.wait_for_slot()
             async with gate.lock:
                 if self.batch is None:
                     self.batch = await self.next_batch()
+                self.note_unsent()
+
+    def note_unsent(self) -> None:
+        """The frames taken in and not sent, ``+ 1``, in the control block's "progress" (read once the
+        trainer opened the gate: a replacement's is read before): lost should this process die, they are
+        counted as discarded (as a rollout worker's steps begun)."""
+        held = 0 if self.batch is None else self.batch.shape[0]
+        self.progress[self.index] = 1 + held + self.frames.pending
 
     def send(self, batch: TensorDictBase) -> None:
         """Write ``batch`` into a free slot and tell the trainer."""

@@ -23,6 +23,7 @@ VERSION = ("collector", "policy_version")
 FLOOR = ("collector", "worker_floor")
 _ENV_ID = ("collector", "env_id")
 _TRAJ = ("collector", "traj_ids")
+_GROUP = ("collector", "group_id")
 _DONE = ("next", "done")
 _NONE_SENT = 2**62  # the oldest version of the batches sent since the last split: none yet
 
@@ -32,7 +33,8 @@ class WorkerFrames:
 
     The collector's trajectory id ``t`` becomes ``2 t`` in this worker's id space, a fresh id ``k`` becomes
     ``2 k + 1`` (so fresh ids never meet the collector's); a worker id ``w`` becomes
-    ``traj_start + traj_stride * w`` over all workers.
+    ``traj_start + traj_stride * w`` over all workers. Group ids (``group_size``) go over all workers the
+    same way (the collector's group id ``g`` becomes ``traj_start + traj_stride * g``).
 
     Example:
         >>> frames = WorkerFrames(4, env_offset=0, traj_start=0, traj_stride=1)
@@ -151,5 +153,8 @@ class WorkerFrames:
                 if self._renamed.pop(t, None) is not None:
                     self._table = None
         out.set_(_TRAJ, local * self.traj_stride + self.traj_start)
+        groups = out.get(_GROUP, None)
+        if groups is not None:  # group_size: the engine's group ids in the worker's id space, as its own
+            out.set_(_GROUP, groups * self.traj_stride + self.traj_start)
         out.set_(_ENV_ID, out.get(_ENV_ID) + self.env_offset)
         return out

@@ -313,11 +313,11 @@ class Workers:
         await self.delivery.started(self)
 
     def _worker_restarts(self) -> RestartPolicy | None:
-        """The policy that replaces workers that die or hang: the rollout workers', with weights
-        in shared memory or through the pipe (a collective transfer cannot take in a new process);
-        ``MultiAsyncEnvCollector``'s workers restart their envs themselves."""
+        """The policy that replaces workers that die or hang, with weights in shared memory or through
+        the pipe (a collective transfer cannot take in a new process); ``MultiAsyncEnvCollector``'s
+        workers also restart their envs themselves."""
         sync = self._weight_sync
-        if self._body is not None or not isinstance(sync, (SharedMemoryWeightSync, PipeWeightSync)):
+        if not isinstance(sync, (SharedMemoryWeightSync, PipeWeightSync)):
             return None
         return self.options.restart
 

@@ -26,17 +26,17 @@ from .._transport._messages import Attach, BatchReady
 if TYPE_CHECKING:
     from ._pool import WorkerHandle, WorkerPool
 
-__all__ = ["Replacer", "restarted_options"]
+__all__ = ["IDS_PER_GENERATION", "Replacer", "restarted_options"]
 
 #: trajectory ids a worker's generation may take before its replacement's start (ids stay disjoint)
-_IDS_PER_GENERATION = 1 << 32
+IDS_PER_GENERATION = 1 << 32
 
 
 def restarted_options(options: Any, restarts: int) -> Any:
     """A worker's ``RolloutOptions`` for its ``restarts``-th replacement: its trajectory ids past every
     earlier generation's (the same residue, so still disjoint from the other workers'); the seed of the
     replacement comes from the fleet's seed chain (``derive_seed``)."""
-    start = options.traj_id_start + restarts * _IDS_PER_GENERATION * options.traj_id_stride
+    start = options.traj_id_start + restarts * IDS_PER_GENERATION * options.traj_id_stride
     return replace(options, traj_id_start=start)
 
 
