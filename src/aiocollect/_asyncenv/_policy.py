@@ -22,6 +22,8 @@ from .._weights import as_weights, check_compatible, copy_weights, module_weight
 
 __all__ = ["ActionCodec", "BatchPolicy", "is_async_policy"]
 
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce
+
 
 def is_async_policy(policy: Any) -> bool:
     """An ``async def`` function, or an object whose ``__call__`` is one (not an ``nn.Module``)."""
@@ -196,8 +198,8 @@ class ActionCodec:
         bounds = self.bounds[key]
         if bounds is not None and array.size:
             low, high = bounds
-            if np.ndim(low) == 0:
-                outside = array.min() < low or array.max() > high
+            if np.ndim(low) == 0:  # the ufuncs' reduce: array.min()'s wrappers cost more than the scan
+                outside = _MIN(array, None) < low or _MAX(array, None) > high
             else:
                 outside = bool((array < low).any() or (array > high).any())
             if outside:

@@ -154,7 +154,8 @@ class Engine(VectorSteps):
         self.policy_signal = Signal()
         self.consumer_signal = Signal()
         self.idle_signal = Signal()
-        self.policy_lock = anyio.Lock()
+        # uncontended (the common case: no weight update waits) it is taken without a checkpoint
+        self.policy_lock = anyio.Lock(fast_acquire=True)
         self.is_paused = is_paused
         self._resumed = resumed
         self.closed_envs: set[int] = set()
@@ -573,27 +574,30 @@ class Engine(VectorSteps):
 
     async def _dispatch_mixed(self, ids: list[int], arrays: dict[NestedKey, Any], base: int) -> None:
         """Hand single and vector envs their actions (numbered from ``base``; a vector env's rows in a
-        row, its block of actions given to its first) and wake them, as :meth:`_dispatch` does."""
+        row, its block of actions given to its first) and wake them, as :meth:`_dispatch` does: one
+        iteration per env (a vector env's block at once), not per row."""
         n = len(ids)
         codec, kinds = self.codec, self._kinds
         singles = codec.actions(arrays, n) if self.spec.has_single else []
         actions, action_no, waiters, wake = self._actions, self._action_no, self._waiters, self._wake
-        for start in range(0, n, DISPATCH_CHUNK):
-            if start:
+        j, woken = 0, 0
+        while j < n:
+            if woken == DISPATCH_CHUNK:
+                woken = 0
                 await anyio.lowlevel.checkpoint()  # see _dispatch
-            for j in range(start, min(n, start + DISPATCH_CHUNK)):
-                i = ids[j]
-                width = kinds[i]
-                if width < 0:  # a vector env's row after its first: handed out with the first
-                    continue
-                if width:
-                    actions[i] = codec.block(arrays, j, j + width)
-                    actions[i + 1 : i + width] = [IN_VECTOR] * (width - 1)
-                    action_no[i : i + width] = range(base + j, base + j + width)
-                else:
-                    actions[i] = singles[j]
-                    action_no[i] = base + j
-                wake(waiters[i])
+            i = ids[j]
+            width = kinds[i]  # never < 0 here: a call holds a vector env's rows in a row, its first first
+            if width:
+                actions[i] = codec.block(arrays, j, j + width)
+                actions[i + 1 : i + width] = [IN_VECTOR] * (width - 1)
+                action_no[i : i + width] = range(base + j, base + j + width)
+                j += width
+            else:
+                actions[i] = singles[j]
+                action_no[i] = base + j
+                j += 1
+            wake(waiters[i])
+            woken += 1
 
     def _make_layout(self, outputs: dict[NestedKey, Any]) -> Layout:
         specs = {key: LeafSpec(tuple(value.shape[1:]), _dtype(value)) for key, value in outputs.items()}

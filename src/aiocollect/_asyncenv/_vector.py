@@ -143,18 +143,20 @@ class VectorSteps:
         terminated = _column(terminated, np.bool_, width, "terminated")
         truncated = _column(truncated, np.bool_, width, "truncated")
         done = terminated | truncated
-        nxt = self._final_obs(blocks, done, info) if done.any() else blocks
+        ended = done.any()
+        nxt = self._final_obs(blocks, done, info) if ended else blocks
         ret += reward
         length += 1
         written = self._append(first, width, nxt, reward, terminated, truncated, done, ret, length)
-        env_frames = self.env_frames
-        for k in range(written):
-            env_frames[first + k] += 1
-        for k in np.flatnonzero(done).tolist():
-            self.traj_ids[first + k] = self.next_traj
-            self.next_traj += 1
-        ret[done] = 0.0
-        length[done] = 0
+        if written:
+            stop = first + written
+            self.env_frames[first:stop] = [f + 1 for f in self.env_frames[first:stop]]
+        if ended:  # new trajectory ids, in the order of the sub-envs
+            ends = np.flatnonzero(done)
+            self.traj_ids[first + ends] = np.arange(self.next_traj, self.next_traj + len(ends))
+            self.next_traj += len(ends)
+            ret[done] = 0.0
+            length[done] = 0
         # the actions are freed last: a batch completed above may still need their calls
         self._actions[first : first + width] = [None] * width
         self._in_flight -= width
