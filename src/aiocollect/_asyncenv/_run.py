@@ -154,8 +154,7 @@ class Engine(VectorSteps):
         self.policy_signal = Signal()
         self.consumer_signal = Signal()
         self.idle_signal = Signal()
-        # uncontended (the common case: no weight update waits) it is taken without a checkpoint
-        self.policy_lock = anyio.Lock(fast_acquire=True)
+        self.policy_lock = anyio.Lock(fast_acquire=True)  # free (no weight update waits): no checkpoint
         self.is_paused = is_paused
         self._resumed = resumed
         self.closed_envs: set[int] = set()
@@ -574,27 +573,24 @@ class Engine(VectorSteps):
 
     async def _dispatch_mixed(self, ids: list[int], arrays: dict[NestedKey, Any], base: int) -> None:
         """Hand single and vector envs their actions (numbered from ``base``; a vector env's rows in a
-        row, its block of actions given to its first) and wake them, as :meth:`_dispatch` does: one
-        iteration per env (a vector env's block at once), not per row."""
+        row, its block of actions given to its first) and wake them, as :meth:`_dispatch` does."""
         n = len(ids)
         codec, kinds = self.codec, self._kinds
         singles = codec.actions(arrays, n) if self.spec.has_single else []
         actions, action_no, waiters, wake = self._actions, self._action_no, self._waiters, self._wake
-        j, woken = 0, 0
-        while j < n:
-            if woken == DISPATCH_CHUNK:
-                woken = 0
+        j = woken = 0
+        while j < n:  # per env, not per row
+            if woken and not woken % DISPATCH_CHUNK:
                 await anyio.lowlevel.checkpoint()  # see _dispatch
             i = ids[j]
-            width = kinds[i]  # never < 0 here: a call holds a vector env's rows in a row, its first first
+            width = kinds[i]  # a vector env's first row (a call holds its rows in a row, first first)
             if width:
                 actions[i] = codec.block(arrays, j, j + width)
                 actions[i + 1 : i + width] = [IN_VECTOR] * (width - 1)
                 action_no[i : i + width] = range(base + j, base + j + width)
                 j += width
             else:
-                actions[i] = singles[j]
-                action_no[i] = base + j
+                actions[i], action_no[i] = singles[j], base + j
                 j += 1
             wake(waiters[i])
             woken += 1

@@ -112,7 +112,7 @@ class VectorSteps:
         """The next observations of a step: the reset ones in ``blocks``, where a sub-env ended its final
         one from ``info["final_obs"]`` (same-step autoreset)."""
         finals = info.get("final_obs") if isinstance(info, Mapping) else None
-        ended = np.flatnonzero(done).tolist()
+        ended = done.nonzero()[0].tolist()
         if finals is None or len(finals) != len(done) or any(finals[k] is None for k in ended):
             raise ValueError(
                 f"an async vector env's sub-envs {ended} ended without info['final_obs'][k]: the async "
@@ -143,7 +143,7 @@ class VectorSteps:
         terminated = _column(terminated, np.bool_, width, "terminated")
         truncated = _column(truncated, np.bool_, width, "truncated")
         done = terminated | truncated
-        ended = done.any()
+        ended = np.count_nonzero(done)  # (a bool array's any() costs twice as much)
         nxt = self._final_obs(blocks, done, info) if ended else blocks
         ret += reward
         length += 1
@@ -152,7 +152,7 @@ class VectorSteps:
             stop = first + written
             self.env_frames[first:stop] = [f + 1 for f in self.env_frames[first:stop]]
         if ended:  # new trajectory ids, in the order of the sub-envs
-            ends = np.flatnonzero(done)
+            ends = done.nonzero()[0]
             self.traj_ids[first + ends] = np.arange(self.next_traj, self.next_traj + len(ends))
             self.next_traj += len(ends)
             ret[done] = 0.0
@@ -194,7 +194,7 @@ class VectorSteps:
             batch.terminated.extend(terminated[off:end].tolist())
             batch.truncated.extend(truncated[off:end].tolist())
             batch.filled = row + m
-            for k in (np.flatnonzero(done[off:end]) + off).tolist():
+            for k in (done[off:end].nonzero()[0] + off).tolist():
                 batch.episodes.append((first + k, float(ret[k]), int(length[k])))
             if batch.filled == batch.size:
                 self._complete(batch)
