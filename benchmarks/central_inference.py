@@ -4,6 +4,7 @@ processes, one policy in the trainer batches the ready workers' observations) ag
 
     python benchmarks/central_inference.py               # 3 interleaved rounds, both policies
     python benchmarks/central_inference.py --quick       # smoke run
+    python benchmarks/central_inference.py --components  # the trainer's CPU per policy call, by piece
 
 The envs: 2 workers x 64 CartPole-v1 (``gym.make_vec``'s numpy-vectorised CartPole, the same vector env in
 both collectors); the policies: a 2x64 MLP and a 3x512 MLP (argmax of 2 logits). Variants per round, in
@@ -17,6 +18,11 @@ to its action read, p50/p99, timed inside the worker by a wrapper around its vec
 two of its steps: the obs written, the doorbell, the trainer's collector and the policy's forward pass,
 the actions read); the forward pass alone is printed beside it. The machine may be shared: the load
 average is printed, compare ratios within one run.
+
+``--components`` times the trainer's side of one policy call over 64 envs, in CPU µs of the trainer
+process (median of rounds): a ``split()`` part's step without a policy (the doorbell, the results),
+``AsyncEnvCollector`` over two in-process vector envs of 64 whose step returns at once (the engine, the
+policy thread's hand-off and the 2x64 MLP's forward pass), and that forward pass alone.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import time
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import gymnasium as gym
 import numpy as np
@@ -223,6 +230,75 @@ async def run(args: argparse.Namespace) -> None:
         )
 
 
+class Instant:
+    """An async vector env of 64 CartPole-like sub-envs whose step returns at once (one sub-env ends per
+    step): the engine's own cost."""
+
+    num_envs = 64
+    single_observation_space = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)
+    single_action_space = gym.spaces.Discrete(2)
+
+    def __init__(self) -> None:
+        self.rng, self.t = np.random.default_rng(0), 0
+
+    async def reset(self, *, seed: int | None = None, options: Any = None) -> Any:
+        return self.rng.standard_normal((64, 4), dtype=np.float32), {}
+
+    async def step(self, actions: Any) -> Any:
+        await anyio.lowlevel.checkpoint()
+        self.t += 1
+        obs = self.rng.standard_normal((64, 4), dtype=np.float32)
+        ended = np.zeros(64, bool)
+        ended[self.t % 64] = True
+        final = np.empty(64, object)
+        final[self.t % 64] = obs[self.t % 64]
+        return obs, np.ones(64), ended, np.zeros(64, bool), {"final_obs": final, "_final_obs": ended}
+
+    async def close(self) -> None:
+        pass
+
+
+async def components(rounds: int) -> None:
+    torch.set_num_threads(1)
+    policy, steps = MLP(64, 2), 2000
+    out: dict[str, list[float]] = {"part step": [], "engine + policy": [], "forward": []}
+    for _ in range(rounds):
+        env = await anyio.to_thread.run_sync(
+            functools.partial(ProcessVectorEnv, [vec64_plain] * 2, num_workers=2)
+        )
+        part = env.split()
+        try:
+            await part[0].reset(seed=0)
+            actions = np.zeros(64, np.int64)
+            for i in range(steps + 100):
+                if i == 100:
+                    cpu0 = time.process_time()
+                await part[0].step(actions)
+            out["part step"].append(1e6 * (time.process_time() - cpu0) / steps)
+        finally:
+            for p in part:
+                await p.close()
+        collector = AsyncEnvCollector([Instant, Instant], policy, frames_per_batch=2560, min_batch=64, seed=0)
+        async with collector:
+            it = aiter(collector)
+            await anext(it)
+            cpu0 = time.process_time()
+            for _ in range(40):
+                await anext(it)
+            frames = 40 * 2560
+            out["engine + policy"].append(1e6 * (time.process_time() - cpu0) / frames * 64)
+        cpu0 = time.process_time()
+        forward_us(policy, 64)
+        out["forward"].append((time.process_time() - cpu0) * 1e6 / 200)
+    print(f"trainer CPU µs per policy call of 64 envs (median of {rounds}); load {os.getloadavg()[0]:.1f}")
+    for name, values in out.items():
+        print(f"  {name:16} {statistics.median(values):7.1f}   ({', '.join(f'{v:.0f}' for v in values)})")
+
+
+def vec64_plain() -> gym.vector.VectorEnv:
+    return gym.make_vec("CartPole-v1", num_envs=64)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -232,7 +308,11 @@ def main() -> None:
     parser.add_argument("--frames-per-batch", type=int, default=2560)
     parser.add_argument("--quick", action="store_true", help="1 round of 20,000 frames")
     parser.add_argument("--uvloop", action="store_true", help="the trainer's loop on uvloop")
+    parser.add_argument("--components", action="store_true", help="the trainer's CPU per call, by piece")
     args = parser.parse_args()
+    if args.components:
+        anyio.run(components, args.rounds, backend_options={"use_uvloop": True} if args.uvloop else {})
+        return
     if args.quick:
         args.rounds, args.frames = 1, 20_000
     anyio.run(run, args, backend_options={"use_uvloop": True} if args.uvloop else {})

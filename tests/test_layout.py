@@ -31,7 +31,7 @@ TARGET_BODY_LINES = 50
 # main-guard and sniffio helpers, issue 26's input bounds in _serve/_ws.py, issue 33's nested truncated flags
 # in _rollout.py, issue 34's pool loop, issue 31's ProcessVectorEnv).
 LONG_MODULES: dict[str, int] = {
-    "aiocollect/_procenv/_env.py": 487,
+    "aiocollect/_procenv/_env.py": 486,
     "aiocollect/_asyncenv/_collector.py": 513,  # issue 30: trajs_per_batch, group_size; issue 28: restart=
     "aiocollect/_asyncenv/_run.py": 654,  # issue 28: env restarts; issue 30: groups, on_update
     # issue 28: restart= and its Restarted events to the parent; issue 29: checkpoint calls, the send gate

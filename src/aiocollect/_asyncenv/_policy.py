@@ -20,7 +20,9 @@ from .._policies import RandomPolicy, make_runner
 from .._rollout_thread import Doorbell, RolloutThread
 from .._weights import as_weights, check_compatible, copy_weights, module_weights
 
-__all__ = ["ActionCodec", "BatchPolicy", "is_async_policy"]
+__all__ = ["ActionCodec", "BatchPolicy", "DeviceStaging", "is_async_policy"]
+
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce
 
 
 def is_async_policy(policy: Any) -> bool:
@@ -44,6 +46,50 @@ def _parameter_device(policy: Any) -> torch.device | None:
     if param is None or param.device.type == "cpu":
         return None
     return param.device
+
+
+class DeviceStaging:
+    """Observations to ``device`` in one host-to-device copy per policy call: every key's rows are packed
+    into one host buffer (pinned for CUDA, so the copy is asynchronous; reused from call to call, grown to
+    the largest call), copied with one non-blocking ``.to``, and viewed per key on the device.
+
+    Reusing the buffer is safe because the call's outputs are copied back (synchronously) before it
+    returns: the copy out of the buffer, enqueued before them on the same stream, is done by then.
+
+    Example:
+        >>> import torch
+        >>> staging = DeviceStaging(torch.device("cpu"))
+        >>> on = staging.to_device({"observation": torch.ones(2, 4), "mask": torch.ones(2, dtype=torch.bool)})
+        >>> on["observation"].shape, on["mask"].dtype
+        (torch.Size([2, 4]), torch.bool)
+    """
+
+    _ALIGN = 64  # each key's block starts at a multiple of this (any dtype's alignment)
+
+    def __init__(self, device: torch.device, *, pin: bool | None = None) -> None:
+        self.device = device
+        self.pin = device.type == "cuda" if pin is None else pin
+        self.host: torch.Tensor | None = None  # uint8, the packed observations
+        self.copies = 0  # host-to-device copies made (one per call)
+
+    def to_device(self, obs: Mapping[NestedKey, torch.Tensor]) -> dict[NestedKey, torch.Tensor]:
+        blocks, size = [], 0
+        for value in obs.values():
+            nbytes = value.numel() * value.element_size()
+            blocks.append((size, nbytes))
+            size += -(-nbytes // self._ALIGN) * self._ALIGN
+        host = self.host
+        if host is None or host.numel() < size:
+            grown = size if host is None else max(size, 2 * host.numel())
+            host = self.host = torch.empty(grown, dtype=torch.uint8, pin_memory=self.pin)
+        for value, (start, nbytes) in zip(obs.values(), blocks, strict=True):
+            host[start : start + nbytes].view(value.dtype).view(value.shape).copy_(value)
+        on_device = host[:size].to(self.device, non_blocking=True)
+        self.copies += 1
+        return {
+            key: on_device[start : start + nbytes].view(value.dtype).view(value.shape)
+            for (key, value), (start, nbytes) in zip(obs.items(), blocks, strict=True)
+        }
 
 
 def _out_keys(out: TensorDictBase, obs_keys: set[NestedKey]) -> list[NestedKey]:
@@ -83,6 +129,8 @@ class BatchPolicy:
         self._bell: Doorbell | None = None
         self._out_keys: list[NestedKey] | None = None
         self.module: torch.nn.Module | None = None
+        self.device: torch.device | None = None
+        self.staging: DeviceStaging | None = None
         if self.is_async:
             self.policy = policy
             return
@@ -98,8 +146,10 @@ class BatchPolicy:
                 ) from exc
             self.module = policy
         self.policy = policy
-        # a module on an accelerator gets its inputs there (central inference on a GPU)
-        device = _parameter_device(policy)
+        # a module on an accelerator gets its inputs there (central inference on a GPU): in one copy per
+        # call from a staging buffer, and its outputs back in one copy each
+        device = self.device = _parameter_device(policy)
+        self.staging = None if device is None else DeviceStaging(device)
         self._runner = make_runner(policy, batch_shape=(1,), obs_keys=obs_keys, device=device)
         # the TensorDict path builds its TensorDict with a batch size: ours changes at every call
         self._sized = getattr(self._runner, "slow", self._runner)
@@ -135,9 +185,13 @@ class BatchPolicy:
     def _call_torch(self, obs: dict[NestedKey, torch.Tensor], n: int) -> dict[NestedKey, torch.Tensor]:
         if hasattr(self._sized, "batch_shape"):
             self._sized.batch_shape = (n,)
+        if self.staging is not None:
+            obs = self.staging.to_device(obs)
         with torch.no_grad(), set_interaction_type(self.exploration_type):
             out = self._runner(obs)
-        return {key: value.detach() for key, value in out.items()}
+        if self.device is None:
+            return {key: value.detach() for key, value in out.items()}
+        return {key: value.detach().to("cpu") for key, value in out.items()}
 
     async def _call_async(self, obs: dict[NestedKey, torch.Tensor], n: int) -> dict[NestedKey, torch.Tensor]:
         td = TensorDict(obs, batch_size=[n])
@@ -196,8 +250,8 @@ class ActionCodec:
         bounds = self.bounds[key]
         if bounds is not None and array.size:
             low, high = bounds
-            if np.ndim(low) == 0:
-                outside = array.min() < low or array.max() > high
+            if np.ndim(low) == 0:  # the ufuncs' reduce: array.min()'s wrappers cost more than the scan
+                outside = _MIN(array, None) < low or _MAX(array, None) > high
             else:
                 outside = bool((array < low).any() or (array > high).any())
             if outside:

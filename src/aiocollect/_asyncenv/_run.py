@@ -154,7 +154,7 @@ class Engine(VectorSteps):
         self.policy_signal = Signal()
         self.consumer_signal = Signal()
         self.idle_signal = Signal()
-        self.policy_lock = anyio.Lock()
+        self.policy_lock = anyio.Lock(fast_acquire=True)  # free (no weight update waits): no checkpoint
         self.is_paused = is_paused
         self._resumed = resumed
         self.closed_envs: set[int] = set()
@@ -578,22 +578,22 @@ class Engine(VectorSteps):
         codec, kinds = self.codec, self._kinds
         singles = codec.actions(arrays, n) if self.spec.has_single else []
         actions, action_no, waiters, wake = self._actions, self._action_no, self._waiters, self._wake
-        for start in range(0, n, DISPATCH_CHUNK):
-            if start:
+        j = woken = 0
+        while j < n:  # per env, not per row
+            if woken and not woken % DISPATCH_CHUNK:
                 await anyio.lowlevel.checkpoint()  # see _dispatch
-            for j in range(start, min(n, start + DISPATCH_CHUNK)):
-                i = ids[j]
-                width = kinds[i]
-                if width < 0:  # a vector env's row after its first: handed out with the first
-                    continue
-                if width:
-                    actions[i] = codec.block(arrays, j, j + width)
-                    actions[i + 1 : i + width] = [IN_VECTOR] * (width - 1)
-                    action_no[i : i + width] = range(base + j, base + j + width)
-                else:
-                    actions[i] = singles[j]
-                    action_no[i] = base + j
-                wake(waiters[i])
+            i = ids[j]
+            width = kinds[i]  # a vector env's first row (a call holds its rows in a row, first first)
+            if width:
+                actions[i] = codec.block(arrays, j, j + width)
+                actions[i + 1 : i + width] = [IN_VECTOR] * (width - 1)
+                action_no[i : i + width] = range(base + j, base + j + width)
+                j += width
+            else:
+                actions[i], action_no[i] = singles[j], base + j
+                j += 1
+            wake(waiters[i])
+            woken += 1
 
     def _make_layout(self, outputs: dict[NestedKey, Any]) -> Layout:
         specs = {key: LeafSpec(tuple(value.shape[1:]), _dtype(value)) for key, value in outputs.items()}

@@ -112,7 +112,7 @@ class VectorSteps:
         """The next observations of a step: the reset ones in ``blocks``, where a sub-env ended its final
         one from ``info["final_obs"]`` (same-step autoreset)."""
         finals = info.get("final_obs") if isinstance(info, Mapping) else None
-        ended = np.flatnonzero(done).tolist()
+        ended = done.nonzero()[0].tolist()
         if finals is None or len(finals) != len(done) or any(finals[k] is None for k in ended):
             raise ValueError(
                 f"an async vector env's sub-envs {ended} ended without info['final_obs'][k]: the async "
@@ -143,18 +143,20 @@ class VectorSteps:
         terminated = _column(terminated, np.bool_, width, "terminated")
         truncated = _column(truncated, np.bool_, width, "truncated")
         done = terminated | truncated
-        nxt = self._final_obs(blocks, done, info) if done.any() else blocks
+        ended = np.count_nonzero(done)  # (a bool array's any() costs twice as much)
+        nxt = self._final_obs(blocks, done, info) if ended else blocks
         ret += reward
         length += 1
         written = self._append(first, width, nxt, reward, terminated, truncated, done, ret, length)
-        env_frames = self.env_frames
-        for k in range(written):
-            env_frames[first + k] += 1
-        for k in np.flatnonzero(done).tolist():
-            self.traj_ids[first + k] = self.next_traj
-            self.next_traj += 1
-        ret[done] = 0.0
-        length[done] = 0
+        if written:
+            stop = first + written
+            self.env_frames[first:stop] = [f + 1 for f in self.env_frames[first:stop]]
+        if ended:  # new trajectory ids, in the order of the sub-envs
+            ends = done.nonzero()[0]
+            self.traj_ids[first + ends] = np.arange(self.next_traj, self.next_traj + len(ends))
+            self.next_traj += len(ends)
+            ret[done] = 0.0
+            length[done] = 0
         # the actions are freed last: a batch completed above may still need their calls
         self._actions[first : first + width] = [None] * width
         self._in_flight -= width
@@ -192,7 +194,7 @@ class VectorSteps:
             batch.terminated.extend(terminated[off:end].tolist())
             batch.truncated.extend(truncated[off:end].tolist())
             batch.filled = row + m
-            for k in (np.flatnonzero(done[off:end]) + off).tolist():
+            for k in (done[off:end].nonzero()[0] + off).tolist():
                 batch.episodes.append((first + k, float(ret[k]), int(length[k])))
             if batch.filled == batch.size:
                 self._complete(batch)

@@ -89,7 +89,7 @@ class _Stepper:
         ended = info.get("_final_obs")
         slots.ended[:] = False if ended is None else ended
         if ended is not None:
-            for k in np.flatnonzero(ended).tolist():
+            for k in np.asarray(ended).nonzero()[0].tolist():
                 self._write(slots.final, info["final_obs"][k], k)
 
     def _write(self, into: dict[NestedKey, np.ndarray], obs: Any, index: Any) -> None:
