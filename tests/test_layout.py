@@ -35,7 +35,7 @@ LONG_MODULES: dict[str, int] = {
     "aiocollect/_asyncenv/_collector.py": 513,  # issue 30: trajs_per_batch, group_size; issue 28: restart=
     "aiocollect/_asyncenv/_run.py": 654,  # issue 28: env restarts; issue 30: groups, on_update
     # issue 28: restart= and its Restarted events to the parent; issue 29: checkpoint calls, the send gate
-    "aiocollect/_asyncenv/_worker.py": 470,
+    "aiocollect/_asyncenv/_worker.py": 471,
     "aiocollect/_distributed_weights.py": 483,
     "aiocollect/_fast_policy.py": 598,
     # issue 30: trajs_per_batch; issue 29: stop flag, resume hooks; issue 28: restart=, Restarted events

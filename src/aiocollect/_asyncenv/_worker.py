@@ -406,7 +406,8 @@ class _AsyncWorker:
                 self.batch = None
                 self.note_unsent()
             with self.held():
-                await self.load_weights()  # between batches, as the rollout workers do
+                async with gate.lock:  # not beside a call that stops the engine: both use its policy thread
+                    await self.load_weights()  # between batches, as the rollout workers do
                 await self.wait_for_slot()
             async with gate.lock:
                 if self.batch is None:
