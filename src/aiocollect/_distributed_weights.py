@@ -378,7 +378,7 @@ class _DistributedReceiver(WeightReceiver):
 
     def load(self, policy: torch.nn.Module, current: int) -> int:
         pending, self._pending = self._pending, None
-        if pending is None:
+        if pending is None or pending <= current:
             return current
         copy_weights(flat_weights(policy), self._buffer.views)
         return pending

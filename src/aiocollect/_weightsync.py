@@ -40,7 +40,8 @@ class WeightReceiver(abc.ABC):
     @abc.abstractmethod
     def load(self, policy: torch.nn.Module, current: int) -> int:
         """Copy the newest weights meant for this worker into ``policy``, if newer than ``current``;
-        return the version the policy now runs. Never blocks for long."""
+        return the version the policy now runs. Never blocks for long. Never an older version: a worker
+        that loaded a checkpoint runs its version before the trainer publishes a newer one."""
 
     def on_message(self, message: Any) -> bool:
         """A control message addressed to the scheme; ``True`` if it was one."""
@@ -155,7 +156,7 @@ class _SharedReceiver(WeightReceiver):
             if seq % 2:  # being written: retry shortly
                 time.sleep(1e-4)
                 continue
-            if target == current:
+            if target <= current:  # nothing newer (a worker that loaded a checkpoint runs a newer one)
                 return current
             copy_weights(flat_weights(policy), self.block.td)
             if int(self._ctl[0]) == seq:
@@ -233,7 +234,7 @@ class _PipeReceiver(WeightReceiver):
 
     def load(self, policy: torch.nn.Module, current: int) -> int:
         pending, self._pending = self._pending, None
-        if pending is None or pending.version == current:
+        if pending is None or pending.version <= current:
             return current
         weights = TensorDict(pickle.loads(pending.payload), batch_size=[])
         copy_weights(flat_weights(policy), weights)
