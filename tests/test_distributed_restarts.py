@@ -249,6 +249,92 @@ async def test_a_relaunch_leaves_nothing_of_nodes_with_worker_processes(warm_for
     assert [s for pid in [*old, *new] for s in segments(pid)] == []
 
 
+class HangsOnce(gym.Wrapper):
+    """Hangs at its 40th step unless ``marker`` exists (it creates it): the first group hangs, the
+    relaunched one does not."""
+
+    def __init__(self, env, marker: str) -> None:
+        super().__init__(env)
+        self.marker, self.steps = marker, 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps == 40 and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            time.sleep(3600)
+        return self.env.step(action)
+
+
+async def test_a_hung_node_relaunches_the_group(warm_forkserver, anyio_backend, tmp_path):
+    """A node whose env hangs past ``progress_timeout`` is a loss like a death: the group is relaunched
+    (the hung process killed) and the run ends with its frames."""
+    if anyio_backend != "asyncio":
+        pytest.skip("one backend is enough: the timeout is the transport's")
+    marker = str(tmp_path / "hung")
+
+    def hangs_once():
+        return GymEnv(HangsOnce(gym.make("Pendulum-v1"), marker))
+
+    with anyio.fail_after(150):
+        async with DistributedCollector(
+            [hangs_once],
+            frames_per_batch=32,
+            total_frames=32 * 6,
+            progress_timeout=3.0,
+            restart=RestartPolicy(max_restarts=1, window=600.0, backoff=0.0),
+        ) as c:
+            pids = _tree(c.node_pids())
+            async with c.events() as stream:
+                frames = 0
+                async for batch in c:
+                    frames += batch.numel()
+                events = _events(stream, Restarted)
+            pids |= _tree(c.node_pids())
+            stats = c.statistics()
+    assert await anyio.Path(marker).exists() and frames == stats.frames == 32 * 6
+    assert [(e.worker, e.env) for e in events] == [(0, -1)]
+    assert events[0].cause.startswith("WorkerTimeoutError: node 0")
+    assert stats.restarts == 1 and _alive(pids) == []
+
+
+async def _first_batches_after_a_relaunch(seed: int) -> tuple[list, list]:
+    """A seeded run whose node 1 is killed after the first batch: each node's first batch of the first
+    group and of the relaunched one (their observations)."""
+    first: dict[int, object] = {}
+    fresh: dict[int, object] = {}
+    with anyio.fail_after(120):
+        async with DistributedCollector(
+            [pendulum, pendulum],
+            ConstantPolicy(0.5),
+            frames_per_batch=16,
+            total_frames=-1,
+            collector_kwargs={"seed": seed},
+            restart=RestartPolicy(max_restarts=1, window=600.0, backoff=0.0),
+        ) as c:
+            async for batch in c:
+                node = int(batch["collector", "node_id"][0])
+                target = fresh if _new_ids(batch) else first
+                target.setdefault(node, batch["observation"].clone())
+                if len(first) == 2 and not fresh and c.statistics().restarts == 0:
+                    os.kill(c.node_pids()[1], signal.SIGKILL)
+                if len(fresh) == 2:
+                    break
+    return [first[0], first[1]], [fresh[0], fresh[1]]
+
+
+async def test_a_seeded_run_relaunches_the_same_way(warm_forkserver, anyio_backend):
+    """The relaunched nodes are seeded with ``derive_seed(node's seed, relaunches)``: two seeded runs
+    whose group is relaunched give the same first batches from the new group (whenever the kill came),
+    which are not the first group's."""
+    if anyio_backend != "asyncio":
+        pytest.skip("one backend is enough: the seeds are the transport's")
+    first_a, fresh_a = await _first_batches_after_a_relaunch(11)
+    first_b, fresh_b = await _first_batches_after_a_relaunch(11)
+    for a, b in zip(first_a + fresh_a, first_b + fresh_b, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(first_a[0], fresh_a[0]) and not torch.equal(first_a[1], fresh_a[1])
+
+
 async def test_a_node_that_keeps_dying_spends_the_groups_budget(warm_forkserver, anyio_backend):
     """Node 1 kills itself at its 40th step in every group: with ``max_restarts=2`` the third death ends
     the run with the node's ``WorkerDiedError``, the restart history as a note; nothing is left."""
