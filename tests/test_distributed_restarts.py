@@ -335,6 +335,38 @@ async def test_a_seeded_run_relaunches_the_same_way(warm_forkserver, anyio_backe
     assert not torch.equal(first_a[0], fresh_a[0]) and not torch.equal(first_a[1], fresh_a[1])
 
 
+async def test_submitit_jobs_are_submitted_again(tmp_path, anyio_backend):
+    """``launcher="submitit"`` (local executor): a node job killed under a restart policy is answered
+    with new jobs for the whole group; the run ends with its frames and no job process is left."""
+    pytest.importorskip("submitit")
+    if anyio_backend != "asyncio":
+        pytest.skip("one backend is enough: the launcher is the same")
+    with anyio.fail_after(150):
+        async with DistributedSyncCollector(  # sync: every batch needs both nodes
+            pendulum,
+            frames_per_batch=64,
+            total_frames=64 * 4,
+            num_collectors=2,
+            launcher="submitit",
+            slurm_kwargs={"folder": str(tmp_path / "%j"), "cluster": "local", "timeout_min": 5},
+            restart=RestartPolicy(max_restarts=1, window=600.0, backoff=0.0),
+        ) as c:
+            await c.__anext__()
+            jobs = [n.process.job.job_id for n in c._nodes.nodes]
+            old = c.node_pids()
+            pids = _tree(old)
+            os.kill(old[1], signal.SIGKILL)
+            frames = 64
+            async for batch in c:
+                frames += batch.numel()
+            pids |= _tree(c.node_pids())
+            relaunched = [n.process.job.job_id for n in c._nodes.nodes]
+            stats = c.statistics()
+    assert frames == stats.frames == 64 * 4 and stats.restarts == 1
+    assert set(relaunched).isdisjoint(jobs)
+    assert _alive(pids) == []
+
+
 async def test_a_node_that_keeps_dying_spends_the_groups_budget(warm_forkserver, anyio_backend):
     """Node 1 kills itself at its 40th step in every group: with ``max_restarts=2`` the third death ends
     the run with the node's ``WorkerDiedError``, the restart history as a note; nothing is left."""
