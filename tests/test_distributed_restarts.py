@@ -31,7 +31,7 @@ from aiocollect import (
     WorkerStarted,
 )
 from aiocollect._remote._launchers import MPLauncher
-from support import ConstantPolicy, fd_count, pendulum, segments
+from support import ConstantPolicy, crashing, fd_count, pendulum, segments
 from support import process_tree as _tree
 from support import wait_gone as _alive
 
@@ -53,24 +53,6 @@ POLICY = RestartPolicy(max_restarts=50, window=600.0, backoff=0.0)
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request) -> str:
     return request.param
-
-
-class CrashesAt(gym.Wrapper):
-    """Raises at its ``at``-th step (every env built does: a restart meets it again ``at`` steps on)."""
-
-    def __init__(self, env, at: int) -> None:
-        super().__init__(env)
-        self.at, self.steps = at, 0
-
-    def step(self, action):
-        self.steps += 1
-        if self.steps == self.at:
-            raise ZeroDivisionError(f"the simulator went unstable at step {self.steps}")
-        return self.env.step(action)
-
-
-def crashing():
-    return GymEnv(CrashesAt(gym.make("Pendulum-v1"), at=25))
 
 
 def _listening() -> list[tuple[str, int]]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from aiocollect import GymEnv, RayCollector, Restarted, RestartPolicy, WorkerDiedError
-from support import ConstantPolicy, pendulum
+from support import ConstantPolicy, crashing, pendulum
 
 pytestmark = [
     pytest.mark.anyio,
@@ -68,24 +68,6 @@ def ray(ray_cluster):
     ):
         time.sleep(0.1)
     assert not alive, f"actors left alive after the test: {alive}"
-
-
-class CrashesAt(gym.Wrapper):
-    """Raises at its ``at``-th step (every env built does)."""
-
-    def __init__(self, env, at: int) -> None:
-        super().__init__(env)
-        self.at, self.steps = at, 0
-
-    def step(self, action):
-        self.steps += 1
-        if self.steps == self.at:
-            raise ZeroDivisionError(f"the simulator went unstable at step {self.steps}")
-        return self.env.step(action)
-
-
-def crashing():
-    return GymEnv(CrashesAt(gym.make("Pendulum-v1"), at=25))
 
 
 def _restarted(stream) -> list[Restarted]:
