@@ -111,15 +111,9 @@ class RemoteNode:
 
     def renew(self) -> None:
         """Forget the process of a lost group (its counts stay): the slot waits for the next one."""
-        self.process = self.channel = self.ready = self.buffer = None
-        self.pid = self.host = None
-        self.state, self.since_update, self.fresh, self.in_flight, self.announced = (
-            WorkerState.STARTING,
-            0,
-            False,
-            False,
-            0,
-        )
+        self.process = self.channel = self.ready = self.buffer = self.pid = self.host = None
+        self.state, self.fresh, self.in_flight = WorkerState.STARTING, False, False
+        self.since_update = self.announced = 0
         self.connected, self.gone, self.ready_event = anyio.Event(), anyio.Event(), anyio.Event()
         self.loaded_event = anyio.Event()
 
@@ -563,8 +557,9 @@ class Nodes(Hosts, abc.ABC):
         self._listener = listener
         self._address = address = TrainerAddress(host, listener.getsockname()[1], new_token())
         tg.start_soon(self._accept_loop, listener, address.token)
-        await self._open_transport(host)
-        with anyio.CancelScope(shield=True):  # a process started is one we reap, whatever comes
+        # what is opened or started here is released or reaped by stop(), whatever comes: never cancelled
+        with anyio.CancelScope(shield=True):
+            await self._open_transport(host)
             processes = await launcher.launch(address, [node.rank for node in self.nodes])
         for node in self.nodes:
             node.process = processes[node.rank]
