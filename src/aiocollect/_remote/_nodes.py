@@ -267,7 +267,10 @@ class Nodes(Hosts, abc.ABC):
             node.in_flight = False
             if result is None:  # never delivered (its group lost): the budget asks for it again
                 self._outstanding -= frames
-        self._deliveries_send.send_nowait((node.index, result, frames))
+        if self.relauncher is not None and self.relauncher.held is not None:
+            self.relauncher.held.append((node.index, result, frames))  # its group is lost: held
+        else:
+            self._deliveries_send.send_nowait((node.index, result, frames))
 
     async def _next_async(self) -> Arrival:
         while True:

@@ -17,7 +17,9 @@ published to each node, and the relaunch itself, run in the collector's I/O task
    newest weights loaded before its first batch. A node that fails on the way up counts as another loss.
 
 Callers of the transport (a batch, a weight update, a call) that meet the loss wait for the new group and
-try again (:meth:`Nodes._guard`); the batches already received stay queued and are delivered.
+try again (:meth:`Nodes._guard`). The batches the lost group delivered that the consumer had not taken yet
+(or that finished arriving while it was closed) are held until it is gone, then delivered, each node's
+last one with its last frame marked truncated and done: its trajectories never go on.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ class GroupRelauncher:
         self._done.set()
         self._born_frames = 0
         self._launched = False
+        #: async mode: the lost group's batches, held until it is torn down (``(node, batch, frames)``)
+        self.held: list[Any] | None = None
 
     @property
     def settled(self) -> bool:
@@ -105,6 +109,12 @@ class GroupRelauncher:
             return False
         self._error, self._culprit = error, node
         self.lost.set()
+        self.held = []
+        while True:  # what it delivered and the consumer did not take yet: held (see _release)
+            try:
+                self.held.append(n._deliveries.receive_nowait())
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                break
         if self.up.is_set():
             self.up = anyio.Event()
         if self._done.is_set():  # else a relaunch is bringing the group up: it sees ``lost``
@@ -181,7 +191,21 @@ class GroupRelauncher:
                     n._deliveries_send.send_nowait(RELAUNCHED)
                     return
         finally:
+            self._release(mark=False)  # (the run ended, or the collector closes, before the teardown)
             done.set()
+
+    def _release(self, mark: bool) -> None:
+        """Deliver the lost group's held batches, in order; ``mark``: each node's last one has its last
+        frame truncated and done (its trajectories never go on)."""
+        held, self.held = self.held, None
+        if not held:
+            return
+        if mark:
+            last = {item[0]: item for item in held if isinstance(item, tuple)}
+            for item in last.values():
+                end_trajectories(item[1].batch)
+        for item in held:
+            self.nodes._deliveries_send.send_nowait(item)
 
     async def _teardown(self) -> None:
         """Close every node of the lost group and release its data plane and I/O tasks."""
@@ -194,6 +218,7 @@ class GroupRelauncher:
             for node in n.nodes:
                 self.discarded_frames += node.announced
                 node.renew()
+            self._release(mark=True)
 
     async def _launch(self, restarts: int) -> None:
         """The next group: launched, joined, seeded and up to date; ``GroupLost`` if it is lost
@@ -216,6 +241,17 @@ class GroupRelauncher:
                 await n._send_weights(weights, version, ids)
 
         await n._watched(bring_up, self.lost)
+
+
+def end_trajectories(batch: TensorDictBase) -> None:
+    """Mark ``batch``'s last frame (its time is its last batch dim) truncated and done, every truncated
+    flag under ``"next"`` and the done flag beside it, as TorchRL's ``set_truncated`` does."""
+    index = (slice(None),) * (batch.batch_dims - 1) + (-1,)
+    for key in batch.keys(include_nested=True, leaves_only=True):
+        if isinstance(key, tuple) and key[0] == "next" and key[-1] == "truncated":
+            for flag in (key, (*key[:-1], "done")):
+                if flag in batch.keys(include_nested=True):
+                    batch.get(flag)[index] = True
 
 
 async def guarded(nodes: Nodes, fn: Callable[[], Awaitable[Any]], retry: bool) -> Any:
