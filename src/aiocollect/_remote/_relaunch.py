@@ -169,6 +169,7 @@ class GroupRelauncher:
                     try:
                         delay = self.budget.admit(error, -1, progressed=progressed)
                     except Exception:  # spent: the history is a note on ``error``
+                        self._release(mark=False)  # delivered before the error, as without a policy
                         n._end(error)
                         return
                     self.budget.drain()
