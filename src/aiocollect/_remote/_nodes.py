@@ -249,8 +249,12 @@ class Nodes(Hosts, abc.ABC):
             node.in_flight = True
             if self._update_due(node):
                 due.append(node.index)
+        group = self._gen_closed
         if due:
             await fleet.update_weights(worker_ids=due)
+        if group is not self._gen_closed:  # its group was lost meanwhile: asked again (RELAUNCHED)
+            self._outstanding -= sum(frames for _, frames in chosen)
+            return
         assert self._io is not None
         for node, frames in chosen:
             self._io.start_soon(self._fetch_task, node, frames)
