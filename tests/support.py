@@ -39,6 +39,7 @@ from aiocollect import GymEnv
 __all__ = [
     "BufferedConstantPolicy",
     "ConstantPolicy",
+    "CrashesAt",
     "EnvFactory",
     "EnvFailure",
     "HookedEnv",
@@ -52,6 +53,7 @@ __all__ = [
     "cartpole3",
     "cartpole4",
     "children",
+    "crashing",
     "fd_count",
     "gone",
     "leaks",
@@ -190,6 +192,25 @@ class HookedEnv(gym.Wrapper):
         if self.fail_reset_at is not None and self.resets >= self.fail_reset_at:
             explode_in_reset()
         return self.env.reset(**kwargs)
+
+
+class CrashesAt(gym.Wrapper):
+    """Raises at its ``at``-th step (every env built does: a restart meets it again ``at`` steps on)."""
+
+    def __init__(self, env: gym.Env, at: int) -> None:
+        super().__init__(env)
+        self.at, self.steps = at, 0
+
+    def step(self, action: Any) -> Any:
+        self.steps += 1
+        if self.steps == self.at:
+            raise ZeroDivisionError(f"the simulator went unstable at step {self.steps}")
+        return self.env.step(action)
+
+
+def crashing() -> GymEnv:
+    """A Pendulum that raises at its 25th step (:class:`CrashesAt`), each time it is built."""
+    return GymEnv(CrashesAt(gym.make("Pendulum-v1"), at=25))
 
 
 class EnvFactory:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from aiocollect import GymEnv, RayCollector, Restarted, RestartPolicy, WorkerDiedError
-from support import ConstantPolicy, pendulum
+from support import ConstantPolicy, crashing, pendulum
 
 pytestmark = [
     pytest.mark.anyio,
@@ -68,24 +68,6 @@ def ray(ray_cluster):
     ):
         time.sleep(0.1)
     assert not alive, f"actors left alive after the test: {alive}"
-
-
-class CrashesAt(gym.Wrapper):
-    """Raises at its ``at``-th step (every env built does)."""
-
-    def __init__(self, env, at: int) -> None:
-        super().__init__(env)
-        self.at, self.steps = at, 0
-
-    def step(self, action):
-        self.steps += 1
-        if self.steps == self.at:
-            raise ZeroDivisionError(f"the simulator went unstable at step {self.steps}")
-        return self.env.step(action)
-
-
-def crashing():
-    return GymEnv(CrashesAt(gym.make("Pendulum-v1"), at=25))
 
 
 def _restarted(stream) -> list[Restarted]:
@@ -257,3 +239,45 @@ async def test_a_hung_actor_is_killed_and_replaced(ray, tmp_path):
     assert [(e.worker, e.env) for e in events] == [(0, -1)]
     assert events[0].cause.startswith("WorkerTimeoutError: actor 0")
     assert stats.restarts == 1 and _pid_gone(old_pid)
+
+
+async def _first_batches_after_a_replacement(ray, seed: int) -> tuple[list, list]:
+    """A seeded run whose actor 1 is killed once both actors delivered: each actor's first batch of the
+    first generation, and actor 1's first batch from its replacement (their observations)."""
+    first: dict[int, torch.Tensor] = {}
+    fresh = None
+    with anyio.fail_after(180):
+        async with RayCollector(
+            [pendulum, pendulum],
+            ConstantPolicy(0.5),
+            frames_per_batch=16,
+            total_frames=-1,
+            num_collectors=2,
+            collector_kwargs={"seed": seed},
+            remote_config=REMOTE,
+            restart=RestartPolicy(max_restarts=1, window=600.0, backoff=0.0),
+        ) as c:
+            killed = False
+            async for batch in c:
+                actor = int(batch["collector", "worker_id"][0])
+                if _new_generation(batch):
+                    assert actor == 1
+                    fresh = batch["observation"].clone()
+                    break
+                first.setdefault(actor, batch["observation"].clone())
+                if len(first) == 2 and not killed:
+                    ray.kill(c.actors[1])
+                    killed = True
+    assert fresh is not None
+    return [first[0], first[1]], [fresh]
+
+
+async def test_a_replaced_actor_runs_its_derived_seed(ray):
+    """The replacement of a seeded actor is seeded with ``derive_seed(actor's seed, 1)``, end to end: two
+    seeded runs give the same first batch from the replacement (whenever the kill came), which is not
+    its predecessor's first batch."""
+    first_a, fresh_a = await _first_batches_after_a_replacement(ray, 11)
+    first_b, fresh_b = await _first_batches_after_a_replacement(ray, 11)
+    for a, b in zip(first_a + fresh_a, first_b + fresh_b, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(first_a[1], fresh_a[0])

@@ -224,10 +224,12 @@ class GlooNodes(Nodes):
             assert node.channel is not None
             await node.channel.send(Collect(seq))
             notice: BatchNotice = await self._within_progress_timeout(node, waiter.wait)
+            node.announced = notice.frames  # lost with its group unless it arrives
             # the node sends now: the transfer is seen to its end even if the caller is cancelled (its
             # data would otherwise stay on the wire, and the node would block in its send)
             with anyio.CancelScope(shield=True):
                 result = await self._receive(node, notice)
+            node.announced = 0
         return result
 
     async def _receive(self, node: RemoteNode, notice: BatchNotice) -> NodeBatch:
@@ -250,10 +252,7 @@ class GlooNodes(Nodes):
         except Exception:
             # the node died mid-transfer, typically: its connection says so, then (its exit code read, up
             # to 2 s later) its reader fails the collector, unless it is closing: wait for both
-            with anyio.move_on_after(5.0):
-                await node.gone.wait()
-                if not self._closing:
-                    await self._failed_event.wait()
+            await self._verdict(node)
             if self._failure is not None:
                 raise self._failure from None
             raise
@@ -333,9 +332,10 @@ class DistributedCollector(NodeCollectorMixin, FleetCollector):
         progress: as for :class:`Collector`.
         restart: a :class:`~aiocollect.RestartPolicy` for every node's envs (unless ``collector_kwargs``
             gives one of its own): each node's collector restarts an env that raises, and the trainer
-            sees those restarts. A node **process** that dies is not replaced (a torch.distributed group
-            cannot take in a new rank): it ends the run with ``WorkerDiedError``, as without a policy.
-            ``RayCollector`` replaces its actors. See docs/faults.md.
+            sees those restarts. A node **process** that dies or hangs relaunches the whole group (a
+            torch.distributed group cannot take in a new rank): every node closed and launched again
+            on a new port and store, the newest weights loaded first; one budget for the group. Nodes
+            of ``"submitit_delayed"`` cannot be relaunched. See docs/faults.md.
 
     Example:
         >>> import anyio

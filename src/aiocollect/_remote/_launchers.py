@@ -203,6 +203,8 @@ def delayed_node_entry(rendezvous: str, rank: int, timeout: float) -> None:
 class Launcher(abc.ABC):
     #: where the control listener binds and what address nodes are given
     local: bool = True
+    #: ``launch`` may be called again for a new group (``restart=``: the whole group is relaunched)
+    relaunchable: bool = False
 
     @abc.abstractmethod
     async def launch(self, address: TrainerAddress, ranks: list[int]) -> dict[int, NodeProcess]:
@@ -221,6 +223,7 @@ class MPLauncher(Launcher):
     """Node processes on this machine (not daemonic: a node's own collector may start processes)."""
 
     local = True
+    relaunchable = True
 
     async def launch(self, address: TrainerAddress, ranks: list[int]) -> dict[int, NodeProcess]:
         ctx = _mp_context()
@@ -297,6 +300,8 @@ class SubmititLauncher(Launcher):
     """One submitit job per node; ``slurm_kwargs`` go to ``executor.update_parameters`` except ``folder``
     (logs and pickles; shared by the cluster's machines) and ``cluster`` (``None``: Slurm when available,
     else local; ``"local"``: subprocesses of this machine)."""
+
+    relaunchable = True  # a new job per node
 
     def __init__(self, slurm_kwargs: Mapping[str, Any] | None) -> None:
         self.options = dict(slurm_kwargs or {})

@@ -57,12 +57,18 @@ from ._messages import (
     Request,
     Setup,
 )
+from ._relaunch import RELAUNCHED, GroupLost, GroupRelauncher, guarded
 from ._trainer import NOT_REPLACED, Hosts, NodePlan
 
 #: seconds a node gets to close its collector and hang up after ``Close`` (any worker_timeout): then killed
 _CLOSE_GRACE = 2.0
 #: default ``progress_timeout``: seconds a node may take to deliver one batch before it counts as hung
 DEFAULT_PROGRESS_TIMEOUT = 600.0
+
+
+async def _then_cancel(event: anyio.Event, scope: anyio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
 
 
 @dataclass
@@ -94,12 +100,22 @@ class RemoteNode:
     ready_event: anyio.Event = field(default_factory=anyio.Event)
     loaded_event: anyio.Event = field(default_factory=anyio.Event)
     time_split: SplitWindows = field(default_factory=SplitWindows)  # its collector's, from its batches
-    #: its collector's env restarts (``RestartPolicy``), from its batches
+    #: its collector's env restarts (``RestartPolicy``), from its batches, and its group's relaunches
     restarts: int = 0
+    #: frames of its batch in flight, once its notice arrived (``GroupRelauncher``: lost with its group)
+    announced: int = 0
 
     @property
     def rank(self) -> int:
         return self.index + 1
+
+    def renew(self) -> None:
+        """Forget the process of a lost group (its counts stay): the slot waits for the next one."""
+        self.process = self.channel = self.ready = self.buffer = self.pid = self.host = None
+        self.state, self.fresh, self.in_flight = WorkerState.STARTING, False, False
+        self.since_update = self.announced = 0
+        self.connected, self.gone, self.ready_event = anyio.Event(), anyio.Event(), anyio.Event()
+        self.loaded_event = anyio.Event()
 
 
 class Nodes(Hosts, abc.ABC):
@@ -138,6 +154,15 @@ class Nodes(Hosts, abc.ABC):
         #: the authenticated store of the collector's groups, served here, and the trainer's own client
         self._store_server: StoreServer | None = None
         self._store: StoreClient | None = None
+        #: the I/O host's task group (a group's own I/O tasks are ``_io``, ended with the group)
+        self._hosting: anyio.abc.TaskGroup | None = None
+        self._gen_closed = anyio.Event()
+        #: relaunches the whole group under ``restart=`` (a launcher that can start nodes again)
+        self.relauncher = (
+            GroupRelauncher(self, plan.restart)
+            if plan.restart is not None and plan.launcher.relaunchable
+            else None
+        )
 
     @property
     def started(self) -> bool:
@@ -153,7 +178,9 @@ class Nodes(Hosts, abc.ABC):
         return await (self._next_sync() if self.plan.sync else self._next_async())
 
     async def _fetch(self, node: RemoteNode) -> NodeBatch:
-        result = await self._fetch_batch(node)
+        return self._account(node, await self._fetch_batch(node))
+
+    def _account(self, node: RemoteNode, result: NodeBatch) -> NodeBatch:
         node.frames += result.frames
         node.time_split.add(result.time_split)
         self.restarted(node, result.restarts)
@@ -169,7 +196,7 @@ class Nodes(Hosts, abc.ABC):
         due = [node.index for node in self.nodes if self._update_due(node)]
         if due:
             await self.fleet.update_weights(worker_ids=due)
-        results = await self._guard(lambda: gather(*[partial(self._fetch, node) for node in self.nodes]))
+        results = await self._round()
         shapes = {tuple(r.batch.batch_size) for r in results}
         if len(shapes) > 1:
             raise ValueError(
@@ -181,6 +208,24 @@ class Nodes(Hosts, abc.ABC):
         frames = sum(r.frames for r in results)
         return Arrival(batch, frames, episodes, None, min(r.policy_version for r in results))
 
+    async def _round(self) -> list[NodeBatch]:
+        """One batch of every node; a round whose group is lost is collected again by the next group (what
+        it had received is discarded)."""
+        while True:
+            done: dict[int, NodeBatch] = {}
+
+            fetches = [partial(self._fetch_into, node, done) for node in self.nodes]
+            try:
+                await self._guard(partial(gather, *fetches), retry=False)
+            except GroupLost:
+                assert self.relauncher is not None
+                self.relauncher.discarded_frames += sum(r.frames for r in done.values())
+                continue
+            return [self._account(node, done[node.index]) for node in self.nodes]
+
+    async def _fetch_into(self, node: RemoteNode, done: dict[int, NodeBatch]) -> None:
+        done[node.index] = await self._fetch_batch(node)
+
     def _node_frames(self, node: RemoteNode) -> int:
         return node.ready.frames_per_batch if node.ready is not None else self.plan.node_fpb
 
@@ -190,6 +235,8 @@ class Nodes(Hosts, abc.ABC):
         next ``__anext__``, so that they get the weights trained on that batch."""
         chosen, due = [], []
         fleet = self.fleet
+        if self.relauncher is not None and not self.relauncher.settled:
+            return  # asked again once the new group runs (RELAUNCHED)
         for node in self.nodes:
             if node.in_flight or node.state != WorkerState.COLLECTING:
                 continue
@@ -197,18 +244,23 @@ class Nodes(Hosts, abc.ABC):
                 continue
             if 0 < fleet.total_frames <= fleet._stats.frames + self._outstanding:
                 break
-            chosen.append(node)
-            self._outstanding += self._node_frames(node)
+            chosen.append((node, self._node_frames(node)))
+            self._outstanding += chosen[-1][1]
             node.in_flight = True
             if self._update_due(node):
                 due.append(node.index)
+        group = self._gen_closed
         if due:
             await fleet.update_weights(worker_ids=due)
+        if group is not self._gen_closed:  # its group was lost meanwhile: asked again (RELAUNCHED)
+            self._outstanding -= sum(frames for _, frames in chosen)
+            return
         assert self._io is not None
-        for node in chosen:
-            self._io.start_soon(self._fetch_task, node)
+        for node, frames in chosen:
+            self._io.start_soon(self._fetch_task, node, frames)
 
-    async def _fetch_task(self, node: RemoteNode) -> None:
+    async def _fetch_task(self, node: RemoteNode, frames: int) -> None:
+        result = None
         try:
             result = await self._fetch(node)
         except Exception as exc:
@@ -217,7 +269,12 @@ class Nodes(Hosts, abc.ABC):
             return
         finally:
             node.in_flight = False
-        self._deliveries_send.send_nowait((node.index, result))
+            if result is None:  # never delivered (its group lost): the budget asks for it again
+                self._outstanding -= frames
+        if self.relauncher is not None and self.relauncher.held is not None:
+            self.relauncher.held.append((node.index, result, frames))  # its group is lost: held
+        else:
+            self._deliveries_send.send_nowait((node.index, result, frames))
 
     async def _next_async(self) -> Arrival:
         while True:
@@ -226,8 +283,10 @@ class Nodes(Hosts, abc.ABC):
             if isinstance(item, Failure):
                 self._deliveries_send.send_nowait(item)
                 raise item.error
-            index, result = item
-            self._outstanding -= self._node_frames(self.nodes[index])
+            if item is RELAUNCHED:
+                continue  # a new group runs: ask it for batches
+            index, result, frames = item
+            self._outstanding -= frames
             # one collected before an update_weights(flush=True) reached its node: dropped, asked again
             if not self.fleet._stale(index, result.policy_version, result.frames):
                 break
@@ -243,6 +302,8 @@ class Nodes(Hosts, abc.ABC):
     async def publish(self, weights: TensorDictBase, version: int, ids: list[int]) -> None:
         if self._failure is not None:
             raise self._failure
+        if self.relauncher is not None:
+            await anyio.to_thread.run_sync(self.relauncher.published, weights, version, ids)
         await self._guard(partial(self._send_weights, weights, version, ids))
         for i in ids:
             self.nodes[i].since_update = 0
@@ -325,8 +386,15 @@ class Nodes(Hosts, abc.ABC):
     async def _drain(self, node: RemoteNode, notice: Any) -> None:
         """Receive a batch nobody waits for any more, and drop it (transports with a data plane)."""
 
-    async def _guard(self, fn: Callable[[], Any]) -> Any:
-        """``await fn()``, ended by a node failure (raised instead)."""
+    async def _guard(self, fn: Callable[[], Any], retry: bool = True) -> Any:
+        """``await fn()``, ended by a node failure (raised instead); under a relauncher, on a running
+        group, and again on the next one if the group is lost meanwhile (``retry``; else ``GroupLost``)."""
+        if self.relauncher is not None:
+            return await guarded(self, fn, retry)
+        return await self._watched(fn)
+
+    async def _watched(self, fn: Callable[[], Any], lost: anyio.Event | None = None) -> Any:
+        """``await fn()``, ended by a node failure (raised instead) or by ``lost`` (``GroupLost``)."""
         out: list[tuple[bool, Any]] = []
         async with anyio.create_task_group() as tg:
 
@@ -337,12 +405,16 @@ class Nodes(Hosts, abc.ABC):
                     out.append((False, exc))
                 tg.cancel_scope.cancel()
 
-            async def watch() -> None:
-                await self._failed_event.wait()
+            async def watch(event: anyio.Event) -> None:
+                await event.wait()
                 tg.cancel_scope.cancel()
 
             tg.start_soon(run)
-            tg.start_soon(watch)
+            tg.start_soon(watch, self._failed_event)
+            if lost is not None:
+                tg.start_soon(watch, lost)
+        if self._failure is None and lost is not None and lost.is_set():
+            raise GroupLost
         if out:
             ok, value = out[0]
             if ok:
@@ -353,10 +425,27 @@ class Nodes(Hosts, abc.ABC):
         assert self._failure is not None
         raise self._failure
 
+    @property
+    def _winding(self) -> bool:
+        """The nodes are being closed (the collector's, or a lost group's): their ends are no failures."""
+        return self._closing or (self.relauncher is not None and self.relauncher.quiet)
+
+    async def _verdict(self, node: RemoteNode) -> None:
+        """After a transfer from ``node`` failed: wait (5 s at most) for its connection to end and the
+        collector to fail or its group to be lost."""
+        with anyio.move_on_after(5.0):
+            await node.gone.wait()
+            if self._closing:
+                return
+            events = [self._failed_event] + ([self.relauncher.lost] if self.relauncher is not None else [])
+            async with anyio.create_task_group() as tg:
+                for event in events:
+                    tg.start_soon(_then_cancel, event, tg.cancel_scope)
+
     def _died(self, node: RemoteNode, exitcode: int | None, cause: Any = None) -> BaseException:
         where = {"engine": self._engine_name, "rank": node.rank, "host": node.host, "cause": cause}
         error = worker_died(node.index, exitcode, member="node", **where)
-        if self.plan.restart is not None:
+        if self.plan.restart is not None and self.relauncher is None:
             error.add_note(NOT_REPLACED.format(engine=self._engine_name))
         return error
 
@@ -393,8 +482,15 @@ class Nodes(Hosts, abc.ABC):
         if node is not None and node.state not in (WorkerState.FAILED, WorkerState.STOPPED):
             node.state = WorkerState.FAILED
             self.fleet._hub.publish(WorkerFailed(node.index, f"{type(error).__name__}: {error}"))
+        if self._failure is None and not (self.relauncher is not None and self.relauncher.lose(node, error)):
+            self._end(error)
+
+    def _end(self, error: BaseException) -> None:
+        """The run ends with ``error``: every caller gets it."""
         if self._failure is not None:
             return
+        if self.relauncher is not None:
+            self.relauncher.up.set()  # its waiters see the failure
         self._failure = error
         self.fleet._failed = True
         self.fleet._closed_reason = f"a node failed with {type(error).__name__}: {error}"
@@ -408,20 +504,39 @@ class Nodes(Hosts, abc.ABC):
         self._deliveries_send, self._deliveries = anyio.create_memory_object_stream[Any](math.inf)
         self._policy_payload = await self.fleet._pickled_policy("the nodes")
         await self.fleet._task_group.start(self._io_host)
-        return await self._start()
+        fpbs = await self._start()
+        if self.relauncher is not None:
+            self.relauncher.started()
+        return fpbs
 
     async def run(self) -> None:
         """Nodes are asked for batches as ``async for`` asks (``_top_up``)."""
 
     async def _io_host(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
-        """Owns the collector's I/O tasks (listener, connections, transfers); once they ended at
-        shutdown, closes the sockets they waited on."""
+        """Owns the collector's I/O: the group's tasks (``_generation``) and a relaunch in flight."""
+        try:
+            async with anyio.create_task_group() as tg:
+                self._hosting = tg
+                await self._new_generation()
+                task_status.started()
+                await self._io_stop.wait()
+                tg.cancel_scope.cancel()
+        finally:
+            self._io_closed.set()
+
+    async def _new_generation(self) -> None:
+        assert self._hosting is not None
+        self._gen_closed = anyio.Event()
+        await self._hosting.start(self._generation, self._gen_closed)
+
+    async def _generation(self, closed: anyio.Event, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        """Owns one group's I/O tasks (listener, connections, transfers); once they ended (shutdown, or
+        the group was lost), closes the sockets they waited on."""
         try:
             async with anyio.create_task_group() as tg:
                 self._io = tg
                 task_status.started()
-                await self._io_stop.wait()
-                tg.cancel_scope.cancel()
+                await anyio.sleep_forever()
         finally:
             for node in self.nodes:
                 if node.channel is not None:
@@ -429,9 +544,15 @@ class Nodes(Hosts, abc.ABC):
             if self._listener is not None:
                 self._listener.close()
                 self._listener = None
-            self._io_closed.set()
+            closed.set()
 
-    async def _start(self) -> list[int]:
+    async def _end_generation(self) -> None:
+        """End the current group's I/O tasks (its nodes are gone) and wait until its sockets closed."""
+        if self._io is not None:
+            self._io.cancel_scope.cancel()
+        await self._gen_closed.wait()
+
+    async def _start(self, restarts: int = 0) -> list[int]:
         tg = self._io
         assert tg is not None
         launcher = self.plan.launcher
@@ -443,8 +564,10 @@ class Nodes(Hosts, abc.ABC):
         self._listener = listener
         self._address = address = TrainerAddress(host, listener.getsockname()[1], new_token())
         tg.start_soon(self._accept_loop, listener, address.token)
-        await self._open_transport(host)
-        processes = await launcher.launch(address, [node.rank for node in self.nodes])
+        # what is opened or started here is released or reaped by stop(), whatever comes: never cancelled
+        with anyio.CancelScope(shield=True):
+            await self._open_transport(host)
+            processes = await launcher.launch(address, [node.rank for node in self.nodes])
         for node in self.nodes:
             node.process = processes[node.rank]
             tg.start_soon(self._watch_process, node)
@@ -458,7 +581,9 @@ class Nodes(Hosts, abc.ABC):
                     num_nodes=self.num_nodes,
                     payload=self.plan.payloads[node.index],
                     policy_payload=self._policy_payload,
-                    rollout=self.plan.rollouts[node.index],
+                    rollout=self.relauncher.rollout(node.index, restarts)
+                    if self.relauncher is not None
+                    else self.plan.rollouts[node.index],
                 )
                 setup = Setup(self._engine, spec, self._transport_setup(node.index))
                 assert node.channel is not None
@@ -470,7 +595,7 @@ class Nodes(Hosts, abc.ABC):
 
             await gather(self._connect_transport, ready)
 
-        await self._guard(all_ready)
+        await self._watched(all_ready, self.relauncher.lost if self.relauncher is not None else None)
         for node in self.nodes:
             assert node.ready is not None
             node.state = WorkerState.COLLECTING
@@ -521,7 +646,7 @@ class Nodes(Hosts, abc.ABC):
         """A node that ends before it connected (import error, killed, job failed) fails the start."""
         assert node.process is not None
         await node.process.wait()
-        if not node.connected.is_set() and not self._closing:
+        if not node.connected.is_set() and not self._winding:
             self._fail(node, self._died(node, node.process.exitcode))
 
     async def _reader(self, node: RemoteNode) -> None:
@@ -558,7 +683,7 @@ class Nodes(Hosts, abc.ABC):
             node.gone.set()
             if failed:
                 channel.close()  # nothing more of it is read
-            if not failed and not self._closing:
+            if not failed and not self._winding:
                 exitcode = None
                 if node.process is not None:
                     with anyio.move_on_after(2.0, shield=True):
@@ -575,20 +700,9 @@ class Nodes(Hosts, abc.ABC):
             if self._closing:
                 return
             self._closing = True
-            for node in self.nodes:
-                if node.channel is not None and not node.gone.is_set():
-                    with contextlib.suppress(Exception):
-                        await node.channel.send(Close())
-
-            # a node that hung up in the grace period gets 5 s to exit (a submitit job); others are killed
-            async def close(node: RemoteNode) -> None:
-                if node.channel is not None:
-                    with anyio.move_on_after(_CLOSE_GRACE):
-                        await node.gone.wait()
-                if node.process is not None:
-                    await node.process.stop(5.0 if node.channel is None or node.gone.is_set() else 0.0)
-
-            await gather(*[partial(close, node) for node in self.nodes])
+            if self.relauncher is not None:  # a group it started is in the nodes' list by now
+                await self.relauncher.cancel()
+            await self._close_nodes()
             for node in self.nodes:
                 if node.state not in (WorkerState.FAILED, WorkerState.STOPPED):
                     node.state = WorkerState.STOPPED
@@ -598,6 +712,26 @@ class Nodes(Hosts, abc.ABC):
                 await self._io_closed.wait()
             self._deliveries_send.close()
             self._deliveries.close()
+
+    async def _close_nodes(self) -> None:
+        """Tell every node to close, then stop (reap, or kill) their processes."""
+        for node in self.nodes:
+            if node.channel is not None and not node.gone.is_set():
+                with contextlib.suppress(Exception):
+                    await node.channel.send(Close())
+
+        # a node that hung up in the grace period gets 5 s to exit (a submitit job); others are killed
+        async def close(node: RemoteNode) -> None:
+            if node.channel is not None:
+                with anyio.move_on_after(_CLOSE_GRACE):
+                    await node.gone.wait()
+            if node.process is not None:
+                await node.process.stop(5.0 if node.channel is None or node.gone.is_set() else 0.0)
+
+        await gather(*[partial(close, node) for node in self.nodes])
+
+    def discarded(self) -> int:
+        return self.relauncher.discarded_frames if self.relauncher is not None else 0
 
 
 __all__ = ["DEFAULT_PROGRESS_TIMEOUT", "Failure", "Nodes", "RemoteNode"]

@@ -7,9 +7,9 @@ collectors reap their workers) and the cluster it started."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -27,7 +27,6 @@ from .._fleet import Arrival, FleetCollector
 from .._gather import gather
 from .._mistakes import warn_user
 from .._options import RolloutOptions
-from .._pids import pid_alive
 from .._restart import RestartPolicy
 from .._stats import WorkerState
 from .._timesplit import SplitWindows
@@ -35,7 +34,7 @@ from .._transport._messages import FleetOp
 from ._args import WeightPlan
 from ._ray_actor import actor_class, import_ray, unwrap_ray_error
 from ._ray_local import init_local
-from ._ray_reaper import Watchdog, descendants, start_watchdog
+from ._ray_reaper import Watchdog, descendants, end_processes, start_watchdog
 from ._ray_replace import ActorReplacer
 from ._ray_wire import from_wires, weights_to_wire
 from ._trainer import Hosts
@@ -471,27 +470,21 @@ class RayActors(Hosts):
             pass  # a dead or failed actor: it is killed next anyway
 
     def kill_actors(self, actors: list[Actor]) -> None:
-        ray = self._ray
-        for actor in actors:
-            try:
-                ray.kill(actor.handle, no_restart=True)
-            except Exception:
-                pass
         # ray.kill returns at once and the process ends a little later: on this machine, wait (a
-        # bounded time) until the actors and what ran under them are gone, so that leaving
-        # `async with` leaves nothing of ours behind
+        # bounded time) until the actors and what ran under them (taken now: an actor whose close ran
+        # past the grace did not report its workers) are gone, then kill what is left, so that
+        # leaving `async with` leaves nothing of ours behind
         here = socket.gethostname()
         pids = [
             pid
             for a in actors
             if a.info.get("hostname") == here and "pid" in a.info
-            for pid in [a.info["pid"], *a.leftover]
+            for pid in {a.info["pid"], *a.leftover, *descendants(a.info["pid"])}
         ]
-        deadline = time.monotonic() + _CLOSE_GRACE
-        while pids and time.monotonic() < deadline:
-            pids = [pid for pid in pids if pid_alive(pid)]
-            if pids:
-                time.sleep(0.01)
+        for actor in actors:
+            with contextlib.suppress(Exception):
+                self._ray.kill(actor.handle, no_restart=True)
+        end_processes(pids, _CLOSE_GRACE)
 
     # -- awaiting Ray ------------------------------------------------------------------------------
     async def _await(self, ref: Any) -> Any:

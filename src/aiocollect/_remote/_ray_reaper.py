@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterable
 
-__all__ = ["Watchdog", "descendants", "start_watchdog", "start_time"]
+from .._pids import pid_alive
+
+__all__ = ["Watchdog", "descendants", "end_processes", "start_watchdog", "start_time"]
 
 _CODE = r"""
 import os, signal, sys
@@ -77,6 +81,26 @@ def descendants(root: int) -> list[int]:
             out.append(child)
             todo.append(child)
     return out
+
+
+def end_processes(pids: Iterable[int], grace: float) -> None:
+    """Wait up to ``grace`` seconds for ``pids`` (killed actors and what ran under them, on this machine)
+    to end, then ``SIGKILL`` those still running (each checked by its start time, so that a pid reused
+    meanwhile is left alone) and wait for them, 1 s at most."""
+    started = {pid: t for pid in pids if (t := start_time(pid)) is not None}
+
+    def running() -> list[int]:
+        return [pid for pid, t in started.items() if start_time(pid) == t and pid_alive(pid)]
+
+    for wait, kill in ((grace, True), (1.0, False)):
+        deadline = time.monotonic() + wait
+        while (left := running()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not (kill and left):
+            return
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
 
 class Watchdog:

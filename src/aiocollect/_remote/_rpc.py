@@ -248,8 +248,7 @@ class RpcNodes(Nodes):
         except Exception as exc:
             # typically the node died (TensorPipe says "eof"): its control connection says so at once,
             # and its reader fails the collector with the node's exit code (in at most 2 s more)
-            with anyio.move_on_after(3.0):
-                await self._failed_event.wait()
+            await self._verdict(node)
             if self._failure is not None:
                 if self._failure.__cause__ is None:
                     self._failure.__cause__ = exc
@@ -304,8 +303,9 @@ class RPCCollector(NodeCollectorMixin, FleetCollector):
             ``{"num_worker_threads": 8, "_transports": ["uv"]}``; ``init_method`` is ours). Checked here.
         rpc_timeout: seconds for the rendezvous and for calls other than batches (a batch may take any
             time; a dead node is noticed by its connection).
-        restart: as for :class:`DistributedCollector`: the nodes' envs are restarted, a node process
-            that dies is not replaced (an RPC group's membership is fixed once it started).
+        restart: as for :class:`DistributedCollector`: the nodes' envs are restarted, and a node
+            process that dies relaunches the whole group (an RPC group's membership is fixed once it
+            started).
 
     Example:
         >>> from aiocollect import GymEnv, RPCCollector

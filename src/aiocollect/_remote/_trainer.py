@@ -38,8 +38,10 @@ if TYPE_CHECKING:
 _COLLECTOR_CLASSES = (Collector, MultiSyncCollector, MultiAsyncCollector)
 #: why a node that died under a restart policy ends the run all the same
 NOT_REPLACED = (
-    "restart=RestartPolicy(...): a {engine} node process is not replaced (its process group cannot take "
-    "in a new rank); its envs are restarted inside it. RayCollector replaces an actor that dies"
+    "restart=RestartPolicy(...): a {engine} node is not replaced: its process group cannot take in a new "
+    'rank, so the whole group is relaunched instead, which needs a launcher that starts the nodes ("mp", '
+    '"submitit"); nodes started outside the trainer ("submitit_delayed") cannot be. Their envs are '
+    "restarted inside them"
 )
 
 
@@ -62,7 +64,7 @@ class NodePlan:
     tcp_port: int
     trainer_address: str | None
     progress_timeout: float | None
-    #: the policy the nodes' envs restart under (a node process itself is not replaced)
+    #: the policy the nodes' envs restart under, and the group's relaunches (``_relaunch``)
     restart: RestartPolicy | None = None
 
     @property
