@@ -88,14 +88,13 @@ EXEMPT_MODULES: dict[str, tuple[int, str]] = {
         "policy's paths in both deliveries; the replacement itself is _ray_replace.py)",
     ),
     "aiocollect/_envs/_gym.py": (
-        945,
+        885,
         "GymEnv is one class: what it wraps, its state, its step paths and its fused step loops (once "
         "functions in _gym_steps.py that imported GymEnv back, written so to meet the old 600-line cap)",
     ),
 }
 
 LONG_FUNCTIONS: dict[str, int] = {
-    "aiocollect/_envs/_gym.py:GymEnv._run_pool_steps": 68,
     "aiocollect/_remote/_gloo.py:run_node": 78,
     "aiocollect/_asyncenv/_run.py:Engine._env_task": 78,
     "aiocollect/dashboard/_routes.py:build_app": 69,
