@@ -193,3 +193,44 @@ def test_a_stop_mid_batch_gives_every_env_as_many_frames_as_the_furthest() -> No
     stop.clear()
     second = rollout.collect()
     assert check_frames([first.batch[:, : first.steps].clone(), second.batch.clone()]) > 0
+
+
+class FailAt(PoolCalls):
+    """Raises at the pool's ``calls``-th step (an env fault mid-batch)."""
+
+    def __init__(self, pool: Any, calls: int) -> None:
+        super().__init__(pool)
+        self.calls = calls
+
+    def __call__(self, action: Any, env_id: Any = None) -> Any:
+        if len(self.ids) + 1 == self.calls:
+            raise RuntimeError("the pool failed")
+        return super().__call__(action, env_id)
+
+
+async def test_a_restart_mid_batch_keeps_every_frame_a_transition() -> None:
+    """Under a RestartPolicy a pool is stepped per step (its fused loop writes its frames at the batch's
+    end): the frames before the fault are kept, the rebuilt pool's frames follow."""
+    from aiocollect import RestartPolicy
+
+    envpool = pytest.importorskip("envpool")
+    made: list[Any] = []
+
+    def factory() -> GymEnv:
+        pool = envpool.make_gymnasium("CartPole-v1", num_envs=N, seed=5)
+        if not made:
+            FailAt(pool, 50)
+        made.append(pool)
+        return GymEnv(pool)
+
+    with anyio.fail_after(60):
+        async with Collector(
+            factory,
+            frames_per_batch=N * 40,
+            total_frames=N * 40 * 3,
+            seed=5,
+            restart=RestartPolicy(backoff=0.0),
+        ) as collector:
+            batches = [b.clone() async for b in collector]
+    assert len(made) == 2
+    assert check_frames(batches) > 10

@@ -289,8 +289,10 @@ class GymEnv:
 
     def _reseed_pool(self, seed: int) -> None:
         """Make the pool anew with ``seed``, unless it has that seed and was not reset since it was
-        made (a pool handed to ``GymEnv`` is taken to be new)."""
+        made (a pool handed to ``GymEnv`` is taken to be new). EnvPool's seeds are C ints: a larger seed
+        (a restart's derived one) is taken modulo ``2**31 - num_envs``."""
         pool = self._env
+        seed %= 2**31 - self._num_envs
         if pool.config["seed"] == seed and getattr(self, "_pool_fresh", True):
             return
         if pool is not pool.unwrapped:
