@@ -234,3 +234,21 @@ async def test_a_restart_mid_batch_keeps_every_frame_a_transition() -> None:
             batches = [b.clone() async for b in collector]
     assert len(made) == 2
     assert check_frames(batches) > 10
+
+
+async def test_box_actions_of_a_pendulum_pool_give_the_per_step_batches(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Random actions of a Box space (``[N, 1]`` per step) picked per env as a Discrete one's are."""
+    envpool = pytest.importorskip("envpool")
+
+    def pendulums() -> GymEnv:  # short episodes: truncations inside the batches
+        return GymEnv(envpool.make_gymnasium("Pendulum-v1", num_envs=N, seed=5, max_episode_steps=23))
+
+    fused = await collect(pendulums, "random")
+    monkeypatch.setattr(ArrayEnv, "fused_gym", property(lambda self: None))
+    general = await collect(pendulums, "random")
+    assert sum(int(b["next", "truncated"].sum()) for b in fused) > 5
+    for a, b in zip(fused, general, strict=True):
+        for key in b.keys(True, True):
+            assert torch.equal(a[key], b[key]), key

@@ -82,7 +82,9 @@ class PoolFrames:
         observations to act on next, the envs reset at the end or ``None``)."""
         self._grow(steps + max(8, steps // 4))
         self.obs[0] = root
-        block = None if actions is None else np.stack(actions).reshape(-1)  # [T, N] flat
+        # [T * N, ...]: env i's k-th action at row k * N + i
+        block = None if actions is None else np.stack(actions).reshape(len(actions) * self.num_envs, -1)
+        self.action_shape = None if actions is None else actions[0].shape
         count = np.zeros(self.num_envs, dtype=np.int64)
         pending = np.zeros(self.num_envs, dtype=bool)
         first_out = len(out_hist)
@@ -120,6 +122,7 @@ class PoolFrames:
         ids = pool.all_env_ids
         n = self.num_envs
         envs = self.envs
+        action_shape = self.action_shape
         obs_rows, reward, terminated, truncated, valid = (
             self.obs,
             self.reward,
@@ -144,7 +147,7 @@ class PoolFrames:
                 out_hist.append(out)
                 env_action = self.leaf("action", out["action"])
             else:  # env i's next frame is its count[i]-th: that step's action, block[count[i], i]
-                env_action = take(block, count * n + envs)
+                env_action = take(block, count * n + envs, axis=0).reshape(action_shape)
             step_obs, reward[s], terminated[s], truncated[s], info = env_step(env_action)
             order = info["env_id"]
             if order.shape != (n,) or (order != ids).any():  # back in env order
@@ -185,7 +188,7 @@ class PoolFrames:
                 out_hist.append(out)
                 env_action = self.leaf("action", out["action"])[short]
             else:
-                env_action = block[count[short] * n + short]
+                env_action = block[count[short] * n + short].reshape(len(short), *self.action_shape[1:])
             obs, reward, terminated, truncated, info = pool.step(env_action, short.astype(np.int32))
             rows = np.asarray(info["env_id"])
             self.obs[s + 1] = self.obs[s]
