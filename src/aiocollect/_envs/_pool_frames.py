@@ -84,7 +84,7 @@ class PoolFrames:
         self.obs[0] = root
         # [T * N, ...]: env i's k-th action at row k * N + i
         block = None if actions is None else np.stack(actions).reshape(len(actions) * self.num_envs, -1)
-        self.action_shape = None if actions is None else actions[0].shape
+        self.action_shape: tuple[int, ...] = () if actions is None else actions[0].shape
         count = np.zeros(self.num_envs, dtype=np.int64)
         pending = np.zeros(self.num_envs, dtype=bool)
         first_out = len(out_hist)
