@@ -433,8 +433,9 @@ def envpool_cartpole(shuffled: bool = False) -> GymEnv:
 async def test_envpool_fused_loop_gives_the_per_step_batches(
     kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """EnvPool's fused loop (the partial reset sent before the step's entries are written, received
-    after) gives the per-step path's batches, and a pool reporting its envs out of order the same."""
+    """EnvPool's fused loop (the pool resets ended envs itself, each env fills its frames at its own
+    pace: ``PoolFrames``) gives the per-step path's batches, and a pool reporting its envs out of order
+    the same."""
 
     async def run(shuffled: bool = False) -> list[Any]:
         batches: list[Any] = []
