@@ -414,12 +414,12 @@ def envpool_cartpole(shuffled: bool = False) -> GymEnv:
     """An EnvPool CartPole of 5 envs; ``shuffled``: its steps report the envs in reverse order (with
     ``info["env_id"]`` saying so), as a pool may, which the rollout puts back in env order."""
     envpool = pytest.importorskip("envpool")
-    pool = envpool.make_gymnasium("CartPole-v1", num_envs=5, seed=0)
+    pool = envpool.make_gymnasium("CartPole-v1", num_envs=5, seed=3)  # the collector's seed: kept as is
     if shuffled:
         step = pool.step
 
-        def reversed_step(action: Any) -> Any:
-            obs, reward, terminated, truncated, info = step(action)
+        def reversed_step(action: Any, env_id: Any = None) -> Any:
+            obs, reward, terminated, truncated, info = step(action, env_id)
             back = slice(None, None, -1)
             info = {**info, "env_id": info["env_id"][back]}
             return obs[back], reward[back], terminated[back], truncated[back], info
@@ -433,8 +433,9 @@ def envpool_cartpole(shuffled: bool = False) -> GymEnv:
 async def test_envpool_fused_loop_gives_the_per_step_batches(
     kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """EnvPool's fused loop (the partial reset sent before the step's entries are written, received
-    after) gives the per-step path's batches, and a pool reporting its envs out of order the same."""
+    """EnvPool's fused loop (the pool resets ended envs itself, each env fills its frames at its own
+    pace: ``PoolFrames``) gives the per-step path's batches, and a pool reporting its envs out of order
+    the same."""
 
     async def run(shuffled: bool = False) -> list[Any]:
         batches: list[Any] = []

@@ -428,7 +428,8 @@ class Rollout:
         steps = T = self.steps_per_batch
         if carry is None and max_steps is None and caster is None and (block_actions is None or converted):
             fused = env.fused_gym
-            if fused is not None:  # a GymEnv of one observation array: its own loop
+            # an EnvPool pool's loop writes its frames at the batch's end: a restart mid-batch steps per step
+            if fused is not None and not (self.restarts is not None and fused._pool):
                 return self._run_fused(fused, obs_slots, runner, block_actions, hist, stop, views, start)
         runner = self.clock.timed_policy(runner)
         for t in range(start, T):

@@ -16,6 +16,7 @@ from tensordict import TensorDict
 from ._gym_open import is_envpool, open_gym_env
 from ._gym_state import env_state, set_env_state, set_vector_state, vector_state
 from ._info import InfoKeys, InfoReader, info_specs
+from ._pool_frames import PoolFrames
 from ._spaces import (
     LeafSpec,
     NestedKey,
@@ -125,6 +126,7 @@ class GymEnv:
     """
 
     has_truncated = True
+    _pool_frames: PoolFrames | None = None  # an EnvPool pool's fused loop (made at its first batch)
 
     def __init__(
         self,
@@ -287,8 +289,10 @@ class GymEnv:
 
     def _reseed_pool(self, seed: int) -> None:
         """Make the pool anew with ``seed``, unless it has that seed and was not reset since it was
-        made (a pool handed to ``GymEnv`` is taken to be new)."""
+        made (a pool handed to ``GymEnv`` is taken to be new). EnvPool's seeds are C ints: a larger seed
+        (a restart's derived one) is taken modulo ``2**31 - num_envs``."""
         pool = self._env
+        seed %= 2**31 - self._num_envs
         if pool.config["seed"] == seed and getattr(self, "_pool_fresh", True):
             return
         if pool is not pool.unwrapped:
@@ -746,82 +750,20 @@ class GymEnv:
         stop: Any,
         clock: Any = None,
     ) -> tuple[int, np.ndarray]:
-        """:meth:`_run_gym_steps` for an EnvPool pool (sync mode, unwrapped): what ``steps`` calls of
-        :meth:`GymEnv._step_arrays` give, and the same calls into the pool.
-
-        Where episodes ended, the pool's partial reset (``reset(options={"reset_mask": done})``, which is
-        ``_reset(env ids)`` then ``recv``) is split: the reset is sent at once, the step's entries are
-        written into the batch while the pool's threads reset, and only then are the reset observations
-        received. A pool resets the ended envs itself only at their next step (next-step autoreset), so
-        this round trip is the price of same-step data; overlapping it with the writes hides part of it.
-        """
-        pool = self._env
-        env_step = pool.step
-        send_reset = pool._reset
-        recv = pool.recv
-        reset_info = bool(pool.config["gym_reset_return_info"])
-        ids = self._pool_ids
-        num_envs = self._num_envs
-        leaf = self._policy_action()
-        array = self._array
-        dtype = self._plain_obs_dtype
-        assert dtype is not None  # _fused_steps
-        from_numpy = torch.from_numpy
-        count_nonzero = np.count_nonzero
-        perf = perf_counter if clock is not None else None
-        policy_s = 0.0
-        flatnonzero = np.flatnonzero
-        obs_slot, next_slot, reward_slot, terminated_slot, truncated_slot = slots
-        pending: Any = self._autoreset_pending
-        taken = steps
-        try:
-            for t in range(steps):
-                if stop is not None and stop.is_set():
-                    taken = t
-                    break
-                obs_slot[t] = root
-                if actions is None:
-                    if perf is None:
-                        out = act(from_numpy(root))
-                    else:  # the time split's policy share: two clock reads, no call added
-                        start = perf()
-                        out = act(from_numpy(root))
-                        policy_s += perf() - start
-                    out_hist.append(out)
-                    env_action = leaf("action", out["action"])
-                else:
-                    env_action = actions[t]
-                obs, reward, terminated, truncated, info = env_step(env_action)
-                done = terminated | truncated
-                order = info["env_id"]
-                if order.shape != (num_envs,) or (order != ids).any():
-                    obs, reward, terminated, truncated, info, done = by_env_id(
-                        np.asarray(order), obs, reward, terminated, truncated, info, done
-                    )
-                nxt = array(obs, dtype)
-                if count_nonzero(done):
-                    self._pool_fresh = False
-                    send_reset(flatnonzero(done).astype(np.int32))  # what reset_mask becomes in the pool
-                    root = nxt.copy()  # the reset observations go into a copy: nxt is the step's
-                    next_slot[t] = nxt
-                    reward_slot[t] = reward
-                    terminated_slot[t] = terminated
-                    truncated_slot[t] = truncated
-                    new_obs, new_info = recv(reset=True, return_info=reset_info)
-                    root[np.asarray(new_info["env_id"])] = array(new_obs, dtype)
-                    pending = done
-                    continue
-                root = nxt
-                pending = None
-                next_slot[t] = nxt
-                reward_slot[t] = reward  # cast to the slot's float32, as np.asarray(reward, float32)
-                terminated_slot[t] = terminated
-                truncated_slot[t] = truncated
-        finally:
+        """:meth:`_run_gym_steps` for an EnvPool pool (sync mode, unwrapped): the pool resets ended envs
+        itself at their next step, and each env fills its frames at its own pace (:class:`PoolFrames`):
+        one call into the pool per step, the batch the same-step paths give."""
+        frames = self._pool_frames
+        if frames is None:
+            shape = self.obs_specs["observation"].shape
+            dtype = self._plain_obs_dtype
+            assert dtype is not None  # _fused_steps
+            frames = self._pool_frames = PoolFrames(self._num_envs, shape, dtype, self._policy_action())
+        self._pool_fresh = False
+        taken, root, pending = frames.run(self._env, steps, root, act, actions, slots, out_hist, stop, clock)
+        if taken:
             self._autoreset_pending = pending
             self._last_obs = {"observation": root}
-            if clock is not None:
-                clock.policy += policy_s
         return taken, root
 
     def _step_env_action(self, env_action: Any) -> ArrayStep:
