@@ -128,6 +128,15 @@ def realenvs(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "-m", "realenvs", *session.posargs)
     # the EnvPool tests of the default suite skip where envpool is missing: here it is installed
     session.run("python", "-m", "pytest", "tests/test_vector_envs.py", "-k", "envpool", "-m", "not slow")
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "tests/test_pool_frames.py",
+        "tests/test_rollout_fused.py",
+        "-k",
+        "envpool or pool",
+    )
 
 
 @nox.session(python=PYTHON)
