@@ -307,8 +307,9 @@ async def hop(policy: nn.Module, wall: list[float], calls: int = 2000) -> float:
     from aiocollect._asyncenv._policy import BatchPolicy
 
     space = gym.spaces.Discrete(2)
+    mode = InteractionType.MODE
     batch = BatchPolicy(
-        policy, action_space=space, obs_keys=["observation"], exploration_type=InteractionType.MODE, name="hop"
+        policy, action_space=space, obs_keys=["observation"], exploration_type=mode, name="hop"
     )
     batch.start()
     try:
