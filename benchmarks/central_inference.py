@@ -22,7 +22,8 @@ average is printed, compare ratios within one run.
 ``--components`` times the trainer's side of one policy call over 64 envs, in CPU µs of the trainer
 process (median of rounds): a ``split()`` part's step without a policy (the doorbell, the results),
 ``AsyncEnvCollector`` over two in-process vector envs of 64 whose step returns at once (the engine, the
-policy thread's hand-off and the 2x64 MLP's forward pass), and that forward pass alone.
+policy thread's hand-off and the 2x64 MLP's forward pass), that forward pass alone, and the policy thread's
+hand-off alone (``hop``: an empty call through it; CPU µs of both threads, and its wall time p50/p99).
 """
 
 from __future__ import annotations
@@ -261,8 +262,10 @@ class Instant:
 async def components(rounds: int) -> None:
     torch.set_num_threads(1)
     policy, steps = MLP(64, 2), 2000
-    out: dict[str, list[float]] = {"part step": [], "engine + policy": [], "forward": []}
+    out: dict[str, list[float]] = {"part step": [], "engine + policy": [], "forward": [], "hop": []}
+    hop_wall: list[float] = []
     for _ in range(rounds):
+        out["hop"].append(await hop(policy, hop_wall))
         env = await anyio.to_thread.run_sync(
             functools.partial(ProcessVectorEnv, [vec64_plain] * 2, num_workers=2)
         )
@@ -293,6 +296,33 @@ async def components(rounds: int) -> None:
     print(f"trainer CPU µs per policy call of 64 envs (median of {rounds}); load {os.getloadavg()[0]:.1f}")
     for name, values in out.items():
         print(f"  {name:16} {statistics.median(values):7.1f}   ({', '.join(f'{v:.0f}' for v in values)})")
+    print(f"  hop wall p50 / p99 µs: {pct(hop_wall, 50):.0f} / {pct(hop_wall, 99):.0f}")
+
+
+async def hop(policy: nn.Module, wall: list[float], calls: int = 2000) -> float:
+    """The policy thread's hand-off alone: CPU µs of the trainer (both threads) per empty call through
+    ``AsyncEnvCollector``'s policy thread, and each call's wall time (into ``wall``)."""
+    from tensordict.nn import InteractionType
+
+    from aiocollect._asyncenv._policy import BatchPolicy
+
+    space = gym.spaces.Discrete(2)
+    mode = InteractionType.MODE
+    batch = BatchPolicy(
+        policy, action_space=space, obs_keys=["observation"], exploration_type=mode, name="hop"
+    )
+    batch.start()
+    try:
+        for i in range(calls + 100):
+            if i == 100:
+                cpu0 = time.process_time()
+            start = time.perf_counter()
+            await batch.in_thread(int)
+            if i >= 100:
+                wall.append(1e6 * (time.perf_counter() - start))
+        return 1e6 * (time.process_time() - cpu0) / calls
+    finally:
+        await batch.stop()
 
 
 def vec64_plain() -> gym.vector.VectorEnv:

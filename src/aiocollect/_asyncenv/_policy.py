@@ -17,8 +17,8 @@ from tensordict.nn import InteractionType, set_interaction_type
 
 from .._envs._spaces import NestedKey, action_bounds, action_leaf_spaces, action_outside_space
 from .._policies import RandomPolicy, make_runner
-from .._rollout_thread import Doorbell, RolloutThread
 from .._weights import as_weights, check_compatible, copy_weights, module_weights
+from ._policy_thread import PolicyThread
 
 __all__ = ["ActionCodec", "BatchPolicy", "DeviceStaging", "is_async_policy"]
 
@@ -125,8 +125,7 @@ class BatchPolicy:
         self.obs_keys = obs_keys
         self.exploration_type = exploration_type
         self.is_async = is_async_policy(policy)
-        self._thread: RolloutThread | None = None
-        self._bell: Doorbell | None = None
+        self._thread: PolicyThread | None = None
         self._out_keys: list[NestedKey] | None = None
         self.module: torch.nn.Module | None = None
         self.device: torch.device | None = None
@@ -153,28 +152,23 @@ class BatchPolicy:
         self._runner = make_runner(policy, batch_shape=(1,), obs_keys=obs_keys, device=device)
         # the TensorDict path builds its TensorDict with a batch size: ours changes at every call
         self._sized = getattr(self._runner, "slow", self._runner)
-        self._thread = RolloutThread(name)
+        self._thread = PolicyThread(name)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the thread (a torch policy) with the calling thread's torch settings."""
-        if self._thread is not None and self._bell is None:
-            self._bell = Doorbell()
+        if self._thread is not None:
             self._thread.start()
 
     async def stop(self) -> None:
-        """End the thread (after a call in flight) and close its doorbell; idempotent."""
+        """End the thread (after a call in flight); idempotent."""
         if self._thread is not None:
             await self._thread.stop()
-        if self._bell is not None:
-            self._bell.close()
-            self._bell = None
 
     async def in_thread(self, fn: Any) -> Any:
         """Run ``fn()`` in the policy thread, between policy calls."""
         assert self._thread is not None
-        assert self._bell is not None
-        return await self._thread.submit(lambda stop: fn(), self._bell).wait()
+        return await self._thread.call(fn)
 
     # -- calls ------------------------------------------------------------------------------------
     async def __call__(self, obs: dict[NestedKey, torch.Tensor], n: int) -> dict[NestedKey, torch.Tensor]:
