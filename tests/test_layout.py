@@ -33,7 +33,7 @@ TARGET_BODY_LINES = 50
 LONG_MODULES: dict[str, int] = {
     "aiocollect/_procenv/_env.py": 486,
     "aiocollect/_asyncenv/_collector.py": 513,  # issue 30: trajs_per_batch, group_size; issue 28: restart=
-    "aiocollect/_asyncenv/_run.py": 654,  # issue 28: env restarts; issue 30: groups, on_update
+    "aiocollect/_asyncenv/_run.py": 649,  # issue 28: env restarts; issue 30: groups, on_update
     # issue 28: restart= and its Restarted events to the parent; issue 29: checkpoint calls, the send gate
     "aiocollect/_asyncenv/_worker.py": 471,
     "aiocollect/_distributed_weights.py": 483,

@@ -318,11 +318,6 @@ class Engine(VectorSteps):
         obs, _ = await env.reset(seed=self.episodes.seed(i))
         return obs, 0.0, 0
 
-    def go_on_from(self, old: Engine) -> None:
-        """A new engine over ``old``'s envs: its seeded episodes start rounds no group of ``old`` used."""
-        if self.episodes is not None and old.episodes is not None:
-            self.episodes.go_on_from(old.episodes)
-
     def new_version(self) -> int:
         """The policy version after an update (its weights loaded); with ``on_update="restart"`` every
         episode in flight starts again."""
