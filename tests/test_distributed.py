@@ -10,9 +10,11 @@ import os
 import stat
 import sys
 import threading
+import time
 
 import anyio
 import cloudpickle
+import gymnasium as gym
 import psutil
 import pytest
 import torch
@@ -137,6 +139,33 @@ async def test_distributed_async_weights_budget_traj_ids_and_reaping():
     assert closed.workers[0].state == "stopped"
     assert closed.time_split is not None and closed.workers[1].time_split is not None  # the last split
     assert _alive(pids) == []
+
+
+class _Slow(gym.Wrapper):
+    """A Pendulum whose steps take 20 ms (in the node)."""
+
+    def step(self, action):
+        time.sleep(0.02)
+        return self.env.step(action)
+
+
+def slow_pendulum():
+    return GymEnv(_Slow(gym.make("Pendulum-v1")))
+
+
+async def test_async_nodes_are_asked_for_total_frames_and_no_more():
+    """The nodes are asked for ``total_frames`` in all, not a batch more: a slow node's first batch (it
+    is asked for one first thing) is among those delivered, and the nodes sent ``total_frames``. (The
+    batch being delivered was left out of the count, so a quick node was asked for it once more and a
+    slow node's batch was never delivered.)"""
+    with anyio.fail_after(60):
+        async with DistributedCollector(
+            [pendulum, slow_pendulum], ConstantPolicy(), frames_per_batch=32, total_frames=32 * 6
+        ) as c:
+            nodes = [int(b["collector", "node_id"][0]) async for b in c]
+            stats = c.statistics()
+    assert len(nodes) == 6 and nodes.count(1) >= 1, nodes
+    assert [w.frames for w in stats.workers] == [32 * nodes.count(0), 32 * nodes.count(1)]
 
 
 async def test_distributed_sync_stacks_per_node_with_multi_collectors():

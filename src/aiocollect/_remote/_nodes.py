@@ -286,15 +286,18 @@ class Nodes(Hosts, abc.ABC):
             if item is RELAUNCHED:
                 continue  # a new group runs: ask it for batches
             index, result, frames = item
-            self._outstanding -= frames
             # one collected before an update_weights(flush=True) reached its node: dropped, asked again
             if not self.fleet._stale(index, result.policy_version, result.frames):
                 break
+            self._outstanding -= frames
         batch = result.batch
         self.fleet._delivered(index, batch)
         batch.set(("collector", "node_id"), torch.full(batch.batch_size, index, dtype=torch.int64))
         batch.names = [None] * (batch.ndim - 1) + ["time"]
-        await self._top_up(eager=True)
+        try:  # this batch counts as outstanding until the fleet records it: never asked for twice
+            await self._top_up(eager=True)
+        finally:
+            self._outstanding -= frames
         episodes = [(index, ret, n) for ret, n in result.episodes]
         return Arrival(batch, result.frames, episodes, index, result.policy_version)
 
