@@ -1,7 +1,7 @@
 """Run by test_signals.py in a subprocess: collect slow batches under ``stop_on_signals`` until a signal
 stops the run, then save what the trainer received and the collector's state.
 
-usage: python stop_child.py BACKEND KIND CHECKPOINT [STEP_SECONDS]
+usage: python stop_child.py BACKEND KIND CHECKPOINT [STEP_SECONDS [STEP_SECONDS_AFTER_THE_STOP]]
 
 Prints ``batch <seconds>`` after each batch and ``stopping`` when the first signal asked for the stop.
 """
@@ -49,17 +49,22 @@ class SlowPolicy:
 
 
 class Announce:
-    """Passed to stop_on_signals: says when the first signal came, then asks the collector to stop."""
+    """Passed to stop_on_signals: says when the first signal came, then asks the collector to stop (the
+    steps left of the batch in flight take ``after`` seconds each, where given)."""
 
-    def __init__(self, collector: Any) -> None:
+    def __init__(self, collector: Any, policy: SlowPolicy, after: float | None) -> None:
         self.collector = collector
+        self.policy = policy
+        self.after = after
 
     def request_stop(self) -> None:
+        if self.after is not None:
+            self.policy.seconds = self.after
         print("stopping", flush=True)
         self.collector.request_stop()
 
 
-async def main(kind: str, path: str, step: float) -> None:
+async def main(kind: str, path: str, step: float, after: float | None = None) -> None:
     policy = SlowPolicy(step)
     kwargs: dict[str, Any] = {"frames_per_batch": 20, "total_frames": -1, "seed": 0}
     if kind == "collector":
@@ -73,7 +78,7 @@ async def main(kind: str, path: str, step: float) -> None:
     else:
         collector = MultiAsyncCollector([cartpole] * 2, policy, **kwargs)
     received = 0
-    async with collector, stop_on_signals(Announce(collector)) as stop:
+    async with collector, stop_on_signals(Announce(collector, policy, after)) as stop:
         started = time.monotonic()
         async for batch in collector:
             received += batch.numel()
@@ -89,11 +94,13 @@ if __name__ == "__main__":
     backend = sys.argv[1]
     options = {"use_uvloop": True} if backend == "uvloop" else {}
     step = float(sys.argv[4]) if len(sys.argv) > 4 else 0.05
+    after = float(sys.argv[5]) if len(sys.argv) > 5 else None
     anyio.run(
         main,
         sys.argv[2],
         sys.argv[3],
         step,
+        after,
         backend="trio" if backend == "trio" else "asyncio",
         backend_options=options,
     )

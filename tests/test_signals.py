@@ -24,9 +24,12 @@ BACKENDS = ["asyncio", "uvloop", "trio"]
 
 
 class Child:
-    def __init__(self, backend: str, kind: str, checkpoint: Path, step: float = 0.05) -> None:
+    def __init__(
+        self, backend: str, kind: str, checkpoint: Path, step: float = 0.05, after: float | None = None
+    ) -> None:
+        extra = [] if after is None else [str(after)]
         self.proc = subprocess.Popen(
-            [sys.executable, str(CHILD), backend, kind, str(checkpoint), str(step)],
+            [sys.executable, str(CHILD), backend, kind, str(checkpoint), str(step), *extra],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -109,8 +112,10 @@ def test_multi_async_exits_within_the_batch_and_2_s(backend: str, tmp_path: Path
 @LONGRUN
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_second_sigint_raises_keyboard_interrupt(backend: str, tmp_path: Path) -> None:
-    child = Child(backend, "collector", tmp_path / "checkpoint.pt", step=0.25)  # 5 s batches
-    child.line()  # a batch delivered: the next takes 5 s
+    # 5 s batches, and once the stop is asked 5 s per step: the batch in flight cannot end before the second
+    # signal however slowly this process runs (a loaded machine once let it end first: exit 0)
+    child = Child(backend, "collector", tmp_path / "checkpoint.pt", step=0.25, after=5.0)
+    child.line()  # a batch delivered
     child.proc.send_signal(signal.SIGINT)
     assert child.line() == "stopping"
     child.proc.send_signal(signal.SIGINT)
