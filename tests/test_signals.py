@@ -23,6 +23,10 @@ CHILD = Path(__file__).with_name("stop_child.py")
 BACKENDS = ["asyncio", "uvloop", "trio"]
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Child:
     def __init__(
         self, backend: str, kind: str, checkpoint: Path, step: float = 0.05, after: float | None = None
@@ -34,6 +38,9 @@ class Child:
             stderr=subprocess.PIPE,
             text=True,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+            # SIGINT as a terminal gives it: a run started in the background (`&`) ignores SIGINT, and the
+            # child would inherit that (stop_on_signals then restores "ignore" for the second signal)
+            preexec_fn=_default_sigint,
         )
         self._selector = selectors.DefaultSelector()
         assert self.proc.stdout is not None
