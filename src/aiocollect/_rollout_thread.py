@@ -30,7 +30,7 @@ from ._rollout import RolloutResult
 from ._timesplit import SplitClock
 from ._torch_settings import TorchSettings
 
-__all__ = ["Doorbell", "Job", "RolloutThread", "collect_episodes"]
+__all__ = ["Doorbell", "Job", "RolloutThread", "collect_episodes", "end_at_exit"]
 
 T = TypeVar("T")
 
@@ -225,14 +225,24 @@ class Job(Generic[T]):
 
 
 _STOP = object()
-_LIVE: weakref.WeakSet[RolloutThread] = weakref.WeakSet()
+#: the threads to end at interpreter exit (``end_at_exit``): this module's and the async-env policy thread
+_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def end_at_exit(owner: Any, live: bool = True) -> None:
+    """Have ``owner`` (an object with ``abandon()`` and its ``threading.Thread`` as ``_thread``) ended at
+    interpreter exit if its collector was never closed (``live=False``: no longer)."""
+    if live:
+        _LIVE.add(owner)
+    else:
+        _LIVE.discard(owner)
 
 
 @atexit.register
 def _end_idle_threads() -> None:
-    """At interpreter exit, end the rollout threads of collectors that were never closed: a daemon
-    thread still holding torch's per-thread state when C++ runs its static destructors aborts the
-    process ("terminate called without an active exception")."""
+    """At interpreter exit, end the threads of collectors that were never closed: a daemon thread still
+    holding torch's per-thread state when C++ runs its static destructors aborts the process
+    ("terminate called without an active exception")."""
     threads = list(_LIVE)
     for thread in threads:
         thread.abandon()
@@ -278,7 +288,7 @@ class RolloutThread:
         settings = settings if settings is not None else TorchSettings.capture()
         self._thread = threading.Thread(target=self._run, args=(settings,), name=self.name, daemon=True)
         self._thread.start()
-        _LIVE.add(self)
+        end_at_exit(self)
 
     def submit(self, fn: Callable[[threading.Event], T], bell: Doorbell) -> Job[T]:
         """Queue ``fn(stop)``; the thread starts now if it has not yet."""

@@ -12,34 +12,20 @@ entry per call, about twice the CPU).
 from __future__ import annotations
 
 import asyncio
-import atexit
 import sys
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import anyio
 import anyio.to_thread
 
+from .._rollout_thread import end_at_exit
 from .._torch_settings import TorchSettings
 
 __all__ = ["PolicyThread"]
 
 _STOP: Any = object()
-_LIVE: weakref.WeakSet[PolicyThread] = weakref.WeakSet()
-
-
-@atexit.register
-def _end_idle_threads() -> None:
-    """At interpreter exit, end the threads of collectors that were never closed: a daemon thread still
-    holding torch's per-thread state when C++ runs its static destructors aborts the process."""
-    threads = list(_LIVE)
-    for thread in threads:
-        thread.abandon()
-    for thread in threads:
-        if thread._thread is not None:
-            thread._thread.join(timeout=1.0)
 
 
 def _loop_wake() -> Callable[[Callable[[], object]], object]:
@@ -89,7 +75,7 @@ class PolicyThread:
         self._bell.acquire(blocking=False)
         self._thread = threading.Thread(target=self._run, args=(settings,), name=self.name, daemon=True)
         self._thread.start()
-        _LIVE.add(self)
+        end_at_exit(self)  # a collector dropped unclosed: its thread ends at exit
 
     def _run(self, settings: TorchSettings) -> None:
         settings.apply()
@@ -150,7 +136,7 @@ class PolicyThread:
             if self._lock is not None:
                 self._lock.release()
         self._lock, self._wake, self._done = None, None, None
-        _LIVE.discard(self)
+        end_at_exit(self, live=False)
 
     def abandon(self) -> None:
         """End the thread when it is idle, without waiting (a collector dropped unclosed)."""
