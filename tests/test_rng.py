@@ -91,3 +91,54 @@ def test_the_lock_is_held_while_a_seeded_batch_runs() -> None:
 
     rng.run(lambda: (thread := threading.Thread(target=probe), thread.start(), thread.join()))
     assert other == [False]
+
+
+def test_an_unseeded_rollout_does_not_draw_from_a_seeded_one() -> None:
+    """An unseeded batch draws from torch's global state: never while a seeded batch in another thread
+    has its own state swapped in (its draws would advance that state: the seeded run would differ)."""
+
+    def draws(rng: RolloutRNG, n: int) -> list[torch.Tensor]:
+        return [rng.run(lambda: torch.stack([torch.rand(8) for _ in range(50)])) for _ in range(n)]
+
+    expected = draws(RolloutRNG(7), 100)
+    done = threading.Event()
+
+    def unseeded() -> None:
+        rng = RolloutRNG()
+        while not done.is_set():
+            rng.run(lambda: [torch.rand(8) for _ in range(50)])
+
+    threads = [threading.Thread(target=unseeded) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        got = draws(RolloutRNG(7), 100)
+    finally:
+        done.set()
+        for thread in threads:
+            thread.join()
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_a_shared_holder_may_fork_and_two_may_fork_at_once() -> None:
+    """A dry call forks the RNG (exclusive) inside an unseeded batch (shared): two threads doing so at
+    once do not wait for each other."""
+    barrier = threading.Barrier(2, timeout=10)
+    results: list[bool] = []
+
+    def batch() -> None:
+        with TORCH_RNG_LOCK.shared():
+            barrier.wait()  # both hold it shared
+            with TORCH_RNG_LOCK:
+                results.append(TORCH_RNG_LOCK.acquire(blocking=False))
+                TORCH_RNG_LOCK.release()
+
+    threads = [threading.Thread(target=batch) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=20)
+    assert not any(thread.is_alive() for thread in threads)
+    assert results == [True, True]
+    assert TORCH_RNG_LOCK.acquire(blocking=False)  # free again
+    TORCH_RNG_LOCK.release()
