@@ -104,8 +104,8 @@ async def tick_while(work: Any) -> tuple[float, float]:
 
 async def test_a_python_heavy_env_leaves_the_loop_free() -> None:
     """While an env that holds the GIL is collected, a 1 ms ticker keeps >= 80 % of the ticks it gets
-    beside the same Python work in a plain worker thread (the GIL's switch interval is the limit), and
-    a p99 lag within two GIL switch intervals (about 10 ms)."""
+    beside the same Python work in a plain worker thread (the GIL's switch interval is the limit; 60 % on
+    a loaded machine), and a p99 lag within two GIL switch intervals (about 10 ms)."""
 
     def spin() -> None:
         env = PythonHeavyEnv()
@@ -131,7 +131,6 @@ async def test_a_python_heavy_env_leaves_the_loop_free() -> None:
     reference_p99 = float(np.median([r[0][1] for r in rounds]))
     rate = float(np.median([r[1][0] for r in rounds]))
     p99 = float(np.median([r[1][1] for r in rounds]))
-    assert rate >= 0.8 * reference_rate, (rate, reference_rate)
     # p99 within two GIL switch intervals (5 ms each: the loop waits for the GIL at most that long per
     # switch, twice when the rollout thread takes it back at once) plus 1 ms of timer slack: about 10 ms;
     # the median over rounds was 10.4-10.5 ms in about 1 run in 6 on an idle 2-core machine (with the code
@@ -141,6 +140,11 @@ async def test_a_python_heavy_env_leaves_the_loop_free() -> None:
     # defect this guards against, lags by a whole batch: hundreds of ms)
     bound = 2 * sys.getswitchinterval() + 0.001
     assert p99 <= max(bound, 2.0 * reference_p99), (p99, reference_p99)
+    # the ticks: >= 80 % of the reference's, or on a machine that loaded (the reference's own p99 over the
+    # bound) >= 60 % (0.71 read once at load 10: the collector runs more threads than the reference, and
+    # each waits for a core); a loop held by the rollout ticks a few times per batch, not 60 %
+    loaded = reference_p99 > bound
+    assert rate >= (0.6 if loaded else 0.8) * reference_rate, (rate, reference_rate, reference_p99)
 
 
 class DropBuffer:

@@ -380,7 +380,9 @@ async def test_collector_fails_fast_when_a_server_dies(clean: Any) -> None:
                 async for _ in collector:
                     killed_at = time.monotonic()
                     server.kill()
-        assert time.monotonic() - killed_at < 2.0
+        # a dead server is seen from the closed connection, not after the 10 s connect timeout (the
+        # error came within 0.1-0.5 s here; 5 s leaves room for a loaded machine)
+        assert time.monotonic() - killed_at < 5.0
 
 
 # -- RemoteEnvPool: many envs on one connection ----------------------------------------------------------
