@@ -13,7 +13,7 @@ from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModule, Tenso
 from torch.distributions import Categorical
 
 from aiocollect import Collector, GymEnv
-from aiocollect._rng import TORCH_RNG_LOCK, RolloutRNG
+from aiocollect._rng import TORCH_RNG_LOCK, RolloutRNG, forked_rng
 
 pytestmark = pytest.mark.anyio
 
@@ -142,3 +142,30 @@ def test_a_shared_holder_may_fork_and_two_may_fork_at_once() -> None:
     assert results == [True, True]
     assert TORCH_RNG_LOCK.acquire(blocking=False)  # free again
     TORCH_RNG_LOCK.release()
+
+
+def test_a_dry_call_waits_for_seeded_batches_only() -> None:
+    """``forked_rng`` (a collector's dry policy call, made where it is built: maybe on the event loop)
+    does not wait for an unseeded batch running in another thread, and does wait for a seeded one."""
+    for seeded in (False, True):
+        inside, leave, forked = threading.Event(), threading.Event(), threading.Event()
+
+        def batch(
+            seeded: bool = seeded, inside: threading.Event = inside, leave: threading.Event = leave
+        ) -> None:
+            RolloutRNG(0 if seeded else None).run(lambda: (inside.set(), leave.wait(10)))
+
+        def dry(forked: threading.Event = forked) -> None:
+            with forked_rng():
+                forked.set()
+
+        runner = threading.Thread(target=batch)
+        runner.start()
+        assert inside.wait(10)
+        builder = threading.Thread(target=dry)
+        builder.start()
+        assert forked.wait(0.5) is not seeded  # seeded: it waits for the batch
+        leave.set()
+        runner.join(10)
+        builder.join(10)
+        assert forked.is_set()

@@ -564,7 +564,7 @@ class LazyFastRunner:
         fast_out = None
         if not skip_existing():
             snapshot = BufferSnapshot(policy)
-            with TORCH_RNG_LOCK, torch.random.fork_rng(devices=rng_devices()):
+            with TORCH_RNG_LOCK.shared(), torch.random.fork_rng(devices=rng_devices()):
                 try:
                     fast_out = self.fast(obs)
                 except Exception:

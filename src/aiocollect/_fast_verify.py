@@ -71,7 +71,7 @@ def verify_fast_runner(fast: Runner, slow: Runner, obs: Mapping[NestedKey, Tenso
     """
     policy = getattr(fast, "policy", None)
     snapshot = BufferSnapshot(policy)
-    with TORCH_RNG_LOCK, torch.random.fork_rng(devices=rng_devices()):
+    with TORCH_RNG_LOCK.shared(), torch.random.fork_rng(devices=rng_devices()):
         state = torch.get_rng_state()
         try:
             fast_out = fast(obs)

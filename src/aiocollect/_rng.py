@@ -177,7 +177,8 @@ class RolloutRNG:
 
 @contextlib.contextmanager
 def forked_rng() -> Iterator[None]:
-    """``torch.random.fork_rng`` (CPU) under :data:`TORCH_RNG_LOCK`: a dry call that draws numbers and puts
-    the state back must not replay a seeded batch's draws made meanwhile in another thread."""
-    with TORCH_RNG_LOCK, torch.random.fork_rng(devices=[]):
+    """``torch.random.fork_rng`` (CPU) holding :data:`TORCH_RNG_LOCK` shared: a dry call that draws numbers
+    and puts the global state back must not do so while a seeded batch has its own state swapped in. Shared,
+    not exclusive: a collector built on the event loop waits for no unseeded batch running elsewhere."""
+    with TORCH_RNG_LOCK.shared(), torch.random.fork_rng(devices=[]):
         yield
