@@ -95,8 +95,9 @@ def gym_vec64(folder: str) -> GymEnv:
     return GymEnv(vec64(folder))
 
 
-def cpu_seconds() -> float:
-    """User + system CPU seconds of this process and of every process below it."""
+def cpu_seconds() -> np.ndarray:
+    """User + system CPU seconds of this process and of every process below it, and of this process
+    alone (the trainer: its loop and policy threads)."""
     total = 0.0
     for process in [psutil.Process(), *psutil.Process().children(recursive=True)]:
         try:
@@ -104,10 +105,10 @@ def cpu_seconds() -> float:
         except psutil.Error:
             continue
         total += times.user + times.system
-    return total
+    return np.array([total, time.process_time()])
 
 
-async def timed(collector: Any, frames: int) -> tuple[float, float, list[int]]:
+async def timed(collector: Any, frames: int) -> tuple[float, np.ndarray, list[int]]:
     """Frames/s and CPU µs/frame over ``frames`` frames after the first two batches; the policy's batch
     sizes (an ``AsyncEnvCollector``'s)."""
     async with collector:
@@ -123,11 +124,13 @@ async def timed(collector: Any, frames: int) -> tuple[float, float, list[int]]:
     return got / elapsed, 1e6 * cpu / got, sizes
 
 
-async def plain_loop(env: ProcessVectorEnv, policy: nn.Module, frames: int) -> tuple[float, float, list[int]]:
+async def plain_loop(
+    env: ProcessVectorEnv, policy: nn.Module, frames: int
+) -> tuple[float, np.ndarray, list[int]]:
     """The transport's upper bound: the policy on all 128 observations, inline, then one ``await step``;
     nothing stored (timed after 20 steps)."""
     obs, _ = await env.reset(seed=0)
-    got, start, cpu0 = 0, 0.0, 0.0
+    got, start, cpu0 = 0, 0.0, np.zeros(2)
     for i in range(20 + frames // env.num_envs):
         if i == 20:
             got, start, cpu0 = 0, time.perf_counter(), cpu_seconds()
@@ -137,6 +140,41 @@ async def plain_loop(env: ProcessVectorEnv, policy: nn.Module, frames: int) -> t
         got += env.num_envs
     elapsed, cpu = time.perf_counter() - start, cpu_seconds() - cpu0
     return got / elapsed, 1e6 * cpu / got, [env.num_envs]
+
+
+async def pipelined(
+    env: ProcessVectorEnv, policy: nn.Module, frames: int
+) -> tuple[float, np.ndarray, list[int]]:
+    """``split()``'s upper bound: one task per part, each running the policy on its part's observations
+    inline, then ``await part.step``; nothing stored (timed after 20 steps of each part)."""
+    parts = env.split()
+    got, start, cpu0 = [0], [0.0], [np.zeros(2)]
+    started = anyio.Event()
+
+    async def drive(part: Any, seed: int) -> None:
+        obs, _ = await part.reset(seed=seed)
+        for _ in range(20):
+            with torch.no_grad():
+                actions = policy(torch.from_numpy(obs)).numpy()
+            obs, *_ = await part.step(actions)
+        if not started.is_set():
+            start[0], cpu0[0] = time.perf_counter(), cpu_seconds()
+            started.set()
+        while got[0] < frames:
+            with torch.no_grad():
+                actions = policy(torch.from_numpy(obs)).numpy()
+            obs, *_ = await part.step(actions)
+            got[0] += part.num_envs
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for k, part in enumerate(parts):
+                tg.start_soon(drive, part, 1000 * k)
+        elapsed, cpu = time.perf_counter() - start[0], cpu_seconds() - cpu0[0]
+    finally:
+        for part in parts:
+            await part.close()
+    return got[0] / elapsed, 1e6 * cpu / got[0], [parts[0].num_envs]
 
 
 def round_trips(folder: str) -> list[float]:
@@ -171,9 +209,9 @@ async def variant(kind: str, policy: nn.Module, args: argparse.Namespace, r: int
         out = await timed(collector, args.frames)
         return (*out[:2], [64]), round_trips(folder)
     env = await anyio.to_thread.run_sync(functools.partial(ProcessVectorEnv, fns, num_workers=2))
-    if kind == "loop":
+    if kind in ("loop", "pipe"):
         try:
-            out = await plain_loop(env, policy, args.frames)
+            out = await (plain_loop if kind == "loop" else pipelined)(env, policy, args.frames)
         finally:
             await env.close()
         return out, round_trips(folder)
@@ -187,9 +225,15 @@ async def run(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     policies = {"2x64 MLP": MLP(64, 2), "3x512 MLP": MLP(512, 3)}
-    kinds = ["central", "central-whole", "loop", "multi"]
+    policies = {name: p for name, p in policies.items() if name.split()[0] in args.policies.split(",")}
+    wanted = args.variants.split(",")
+    kinds = [kind for kind in ["central", "central-whole", "loop", "pipe", "multi"] if kind in wanted]
+    if "multi" not in kinds:
+        raise SystemExit("--variants must include multi (the ratios' reference)")
     rows: dict[tuple[str, str], dict[str, list[Any]]] = {
-        (p, k): {"fps": [], "cpu": [], "sizes": [], "rtt": [], "ratio": []} for p in policies for k in kinds
+        (p, k): {"fps": [], "cpu": [], "own": [], "sizes": [], "rtt": [], "ratio": []}
+        for p in policies
+        for k in kinds
     }
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as folder:
@@ -201,11 +245,13 @@ async def run(args: argparse.Namespace) -> None:
                     row = rows[(pname, kind)]
                     fps[kind] = f
                     row["fps"].append(f)
-                    row["cpu"].append(cpu)
+                    row["cpu"].append(cpu[0])
+                    row["own"].append(cpu[1])
                     row["sizes"] += sizes
                     row["rtt"] += rtt
                     print(
-                        f"round {r} {pname:9} {kind:13} {f:9,.0f} frames/s {cpu:6.1f} CPU-µs/frame",
+                        f"round {r} {pname:9} {kind:13} {f:9,.0f} frames/s {cpu[0]:6.1f} CPU-µs/frame "
+                        f"(trainer {cpu[1]:4.1f})",
                         flush=True,
                     )
                 for kind in kinds:
@@ -215,7 +261,7 @@ async def run(args: argparse.Namespace) -> None:
         f"\nload average (1 min) during the run: {min(load):.1f} to {max(load):.1f}; {os.cpu_count()} cores"
     )
     print(
-        "| policy | variant | frames/s (median) | x multi (median of rounds) | CPU µs/frame | "
+        "| policy | variant | frames/s (median) | x multi (median of rounds) | CPU µs/frame (trainer) | "
         "policy batch p5/p50/p95 | obs-to-action p50 / p99 µs | forward µs (batch) |"
     )
     print("|---|---|---|---|---|---|---|---|")
@@ -223,9 +269,9 @@ async def run(args: argparse.Namespace) -> None:
         sizes = row["sizes"]
         batch = 128 if kind in ("central-whole", "loop") else 64
         fwd = forward_us(policies[pname], batch)
-        fps, ratio, cpu = (statistics.median(row[k]) for k in ("fps", "ratio", "cpu"))
+        fps, ratio, cpu, own = (statistics.median(row[k]) for k in ("fps", "ratio", "cpu", "own"))
         print(
-            f"| {pname} | {kind} | {fps:,.0f} | {ratio:.2f} | {cpu:.1f} | "
+            f"| {pname} | {kind} | {fps:,.0f} | {ratio:.2f} | {cpu:.1f} ({own:.1f}) | "
             f"{pct(sizes, 5):.0f}/{pct(sizes, 50):.0f}/{pct(sizes, 95):.0f} | "
             f"{pct(row['rtt'], 50):.0f} / {pct(row['rtt'], 99):.0f} | {fwd:.0f} ({batch}) |"
         )
@@ -337,6 +383,10 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=200_000)
     parser.add_argument("--frames-per-batch", type=int, default=2560)
     parser.add_argument("--quick", action="store_true", help="1 round of 20,000 frames")
+    parser.add_argument("--policies", default="2x64,3x512", help="comma-separated: 2x64, 3x512")
+    parser.add_argument(
+        "--variants", default="central,central-whole,loop,pipe,multi", help="comma-separated; multi always"
+    )
     parser.add_argument("--uvloop", action="store_true", help="the trainer's loop on uvloop")
     parser.add_argument("--components", action="store_true", help="the trainer's CPU per call, by piece")
     args = parser.parse_args()
