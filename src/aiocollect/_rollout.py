@@ -62,6 +62,8 @@ class _Steps:
     step_count: list[Any] | None = None
     #: reward and flags went straight into the batch (the fused loop): nothing to stack
     written: bool = False
+    #: ``out`` holds one entry with the time dim in place already (an EnvPool pool's loop gathers them)
+    out_stacked: bool = False
     #: steps whose env was restarted after them (``RestartPolicy``): their frames end a trajectory
     cuts: list[int] = field(default_factory=list)
 
@@ -320,7 +322,7 @@ class Rollout:
         if block is not None:  # a random batch: the actions of every step at once, steps first
             nb = len(self.batch_shape)
             hist.out = [{k: v[:steps].movedim(0, nb) for k, v in block.items()}]
-        result = self._finish(batch, views, steps, hist, block is not None, into)
+        result = self._finish(batch, views, steps, hist, block is not None or hist.out_stacked, into)
         self.clock.batch_written(since, result.frames)
         return result
 
@@ -507,6 +509,7 @@ class Rollout:
             self.clock if self.clock.measures else None,
         )
         hist.written = True
+        hist.out_stacked = fused._pool  # PoolFrames gives the policy's outputs of its frames as one entry
         self._root = {"observation": obs}
         return start + int(steps)
 

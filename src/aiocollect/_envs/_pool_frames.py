@@ -78,7 +78,8 @@ class PoolFrames:
         """Fill ``slots`` (time-first views: observation, next observation, reward, terminated,
         truncated) with ``steps`` frames per env, or fewer where ``stop`` is set (then as many as the
         furthest env has); ``actions``: each step's actions (random batches), else ``act(obs tensor)``
-        per step, its outputs appended to ``out_hist`` one per frame. Returns (frames per env, the
+        per step, its outputs of the delivered frames put in ``out_hist`` as one entry of ``[N, frames]``
+        tensors (the batch's layout: the rollout writes it as it is). Returns (frames per env, the
         observations to act on next, the envs reset at the end or ``None``)."""
         self._grow(steps + max(8, steps // 4))
         self.obs[0] = root
@@ -208,21 +209,37 @@ class PoolFrames:
         self, staged: int, frames: int, slots: tuple[np.ndarray, ...], out_hist: list[Any], first_out: int
     ) -> None:
         """Move the staged steps' frames into ``slots`` (``frames`` per env, in order), and the policy's
-        outputs of those frames into ``out_hist[first_out:]`` (one entry per frame, the others dropped)."""
+        outputs of those frames into ``out_hist[first_out:]`` as one entry, ``{key: [N, frames, ...]}``
+        (the others dropped).
+
+        Env first, as the batch lies (``[N, T]``): each env's ``frames`` valid steps, in order, are the
+        positions of its row of the transposed ``valid`` (one ``flatnonzero``), and every entry is one
+        ``take`` into contiguous rows of the batch."""
         n = self.num_envs
-        # the step of each env's k-th frame: the valid steps of its column, in order (a stable sort)
-        steps = np.argsort(~self.valid[:staged], axis=0, kind="stable")[:frames]
-        flat = steps * n + self.envs  # [frames, N] indices into the staged rows
+        # every env has exactly `frames` frames (the tail stepped the others up to the furthest one)
+        pos = np.flatnonzero(self.valid[:staged].T)
+        if pos.size != n * frames:
+            raise AssertionError(
+                f"the staged steps hold {pos.size} frames, not {frames} for each of {n} envs"
+            )
+        flat = pos.reshape(n, frames)
+        flat -= (self.envs * staged)[:, None]  # the step of each env's k-th frame
+        flat *= n
+        flat += self.envs[:, None]  # [N, frames]: indices into the staged rows, env i's frames in row i
         obs = self.obs.reshape(-1, *self.obs_shape)
-        obs_slot, next_slot, reward_slot, terminated_slot, truncated_slot = slots
-        obs_slot[:frames] = obs[flat]
-        next_slot[:frames] = obs[flat + n]
-        reward_slot[:frames] = self.reward.reshape(-1)[flat]
-        terminated_slot[:frames] = self.terminated.reshape(-1)[flat]
-        truncated_slot[:frames] = self.truncated.reshape(-1)[flat]
+        staged_entries = (
+            obs,
+            obs[n:],
+            self.reward.reshape(-1),
+            self.terminated.reshape(-1),
+            self.truncated.reshape(-1),
+        )
+        for slot, source in zip(slots, staged_entries, strict=True):
+            np.take(source, flat, axis=0, out=slot[:frames].swapaxes(0, 1), mode="clip")
         outs = out_hist[first_out:]
         if not outs:
             return
         index = torch.from_numpy(flat)
-        gathered = {key: torch.stack([o[key] for o in outs]).flatten(0, 1)[index] for key in outs[0]}
-        out_hist[first_out:] = [{key: value[k] for key, value in gathered.items()} for k in range(frames)]
+        out_hist[first_out:] = [
+            {key: torch.stack([o[key] for o in outs]).flatten(0, 1)[index] for key in outs[0]}
+        ]
