@@ -62,8 +62,7 @@ class _Steps:
     step_count: list[Any] | None = None
     #: reward and flags went straight into the batch (the fused loop): nothing to stack
     written: bool = False
-    #: ``out`` holds one entry with the time dim in place already (an EnvPool pool's loop gathers them)
-    out_stacked: bool = False
+    out_stacked: bool = False  # ``out`` is one entry, the time dim in place (an EnvPool pool's loop)
     #: steps whose env was restarted after them (``RestartPolicy``): their frames end a trajectory
     cuts: list[int] = field(default_factory=list)
 
@@ -394,10 +393,8 @@ class Rollout:
         if self.env.one_action:
             return list(block_steps["action"]), False
         action_from = self.env.action_from
-        actions = [
-            action_from({k: v[t] for k, v in block_steps.items()}) for t in range(self.steps_per_batch)
-        ]
-        return actions, False
+        steps = range(self.steps_per_batch)
+        return [action_from({k: v[t] for k, v in block_steps.items()}) for t in steps], False
 
     def _run(
         self,
@@ -492,8 +489,8 @@ class Rollout:
         views: dict[Any, np.ndarray],
         start: int,
     ) -> int:
-        """:meth:`_run` by ``GymEnv._run_steps``: without a call, a dict or a named tuple per step, and
-        reward and flags written straight into the batch."""
+        """:meth:`_run` by ``GymEnv._run_steps``: no call, dict or named tuple per step; reward and flags
+        go straight into the batch."""
         nb = len(self.batch_shape)
         reward, terminated, truncated = (
             time_first(views[("next", k)], nb)[start:] for k in ("reward", "terminated", "truncated")
@@ -508,8 +505,7 @@ class Rollout:
             stop,
             self.clock if self.clock.measures else None,
         )
-        hist.written = True
-        hist.out_stacked = fused._pool  # PoolFrames gives the policy's outputs of its frames as one entry
+        hist.written, hist.out_stacked = True, fused._pool  # PoolFrames: the outputs as one entry
         self._root = {"observation": obs}
         return start + int(steps)
 
