@@ -505,7 +505,7 @@ class Rollout:
             stop,
             self.clock if self.clock.measures else None,
         )
-        hist.written, hist.out_stacked = True, fused._pool  # PoolFrames: the outputs as one entry
+        hist.written, hist.out_stacked = True, getattr(fused, "_pool", False)  # PoolFrames: one entry
         self._root = {"observation": obs}
         return start + int(steps)
 
