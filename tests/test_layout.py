@@ -52,7 +52,7 @@ LONG_MODULES: dict[str, int] = {
     "aiocollect/_remote/_gloo.py": 471,
     "aiocollect/_remote/_launchers.py": 465,  # issue 28: Launcher.relaunchable
     # issue 28: env restarts within a batch (Rollout._run_restarting); issue 34: a restarted pool per step
-    "aiocollect/_rollout.py": 685,
+    "aiocollect/_rollout.py": 684,
     "aiocollect/_serve/_ws.py": 585,
     # issue 28: each worker's env restarts, events and counts; step 2: worker replacement hooks (_spawn,
     # doomed workers, calls raced against a worker's exit), the Replacer itself in _replace.py

@@ -252,3 +252,29 @@ async def test_box_actions_of_a_pendulum_pool_give_the_per_step_batches(
     for a, b in zip(fused, general, strict=True):
         for key in b.keys(True, True):
             assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize("kind", ["random", "policy"])
+async def test_a_plain_pool_called_past_envpools_python_layer_gives_the_per_step_batches(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unwrapped pool is stepped by its C++ ``_send``/``_recv`` (``_pool_io``): the same batches as the
+    per-step path, which steps it by ``pool.step``; a wrapped ``step`` is called as it is."""
+    envpool = pytest.importorskip("envpool")
+    from aiocollect._envs._pool_io import PoolIO, pool_io
+
+    def plain() -> GymEnv:
+        return GymEnv(envpool.make_gymnasium("CartPole-v1", num_envs=N, seed=5))
+
+    probe, recorded = plain(), cartpole_pool()
+    assert type(pool_io(probe._env)) is not PoolIO  # the direct calls, not the fallback
+    assert type(pool_io(recorded._env)) is PoolIO  # a recorded step: the public calls
+    probe.close()
+    recorded.close()
+    fused = await collect(plain, kind)
+    assert check_frames(fused) > 10
+    monkeypatch.setattr(ArrayEnv, "fused_gym", property(lambda self: None))
+    general = await collect(plain, kind)
+    for a, b in zip(fused, general, strict=True):
+        for key in b.keys(True, True):
+            assert torch.equal(a[key], b[key]), key

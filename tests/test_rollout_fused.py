@@ -463,3 +463,32 @@ async def test_envpool_fused_loop_gives_the_per_step_batches(
     assert_same(fused, general)
     assert_same(shuffled, general)
     assert sum(int(b["next", "done"].sum()) for b in fused[:-1]) > 5  # partial resets were exercised
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (7,), (3, 4)])
+def test_trajectory_ids_are_those_a_per_step_loop_hands_out(shape: tuple[int, ...]) -> None:
+    """The vectorised trajectory ids against the per-step rule: a frame has its env's id when the step
+    began; after an episode end the env takes the next id, handed out in step order, then env order."""
+    from aiocollect._rollout_batch import trajectory_ids
+
+    rng = np.random.default_rng(0)
+    for steps in (1, 2, 9, 40):
+        for p in (0.0, 0.1, 0.6):
+            done = rng.random((*shape, steps)) < p
+            ids = rng.integers(0, 100, shape).astype(np.int64)
+            start, stride = 1000, 3
+            flat_done = done.reshape(-1, steps)
+            expected = np.empty(flat_done.shape, dtype=np.int64)
+            running, nxt = ids.reshape(-1).copy(), start
+            for t in range(steps):
+                expected[:, t] = running
+                for i in np.flatnonzero(flat_done[:, t]):
+                    running[i], nxt = nxt, nxt + stride
+            wide = np.full(
+                (*shape, steps + 2), -7, dtype=np.int64
+            )  # a view short of the time dim, as a stop leaves
+            after, next_id = trajectory_ids(wide[..., :steps], done, ids, start, stride)
+            assert np.array_equal(wide[..., :steps].reshape(-1, steps), expected)
+            assert (wide[..., steps:] == -7).all()
+            assert np.array_equal(after.reshape(-1), running) and after.shape == ids.shape
+            assert next_id == nxt

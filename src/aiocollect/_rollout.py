@@ -62,6 +62,7 @@ class _Steps:
     step_count: list[Any] | None = None
     #: reward and flags went straight into the batch (the fused loop): nothing to stack
     written: bool = False
+    out_stacked: bool = False  # ``out`` is one entry, the time dim in place (an EnvPool pool's loop)
     #: steps whose env was restarted after them (``RestartPolicy``): their frames end a trajectory
     cuts: list[int] = field(default_factory=list)
 
@@ -320,7 +321,7 @@ class Rollout:
         if block is not None:  # a random batch: the actions of every step at once, steps first
             nb = len(self.batch_shape)
             hist.out = [{k: v[:steps].movedim(0, nb) for k, v in block.items()}]
-        result = self._finish(batch, views, steps, hist, block is not None, into)
+        result = self._finish(batch, views, steps, hist, block is not None or hist.out_stacked, into)
         self.clock.batch_written(since, result.frames)
         return result
 
@@ -392,10 +393,8 @@ class Rollout:
         if self.env.one_action:
             return list(block_steps["action"]), False
         action_from = self.env.action_from
-        actions = [
-            action_from({k: v[t] for k, v in block_steps.items()}) for t in range(self.steps_per_batch)
-        ]
-        return actions, False
+        steps = range(self.steps_per_batch)
+        return [action_from({k: v[t] for k, v in block_steps.items()}) for t in steps], False
 
     def _run(
         self,
@@ -490,8 +489,8 @@ class Rollout:
         views: dict[Any, np.ndarray],
         start: int,
     ) -> int:
-        """:meth:`_run` by ``GymEnv._run_steps``: without a call, a dict or a named tuple per step, and
-        reward and flags written straight into the batch."""
+        """:meth:`_run` by ``GymEnv._run_steps``: no call, dict or named tuple per step; reward and flags
+        go straight into the batch."""
         nb = len(self.batch_shape)
         reward, terminated, truncated = (
             time_first(views[("next", k)], nb)[start:] for k in ("reward", "terminated", "truncated")
@@ -506,7 +505,7 @@ class Rollout:
             stop,
             self.clock if self.clock.measures else None,
         )
-        hist.written = True
+        hist.written, hist.out_stacked = True, getattr(fused, "_pool", False)  # PoolFrames: one entry
         self._root = {"observation": obs}
         return start + int(steps)
 

@@ -82,23 +82,33 @@ def trajectory_ids(
     steps = done.shape[-1]
     if n == 1:
         return _trajectory_ids_one(out, done.reshape(steps), ids, start, stride)
-    flat = done.reshape(n, steps).T.ravel()  # step-major: the order ids are handed out in
+    env_i, end_t = np.nonzero(done.reshape(n, steps))  # the episode ends, env-major
+    n_ends = len(env_i)
     first = ids.reshape(n)
-    n_ends = np.count_nonzero(flat)
     if not n_ends:
         out[...] = ids[..., None]
         return ids, start
-    # per frame, 1 + the index of the last episode end in its env strictly before it (0: none)
-    rank = np.cumsum(flat, dtype=np.int64)
-    rank *= flat
-    last = np.maximum.accumulate(rank.reshape(steps, n), axis=0)
-    before = np.empty_like(last)
-    before[0] = 0
-    before[1:] = last[:-1]
-    out[...] = np.where(before > 0, start + stride * (before - 1), first).T.reshape(out.shape)
-    ended = last[-1]
-    after = np.where(ended > 0, start + stride * (ended - 1), first).reshape(ids.shape)
-    return after, start + stride * int(n_ends)
+    # the id each end hands its env: its rank in step order, then env order
+    new = np.empty(n_ends, dtype=np.int64)
+    new[np.argsort(end_t * n + env_i)] = np.arange(start, start + stride * n_ends, stride, dtype=np.int64)
+    firsts = np.empty(n_ends, dtype=bool)  # an env's first end in the batch
+    firsts[0] = True
+    np.not_equal(env_i[1:], env_i[:-1], out=firsts[1:])
+    prev = np.empty_like(new)  # the id each end replaces
+    prev[1:] = new[:-1]
+    prev[firsts] = first[env_i[firsts]]
+    # per env, the id from the batch's start, then its changes one step after each end: summed along time
+    ids_at = np.zeros((n, steps + 1), dtype=np.int64)
+    ids_at[:, 0] = first
+    ids_at[env_i, end_t + 1] = new - prev
+    np.cumsum(ids_at, axis=1, out=ids_at)
+    out[...] = ids_at[:, :steps].reshape(out.shape)
+    after = first.copy()
+    last = np.empty_like(firsts)
+    last[-1] = True
+    last[:-1] = firsts[1:]
+    after[env_i[last]] = new[last]
+    return after.reshape(ids.shape), start + stride * n_ends
 
 
 def _trajectory_ids_one(

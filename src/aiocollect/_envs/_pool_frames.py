@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._pool_io import PoolIO, pool_io
+
 __all__ = ["PoolFrames"]
 
 
@@ -46,6 +48,7 @@ class PoolFrames:
         self.terminated: np.ndarray = np.empty((0, num_envs), dtype=bool)
         self.truncated: np.ndarray = np.empty((0, num_envs), dtype=bool)
         self.valid: np.ndarray = np.empty((0, num_envs), dtype=bool)
+        self._io: PoolIO | None = None
 
     def _grow(self, rows: int) -> None:
         """Room for ``rows`` steps at least (the staged steps so far kept)."""
@@ -78,20 +81,26 @@ class PoolFrames:
         """Fill ``slots`` (time-first views: observation, next observation, reward, terminated,
         truncated) with ``steps`` frames per env, or fewer where ``stop`` is set (then as many as the
         furthest env has); ``actions``: each step's actions (random batches), else ``act(obs tensor)``
-        per step, its outputs appended to ``out_hist`` one per frame. Returns (frames per env, the
+        per step, its outputs of the delivered frames put in ``out_hist`` as one entry of ``[N, frames]``
+        tensors (the batch's layout: the rollout writes it as it is). Returns (frames per env, the
         observations to act on next, the envs reset at the end or ``None``)."""
         self._grow(steps + max(8, steps // 4))
+        if self._io is None or self._io.pool is not pool:
+            self._io = pool_io(pool)
+        io = self._io
         self.obs[0] = root
         # [T * N, ...]: env i's k-th action at row k * N + i
         block = None if actions is None else np.stack(actions).reshape(len(actions) * self.num_envs, -1)
+        if block is not None and io.action_dtype is not None:  # cast once, not at every step
+            block = block.astype(io.action_dtype, copy=False)
         self.action_shape: tuple[int, ...] = () if actions is None else actions[0].shape
         count = np.zeros(self.num_envs, dtype=np.int64)
         pending = np.zeros(self.num_envs, dtype=bool)
         first_out = len(out_hist)
         perf = perf_counter if clock is not None else None
-        s, policy_s = self._steps(pool, steps, block, act, out_hist, stop, count, pending, perf)
+        s, policy_s = self._steps(io, steps, block, act, out_hist, stop, count, pending, perf)
         target = steps if s == steps else int(count.max(initial=0))
-        s, tail_s = self._tail(pool, s, target, block, act, out_hist, count, pending, perf)
+        s, tail_s = self._tail(io, s, target, block, act, out_hist, count, pending, perf)
         if clock is not None:
             clock.policy += policy_s + tail_s
         ended = np.flatnonzero(pending)
@@ -101,13 +110,13 @@ class PoolFrames:
             self._gather(s, target, slots, out_hist, first_out)
         root = self.obs[s].copy()
         if ended.size:
-            new_obs, new_info = pool.recv(reset=True, return_info=bool(pool.config["gym_reset_return_info"]))
-            root[np.asarray(new_info["env_id"])] = new_obs
+            new_obs, new_ids = io.recv_reset()
+            root[new_ids] = new_obs
         return target, root, pending if ended.size else None
 
     def _steps(
         self,
-        pool: Any,
+        io: PoolIO,
         steps: int,
         block: np.ndarray | None,
         act: Any,
@@ -118,8 +127,8 @@ class PoolFrames:
         perf: Any,
     ) -> tuple[int, float]:
         """``steps`` steps of every env (fewer where ``stop`` is set); returns (steps, policy seconds)."""
-        env_step = pool.step
-        ids = pool.all_env_ids
+        env_step = io.step
+        ids = self.envs
         n = self.num_envs
         envs = self.envs
         action_shape = self.action_shape
@@ -148,8 +157,7 @@ class PoolFrames:
                 env_action = self.leaf("action", out["action"])
             else:  # env i's next frame is its count[i]-th: that step's action, block[count[i], i]
                 env_action = take(block, count * n + envs, axis=0).reshape(action_shape)
-            step_obs, reward[s], terminated[s], truncated[s], info = env_step(env_action)
-            order = info["env_id"]
+            step_obs, reward[s], terminated[s], truncated[s], order = env_step(env_action, None)
             if order.shape != (n,) or (order != ids).any():  # back in env order
                 if order.shape != (n,):
                     raise ValueError(f"EnvPool stepped the envs {order.tolist()}, not all of them once")
@@ -165,7 +173,7 @@ class PoolFrames:
 
     def _tail(
         self,
-        pool: Any,
+        io: PoolIO,
         s: int,
         target: int,
         block: np.ndarray | None,
@@ -189,8 +197,7 @@ class PoolFrames:
                 env_action = self.leaf("action", out["action"])[short]
             else:
                 env_action = block[count[short] * n + short].reshape(len(short), *self.action_shape[1:])
-            obs, reward, terminated, truncated, info = pool.step(env_action, short.astype(np.int32))
-            rows = np.asarray(info["env_id"])
+            obs, reward, terminated, truncated, rows = io.step(env_action, short.astype(np.int32))
             self.obs[s + 1] = self.obs[s]
             self.obs[s + 1, rows] = obs
             self.reward[s, rows] = reward
@@ -208,21 +215,37 @@ class PoolFrames:
         self, staged: int, frames: int, slots: tuple[np.ndarray, ...], out_hist: list[Any], first_out: int
     ) -> None:
         """Move the staged steps' frames into ``slots`` (``frames`` per env, in order), and the policy's
-        outputs of those frames into ``out_hist[first_out:]`` (one entry per frame, the others dropped)."""
+        outputs of those frames into ``out_hist[first_out:]`` as one entry, ``{key: [N, frames, ...]}``
+        (the others dropped).
+
+        Env first, as the batch lies (``[N, T]``): each env's ``frames`` valid steps, in order, are the
+        positions of its row of the transposed ``valid`` (one ``flatnonzero``), and every entry is one
+        ``take`` into contiguous rows of the batch."""
         n = self.num_envs
-        # the step of each env's k-th frame: the valid steps of its column, in order (a stable sort)
-        steps = np.argsort(~self.valid[:staged], axis=0, kind="stable")[:frames]
-        flat = steps * n + self.envs  # [frames, N] indices into the staged rows
+        # every env has exactly `frames` frames (the tail stepped the others up to the furthest one)
+        pos = np.flatnonzero(self.valid[:staged].T)
+        if pos.size != n * frames:
+            raise AssertionError(
+                f"the staged steps hold {pos.size} frames, not {frames} for each of {n} envs"
+            )
+        flat = pos.reshape(n, frames)
+        flat -= (self.envs * staged)[:, None]  # the step of each env's k-th frame
+        flat *= n
+        flat += self.envs[:, None]  # [N, frames]: indices into the staged rows, env i's frames in row i
         obs = self.obs.reshape(-1, *self.obs_shape)
-        obs_slot, next_slot, reward_slot, terminated_slot, truncated_slot = slots
-        obs_slot[:frames] = obs[flat]
-        next_slot[:frames] = obs[flat + n]
-        reward_slot[:frames] = self.reward.reshape(-1)[flat]
-        terminated_slot[:frames] = self.terminated.reshape(-1)[flat]
-        truncated_slot[:frames] = self.truncated.reshape(-1)[flat]
+        staged_entries = (
+            obs,
+            obs[n:],
+            self.reward.reshape(-1),
+            self.terminated.reshape(-1),
+            self.truncated.reshape(-1),
+        )
+        for slot, source in zip(slots, staged_entries, strict=True):
+            np.take(source, flat, axis=0, out=slot[:frames].swapaxes(0, 1), mode="clip")
         outs = out_hist[first_out:]
         if not outs:
             return
         index = torch.from_numpy(flat)
-        gathered = {key: torch.stack([o[key] for o in outs]).flatten(0, 1)[index] for key in outs[0]}
-        out_hist[first_out:] = [{key: value[k] for key, value in gathered.items()} for k in range(frames)]
+        out_hist[first_out:] = [
+            {key: torch.stack([o[key] for o in outs]).flatten(0, 1)[index] for key in outs[0]}
+        ]
