@@ -17,15 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
-from pathlib import Path
 
-from _trees import base_tree
+from _trees import ab_rounds
 
-ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CELLS = [
     "Pendulum-v1:1:tdseq",
     "Pendulum-v1:1:module",
@@ -67,13 +62,6 @@ def child(cell: str, seconds: float, pairs: int) -> dict[str, float]:
     return anyio.run(run)
 
 
-def measure(tree: Path, cell: str, seconds: float, pairs: int) -> dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": f"{tree / 'src'}{os.pathsep}{ROOT / 'benchmarks'}"}
-    args = [sys.executable, __file__, "--child", cell, "--seconds", str(seconds), "--pairs", str(pairs)]
-    out = subprocess.run(args, env=env, check=True, capture_output=True, text=True, cwd=ROOT)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base", help="git revision to compare against")
@@ -88,14 +76,7 @@ def main() -> None:
         return
     if not args.base:
         parser.error("--base is required: the git revision to compare against, e.g. --base HEAD~5")
-    trees = {"new": ROOT, "base": base_tree(args.base)}
-    results: dict[str, dict[str, list[dict[str, float]]]] = {c: {"new": [], "base": []} for c in args.cells}
-    for r in range(args.rounds):
-        order = ["new", "base"] if r % 2 == 0 else ["base", "new"]
-        for cell in args.cells:
-            for side in order:
-                results[cell][side].append(measure(trees[side], cell, args.seconds, args.pairs))
-        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+    results = ab_rounds(__file__, args.base, args.cells, args.rounds, args.seconds, args.pairs)
     print(
         f"| cell (env:envs:policy) | raw / Collector CPU, this tree | same, {args.base} "
         f"| this tree / {args.base} ({args.rounds} rounds) | raw CPU-µs/frame |"

@@ -19,15 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
-from pathlib import Path
 
-from _trees import base_tree
+from _trees import ab_rounds
 
-ROOT = Path(__file__).resolve().parents[1]
 CELLS = ["EnvPool/CartPole-v1:256:random", "EnvPool/CartPole-v1:1024:random", "EnvPool/CartPole-v1:256:tdseq"]
 
 
@@ -61,13 +56,6 @@ def child(cell: str, seconds: float, pairs: int) -> dict[str, float]:
     return anyio.run(run)
 
 
-def measure(tree: Path, cell: str, seconds: float, pairs: int) -> dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": f"{tree / 'src'}{os.pathsep}{ROOT / 'benchmarks'}"}
-    args = [sys.executable, __file__, "--child", cell, "--seconds", str(seconds), "--pairs", str(pairs)]
-    out = subprocess.run(args, env=env, check=True, capture_output=True, text=True, cwd=ROOT)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base", help="git revision to compare against (required)")
@@ -82,13 +70,7 @@ def main() -> None:
         return
     if not args.base:
         parser.error("--base is required: the git revision to compare against, e.g. --base HEAD~5")
-    trees = {"new": ROOT, "base": base_tree(args.base)}
-    results: dict[str, dict[str, list[dict[str, float]]]] = {c: {"new": [], "base": []} for c in args.cells}
-    for r in range(args.rounds):
-        for cell in args.cells:
-            for side in ["new", "base"] if r % 2 == 0 else ["base", "new"]:
-                results[cell][side].append(measure(trees[side], cell, args.seconds, args.pairs))
-        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+    results = ab_rounds(__file__, args.base, args.cells, args.rounds, args.seconds, args.pairs)
     b = args.base
     print(
         f"| cell | Collector / raw frames/s, this tree | same, {b} | this tree / {b} ({args.rounds} rounds) "
