@@ -45,6 +45,7 @@ from .._rng import RolloutRNG
 from .._validation import seed_arg
 from .._weights import as_weights, check_compatible, module_weights
 from ._envstate import FromState, as_obs, maybe_await, raw_obs, state_methods
+from ._fused import FusedEngine
 from ._policy import BatchPolicy
 from ._run import Engine, EngineConfig, Signal
 from ._worker_random import RandomFirst
@@ -90,6 +91,7 @@ class CheckpointMixin:
     _seed: int | None
     _episodes: TrajectoryAssembler | None
     _parked: bool
+    _fused: bool
     _closed: bool
     _paused: int
     _unpaused: anyio.Event | None
@@ -104,8 +106,10 @@ class CheckpointMixin:
     def _new_engine(
         self, envs: list[Any], spec: Any, policy: Any, config: EngineConfig, restarts: Any = None
     ) -> Engine:
-        """An engine over ``envs``; ``restarts``: the envs' restart budgets (kept across engines)."""
-        return Engine(
+        """An engine over ``envs`` (the fused one where ``_on_enter`` chose it); ``restarts``: the envs'
+        restart budgets (kept across engines)."""
+        kind: Any = FusedEngine if self._fused else Engine
+        return kind(
             envs,
             spec,
             policy,

@@ -20,6 +20,7 @@ from .._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStart
 from .._gcfreeze import GcHold
 from .._local._base import CollectorBase
 from .._mistakes import explicit_keywords, warn_user
+from .._procenv._driven import is_process_env
 from .._restart import RestartPolicy
 from .._rng import RolloutRNG
 from .._stats import CollectorStatistics, WorkerStatistics
@@ -56,6 +57,24 @@ def max_wait_arg(value: Any) -> float:
             f"max_wait must be >= 0 and finite (seconds the oldest ready env may wait), got {value!r}"
         )
     return float(value)
+
+
+def fused_arg(value: Any, policy: Any, restart: Any) -> bool | None:
+    """``fused``: ``None``, ``True`` (what prevents it statically is refused here) or ``False``."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"fused must be None (when possible), True or False, got {value!r}")
+    if value:
+        if is_async_policy(policy):
+            raise ValueError(
+                "fused=True needs a torch policy (it runs in the collector's thread); an async policy is "
+                "awaited on the loop: pass fused=None"
+            )
+        if restart is not None:
+            raise ValueError(
+                "fused=True cannot restart envs (restart= rebuilds them on the loop): drop restart= or pass "
+                "fused=None"
+            )
+    return value
 
 
 def on_env_error_arg(value: Any) -> str:
@@ -132,6 +151,12 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
             otherwise stall the loop for 100-150 ms every few seconds (docs/async-envs.md, "Performance").
             The cost: a reference cycle among those objects that becomes garbage while the collector runs
             is freed only after it closes. ``False``: the garbage collector as it was.
+        fused: how process envs are stepped (docs/async-envs.md, "The fused path"). ``None`` (default):
+            when every env is a :class:`ProcessVectorEnv` (or its ``split()`` parts), the policy a torch
+            policy and ``restart`` unset, one thread of the collector waits on the workers' doorbells,
+            writes their frames and runs the policy (the loop only receives batches: about 3x the
+            frames/s of the engine on the loop for a small policy); otherwise the engine on the loop.
+            ``True``: that path or a ``ValueError`` saying what prevents it; ``False``: never.
 
     Example:
         >>> import anyio, numpy as np
@@ -181,10 +206,13 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
         restart: RestartPolicy | None = None,
         group_size: int | None = None,
         on_update: str = "continue",
+        fused: bool | None = None,
     ) -> None:
         # every argument is checked here, before any env is built
         self._env_fns = env_fns_arg(env_fns)
         self._restart_policy = restart_arg(restart, self._env_fns)
+        self._fused_arg = fused_arg(fused, policy, restart)
+        self._fused = False  # the envs are stepped by the fused engine (decided on entering)
         n = len(self._env_fns)
         trajs = trajs_per_batch_arg(
             "AsyncEnvCollector", trajs_per_batch, frames_per_batch, on_env_error=on_env_error == "drop"
@@ -251,6 +279,7 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
                 exploration_type=self._exploration_type,
                 name=f"aiocollect-policy-{id(self):x}",
             )
+            self._fused = self._fuse(envs, spec, policy)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 for env in envs:
@@ -283,6 +312,23 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
             self._hub.publish(WorkerStarted(i))
         assert self._task_group is not None
         await self._task_group.start(self._engine.run)
+
+    def _fuse(self, envs: list[Any], spec: EnvSet, policy: BatchPolicy) -> bool:
+        """Whether the fused engine steps these envs (``fused``: None when it can, True or else a
+        ``ValueError``, False never)."""
+        if self._fused_arg is False:
+            return False
+        if not all(is_process_env(env) for env in envs):
+            why = "every env must be a ProcessVectorEnv or one of its split() parts"
+        elif self._async_policy or self._restart_policy is not None:
+            why = "an async policy or restart= runs the engine on the loop"
+        elif self._engine_policy(policy, spec) is not policy:
+            why = f"{type(self).__name__} wraps the policy (init_random_frames)"
+        else:
+            return True
+        if self._fused_arg:
+            raise ValueError(f"fused=True: {why}; pass fused=None to fall back to the engine on the loop")
+        return False
 
     def _min_batch(self, rows: int) -> int:
         """``min_batch`` in (sub-)envs: default half of them."""

@@ -126,6 +126,7 @@ class BatchPolicy:
         self.exploration_type = exploration_type
         self.is_async = is_async_policy(policy)
         self._thread: PolicyThread | None = None
+        self._route: Any = None  # route_calls: in_thread's calls go there instead of to _thread
         self._out_keys: list[NestedKey] | None = None
         self.module: torch.nn.Module | None = None
         self.device: torch.device | None = None
@@ -166,9 +167,21 @@ class BatchPolicy:
             await self._thread.stop()
 
     async def in_thread(self, fn: Any) -> Any:
-        """Run ``fn()`` in the policy thread, between policy calls."""
+        """Run ``fn()`` in the policy thread, between policy calls (where :meth:`route_calls` says)."""
+        route = self._route
+        if route is not None:
+            return await route(fn)
+        return await self.in_own_thread(fn)
+
+    async def in_own_thread(self, fn: Any) -> Any:
+        """Run ``fn()`` in this policy's own thread."""
         assert self._thread is not None
         return await self._thread.call(fn)
+
+    def route_calls(self, to: Any) -> None:
+        """Send :meth:`in_thread`'s calls to ``to`` (an ``async`` callable taking ``fn``: the thread that
+        runs the policy's calls now, the fused engine's driver); ``None``: this policy's own thread."""
+        self._route = to
 
     # -- calls ------------------------------------------------------------------------------------
     async def __call__(self, obs: dict[NestedKey, torch.Tensor], n: int) -> dict[NestedKey, torch.Tensor]:

@@ -1,0 +1,160 @@
+"""``ProcessVectorEnv`` driven from one thread (the fused central-inference path of ``AsyncEnvCollector``,
+``_asyncenv/_fused.py``): its workers' doorbells rung and read with blocking calls, never through a loop.
+
+A :class:`Unit` is what the collector steps as one: a whole ``ProcessVectorEnv`` (all its workers, one
+policy call on all its sub-envs) or one ``split()`` part (one worker). While a thread drives them the
+workers are *claimed*: the env's own ``step``/``reset`` refuse (a call in flight), its loop reader is not
+registered; :func:`release` hands them back, with the replies still owed counted so that the env's next
+call (or ``close``) reads them first, as after a cancelled ``step``.
+"""
+
+from __future__ import annotations
+
+import select
+from typing import Any
+
+import numpy as np
+
+from .._envs._spaces import NestedKey
+from .._errors import WorkerDiedError
+from .._transport._messages import Failed
+from .._transport._wire import FrameReader
+from ._env import ProcessVectorEnv, _Part, _Worker
+
+__all__ = ["Unit", "died", "is_process_env", "read_failure", "read_reply", "release"]
+
+
+def is_process_env(env: Any) -> bool:
+    """A ``ProcessVectorEnv`` or one of its ``split()`` parts (what the fused path drives)."""
+    return isinstance(env, (ProcessVectorEnv, _Part))
+
+
+class Unit:
+    """Env ``index`` of the collector (a ``ProcessVectorEnv`` or a part), its rows ``first`` to
+    ``first + width - 1``; the workers it steps together, claimed from the env."""
+
+    def __init__(self, env: ProcessVectorEnv | _Part, index: int, first: int) -> None:
+        whole = env if isinstance(env, ProcessVectorEnv) else env._env
+        if whole._closed:
+            raise RuntimeError(f"{env!r} is closed")
+        self.env, self.index, self.first = whole, index, first
+        self.workers: list[_Worker] = whole._workers if isinstance(env, ProcessVectorEnv) else [env._worker]
+        self.workers = list(self.workers)
+        lo = self.workers[0].lo
+        self.width = self.workers[-1].hi - lo
+        self.offsets = [(w.lo - lo, w.hi - lo) for w in self.workers]  # each worker's rows in the unit
+        self.pending = 0  # replies the unit awaits for its command in flight
+        self.stepping = False  # its command in flight is a step (not a reset)
+        self.dead = False  # failed (dropped): never stepped again
+        self.action_no = 0  # the number of its first row's action (rows numbered in a row)
+        for worker in self.workers:
+            if worker.failure is not None:
+                raise worker.failure
+            if worker.waiting:
+                raise RuntimeError(f"{env!r} is stepped by something else (a call in flight)")
+        for worker in self.workers:  # from the loop's thread: its reader is the loop's business
+            worker.reader.unwatch()
+            worker.waiting = True  # claimed: the env's own calls refuse while we drive it
+
+    # -- the slots (views for one worker, copies joined for several) -----------------------------
+    def _join(self, arrays: list[np.ndarray]) -> np.ndarray:
+        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+    def obs(self, key: NestedKey) -> np.ndarray:
+        """The observation ``key`` of every sub-env (a view of the slot for a one-worker unit)."""
+        return self._join([w.slots.obs[key] for w in self.workers])  # type: ignore[union-attr]
+
+    def final(self, key: NestedKey) -> np.ndarray:
+        """The final observation ``key`` of the sub-envs whose episode ended at the last step."""
+        return self._join([w.slots.final[key] for w in self.workers])  # type: ignore[union-attr]
+
+    def flags(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``reward``, ``terminated``, ``truncated`` and ``ended`` of the last step."""
+        slots = [w.slots for w in self.workers]
+        return (
+            self._join([s.reward for s in slots]),  # type: ignore[union-attr]
+            self._join([s.terminated for s in slots]),  # type: ignore[union-attr]
+            self._join([s.truncated for s in slots]),  # type: ignore[union-attr]
+            self._join([s.ended for s in slots]),  # type: ignore[union-attr]
+        )
+
+    def write_actions(self, arrays: dict[NestedKey, np.ndarray], start: int) -> None:
+        """The unit's actions: rows ``start`` to ``start + width - 1`` of each action leaf."""
+        for worker, (lo, hi) in zip(self.workers, self.offsets, strict=True):
+            slots = worker.slots
+            assert slots is not None
+            for key, value in arrays.items():
+                slots.actions[key][...] = value[start + lo : start + hi]
+
+    def write_seed(self, seed: int | None) -> None:
+        """Sub-env ``k`` of the next reset seeded with ``seed + k``."""
+        for worker, (lo, _) in zip(self.workers, self.offsets, strict=True):
+            slots = worker.slots
+            assert slots is not None
+            slots.seed[0] = seed is not None
+            slots.seed[1] = 0 if seed is None else seed + lo
+
+    # -- the doorbells ----------------------------------------------------------------------------
+    def ring(self, command: bytes) -> None:
+        """Send ``command`` (``S`` step, ``R`` reset) to every worker; their replies are then owed."""
+        for worker in self.workers:
+            try:
+                worker.sock.send(command)
+            except OSError:
+                raise self.fail(worker, died(worker)) from None
+            worker.owed += 1
+        self.pending = len(self.workers)
+        self.stepping = command == b"S"
+
+    def fail(self, worker: _Worker, error: BaseException) -> BaseException:
+        """``worker`` failed with ``error``: the env raises it from now on; the unit is dead."""
+        worker.failure = error
+        self.dead = True
+        return error
+
+
+def read_reply(worker: _Worker) -> bool | None:
+    """A readable worker's reply: ``True`` done, ``None`` nothing to read after all; raises its error
+    (with the worker's traceback) or :class:`WorkerDiedError`."""
+    try:
+        reply = worker.sock.recv(1)
+    except BlockingIOError:
+        return None
+    except OSError:
+        reply = b""
+    if reply == b"D":
+        worker.owed -= 1
+        return True
+    worker.owed = 0
+    raise read_failure(worker) if reply == b"E" else died(worker)
+
+
+def read_failure(worker: _Worker, timeout: float = 10.0) -> BaseException:
+    """The error frame that follows an ``E`` reply (blocking, up to ``timeout`` seconds between reads)."""
+    reader = FrameReader()
+    while True:
+        try:
+            data = worker.sock.recv(1 << 16)
+        except BlockingIOError:
+            if not select.select([worker.sock], [], [], timeout)[0]:
+                return RuntimeError(f"ProcessVectorEnv worker {worker.index} sent no error after 'E'")
+            continue
+        except OSError:
+            data = b""
+        if not data:
+            return died(worker)
+        for msg in reader.feed(data):
+            return msg.error if isinstance(msg, Failed) else RuntimeError(f"unexpected reply {msg!r}")
+
+
+def died(worker: _Worker, timeout: float = 5.0) -> WorkerDiedError:
+    """The error of a worker that hung up: its exit code once it has exited (up to ``timeout`` s)."""
+    worker.process.join(timeout)
+    return WorkerDiedError(worker.index, worker.process.exitcode)
+
+
+def release(units: list[Unit]) -> None:
+    """Hand the workers back to their envs (from the loop's thread, once the driving thread has ended)."""
+    for unit in units:
+        for worker in unit.workers:
+            worker.waiting = False
