@@ -7,10 +7,13 @@ processes, one policy in the trainer batches the ready workers' observations) ag
     python benchmarks/central_inference.py --components  # the trainer's CPU per policy call, by piece
 
 The envs: 2 workers x 64 CartPole-v1 (``gym.make_vec``'s numpy-vectorised CartPole, the same vector env in
-both collectors); the policies: a 2x64 MLP and a 3x512 MLP (argmax of 2 logits). Variants per round, in
-turn: ``central`` (``AsyncEnvCollector(env.split(), min_batch=64)``: the policy runs on whichever
-worker is ready), ``central-whole`` (``AsyncEnvCollector([env])``: one policy call on all 128 envs per
-step) and ``multi`` (``MultiAsyncCollector``). Each skips its first two batches and times ``--frames``.
+both collectors) with a 2x64 MLP and a 3x512 MLP (argmax of 2 logits), or (``--env pong``) 2 workers x 8
+ALE/Pong-v5 with a small CNN on the uint8 frames. Variants per round, in turn: ``central``
+(``AsyncEnvCollector(env.split(), min_batch=64)``: the policy runs on whichever worker is ready; the fused
+path), ``central-engine`` (the same with ``fused=False``: the engine on the loop), ``central-whole``
+(``AsyncEnvCollector([env])``: one policy call on all 128 envs per step), ``loop``, ``pipe`` and ``bound``
+(upper bounds of the transport, of ``split()`` with a task per part, and of the fused path: see each
+function) and ``multi`` (``MultiAsyncCollector``). Each skips its first two batches and times ``--frames``.
 Printed per variant: frames/s (median of rounds), the median of the per-round ratios to ``multi``, CPU µs
 per frame of all processes (the trainer and its children: user + system from ``/proc``), the policy's
 batch sizes p5/p50/p95 (``multi``: always its worker's 64), and the round trip from an observation written
@@ -63,6 +66,32 @@ class MLP(nn.Module):
         return self.net(observation).argmax(-1)
 
 
+class CNN(nn.Module):
+    """A small Atari CNN on uint8 frames ``[N, 210, 160, 3]`` (argmax of 6 logits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 16, 8, stride=4),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 4, stride=2),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(4),
+            nn.Flatten(),
+            nn.Linear(32 * 16, 6),
+        )
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        return self.net(observation.permute(0, 3, 1, 2).float() / 255).argmax(-1)
+
+
+#: per env: (gymnasium id, sub-envs per worker, an observation for the forward pass alone)
+ENVS = {
+    "cartpole": ("CartPole-v1", 64, (4,), torch.float32),
+    "pong": ("ALE/Pong-v5", 8, (210, 160, 3), torch.uint8),
+}
+
+
 class Timed(gym.vector.VectorWrapper):
     """Records the time between the end of a step and the start of the next (the obs-to-action round
     trip as the env sees it) and writes the samples (µs) to ``folder`` when closed."""
@@ -88,12 +117,19 @@ class Timed(gym.vector.VectorWrapper):
         self.env.close(**kwargs)
 
 
-def vec64(folder: str) -> gym.vector.VectorEnv:
-    return Timed(gym.make_vec("CartPole-v1", num_envs=64), folder)
+def vec64(folder: str, env: str = "cartpole") -> gym.vector.VectorEnv:
+    """One worker's vector env (64 CartPoles, or 8 Pongs), timed."""
+    name, n, _, _ = ENVS[env]
+    if env == "cartpole":  # its numpy-vectorised vector env
+        return Timed(gym.make_vec(name, num_envs=n), folder)
+    import ale_py
+
+    gym.register_envs(ale_py)
+    return Timed(gym.make_vec(name, num_envs=n, vectorization_mode="sync"), folder)
 
 
-def gym_vec64(folder: str) -> GymEnv:
-    return GymEnv(vec64(folder))
+def gym_vec64(folder: str, env: str = "cartpole") -> GymEnv:
+    return GymEnv(vec64(folder, env))
 
 
 def cpu_seconds() -> np.ndarray:
@@ -194,11 +230,13 @@ async def fused_bound(
 
     def run() -> tuple[float, np.ndarray, int]:
         by_fd = {w.sock.fileno(): w for w in workers}
-        store = {
-            fd: (np.empty((steps, 64, 4), np.float32), np.empty((steps, 64), np.float32)) for fd in by_fd
-        }
+        store = {}
+        for fd, worker in by_fd.items():
+            obs0 = worker.slots.obs["observation"]
+            store[fd] = (np.empty((steps, *obs0.shape), obs0.dtype), np.empty((steps, len(obs0)), np.float32))
+        n = len(workers[0].slots.obs["observation"])
         t = dict.fromkeys(by_fd, 0)
-        got, start, cpu0 = -20 * 64 * len(workers), 0.0, np.zeros(2)
+        got, start, cpu0 = -20 * n * len(workers), 0.0, np.zeros(2)
 
         def act(fd: int) -> None:
             slots = by_fd[fd].slots
@@ -217,7 +255,7 @@ async def fused_bound(
             for fd in ready:
                 if by_fd[fd].sock.recv(1) != b"D":
                     raise RuntimeError("a worker failed")
-                got += 64
+                got += n
                 if got == 0:
                     start, cpu0 = time.perf_counter(), cpu_seconds()
                 act(fd)
@@ -228,7 +266,7 @@ async def fused_bound(
         return elapsed, cpu, got
 
     elapsed, cpu, got = await anyio.to_thread.run_sync(run)
-    return got / elapsed, 1e6 * cpu / got, [64]
+    return got / elapsed, 1e6 * cpu / got, [len(workers[0].slots.obs["observation"])]
 
 
 def round_trips(folder: str) -> list[float]:
@@ -239,8 +277,9 @@ def round_trips(folder: str) -> list[float]:
     return out
 
 
-def forward_us(policy: nn.Module, n: int) -> float:
-    obs = torch.randn(n, 4)
+def forward_us(policy: nn.Module, n: int, env: str = "cartpole") -> float:
+    _, _, shape, dtype = ENVS[env]
+    obs = torch.randn(n, 4) if dtype == torch.float32 else torch.randint(0, 255, (n, *shape), dtype=dtype)
     times = []
     with torch.no_grad():
         for _ in range(200):
@@ -255,24 +294,35 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def variant(kind: str, policy: nn.Module, args: argparse.Namespace, r: int, folder: str) -> Any:
-    fns = [functools.partial(vec64, folder)] * 2
+    fns = [functools.partial(vec64, folder, args.env)] * 2
+    per_worker = ENVS[args.env][1]
     if kind == "multi":
         collector: Any = MultiAsyncCollector(
-            [functools.partial(gym_vec64, folder)] * 2, policy, frames_per_batch=args.frames_per_batch, seed=r
+            [functools.partial(gym_vec64, folder, args.env)] * 2,
+            policy,
+            frames_per_batch=args.frames_per_batch,
+            seed=r,
         )
         out = await timed(collector, args.frames)
-        return (*out[:2], [64]), round_trips(folder)
+        return (*out[:2], [per_worker]), round_trips(folder)
     env = await anyio.to_thread.run_sync(functools.partial(ProcessVectorEnv, fns, num_workers=2))
-    if kind in ("loop", "pipe", "fused"):
+    if kind in ("loop", "pipe", "bound"):
         try:
-            out = await {"loop": plain_loop, "pipe": pipelined, "fused": fused_bound}[kind](
+            out = await {"loop": plain_loop, "pipe": pipelined, "bound": fused_bound}[kind](
                 env, policy, args.frames
             )
         finally:
             await env.close()
         return out, round_trips(folder)
-    envs = env.split() if kind == "central" else [env]
-    collector = AsyncEnvCollector(envs, policy, frames_per_batch=args.frames_per_batch, min_batch=64, seed=r)
+    envs = env.split() if kind in ("central", "central-engine") else [env]
+    collector = AsyncEnvCollector(
+        envs,
+        policy,
+        frames_per_batch=args.frames_per_batch,
+        min_batch=per_worker,
+        seed=r,
+        fused=kind != "central-engine",
+    )
     out = await timed(collector, args.frames)
     return out, round_trips(folder)
 
@@ -281,10 +331,14 @@ async def run(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     policies = {"2x64 MLP": MLP(64, 2), "3x512 MLP": MLP(512, 3)}
+    if args.env == "pong":
+        policies = {"cnn": CNN()}
     policies = {name: p for name, p in policies.items() if name.split()[0] in args.policies.split(",")}
     wanted = args.variants.split(",")
     kinds = [
-        kind for kind in ["central", "central-whole", "loop", "pipe", "fused", "multi"] if kind in wanted
+        kind
+        for kind in ["central", "central-engine", "central-whole", "loop", "pipe", "bound", "multi"]
+        if kind in wanted
     ]
     if "multi" not in kinds:
         raise SystemExit("--variants must include multi (the ratios' reference)")
@@ -325,8 +379,8 @@ async def run(args: argparse.Namespace) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for (pname, kind), row in rows.items():
         sizes = row["sizes"]
-        batch = 128 if kind in ("central-whole", "loop") else 64
-        fwd = forward_us(policies[pname], batch)
+        batch = ENVS[args.env][1] * (2 if kind in ("central-whole", "loop") else 1)
+        fwd = forward_us(policies[pname], batch, args.env)
         fps, ratio, cpu, own = (statistics.median(row[k]) for k in ("fps", "ratio", "cpu", "own"))
         print(
             f"| {pname} | {kind} | {fps:,.0f} | {ratio:.2f} | {cpu:.1f} ({own:.1f}) | "
@@ -441,10 +495,16 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=200_000)
     parser.add_argument("--frames-per-batch", type=int, default=2560)
     parser.add_argument("--quick", action="store_true", help="1 round of 20,000 frames")
-    parser.add_argument("--policies", default="2x64,3x512", help="comma-separated: 2x64, 3x512")
+    parser.add_argument("--policies", default="2x64,3x512", help="comma-separated: 2x64, 3x512 (CartPole)")
+    parser.add_argument(
+        "--env",
+        default="cartpole",
+        choices=sorted(ENVS),
+        help="2 x 64 CartPole-v1, or 2 x 8 ALE/Pong-v5 with a small CNN",
+    )
     parser.add_argument(
         "--variants",
-        default="central,central-whole,loop,pipe,fused,multi",
+        default="central,central-engine,central-whole,loop,pipe,bound,multi",
         help="comma-separated; multi always",
     )
     parser.add_argument("--uvloop", action="store_true", help="the trainer's loop on uvloop")

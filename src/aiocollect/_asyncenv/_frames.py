@@ -84,7 +84,7 @@ class FrameBatch:
     place; its observation, policy outputs, env and trajectory ids gathered from its :class:`PolicyCall`
     when the batch is complete, in one vectorised copy per key)."""
 
-    def __init__(self, layout: Layout, size: int) -> None:
+    def __init__(self, layout: Layout, size: int, *, blocks: bool = False) -> None:
         self.size = size
         self.filled = 0
         self.episodes: list[tuple[int, float, int]] = []  # (env id, return, length) that ended here
@@ -95,11 +95,18 @@ class FrameBatch:
         self.next_obs = [self._views[_next(key)] for key in layout.obs_keys]
         self._layout = layout
         # per frame, in order: the number of the action it stepped with, and the step's values (python
-        # objects the cyclic GC does not track, in lists: no container per frame)
-        self.source: list[int] = []
-        self.reward: list[float] = []
-        self.terminated: list[bool] = []
-        self.truncated: list[bool] = []
+        # objects the cyclic GC does not track, in lists: no container per frame); ``blocks``: arrays
+        # written a block of rows at a time (the fused engine), the step's values in the batch itself
+        self.blocks = blocks
+        self.source: Any = []
+        self.reward: Any = []
+        self.terminated: Any = []
+        self.truncated: Any = []
+        if blocks:
+            self.source = np.empty(size, np.int64)
+            self.reward = self._views[("next", "reward")][:, 0]
+            self.terminated = self._views[("next", "terminated")][:, 0]
+            self.truncated = self._views[("next", "truncated")][:, 0]
         # set by resolve(): the calls of the frames, and each frame's row in their concatenation
         self.calls: list[PolicyCall] = []
         self._rows: np.ndarray | None = None
@@ -107,7 +114,7 @@ class FrameBatch:
     def resolve(self, calls: list[PolicyCall]) -> None:
         """Find the call of each frame among ``calls`` (in the order they were made; they must hold every
         frame's action)."""
-        numbers = np.asarray(self.source, dtype=np.int64)
+        numbers = self.source[: self.filled] if self.blocks else np.asarray(self.source, dtype=np.int64)
         bases = np.fromiter((call.base for call in calls), np.int64, len(calls))
         which = np.searchsorted(bases, numbers, side="right") - 1  # the call of each frame
         used = np.unique(which)
@@ -145,9 +152,10 @@ class FrameBatch:
             gather(("collector", "group_id"), [c.group_ids for c in calls])
         if layout.track_policy_version:
             gather(("collector", "policy_version"), [np.full(c.n, c.version, np.int64) for c in calls])
-        views[("next", "reward")][:, 0] = self.reward
-        views[("next", "terminated")][:, 0] = self.terminated
-        views[("next", "truncated")][:, 0] = self.truncated
+        if not self.blocks:
+            views[("next", "reward")][:, 0] = self.reward
+            views[("next", "terminated")][:, 0] = self.terminated
+            views[("next", "truncated")][:, 0] = self.truncated
         for flag in _FLAGS:  # the reset step is never a frame: the root flags are always False
             t[flag].zero_()
         torch.logical_or(t[("next", "terminated")], t[("next", "truncated")], out=t[("next", "done")])

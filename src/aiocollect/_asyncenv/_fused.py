@@ -144,7 +144,7 @@ class FusedEngine:
         self.traj_ids = np.arange(n, dtype=np.int64)
         self.next_traj = n
         self.episodes = None  # seeded groups need single envs (refused with vector envs)
-        self.env_frames = [0] * n
+        self._frame_counts = np.zeros(n, np.int64)
         self.dropped: set[int] = set()
         self.version = 0
         self.batch_sizes: deque[int] = deque(maxlen=10_000)
@@ -174,6 +174,7 @@ class FusedEngine:
         self._filling: FrameBatch | None = None
         self._batches_completed = 0
         self._ret = np.zeros(n)
+        self._iota = np.arange(max(spec.widths), dtype=np.int64)  # a unit's rows, numbered from 0
         self._len = np.zeros(n, np.int64)
         self._halt = False
         self._jobs: deque[tuple[Callable[[], Any], list[Any], anyio.Event]] = deque()
@@ -290,6 +291,15 @@ class FusedEngine:
                 pass
 
     # -- what the collector reads -----------------------------------------------------------------
+    @property
+    def env_frames(self) -> list[int]:
+        """Frames written per row (env id)."""
+        return self._frame_counts.tolist()
+
+    @env_frames.setter
+    def env_frames(self, counts: list[int]) -> None:  # a restarted engine goes on counting
+        self._frame_counts = np.array(counts, np.int64)
+
     @property
     def idle(self) -> bool:
         return not self._in_flight and not self._acting
@@ -551,7 +561,7 @@ class FusedEngine:
             self._layout = self._make_layout(outputs)
         elif list(outputs) != self._layout.out_keys:
             raise KeyError(f"the policy wrote {list(outputs)}, and {self._layout.out_keys} at its first call")
-        arrays = self.codec.arrays(out, taken)
+        arrays = self.codec.arrays(outputs, taken)
         base = self._next_action
         self._calls.append(PolicyCall(obs, list(outputs.values()), idx, self.traj_ids[idx], version, base))
         self._in_flight += taken
@@ -579,6 +589,7 @@ class FusedEngine:
         stop = first + width
         reward, terminated, truncated, ended = unit.flags()
         done = terminated | truncated
+        ends = done.nonzero()[0].tolist() if np.count_nonzero(done) else []
         keys = self.spec.obs_keys
         blocks = [unit.obs(key) for key in keys]
         finals = [unit.final(key) for key in keys] if np.count_nonzero(ended) else None
@@ -594,32 +605,32 @@ class FusedEngine:
             batch = self._filling
             if batch is None:
                 assert self._layout is not None
-                batch = self._filling = FrameBatch(self._layout, config.frames_per_batch)
+                batch = self._filling = FrameBatch(self._layout, config.frames_per_batch, blocks=True)
             row = batch.filled
             m = min(width - off, batch.size - row)
-            end = off + m
+            end, stop_row = off + m, row + m
             for slot, block in zip(batch.next_obs, blocks, strict=True):
-                slot[row : row + m] = block[off:end]
+                slot[row:stop_row] = block[off:end]
             if finals is not None:
                 rows = ended[off:end].nonzero()[0]
                 if len(rows):
                     for slot, final in zip(batch.next_obs, finals, strict=True):
                         slot[row + rows] = final[off + rows]
-            batch.source.extend(range(number + off, number + end))
-            batch.reward.extend(reward[off:end].tolist())
-            batch.terminated.extend(terminated[off:end].tolist())
-            batch.truncated.extend(truncated[off:end].tolist())
-            batch.filled = row + m
-            for k in (done[off:end].nonzero()[0] + off).tolist():
-                batch.episodes.append((first + k, float(ret[k]), int(length[k])))
-            if batch.filled == batch.size:
+            np.add(self._iota[off:end], number, out=batch.source[row:stop_row])
+            batch.reward[row:stop_row] = reward[off:end]
+            batch.terminated[row:stop_row] = terminated[off:end]
+            batch.truncated[row:stop_row] = truncated[off:end]
+            batch.filled = stop_row
+            for k in ends:
+                if off <= k < end:
+                    batch.episodes.append((first + k, float(ret[k]), int(length[k])))
+            if stop_row == batch.size:
                 self._complete(batch)
             off = end
         if off:
-            self.env_frames[first : first + off] = [f + 1 for f in self.env_frames[first : first + off]]
-        if np.count_nonzero(done):
-            ends = done.nonzero()[0]
-            self.traj_ids[first + ends] = np.arange(self.next_traj, self.next_traj + len(ends))
+            self._frame_counts[first : first + off] += 1
+        if ends:
+            self.traj_ids[first + np.asarray(ends)] = np.arange(self.next_traj, self.next_traj + len(ends))
             self.next_traj += len(ends)
             ret[done] = 0.0
             length[done] = 0

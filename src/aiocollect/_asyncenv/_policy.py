@@ -152,7 +152,8 @@ class BatchPolicy:
         self.staging = None if device is None else DeviceStaging(device)
         self._runner = make_runner(policy, batch_shape=(1,), obs_keys=obs_keys, device=device)
         # the TensorDict path builds its TensorDict with a batch size: ours changes at every call
-        self._sized = getattr(self._runner, "slow", self._runner)
+        self._sized: Any = getattr(self._runner, "slow", self._runner)
+        self._resized = hasattr(self._sized, "batch_shape")
         self._thread = PolicyThread(name)
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -190,7 +191,7 @@ class BatchPolicy:
         return await self.in_thread(lambda: self._call_torch(obs, n))
 
     def _call_torch(self, obs: dict[NestedKey, torch.Tensor], n: int) -> dict[NestedKey, torch.Tensor]:
-        if hasattr(self._sized, "batch_shape"):
+        if self._resized:
             self._sized.batch_shape = (n,)
         if self.staging is not None:
             obs = self.staging.to_device(obs)
@@ -251,9 +252,10 @@ class ActionCodec:
         self.bounds = {key: action_bounds(sub) for key, sub in self.leaves.items()}
         self.composite = list(self.leaves) != ["action"]
 
-    def _leaf(self, key: NestedKey, value: torch.Tensor, n: int) -> np.ndarray:
+    def _leaf(self, key: NestedKey, value: torch.Tensor | np.ndarray, n: int) -> np.ndarray:
         sub = self.leaves[key]
-        array = value.numpy(force=True).reshape((n, *(sub.shape or ())))
+        array = value if isinstance(value, np.ndarray) else value.numpy(force=True)
+        array = array.reshape((n, *(sub.shape or ())))
         bounds = self.bounds[key]
         if bounds is not None and array.size:
             low, high = bounds
@@ -266,8 +268,9 @@ class ActionCodec:
         dtype = np.int64 if isinstance(sub, spaces.Discrete) else sub.dtype
         return array.astype(dtype, copy=False)
 
-    def arrays(self, out: Mapping[NestedKey, torch.Tensor], n: int) -> dict[NestedKey, np.ndarray]:
-        """The action leaves of the policy's outputs as arrays ``[n, ...]`` (checked against the space)."""
+    def arrays(self, out: Mapping[NestedKey, Any], n: int) -> dict[NestedKey, np.ndarray]:
+        """The action leaves of the policy's outputs (tensors, or arrays) as arrays ``[n, ...]`` (checked
+        against the space)."""
         if not self.composite:
             return {"action": self._leaf("action", out["action"], n)}
         missing = [key for key in self.leaves if key not in out]
