@@ -331,9 +331,9 @@ async def run(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     policies = {"2x64 MLP": MLP(64, 2), "3x512 MLP": MLP(512, 3)}
+    policies = {name: p for name, p in policies.items() if name.split()[0] in args.policies.split(",")}
     if args.env == "pong":
         policies = {"cnn": CNN()}
-    policies = {name: p for name, p in policies.items() if name.split()[0] in args.policies.split(",")}
     wanted = args.variants.split(",")
     kinds = [
         kind

@@ -45,7 +45,6 @@ from .._rng import RolloutRNG
 from .._validation import seed_arg
 from .._weights import as_weights, check_compatible, module_weights
 from ._envstate import FromState, as_obs, maybe_await, raw_obs, state_methods
-from ._fused import FusedEngine
 from ._policy import BatchPolicy
 from ._run import Engine, EngineConfig, Signal
 from ._worker_random import RandomFirst
@@ -91,7 +90,7 @@ class CheckpointMixin:
     _seed: int | None
     _episodes: TrajectoryAssembler | None
     _parked: bool
-    _fused: bool
+    _engine_kind: Any  # Engine, or FusedEngine over process envs
     _closed: bool
     _paused: int
     _unpaused: anyio.Event | None
@@ -106,10 +105,8 @@ class CheckpointMixin:
     def _new_engine(
         self, envs: list[Any], spec: Any, policy: Any, config: EngineConfig, restarts: Any = None
     ) -> Engine:
-        """An engine over ``envs`` (the fused one where ``_on_enter`` chose it); ``restarts``: the envs'
-        restart budgets (kept across engines)."""
-        kind: Any = FusedEngine if self._fused else Engine
-        return kind(
+        """An engine of the kind ``_on_enter`` chose over ``envs``; ``restarts``: their restart budgets."""
+        return self._engine_kind(
             envs,
             spec,
             policy,
@@ -120,8 +117,7 @@ class CheckpointMixin:
             restarts=restarts,
         )
 
-    async def _resumed(self) -> None:
-        """The policy task waits here while the collector is paused (it parks: no call is in flight)."""
+    async def _resumed(self) -> None:  # the policy task waits here while paused (no call is in flight)
         self._parked = True
         if self._engine is not None:
             self._engine.policy_signal.set()  # a capture waiting for the policy task to park

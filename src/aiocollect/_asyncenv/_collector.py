@@ -20,7 +20,6 @@ from .._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStart
 from .._gcfreeze import GcHold
 from .._local._base import CollectorBase
 from .._mistakes import explicit_keywords, warn_user
-from .._procenv._driven import is_process_env
 from .._restart import RestartPolicy
 from .._rng import RolloutRNG
 from .._stats import CollectorStatistics, WorkerStatistics
@@ -37,54 +36,18 @@ from .._validation import (
     seed_arg,
     total_frames_arg,
 )
+from ._args import fuse, fused_arg, max_wait_arg, on_env_error_arg
 from ._checkpoint import CheckpointMixin, SeededPolicy
 from ._envset import EnvSet, env_fns_arg, open_envs
+from ._fused import FusedEngine
 from ._policy import BatchPolicy, is_async_policy
 from ._restarts import env_restarts, restart_arg
 from ._run import Engine, EngineConfig
 
-__all__ = ["ENV_THREADS", "AsyncEnvCollector", "max_wait_arg"]
+__all__ = ["ENV_THREADS", "AsyncEnvCollector"]
 
 #: worker threads shared by the gymnasium envs an ``AsyncEnvCollector`` wraps in ``ThreadedAsyncEnv``
 ENV_THREADS = 32
-
-
-def max_wait_arg(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"max_wait must be a number of seconds (e.g. 0.002), got {value!r}")
-    if not value >= 0 or value == float("inf"):
-        raise ValueError(
-            f"max_wait must be >= 0 and finite (seconds the oldest ready env may wait), got {value!r}"
-        )
-    return float(value)
-
-
-def fused_arg(value: Any, policy: Any, restart: Any) -> bool | None:
-    """``fused``: ``None``, ``True`` (what prevents it statically is refused here) or ``False``."""
-    if value is not None and not isinstance(value, bool):
-        raise TypeError(f"fused must be None (when possible), True or False, got {value!r}")
-    if value:
-        if is_async_policy(policy):
-            raise ValueError(
-                "fused=True needs a torch policy (it runs in the collector's thread); an async policy is "
-                "awaited on the loop: pass fused=None"
-            )
-        if restart is not None:
-            raise ValueError(
-                "fused=True cannot restart envs (restart= rebuilds them on the loop): drop restart= or pass "
-                "fused=None"
-            )
-    return value
-
-
-def on_env_error_arg(value: Any) -> str:
-    """``on_env_error``: ``"raise"`` or ``"drop"`` (also ``MultiAsyncEnvCollector``'s, per worker)."""
-    if value not in ("raise", "drop"):
-        raise ValueError(
-            f"on_env_error must be 'raise' (an env's error ends the collector) or 'drop' (the env is closed "
-            f"and dropped, the others go on), got {value!r}"
-        )
-    return str(value)
 
 
 class AsyncEnvCollector(CheckpointMixin, CollectorBase):
@@ -212,7 +175,7 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
         self._env_fns = env_fns_arg(env_fns)
         self._restart_policy = restart_arg(restart, self._env_fns)
         self._fused_arg = fused_arg(fused, policy, restart)
-        self._fused = False  # the envs are stepped by the fused engine (decided on entering)
+        self._engine_kind: Any = Engine  # FusedEngine where the envs are process envs (decided on entering)
         n = len(self._env_fns)
         trajs = trajs_per_batch_arg(
             "AsyncEnvCollector", trajs_per_batch, frames_per_batch, on_env_error=on_env_error == "drop"
@@ -279,7 +242,7 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
                 exploration_type=self._exploration_type,
                 name=f"aiocollect-policy-{id(self):x}",
             )
-            self._fused = self._fuse(envs, spec, policy)
+            self._engine_kind = self._choose_engine(envs, spec, policy)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 for env in envs:
@@ -313,22 +276,11 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
         assert self._task_group is not None
         await self._task_group.start(self._engine.run)
 
-    def _fuse(self, envs: list[Any], spec: EnvSet, policy: BatchPolicy) -> bool:
-        """Whether the fused engine steps these envs (``fused``: None when it can, True or else a
-        ``ValueError``, False never)."""
-        if self._fused_arg is False:
-            return False
-        if not all(is_process_env(env) for env in envs):
-            why = "every env must be a ProcessVectorEnv or one of its split() parts"
-        elif self._async_policy or self._restart_policy is not None:
-            why = "an async policy or restart= runs the engine on the loop"
-        elif self._engine_policy(policy, spec) is not policy:
-            why = f"{type(self).__name__} wraps the policy (init_random_frames)"
-        else:
-            return True
-        if self._fused_arg:
-            raise ValueError(f"fused=True: {why}; pass fused=None to fall back to the engine on the loop")
-        return False
+    def _choose_engine(self, envs: list[Any], spec: EnvSet, policy: BatchPolicy) -> Any:
+        """The fused engine where the envs are process envs (see ``fused``), else the engine on the loop."""
+        on_loop = self._async_policy or self._restart_policy is not None
+        wraps = self._engine_policy(policy, spec) is not policy
+        return FusedEngine if fuse(self._fused_arg, envs, on_loop, wraps) else Engine
 
     def _min_batch(self, rows: int) -> int:
         """``min_batch`` in (sub-)envs: default half of them."""

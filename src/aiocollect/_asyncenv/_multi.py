@@ -34,7 +34,7 @@ from .._validation import (
     seed_arg,
 )
 from .._weightsync import WeightSync
-from ._collector import max_wait_arg, on_env_error_arg
+from ._args import max_wait_arg, on_env_error_arg
 from ._multi_args import (
     UNSUPPORTED,
     frames_arg,

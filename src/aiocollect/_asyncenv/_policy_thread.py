@@ -23,12 +23,12 @@ import anyio.to_thread
 from .._rollout_thread import end_at_exit
 from .._torch_settings import TorchSettings
 
-__all__ = ["PolicyThread"]
+__all__ = ["PolicyThread", "loop_wake"]
 
 _STOP: Any = object()
 
 
-def _loop_wake() -> Callable[[Callable[[], object]], object]:
+def loop_wake() -> Callable[[Callable[[], object]], object]:
     """A call any thread may make to run a function on the running event loop, without waiting for it."""
     try:
         return asyncio.get_running_loop().call_soon_threadsafe
@@ -105,7 +105,7 @@ class PolicyThread:
             self.start()
         if self._lock is None:
             self._lock = anyio.Lock(fast_acquire=True)
-            self._wake = _loop_wake()
+            self._wake = loop_wake()
         async with self._lock:
             done = self._done = anyio.Event()
             self._fn = fn

@@ -38,7 +38,7 @@ from ._policy import ActionCodec, BatchPolicy
 from ._restarts import EnvRestarts, truncate_last_frames
 from ._vector import END, IN_VECTOR, VectorSteps
 
-__all__ = ["DISPATCH_CHUNK", "Engine", "EngineConfig", "Signal"]
+__all__ = ["DISPATCH_CHUNK", "Engine", "EngineConfig", "Signal", "as_numpy", "output_dtype"]
 
 
 class Signal:
@@ -527,7 +527,7 @@ class Engine(VectorSteps):
             self._acting = False
         self.batch_sizes.append(n)
         self.clock.frames += n
-        outputs = {key: _as_numpy(value, n) for key, value in out.items()}
+        outputs = {key: as_numpy(value, n) for key, value in out.items()}
         if self._layout is None:
             self._layout = self._make_layout(outputs)
         elif list(outputs) != self._layout.out_keys:
@@ -591,7 +591,7 @@ class Engine(VectorSteps):
             woken += 1
 
     def _make_layout(self, outputs: dict[NestedKey, Any]) -> Layout:
-        specs = {key: LeafSpec(tuple(value.shape[1:]), _dtype(value)) for key, value in outputs.items()}
+        specs = {key: LeafSpec(tuple(value.shape[1:]), output_dtype(value)) for key, value in outputs.items()}
         grouped, versions = self.config.group_size is not None, self.config.track_policy_version
         return Layout(self.spec.obs_specs, specs, track_policy_version=versions, group_ids=grouped)
 
@@ -634,7 +634,7 @@ def _on_asyncio() -> bool:
     return True
 
 
-def _as_numpy(value: torch.Tensor, n: int) -> Any:
+def as_numpy(value: torch.Tensor, n: int) -> Any:
     if not isinstance(value, torch.Tensor) or not value.shape or value.shape[0] != n:
         shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise ValueError(f"a policy output has shape {shape}; it must start with the batch of {n} envs")
@@ -645,5 +645,5 @@ def _as_numpy(value: torch.Tensor, n: int) -> Any:
         return value
 
 
-def _dtype(value: Any) -> torch.dtype:
+def output_dtype(value: Any) -> torch.dtype:
     return value.dtype if isinstance(value, torch.Tensor) else torch.from_numpy(value[:0]).dtype

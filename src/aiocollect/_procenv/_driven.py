@@ -19,26 +19,26 @@ from .._envs._spaces import NestedKey
 from .._errors import WorkerDiedError
 from .._transport._messages import Failed
 from .._transport._wire import FrameReader
-from ._env import ProcessVectorEnv, _Part, _Worker
+from ._env import Part, ProcessVectorEnv, Worker
 
-__all__ = ["Unit", "died", "is_process_env", "read_failure", "read_reply", "release"]
+__all__ = ["Poller", "Unit", "died", "is_process_env", "read_failure", "read_reply", "release"]
 
 
 def is_process_env(env: Any) -> bool:
     """A ``ProcessVectorEnv`` or one of its ``split()`` parts (what the fused path drives)."""
-    return isinstance(env, (ProcessVectorEnv, _Part))
+    return isinstance(env, (ProcessVectorEnv, Part))
 
 
 class Unit:
     """Env ``index`` of the collector (a ``ProcessVectorEnv`` or a part), its rows ``first`` to
     ``first + width - 1``; the workers it steps together, claimed from the env."""
 
-    def __init__(self, env: ProcessVectorEnv | _Part, index: int, first: int) -> None:
+    def __init__(self, env: ProcessVectorEnv | Part, index: int, first: int) -> None:
         whole = env if isinstance(env, ProcessVectorEnv) else env._env
         if whole._closed:
             raise RuntimeError(f"{env!r} is closed")
         self.env, self.index, self.first = whole, index, first
-        self.workers: list[_Worker] = whole._workers if isinstance(env, ProcessVectorEnv) else [env._worker]
+        self.workers: list[Worker] = whole._workers if isinstance(env, ProcessVectorEnv) else [env._worker]
         self.workers = list(self.workers)
         lo = self.workers[0].lo
         self.width = self.workers[-1].hi - lo
@@ -106,14 +106,14 @@ class Unit:
         self.pending = len(self.workers)
         self.stepping = command == b"S"
 
-    def fail(self, worker: _Worker, error: BaseException) -> BaseException:
+    def fail(self, worker: Worker, error: BaseException) -> BaseException:
         """``worker`` failed with ``error``: the env raises it from now on; the unit is dead."""
         worker.failure = error
         self.dead = True
         return error
 
 
-def read_reply(worker: _Worker) -> bool | None:
+def read_reply(worker: Worker) -> bool | None:
     """A readable worker's reply: ``True`` done, ``None`` nothing to read after all; raises its error
     (with the worker's traceback) or :class:`WorkerDiedError`."""
     try:
@@ -129,7 +129,7 @@ def read_reply(worker: _Worker) -> bool | None:
     raise read_failure(worker) if reply == b"E" else died(worker)
 
 
-def read_failure(worker: _Worker, timeout: float = 10.0) -> BaseException:
+def read_failure(worker: Worker, timeout: float = 10.0) -> BaseException:
     """The error frame that follows an ``E`` reply (blocking, up to ``timeout`` seconds between reads)."""
     reader = FrameReader()
     while True:
@@ -147,7 +147,7 @@ def read_failure(worker: _Worker, timeout: float = 10.0) -> BaseException:
             return msg.error if isinstance(msg, Failed) else RuntimeError(f"unexpected reply {msg!r}")
 
 
-def died(worker: _Worker, timeout: float = 5.0) -> WorkerDiedError:
+def died(worker: Worker, timeout: float = 5.0) -> WorkerDiedError:
     """The error of a worker that hung up: its exit code once it has exited (up to ``timeout`` s)."""
     worker.process.join(timeout)
     return WorkerDiedError(worker.index, worker.process.exitcode)
@@ -158,3 +158,46 @@ def release(units: list[Unit]) -> None:
     for unit in units:
         for worker in unit.workers:
             worker.waiting = False
+
+
+class Poller:
+    """The driving thread's wait on its file descriptors, each with its data: ``epoll`` (a timeout in
+    seconds, the registrations kept in the kernel), else ``poll``."""
+
+    def __init__(self) -> None:
+        self._epoll = select.epoll() if hasattr(select, "epoll") else None
+        self._poll = None if self._epoll is not None else select.poll()
+        self._data: dict[int, Any] = {}
+
+    def add(self, fd: int, data: Any) -> None:
+        if self._epoll is not None:
+            self._epoll.register(fd, select.EPOLLIN)
+        else:
+            assert self._poll is not None
+            self._poll.register(fd, select.POLLIN)
+        self._data[fd] = data
+
+    def remove(self, fd: int) -> None:
+        if fd not in self._data:
+            return
+        del self._data[fd]
+        if self._epoll is not None:
+            self._epoll.unregister(fd)
+        else:
+            assert self._poll is not None
+            self._poll.unregister(fd)
+
+    def wait(self, timeout: float | None) -> list[Any]:
+        """The data of the descriptors that are readable (``timeout``: seconds, ``None`` for ever)."""
+        data = self._data
+        if self._epoll is not None:
+            events = self._epoll.poll(-1 if timeout is None else max(0.0, timeout))
+        else:
+            assert self._poll is not None
+            events = self._poll.poll(None if timeout is None else max(0, int(timeout * 1000) + 1))
+        return [data[fd] for fd, _ in events if fd in data]
+
+    def close(self) -> None:
+        if self._epoll is not None:
+            self._epoll.close()
+        self._data.clear()

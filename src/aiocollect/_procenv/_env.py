@@ -31,7 +31,7 @@ from ._doorbell import ReplyReader
 from ._slots import Slots
 from ._worker import worker_main
 
-__all__ = ["ProcessVectorEnv"]
+__all__ = ["Part", "ProcessVectorEnv", "Worker"]
 
 #: worker processes not reaped yet: killed with their process groups at the interpreter's exit if their env
 #: was never closed (before multiprocessing's exit handler would wait for them: atexit runs last-in first-out)
@@ -46,7 +46,7 @@ def _kill_leftover_workers() -> None:
             process.join(5)
 
 
-class _Worker:
+class Worker:
     """One worker process, its socket and slots, and the sub-envs ``[lo, hi)`` it steps."""
 
     def __init__(self, index: int, process: Any, sock: socket.socket, lo: int) -> None:
@@ -159,7 +159,7 @@ class ProcessVectorEnv:
             raise TypeError(
                 f"env_fns must pickle with cloudpickle to reach the worker processes: {exc}"
             ) from exc
-        self._workers: list[_Worker] = []
+        self._workers: list[Worker] = []
         self._closed = False
         self._parts_open = 0
         try:
@@ -181,7 +181,7 @@ class ProcessVectorEnv:
                 name=f"aiocollect-envs-{index}",
                 daemon=False,
             )
-            self._workers.append(_Worker(index, process, parent, 0))
+            self._workers.append(Worker(index, process, parent, 0))
             try:
                 process.start()
             finally:
@@ -217,7 +217,7 @@ class ProcessVectorEnv:
                 raise self._died_blocking(worker)
             worker.sock.setblocking(False)
 
-    def _hello(self, worker: _Worker) -> tuple[int, Any, Any]:
+    def _hello(self, worker: Worker) -> tuple[int, Any, Any]:
         try:
             msg = BlockingChannel(worker.sock).recv()
         except (EOFError, OSError):
@@ -227,11 +227,11 @@ class ProcessVectorEnv:
         n, obs_space, act_space = cast("tuple[int, Any, Any]", msg)
         return n, obs_space, act_space
 
-    def _died_blocking(self, worker: _Worker) -> WorkerDiedError:
+    def _died_blocking(self, worker: Worker) -> WorkerDiedError:
         worker.process.join(5)
         return WorkerDiedError(worker.index, worker.process.exitcode)
 
-    def _read_failure_blocking(self, worker: _Worker) -> BaseException:
+    def _read_failure_blocking(self, worker: Worker) -> BaseException:
         try:
             msg = BlockingChannel(worker.sock).recv()
         except (EOFError, OSError):
@@ -276,7 +276,7 @@ class ProcessVectorEnv:
         if self._parts_open:
             raise RuntimeError("ProcessVectorEnv.split() was called already: use the parts it gave")
         self._parts_open = len(self._workers)
-        return [_Part(self, worker) for worker in self._workers]
+        return [Part(self, worker) for worker in self._workers]
 
     def __repr__(self) -> str:
         return (
@@ -285,7 +285,7 @@ class ProcessVectorEnv:
 
     # -- stepping ---------------------------------------------------------------------------------
     async def _reset(
-        self, workers: list[_Worker], seed: int | None, options: dict[str, Any] | None
+        self, workers: list[Worker], seed: int | None, options: dict[str, Any] | None
     ) -> tuple[Any, dict[str, Any]]:
         if options is not None:
             raise ValueError(
@@ -303,7 +303,7 @@ class ProcessVectorEnv:
         await self._run(workers, b"R")
         return self._obs(workers, "obs"), {}
 
-    async def _step(self, workers: list[_Worker], actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+    async def _step(self, workers: list[Worker], actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         self._check(workers)
         base, n = workers[0].lo, workers[-1].hi - workers[0].lo
         try:
@@ -327,7 +327,7 @@ class ProcessVectorEnv:
         await self._run(workers, b"S")
         return self._results(workers, n)
 
-    def _results(self, workers: list[_Worker], n: int) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+    def _results(self, workers: list[Worker], n: int) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         slots = [w.slots for w in workers]
         join = _copy if len(slots) == 1 else np.concatenate
         reward = join([s.reward for s in slots])  # type: ignore[union-attr]
@@ -346,7 +346,7 @@ class ProcessVectorEnv:
             info = {"final_obs": final, "_final_obs": ended}
         return self._obs(workers, "obs"), reward, terminated, truncated, info
 
-    def _obs(self, workers: list[_Worker], group: str) -> Any:
+    def _obs(self, workers: list[Worker], group: str) -> Any:
         join = _copy if len(workers) == 1 else np.concatenate  # (one worker: a split() part)
         return self._nest({k: join([getattr(w.slots, group)[k] for w in workers]) for k in self._obs_specs})
 
@@ -364,7 +364,7 @@ class ProcessVectorEnv:
         return out
 
     # -- the doorbells ----------------------------------------------------------------------------
-    def _check(self, workers: list[_Worker]) -> None:
+    def _check(self, workers: list[Worker]) -> None:
         if self._closed:
             raise RuntimeError("ProcessVectorEnv is closed")
         for worker in workers:
@@ -376,13 +376,13 @@ class ProcessVectorEnv:
                     "(await each reset/step before the next)"
                 )
 
-    async def _drain(self, workers: list[_Worker]) -> None:
+    async def _drain(self, workers: list[Worker]) -> None:
         """Take the replies a cancelled call left unread, so that the slots are the worker's no more."""
         for worker in workers:
             while worker.owed:
                 await self._reply(worker)
 
-    async def _run(self, workers: list[_Worker], command: bytes) -> None:
+    async def _run(self, workers: list[Worker], command: bytes) -> None:
         for worker in workers:
             try:
                 worker.sock.send(command)
@@ -392,7 +392,7 @@ class ProcessVectorEnv:
         for worker in workers:
             await self._reply(worker)
 
-    async def _reply(self, worker: _Worker) -> None:
+    async def _reply(self, worker: Worker) -> None:
         worker.waiting = True
         try:
             reply = await worker.reader.reply()
@@ -405,18 +405,18 @@ class ProcessVectorEnv:
             await self._fail(worker, await self._read_failure(worker))
         await self._fail(worker, await self._died(worker))
 
-    async def _fail(self, worker: _Worker, error: BaseException) -> NoReturn:
+    async def _fail(self, worker: Worker, error: BaseException) -> NoReturn:
         worker.failure = error
         worker.owed = 0
         raise error
 
-    async def _died(self, worker: _Worker) -> WorkerDiedError:
+    async def _died(self, worker: Worker) -> WorkerDiedError:
         with anyio.move_on_after(5.0):
             if worker.process.exitcode is None:
                 await anyio.wait_readable(worker.process.sentinel)
         return WorkerDiedError(worker.index, worker.process.exitcode)
 
-    async def _read_failure(self, worker: _Worker) -> BaseException:
+    async def _read_failure(self, worker: Worker) -> BaseException:
         reader = FrameReader()
         while True:
             try:
@@ -458,10 +458,10 @@ class ProcessVectorEnv:
             await self.close()
 
 
-class _Part:
+class Part:
     """One worker's sub-envs of a :class:`ProcessVectorEnv`, an async vector env of their own."""
 
-    def __init__(self, env: ProcessVectorEnv, worker: _Worker) -> None:
+    def __init__(self, env: ProcessVectorEnv, worker: Worker) -> None:
         self._env, self._worker = env, worker
         self._closed = False
         self.num_envs: int = worker.hi - worker.lo

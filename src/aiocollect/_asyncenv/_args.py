@@ -1,0 +1,67 @@
+"""The arguments of ``AsyncEnvCollector`` (and ``MultiAsyncEnvCollector``) checked on their own, and the
+choice of its engine: the fused one over process envs (``_fused.py``) or the engine on the loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._procenv._driven import is_process_env
+from ._policy import is_async_policy
+
+__all__ = ["fuse", "fused_arg", "max_wait_arg", "on_env_error_arg"]
+
+
+def max_wait_arg(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"max_wait must be a number of seconds (e.g. 0.002), got {value!r}")
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(
+            f"max_wait must be >= 0 and finite (seconds the oldest ready env may wait), got {value!r}"
+        )
+    return float(value)
+
+
+def on_env_error_arg(value: Any) -> str:
+    """``on_env_error``: ``"raise"`` or ``"drop"`` (also ``MultiAsyncEnvCollector``'s, per worker)."""
+    if value not in ("raise", "drop"):
+        raise ValueError(
+            f"on_env_error must be 'raise' (an env's error ends the collector) or 'drop' (the env is closed "
+            f"and dropped, the others go on), got {value!r}"
+        )
+    return str(value)
+
+
+def fused_arg(value: Any, policy: Any, restart: Any) -> bool | None:
+    """``fused``: ``None``, ``True`` (what prevents it statically is refused here) or ``False``."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"fused must be None (when possible), True or False, got {value!r}")
+    if value:
+        if is_async_policy(policy):
+            raise ValueError(
+                "fused=True needs a torch policy (it runs in the collector's thread); an async policy is "
+                "awaited on the loop: pass fused=None"
+            )
+        if restart is not None:
+            raise ValueError(
+                "fused=True cannot restart envs (restart= rebuilds them on the loop): drop restart= or pass "
+                "fused=None"
+            )
+    return value
+
+
+def fuse(given: bool | None, envs: list[Any], on_loop: bool, wraps: bool) -> bool:
+    """Whether the fused engine steps ``envs`` (``given``: ``fused=``; ``on_loop``: an async policy or
+    ``restart=``; ``wraps``: the collector wraps its policy). ``fused=True`` that cannot: ``ValueError``."""
+    if given is False:
+        return False
+    if not all(is_process_env(env) for env in envs):
+        why = "every env must be a ProcessVectorEnv or one of its split() parts"
+    elif on_loop:
+        why = "an async policy or restart= runs the engine on the loop"
+    elif wraps:
+        why = "the collector wraps its policy (init_random_frames)"
+    else:
+        return True
+    if given:
+        raise ValueError(f"fused=True: {why}; pass fused=None to fall back to the engine on the loop")
+    return False
