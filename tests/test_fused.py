@@ -67,6 +67,7 @@ async def collect(envs, policy, *, fused, **kwargs) -> tuple[list[TensorDictBase
         with anyio.fail_after(60):
             batches = [b async for b in c]
         kind = type(c._engine).__name__
+        assert c.fused == (kind == "FusedEngine")
     return batches, kind
 
 

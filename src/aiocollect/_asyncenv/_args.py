@@ -6,9 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from .._procenv._driven import is_process_env
+from ._fused import FusedEngine
 from ._policy import is_async_policy
+from ._run import Engine
 
-__all__ = ["fuse", "fused_arg", "max_wait_arg", "on_env_error_arg"]
+__all__ = ["engine_kind", "fused_arg", "max_wait_arg", "on_env_error_arg"]
 
 
 def max_wait_arg(value: Any) -> float:
@@ -32,9 +34,13 @@ def on_env_error_arg(value: Any) -> str:
 
 
 def fused_arg(value: Any, policy: Any, restart: Any) -> bool | None:
-    """``fused``: ``None``, ``True`` (what prevents it statically is refused here) or ``False``."""
+    """``fused``: ``None`` (``False`` where an async policy or ``restart`` rules the fused engine out),
+    ``True`` (what rules it out is refused here) or ``False``."""
     if value is not None and not isinstance(value, bool):
         raise TypeError(f"fused must be None (when possible), True or False, got {value!r}")
+    on_loop = is_async_policy(policy) or restart is not None  # the engine on the loop it is
+    if value is None:
+        return False if on_loop else None
     if value:
         if is_async_policy(policy):
             raise ValueError(
@@ -49,19 +55,17 @@ def fused_arg(value: Any, policy: Any, restart: Any) -> bool | None:
     return value
 
 
-def fuse(given: bool | None, envs: list[Any], on_loop: bool, wraps: bool) -> bool:
-    """Whether the fused engine steps ``envs`` (``given``: ``fused=``; ``on_loop``: an async policy or
-    ``restart=``; ``wraps``: the collector wraps its policy). ``fused=True`` that cannot: ``ValueError``."""
+def engine_kind(given: bool | None, envs: list[Any], wraps: bool) -> Any:
+    """The fused engine where it steps ``envs`` (``given``: :func:`fused_arg`'s; ``wraps``: the collector
+    wraps its policy), else the engine on the loop; ``fused=True`` that cannot: ``ValueError``."""
     if given is False:
-        return False
+        return Engine
     if not all(is_process_env(env) for env in envs):
         why = "every env must be a ProcessVectorEnv or one of its split() parts"
-    elif on_loop:
-        why = "an async policy or restart= runs the engine on the loop"
     elif wraps:
         why = "the collector wraps its policy (init_random_frames)"
     else:
-        return True
+        return FusedEngine
     if given:
         raise ValueError(f"fused=True: {why}; pass fused=None to fall back to the engine on the loop")
-    return False
+    return Engine

@@ -36,7 +36,7 @@ from .._validation import (
     seed_arg,
     total_frames_arg,
 )
-from ._args import fuse, fused_arg, max_wait_arg, on_env_error_arg
+from ._args import engine_kind, fused_arg, max_wait_arg, on_env_error_arg
 from ._checkpoint import CheckpointMixin, SeededPolicy
 from ._envset import EnvSet, env_fns_arg, open_envs
 from ._fused import FusedEngine
@@ -114,12 +114,11 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
             otherwise stall the loop for 100-150 ms every few seconds (docs/async-envs.md, "Performance").
             The cost: a reference cycle among those objects that becomes garbage while the collector runs
             is freed only after it closes. ``False``: the garbage collector as it was.
-        fused: how process envs are stepped (docs/async-envs.md, "The fused path"). ``None`` (default):
-            when every env is a :class:`ProcessVectorEnv` (or its ``split()`` parts), the policy a torch
-            policy and ``restart`` unset, one thread of the collector waits on the workers' doorbells,
-            writes their frames and runs the policy (the loop only receives batches: about 3x the
-            frames/s of the engine on the loop for a small policy); otherwise the engine on the loop.
-            ``True``: that path or a ``ValueError`` saying what prevents it; ``False``: never.
+        fused: ``None`` (default): when every env is a :class:`ProcessVectorEnv` (or its ``split()`` parts),
+            the policy a torch one and ``restart`` unset, one thread of the collector waits on the workers'
+            doorbells, writes their frames and runs the policy, the loop only receiving batches (2 to 3x the
+            frames/s of the engine on the loop: docs/async-envs.md, "The fused path"); else the engine on
+            the loop. ``True``: that path, or a ``ValueError`` saying what prevents it; ``False``: never.
 
     Example:
         >>> import anyio, numpy as np
@@ -242,7 +241,8 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
                 exploration_type=self._exploration_type,
                 name=f"aiocollect-policy-{id(self):x}",
             )
-            self._engine_kind = self._choose_engine(envs, spec, policy)
+            wraps = self._engine_policy(policy, spec) is not policy
+            self._engine_kind = engine_kind(self._fused_arg, envs, wraps)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 for env in envs:
@@ -275,12 +275,6 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
             self._hub.publish(WorkerStarted(i))
         assert self._task_group is not None
         await self._task_group.start(self._engine.run)
-
-    def _choose_engine(self, envs: list[Any], spec: EnvSet, policy: BatchPolicy) -> Any:
-        """The fused engine where the envs are process envs (see ``fused``), else the engine on the loop."""
-        on_loop = self._async_policy or self._restart_policy is not None
-        wraps = self._engine_policy(policy, spec) is not policy
-        return FusedEngine if fuse(self._fused_arg, envs, on_loop, wraps) else Engine
 
     def _min_batch(self, rows: int) -> int:
         """``min_batch`` in (sub-)envs: default half of them."""
@@ -470,6 +464,11 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
     def policy(self) -> Any:
         """The policy the collector runs (its own copy of an ``nn.Module``; ``None`` before entering)."""
         return self._policy.policy if self._policy is not None else None
+
+    @property
+    def fused(self) -> bool:
+        """Whether the fused path steps the envs (known once entered; see ``fused=``)."""
+        return isinstance(self._engine, FusedEngine)
 
     @property
     def envs(self) -> list[Any]:
