@@ -102,6 +102,7 @@ class FrameBatch:
         self.reward: Any = []
         self.terminated: Any = []
         self.truncated: Any = []
+        self.obs = [self._views[key] for key in layout.obs_keys]  # blocks: written with the frames
         if blocks:
             self.source = np.empty(size, np.int64)
             self.reward = self._views[("next", "reward")][:, 0]
@@ -142,8 +143,9 @@ class FrameBatch:
             else:  # a dtype numpy lacks
                 t[key].copy_(torch.cat(parts)[torch.from_numpy(src)].reshape(t[key].shape))
 
-        for k, key in enumerate(layout.obs_keys):
-            gather(key, [c.obs[k] for c in calls])
+        if not self.blocks:
+            for k, key in enumerate(layout.obs_keys):
+                gather(key, [c.obs[k] for c in calls])
         for k, key in enumerate(layout.out_keys):
             gather(key, [c.outputs[k] for c in calls])
         gather(("collector", "env_id"), [c.env_ids for c in calls])

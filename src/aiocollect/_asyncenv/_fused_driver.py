@@ -69,6 +69,7 @@ class Driver:
         """Read the replies a stopped engine (or a cancelled call) left owed, then reset every unit."""
         for unit in self.units:
             unit.pending, unit.stepping = sum(1 for w in unit.workers if w.owed), False
+            unit.staged = [np.empty_like(unit.obs(key)) for key in self.e.spec.obs_keys]
         self._wait_units()
         for unit in self.units:
             unit.write_seed(self.e.reset_seed(unit.first, unit.index))
@@ -215,10 +216,12 @@ class Driver:
         if queue:
             self.first_ready = perf_counter()
         keys = e.spec.obs_keys
-        if len(units) == 1:
+        if len(units) == 1:  # into the unit's own buffers (reused: a large fresh array page-faults)
             unit = units[0]
-            obs = [unit.obs(key).copy() for key in keys]
-            idx = np.arange(unit.first, unit.first + unit.width)
+            obs = unit.staged
+            for buf, key in zip(obs, keys, strict=True):
+                np.copyto(buf, unit.obs(key))
+            idx = unit.rows
         else:
             obs = [np.concatenate([u.obs(key) for u in units]) for key in keys]
             idx = np.concatenate([np.arange(u.first, u.first + u.width) for u in units])
@@ -237,12 +240,13 @@ class Driver:
         self._check_layout(outputs)
         arrays = e.codec.arrays(outputs, taken)
         base = self.next_action
-        self.calls.append(PolicyCall(obs, list(outputs.values()), idx, e.traj_ids[idx], version, base))
+        call = PolicyCall(obs, list(outputs.values()), idx, e.traj_ids[idx], version, base)
+        self.calls.append(call)
         self.in_flight += taken
         j = 0
         for unit in units:
             unit.write_actions(arrays, j)
-            unit.action_no = base + j
+            unit.action_no, unit.obs_at_call = base + j, [o[j : j + unit.width] for o in obs]
             j += unit.width
         self.next_action = base + taken
         for unit in units:
@@ -305,6 +309,8 @@ class Driver:
             row = batch.filled
             m = min(width - off, batch.size - row)
             end, stop_row = off + m, row + m
+            for slot, block in zip(batch.obs, unit.obs_at_call, strict=True):
+                slot[row:stop_row] = block[off:end]
             for slot, block in zip(batch.next_obs, blocks, strict=True):
                 slot[row:stop_row] = block[off:end]
             if finals is not None:  # an ended sub-env's next observation is its final one

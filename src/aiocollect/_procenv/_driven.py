@@ -47,6 +47,9 @@ class Unit:
         self.stepping = False  # its command in flight is a step (not a reset)
         self.dead = False  # failed (dropped): never stepped again
         self.action_no = 0  # the number of its first row's action (rows numbered in a row)
+        self.obs_at_call: list[Any] = []  # the observations its actions were computed from (copies)
+        self.staged: list[np.ndarray] = []  # its observations for a policy call of its own (reused)
+        self.rows = np.arange(first, first + self.width)  # its env ids
         for worker in self.workers:
             if worker.failure is not None:
                 raise worker.failure
