@@ -50,6 +50,8 @@ CASES = {
     # 2 env worker processes, the policy in the trainer (central inference over shared memory)
     "central_inference": ["central_inference.py", "--total-frames", "2560", "--frames-per-batch", "512"]
     + ["--envs-per-worker", "8"],
+    "central_inference_split": ["central_inference.py", "--total-frames", "2560", "--frames-per-batch"]
+    + ["512", "--envs-per-worker", "8", "--split"],
     # a fresh checkpoint file (an old one would be resumed); preemption: test_signals.py
     "long_run": ["long_run.py", "--total-frames", "2000", "--frames-per-batch", "400"]
     + ["--checkpoint", str(Path(tempfile.mkdtemp(prefix="aiocollect-long-run-")) / "run.pt")],

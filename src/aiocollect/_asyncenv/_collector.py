@@ -14,6 +14,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
+from .._envs._async import AsyncVectorEnvProtocol
 from .._episodes import TrajectoryAssembler
 from .._episodes_args import async_chunk, check_async_envs, episode_args, trajs_per_batch_arg
 from .._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
@@ -68,8 +69,9 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
             vector env (:class:`AsyncVectorEnvProtocol`: ``N`` sub-envs stepped together, ``N``
             consecutive env ids, one task), a gymnasium env (wrapped in :class:`ThreadedAsyncEnv`) or a
             gymnasium vector env (wrapped in :class:`ThreadedAsyncVectorEnv`), the gymnasium ones sharing
-            32 worker threads; called when the collector is entered, in a worker thread. Every env (every
-            sub-env) must have the same spaces.
+            32 worker threads; called when the collector is entered, in a worker thread (an env given
+            itself is used as it is, e.g. ``ProcessVectorEnv.split()``'s parts). Every env (every sub-env)
+            must have the same spaces.
         policy: a ``TensorDictModule``, an ``nn.Module`` (called on the observations, returns the action;
             copied: the collector runs its own weights, changed by :meth:`update_weights`), a callable
             ``td -> td`` (these three run in the collector's thread), an async policy (an ``async def``
@@ -146,7 +148,7 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
     @explicit_keywords
     def __init__(
         self,
-        env_fns: Sequence[Callable[[], Any]],
+        env_fns: Sequence[Callable[[], Any] | AsyncVectorEnvProtocol],
         policy: Any = None,
         *,
         frames_per_batch: int | None = None,
