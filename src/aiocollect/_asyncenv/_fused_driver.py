@@ -204,7 +204,6 @@ class Driver:
     def _act(self, n: int) -> None:
         """One policy call on the first ready units holding ``n`` sub-envs (a unit is never split), its
         actions written into their slots and the units rung."""
-        e = self.e
         units: list[Unit] = []
         taken = 0
         queue = self.queue
@@ -215,6 +214,14 @@ class Driver:
         self.queued_rows -= taken
         if queue:
             self.first_ready = perf_counter()
+        self.acting = True  # until its units step (a pause() waiting for idle must not slip in between)
+        try:
+            self._call(units, taken)
+        finally:
+            self.acting = False
+
+    def _call(self, units: list[Unit], taken: int) -> None:
+        e = self.e
         keys = e.spec.obs_keys
         if len(units) == 1:  # into the unit's own buffers (reused: a large fresh array page-faults)
             unit = units[0]
@@ -227,13 +234,9 @@ class Driver:
             idx = np.concatenate([np.arange(u.first, u.first + u.width) for u in units])
         version = e.version
         tensors = {key: torch.from_numpy(a) for key, a in zip(keys, obs, strict=True)}
-        self.acting = True
         start = perf_counter()
-        try:
-            out = e.policy._call_torch(tensors, taken)
-        finally:
-            self.acting = False
-            e.clock.policy += perf_counter() - start
+        out = e.policy._call_torch(tensors, taken)
+        e.clock.policy += perf_counter() - start
         e.batch_sizes.append(taken)
         e.clock.frames += taken
         outputs = {key: as_numpy(value, taken) for key, value in out.items()}
