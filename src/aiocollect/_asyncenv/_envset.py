@@ -8,6 +8,7 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
+import anyio
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
@@ -16,7 +17,7 @@ from .._envs._async import ThreadedAsyncEnv, is_async_vector_env
 from .._envs._async_vector import ThreadedAsyncVectorEnv
 from .._envs._spaces import LeafSpec, NestedKey, action_specs, flatten_obs, observation_specs
 
-__all__ = ["EnvSet", "env_fns_arg", "open_envs", "reopen_env", "spaces_of", "vector_width"]
+__all__ = ["EnvSet", "close_once", "env_fns_arg", "open_envs", "reopen_env", "spaces_of", "vector_width"]
 
 
 def _is_async_env(env: Any) -> bool:
@@ -79,6 +80,19 @@ def open_envs(env_fns: list[Any], into: list[Any], limiter: Any) -> None:
 def reopen_env(fn: Any, u: int, limiter: Any) -> Any:
     """Env ``u`` built again from its env fn ``fn`` (a restart), as :func:`open_envs` built it."""
     return _open(fn, u, limiter)
+
+
+async def close_once(envs: list[Any], closed: set[int], i: int) -> None:
+    """Close ``envs[i]`` unless ``i`` is in ``closed`` (then add it), shielded, within 10 s; an error closing
+    it is dropped (it failed, or the collector is ending)."""
+    if i in closed:
+        return
+    closed.add(i)
+    with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+        try:
+            await envs[i].close()
+        except Exception:  # closing is best effort: the env's own error was reported
+            pass
 
 
 def vector_width(env: Any) -> int:

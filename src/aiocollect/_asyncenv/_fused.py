@@ -36,7 +36,7 @@ import numpy as np
 from .._procenv._driven import Poller, Unit, release
 from .._timesplit import SplitClock
 from .._torch_settings import TorchSettings
-from ._envset import EnvSet
+from ._envset import EnvSet, close_once
 from ._frames import FrameBatch
 from ._fused_driver import Driver, Halted
 from ._policy import ActionCodec, BatchPolicy
@@ -273,14 +273,7 @@ class FusedEngine:
 
     async def close_env(self, i: int) -> None:
         """Close env ``i`` (once), shielded; an error closing it is dropped (it failed, or we are ending)."""
-        if i in self.closed_envs:
-            return
-        self.closed_envs.add(i)
-        with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-            try:
-                await self.envs[i].close()
-            except Exception:  # closing is best effort: the env's own error was reported
-                pass
+        await close_once(self.envs, self.closed_envs, i)
 
     # -- what the collector reads -----------------------------------------------------------------
     @property

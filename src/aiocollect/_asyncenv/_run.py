@@ -32,7 +32,7 @@ from .._envs._spaces import LeafSpec, NestedKey
 from .._events import WorkerFailed
 from .._groups import RowEpisodes
 from .._timesplit import SplitClock
-from ._envset import EnvSet
+from ._envset import EnvSet, close_once
 from ._frames import FrameBatch, Layout, PolicyCall
 from ._policy import ActionCodec, BatchPolicy
 from ._restarts import EnvRestarts, truncate_last_frames
@@ -364,14 +364,7 @@ class Engine(VectorSteps):
 
     async def close_env(self, i: int) -> None:
         """Close env ``i`` (once), shielded; an error closing it is dropped (it failed, or we are ending)."""
-        if i in self.closed_envs:
-            return
-        self.closed_envs.add(i)
-        with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-            try:
-                await self.envs[i].close()
-            except Exception:  # closing is best effort: the env's own error was reported
-                pass
+        await close_once(self.envs, self.closed_envs, i)
 
     def _end_trajectories(self, u: int) -> None:
         """Env ``u`` failed: the action it stepped with gives no frame; the last frame of each of its rows
