@@ -118,7 +118,7 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
             is freed only after it closes. ``False``: the garbage collector as it was.
         fused: ``None`` (default): when every env is a :class:`ProcessVectorEnv` (or its ``split()`` parts),
             the policy a torch one and ``restart`` unset, one thread of the collector waits on the workers'
-            doorbells, writes their frames and runs the policy, the loop only receiving batches (2 to 3x the
+            doorbells, writes their frames and runs the policy, the loop only receiving batches (about 2x the
             frames/s of the engine on the loop: docs/async-envs.md, "The fused path"); else the engine on
             the loop. ``True``: that path, or a ``ValueError`` saying what prevents it; ``False``: never.
 
