@@ -82,7 +82,8 @@ class PolicyCall:
 class FrameBatch:
     """One batch of ``size`` frames, a frame added as each step returns (its next observation written in
     place; its observation, policy outputs, env and trajectory ids gathered from its :class:`PolicyCall`
-    when the batch is complete, in one vectorised copy per key)."""
+    when the batch is complete, in one vectorised copy per key). ``blocks`` (the fused engine's batches):
+    a block of frames at a time, their observations and the step's values written with them in place."""
 
     def __init__(self, layout: Layout, size: int, *, blocks: bool = False) -> None:
         self.size = size
