@@ -308,3 +308,20 @@ async def test_fused_true_refusals_and_fused_none_falls_back(leaks):
 async def async_policy_random(td):
     td["action"] = torch.zeros(td.batch_size[0], dtype=torch.int64)
     return td
+
+
+async def test_backpressure_bounds_the_frames_ahead_of_the_consumer(leaks):
+    """At most ``(1 + prefetch) * frames_per_batch`` frames are collected or stepping ahead of ``async for``
+    (a unit is never split: one unit's width more at most); the driver waits, and goes on when a batch is
+    taken."""
+    env = await make([cartpole] * 4)
+    async with AsyncEnvCollector(env.split(), Argmax(), frames_per_batch=40, prefetch=1, fused=True) as c:
+        it = aiter(c)
+        with anyio.fail_after(60):
+            for _ in range(3):
+                await anext(it)
+                await anyio.sleep(0.3)  # a slow consumer: the driver fills what it may, then waits
+                engine = c._engine
+                ahead = engine.completed - engine.delivered
+                assert 40 <= ahead <= 2 * 40 + 2, ahead
+                assert engine._driver.in_flight == 0  # nothing stepping: it waits for the consumer
