@@ -325,3 +325,24 @@ async def test_backpressure_bounds_the_frames_ahead_of_the_consumer(leaks):
                 ahead = engine.completed - engine.delivered
                 assert 40 <= ahead <= 2 * 40 + 2, ahead
                 assert engine._driver.in_flight == 0  # nothing stepping: it waits for the consumer
+
+
+async def test_dict_spaces_and_uint8_pixels_bit_for_bit(anyio_backend, leaks):
+    """Dict observations (uint8 pixels, a nested entry) and a Dict action of a Discrete and a Tuple: every
+    leaf travels through the slots both ways, and the batches are the engine's."""
+    from test_process_vector_env import Echo
+
+    kwargs = {"frames_per_batch": 30, "total_frames": 120, "seed": 1}
+    runs = {}
+    for fused in (True, False):
+        env = await make([Echo] * 4)
+        runs[fused] = await collect([lambda e=env: e], None, fused=fused, **kwargs)
+    (fused_batches, kind), (engine_batches, _) = runs[True], runs[False]
+    assert kind == "FusedEngine"
+    assert_same(fused_batches, engine_batches)
+    batch = torch.cat(fused_batches)
+    assert batch["pixels"].dtype == torch.uint8 and batch["next", "state", "echo"].shape == (120, 3)
+    # the env echoes its action: the frames' next observations carry the actions the policy chose
+    echo = batch["next", "state", "echo"]
+    assert torch.equal(echo[:, 0], batch["action", "move"].float())
+    assert torch.equal(echo[:, 2], batch["action", "pair", "1"].float())
