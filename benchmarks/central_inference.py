@@ -279,7 +279,9 @@ def round_trips(folder: str) -> list[float]:
 
 def forward_us(policy: nn.Module, n: int, env: str = "cartpole") -> float:
     _, _, shape, dtype = ENVS[env]
-    obs = torch.randn(n, 4) if dtype == torch.float32 else torch.randint(0, 255, (n, *shape), dtype=dtype)
+    obs = (
+        torch.randn(n, *shape) if dtype == torch.float32 else torch.randint(0, 255, (n, *shape), dtype=dtype)
+    )
     times = []
     with torch.no_grad():
         for _ in range(200):

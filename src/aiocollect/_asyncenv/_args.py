@@ -38,11 +38,11 @@ def fused_arg(value: Any, policy: Any, restart: Any) -> bool | None:
     ``True`` (what rules it out is refused here) or ``False``."""
     if value is not None and not isinstance(value, bool):
         raise TypeError(f"fused must be None (when possible), True or False, got {value!r}")
-    on_loop = is_async_policy(policy) or restart is not None  # the engine on the loop it is
-    if value is None:
-        return False if on_loop else None
+    async_policy = is_async_policy(policy)
+    if value is None:  # the engine on the loop it is, for an async policy or restart=
+        return False if async_policy or restart is not None else None
     if value:
-        if is_async_policy(policy):
+        if async_policy:
             raise ValueError(
                 "fused=True needs a torch policy (it runs in the collector's thread); an async policy is "
                 "awaited on the loop: pass fused=None"

@@ -103,8 +103,9 @@ class FrameBatch:
         self.reward: Any = []
         self.terminated: Any = []
         self.truncated: Any = []
-        self.obs = [self._views[key] for key in layout.obs_keys]  # blocks: written with the frames
+        self.obs: list[Any] = []  # blocks: each key's observations, written with the frames
         if blocks:
+            self.obs = [self._views[key] for key in layout.obs_keys]
             self.source = np.empty(size, np.int64)
             self.reward = self._views[("next", "reward")][:, 0]
             self.terminated = self._views[("next", "terminated")][:, 0]

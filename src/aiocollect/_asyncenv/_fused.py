@@ -105,7 +105,6 @@ class FusedEngine:
         self.is_paused = is_paused
         self._resumed = resumed
         self.closed_envs: set[int] = set()
-        self._ready: list[int] = []  # (Engine's: the rows waiting; the checkpoints read it for envs=True)
         self.halt = False  # the driver is to stop
         self.jobs: deque[tuple[Callable[[], Any], list[Any], anyio.Event]] = deque()
         self._jobs_lock = threading.Lock()

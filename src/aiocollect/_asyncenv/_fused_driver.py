@@ -231,7 +231,7 @@ class Driver:
             idx = unit.rows
         else:
             obs = [np.concatenate([u.obs(key) for u in units]) for key in keys]
-            idx = np.concatenate([np.arange(u.first, u.first + u.width) for u in units])
+            idx = np.concatenate([u.rows for u in units])
         version = e.version
         tensors = {key: torch.from_numpy(a) for key, a in zip(keys, obs, strict=True)}
         start = perf_counter()

@@ -16,12 +16,11 @@ from typing import Any
 import numpy as np
 
 from .._envs._spaces import NestedKey
-from .._errors import WorkerDiedError
 from .._transport._messages import Failed
 from .._transport._wire import FrameReader
 from ._env import Part, ProcessVectorEnv, Worker
 
-__all__ = ["Poller", "Unit", "died", "is_process_env", "read_failure", "read_reply", "release"]
+__all__ = ["Poller", "Unit", "is_process_env", "read_failure", "read_reply", "release"]
 
 
 def is_process_env(env: Any) -> bool:
@@ -37,9 +36,10 @@ class Unit:
         whole = env if isinstance(env, ProcessVectorEnv) else env._env
         if whole._closed:
             raise RuntimeError(f"{env!r} is closed")
-        self.env, self.index, self.first = whole, index, first
-        self.workers: list[Worker] = whole._workers if isinstance(env, ProcessVectorEnv) else [env._worker]
-        self.workers = list(self.workers)
+        self.index, self.first = index, first
+        self.workers: list[Worker] = (
+            list(env._workers) if isinstance(env, ProcessVectorEnv) else [env._worker]
+        )
         lo = self.workers[0].lo
         self.width = self.workers[-1].hi - lo
         self.offsets = [(w.lo - lo, w.hi - lo) for w in self.workers]  # each worker's rows in the unit
@@ -104,7 +104,7 @@ class Unit:
             try:
                 worker.sock.send(command)
             except OSError:
-                raise self.fail(worker, died(worker)) from None
+                raise self.fail(worker, worker.died()) from None
             worker.owed += 1
         self.pending = len(self.workers)
         self.stepping = command == b"S"
@@ -129,7 +129,7 @@ def read_reply(worker: Worker) -> bool | None:
         worker.owed -= 1
         return True
     worker.owed = 0
-    raise read_failure(worker) if reply == b"E" else died(worker)
+    raise read_failure(worker) if reply == b"E" else worker.died()
 
 
 def read_failure(worker: Worker, timeout: float = 10.0) -> BaseException:
@@ -145,15 +145,9 @@ def read_failure(worker: Worker, timeout: float = 10.0) -> BaseException:
         except OSError:
             data = b""
         if not data:
-            return died(worker)
+            return worker.died()
         for msg in reader.feed(data):
             return msg.error if isinstance(msg, Failed) else RuntimeError(f"unexpected reply {msg!r}")
-
-
-def died(worker: Worker, timeout: float = 5.0) -> WorkerDiedError:
-    """The error of a worker that hung up: its exit code once it has exited (up to ``timeout`` s)."""
-    worker.process.join(timeout)
-    return WorkerDiedError(worker.index, worker.process.exitcode)
 
 
 def release(units: list[Unit]) -> None:

@@ -58,6 +58,10 @@ class Worker:
         self.failure: BaseException | None = None
         self.reader = ReplyReader(sock)
 
+    def died(self) -> WorkerDiedError:  # once it hung up: its exit code after it exits (waits up to 5 s)
+        self.process.join(5)
+        return WorkerDiedError(self.index, self.process.exitcode)
+
 
 def _leaves(space: gym.Space[Any], actions: Any, path: tuple[str, ...] = ()) -> dict[NestedKey, Any]:
     """A gymnasium batched action as ``{"action" or ("action", ...): array}`` (:func:`action_specs`)."""
@@ -214,28 +218,24 @@ class ProcessVectorEnv:
             if reply == b"E":
                 raise self._read_failure_blocking(worker)
             if reply != b"D":
-                raise self._died_blocking(worker)
+                raise worker.died()
             worker.sock.setblocking(False)
 
     def _hello(self, worker: Worker) -> tuple[int, Any, Any]:
         try:
             msg = BlockingChannel(worker.sock).recv()
         except (EOFError, OSError):
-            raise self._died_blocking(worker) from None
+            raise worker.died() from None
         if isinstance(msg, Failed):
             raise msg.error
         n, obs_space, act_space = cast("tuple[int, Any, Any]", msg)
         return n, obs_space, act_space
 
-    def _died_blocking(self, worker: Worker) -> WorkerDiedError:
-        worker.process.join(5)
-        return WorkerDiedError(worker.index, worker.process.exitcode)
-
     def _read_failure_blocking(self, worker: Worker) -> BaseException:
         try:
             msg = BlockingChannel(worker.sock).recv()
         except (EOFError, OSError):
-            return self._died_blocking(worker)
+            return worker.died()
         return msg.error if isinstance(msg, Failed) else RuntimeError(f"unexpected reply {msg!r}")
 
     # -- the protocol -----------------------------------------------------------------------------
