@@ -1,10 +1,15 @@
 """``MultiAsyncEnvCollector`` with what ``AsyncEnvCollector`` takes: async vector envs (env ids unique over
-the workers, seeds ``seed + env id``) and ``on_env_error="drop"`` (an env dropped, its event with its global
-id, the others going on; every env of a worker dropped ends the collector with ``RuntimeError``)."""
+the workers, seeds ``seed + env id``), ``on_env_error="drop"`` (an env dropped, its event with its global
+id, the others going on; every env of a worker dropped ends the collector with ``RuntimeError``), and a
+``ProcessVectorEnv`` per worker (central inference in each worker, on its fused path: its policy in the
+fused thread, weights and their versions, an env process killed under a worker)."""
 
 from __future__ import annotations
 
 import functools
+import os
+import signal
+import threading
 
 import anyio
 import gymnasium as gym
@@ -12,9 +17,10 @@ import numpy as np
 import pytest
 import torch
 from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModule
 from torch import nn
 
-from aiocollect import MultiAsyncEnvCollector, WorkerFailed
+from aiocollect import MultiAsyncEnvCollector, ProcessVectorEnv, WorkerDiedError, WorkerFailed
 from test_async_envs import Counter
 from test_async_vector_envs import Boom, Single, StepPolicy, VecCounter, check_invariants
 
@@ -218,3 +224,132 @@ async def test_an_error_mode_raise_vector_env_ends_the_collector_with_its_type(l
         async with MultiAsyncEnvCollector(shares, StepPolicy(), frames_per_batch=4) as c:
             async for _ in c:
                 pass
+
+
+# -- a ProcessVectorEnv per worker: each worker's AsyncEnvCollector takes its fused path -----------------
+
+
+def cartpole() -> gym.Env:
+    return gym.make("CartPole-v1")
+
+
+def process_env() -> ProcessVectorEnv:
+    """4 CartPoles stepped in 2 processes of the worker's own."""
+    return ProcessVectorEnv([cartpole] * 4, num_workers=2)
+
+
+class KilledAt30(gym.Wrapper):
+    """A CartPole whose process is killed (SIGKILL) at its 30th step."""
+
+    def __init__(self) -> None:
+        super().__init__(gym.make("CartPole-v1"))
+        self.steps = 0
+
+    def step(self, action):  # type: ignore[no-untyped-def]
+        self.steps += 1
+        if self.steps == 30:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.env.step(action)
+
+
+def process_env_killed() -> ProcessVectorEnv:
+    return ProcessVectorEnv([cartpole, KilledAt30], num_workers=2)
+
+
+class FusedFlag(nn.Module):
+    """Argmax of a linear layer, and whether it ran in the fused engine's thread (one flag per env)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(4, 2)
+
+    def forward(self, observation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        fused = threading.current_thread().name == "aiocollect-fused"
+        return self.net(observation).argmax(-1), torch.full(observation.shape[:1], fused)
+
+
+class Constant(nn.Module):
+    """Action 1 where its weight is positive, else 0: the action says which weights computed it."""
+
+    def __init__(self, value: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor(value))
+
+    def forward(self, observation: torch.Tensor) -> torch.Tensor:
+        return (self.weight > 0).long().expand(observation.shape[0]).clone()
+
+
+@ASYNCIO_ONLY
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])  # the workers' loops (the fused path's hand-offs)
+async def test_a_process_vector_env_per_worker_runs_central_inference_in_each(loop, leaks) -> None:
+    """Two workers, each a ProcessVectorEnv of 4 CartPoles in 2 processes of its own: every action is
+    chosen in the worker's fused thread, env ids 0-7 are unique over the workers, each env's frames chain
+    (next observation = following observation within a trajectory), and no process is left (the env
+    processes are the workers' children)."""
+    policy = TensorDictModule(FusedFlag(), in_keys=["observation"], out_keys=["action", "fused"])
+    c = MultiAsyncEnvCollector(
+        [[process_env], [process_env]], policy, frames_per_batch=40, total_frames=480, seed=1, loop=loop
+    )
+    async with c:
+        assert c.num_envs == 8
+        batches = await collect(c)
+    assert len(batches) == 12
+    data = torch.cat(batches)
+    assert data["fused"].all()
+    for b in batches:  # a batch is one worker's: worker 0 has env ids 0-3, worker 1 4-7
+        worker = int(b["collector", "worker_id"][0])
+        assert ((b["collector", "env_id"] // 4) == worker).all()
+    for e in range(8):
+        rows = data[data["collector", "env_id"] == e]
+        assert len(rows) >= 20
+        ids, nxt, obs = rows["collector", "traj_ids"], rows["next", "observation"], rows["observation"]
+        for k in range(len(rows) - 1):
+            if ids[k + 1] == ids[k]:
+                assert torch.equal(nxt[k], obs[k + 1]), (e, k)
+            else:
+                assert rows["next", "done"][k].item(), (e, k)
+    owners: dict[int, int] = {}  # a trajectory id is one env's
+    trajs, envs = data["collector", "traj_ids"].tolist(), data["collector", "env_id"].tolist()
+    for traj, env in zip(trajs, envs, strict=True):
+        assert owners.setdefault(traj, env) == env
+
+
+@ASYNCIO_ONLY
+async def test_weights_reach_process_vector_env_workers_with_their_versions(leaks) -> None:
+    """``update_weights(wait=True)`` reaches both workers' fused threads between two policy calls: every
+    frame's action is the one its recorded policy version computes."""
+    seen: list[TensorDictBase] = []
+    async with MultiAsyncEnvCollector(
+        [[process_env], [process_env]],
+        Constant(-1.0),
+        frames_per_batch=32,
+        total_frames=32 * 24,
+        track_policy_version=True,
+        seed=0,
+    ) as c:
+        with anyio.fail_after(60):
+            async for batch in c:
+                seen.append(batch)
+                if len(seen) == 4:
+                    await c.update_weights(Constant(1.0), wait=True)
+    data = torch.cat(seen)
+    versions = data["collector", "policy_version"]
+    assert torch.equal(data["action"], (versions > 0).long())
+    assert (versions == 0).any() and (versions == 1).sum() >= 32 * 10
+    for worker in (0, 1):  # each worker's later batches were all collected with the new weights
+        last = [b for b in seen if int(b["collector", "worker_id"][0]) == worker][-1]
+        assert (last["collector", "policy_version"] == 1).all()
+
+
+@ASYNCIO_ONLY
+async def test_an_env_process_killed_under_a_worker_raises_worker_died_error(leaks) -> None:
+    """A ProcessVectorEnv process killed inside worker 1: ``async for`` raises ``WorkerDiedError`` with
+    the env process's exit code, and every process (the other worker's env processes too) is gone."""
+    with anyio.fail_after(60), pytest.raises(WorkerDiedError) as info:
+        async with MultiAsyncEnvCollector(
+            [[process_env], [process_env_killed]], Constant(1.0), frames_per_batch=16
+        ) as c:
+            async for _ in c:
+                pass
+    assert info.value.exitcode == -signal.SIGKILL
