@@ -13,7 +13,9 @@ ALE/Pong-v5 with a small CNN on the uint8 frames. Variants per round, in turn: `
 path), ``central-engine`` (the same with ``fused=False``: the engine on the loop), ``central-whole``
 (``AsyncEnvCollector([env])``: one policy call on all 128 envs per step), ``loop``, ``pipe`` and ``bound``
 (upper bounds of the transport, of ``split()`` with a task per part, and of the fused path: see each
-function) and ``multi`` (``MultiAsyncCollector``). Each skips its first two batches and times ``--frames``.
+function) and ``multi`` (``MultiAsyncCollector``, 1 torch thread per worker). The trainer's torch runs 1
+thread (which the collector's threads inherit), ``NAME@N`` (e.g. ``central-whole@2``) runs a variant with
+N: a batched forward pass on every core. Each skips its first two batches and times ``--frames``.
 Printed per variant: frames/s (median of rounds), the median of the per-round ratios to ``multi``, CPU µs
 per frame of all processes (the trainer and its children: user + system from ``/proc``), the policy's
 batch sizes p5/p50/p95 (``multi``: always its worker's 64), and the round trip from an observation written
@@ -295,7 +297,28 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-async def variant(kind: str, policy: nn.Module, args: argparse.Namespace, r: int, folder: str) -> Any:
+KINDS = ["central", "central-engine", "central-whole", "loop", "pipe", "bound", "multi"]
+
+
+def parse_variant(name: str) -> tuple[str, int]:
+    """``central-whole@2`` -> ``("central-whole", 2)``: the variant with the trainer's torch at 2 threads
+    (its intra-op threads, which the collector's own threads inherit); 1 thread without a suffix."""
+    kind, _, threads = name.partition("@")
+    if kind not in KINDS or (threads and not threads.isdigit()):
+        raise SystemExit(f"unknown variant {name!r}: one of {KINDS}, each optionally @THREADS")
+    return kind, int(threads or 1)
+
+
+async def variant(name: str, policy: nn.Module, args: argparse.Namespace, r: int, folder: str) -> Any:
+    kind, threads = parse_variant(name)
+    torch.set_num_threads(threads)
+    try:
+        return await _variant(kind, policy, args, r, folder)
+    finally:
+        torch.set_num_threads(1)
+
+
+async def _variant(kind: str, policy: nn.Module, args: argparse.Namespace, r: int, folder: str) -> Any:
     fns = [functools.partial(vec64, folder, args.env)] * 2
     per_worker = ENVS[args.env][1]
     if kind == "multi":
@@ -336,12 +359,9 @@ async def run(args: argparse.Namespace) -> None:
     policies = {name: p for name, p in policies.items() if name.split()[0] in args.policies.split(",")}
     if args.env == "pong":
         policies = {"cnn": CNN()}
-    wanted = args.variants.split(",")
-    kinds = [
-        kind
-        for kind in ["central", "central-engine", "central-whole", "loop", "pipe", "bound", "multi"]
-        if kind in wanted
-    ]
+    kinds = args.variants.split(",")
+    for name in kinds:
+        parse_variant(name)
     if "multi" not in kinds:
         raise SystemExit("--variants must include multi (the ratios' reference)")
     rows: dict[tuple[str, str], dict[str, list[Any]]] = {
@@ -381,8 +401,11 @@ async def run(args: argparse.Namespace) -> None:
     print("|---|---|---|---|---|---|---|---|")
     for (pname, kind), row in rows.items():
         sizes = row["sizes"]
-        batch = ENVS[args.env][1] * (2 if kind in ("central-whole", "loop") else 1)
+        base, threads = parse_variant(kind)
+        batch = ENVS[args.env][1] * (2 if base in ("central-whole", "loop") else 1)
+        torch.set_num_threads(threads)
         fwd = forward_us(policies[pname], batch, args.env)
+        torch.set_num_threads(1)
         fps, ratio, cpu, own = (statistics.median(row[k]) for k in ("fps", "ratio", "cpu", "own"))
         print(
             f"| {pname} | {kind} | {fps:,.0f} | {ratio:.2f} | {cpu:.1f} ({own:.1f}) | "
@@ -507,7 +530,8 @@ def main() -> None:
     parser.add_argument(
         "--variants",
         default="central,central-engine,central-whole,loop,pipe,bound,multi",
-        help="comma-separated; multi always",
+        help="comma-separated, in the order they run; multi always; NAME@N runs NAME with the trainer's "
+        "torch at N threads (default 1; multi's workers have 1 each)",
     )
     parser.add_argument("--uvloop", action="store_true", help="the trainer's loop on uvloop")
     parser.add_argument("--components", action="store_true", help="the trainer's CPU per call, by piece")
