@@ -23,6 +23,7 @@ from torch import nn
 from aiocollect import MultiAsyncEnvCollector, ProcessVectorEnv, WorkerDiedError, WorkerFailed
 from test_async_envs import Counter
 from test_async_vector_envs import Boom, Single, StepPolicy, VecCounter, check_invariants
+from test_fused import Constant, cartpole
 
 pytestmark = pytest.mark.anyio
 
@@ -229,10 +230,6 @@ async def test_an_error_mode_raise_vector_env_ends_the_collector_with_its_type(l
 # -- a ProcessVectorEnv per worker: each worker's AsyncEnvCollector takes its fused path -----------------
 
 
-def cartpole() -> gym.Env:
-    return gym.make("CartPole-v1")
-
-
 def process_env() -> ProcessVectorEnv:
     """4 CartPoles stepped in 2 processes of the worker's own."""
     return ProcessVectorEnv([cartpole] * 4, num_workers=2)
@@ -267,17 +264,6 @@ class FusedFlag(nn.Module):
     def forward(self, observation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         fused = threading.current_thread().name == "aiocollect-fused"
         return self.net(observation).argmax(-1), torch.full(observation.shape[:1], fused)
-
-
-class Constant(nn.Module):
-    """Action 1 where its weight is positive, else 0: the action says which weights computed it."""
-
-    def __init__(self, value: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.tensor(value))
-
-    def forward(self, observation: torch.Tensor) -> torch.Tensor:
-        return (self.weight > 0).long().expand(observation.shape[0]).clone()
 
 
 @ASYNCIO_ONLY
