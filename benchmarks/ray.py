@@ -48,8 +48,8 @@ import torch
 from torch import nn
 
 from aiocollect import GymEnv, MultiAsyncCollector, MultiSyncCollector, RayCollector
+from aiocollect._policies._weights import flat_weights
 from aiocollect._remote._ray_wire import to_wire, weights_to_wire
-from aiocollect._weights import flat_weights
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # this file is named ray.py: keep its folder off sys.path, or `import ray` (here, and in the actors, to

@@ -46,7 +46,7 @@ from tensordict.nn import TensorDictModule
 from torch import nn
 
 from aiocollect import Collector, GymEnv
-from aiocollect._timesplit import NULL_CLOCK
+from aiocollect._observe._timesplit import NULL_CLOCK
 
 FRAMES_PER_BATCH = 512
 
@@ -124,7 +124,7 @@ def per_call_ns(repeat: int = 7, number: int = 200_000) -> tuple[float, float]:
     timing wrapper (best of ``repeat``), and ns per batch of the loop/batch marks."""
     import timeit
 
-    from aiocollect._timesplit import SplitClock
+    from aiocollect._observe._timesplit import SplitClock
 
     clock = SplitClock()
 
@@ -148,8 +148,8 @@ def measure_node(frames_per_batch: int, rounds: int, batches: int) -> tuple[list
     """Per round, µs of the process's CPU per frame of a node's batches with the split carried and without
     (a node core and the trainer's side in this process; the transport's bytes are pickled, not sent)."""
     import aiocollect._remote._node as node_module
+    from aiocollect._observe._timesplit import SplitWindows, producer_totals
     from aiocollect._remote._messages import BatchNotice
-    from aiocollect._timesplit import SplitWindows, producer_totals
 
     def without(collector: Any) -> tuple[()]:
         return ()
@@ -194,8 +194,8 @@ def node_per_batch_ns(repeat: int = 7, number: int = 20_000) -> float:
     ``producer_totals``, the 7 numbers more in its pickled notice, the trainer's ``SplitWindows.add``."""
     import timeit
 
+    from aiocollect._observe._timesplit import SplitClock, SplitWindows, producer_totals
     from aiocollect._remote._messages import BatchNotice
-    from aiocollect._timesplit import SplitClock, SplitWindows, producer_totals
 
     class Hosted:  # a Collector as producer_totals sees it: its rollout's clock
         class _rollout:

@@ -360,9 +360,9 @@ def threads_in_package_code() -> list[str]:
         f: Any = frame
         while ident != me and f is not None:
             if f.f_code.co_filename.startswith(_PACKAGE_DIR):
-                # the innermost package frame in _rollout_thread.py: a collector's rollout thread between
+                # the innermost package frame in _rollout/_thread.py: a collector's rollout thread between
                 # jobs, or ringing a doorbell (through the event loop's wake-up) after one: idle
-                if not f.f_code.co_filename.endswith("_rollout_thread.py"):
+                if not f.f_code.co_filename.endswith("_rollout/_thread.py"):
                     busy.append(names.get(ident, str(ident)))
                 break
             f = f.f_back

@@ -550,7 +550,7 @@ async def test_workers_of_a_multi_collector_stop_at_the_end_of_the_run():
 
 
 def test_frames_per_second_decays_to_zero_after_the_last_batch():
-    from aiocollect._stats import StatsTracker
+    from aiocollect._observe._stats import StatsTracker
 
     tracker = StatsTracker(rate_window_s=10.0)
     start = tracker._started

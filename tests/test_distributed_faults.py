@@ -32,12 +32,12 @@ from aiocollect import (
     WorkerDiedError,
     WorkerError,
     WorkerTimeoutError,
-    _distributed_weights,
 )
 from aiocollect._remote import _launchers, _nodes
 from aiocollect._remote._processes import ExternalNode
 from aiocollect._transport._store import StoreServer
 from aiocollect._transport._wire import encode
+from aiocollect._weightsync import _distributed as _distributed_weights
 from support import ConstantPolicy, fd_count, pendulum
 from support import process_tree as _tree
 from support import wait_gone as _alive

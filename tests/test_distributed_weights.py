@@ -28,7 +28,7 @@ from aiocollect import (
     MultiSyncCollector,
     WorkerDiedError,
 )
-from aiocollect._weights import flat_weights
+from aiocollect._policies._weights import flat_weights
 from support import BufferedConstantPolicy as ConstantPolicy
 from support import broken_factory, native_threads, pendulum
 

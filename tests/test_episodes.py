@@ -19,7 +19,7 @@ from aiocollect import (
     MultiSyncCollector,
     ThreadedAsyncEnv,
 )
-from aiocollect._episodes import TrajectoryAssembler
+from aiocollect._episodes._assembler import TrajectoryAssembler
 from episode_envs import Stamped, Stamps, check_trajectories, trajectories
 
 pytestmark = pytest.mark.anyio

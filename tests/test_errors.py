@@ -18,7 +18,7 @@ from aiocollect import (
     WorkerError,
     WorkerTimeoutError,
 )
-from aiocollect._errors import RemoteFailure, worker_died, worker_error
+from aiocollect._core._errors import RemoteFailure, worker_died, worker_error
 
 
 def _examples() -> dict[type, BaseException]:

@@ -25,15 +25,16 @@ from tensordict.nn.distributions import CompositeDistribution, TruncatedNormal
 from torch import distributions as D
 from torch import nn
 
-from aiocollect import Collector, GymEnv, _fast_policy
-from aiocollect._fast_policy import (
+from aiocollect import Collector, GymEnv
+from aiocollect._policies import _fast as _fast_policy
+from aiocollect._policies._fast import (
     LazyFastRunner,
     compile_tensordict_policy,
     same_outputs,
     unsupported_reason,
     verify_fast_runner,
 )
-from aiocollect._policies import _TensorDictRunner, make_runner, one_input
+from aiocollect._policies._runners import _TensorDictRunner, make_runner, one_input
 
 OBS = ["observation"]
 

@@ -24,7 +24,7 @@ from aiocollect import (
     RestartPolicy,
     ThreadedAsyncEnv,
 )
-from aiocollect._episodes import TrajectoryAssembler
+from aiocollect._episodes._assembler import TrajectoryAssembler
 from episode_envs import trajectories
 
 pytestmark = pytest.mark.anyio

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from aiocollect import Collector, GymEnv, MultiSyncCollector, RolloutOptions
+from aiocollect._observe._timesplit import SplitWindows
 from aiocollect._remote._messages import HostSpec, StageWeights, WaitLoaded
 from aiocollect._remote._node import NodeCore
-from aiocollect._timesplit import SplitWindows
 from aiocollect._transport._messages import GetAttr, GetState, LoadState, Reset, SetSeed
 
 pytestmark = pytest.mark.anyio

@@ -145,7 +145,7 @@ def test_update_after_each_batch_is_a_deprecated_alias():
 
 
 def test_worker_backend_and_its_deprecated_spelling():
-    from aiocollect._options import worker_backend_arg
+    from aiocollect._core._options import worker_backend_arg
 
     assert worker_backend_arg("serial") == "serial"
     with pytest.warns(DeprecationWarning, match="worker_backend="):

@@ -174,7 +174,7 @@ async def test_multi_async_carries_the_state_per_worker() -> None:
 
 def test_fast_path_and_tensordict_path_agree() -> None:
     """The compiled key graph returns the ("next", state) output, bit-identical to the TensorDict path."""
-    from aiocollect._policies import make_runner
+    from aiocollect._policies._runners import make_runner
 
     obs = {
         "observation": torch.randn(3, 2),

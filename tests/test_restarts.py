@@ -31,7 +31,7 @@ from aiocollect import (
     RestartPolicy,
     RolloutOptions,
 )
-from aiocollect._restart import RestartBudget, derive_seed
+from aiocollect._core._restart import RestartBudget, derive_seed
 from support import EnvFailure
 
 pytestmark = pytest.mark.anyio

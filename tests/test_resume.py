@@ -193,7 +193,7 @@ def test_gym_env_state_round_trips(env_id: str, num_envs: int | None) -> None:
 def _to_file(state: Any) -> Any:
     import io
 
-    from aiocollect._resume import to_plain
+    from aiocollect._core._resume import to_plain
 
     buffer = io.BytesIO()
     torch.save(to_plain(state), buffer)

@@ -13,7 +13,7 @@ from tensordict.nn import ProbabilisticTensorDictModule, TensorDictModule, Tenso
 from torch.distributions import Categorical
 
 from aiocollect import Collector, GymEnv
-from aiocollect._rng import TORCH_RNG_LOCK, RolloutRNG, forked_rng
+from aiocollect._core._rng import TORCH_RNG_LOCK, RolloutRNG, forked_rng
 
 pytestmark = pytest.mark.anyio
 

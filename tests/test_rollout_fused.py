@@ -21,7 +21,7 @@ from torch import nn
 
 from aiocollect import Collector, GymEnv
 from aiocollect._envs._adapter import ArrayEnv
-from aiocollect._rollout_thread import Doorbell
+from aiocollect._rollout._thread import Doorbell
 
 pytestmark = pytest.mark.anyio
 
@@ -350,7 +350,7 @@ def test_the_batch_tensordict_is_the_constructors(named: bool) -> None:
     batch sizes and dim names as ``TensorDict(...)`` gives, nested keys included."""
     from tensordict import TensorDict
 
-    from aiocollect._rollout_batch import nested_td
+    from aiocollect._rollout._batch import nested_td
 
     bt = (3, 5)
     keys = ["observation", ("next", "observation"), ("next", "reward"), ("pixels", "left", "rgb"), "action"]
@@ -469,7 +469,7 @@ async def test_envpool_fused_loop_gives_the_per_step_batches(
 def test_trajectory_ids_are_those_a_per_step_loop_hands_out(shape: tuple[int, ...]) -> None:
     """The vectorised trajectory ids against the per-step rule: a frame has its env's id when the step
     began; after an episode end the env takes the next id, handed out in step order, then env order."""
-    from aiocollect._rollout_batch import trajectory_ids
+    from aiocollect._rollout._batch import trajectory_ids
 
     rng = np.random.default_rng(0)
     for steps in (1, 2, 9, 40):

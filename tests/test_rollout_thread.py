@@ -19,7 +19,7 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from aiocollect import Collector, GymEnv
-from aiocollect._storage import POOL_MIN_BYTES, StoragePool
+from aiocollect._rollout._storage import POOL_MIN_BYTES, StoragePool
 from support import rollout_threads
 
 pytestmark = pytest.mark.anyio

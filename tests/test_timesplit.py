@@ -24,9 +24,16 @@ from aiocollect import (
     MultiAsyncEnvCollector,
     MultiSyncCollector,
 )
-from aiocollect._sinks import statistics_scalars
-from aiocollect._stats import StatsTracker
-from aiocollect._timesplit import PARTS, SplitClock, SplitWindow, SplitWindows, combine_splits, member_split
+from aiocollect._observe._sinks import statistics_scalars
+from aiocollect._observe._stats import StatsTracker
+from aiocollect._observe._timesplit import (
+    PARTS,
+    SplitClock,
+    SplitWindow,
+    SplitWindows,
+    combine_splits,
+    member_split,
+)
 from support import HookedEnv
 
 PARTS_SET = set(PARTS)

@@ -49,7 +49,7 @@ from aiocollect import (
     compat,
 )
 from aiocollect._envs._adapter import ArrayEnv
-from aiocollect._policies import TorchRLRandomPolicy, random_policy_for
+from aiocollect._policies._runners import TorchRLRandomPolicy, random_policy_for
 
 pytestmark = [pytest.mark.torchrl, pytest.mark.anyio]
 

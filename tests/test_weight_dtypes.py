@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from aiocollect import Collector
-from aiocollect._weights import LOSSLESS_CASTS, check_compatible, copy_weights, flat_weights
+from aiocollect._policies._weights import LOSSLESS_CASTS, check_compatible, copy_weights, flat_weights
 from support import pendulum
 
 pytestmark = pytest.mark.anyio

@@ -33,7 +33,7 @@ from aiocollect import (
     WorkerDiedError,
     WorkerTimeoutError,
 )
-from aiocollect._restart import derive_seed
+from aiocollect._core._restart import derive_seed
 from support import cartpole, pendulum
 from test_async_envs import Counter, StepPolicy
 from test_async_workers import shares

@@ -14,14 +14,25 @@ from ._workers import _preload  # noqa: F401  (first: imports tensordict without
 
 from ._asyncenv._collector import AsyncEnvCollector
 from ._asyncenv._multi import MultiAsyncEnvCollector
-from ._distributed_weights import DistributedWeightSync
+from ._core._errors import CollectorClosedError, WorkerDiedError, WorkerError, WorkerTimeoutError
+from ._core._options import RolloutOptions, WeightSchedule
+from ._core._restart import RestartPolicy
+from ._core._signals import SignalStop, stop_on_signals
 from ._envs._async import AsyncEnvProtocol, AsyncVectorEnvProtocol, ThreadedAsyncEnv
 from ._envs._async_vector import ThreadedAsyncVectorEnv
 from ._envs._gym import GymEnv
 from ._envs._protocol import EnvProtocol
-from ._episodes import EpisodeStatistics
-from ._errors import CollectorClosedError, WorkerDiedError, WorkerError, WorkerTimeoutError
-from ._events import (
+from ._episodes._assembler import EpisodeStatistics
+from ._episodes._trajectories import split_trajectories
+from ._local._collector import Collector
+from ._multi import (
+    MultiAsyncCollector,
+    MultiCollector,
+    MultiSyncCollector,
+    ProcessCollector,
+    set_worker_warnings,
+)
+from ._observe._events import (
     BatchDelivered,
     EpisodeFinished,
     Event,
@@ -36,24 +47,13 @@ from ._events import (
     WorkerStarted,
     WorkerStopped,
 )
-from ._local._collector import Collector
-from ._metrics import metrics_text
-from ._multi import (
-    MultiAsyncCollector,
-    MultiCollector,
-    MultiSyncCollector,
-    ProcessCollector,
-    set_worker_warnings,
-)
-from ._options import RolloutOptions, WeightSchedule
-from ._policies import RandomPolicy
+from ._observe._metrics import metrics_text
+from ._observe._sinks import Sink, TensorBoardSink, WandbSink
+from ._observe._stats import CollectorStatistics, WorkerState, WorkerStatistics
+from ._policies._runners import RandomPolicy
 from ._procenv import ProcessVectorEnv
-from ._restart import RestartPolicy
-from ._signals import SignalStop, stop_on_signals
-from ._sinks import Sink, TensorBoardSink, WandbSink
-from ._stats import CollectorStatistics, WorkerState, WorkerStatistics
-from ._trajectories import split_trajectories
-from ._weightsync import (
+from ._weightsync._distributed import DistributedWeightSync
+from ._weightsync._schemes import (
     PipeWeightSync,
     SharedMemoryWeightSync,
     WeightReceiver,

@@ -37,13 +37,13 @@ import anyio
 import numpy as np
 import torch
 
+from .._core._restart import derive_seed
+from .._core._resume import derived_seed, generator_state, set_generator_state, to_plain
+from .._core._rng import RolloutRNG
+from .._core._validation import seed_arg
 from .._envs._spaces import NestedKey
-from .._episodes import TrajectoryAssembler
-from .._restart import derive_seed
-from .._resume import derived_seed, generator_state, set_generator_state, to_plain
-from .._rng import RolloutRNG
-from .._validation import seed_arg
-from .._weights import as_weights, check_compatible, module_weights
+from .._episodes._assembler import TrajectoryAssembler
+from .._policies._weights import as_weights, check_compatible, module_weights
 from ._envstate import FromState, as_obs, maybe_await, raw_obs, state_methods
 from ._policy import BatchPolicy
 from ._run import Engine, EngineConfig, Signal
@@ -54,7 +54,7 @@ __all__ = ["CheckpointMixin", "SeededPolicy"]
 
 class SeededPolicy(BatchPolicy):
     """A :class:`BatchPolicy` whose torch calls draw from ``rng`` (the collector's own torch generator when
-    it is seeded; see ``_rng.py``)."""
+    it is seeded; see ``_core/_rng.py``)."""
 
     rng: RolloutRNG
 

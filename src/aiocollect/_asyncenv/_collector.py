@@ -14,18 +14,11 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
-from .._envs._async import AsyncVectorEnvProtocol
-from .._episodes import TrajectoryAssembler
-from .._episodes_args import async_chunk, check_async_envs, episode_args, trajs_per_batch_arg
-from .._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
-from .._gcfreeze import GcHold
-from .._local._base import CollectorBase
-from .._mistakes import explicit_keywords, warn_user
-from .._restart import RestartPolicy
-from .._rng import RolloutRNG
-from .._stats import CollectorStatistics, WorkerStatistics
-from .._trajectories import split_trajectories
-from .._validation import (
+from .._core._gcfreeze import GcHold
+from .._core._mistakes import explicit_keywords, warn_user
+from .._core._restart import RestartPolicy
+from .._core._rng import RolloutRNG
+from .._core._validation import (
     exploration_type_arg,
     flag,
     non_negative_int,
@@ -37,6 +30,13 @@ from .._validation import (
     seed_arg,
     total_frames_arg,
 )
+from .._envs._async import AsyncVectorEnvProtocol
+from .._episodes._args import async_chunk, check_async_envs, episode_args, trajs_per_batch_arg
+from .._episodes._assembler import TrajectoryAssembler
+from .._episodes._trajectories import split_trajectories
+from .._local._base import CollectorBase
+from .._observe._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
+from .._observe._stats import CollectorStatistics, WorkerStatistics
 from ._args import engine_kind, fused_arg, max_wait_arg, on_env_error_arg
 from ._checkpoint import CheckpointMixin, SeededPolicy
 from ._envset import EnvSet, env_fns_arg, open_envs

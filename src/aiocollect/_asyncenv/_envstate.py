@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._core._resume import to_arrays
 from .._envs._async import ThreadedAsyncEnv
 from .._envs._async_vector import ThreadedAsyncVectorEnv
 from .._envs._gym_state import env_state as gym_env_state
 from .._envs._gym_state import set_env_state as set_gym_env_state
-from .._resume import to_arrays
 
 __all__ = ["FromState", "as_obs", "maybe_await", "raw_obs", "state_methods"]
 

@@ -33,9 +33,9 @@ import anyio.abc
 import anyio.to_thread
 import numpy as np
 
+from .._core._torch_settings import TorchSettings
+from .._observe._timesplit import SplitClock
 from .._procenv._driven import Poller, Unit, release
-from .._timesplit import SplitClock
-from .._torch_settings import TorchSettings
 from ._envset import EnvSet, close_once
 from ._frames import FrameBatch
 from ._fused_driver import Driver, Halted

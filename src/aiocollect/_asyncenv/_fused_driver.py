@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .._envs._spaces import LeafSpec, NestedKey
-from .._events import WorkerFailed
+from .._observe._events import WorkerFailed
 from .._procenv._driven import Poller, Unit, read_reply
 from ._frames import FrameBatch, Layout, PolicyCall
 from ._run import as_numpy, output_dtype

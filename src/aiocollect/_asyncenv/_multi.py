@@ -13,17 +13,9 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
-from .._episodes_args import async_chunk, episode_args, trajs_per_batch_arg
-from .._events import Restarted, WorkerFailed
-from .._fleet import Arrival, FleetCollector
-from .._mistakes import explicit_keywords
-from .._multi._async import FirstReady
-from .._multi._episodes import Episodes
-from .._multi._workers import Workers, WorkersMixin, init_workers
-from .._restart import RestartPolicy
-from .._trajectories import split_trajectories
-from .._transport._messages import RunFree
-from .._validation import (
+from .._core._mistakes import explicit_keywords
+from .._core._restart import RestartPolicy
+from .._core._validation import (
     exploration_type_arg,
     flag,
     init_random_frames_arg,
@@ -33,7 +25,15 @@ from .._validation import (
     optional_positive_int,
     seed_arg,
 )
-from .._weightsync import WeightSync
+from .._episodes._args import async_chunk, episode_args, trajs_per_batch_arg
+from .._episodes._trajectories import split_trajectories
+from .._fleet._collector import Arrival, FleetCollector
+from .._multi._async import FirstReady
+from .._multi._episodes import Episodes
+from .._multi._workers import Workers, WorkersMixin, init_workers
+from .._observe._events import Restarted, WorkerFailed
+from .._transport._messages import RunFree
+from .._weightsync._schemes import WeightSync
 from ._args import max_wait_arg, on_env_error_arg
 from ._multi_args import (
     UNSUPPORTED,

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .._mistakes import warn_user
-from .._validation import positive_int
+from .._core._mistakes import warn_user
+from .._core._validation import positive_int
 from ._envset import env_fns_arg
 
 __all__ = [

@@ -16,8 +16,8 @@ from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import InteractionType, set_interaction_type
 
 from .._envs._spaces import NestedKey, action_bounds, action_leaf_spaces, action_outside_space
-from .._policies import RandomPolicy, make_runner
-from .._weights import as_weights, check_compatible, copy_weights, module_weights
+from .._policies._runners import RandomPolicy, make_runner
+from .._policies._weights import as_weights, check_compatible, copy_weights, module_weights
 from ._policy_thread import PolicyThread
 
 __all__ = ["ActionCodec", "BatchPolicy", "DeviceStaging", "is_async_policy"]

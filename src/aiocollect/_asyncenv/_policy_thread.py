@@ -5,7 +5,7 @@ A call is a slot and two wake-ups: the loop writes the function into the slot an
 thread blocks on (its doorbell); the thread runs it, writes the result into the slot and sets an
 ``anyio.Event`` through the loop's own thread-safe wake-up (``call_soon_threadsafe`` on asyncio and uvloop,
 ``run_sync_soon`` on trio), which never waits for the loop. Nothing else is made per call (the collectors'
-general rollout thread, ``_rollout_thread.py``, makes a job with two ``threading.Event``\\ s and a queue
+general rollout thread, ``_rollout/_thread.py``, makes a job with two ``threading.Event``\\ s and a queue
 entry per call, about twice the CPU).
 """
 
@@ -20,8 +20,8 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from .._rollout_thread import end_at_exit
-from .._torch_settings import TorchSettings
+from .._core._torch_settings import TorchSettings
+from .._rollout._thread import end_at_exit
 
 __all__ = ["PolicyThread", "loop_wake"]
 

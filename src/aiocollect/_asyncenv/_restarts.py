@@ -15,9 +15,9 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from .._core._restart import RestartBudget, RestartPolicy, derive_seed
 from .._envs._rebuild import env_factory
-from .._events import Restarted
-from .._restart import RestartBudget, RestartPolicy, derive_seed
+from .._observe._events import Restarted
 from ._envset import EnvSet, reopen_env, spaces_of, vector_width
 from ._frames import FrameBatch, PolicyCall
 

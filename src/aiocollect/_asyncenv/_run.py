@@ -29,9 +29,9 @@ import numpy as np
 import torch
 
 from .._envs._spaces import LeafSpec, NestedKey
-from .._events import WorkerFailed
-from .._groups import RowEpisodes
-from .._timesplit import SplitClock
+from .._episodes._groups import RowEpisodes
+from .._observe._events import WorkerFailed
+from .._observe._timesplit import SplitClock
 from ._envset import EnvSet, close_once
 from ._frames import FrameBatch, Layout, PolicyCall
 from ._policy import ActionCodec, BatchPolicy
@@ -72,7 +72,8 @@ class EngineConfig:
     seed: int | None
     drop_failed_envs: bool
     track_policy_version: bool
-    #: seeded episodes (``_groups.py``): in groups of this many rows, and started again at each update
+    #: seeded episodes (``_episodes/_groups.py``): in groups of this many rows, and started again at each
+    #: update
     group_size: int | None = None
     restart_on_update: bool = False
 

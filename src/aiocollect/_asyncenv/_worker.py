@@ -27,8 +27,9 @@ import cloudpickle
 import torch
 from tensordict import TensorDictBase
 
-from .._events import EventStream, Restarted, WorkerFailed
-from .._restart import RestartPolicy
+from .._core._restart import RestartPolicy
+from .._observe._events import EventStream, Restarted, WorkerFailed
+from .._policies._weights import flat_weights
 from .._transport._flat import layout_of
 from .._transport._messages import (
     Attach,
@@ -48,7 +49,6 @@ from .._transport._messages import (
 )
 from .._transport._shm import SharedBlock
 from .._transport._wire import BlockingChannel
-from .._weights import flat_weights
 from .._workers._paths import resolve
 from .._workers._replace import IDS_PER_GENERATION
 from .._workers._worker import control_layout
@@ -103,7 +103,8 @@ class WorkerConfig:
     on_env_error: str = "raise"
     #: restart=: each worker restarts its own envs (``RestartPolicy``), or ``None``
     restart: RestartPolicy | None = None
-    #: seeded episodes (``_groups.py``): in groups of this many of the worker's envs, and started again
+    #: seeded episodes (``_episodes/_groups.py``): in groups of this many of the worker's envs, and started
+    #: again
     #: when the worker loads new weights (``on_update="restart"``)
     group_size: int | None = None
     on_update: str = "continue"

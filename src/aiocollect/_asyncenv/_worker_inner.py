@@ -11,8 +11,8 @@ from typing import Any
 
 import anyio
 
-from .._events import EventStream
-from .._restart import derive_seed
+from .._core._restart import derive_seed
+from .._observe._events import EventStream
 from ._collector import AsyncEnvCollector
 from ._envset import EnvSet
 from ._policy import BatchPolicy

@@ -10,7 +10,7 @@ import torch
 from gymnasium import spaces
 
 from .._envs._spaces import NestedKey
-from .._policies import RandomPolicy
+from .._policies._runners import RandomPolicy
 from ._policy import BatchPolicy
 
 __all__ = ["RandomFirst"]

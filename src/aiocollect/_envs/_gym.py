@@ -665,7 +665,7 @@ class GymEnv:
         truncated go to ``slots[1:][t]`` (time-first views of the batch). Stops early where
         ``stop.is_set()``. ``clock``: a ``SplitClock`` that gets the policy calls' time.
         ``reseed(root, done)``: the observations after the ended episodes are reset again, seeded
-        (``group_size``; ``_groups.py``).
+        (``group_size``; ``_episodes/_groups.py``).
         Returns (steps taken, the observation to act on next).
         """
         env_step = self._env.step

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from .._restart import RestartBudget, RestartPolicy, derive_seed, wait_interruptibly
+from .._core._restart import RestartBudget, RestartPolicy, derive_seed, wait_interruptibly
 from ._adapter import ArrayEnv
 
 __all__ = ["EnvRebuilder", "close_quietly", "env_factory"]

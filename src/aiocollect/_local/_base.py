@@ -15,8 +15,8 @@ import anyio
 import anyio.abc
 from tensordict import TensorDictBase
 
-from .._errors import CollectorClosedError
-from .._events import (
+from .._core._errors import CollectorClosedError
+from .._observe._events import (
     BatchDelivered,
     EpisodeFinished,
     EventHub,
@@ -26,12 +26,12 @@ from .._events import (
     Paused,
     Resumed,
 )
-from .._progress import Progress
-from .._stats import StatsTracker
+from .._observe._progress import Progress
+from .._observe._stats import StatsTracker
 
 if TYPE_CHECKING:
-    from .._episodes import EpisodeStatistics
-    from .._sinks import Sink
+    from .._episodes._assembler import EpisodeStatistics
+    from .._observe._sinks import Sink
 
 __all__ = ["CollectorBase"]
 

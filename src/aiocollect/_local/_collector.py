@@ -19,21 +19,13 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
-from .._envs._rebuild import env_factory
-from .._episodes import TrajectoryAssembler
-from .._episodes_args import chunk_frames, group_size_arg, refuse_cuts, trajs_per_batch_arg
-from .._errors import WorkerTimeoutError
-from .._events import Restarted, WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
-from .._mistakes import explicit_keywords, warn_user
-from .._options import RolloutOptions, WeightSchedule, refuse_schedule
-from .._restart import RestartPolicy
-from .._resume import load_member, member_state
-from .._rng import RolloutRNG, forked_rng
-from .._rollout import RolloutResult, build_rollout, open_env
-from .._rollout_thread import Doorbell, Job, RolloutThread, collect_episodes
-from .._stats import CollectorStatistics, WorkerStatistics
-from .._trajectories import split_trajectories
-from .._validation import (
+from .._core._errors import WorkerTimeoutError
+from .._core._mistakes import explicit_keywords, warn_user
+from .._core._options import RolloutOptions, WeightSchedule, refuse_schedule
+from .._core._restart import RestartPolicy
+from .._core._resume import load_member, member_state
+from .._core._rng import RolloutRNG, forked_rng
+from .._core._validation import (
     flag,
     non_negative_int,
     optional_callable,
@@ -42,8 +34,23 @@ from .._validation import (
     seed_arg,
     timeout_arg,
 )
-from .._weights import as_weights, check_compatible, copy_weights, module_weights
-from .._weightsync import weight_sync_arg
+from .._envs._rebuild import env_factory
+from .._episodes._args import chunk_frames, group_size_arg, refuse_cuts, trajs_per_batch_arg
+from .._episodes._assembler import TrajectoryAssembler
+from .._episodes._trajectories import split_trajectories
+from .._observe._events import (
+    Restarted,
+    WeightsLoaded,
+    WeightsPublished,
+    WorkerFailed,
+    WorkerStarted,
+    WorkerStopped,
+)
+from .._observe._stats import CollectorStatistics, WorkerStatistics
+from .._policies._weights import as_weights, check_compatible, copy_weights, module_weights
+from .._rollout._core import RolloutResult, build_rollout, open_env
+from .._rollout._thread import Doorbell, Job, RolloutThread, collect_episodes
+from .._weightsync._schemes import weight_sync_arg
 from ._base import CollectorBase
 
 __all__ = ["Collector"]
@@ -250,7 +257,7 @@ class Collector(CollectorBase):
             factory=env_factory(create_env_fn, self._options.restart),
             on_env=partial(setattr, self, "_env"),
         )
-        # the policy samples with the collector's own torch RNG state when seeded (see _rng.py)
+        # the policy samples with the collector's own torch RNG state when seeded (see _core/_rng.py)
         self._rng = RolloutRNG(self._seed)
         # one dry policy call: a broken policy fails here, not later. It draws from a forked RNG so
         # that the first batch is the one a later set_seed(seed) gives (no number drawn here).

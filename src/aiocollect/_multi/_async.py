@@ -14,18 +14,18 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
-from .._episodes_args import episode_args, trajs_per_batch_arg
-from .._fleet import Arrival, FleetCollector
-from .._mistakes import explicit_keywords
-from .._options import RolloutOptions, WeightSchedule
-from .._restart import RestartPolicy
+from .._core._mistakes import explicit_keywords
+from .._core._options import RolloutOptions, WeightSchedule
+from .._core._restart import RestartPolicy
+from .._episodes._args import episode_args, trajs_per_batch_arg
+from .._episodes._renames import TrajectoryRenames
+from .._fleet._collector import Arrival, FleetCollector
 from .._transport._messages import Release, RunFree
-from .._weightsync import WeightSync
+from .._weightsync._schemes import WeightSync
 from .._workers._pool import WorkerPool
 from .._workers._worker import HALTED
 from ._delivery import episodes_of
 from ._episodes import Episodes
-from ._renames import TrajectoryRenames
 from ._workers import Workers, WorkersMixin, init_workers
 
 __all__ = ["FirstReady", "MultiAsyncCollector", "ProcessCollector"]

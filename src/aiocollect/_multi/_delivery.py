@@ -1,6 +1,6 @@
 """How a multi-process collector gathers a batch from its workers (the :class:`Delivering` protocol:
 :class:`~._sync.Gather` for ``MultiSyncCollector``, :class:`~._async.FirstReady` for the others), each
-handed as an :class:`~aiocollect._fleet.Arrival`."""
+handed as an :class:`~aiocollect._fleet._collector.Arrival`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from tensordict import TensorDictBase
 
 if TYPE_CHECKING:
-    from .._fleet import Arrival
+    from .._fleet._collector import Arrival
     from ._workers import Workers
 
 __all__ = ["Delivering", "episodes_of"]

@@ -1,6 +1,6 @@
 """``trajs_per_batch`` for the multi-process collectors: :class:`Episodes`, a :class:`Delivering` over
 another (``Gather`` or ``FirstReady``) that feeds its frame batches to one
-:class:`~aiocollect._episodes.TrajectoryAssembler` and delivers whole trajectories instead."""
+:class:`~aiocollect._episodes._assembler.TrajectoryAssembler` and delivers whole trajectories instead."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 from tensordict import TensorDictBase
 
-from .._episodes import TrajectoryAssembler
-from .._episodes_args import CHUNK_FRAMES, refuse_cuts
-from .._fleet import Arrival
-from .._options import RolloutOptions
-from .._validation import lag_arg
+from .._core._options import RolloutOptions
+from .._core._validation import lag_arg
+from .._episodes._args import CHUNK_FRAMES, refuse_cuts
+from .._episodes._assembler import TrajectoryAssembler
+from .._fleet._collector import Arrival
 from ._delivery import Delivering
 
 if TYPE_CHECKING:

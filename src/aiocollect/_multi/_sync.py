@@ -11,13 +11,13 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
-from .._episodes_args import group_size_arg, trajs_per_batch_arg
-from .._fleet import Arrival, FleetCollector
-from .._mistakes import explicit_keywords, warn_user
-from .._options import RolloutOptions, WeightSchedule
-from .._restart import RestartPolicy
+from .._core._mistakes import explicit_keywords, warn_user
+from .._core._options import RolloutOptions, WeightSchedule
+from .._core._restart import RestartPolicy
+from .._episodes._args import group_size_arg, trajs_per_batch_arg
+from .._fleet._collector import Arrival, FleetCollector
 from .._transport._messages import Collect
-from .._weightsync import WeightSync
+from .._weightsync._schemes import WeightSync
 from .._workers._pool import WorkerPool
 from ._delivery import episodes_of
 from ._episodes import Episodes

@@ -1,5 +1,6 @@
-"""The worker pool as a :class:`~aiocollect._fleet.Transport` of the one
-:class:`~aiocollect._fleet.FleetCollector` (:class:`Workers`), and what the multi-process collectors
+"""The worker pool as a :class:`~aiocollect._fleet._collector.Transport` of the one
+:class:`~aiocollect._fleet._collector.FleetCollector` (:class:`Workers`), and what the multi-process
+collectors
 add to the fleet's surface (:class:`WorkersMixin`: ``get_distant_attr``, ``map_fn``).
 
 Each worker (a process, or a thread with ``worker_backend="serial"``) runs the rollout core and writes
@@ -22,18 +23,13 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
-from .._errors import CollectorClosedError, WorkerTimeoutError
-from .._fleet import Arrival, FleetCollector
-from .._gather import gather
-from .._options import RolloutOptions, WeightSchedule, refuse_schedule, worker_backend_arg
-from .._restart import RestartPolicy, derive_seed
-from .._resume import check_fleet_env_state
-from .._stats import WorkerStatistics
-from .._torch_settings import TorchSettings
-from .._trajectories import split_trajectories
-from .._transport._messages import FleetOp, GetPath, GetWeights, LoadWeights, MapFn, SetSeed
-from .._transport._shm import SharedBlock
-from .._validation import (
+from .._core._errors import CollectorClosedError, WorkerTimeoutError
+from .._core._gather import gather
+from .._core._options import RolloutOptions, WeightSchedule, refuse_schedule, worker_backend_arg
+from .._core._restart import RestartPolicy, derive_seed
+from .._core._resume import check_fleet_env_state
+from .._core._torch_settings import TorchSettings
+from .._core._validation import (
     optional_callable,
     optional_positive_int,
     policy_arg,
@@ -41,8 +37,13 @@ from .._validation import (
     replay_buffer_arg,
     timeout_arg,
 )
-from .._weights import flat_weights
-from .._weightsync import (
+from .._episodes._trajectories import split_trajectories
+from .._fleet._collector import Arrival, FleetCollector
+from .._observe._stats import WorkerStatistics
+from .._policies._weights import flat_weights
+from .._transport._messages import FleetOp, GetPath, GetWeights, LoadWeights, MapFn, SetSeed
+from .._transport._shm import SharedBlock
+from .._weightsync._schemes import (
     PipeWeightSync,
     SharedMemoryWeightSync,
     WeightSender,
@@ -191,7 +192,8 @@ def init_workers(
 
 
 class Workers:
-    """The worker pool of a multi-process collector (``fleet``), a :class:`~aiocollect._fleet.Transport`:
+    """The worker pool of a multi-process collector (``fleet``), a
+    :class:`~aiocollect._fleet._collector.Transport`:
     the workers, their shared control block (stop flags, staleness floors, versions published, frames
     discarded) and the weights' sender; ``delivery`` says how a batch is gathered."""
 
@@ -488,7 +490,7 @@ class Workers:
         return replaced + own
 
     def check_env_state(self, envs: bool) -> None:
-        check_fleet_env_state(envs, self.delivery.sync, self.num_workers)  # _resume.py
+        check_fleet_env_state(envs, self.delivery.sync, self.num_workers)  # _core/_resume.py
 
     async def saved_policy(self, states: list[Any]) -> Any:
         return await self.pool.call(0, GetWeights()) if states and self.pool is not None else None

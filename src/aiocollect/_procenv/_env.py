@@ -20,9 +20,9 @@ import cloudpickle
 import gymnasium as gym
 import numpy as np
 
+from .._core._errors import WorkerDiedError
+from .._core._mistakes import check_main_guard
 from .._envs._spaces import NestedKey, action_specs, observation_specs
-from .._errors import WorkerDiedError
-from .._mistakes import check_main_guard
 from .._transport._messages import Failed
 from .._transport._wire import BlockingChannel, FrameReader
 from .._workers._pool import signal_group

@@ -20,11 +20,11 @@ import cloudpickle
 import torch
 from tensordict import TensorDictBase
 
-from .._mistakes import warn_user
-from .._options import RolloutOptions, WeightSchedule
-from .._restart import RestartPolicy
-from .._validation import positive_int, seed_arg
-from .._weights import flat_weights
+from .._core._mistakes import warn_user
+from .._core._options import RolloutOptions, WeightSchedule
+from .._core._restart import RestartPolicy
+from .._core._validation import positive_int, seed_arg
+from .._policies._weights import flat_weights
 
 #: keywords a remote collector sets on every hosted collector itself
 RESERVED = (

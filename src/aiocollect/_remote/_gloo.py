@@ -31,21 +31,21 @@ import anyio.to_thread
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from .._daemon import run_abandonable
-from .._distributed_weights import DistributedWeightSync
-from .._errors import RemoteFailure
-from .._fleet import FleetCollector
-from .._gather import gather
+from .._core._daemon import run_abandonable
+from .._core._errors import RemoteFailure
+from .._core._gather import gather
+from .._core._mistakes import explicit_keywords
+from .._core._options import WeightSchedule
+from .._core._restart import RestartPolicy
+from .._fleet._collector import FleetCollector
 from .._local._collector import Collector
-from .._mistakes import explicit_keywords
-from .._options import WeightSchedule
-from .._restart import RestartPolicy
+from .._policies._weights import module_weights
 from .._transport._flat import FlatBuffer, layout_of
 from .._transport._groups import check_backend, interface_from_env, new_group
 from .._transport._messages import Result
 from .._transport._store import StoreClient
 from .._transport._wire import AsyncChannel
-from .._weights import module_weights
+from .._weightsync._distributed import DistributedWeightSync
 from ._args import UNSET
 from ._messages import BatchNotice, CallFailed, Close, Collect, Loaded, NodeBatch, NodeReady, Request, Setup
 from ._node import NodeCore

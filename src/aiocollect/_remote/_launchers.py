@@ -44,7 +44,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from .._mistakes import check_main_guard
+from .._core._mistakes import check_main_guard
 from .._transport._wire import connect_retrying
 from ._processes import ExternalNode, JobNode, MPNode, NodeProcess
 
@@ -163,7 +163,7 @@ def _leaf(exc: BaseException) -> BaseException:
 
 
 async def _serve(sock: socket.socket, rank: int) -> None:
-    from .._errors import RemoteFailure
+    from .._core._errors import RemoteFailure
     from .._transport._messages import Failed
     from .._transport._wire import AsyncChannel
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-from .._errors import RemoteFailure
-from .._options import RolloutOptions
+from .._core._errors import RemoteFailure
+from .._core._options import RolloutOptions
 from .._transport._messages import GetAttr, GetState, LoadState, Operation, Reset, SetSeed
 
 

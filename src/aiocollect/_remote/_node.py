@@ -18,9 +18,9 @@ import cloudpickle
 import torch
 from tensordict import TensorDict
 
-from .._events import BatchDelivered, EpisodeFinished, Restarted
-from .._fleet import FleetCollector
-from .._timesplit import producer_totals
+from .._fleet._collector import FleetCollector
+from .._observe._events import BatchDelivered, EpisodeFinished, Restarted
+from .._observe._timesplit import producer_totals
 from .._transport._messages import GetAttr, GetState, LoadState, Reset, SetSeed
 from ._messages import ControlOp, HostSpec, NextBatch, NodeBatch, StageWeights, WaitLoaded
 

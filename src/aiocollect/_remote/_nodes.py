@@ -1,5 +1,6 @@
 """The nodes of ``DistributedCollector``, ``DistributedSyncCollector`` and ``RPCCollector`` as a transport
-of the one :class:`~aiocollect._fleet.FleetCollector` (:class:`Nodes`): launching them, their control
+of the one :class:`~aiocollect._fleet._collector.FleetCollector` (:class:`Nodes`): launching them, their
+control
 connections, replies, failures and shutdown, asking them for batches (sync and async) and sending them
 weights. An engine subclasses it with its data plane (``_gloo.GlooNodes``, ``_rpc.RpcNodes``).
 
@@ -28,12 +29,12 @@ import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from tensordict import TensorDictBase
 
-from .._errors import WorkerError, WorkerTimeoutError, as_error, worker_died
-from .._events import WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
-from .._fleet import Arrival, FleetCollector
-from .._gather import gather
-from .._stats import WorkerState
-from .._timesplit import SplitWindows
+from .._core._errors import WorkerError, WorkerTimeoutError, as_error, worker_died
+from .._core._gather import gather
+from .._fleet._collector import Arrival, FleetCollector
+from .._observe._events import WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
+from .._observe._stats import WorkerState
+from .._observe._timesplit import SplitWindows
 from .._transport._messages import Failed, FleetOp, Result
 from .._transport._store import StoreClient, StoreServer
 from .._transport._waiters import Waiter, WaiterTable
@@ -119,7 +120,8 @@ class RemoteNode:
 
 
 class Nodes(Hosts, abc.ABC):
-    """The nodes of a node collector (``fleet``), a :class:`~aiocollect._fleet.Transport`; an engine
+    """The nodes of a node collector (``fleet``), a :class:`~aiocollect._fleet._collector.Transport`; an
+    engine
     subclasses it with the hooks of its data plane."""
 
     state_prefix = "node"

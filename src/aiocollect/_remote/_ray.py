@@ -15,14 +15,14 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
-from .._fleet import FleetCollector
+from .._core._mistakes import explicit_keywords
+from .._core._options import WeightSchedule
+from .._core._restart import RestartPolicy
+from .._core._validation import flag, positive_int, replay_buffer_arg, total_frames_arg
+from .._fleet._collector import FleetCollector
 from .._local._collector import Collector
-from .._mistakes import explicit_keywords
 from .._multi._async import MultiAsyncCollector, ProcessCollector
 from .._multi._sync import MultiSyncCollector
-from .._options import WeightSchedule
-from .._restart import RestartPolicy
-from .._validation import flag, positive_int, replay_buffer_arg, total_frames_arg
 from ._args import (
     UNSET,
     check_keywords,

@@ -13,8 +13,8 @@ import anyio.to_thread
 import torch
 from tensordict import TensorDictBase
 
-from .._errors import worker_died, worker_error
-from .._options import RolloutOptions
+from .._core._errors import worker_died, worker_error
+from .._core._options import RolloutOptions
 from ._launchers import stop_forkserver
 from ._messages import ControlOp, HostSpec
 from ._node import NodeCore, build_collector

@@ -1,5 +1,6 @@
 """The actors of :class:`~aiocollect.RayCollector` as a transport of the one
-:class:`~aiocollect._fleet.FleetCollector` (:class:`RayActors`): starting them (and a local Ray cluster if
+:class:`~aiocollect._fleet._collector.FleetCollector` (:class:`RayActors`): starting them (and a local Ray
+cluster if
 none runs), asking them for batches (sync and async), weights through Ray's object store, awaiting Ray's
 object refs on any event loop, Ray's errors in the shared vocabulary, and closing the actors (their
 collectors reap their workers) and the cluster it started."""
@@ -21,15 +22,15 @@ import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from tensordict import TensorDictBase
 
-from .._errors import CollectorClosedError, WorkerTimeoutError
-from .._events import WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
-from .._fleet import Arrival, FleetCollector
-from .._gather import gather
-from .._mistakes import warn_user
-from .._options import RolloutOptions
-from .._restart import RestartPolicy
-from .._stats import WorkerState
-from .._timesplit import SplitWindows
+from .._core._errors import CollectorClosedError, WorkerTimeoutError
+from .._core._gather import gather
+from .._core._mistakes import warn_user
+from .._core._options import RolloutOptions
+from .._core._restart import RestartPolicy
+from .._fleet._collector import Arrival, FleetCollector
+from .._observe._events import WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
+from .._observe._stats import WorkerState
+from .._observe._timesplit import SplitWindows
 from .._transport._messages import FleetOp
 from ._args import WeightPlan
 from ._ray_actor import actor_class, import_ray, unwrap_ray_error
@@ -102,7 +103,7 @@ class _Lost:
 
 
 class RayActors(Hosts):
-    """The actors of a ``RayCollector`` (``fleet``), a :class:`~aiocollect._fleet.Transport`."""
+    """The actors of a ``RayCollector`` (``fleet``), a :class:`~aiocollect._fleet._collector.Transport`."""
 
     state_prefix = "worker"
     versioned = True

@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Iterable
 
-from .._pids import pid_alive
+from .._core._pids import pid_alive
 
 __all__ = ["Watchdog", "descendants", "end_processes", "start_watchdog", "start_time"]
 

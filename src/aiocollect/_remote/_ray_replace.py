@@ -5,7 +5,8 @@ the newest weights published to each actor (their object ref, kept so that a rep
 its first frame). A replacement is a new actor on the same slot: the first generation's env constructors,
 collector and policy (the same objects in Ray's object store), trajectory ids of its own generation
 (:func:`~aiocollect._workers._replace.restarted_options`), a seed derived from its predecessor's
-(:func:`~aiocollect._restart.derive_seed`), and the newest weights loaded before it is asked for a batch.
+(:func:`~aiocollect._core._restart.derive_seed`), and the newest weights loaded before it is asked for a
+batch.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import anyio.to_thread
 
-from .._errors import WorkerDiedError, WorkerTimeoutError
-from .._events import Restarted, WorkerStarted
-from .._restart import RestartBudget, RestartPolicy, derive_seed
-from .._stats import WorkerState
+from .._core._errors import WorkerDiedError, WorkerTimeoutError
+from .._core._restart import RestartBudget, RestartPolicy, derive_seed
+from .._observe._events import Restarted, WorkerStarted
+from .._observe._stats import WorkerState
 from .._transport._messages import SetSeed
 from .._workers._replace import restarted_options
 from ._ray_reaper import descendants

@@ -3,7 +3,8 @@
 A gloo process group (and the weight broadcast over it) cannot take a new process as a dead rank, and an
 RPC group's membership is fixed once it started: a node that dies (or hangs past ``progress_timeout``) is
 answered by relaunching the **whole group**. A :class:`GroupRelauncher` belongs to one
-:class:`~._nodes.Nodes`: one :class:`~aiocollect._restart.RestartBudget` for the group, the newest weights
+:class:`~._nodes.Nodes`: one :class:`~aiocollect._core._restart.RestartBudget` for the group, the newest
+weights
 published to each node, and the relaunch itself, run in the collector's I/O task group:
 
 1. the loss is counted against the budget (spent: the run ends with the node's own error, the restart
@@ -13,7 +14,7 @@ published to each node, and the relaunch itself, run in the collector's I/O task
    connections, transfers) end; a batch whose notice had arrived is counted in ``frames_discarded``;
 3. after the backoff, every node is launched again on a new control port, store and token, with
    trajectory ids of a new generation (:func:`~aiocollect._workers._replace.restarted_options`), each
-   node seeded with :func:`~aiocollect._restart.derive_seed` of its seed and the restart count, and the
+   node seeded with :func:`~aiocollect._core._restart.derive_seed` of its seed and the restart count, and the
    newest weights loaded before its first batch. A node that fails on the way up counts as another loss.
 
 Callers of the transport (a batch, a weight update, a call) that meet the loss wait for the new group and
@@ -32,10 +33,10 @@ import anyio
 import anyio.to_thread
 from tensordict import TensorDictBase
 
-from .._errors import WorkerDiedError, WorkerTimeoutError
-from .._events import Restarted
-from .._options import RolloutOptions
-from .._restart import RestartBudget, RestartPolicy, derive_seed
+from .._core._errors import WorkerDiedError, WorkerTimeoutError
+from .._core._options import RolloutOptions
+from .._core._restart import RestartBudget, RestartPolicy, derive_seed
+from .._observe._events import Restarted
 from .._transport._messages import SetSeed
 from .._workers._replace import restarted_options
 

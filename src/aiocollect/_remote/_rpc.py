@@ -36,14 +36,14 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDictBase
 
-from .._daemon import run_abandonable
-from .._errors import RemoteFailure, as_error
-from .._fleet import FleetCollector
-from .._gather import gather
+from .._core._daemon import run_abandonable
+from .._core._errors import RemoteFailure, as_error
+from .._core._gather import gather
+from .._core._mistakes import explicit_keywords
+from .._core._options import WeightSchedule
+from .._core._restart import RestartPolicy
+from .._fleet._collector import FleetCollector
 from .._local._collector import Collector
-from .._mistakes import explicit_keywords
-from .._options import WeightSchedule
-from .._restart import RestartPolicy
 from .._transport._flat import rebuild
 from .._transport._store import StoreClient
 from .._transport._wire import AsyncChannel

@@ -1,7 +1,7 @@
 """What the collectors hosted on nodes (``DistributedCollector``, ``DistributedSyncCollector``,
 ``RPCCollector``) share on the trainer: their keywords checked once into a :class:`NodePlan`, before any
 node starts, and the node-only methods (:class:`NodeCollectorMixin`). The nodes themselves are a
-transport (:class:`~._nodes.Nodes`) of the one :class:`~aiocollect._fleet.FleetCollector`."""
+transport (:class:`~._nodes.Nodes`) of the one :class:`~aiocollect._fleet._collector.FleetCollector`."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from .._events import Restarted
+from .._core._options import RolloutOptions, WeightSchedule
+from .._core._restart import RestartPolicy
+from .._core._validation import flag, positive_int, total_frames_arg
 from .._local._collector import Collector
 from .._multi._async import MultiAsyncCollector
 from .._multi._sync import MultiSyncCollector
-from .._options import RolloutOptions, WeightSchedule
-from .._restart import RestartPolicy
-from .._validation import flag, positive_int, total_frames_arg
+from .._observe._events import Restarted
 from ._args import (
     UNSET,
     WeightPlan,
@@ -32,7 +32,7 @@ from ._args import (
 from ._launchers import Launcher, make_launcher
 
 if TYPE_CHECKING:
-    from .._fleet import FleetCollector, Transport
+    from .._fleet._collector import FleetCollector, Transport
     from ._nodes import Nodes
 
 _COLLECTOR_CLASSES = (Collector, MultiSyncCollector, MultiAsyncCollector)

@@ -98,7 +98,7 @@ def remote_error(header: dict[str, Any], where: str) -> BaseException:
     (``ValueError``, ``KeyError``...), any other as a :class:`aiocollect.WorkerError` with its fields."""
     import builtins
 
-    from .._errors import worker_error
+    from .._core._errors import worker_error
 
     type_name, message = str(header.get("type", "")), str(header.get("message", ""))
     tb = str(header.get("traceback", ""))

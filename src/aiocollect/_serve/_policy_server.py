@@ -19,7 +19,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 
-from .._weights import check_compatible, copy_weights, flat_weights
+from .._policies._weights import check_compatible, copy_weights, flat_weights
 from ._common import Server, check_host_port, check_server_tls, check_token, error_message
 from ._tensors import leaves_to_wire, td_leaves, wire_keys, wire_to_tensors
 from ._wire import ProtocolError, decode, encode, small_header

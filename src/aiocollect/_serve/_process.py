@@ -17,8 +17,8 @@ import anyio
 import anyio.to_thread
 import cloudpickle
 
-from .._errors import worker_died
-from .._mistakes import check_main_guard
+from .._core._errors import worker_died
+from .._core._mistakes import check_main_guard
 from ._common import check_host_port, check_token
 from ._env_server import check_env_fns, serve_envs
 from ._ws import SERVER_HEARTBEAT, Heartbeat, heartbeat

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from .._weights import as_weights
+from .._policies._weights import as_weights
 from ._common import remote_error
 from ._tensors import leaves_to_wire, td_leaves, wire_to_tensors
 from ._wire import ProtocolError, decode, encode

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .._errors import WorkerError
+from .._core._errors import WorkerError
 
 __all__ = [
     "Attach",

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from .._pids import pid_alive
+from .._core._pids import pid_alive
 from ._flat import FlatBuffer, FlatLayout
 
 __all__ = ["PREFIX", "SharedBlock", "sweep_orphans"]

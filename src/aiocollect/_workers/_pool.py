@@ -31,13 +31,13 @@ import anyio.to_thread
 import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from .._errors import WorkerDiedError, WorkerTimeoutError
-from .._events import Event, Restarted, WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
-from .._gather import gather
-from .._mistakes import check_main_guard
-from .._restart import RestartPolicy
-from .._stats import WorkerState
-from .._timesplit import SplitWindow
+from .._core._errors import WorkerDiedError, WorkerTimeoutError
+from .._core._gather import gather
+from .._core._mistakes import check_main_guard
+from .._core._restart import RestartPolicy
+from .._observe._events import Event, Restarted, WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
+from .._observe._stats import WorkerState
+from .._observe._timesplit import SplitWindow
 from .._transport._messages import (
     Attach,
     BatchReady,

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from .._events import Restarted
-from .._restart import RestartBudget, RestartPolicy
+from .._core._restart import RestartBudget, RestartPolicy
+from .._observe._events import Restarted
 from .._transport._messages import Attach, BatchReady
 
 if TYPE_CHECKING:

@@ -21,13 +21,14 @@ import cloudpickle
 import numpy as np
 import torch
 
+from .._core._options import RolloutOptions, WeightSchedule
+from .._core._resume import load_member, worker_state
+from .._core._rng import RolloutRNG
+from .._core._torch_settings import TorchSettings
 from .._envs._adapter import check_env
 from .._envs._rebuild import env_factory
-from .._options import RolloutOptions, WeightSchedule
-from .._resume import load_member, worker_state
-from .._rng import RolloutRNG
-from .._rollout import build_rollout
-from .._torch_settings import TorchSettings
+from .._policies._weights import flat_weights
+from .._rollout._core import build_rollout
 from .._transport._flat import FlatLayout, layout_of
 from .._transport._messages import (
     Attach,
@@ -53,7 +54,6 @@ from .._transport._messages import (
 )
 from .._transport._shm import SharedBlock
 from .._transport._wire import BlockingChannel
-from .._weights import flat_weights
 from ._paths import resolve
 
 __all__ = [

@@ -10,7 +10,7 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-from .._options import RolloutOptions
+from .._core._options import RolloutOptions
 
 __all__ = [
     "IGNORED",

@@ -7,7 +7,7 @@ from typing import Any
 from tensordict import TensorDictBase
 
 from .._envs._spaces import NestedKey
-from .._trajectories import split_trajectories as native_split_trajectories
+from .._episodes._trajectories import split_trajectories as native_split_trajectories
 
 __all__ = ["aenumerate", "split_trajectories"]
 

@@ -17,7 +17,7 @@ from starlette.responses import HTMLResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from .._errors import CollectorClosedError
+from .._core._errors import CollectorClosedError
 from ._app import DashboardControls, LifespanNotRunning, sse, to_json
 from ._guard import Guard
 
@@ -158,7 +158,7 @@ def metrics_routes(controls: DashboardControls) -> list[Route]:
     name = type(collector).__name__
 
     async def metrics(request: Request) -> Response:
-        from .._metrics import CONTENT_TYPE, format_metrics
+        from .._observe._metrics import CONTENT_TYPE, format_metrics
 
         stats = collector.statistics()
         try:

@@ -24,15 +24,15 @@ import anyio.to_thread
 import cloudpickle
 from tensordict import TensorDictBase
 
-from ._events import WeightsPublished
-from ._gather import gather
-from ._local._base import CollectorBase
-from ._mistakes import warn_user
-from ._stats import CollectorStatistics, WorkerState, WorkerStatistics
-from ._timesplit import member_split
-from ._transport._messages import FleetOp, GetAttr, GetState, LoadState, Reset, SetSeed
-from ._validation import flag, seed_arg
-from ._weights import as_weights, check_compatible
+from .._core._gather import gather
+from .._core._mistakes import warn_user
+from .._core._validation import flag, seed_arg
+from .._local._base import CollectorBase
+from .._observe._events import WeightsPublished
+from .._observe._stats import CollectorStatistics, WorkerState, WorkerStatistics
+from .._observe._timesplit import member_split
+from .._policies._weights import as_weights, check_compatible
+from .._transport._messages import FleetOp, GetAttr, GetState, LoadState, Reset, SetSeed
 
 
 class Member(Protocol):
@@ -161,7 +161,7 @@ class FleetCollector(CollectorBase):
         progress: Any = None,
     ) -> None:
         """What every transport's collector sets up: counters, versions, floors, the transport."""
-        from ._multi._renames import DroppedBatchRenames  # (_multi imports this module)
+        from .._episodes._renames import DroppedBatchRenames  # (_multi imports this module)
 
         self._transport, self._size, self._sync = transport, size, sync
         self.total_frames, self.frames_per_batch = total_frames, frames_per_batch

@@ -24,7 +24,8 @@ from typing import Any, TypeVar, overload
 
 __all__ = ["check_main_guard", "explicit_keywords", "unguarded_main_line", "warn_user"]
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+#: the package root (this module is in its _core/ folder)
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 

@@ -17,18 +17,18 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import set_interaction_type
 
-from ._envs._adapter import ArrayEnv, check_env
-from ._envs._rebuild import EnvRebuilder
-from ._envs._spaces import LeafSpec, NestedKey
-from ._groups import EpisodeSeeds, SeededEnv
-from ._options import RolloutOptions, WeightSchedule
-from ._policies import Runner, compile_policy, make_runner, one_input, random_policy_for
-from ._recurrent import Carry, Recurrence, find_recurrence
-from ._restart import CountedStop
-from ._rollout_batch import end_trajectories, episode_stats, nested_td, stack_into, time_first, trajectory_ids
-from ._rollout_casts import ActionCaster, lossless_casts
+from .._core._options import RolloutOptions, WeightSchedule
+from .._core._restart import CountedStop
+from .._envs._adapter import ArrayEnv, check_env
+from .._envs._rebuild import EnvRebuilder
+from .._envs._spaces import LeafSpec, NestedKey
+from .._episodes._groups import EpisodeSeeds, SeededEnv
+from .._observe._timesplit import SplitClock
+from .._policies._recurrent import Carry, Recurrence, find_recurrence
+from .._policies._runners import Runner, compile_policy, make_runner, one_input, random_policy_for
+from ._batch import end_trajectories, episode_stats, nested_td, stack_into, time_first, trajectory_ids
+from ._casts import ActionCaster, lossless_casts
 from ._storage import StoragePool
-from ._timesplit import SplitClock
 
 __all__ = ["Rollout", "RolloutResult", "StopSignal", "build_rollout", "open_env"]
 
@@ -99,7 +99,8 @@ class Rollout:
     ) -> None:
         if not isinstance(options.frames_per_batch, int):
             raise TypeError(f"a rollout collects one frames_per_batch, got {options.frames_per_batch!r}")
-        if options.group_size is not None or options.on_update == "restart":  # seeded episodes (_groups.py)
+        # seeded episodes (_episodes/_groups.py)
+        if options.group_size is not None or options.on_update == "restart":
             start, stride = options.traj_id_start, options.traj_id_stride
             seeds = EpisodeSeeds(max(env.numel, 1), options.group_size or 1, options.seed, start, stride)
             env = SeededEnv(env, seeds)  # type: ignore[assignment]  # an ArrayEnv with seeded resets
@@ -119,10 +120,12 @@ class Rollout:
         self._caster: ActionCaster | None = None  # lossless action casts (output_specs)
         self._specs: tuple[list[Any], list[tuple[tuple[int, ...], torch.dtype]]] | None = None
         self._storage = StoragePool()
-        self.clock = SplitClock()  # where the time goes (_timesplit.py): clocks per batch and policy call
+        # where the time goes (_observe/_timesplit.py): clocks per batch and policy call
+        self.clock = SplitClock()
         #: rebuilds the env after a fault (``RestartPolicy``; see :meth:`_run_restarting`), else ``None``
         self.restarts: EnvRebuilder | None = None
-        #: the policy's recurrent states (``_recurrent.py``): those the rollout carries are observations too
+        #: the policy's recurrent states (``_policies/_recurrent.py``): those the rollout carries are
+        #: observations too
         self.recurrence = recurrence if recurrence is not None else Recurrence()
         self._carry = Carry(self.recurrence, self.batch_shape) if self.recurrence.specs else None
         self._obs_specs = {**env.obs_specs, **self.recurrence.specs}
@@ -261,7 +264,8 @@ class Rollout:
         ``named``: the last dim is named ``"time"`` (given to the constructor: cheaper than set after)."""
         keys, specs = self._batch_specs()
         bt = (*self.batch_shape, self.steps_per_batch)
-        # one buffer for the batch, reused once the consumer has dropped an earlier batch (_storage.py)
+        # one buffer for the batch, reused once the consumer has dropped an earlier batch
+        # (_rollout/_storage.py)
         if into is not None:
             taken: list[tuple[torch.Tensor, Any]] = [(into.get(key), None) for key in keys]
         else:

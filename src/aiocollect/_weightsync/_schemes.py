@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ._transport._flat import FlatLayout, layout_of
-from ._transport._shm import SharedBlock
-from ._weights import copy_weights, flat_weights
+from .._policies._weights import copy_weights, flat_weights
+from .._transport._flat import FlatLayout, layout_of
+from .._transport._shm import SharedBlock
 
 #: how a sender reaches worker ``i``'s control channel: ``await send(i, message)``
 SendFn = Callable[[int, Any], Awaitable[None]]

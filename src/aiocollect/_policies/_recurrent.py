@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from tensordict.utils import unravel_key
 
-from ._envs._spaces import LeafSpec, NestedKey
+from .._envs._spaces import LeafSpec, NestedKey
 
 __all__ = ["Carry", "Recurrence", "find_recurrence"]
 

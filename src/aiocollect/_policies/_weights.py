@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ._policies import unwrap_compiled
+from ._runners import unwrap_compiled
 
 __all__ = ["as_weights", "check_compatible", "copy_weights", "flat_weights", "module_weights"]
 

@@ -1,5 +1,6 @@
 """The rollout's per-batch work on numpy arrays: trajectory ids from the done flags, episode statistics,
-stacking per-step lists, and the batch ``TensorDict`` (see ``_rollout.py``, which calls these once per batch).
+stacking per-step lists, and the batch ``TensorDict`` (see ``_rollout/_core.py``, which calls these once per
+batch).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from ._rollout_casts import truncation_keys
+from ._casts import truncation_keys
 
 __all__ = ["end_trajectories", "episode_stats", "nested_td", "stack_into", "time_first", "trajectory_ids"]
 

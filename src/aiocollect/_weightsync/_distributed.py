@@ -42,12 +42,12 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDictBase
 
-from ._daemon import run_abandonable
-from ._transport._flat import FlatBuffer, FlatLayout, layout_of
-from ._transport._groups import check_backend, local_address, new_group, timedelta
-from ._transport._store import StoreAddress, StoreClient, StoreServer
-from ._weights import copy_weights, flat_weights
-from ._weightsync import SendFn, WeightReceiver, WeightSender, WeightSync
+from .._core._daemon import run_abandonable
+from .._policies._weights import copy_weights, flat_weights
+from .._transport._flat import FlatBuffer, FlatLayout, layout_of
+from .._transport._groups import check_backend, local_address, new_group, timedelta
+from .._transport._store import StoreAddress, StoreClient, StoreServer
+from ._schemes import SendFn, WeightReceiver, WeightSender, WeightSync
 
 __all__ = ["DistributedWeightSync"]
 

@@ -18,10 +18,10 @@ from gymnasium import spaces
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import InteractionType, TensorDictModuleBase
 
-from ._envs._adapter import ArrayEnv
-from ._envs._spaces import NestedKey, action_specs, sample
-from ._envs._torchrl import TorchRLArrays
-from ._fast_policy import LazyFastRunner, lazy_fast_runner
+from .._envs._adapter import ArrayEnv
+from .._envs._spaces import NestedKey, action_specs, sample
+from .._envs._torchrl import TorchRLArrays
+from ._fast import LazyFastRunner, lazy_fast_runner
 
 __all__ = [
     "RandomPolicy",
@@ -297,7 +297,7 @@ def make_runner(
 
     ``module_keys``: the entries a plain ``nn.Module`` is called on (default ``obs_keys``); the env's
     info entries are observations for the batch but not arguments of a plain module. ``next_keys``:
-    the ``("next", state)`` outputs of a recurrent policy to return too (``_recurrent.py``)."""
+    the ``("next", state)`` outputs of a recurrent policy to return too (``_policies/_recurrent.py``)."""
     if isinstance(policy, RandomPolicy):
         return _RandomRunner(policy, batch_shape)
     # a torch.compile'd TensorDictModule is an nn.Module wrapper: it still takes a TensorDict

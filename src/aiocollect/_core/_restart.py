@@ -22,7 +22,8 @@ from ._validation import is_int
 
 __all__ = ["CountedStop", "Restart", "RestartBudget", "RestartPolicy", "derive_seed", "wait_interruptibly"]
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+#: the package root (this module is in its _core/ folder)
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _seconds(name: str, value: Any, *, positive: bool) -> float:

@@ -114,7 +114,8 @@ class Group:
 
 
 class GroupOrder:
-    """The group accounting of a :class:`~aiocollect._episodes.TrajectoryAssembler` with ``group_size``:
+    """The group accounting of a :class:`~aiocollect._episodes._assembler.TrajectoryAssembler` with
+    ``group_size``:
     groups of ``size`` trajectories (objects with ``complete``, ``discarded`` and ``group``), released
     ``per_batch / size`` at a time in the order their first member was admitted, once each has ``size``
     complete members. A member cut for good (not started again under its group id) dooms its group: its

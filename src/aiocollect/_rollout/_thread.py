@@ -1,7 +1,8 @@
 """One long-lived thread per in-process collector that runs its rollout and control calls, in order.
 
 The thread is started with the torch settings of the thread that enters the collector (see
-``_torch_settings.py``) and keeps them: a pool thread per batch would run with torch's defaults, and a new
+``_core/_torch_settings.py``) and keeps them: a pool thread per batch would run with torch's defaults, and a
+new
 one may appear at any batch. Jobs run first in, first out. A finished job rings its :class:`Doorbell` (a
 thread-safe wake-up of the awaiting task through its event loop, which never blocks the ringing thread):
 the thread never waits for the loop, so it goes on collecting (``prefetch``, background collection into a
@@ -24,11 +25,11 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from ._episodes import TrajectoryAssembler
-from ._errors import WorkerTimeoutError
-from ._rollout import RolloutResult
-from ._timesplit import SplitClock
-from ._torch_settings import TorchSettings
+from .._core._errors import WorkerTimeoutError
+from .._core._torch_settings import TorchSettings
+from .._episodes._assembler import TrajectoryAssembler
+from .._observe._timesplit import SplitClock
+from ._core import RolloutResult
 
 __all__ = ["Doorbell", "Job", "RolloutThread", "collect_episodes", "end_at_exit"]
 

@@ -1,7 +1,7 @@
 """Argument checks shared by the collectors: each error names the argument and the fix.
 
 A value of the wrong type raises ``TypeError``; a value of the right type out of range, ``ValueError``.
-The options objects (``_options.py``) are built from these checks.
+The options objects (``_core/_options.py``) are built from these checks.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""The arguments of ``trajs_per_batch`` (whole trajectories per batch, see ``_episodes.py``) and of its
-groups and weight-update rule (``group_size``, ``on_update``, see ``_groups.py``), checked before any env is
-built or process started, and the frame chunk an episode collector steps at a time."""
+"""The arguments of ``trajs_per_batch`` (whole trajectories per batch, see ``_episodes/_assembler.py``) and of
+its groups and weight-update rule (``group_size``, ``on_update``, see ``_episodes/_groups.py``), checked
+before any env is built or process started, and the frame chunk an episode collector steps at a time."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ._options import RolloutOptions
+from .._core._options import RolloutOptions
 
 __all__ = [
     "CHUNK_FRAMES",

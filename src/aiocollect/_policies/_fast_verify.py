@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._envs._spaces import NestedKey
-from ._rng import TORCH_RNG_LOCK
+from .._core._rng import TORCH_RNG_LOCK
+from .._envs._spaces import NestedKey
 
 __all__ = ["BufferSnapshot", "rng_devices", "same_outputs", "verify_fast_runner"]
 

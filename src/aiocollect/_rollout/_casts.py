@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ._envs._spaces import LeafSpec, NestedKey
+from .._envs._spaces import LeafSpec, NestedKey
 
 __all__ = ["ActionCaster", "lossless_casts", "truncation_keys"]
 

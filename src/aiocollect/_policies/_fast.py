@@ -32,9 +32,9 @@ from tensordict.nn.distributions import CompositeDistribution
 from tensordict.utils import unravel_key
 from torch import Tensor
 
-from ._envs._spaces import NestedKey
+from .._core._rng import TORCH_RNG_LOCK
+from .._envs._spaces import NestedKey
 from ._fast_verify import BufferSnapshot, Runner, rng_devices, same_outputs, verify_fast_runner
-from ._rng import TORCH_RNG_LOCK
 
 __all__ = ["LazyFastRunner", "compile_tensordict_policy", "lazy_fast_runner", "verify_fast_runner"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDictBase
 
-from ._envs._spaces import NestedKey
+from .._envs._spaces import NestedKey
 
 __all__ = ["split_trajectories"]
 

@@ -1,0 +1,3 @@
+"""Whole episodes: the trajectory assembler, its arguments, seeded groups, trajectory splits and renames."""
+
+__all__: list[str] = []

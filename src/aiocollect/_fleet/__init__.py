@@ -1,0 +1,3 @@
+"""The one collector over several members, whatever transport carries their batches."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""Weight-sync schemes: shared memory, pipe and torch.distributed broadcast."""
+
+__all__: list[str] = []
