@@ -152,6 +152,7 @@ LAYERS: dict[str, int] = {
     "_fast_policy": 2,
     "_fast_verify": 2,
     "_weights": 2,
+    "_group_policy": 2,  # a policy per agent group (issue 41)
     # the wire and the rollout core
     "_transport": 3,
     "_rollout": 3,

@@ -18,6 +18,8 @@ from ._distributed_weights import DistributedWeightSync
 from ._envs._async import AsyncEnvProtocol, AsyncVectorEnvProtocol, ThreadedAsyncEnv
 from ._envs._async_vector import ThreadedAsyncVectorEnv
 from ._envs._gym import GymEnv
+from ._envs._multiagent._pettingzoo import PettingZooEnv
+from ._envs._multiagent._vmas import VmasEnv
 from ._envs._protocol import EnvProtocol
 from ._episodes import EpisodeStatistics
 from ._errors import CollectorClosedError, WorkerDiedError, WorkerError, WorkerTimeoutError
@@ -36,6 +38,7 @@ from ._events import (
     WorkerStarted,
     WorkerStopped,
 )
+from ._group_policy import GroupPolicy
 from ._local._collector import Collector
 from ._metrics import metrics_text
 from ._multi import (
@@ -133,12 +136,14 @@ __all__ = [
     "EpisodeStatistics",
     "Event",
     "EventStream",
+    "GroupPolicy",
     "GymEnv",
     "MultiAsyncCollector",
     "MultiAsyncEnvCollector",
     "MultiCollector",
     "MultiSyncCollector",
     "Paused",
+    "PettingZooEnv",
     "PipeWeightSync",
     "ProcessCollector",
     "ProcessVectorEnv",
@@ -153,6 +158,7 @@ __all__ = [
     "SignalStop",
     "ThreadedAsyncEnv",
     "ThreadedAsyncVectorEnv",
+    "VmasEnv",
     "WorkerDiedError",
     "WorkerError",
     "WorkerFailed",

@@ -41,7 +41,7 @@ from .._validation import (
     replay_buffer_arg,
     timeout_arg,
 )
-from .._weights import flat_weights
+from .._weights import weights_template
 from .._weightsync import (
     PipeWeightSync,
     SharedMemoryWeightSync,
@@ -181,7 +181,7 @@ def init_workers(
         # async: the largest worker batch (all equal unless frames_per_batch is a per-worker list)
         frames_per_batch=sum(per_worker) if delivery.sync else max(per_worker),
         policy=policy_arg(policy),
-        weights_template=flat_weights(policy) if isinstance(policy, torch.nn.Module) else None,
+        weights_template=weights_template(policy),
         seed=options.seed,
         replay_buffer=replay_buffer_arg(replay_buffer),
         progress=progress,
