@@ -21,7 +21,7 @@ from tensordict.nn import TensorDictModuleBase
 
 from ._envs._spaces import NestedKey
 
-__all__ = ["GroupPolicy", "GroupRunner"]
+__all__ = ["GroupPolicy", "GroupRunner", "group_runner"]
 
 
 class GroupPolicy(torch.nn.ModuleDict):
@@ -47,7 +47,14 @@ class GroupPolicy(torch.nn.ModuleDict):
                     "plain one is called on the group's observation; wrap a function in a "
                     "tensordict.nn.TensorDictModule)"
                 )
-        super().__init__(dict(policies))
+        super().__init__()
+        for group, module in policies.items():
+            if hasattr(self, group):
+                raise ValueError(
+                    f"policy: the group name {group!r} is an attribute of torch.nn.ModuleDict, which holds "
+                    "the groups' modules; name the env's groups otherwise (group_map={...})"
+                )
+            self[group] = module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(
@@ -55,46 +62,50 @@ class GroupPolicy(torch.nn.ModuleDict):
             "entries (see docs/multiagent.md)"
         )
 
-    def runner(
-        self,
-        *,
-        batch_shape: tuple[int, ...],
-        obs_keys: list[NestedKey],
-        device: torch.device | None,
-        next_keys: Sequence[NestedKey] = (),
-        random: Any = None,
-    ) -> GroupRunner:
-        """The per-step runner (``_policies.make_runner`` builds it): each member's runner, and the env's
-        random policy for the groups without one."""
-        from ._policies import make_runner, unwrap_compiled
 
-        if random is None:
-            raise TypeError(
-                "a policy per group needs an env with agent groups stepped by Collector, MultiSyncCollector "
-                "or MultiAsyncCollector (PettingZooEnv, VmasEnv, a TorchRL multi-agent env)"
-            )
-        members = {}
-        for group, module in self.items():
-            leaves = [k for k in obs_keys if isinstance(k, tuple) and k[:2] == (group, "observation")]
-            plain = not isinstance(unwrap_compiled(module), TensorDictModuleBase)
-            if plain and not leaves:
-                raise KeyError(
-                    f"policy[{group!r}]: the env has no {(group, 'observation')!r} entry; its groups' "
-                    f"observations are {sorted({k[0] for k in obs_keys if isinstance(k, tuple)})}"
-                )
-            own = [k for k in next_keys if k in getattr(module, "out_keys", ())]
-            run = make_runner(
-                module,
-                batch_shape=batch_shape,
-                obs_keys=obs_keys,
-                device=device,
-                module_keys=leaves,
-                next_keys=own,
-            )
-            members[group] = (run, (group, "action") if plain else None)
-        return GroupRunner(
-            members, make_runner(random, batch_shape=batch_shape, obs_keys=obs_keys, device=None)
+def group_runner(
+    policy: GroupPolicy,
+    *,
+    batch_shape: tuple[int, ...],
+    obs_keys: list[NestedKey],
+    device: torch.device | None,
+    next_keys: Sequence[NestedKey] = (),
+    random: Any = None,
+) -> GroupRunner:
+    """The per-step runner (``_policies.make_runner`` builds it): each member's runner, and the env's
+    random policy for the groups without one."""
+    from ._policies import make_runner, unwrap_compiled
+
+    if random is None:
+        raise TypeError(
+            "a policy per group needs an env with agent groups stepped by Collector, MultiSyncCollector "
+            "or MultiAsyncCollector (PettingZooEnv, VmasEnv, a TorchRL multi-agent env)"
         )
+    groups = {k[0] for k in obs_keys if isinstance(k, tuple)}
+    unknown = sorted(set(policy) - groups)
+    if unknown:
+        raise KeyError(
+            f"policy has groups {unknown} that the env does not have; its groups are {sorted(groups)}"
+        )
+    members = {}
+    for group, module in policy.items():
+        leaves = [k for k in obs_keys if isinstance(k, tuple) and k[:2] == (group, "observation")]
+        plain = not isinstance(unwrap_compiled(module), TensorDictModuleBase)
+        if plain and not leaves:
+            raise KeyError(
+                f"policy[{group!r}] is a plain nn.Module: the env has no {(group, 'observation')!r}"
+            )
+        own = [k for k in next_keys if k in getattr(module, "out_keys", ())]
+        run = make_runner(
+            module,
+            batch_shape=batch_shape,
+            obs_keys=obs_keys,
+            device=device,
+            module_keys=leaves,
+            next_keys=own,
+        )
+        members[group] = (run, (group, "action") if plain else None)
+    return GroupRunner(members, make_runner(random, batch_shape=batch_shape, obs_keys=obs_keys, device=None))
 
 
 class GroupRunner:

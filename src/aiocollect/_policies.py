@@ -23,7 +23,7 @@ from ._envs._multiagent._spec import masked_choice
 from ._envs._spaces import NestedKey, action_specs, sample
 from ._envs._torchrl import TorchRLArrays
 from ._fast_policy import LazyFastRunner, lazy_fast_runner
-from ._group_policy import GroupPolicy
+from ._group_policy import GroupPolicy, group_runner
 
 __all__ = [
     "RandomPolicy",
@@ -329,8 +329,13 @@ def make_runner(
     the ``("next", state)`` outputs of a recurrent policy to return too (``_recurrent.py``). ``random``: the
     env's random policy, for the groups a :class:`GroupPolicy` has no policy for."""
     if isinstance(policy, GroupPolicy):
-        return policy.runner(
-            batch_shape=batch_shape, obs_keys=obs_keys, device=device, next_keys=next_keys, random=random
+        return group_runner(
+            policy,
+            batch_shape=batch_shape,
+            obs_keys=obs_keys,
+            device=device,
+            next_keys=next_keys,
+            random=random,
         )
     if isinstance(policy, RandomPolicy):
         return (_LegalRandomRunner if policy.masks else _RandomRunner)(policy, batch_shape)

@@ -109,7 +109,8 @@ class PettingZooEnv(GroupedEnv):
             )
         except BaseException:
             for e in envs:
-                e.close()
+                if isinstance(e, kinds):
+                    e.close()
             raise
         self._batch_shape = () if num_envs is None else (num_envs,)
         self._seed = seed
