@@ -88,7 +88,7 @@ class Relay(pettingzoo.ParallelEnv):
         return obs, rewards, terms, truncs, infos
 
 
-# -- the layout, and the values a raw PettingZoo loop observes ------------------------------------------------
+# -- the layout, and the values a raw PettingZoo loop observes --------------------------------------------
 def test_layout_of_simple_adversary() -> None:
     env = PettingZooEnv(lambda: adversary(), num_envs=2, seed=0)
     assert env.group_map == {"adversary": ["adversary_0"], "agent": ["agent_0", "agent_1"]}
@@ -210,7 +210,8 @@ def test_agents_that_leave_are_masked_until_the_env_resets() -> None:
     mask = batch["runner", "mask"]
     # runner i leaves after step i + 1; the episode (3 steps) ends when the last one does, and the next starts
     assert mask.tolist() == [[True] * 3, [False, True, True], [False, False, True]] * 3
-    assert batch["next", "runner", "mask"][:3].tolist() == [[False, True, True], [False, False, True], [False] * 3]
+    left = [[False, True, True], [False, False, True], [False] * 3]
+    assert batch["next", "runner", "mask"][:3].tolist() == left
     obs = batch["next", "runner", "observation"]
     assert obs[1, 0].tolist() == [0.0, 0.0, 0.0]  # a runner that left: zeros
     assert obs[0, 0, :2].tolist() == [1.0, 0.0]  # its last step still has its observation
@@ -245,7 +246,7 @@ def test_bad_arguments_are_refused_with_their_fix() -> None:
         PettingZooEnv(spread, group_map={"a": ["agent_0", "agent_1"]})
     with pytest.raises(ValueError, match="group_map must be"):
         PettingZooEnv(spread, group_map="some")
-    with pytest.raises(TypeError, match="different observation spaces.*per_agent"):
+    with pytest.raises(TypeError, match=r"different observation spaces.*per_agent"):
         PettingZooEnv(adversary, group_map="all")
     with pytest.raises(TypeError, match="ParallelEnv or AECEnv"):
         PettingZooEnv(lambda: object())
@@ -374,7 +375,7 @@ async def test_async_env_collector_refuses_a_batched_multi_agent_env() -> None:
 
 
 def test_unknown_groups_are_refused() -> None:
-    with pytest.raises(KeyError, match="groups \\['players'\\].*\\['adversary', 'agent'\\]"):
+    with pytest.raises(KeyError, match=r"groups \['players'\].*\['adversary', 'agent'\]"):
         Collector(lambda: PettingZooEnv(adversary), {"players": Greedy(10)}, frames_per_batch=10)
-    with pytest.raises(TypeError, match="nn.Module"):
+    with pytest.raises(TypeError, match=r"nn\.Module"):
         GroupPolicy({"agent": lambda obs: obs})
