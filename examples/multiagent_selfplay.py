@@ -3,9 +3,10 @@
 Both players are one group (``group_map="all"``: the group ``"agents"`` of 2 players) and run one policy;
 ``("agents", "mask")`` marks the player whose turn it is, and ``("agents", "action_mask")`` its legal
 moves, which the policy's logits are masked with. Each move is credited with its player's result (+1 a
-win, -1 a loss, 0 a draw; REINFORCE with a mean baseline). Every few batches the policy plays as
+win, -1 a loss, 0 a draw; PPO, with a value head as the baseline). Every few batches the policy plays as
 ``player_1`` against a random ``player_2`` (a policy per group: ``{"player_1": policy}``, the group without
-a policy moves randomly among its legal moves); its mean result there rises from about 0.3 towards 0.8.
+a policy moves randomly among its legal moves); its mean result there rises from about 0.3 (a random player's)
+to about 0.85 in about a minute on a CPU.
 
     pip install "aiocollect[multiagent]"
     python examples/multiagent_selfplay.py
@@ -30,12 +31,13 @@ from aiocollect import Collector, PettingZooEnv
 
 @dataclass
 class Args:
-    total_frames: int = 80_000
+    total_frames: int = 200_000
     frames_per_batch: int = 2000  # 16 boards x 125 moves
     num_envs: int = 16
-    eval_every: int = 5  # batches
-    eval_frames: int = 2000
-    lr: float = 3e-3
+    eval_every: int = 20  # batches
+    eval_frames: int = 4000
+    epochs: int = 8
+    lr: float = 1e-3
     seed: int = 0
     uvloop: bool = False
 
@@ -45,11 +47,18 @@ class Player(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Flatten(-3), nn.Linear(18, 64), nn.ReLU(), nn.Linear(64, 9))
+        self.body = nn.Sequential(
+            nn.Flatten(-3), nn.Linear(18, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU()
+        )
+        self.logits = nn.Linear(128, 9)
+        self.value = nn.Linear(128, 1)  # the expected result from this board: the baseline
 
     def distribution(self, board: torch.Tensor, legal: torch.Tensor) -> torch.distributions.Categorical:
-        logits = self.net(board.float()).masked_fill(~legal, -1e9)
+        logits = self.logits(self.body(board.float())).masked_fill(~legal, -1e9)
         return torch.distributions.Categorical(logits=logits)
+
+    def baseline(self, board: torch.Tensor) -> torch.Tensor:
+        return self.value(self.body(board.float())).squeeze(-1)
 
     def forward(self, board: torch.Tensor, legal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dist = self.distribution(board, legal)
@@ -114,15 +123,22 @@ async def main(args: Args) -> None:
             acting = batch["agents", "mask"]  # [E, T, 2]: whose turn it was
             outcome = results(batch)[acting]  # the mover's result, per move
             known = ~outcome.isnan()
-            dist = player.distribution(
-                batch["agents", "observation", "observation"][acting], batch["agents", "action_mask"][acting]
+            # the moves of the games that ended in the batch, one row each
+            board, legal, move, old = (
+                batch["agents", key][acting][known]
+                for key in [("observation", "observation"), "action_mask", "action", "log_prob"]
             )
-            log_prob = dist.log_prob(batch["agents", "action"][acting])[known]
-            advantage = (outcome[known] - outcome[known].mean()) / (outcome[known].std() + 1e-8)
-            loss = -(log_prob * advantage).mean() - 0.01 * dist.entropy().mean()
-            optim.zero_grad()
-            loss.backward()
-            optim.step()
+            result = outcome[known]
+            for _ in range(args.epochs):  # PPO: a clipped ratio to the log-probabilities the moves had
+                dist = player.distribution(board, legal)
+                ratio = (dist.log_prob(move) - old).exp()
+                value = player.baseline(board)
+                advantage = result - value.detach()
+                clipped = torch.min(ratio * advantage, ratio.clamp(0.8, 1.2) * advantage)
+                loss = -clipped.mean() + 0.5 * (value - result).pow(2).mean() - 0.01 * dist.entropy().mean()
+                optim.zero_grad()
+                loss.backward()
+                optim.step()
             await collector.update_weights(policy)
             stats = collector.statistics()
             games = int(batch["next", "done"].sum())

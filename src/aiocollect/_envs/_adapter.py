@@ -17,6 +17,7 @@ from tensordict import TensorDict
 
 from ._gym import ArrayStep, GymEnv, fusable_type, overrides_gym_env
 from ._multiagent._base import GroupedEnv
+from ._multiagent._pettingzoo import PettingZooEnv
 from ._protocol import EnvProtocol
 from ._spaces import LeafSpec, NestedKey, action_specs, group_specs, grouped_action_keys, observation_specs
 from ._torchrl import TorchRLArrays, is_torchrl_env
@@ -254,7 +255,7 @@ class ArrayEnv:
 
     def check_reset_seeded(self) -> None:
         """Raise unless :meth:`reset_seeded` works for this env (``group_size``, ``on_update="restart"``)."""
-        if isinstance(self._gym, GymEnv):
+        if isinstance(self._gym, (GymEnv, PettingZooEnv)):
             self._gym._check_reset_seeded()
         elif self.batch_shape or self.torchrl_arrays is not None:
             raise ValueError(
@@ -266,7 +267,7 @@ class ArrayEnv:
     def reset_seeded(self, mask: np.ndarray | None, seeds: np.ndarray) -> dict[NestedKey, np.ndarray]:
         """Reset the sub-envs in ``mask`` (all: ``None``), sub-env ``i`` with seed ``seeds[i]``; the
         observations of every sub-env (see :meth:`check_reset_seeded`)."""
-        if isinstance(self._gym, GymEnv):
+        if isinstance(self._gym, (GymEnv, PettingZooEnv)):
             return self._gym._reset_seeded(mask, seeds)
         self.env.set_seed(int(seeds.reshape(-1)[0]))  # one env: set_seed seeds its next reset
         return self.reset()

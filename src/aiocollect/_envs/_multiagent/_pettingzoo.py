@@ -217,6 +217,17 @@ class PettingZooEnv(GroupedEnv):
     # -- the array interface (ArrayEnv) ---------------------------------------------------------------
     def _reset_arrays(self, mask: np.ndarray | None = None) -> dict[NestedKey, np.ndarray]:
         seed, self._seed = self._seed, None
+        return self._reset_rows(mask, None if seed is None else [seed + row for row in range(len(self._envs))])
+
+    def _check_reset_seeded(self) -> None:
+        """Every copy resets with a seed of its own (``group_size``, ``on_update="restart"``)."""
+
+    def _reset_seeded(self, mask: np.ndarray | None, seeds: np.ndarray) -> dict[NestedKey, np.ndarray]:
+        """Reset the copies in ``mask`` (all: ``None``), copy ``i`` with ``seeds[i]``."""
+        self._seed = None
+        return self._reset_rows(mask, [int(s) for s in np.asarray(seeds).reshape(-1)])
+
+    def _reset_rows(self, mask: np.ndarray | None, seeds: list[int] | None) -> dict[NestedKey, np.ndarray]:
         root, last = self._root, self._last
         if mask is None or last is None:
             rows = list(range(len(self._envs)))
@@ -227,7 +238,7 @@ class PettingZooEnv(GroupedEnv):
                     np.copyto(value, last.arrays[key])
         for row in rows:
             self._clear(root.arrays, row)
-            self._copies[row].reset(root.arrays, row, None if seed is None else seed + row)
+            self._copies[row].reset(root.arrays, row, None if seeds is None else seeds[row])
         self._last = root
         return root.view(bool(self._batch_shape))
 
