@@ -58,7 +58,8 @@ class Player(nn.Module):
         return torch.distributions.Categorical(logits=logits)
 
     def baseline(self, board: torch.Tensor) -> torch.Tensor:
-        return self.value(self.body(board.float())).squeeze(-1)
+        value: torch.Tensor = self.value(self.body(board.float()))
+        return value.squeeze(-1)
 
     def forward(self, board: torch.Tensor, legal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dist = self.distribution(board, legal)
@@ -67,7 +68,7 @@ class Player(nn.Module):
 
 
 def policy_for(player: Player, group: str) -> TensorDictModule:
-    keys = [(group, "observation", "observation"), (group, "action_mask")]
+    keys: list[Any] = [(group, "observation", "observation"), (group, "action_mask")]
     return TensorDictModule(player, keys, [(group, "action"), (group, "log_prob")])
 
 

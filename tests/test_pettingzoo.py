@@ -329,6 +329,17 @@ async def test_multi_async_collector_and_whole_episodes(leaks: Any) -> None:
             assert int(batch["collector", "mask"].sum()) == 30
 
 
+async def test_groups_of_episodes_from_one_initial_state() -> None:
+    """group_size: each copy is reset with its slot's seed, so the episodes of a group start alike."""
+    make = lambda: PettingZooEnv(spread, num_envs=2)  # noqa: E731
+    async with Collector(make, trajs_per_batch=4, group_size=2, total_frames=80, seed=0) as c:
+        async for batch in c:  # 4 episodes of 10 steps, flat: two groups of two
+            first = batch["agent", "observation"][::10]
+            assert torch.equal(first[0], first[1]) and torch.equal(first[2], first[3])
+            assert not torch.equal(first[0], first[2])
+            assert batch["collector", "group_id"][::10].tolist() in ([0, 0, 1, 1], [2, 2, 3, 3])
+
+
 async def test_restarts_and_resume() -> None:
     made = []
 

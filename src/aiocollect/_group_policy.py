@@ -87,9 +87,11 @@ def group_runner(
         raise KeyError(
             f"policy has groups {unknown} that the env does not have; its groups are {sorted(groups)}"
         )
-    members = {}
+    members: dict[str, tuple[Any, NestedKey | None]] = {}
     for group, module in policy.items():
-        leaves = [k for k in obs_keys if isinstance(k, tuple) and k[:2] == (group, "observation")]
+        leaves: list[NestedKey] = [
+            k for k in obs_keys if isinstance(k, tuple) and k[:2] == (group, "observation")
+        ]
         plain = not isinstance(unwrap_compiled(module), TensorDictModuleBase)
         if plain and not leaves:
             raise KeyError(

@@ -204,7 +204,7 @@ class _LegalRandomRunner(_RandomRunner):
     """Random actions among the legal ones: drawn at each step from that step's masks (no ``sample_steps``:
     a batch's actions cannot be drawn before its observations)."""
 
-    sample_steps = None
+    sample_steps = None  # type: ignore[assignment]
 
     def __call__(self, obs: Mapping[NestedKey, torch.Tensor]) -> dict[NestedKey, torch.Tensor]:
         return self.policy.sample_legal(obs, self.batch_shape)

@@ -61,7 +61,7 @@ class ArrayEnv:
         self.action_masks: dict[NestedKey, NestedKey] = {}  # action key -> its legal-action mask's key
         if is_torchrl_env(env) or isinstance(env, GroupedEnv):
             # a PettingZooEnv / VmasEnv is its own array view (agent groups, TorchRL's layout)
-            arrays = TorchRLArrays(env) if is_torchrl_env(env) else env
+            arrays: Any = TorchRLArrays(env) if is_torchrl_env(env) else env
             self.action_space: Any = arrays.action_torch_spec if arrays is not env else env.action_space
             self.obs_specs: dict[NestedKey, LeafSpec] = arrays.obs_specs
             self.action_specs: dict[NestedKey, LeafSpec] = arrays.action_specs
@@ -69,7 +69,7 @@ class ArrayEnv:
             self.has_reward = arrays.has_reward
             self.has_truncated = arrays.has_truncated
             self._gym: Any = arrays  # the array fast path: a GymEnv, or this adapter
-            if arrays is env:
+            if isinstance(env, GroupedEnv):
                 self.action_rename = grouped_action_keys(env.action_space)
                 self.action_masks = dict(env.action_masks)
         else:

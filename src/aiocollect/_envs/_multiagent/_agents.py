@@ -91,7 +91,7 @@ def agent_slots(
     out = {}
     for g, layout in groups.items():
         obs_keys = [(key, own) for key, (own, _) in layout.obs_keys().items()]
-        info_keys = [((g, "info", name), name) for name in layout.info or {}]
+        info_keys: list[tuple[NestedKey, str]] = [((g, "info", name), name) for name in layout.info or {}]
         for j, agent in enumerate(layout.agents):
             out[agent] = AgentSlot(
                 agent, g, j, obs_keys, layout.plain_obs, mask_from[g], info_keys, layout.use_mask

@@ -9,6 +9,9 @@ next step or reset (the rollout copies them into its batch at once); the TensorD
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 import torch
 from gymnasium import spaces
@@ -47,6 +50,14 @@ class GroupedEnv:
     has_reward = False
     has_truncated = True
 
+    if TYPE_CHECKING:  # what the subclasses implement
+
+        def _reset_arrays(self, mask: np.ndarray | None = None) -> dict[NestedKey, np.ndarray]: ...
+
+        def _step_arrays(self, action: Mapping[NestedKey, Any]) -> ArrayStep: ...
+
+        def close(self) -> None: ...
+
     def _init_specs(self) -> None:
         """The batch specs of the groups (call once ``groups`` is set)."""
         self.obs_specs: dict[NestedKey, LeafSpec] = {}
@@ -54,8 +65,10 @@ class GroupedEnv:
             self.obs_specs.update(layout.specs())
         if self._state_spec is not None:
             self.obs_specs["state"] = self._state_spec
-        self.action_specs = {(g, "action"): layout.action_spec() for g, layout in self.groups.items()}
-        self.next_specs = {
+        self.action_specs: dict[NestedKey, LeafSpec] = {
+            (g, "action"): layout.action_spec() for g, layout in self.groups.items()
+        }
+        self.next_specs: dict[NestedKey, LeafSpec] = {
             (g, "reward"): LeafSpec((layout.n, 1), torch.float32) for g, layout in self.groups.items()
         }
         self.group_flag_keys: list[NestedKey] = [
@@ -99,7 +112,7 @@ class GroupedEnv:
         return self._td(self._reset_arrays(mask))
 
     def step(self, td: TensorDict) -> TensorDict:
-        action = {key: td.get(key) for key in self.action_specs}
+        action: dict[NestedKey, Any] = {key: td.get(key) for key in self.action_specs}
         result = self._step_arrays(action)
         bs = self.batch_size
         nxt = self._td(result.next_obs)
@@ -121,7 +134,7 @@ class GroupedEnv:
     # -- for the subclasses -------------------------------------------------------------------------
     def _frames(self, copies: int) -> tuple[Frame, Frame]:
         """The two preallocated frames: ``next`` (the step's entries) and ``root`` (resets written in)."""
-        specs = {**self.obs_specs, **self.next_specs}
+        specs: dict[NestedKey, LeafSpec] = {**self.obs_specs, **self.next_specs}
         return Frame(specs, copies), Frame(self.obs_specs, copies)
 
     def _result(

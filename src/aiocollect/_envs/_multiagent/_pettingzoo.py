@@ -127,7 +127,9 @@ class PettingZooEnv(GroupedEnv):
             for e in envs
         ]
         self._next, self._root = self._frames(len(envs))
-        self._bounds = {(g, "action"): action_bounds(lay.action_space()) for g, lay in self.groups.items()}
+        self._bounds: dict[NestedKey, Any] = {
+            (g, "action"): action_bounds(lay.action_space()) for g, lay in self.groups.items()
+        }
         self._actions: dict[str, np.ndarray] = {}
         self._last: Frame | None = None  # the frame last handed out (the observations to act on)
 
@@ -217,7 +219,9 @@ class PettingZooEnv(GroupedEnv):
     # -- the array interface (ArrayEnv) ---------------------------------------------------------------
     def _reset_arrays(self, mask: np.ndarray | None = None) -> dict[NestedKey, np.ndarray]:
         seed, self._seed = self._seed, None
-        return self._reset_rows(mask, None if seed is None else [seed + row for row in range(len(self._envs))])
+        return self._reset_rows(
+            mask, None if seed is None else [seed + row for row in range(len(self._envs))]
+        )
 
     def _check_reset_seeded(self) -> None:
         """Every copy resets with a seed of its own (``group_size``, ``on_update="restart"``)."""
@@ -262,9 +266,9 @@ class PettingZooEnv(GroupedEnv):
             root = self._root
             for key, value in root.arrays.items():
                 np.copyto(value, nxt[key])
-            for row in np.flatnonzero(done):
-                self._clear(root.arrays, int(row))
-                self._copies[row].reset(root.arrays, int(row), None)
+            for row in np.flatnonzero(done).tolist():
+                self._clear(root.arrays, row)
+                self._copies[row].reset(root.arrays, row, None)
         self._last = self._next if root is None else root
         return self._result(self._next, root, terminated, truncated)
 

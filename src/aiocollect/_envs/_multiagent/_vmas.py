@@ -99,7 +99,9 @@ class VmasEnv(GroupedEnv):
         self._batch_shape = (num_envs,)
         self._init_specs()
         self._next, self._root = self._frames(num_envs)
-        self._bounds = {(g, "action"): action_bounds(lay.action_space()) for g, lay in self.groups.items()}
+        self._bounds: dict[NestedKey, Any] = {
+            (g, "action"): action_bounds(lay.action_space()) for g, lay in self.groups.items()
+        }
         self._last: Frame | None = None
 
     @property
