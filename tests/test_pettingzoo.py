@@ -3,6 +3,7 @@ action masks, agents that leave, every collector; batches checked against a raw 
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from typing import Any
 
@@ -254,6 +255,13 @@ def test_bad_arguments_are_refused_with_their_fix() -> None:
         env = PettingZooEnv(spread)
         env.reset()
         env.step(env.reset().set(("agent", "action"), torch.full((3,), 7)))
+
+
+def test_import_aiocollect_imports_no_multiagent_library() -> None:
+    libraries = "{'pettingzoo', 'mpe2', 'vmas', 'pygame'}"
+    code = f"import sys, aiocollect; print(sorted({libraries} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=99)
+    assert out.stdout.strip() == "[]"
 
 
 def test_without_the_extra_the_error_names_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -129,10 +129,8 @@ class TurnCopy(_Copy):
                 term, trunc = bool(env.terminations[agent]), bool(env.truncations[agent])
                 if term or trunc:
                     self._left[agent] = (term, trunc)
-            else:
+            else:  # it left (turn-based envs always have use_mask)
                 term, trunc = self._left.get(agent, (True, False))
-                if not self.use_mask:
-                    raise ValueError(f"agent {agent!r} left a turn-based env: it needs use_mask=True")
             slot.outcome(arrays, row, rewards[agent], term, trunc)
             done.append(term or trunc)
             terminated.append(term)
