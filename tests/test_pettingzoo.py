@@ -391,6 +391,10 @@ async def test_async_env_collector_refuses_a_batched_multi_agent_env() -> None:
     with pytest.raises(TypeError, match="PettingZooEnv"):
         async with AsyncEnvCollector([lambda: PettingZooEnv(spread)], frames_per_batch=10, total_frames=10):
             pass
+    cartpole = lambda: __import__("gymnasium").make("CartPole-v1")  # noqa: E731
+    with pytest.raises(TypeError, match="a policy per group"):
+        async with AsyncEnvCollector([cartpole], {"agent": Greedy(4)}, frames_per_batch=10, total_frames=10):
+            pass
 
 
 def test_unknown_groups_are_refused() -> None:

@@ -352,6 +352,12 @@ def make_runner(
         return _ModuleRunner(policy, obs_keys if module_keys is None else module_keys, device)
     if callable(policy):
         return _TensorDictRunner(policy, batch_shape, obs_keys, device, next_keys)
+    if isinstance(policy, Mapping):
+        raise TypeError(
+            "a policy per group (a dict {group: module}) needs an env with agent groups stepped by "
+            "Collector, MultiSyncCollector or MultiAsyncCollector (PettingZooEnv, VmasEnv, a TorchRL "
+            "multi-agent env)"
+        )
     raise TypeError(
         f"policy must be a TensorDictModule, an nn.Module, a callable td -> td or None, got {policy!r}"
     )
