@@ -45,8 +45,10 @@ __all__ = [
     "HookedEnv",
     "Leaks",
     "ListBuffer",
+    "Timing",
     "alive",
     "assert_clean",
+    "batch_members",
     "broken_factory",
     "cartpole",
     "cartpole2",
@@ -65,8 +67,11 @@ __all__ = [
     "segments",
     "support_by_value",
     "take",
+    "take_until",
     "threads_in_package_code",
+    "timing",
     "wait_gone",
+    "wait_until",
     "warm_forkserver",
 ]
 
@@ -477,6 +482,85 @@ async def take(collector: Any, n: int | None = None, seconds: float = 30) -> lis
             if n is not None and len(out) == n:
                 break
     return out
+
+
+#: the key that names the member (worker, actor) a frame came from
+WORKER_ID = ("collector", "worker_id")
+
+
+def batch_members(batch: Any) -> set[int]:
+    """The members whose frames ``batch`` holds (``("collector", "worker_id")``; empty if it has none)."""
+    ids = batch.get(WORKER_ID, None)
+    return set() if ids is None else {int(i) for i in ids.unique()}
+
+
+async def take_until(
+    collector: Any, *, each: int, members: int | None = None, seconds: float = 60
+) -> list[Any]:
+    """The batches of ``collector``'s ``async for`` until every member has delivered ``each`` of them.
+
+    A batch counts for each member whose frames it holds (``("collector", "worker_id")``); a batch with no
+    such key (a sync collector's stack holds every member's rollout) counts for every member. ``members``
+    defaults to the collector's ``num_workers``. Stop on this, not on a shared frame budget, wherever a test
+    needs each member's batches: one fast member can take a whole budget alone. Raises an
+    ``AssertionError`` with the counts if the iteration ends first; ``seconds`` only stops a hang.
+    """
+    if each < 1:
+        raise ValueError(f"each must be 1 or more, got {each}")
+    n = members if members is not None else collector.num_workers
+    counts = dict.fromkeys(range(n), 0)
+    out: list[Any] = []
+    with anyio.fail_after(seconds):
+        async for batch in collector:
+            out.append(batch)
+            for member in batch_members(batch) or counts:
+                counts[member] = counts.get(member, 0) + 1
+            if all(counts[m] >= each for m in range(n)):
+                return out
+    raise AssertionError(f"the iteration ended before every member delivered {each} batches: {counts}")
+
+
+async def wait_until(predicate: Any, seconds: float = 30, *, poll: float = 0.01) -> None:
+    """Poll ``predicate()`` until it is true (for what no event tells: another process's exit or file).
+
+    ``seconds`` only stops a hang (``TimeoutError``); the verdict is the condition itself.
+    """
+    with anyio.fail_after(seconds):
+        while not predicate():  # noqa: ASYNC110 - nothing to wait on but the condition
+            await anyio.sleep(poll)
+
+
+# -- speed figures ---------------------------------------------------------------------------------------
+class Timing:
+    """A speed figure of a test (how long a fault took to surface, a restart, a close), bounded only in the
+    test's ``timed`` instance.
+
+    A test that takes the ``timing`` fixture runs twice: its default instance (``[cause]``) asserts what
+    happened; its ``[timed]`` instance, marked ``timing``, also asserts the bound.
+    The default suite and CI's gate leave ``timing`` tests out: ``nox -s timing`` runs them alone, on a
+    quiet machine, and prints the figures. A verdict never depends on the machine's speed or load.
+    """
+
+    #: the figures of the ``timed`` instances run in this session, by test id (printed at its end)
+    figures: ClassVar[dict[str, float]] = {}
+
+    def __init__(self, name: str, checked: bool) -> None:
+        self.name = name
+        self.checked = checked
+
+    def bound(self, seconds: float, limit: float, what: str = "") -> None:
+        """Record ``seconds`` (as ``what``); assert it is under ``limit`` in the ``timed`` instance."""
+        if self.checked:
+            Timing.figures[f"{self.name} {what}".strip()] = round(seconds, 4)
+            assert seconds < limit, f"{what or 'it'} took {seconds:.3f} s, over the {limit} s bound"
+
+
+@pytest.fixture(
+    params=[pytest.param(False, id="cause"), pytest.param(True, id="timed", marks=pytest.mark.timing)]
+)
+def timing(request: pytest.FixtureRequest) -> Timing:
+    """:class:`Timing` for this test: the ``timed`` instance (marked ``timing``) asserts the bounds."""
+    return Timing(request.node.nodeid, request.param)
 
 
 def check_remote_split(collector: Any, members: int) -> None:
