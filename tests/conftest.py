@@ -105,6 +105,7 @@ def _deselect(config: pytest.Config, items: list[pytest.Item], keep: set[int]) -
         items[:] = [item for i, item in enumerate(items) if i in keep]
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k: a tier chooses among the instances they leave
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``--loops``: deselect the async tests of the other loops; ``--loop-tier``: then keep one loop of
     each async test (every loop of the ``all_loops`` ones in tier 0)."""

@@ -15,6 +15,7 @@ in the middle of a test, and ``assert_clean()`` checks against the running test'
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -45,6 +46,7 @@ __all__ = [
     "HookedEnv",
     "Leaks",
     "ListBuffer",
+    "LoopProbe",
     "Timing",
     "alive",
     "assert_clean",
@@ -528,6 +530,57 @@ async def wait_until(predicate: Any, seconds: float = 30, *, poll: float = 0.01)
     with anyio.fail_after(seconds):
         while not predicate():  # noqa: ASYNC110 - nothing to wait on but the condition
             await anyio.sleep(poll)
+
+
+class LoopProbe:
+    """A question from another thread to a task of the event loop, to show the loop runs meanwhile.
+
+    ``ask()`` (in a rollout, fused or worker thread: an env's step, a policy's call) waits for the loop's
+    answer and records whether it came within ``seconds``; ``async with probe.answering():`` runs the task
+    that answers. A thread that holds the loop (or runs on it) never gets its answer: a verdict by cause,
+    where a ticker's rate would be a speed figure. A copy of the probe (a collector deep-copies its
+    policy) is the probe itself.
+    """
+
+    def __init__(self, seconds: float = 20.0) -> None:
+        self.seconds = seconds
+        self.answers: list[bool] = []
+        self.threads: set[int] = set()
+        self._asked = threading.Event()
+        self._answered = threading.Event()
+        self._lock = threading.Lock()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LoopProbe:
+        return self
+
+    def ask(self) -> bool:
+        """Wait for the loop's answer (recorded in ``answers``, with this thread in ``threads``)."""
+        with self._lock:  # one question at a time
+            self.threads.add(threading.get_ident())
+            self._answered.clear()
+            self._asked.set()
+            answered = self._answered.wait(self.seconds)
+            self.answers.append(answered)
+            return answered
+
+    @contextlib.asynccontextmanager
+    async def answering(self) -> AsyncIterator[None]:
+        """A task of this loop answers every question while the block runs."""
+
+        async def answer() -> None:
+            while True:
+                await anyio.to_thread.run_sync(self._asked.wait, abandon_on_cancel=True)
+                self._asked.clear()
+                self._answered.set()
+
+        self._asked.clear()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(answer)
+            try:
+                yield
+            finally:
+                tg.cancel_scope.cancel()
+                self._asked.set()  # ends the abandoned wait of the worker thread (asyncio's do not die)
 
 
 # -- speed figures ---------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from support import (
     EnvFactory,
     EnvFailure,
     ListBuffer,
+    LoopProbe,
     rollout_threads,
     threads_in_package_code,
 )
@@ -48,16 +49,13 @@ async def test_the_loop_runs_its_tasks_while_a_batch_is_collected(anyio_backend)
     on the loop's thread would wait for a loop it blocks). No env step and no policy call runs on the
     loop's thread (but the constructor's dry call)."""
     loop_thread = threading.get_ident()
+    probe = LoopProbe()
     threads: set[int] = set()
-    asked, answered = threading.Event(), threading.Event()
-    answers: list[bool] = []
 
     def on_step(n: int) -> None:
         threads.add(threading.get_ident())
         if n % 100 == 50:  # mid-batch, in each batch
-            answered.clear()
-            asked.set()
-            answers.append(answered.wait(30))
+            probe.ask()
 
     class Recording(nn.Module):
         def __init__(self) -> None:
@@ -71,22 +69,12 @@ async def test_the_loop_runs_its_tasks_while_a_batch_is_collected(anyio_backend)
     factory = EnvFactory(fail_step_at=None)  # a HookedEnv: its on_step runs in the rollout's thread
     collector = Collector(factory, Recording(), frames_per_batch=100, total_frames=300, seed=0)
     threads.clear()  # the constructor's dry call of the policy runs here, before any batch
-
-    async def answer() -> None:
-        while True:
-            await anyio.to_thread.run_sync(asked.wait)
-            asked.clear()
-            answered.set()  # this task, on the loop, runs while the batch is collected
-
-    async with collector, anyio.create_task_group() as tg:
+    async with collector, probe.answering():
         factory.hooks[0].on_step = on_step
-        tg.start_soon(answer)
         with anyio.fail_after(60):
             batches = [batch async for batch in collector]
-        tg.cancel_scope.cancel()
-        asked.set()  # ends the worker thread's wait
     assert [b.numel() for b in batches] == [100] * 3
-    assert answers == [True] * 3
+    assert probe.answers == [True] * 3
     assert threads and loop_thread not in threads
 
 
