@@ -13,6 +13,7 @@ fixtures imported from it here (``leaks``, ``warm_forkserver``, ``support_by_val
 
 from __future__ import annotations
 
+import re
 import zlib
 from collections import defaultdict
 
@@ -32,6 +33,8 @@ BACKENDS = [
 LOOPS = ("asyncio", "uvloop", "trio")
 #: the ids a loop takes in a test's id (conftest's own, and the plain backend names other modules use)
 LOOP_IDS = {"asyncio", "asyncio+uvloop", "uvloop", "trio"}
+#: the id pytest gives a backend parametrized without one
+_UNNAMED = re.compile(r"anyio_backend\d+")
 
 
 @pytest.fixture(params=BACKENDS)
@@ -88,7 +91,7 @@ def rotation_key(nodeid: str) -> str:
     name, bracket, ids = nodeid.partition("[")
     if not bracket:
         return name
-    kept = [part for part in ids[:-1].split("-") if part not in LOOP_IDS]
+    kept = [part for part in ids[:-1].split("-") if part not in LOOP_IDS and not _UNNAMED.fullmatch(part)]
     return f"{name}[{'-'.join(kept)}]"
 
 
