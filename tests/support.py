@@ -51,6 +51,7 @@ __all__ = [
     "alive",
     "assert_clean",
     "batch_members",
+    "blocked_in",
     "broken_factory",
     "cartpole",
     "cartpole2",
@@ -64,6 +65,7 @@ __all__ = [
     "mp_helpers",
     "native_threads",
     "pendulum",
+    "poll_until",
     "process_tree",
     "rollout_threads",
     "segments",
@@ -581,6 +583,22 @@ class LoopProbe:
             finally:
                 tg.cancel_scope.cancel()
                 self._asked.set()  # ends the abandoned wait of the worker thread (asyncio's do not die)
+
+
+def poll_until(predicate: Any, seconds: float = 30, *, poll: float = 0.005) -> None:
+    """:func:`wait_until` for a test that is not async (or that must hold the loop meanwhile)."""
+    deadline = time.monotonic() + seconds  # only stops a hang
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{predicate} still false after {seconds} s")
+        time.sleep(poll)
+
+
+def blocked_in(thread: threading.Thread, function: str) -> bool:
+    """Whether ``thread`` runs ``function`` now, innermost (a thread blocked in a call: a synchronisation
+    point for which no event exists, read from its stack)."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    return frame is not None and frame.f_code.co_name == function
 
 
 # -- speed figures ---------------------------------------------------------------------------------------
