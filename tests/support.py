@@ -625,6 +625,17 @@ class Timing:
             Timing.figures[f"{self.name} {what}".strip()] = round(seconds, 4)
             assert seconds < limit, f"{what or 'it'} took {seconds:.3f} s, over the {limit} s bound"
 
+    def share(
+        self, value: float | None, *, above: float | None = None, below: float | None = None, what: str
+    ) -> None:
+        """A share of time (``time_split``, ``trainer_wait``) or a rate: in the ``timed`` instance, assert it
+        lies above ``above`` and below ``below``."""
+        if self.checked:
+            assert value is not None, f"{what}: not measured"
+            Timing.figures[f"{self.name} {what}"] = round(value, 4)
+            assert above is None or value > above, f"{what} is {value:.3f}, not above {above}"
+            assert below is None or value < below, f"{what} is {value:.3f}, not below {below}"
+
 
 @pytest.fixture(
     params=[pytest.param(False, id="cause"), pytest.param(True, id="timed", marks=pytest.mark.timing)]

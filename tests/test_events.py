@@ -10,6 +10,7 @@ import torch
 
 from aiocollect import Collector, GymEnv, MultiAsyncCollector, MultiSyncCollector
 from support import cartpole2 as cartpole
+from support import wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -44,7 +45,7 @@ async def test_collector_events_and_statistics():
                 assert c.statistics().workers[0].state == "paused"
             batches = [b async for b in c]
             seen = await drain(events)
-        await anyio.sleep(0.2)  # the loop-lag monitor ticks every 50 ms: let it take a few samples
+        await wait_until(lambda: c.statistics().loop_lag_ms is not None)  # the loop-lag monitor sampled
         stats = c.statistics()
     assert len(batches) == 4
     names = kinds(seen)
