@@ -428,6 +428,7 @@ def envpool_cartpole(shuffled: bool = False) -> GymEnv:
     return GymEnv(pool)
 
 
+@pytest.mark.envpool  # nox -s realenvs
 @pytest.mark.filterwarnings("ignore::UserWarning")  # EnvPool's spaces warn about float64 bounds
 @pytest.mark.parametrize("kind", ["random", "tdmodule"])
 async def test_envpool_fused_loop_gives_the_per_step_batches(
