@@ -15,7 +15,7 @@ from tensordict.nn import TensorDictModule
 from torch import nn
 
 from aiocollect import MultiAsyncEnvCollector, WorkerDiedError
-from support import wait_until
+from support import take_until, wait_until
 from test_async_envs import Boom, Counter, StepPolicy, check_invariants
 
 pytestmark = pytest.mark.anyio
@@ -248,10 +248,8 @@ async def test_init_random_frames_are_the_first_actions_of_each_worker(kind, lea
     async with MultiAsyncEnvCollector(
         shares(2, 4), policy, frames_per_batch=10, init_random_frames=25, track_policy_version=True, seed=1
     ) as c:
-        with anyio.fail_after(30):
-            while min(len(b) for b in per_worker.values()) < 6:
-                batch = await c.__anext__()
-                per_worker[int(batch["collector", "worker_id"][0])].append(batch)
+        for batch in await take_until(c, each=6, seconds=30):
+            per_worker[int(batch["collector", "worker_id"][0])].append(batch)
     for batches in per_worker.values():
         data = torch.cat(batches)
         random = data["marker"] == 0

@@ -29,7 +29,7 @@ from aiocollect import Collector, CollectorClosedError, MultiAsyncCollector, Mul
 from aiocollect.dashboard import create_app, serve
 from support import cartpole2 as cartpole
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.all_loops]  # a server: every loop in the README's run
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"

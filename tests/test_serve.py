@@ -48,7 +48,7 @@ from aiocollect._serve._ws import connect
 from attacks import frame as raw_frame
 from support import Timing, wait_until
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.all_loops]  # servers: every loop in the README's run
 
 TOKEN = "serve-test-token-0123456789"
 

@@ -46,7 +46,8 @@ from test_serve import (  # noqa: F401  (fixtures)
     warm_loop,
 )
 
-pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("clean")]
+# servers: every loop in the README's run
+pytestmark = [pytest.mark.anyio, pytest.mark.all_loops, pytest.mark.usefixtures("clean")]
 
 TOKEN = "serve-vector-token-0123456789"
 
