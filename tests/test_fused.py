@@ -188,7 +188,7 @@ async def test_pause_starts_no_call_and_waits_for_the_steps(anyio_backend, leaks
                 engine = c._engine
                 assert engine.idle
                 calls = len(c.policy_batch_sizes)
-                await anyio.sleep(0.2)
+                await anyio.sleep(0.2)  # a window for a call that must not come
                 assert len(c.policy_batch_sizes) == calls and engine.idle
             await anext(it)
             assert len(c.policy_batch_sizes) > calls

@@ -335,7 +335,7 @@ def test_doorbell_ring_to_a_loop_that_has_ended_does_not_raise() -> None:
     async def main() -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(bell.wait)
-            await anyio.sleep(0.01)
+            await anyio.wait_all_tasks_blocked()  # the waiter waits
             tg.cancel_scope.cancel()
 
     anyio.run(main)
