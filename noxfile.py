@@ -30,6 +30,13 @@ TORCH = "torch==2.13.0"
 PYTHON = "3.11"
 #: the README's test command's option (CI runs it as written): tier 0 of the loop rotation
 README_TIER = "--loop-tier=0"
+#: the marker expressions of the tiers that .ci/run runs in the README's virtualenv (the sessions below
+#: run the same in their own); a ``timing`` test is never part of a tier's verdict
+EXAMPLES = "examples and not timing"
+LONGRUN = "longrun and not timing"
+#: the speed figures this session's extras can run (the distributed ones: ``nox -s distributed -- -m
+#: "distributed and timing"``)
+TIMING = "timing and not (distributed or torchrl or realenvs or envpool or wandb or slow)"
 #: the newest Python on our machines (tested by ``newest_python``; keep the README in sync)
 NEWEST_PYTHON = "3.13"
 
@@ -81,7 +88,7 @@ def timing(session: nox.Session) -> None:
     printed at the end. Not part of the default suite nor of CI's gate (a figure is not a verdict)."""
     install(session, "test")
     session.run(
-        "python", "-m", "pytest", "-m", "timing", README_TIER, "-p", "no:cacheprovider", *session.posargs
+        "python", "-m", "pytest", "-m", TIMING, README_TIER, "-p", "no:cacheprovider", *session.posargs
     )
 
 
@@ -106,14 +113,14 @@ def sinks(session: nox.Session) -> None:
     examples/logging_sinks.py) with both backends installed; the default suite runs the other sink tests,
     with tensorboard only."""
     install(session, "test", "tensorboard", "wandb")
-    session.run("python", "-m", "pytest", "-m", "wandb", "-v", *session.posargs)
+    session.run("python", "-m", "pytest", "-m", "wandb and not timing", "-v", *session.posargs)
 
 
 @nox.session(python=PYTHON)
 def slow(session: nox.Session) -> None:
     """Tests marked slow."""
     install(session, "test")
-    session.run("python", "-m", "pytest", "-m", "slow", *session.posargs)
+    session.run("python", "-m", "pytest", "-m", "slow and not timing", *session.posargs)
 
 
 @nox.session(python=PYTHON)
@@ -121,7 +128,7 @@ def examples(session: nox.Session) -> None:
     """Every example end to end in a subprocess (tests/test_examples.py, marked ``examples``; CI runs
     them in the README's virtualenv: ``pytest -m examples``)."""
     install(session, "test")
-    session.run("python", "-m", "pytest", "-m", "examples", *session.posargs)
+    session.run("python", "-m", "pytest", "-m", EXAMPLES, *session.posargs)
 
 
 @nox.session(python=PYTHON)
@@ -130,7 +137,7 @@ def longrun(session: nox.Session) -> None:
     subprocesses, under asyncio, uvloop and trio, and the variants of examples/why_slow.py (the default suite
     runs one case of each; CI runs them in the README's virtualenv: ``pytest -m longrun``)."""
     install(session, "test")
-    session.run("python", "-m", "pytest", "-m", "longrun", *session.posargs)
+    session.run("python", "-m", "pytest", "-m", LONGRUN, *session.posargs)
 
 
 @nox.session(python=PYTHON)
@@ -145,7 +152,7 @@ def distributed(session: nox.Session) -> None:
         "-m",
         "pytest",
         "-m",
-        "distributed",
+        "distributed and not timing",
         *session.posargs,
         env={
             "MASTER_ADDR": "127.0.0.1",
@@ -163,7 +170,9 @@ def realenvs(session: nox.Session) -> None:
     marked envpool (the envpool extra; the default suite leaves them out): only these, no default-suite
     test again."""
     install(session, "test", "bench", "envpool")
-    session.run("python", "-m", "pytest", "-m", "(realenvs or envpool) and not slow", *session.posargs)
+    session.run(
+        "python", "-m", "pytest", "-m", "(realenvs or envpool) and not slow and not timing", *session.posargs
+    )
 
 
 @nox.session(python=PYTHON)
@@ -231,7 +240,7 @@ def bench_core(session: nox.Session) -> None:
 def torchrl(session: nox.Session) -> None:
     """The torchrl interop tests (pytest -m torchrl) beside torchrl 0.14, which needs tensordict 0.14.x."""
     session.install(TORCH, *TORCHRL, "-e", ".[test]")
-    session.run("python", "-m", "pytest", "-m", "torchrl", *session.posargs)
+    session.run("python", "-m", "pytest", "-m", "torchrl and not timing", *session.posargs)
 
 
 @nox.session(python=PYTHON)
