@@ -1,9 +1,14 @@
 """Developer sessions: ``nox -s tests``, ``lint``, ``typecheck``, ``docs``, ``bench``, ``bench_core``,
 ``slow``, ``distributed``, ``realenvs``, ``torchrl``, ``bench_torchrl``, ``browser``, ``bench_dashboard``,
-``soak``, ``package``, ``minimum_versions``, ``newest_python``.
+``soak``, ``package``, ``minimum_versions``, ``newest_python``, ``timing``, ``under_load``.
 
 torch is pinned in the same pip command as everything that depends on it, so pip takes the CPU wheel that
 the machine already has instead of pulling a multi-GB CUDA build.
+
+The default suite runs three times in CI, each run under one loop per async test (``--loop-tier``, see
+tests/conftest.py): the README's test command (tier 0, also every loop of the ``all_loops`` tests),
+``minimum_versions`` (tier 1) and ``newest_python`` (tier 2): between them every test meets asyncio,
+asyncio + uvloop and trio.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 import glob
 import os
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -21,6 +28,15 @@ nox.options.default_venv_backend = "venv"
 
 TORCH = "torch==2.13.0"
 PYTHON = "3.11"
+#: the README's test command's option (CI runs it as written): tier 0 of the loop rotation
+README_TIER = "--loop-tier=0"
+#: the marker expressions of the tiers that .ci/run runs in the README's virtualenv (the sessions below
+#: run the same in their own); a ``timing`` test is never part of a tier's verdict
+EXAMPLES = "examples and not timing"
+LONGRUN = "longrun and not timing"
+#: the speed figures this session's extras can run (the distributed ones: ``nox -s distributed -- -m
+#: "distributed and timing"``)
+TIMING = "timing and not (distributed or torchrl or realenvs or envpool or wandb or slow)"
 #: the newest Python on our machines (tested by ``newest_python``; keep the README in sync)
 NEWEST_PYTHON = "3.13"
 
@@ -45,9 +61,35 @@ def install(session: nox.Session, *extras: str) -> None:
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """The default suite (the README's test command): asyncio, asyncio+uvloop and trio."""
+    """The default suite as the README's test command runs it (``--loop-tier=0``: one loop per async test,
+    every loop for the ``all_loops`` ones); plain ``pytest`` with no option runs every loop everywhere."""
     install(session, "test")
-    session.run("python", "-m", "pytest", *session.posargs)
+    session.run("python", "-m", "pytest", README_TIER, *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def under_load(session: nox.Session) -> None:
+    """The default suite (the README's test command) while another process keeps one core busy (a Python
+    busy loop, started before the suite and killed after it): run it before stopping whenever tests or
+    concurrency changed. A test whose verdict depends on time fails here first."""
+    install(session, "test")
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        session.run("python", "-m", "pytest", README_TIER, *session.posargs)
+    finally:
+        burner.kill()
+        burner.wait()
+
+
+@nox.session(python=PYTHON)
+def timing(session: nox.Session) -> None:
+    """The speed figures (tests marked ``timing``: how long a fault takes to surface, a restart, a close; the
+    loop's lag; shares of time): run alone on a quiet machine, each checked against its bound, the figures
+    printed at the end. Not part of the default suite nor of CI's gate (a figure is not a verdict)."""
+    install(session, "test")
+    session.run(
+        "python", "-m", "pytest", "-m", TIMING, README_TIER, "-p", "no:cacheprovider", *session.posargs
+    )
 
 
 @nox.session(python=PYTHON)
@@ -67,33 +109,35 @@ def bench_dashboard(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def sinks(session: nox.Session) -> None:
-    """The logging sinks with both backends installed (tests/test_sinks.py and examples/logging_sinks.py;
-    the default suite has tensorboard only, and skips the W&B tests)."""
+    """The W&B sink's tests (marked ``wandb``: the offline run of tests/test_sinks.py and
+    examples/logging_sinks.py) with both backends installed; the default suite runs the other sink tests,
+    with tensorboard only."""
     install(session, "test", "tensorboard", "wandb")
-    session.run("python", "-m", "pytest", "tests/test_sinks.py", "-v", *session.posargs)
+    session.run("python", "-m", "pytest", "-m", "wandb and not timing", "-v", *session.posargs)
 
 
 @nox.session(python=PYTHON)
 def slow(session: nox.Session) -> None:
     """Tests marked slow."""
     install(session, "test")
-    session.run("python", "-m", "pytest", "-m", "slow", *session.posargs)
+    session.run("python", "-m", "pytest", "-m", "slow and not timing", *session.posargs)
 
 
 @nox.session(python=PYTHON)
 def examples(session: nox.Session) -> None:
-    """Every example end to end in a subprocess (tests/test_examples.py, marked ``examples``)."""
+    """Every example end to end in a subprocess (tests/test_examples.py, marked ``examples``; CI runs
+    them in the README's virtualenv: ``pytest -m examples``)."""
     install(session, "test")
-    session.run("python", "-m", "pytest", "-m", "examples", *session.posargs)
+    session.run("python", "-m", "pytest", "-m", EXAMPLES, *session.posargs)
 
 
 @nox.session(python=PYTHON)
 def longrun(session: nox.Session) -> None:
     """Tests marked longrun: graceful stops on real signals and resumed runs (examples/long_run.py), each in
     subprocesses, under asyncio, uvloop and trio, and the variants of examples/why_slow.py (the default suite
-    runs one case of each)."""
+    runs one case of each; CI runs them in the README's virtualenv: ``pytest -m longrun``)."""
     install(session, "test")
-    session.run("python", "-m", "pytest", "-m", "longrun", *session.posargs)
+    session.run("python", "-m", "pytest", "-m", LONGRUN, *session.posargs)
 
 
 @nox.session(python=PYTHON)
@@ -108,7 +152,7 @@ def distributed(session: nox.Session) -> None:
         "-m",
         "pytest",
         "-m",
-        "distributed",
+        "distributed and not timing",
         *session.posargs,
         env={
             "MASTER_ADDR": "127.0.0.1",
@@ -122,20 +166,12 @@ def distributed(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def realenvs(session: nox.Session) -> None:
     """Tests marked realenvs: ALE/Pong-v5 and MuJoCo HalfCheetah-v5 collected by every collector, with the
-    data invariants checked (tests/test_real_envs.py; needs the bench extra: ale-py, mujoco), and the EnvPool
-    tests (the envpool extra)."""
+    data invariants checked (tests/test_real_envs.py; needs the bench extra: ale-py, mujoco), and the tests
+    marked envpool (the envpool extra; the default suite leaves them out): only these, no default-suite
+    test again."""
     install(session, "test", "bench", "envpool")
-    session.run("python", "-m", "pytest", "-m", "realenvs", *session.posargs)
-    # the EnvPool tests of the default suite skip where envpool is missing: here it is installed
-    session.run("python", "-m", "pytest", "tests/test_vector_envs.py", "-k", "envpool", "-m", "not slow")
     session.run(
-        "python",
-        "-m",
-        "pytest",
-        "tests/test_pool_frames.py",
-        "tests/test_rollout_fused.py",
-        "-k",
-        "envpool or pool",
+        "python", "-m", "pytest", "-m", "(realenvs or envpool) and not slow and not timing", *session.posargs
     )
 
 
@@ -204,7 +240,7 @@ def bench_core(session: nox.Session) -> None:
 def torchrl(session: nox.Session) -> None:
     """The torchrl interop tests (pytest -m torchrl) beside torchrl 0.14, which needs tensordict 0.14.x."""
     session.install(TORCH, *TORCHRL, "-e", ".[test]")
-    session.run("python", "-m", "pytest", "-m", "torchrl", *session.posargs)
+    session.run("python", "-m", "pytest", "-m", "torchrl and not timing", *session.posargs)
 
 
 @nox.session(python=PYTHON)
@@ -261,14 +297,14 @@ def minimum_versions(session: nox.Session) -> None:
     # mypy --strict on the examples reads the installed libraries' type stubs: older numpy and gymnasium
     # stubs differ (not a run-time matter), so that one test runs against the newest versions only
     typing = "--deselect=tests/test_typing.py::test_examples_and_a_user_script_pass_mypy_strict"
-    # the floors under asyncio and trio (anyio's backends); the README's test command runs uvloop too
-    loops = "--loops=asyncio,trio"
-    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", typing, loops, *session.posargs)
+    # tier 1 of the loop rotation: each async test under the loop the README's run and newest_python do not
+    # take for it
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", typing, "--loop-tier=1", *session.posargs)
 
 
 @nox.session(python=_interpreter(NEWEST_PYTHON))
 def newest_python(session: nox.Session) -> None:
     """The default suite on the newest Python here (torch 2.13.0 for it comes from PyPI: a CUDA build that
-    runs on the CPU), under asyncio: the README's test command runs every loop on 3.11 (CI's time limit)."""
+    runs on the CPU), tier 2 of the loop rotation (the README's run and minimum_versions take the others)."""
     install(session, "test")
-    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "--loops=asyncio", *session.posargs)
+    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "--loop-tier=2", *session.posargs)

@@ -15,6 +15,7 @@ in the middle of a test, and ``assert_clean()`` checks against the running test'
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -45,8 +46,12 @@ __all__ = [
     "HookedEnv",
     "Leaks",
     "ListBuffer",
+    "LoopProbe",
+    "Timing",
     "alive",
     "assert_clean",
+    "batch_members",
+    "blocked_in",
     "broken_factory",
     "cartpole",
     "cartpole2",
@@ -60,13 +65,17 @@ __all__ = [
     "mp_helpers",
     "native_threads",
     "pendulum",
+    "poll_until",
     "process_tree",
     "rollout_threads",
     "segments",
     "support_by_value",
     "take",
+    "take_until",
     "threads_in_package_code",
+    "timing",
     "wait_gone",
+    "wait_until",
     "warm_forkserver",
 ]
 
@@ -477,6 +486,163 @@ async def take(collector: Any, n: int | None = None, seconds: float = 30) -> lis
             if n is not None and len(out) == n:
                 break
     return out
+
+
+#: the key that names the member (worker, actor) a frame came from
+WORKER_ID = ("collector", "worker_id")
+
+
+def batch_members(batch: Any) -> set[int]:
+    """The members whose frames ``batch`` holds (``("collector", "worker_id")``; empty if it has none)."""
+    ids = batch.get(WORKER_ID, None)
+    return set() if ids is None else {int(i) for i in ids.unique()}
+
+
+async def take_until(
+    collector: Any, *, each: int, members: int | None = None, seconds: float = 60
+) -> list[Any]:
+    """The batches of ``collector``'s ``async for`` until every member has delivered ``each`` of them.
+
+    A batch counts for each member whose frames it holds (``("collector", "worker_id")``); a batch with no
+    such key (a sync collector's stack holds every member's rollout) counts for every member. ``members``
+    defaults to the collector's ``num_workers``. Stop on this, not on a shared frame budget, wherever a test
+    needs each member's batches: one fast member can take a whole budget alone. Raises an
+    ``AssertionError`` with the counts if the iteration ends first; ``seconds`` only stops a hang.
+    """
+    if each < 1:
+        raise ValueError(f"each must be 1 or more, got {each}")
+    n = members if members is not None else collector.num_workers
+    counts = dict.fromkeys(range(n), 0)
+    out: list[Any] = []
+    with anyio.fail_after(seconds):
+        async for batch in collector:
+            out.append(batch)
+            for member in batch_members(batch) or counts:
+                counts[member] = counts.get(member, 0) + 1
+            if all(counts[m] >= each for m in range(n)):
+                return out
+    raise AssertionError(f"the iteration ended before every member delivered {each} batches: {counts}")
+
+
+async def wait_until(predicate: Any, seconds: float = 30, *, poll: float = 0.01) -> None:
+    """Poll ``predicate()`` until it is true (for what no event tells: another process's exit or file).
+
+    ``seconds`` only stops a hang (``TimeoutError``); the verdict is the condition itself.
+    """
+    with anyio.fail_after(seconds):
+        while not predicate():  # noqa: ASYNC110 - nothing to wait on but the condition
+            await anyio.sleep(poll)
+
+
+class LoopProbe:
+    """A question from another thread to a task of the event loop, to show the loop runs meanwhile.
+
+    ``ask()`` (in a rollout, fused or worker thread: an env's step, a policy's call) waits for the loop's
+    answer and records whether it came within ``seconds``; ``async with probe.answering():`` runs the task
+    that answers. A thread that holds the loop (or runs on it) never gets its answer: a verdict by cause,
+    where a ticker's rate would be a speed figure. A copy of the probe (a collector deep-copies its
+    policy) is the probe itself.
+    """
+
+    def __init__(self, seconds: float = 20.0) -> None:
+        self.seconds = seconds
+        self.answers: list[bool] = []
+        self.threads: set[int] = set()
+        self._asked = threading.Event()
+        self._answered = threading.Event()
+        self._lock = threading.Lock()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LoopProbe:
+        return self
+
+    def ask(self) -> bool:
+        """Wait for the loop's answer (recorded in ``answers``, with this thread in ``threads``)."""
+        with self._lock:  # one question at a time
+            self.threads.add(threading.get_ident())
+            self._answered.clear()
+            self._asked.set()
+            answered = self._answered.wait(self.seconds)
+            self.answers.append(answered)
+            return answered
+
+    @contextlib.asynccontextmanager
+    async def answering(self) -> AsyncIterator[None]:
+        """A task of this loop answers every question while the block runs."""
+
+        async def answer() -> None:
+            while True:
+                await anyio.to_thread.run_sync(self._asked.wait, abandon_on_cancel=True)
+                self._asked.clear()
+                self._answered.set()
+
+        self._asked.clear()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(answer)
+            try:
+                yield
+            finally:
+                tg.cancel_scope.cancel()
+                self._asked.set()  # ends the abandoned wait of the worker thread (asyncio's do not die)
+
+
+def poll_until(predicate: Any, seconds: float = 30, *, poll: float = 0.005) -> None:
+    """:func:`wait_until` for a test that is not async (or that must hold the loop meanwhile)."""
+    deadline = time.monotonic() + seconds  # only stops a hang
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{predicate} still false after {seconds} s")
+        time.sleep(poll)
+
+
+def blocked_in(thread: threading.Thread, function: str) -> bool:
+    """Whether ``thread`` runs ``function`` now, innermost (a thread blocked in a call: a synchronisation
+    point for which no event exists, read from its stack)."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    return frame is not None and frame.f_code.co_name == function
+
+
+# -- speed figures ---------------------------------------------------------------------------------------
+class Timing:
+    """A speed figure of a test (how long a fault took to surface, a restart, a close), bounded only in the
+    test's ``timed`` instance.
+
+    A test that takes the ``timing`` fixture runs twice: its default instance (``[cause]``) asserts what
+    happened; its ``[timed]`` instance, marked ``timing``, also asserts the bound.
+    The default suite and CI's gate leave ``timing`` tests out: ``nox -s timing`` runs them alone, on a
+    quiet machine, and prints the figures. A verdict never depends on the machine's speed or load.
+    """
+
+    #: the figures of the ``timed`` instances run in this session, by test id (printed at its end)
+    figures: ClassVar[dict[str, float]] = {}
+
+    def __init__(self, name: str, checked: bool) -> None:
+        self.name = name
+        self.checked = checked
+
+    def bound(self, seconds: float, limit: float, what: str = "") -> None:
+        """Record ``seconds`` (as ``what``); assert it is under ``limit`` in the ``timed`` instance."""
+        if self.checked:
+            Timing.figures[f"{self.name} {what}".strip()] = round(seconds, 4)
+            assert seconds < limit, f"{what or 'it'} took {seconds:.3f} s, over the {limit} s bound"
+
+    def share(
+        self, value: float | None, *, above: float | None = None, below: float | None = None, what: str
+    ) -> None:
+        """A share of time (``time_split``, ``trainer_wait``) or a rate: in the ``timed`` instance, assert it
+        lies above ``above`` and below ``below``."""
+        if self.checked:
+            assert value is not None, f"{what}: not measured"
+            Timing.figures[f"{self.name} {what}"] = round(value, 4)
+            assert above is None or value > above, f"{what} is {value:.3f}, not above {above}"
+            assert below is None or value < below, f"{what} is {value:.3f}, not below {below}"
+
+
+@pytest.fixture(
+    params=[pytest.param(False, id="cause"), pytest.param(True, id="timed", marks=pytest.mark.timing)]
+)
+def timing(request: pytest.FixtureRequest) -> Timing:
+    """:class:`Timing` for this test: the ``timed`` instance (marked ``timing``) asserts the bounds."""
+    return Timing(request.node.nodeid, request.param)
 
 
 def check_remote_split(collector: Any, members: int) -> None:

@@ -455,7 +455,7 @@ async def test_pause_stops_new_vector_steps() -> None:
         async with c.pause():
             steps = [e.steps for e in envs]
             assert not any(e.stepping for e in envs)
-            await anyio.sleep(0.02)
+            await anyio.sleep(0.02)  # a window for a step that must not come
             assert [e.steps for e in envs] == steps
         await take(c, 1)
 

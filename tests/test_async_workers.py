@@ -15,6 +15,7 @@ from tensordict.nn import TensorDictModule
 from torch import nn
 
 from aiocollect import MultiAsyncEnvCollector, WorkerDiedError
+from support import take_until, wait_until
 from test_async_envs import Boom, Counter, StepPolicy, check_invariants
 
 pytestmark = pytest.mark.anyio
@@ -165,7 +166,8 @@ async def test_flush_delivers_only_frames_of_the_new_weights(request, leaks) -> 
     ) as c:
         with anyio.fail_after(30):
             before = [await c.__anext__() for _ in range(3)]
-            await anyio.sleep(0.05)  # the workers fill their slots and go on collecting
+            # a batch of the old weights waits in a slot (the workers go on collecting): the flush drops it
+            await wait_until(lambda: c._pool.deliveries.statistics().current_buffer_used > 0)
             with torch.no_grad():
                 policy.offset.fill_(1)
             assert await c.update_weights(policy, flush=True) == 1
@@ -246,10 +248,8 @@ async def test_init_random_frames_are_the_first_actions_of_each_worker(kind, lea
     async with MultiAsyncEnvCollector(
         shares(2, 4), policy, frames_per_batch=10, init_random_frames=25, track_policy_version=True, seed=1
     ) as c:
-        with anyio.fail_after(30):
-            while min(len(b) for b in per_worker.values()) < 6:
-                batch = await c.__anext__()
-                per_worker[int(batch["collector", "worker_id"][0])].append(batch)
+        for batch in await take_until(c, each=6, seconds=30):
+            per_worker[int(batch["collector", "worker_id"][0])].append(batch)
     for batches in per_worker.values():
         data = torch.cat(batches)
         random = data["marker"] == 0
@@ -272,7 +272,7 @@ async def test_cancellation_mid_flush_leaves_nothing(request, leaks) -> None:
             await c.__anext__()  # a cancelled update leaves a collector that works
             async with anyio.create_task_group() as tg:
                 tg.start_soon(functools.partial(c.update_weights, policy, flush=True))
-                await anyio.sleep(0.002)
+                await anyio.wait_all_tasks_blocked()  # the update waits on the workers
                 outer.cancel()  # mid-flush, workers collecting
     assert outer.cancel_called
     # the leaks fixture checks: no child process, no /dev/shm segment, no thread, no fd left
@@ -350,7 +350,7 @@ async def test_many_updates_keep_every_rule(request, lag, leaks) -> None:
                 versions = batch["collector", "policy_version"]
                 assert (versions >= c.policy_version - (lag or 0)).all()
                 batches.append(batch)
-                await anyio.sleep(float(torch.rand((), generator=rng)) * 0.01)
+                await anyio.sleep(float(torch.rand((), generator=rng)) * 0.01)  # a trainer's random pace
                 with torch.no_grad():
                     policy.offset.fill_(c.policy_version + 1)
                 await c.update_weights(policy, flush=lag is None)

@@ -252,6 +252,7 @@ def _run_queue_wait() -> float:
         return 0.0
 
 
+@pytest.mark.timing  # a speed figure: nox -s distributed -- -m "distributed and timing"
 async def test_event_loop_lag_during_40mb_broadcast(anyio_backend):
     """A task ticking every 1 ms sees a p99 lag under 5 ms while 10M float32 parameters (40 MB) are
     packed, broadcast to 2 worker processes and loaded (``wait=True``).
@@ -262,8 +263,7 @@ async def test_event_loop_lag_during_40mb_broadcast(anyio_backend):
       on any machine (a tick delayed by a busy machine runs the callbacks that piled up meanwhile, so
       this too is taken from the best window).
     * the wall-clock lag. During a broadcast three processes copy 40 MB (the trainer's transfer thread and
-      two workers), so it can hold only where cores are free: it is asserted when at least 3 cores are
-      idle (by the load average), and skipped (saying so) otherwise.
+      two workers), so it can hold only where cores are free: run it on a quiet machine of 3 cores or more.
       The report also gives the lag less the time the loop thread waited for a CPU (Linux schedstat).
 
     Each busy window follows an idle one on the same loop; up to five pairs are measured and the best
@@ -271,7 +271,6 @@ async def test_event_loop_lag_during_40mb_broadcast(anyio_backend):
     """
     trainer = ConstantPolicy(0.0, big=10_000_000)
     ticks: list[tuple[float, float, float]] = []  # (wall-clock lag, loop CPU, run-queue wait) per tick
-    spare_cores = len(os.sched_getaffinity(0)) - os.getloadavg()[0]
 
     async def tick() -> None:
         while True:
@@ -319,7 +318,7 @@ async def test_event_loop_lag_during_40mb_broadcast(anyio_backend):
             assert torch.allclose(b["action"], torch.tensor(float(version)))  # the last element arrived
             assert (b["collector", "policy_version"] == version).all()
     report = (
-        f"{spare_cores:.1f} idle cores; loop lag p99, idle -> during 40 MB broadcasts (less CPU waits; "
+        "loop lag p99, idle -> during 40 MB broadcasts (less CPU waits; "
         "loop CPU per tick; update_weights(wait=True)): "
         + ", ".join(
             f"{i * 1e3:.2f} -> {b * 1e3:.2f} ms ({o * 1e3:.2f} ms; {c * 1e3:.2f} ms; {n} ticks; "
@@ -332,14 +331,11 @@ async def test_event_loop_lag_during_40mb_broadcast(anyio_backend):
     for *_, n, _ in windows:
         assert n > 20, f"the ticker hardly ran during the broadcasts; {report}"
     assert min(busy_cpu for *_, busy_cpu, _, _ in windows) < 0.005, report
-    if not any(busy < 0.005 for _, busy, *_ in windows):
-        if spare_cores < 3:
-            pytest.skip(f"too few idle cores: wall-clock lag not asserted (the rest was); {report}")
-        pytest.fail(report)
+    assert any(busy < 0.005 for _, busy, *_ in windows), report
 
 
 # -- failures end in errors, not hangs -------------------------------------------------------------
-async def test_worker_killed_during_update_raises():
+async def test_worker_killed_during_update_raises(timing):
     """Worker 1 is SIGKILLed while a broadcast waits for it (it joins after its batch in progress): the
     update ends in ``WorkerDiedError`` within seconds, and everything is cleaned up."""
     trainer = ConstantPolicy(0.0)
@@ -364,7 +360,7 @@ async def test_worker_killed_during_update_raises():
                     killer.cancel()  # an update that failed early must not leave the timer to a later test
     elapsed = time.perf_counter() - start
     assert info.value.exitcode == -signal.SIGKILL
-    assert elapsed < 20, f"the update took {elapsed:.1f} s to fail"
+    timing.bound(elapsed, 20, "the update to fail")
     assert_clean(threads)
 
 
@@ -384,7 +380,7 @@ async def test_worker_killed_between_updates_raises():
     assert_clean()
 
 
-async def test_startup_failure_does_not_hang():
+async def test_startup_failure_does_not_hang(timing):
     """A worker that fails before the rendezvous: the trainer and the other worker give up at once."""
     start = time.perf_counter()
     with anyio.fail_after(TIMEOUT), pytest.raises(KeyError, match="no such env"):
@@ -395,11 +391,11 @@ async def test_startup_failure_does_not_hang():
             weight_sync=DistributedWeightSync(),
         ):
             pass
-    assert time.perf_counter() - start < 30
+    timing.bound(time.perf_counter() - start, 30, "the start-up's failure")
     assert_clean()
 
 
-async def test_rendezvous_times_out_and_cancels_without_polling():
+async def test_rendezvous_times_out_and_cancels_without_polling(timing):
     """No worker joins: connect() raises TimeoutError after ``timeout`` (the wait is the store's own,
     in a thread); cancelled, it returns at once."""
     weights = flat_weights(ConstantPolicy(0.0))
@@ -412,7 +408,7 @@ async def test_rendezvous_times_out_and_cancels_without_polling():
         start = time.perf_counter()
         with anyio.fail_after(TIMEOUT), pytest.raises(TimeoutError, match="did not all join within 1 s"):
             await sender.connect()
-        assert 0.9 < time.perf_counter() - start < 10
+        timing.share(time.perf_counter() - start, above=0.9, below=10, what="the rendezvous' timeout (1 s)")
     finally:
         sender.close()
     sender = DistributedWeightSync(timeout=60).open_sender(weights, 1, send)
@@ -420,6 +416,6 @@ async def test_rendezvous_times_out_and_cancels_without_polling():
         start = time.perf_counter()
         with anyio.move_on_after(0.3):
             await sender.connect()
-        assert time.perf_counter() - start < 5
+        timing.bound(time.perf_counter() - start, 5, "the cancelled rendezvous")
     finally:
         sender.close()

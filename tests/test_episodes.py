@@ -410,15 +410,7 @@ async def test_flush_discards_the_trajectories_it_tears():
     assert collector.statistics().frames == stats.frames_delivered >= 1500
 
 
-@pytest.mark.parametrize(
-    "anyio_backend",
-    [
-        pytest.param(("asyncio", {"use_uvloop": False}), id="asyncio"),
-        pytest.param(("asyncio", {"use_uvloop": True}), id="asyncio+uvloop", marks=pytest.mark.slow),
-        pytest.param(("trio", {}), id="trio", marks=pytest.mark.slow),
-    ],
-)
-async def test_flush_on_async_env_workers():  # worker processes, ~8 s each: one loop by default
+async def test_flush_on_async_env_workers():  # worker processes, ~8 s each: CI's runs take one loop each
     policy = Linear()
     collector = MultiAsyncEnvCollector(
         [[lambda: ThreadedAsyncEnv(Stamped(Stamps(), {}, max_length=60))] * 2] * 2,

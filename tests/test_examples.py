@@ -1,14 +1,14 @@
 """Smoke tests of ``examples/``: each script runs in a subprocess with a tiny budget (as cleanrl's).
 
-Each test runs its own script, one at a time, under a deadline that grows with the machine's load: the
-suite must pass on a 2-core machine busy with other work (all the scripts started at once, each importing
-torch, once overran a fixed deadline there, and the pipes of the killed ones leaked into other tests).
+Each test runs its own script, one at a time, under a deadline that only stops a hang (well past what a
+2-core machine busy with other work needs): the verdict is the script's exit status and output, never how
+long it took (all the scripts started at once, each importing torch, once overran a tight deadline there,
+and the pipes of the killed ones leaked into other tests).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import runpy
 import subprocess
@@ -72,10 +72,8 @@ CASES = {
 }
 
 
-def scaled_timeout(seconds: float) -> float:
-    """``seconds`` on an idle machine, stretched by the load per core (at most 5x)."""
-    load = os.getloadavg()[0] / (os.cpu_count() or 1)
-    return seconds * min(5.0, max(1.0, load))
+#: seconds an example may run before it is taken for hung (a few seconds each on an idle machine)
+HANG = 500.0
 
 
 def run_example(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -99,13 +97,19 @@ LONGRUN_CASES = {"why_slow_policy", "why_slow_trainer", "why_slow_handoff"}
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(n, marks=pytest.mark.longrun if n in LONGRUN_CASES else pytest.mark.examples)
+        pytest.param(
+            n,
+            marks=[
+                pytest.mark.longrun if n in LONGRUN_CASES else pytest.mark.examples,
+                *([pytest.mark.wandb] if n == "logging_sinks" else []),  # again in nox -s sinks, with W&B
+            ],
+        )
         for n in CASES
     ],
 )
 def test_example_runs(name: str) -> None:
     """Each example end to end in a subprocess (``nox -s examples``; its variants in ``nox -s longrun``)."""
-    proc = run_example(CASES[name], scaled_timeout(100))
+    proc = run_example(CASES[name], HANG)
     assert proc.returncode == 0, proc.stderr
     assert "frames/s" in proc.stdout, proc.stdout
     assert "mean return" in proc.stdout, proc.stdout
@@ -153,7 +157,7 @@ def test_distributed_example_runs(name: str) -> None:
         pytest.importorskip("ray")
     if "submitit" in flags:
         pytest.importorskip("submitit")
-    proc = run_example([script, *flags], scaled_timeout(240))
+    proc = run_example([script, *flags], 2 * HANG)
     assert proc.returncode == 0, proc.stderr
     assert "frames/s" in proc.stdout and "mean return" in proc.stdout, proc.stdout
     assert "frames    4096" in proc.stdout, proc.stdout  # the whole budget, batch by batch

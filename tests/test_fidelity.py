@@ -141,7 +141,7 @@ KINDS = ["process", "sync", "async", "sync-serial", "async-serial"]
 
 
 # -- item 2: an env class ------------------------------------------------------------------------------
-@matrix(["collector", *KINDS])  # one backend per kind here, all three in the slow tier
+@matrix(["collector", *KINDS])  # every backend: CI's runs of the suite take one each
 async def test_an_env_class_is_called_in_every_collector(kind: str) -> None:
     if kind == "collector":
         collector: Any = Collector(CartPoleClass, frames_per_batch=8, total_frames=16)
@@ -184,7 +184,7 @@ async def test_an_env_that_starts_a_process_runs_in_a_worker(kind, leaks, tmp_pa
     leaks.check()
 
 
-@matrix(["sync", "async"], shift=1)
+@matrix(["sync", "async"])
 async def test_a_gymnasium_async_vector_env_runs_in_a_worker(kind, leaks) -> None:
     with anyio.fail_after(60):
         async with multi(kind, [async_vector_env] * 2, frames_per_batch=16, total_frames=64) as collector:
@@ -217,7 +217,7 @@ async def test_a_worker_killed_takes_its_envs_processes_with_it(leaks, tmp_path)
     leaks.check()
 
 
-@matrix(["cancelled", "raised", "hung"], shift=2)
+@matrix(["cancelled", "raised", "hung"])
 async def test_envs_processes_are_reaped_on_every_exit_path(kind, leaks, tmp_path) -> None:
     """Leaving ``async with`` by cancellation, by an exception of the trainer, and with the workers hung in
     ``env.step`` (then terminated): no process of any env is left."""

@@ -14,7 +14,7 @@ import torch
 from tensordict import TensorDictBase
 
 from aiocollect import MultiAsyncCollector, MultiSyncCollector, ProcessCollector
-from support import ListBuffer, cartpole, cartpole4
+from support import ListBuffer, cartpole, cartpole4, take_until
 
 pytestmark = pytest.mark.anyio
 
@@ -50,16 +50,11 @@ async def first_batches(
 ) -> dict[int, list[TensorDictBase]]:
     """``BATCHES`` batches of each worker of ``make(...)``: seeded at construction (``seed_late=None``,
     kwargs carry ``seed``) or by ``set_seed(seed_late)`` right after ``async with``."""
-    out: list[TensorDictBase] = []
     with anyio.fail_after(60):
         async with make(**kwargs) as c:
             if seed_late is not None:
                 await c.set_seed(seed_late)
-            async for batch in c:
-                out.append(batch)
-                got = per_worker(out)
-                if len(got) == workers and min(len(v) for v in got.values()) >= BATCHES:
-                    break
+            out = await take_until(c, each=BATCHES, members=workers)
     return {i: v[:BATCHES] for i, v in per_worker(out).items()}
 
 

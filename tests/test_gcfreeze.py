@@ -90,7 +90,7 @@ async def test_given_back_when_an_env_fails_or_the_consumer_is_cancelled() -> No
         async with AsyncEnvCollector([Tick] * 2, frames_per_batch=4) as collector:
             assert gc.get_freeze_count() > 0
             async for _ in collector:
-                await anyio.sleep(0.01)
+                await anyio.sleep(0.01)  # a consumer's pace, until it is cancelled
     assert gc.get_freeze_count() == 0
 
 

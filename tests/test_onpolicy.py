@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from aiocollect import GymEnv, MultiAsyncCollector, MultiSyncCollector, PipeWeightSync
-from support import ConstantPolicy, cartpole, children
+from support import ConstantPolicy, cartpole, children, wait_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("leaks")]
 
@@ -137,7 +137,9 @@ async def test_flush_restarts_a_rollout_in_flight_without_resetting_the_env():
             [counter_env], policy, frames_per_batch=30, track_policy_version=True
         ) as c:
             seen.add(await c.__anext__())
-            await anyio.sleep(0.02)  # the worker is some steps into its next-but-one batch
+            # the worker's next batch waits in its slot: it is on its next-but-one, whose frames and the
+            # waiting batch's the flush discards
+            await wait_until(lambda: c._pool.deliveries.statistics().current_buffer_used > 0)
             set_value(policy, 1.0)
             await c.update_weights(policy, flush=True)
             batch = await c.__anext__()
@@ -166,7 +168,7 @@ async def test_max_policy_lag_zero_flushes_every_update(workers):
             async for batch in c:
                 check_batch(batch, c.policy_version)
                 seen.add(batch)
-                await anyio.sleep(0.05)  # training: 25 steps' worth
+                await anyio.sleep(0.05)  # training: 25 steps' worth (the trainer's pace, under test)
                 set_value(policy, float(c.policy_version + 1))
                 await c.update_weights(policy)
             stats = c.statistics()
@@ -375,7 +377,7 @@ async def test_no_trajectory_id_spans_a_dropped_batch(lag, flush):
         ) as c:
             for _ in range(150):
                 seen.add(await c.__anext__())  # asserts: a gap in the frames -> a fresh id
-                await anyio.sleep(random.random() * 0.01)
+                await anyio.sleep(random.random() * 0.01)  # a trainer at random paces (under test)
                 await c.update_weights(policy, flush=flush)
             stats = c.statistics()
     assert stats.frames_discarded > 0  # batches were dropped: the case under test happened

@@ -23,7 +23,8 @@ from torch import nn
 from aiocollect import Collector, GymEnv
 from aiocollect._envs._adapter import ArrayEnv
 
-pytestmark = [pytest.mark.anyio, pytest.mark.filterwarnings("ignore::UserWarning")]  # EnvPool's bounds
+# every test needs envpool: nox -s realenvs runs them (the default suite leaves the envpool marker out)
+pytestmark = [pytest.mark.anyio, pytest.mark.envpool, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 N = 7
 

@@ -168,7 +168,7 @@ async def test_a_killed_actor_is_replaced_with_the_newest_weights(ray, sync):
     assert new_pid != old_pid and _pid_gone(old_pid) and _pid_gone(new_pid)
 
 
-async def test_an_actor_past_its_budget_ends_the_run_with_its_error(ray):
+async def test_an_actor_past_its_budget_ends_the_run_with_its_error(ray, timing):
     """With max_restarts=1 the second kill of actor 0 ends the run with WorkerDiedError, the restart
     history as a note, within 2 s of the kill."""
     with anyio.fail_after(180):
@@ -190,7 +190,8 @@ async def test_an_actor_past_its_budget_ends_the_run_with_its_error(ray):
                         ray.kill(c.actors[0])
                         killed = time.monotonic()
             seen = time.monotonic()
-    assert generation == 1 and seen - killed < 2.0, seen - killed
+    assert generation == 1
+    timing.bound(seen - killed, 2.0, "the replacement")
     notes = "".join(getattr(info.value, "__notes__", []))
     assert "restart budget spent: 1 restart(s)" in notes and "WorkerDiedError: actor 0" in notes
 

@@ -205,6 +205,7 @@ def _loaded(state: Any) -> Any:
     return torch.load(_to_file(state), weights_only=True)
 
 
+@pytest.mark.realenvs  # nox -s realenvs: ale-py and mujoco (the bench extra)
 def test_ale_state_round_trips() -> None:
     ale_py = pytest.importorskip("ale_py")
     gym.register_envs(ale_py)
@@ -217,6 +218,7 @@ def test_ale_state_round_trips() -> None:
     env.close()
 
 
+@pytest.mark.realenvs  # nox -s realenvs: ale-py and mujoco (the bench extra)
 def test_mujoco_state_round_trips() -> None:
     pytest.importorskip("mujoco")
     pytest.importorskip("imageio")

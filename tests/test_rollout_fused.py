@@ -335,7 +335,7 @@ def test_doorbell_ring_to_a_loop_that_has_ended_does_not_raise() -> None:
     async def main() -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(bell.wait)
-            await anyio.sleep(0.01)
+            await anyio.wait_all_tasks_blocked()  # the waiter waits
             tg.cancel_scope.cancel()
 
     anyio.run(main)
@@ -428,6 +428,7 @@ def envpool_cartpole(shuffled: bool = False) -> GymEnv:
     return GymEnv(pool)
 
 
+@pytest.mark.envpool  # nox -s realenvs
 @pytest.mark.filterwarnings("ignore::UserWarning")  # EnvPool's spaces warn about float64 bounds
 @pytest.mark.parametrize("kind", ["random", "tdmodule"])
 async def test_envpool_fused_loop_gives_the_per_step_batches(

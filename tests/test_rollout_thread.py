@@ -20,7 +20,7 @@ from torch import nn
 
 from aiocollect import Collector, GymEnv
 from aiocollect._rollout._storage import POOL_MIN_BYTES, StoragePool
-from support import rollout_threads
+from support import LoopProbe, rollout_threads, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -81,6 +81,35 @@ class PythonHeavyEnv(gym.Env):
         return np.zeros(4, np.float32), 1.0, False, self.t >= 100, {}
 
 
+class AskingEnv(PythonHeavyEnv):
+    """:class:`PythonHeavyEnv` whose 50th step of each episode asks a task of the event loop for an answer
+    (:class:`LoopProbe`) and waits for it."""
+
+    def __init__(self, probe: LoopProbe) -> None:
+        self.probe = probe
+
+    def step(self, action: Any) -> Any:
+        out = super().step(action)
+        if self.t == 50:
+            self.probe.ask()
+        return out
+
+
+async def test_a_python_heavy_env_leaves_the_loop_free() -> None:
+    """While an env that holds the GIL in pure Python is collected, a task of the loop runs mid-batch: the
+    env's 50th step of each episode waits for that task's answer, and gets it (a rollout holding the loop
+    would wait for a loop it blocks). How many ticks a ticker keeps beside it is a speed figure
+    (``test_ticks_beside_a_python_heavy_env``, ``nox -s timing``)."""
+    probe = LoopProbe()
+    collector = Collector(lambda: GymEnv(AskingEnv(probe)), frames_per_batch=256, total_frames=1024)
+    async with collector, probe.answering():
+        with anyio.fail_after(120):
+            batches = [b async for b in collector]
+    assert [b.numel() for b in batches] == [256] * 4
+    assert probe.answers == [True] * 10  # episodes of 100 steps: 10 of them reach step 50 in 1,024 frames
+    assert threading.get_ident() not in probe.threads
+
+
 async def tick_while(work: Any) -> tuple[float, float]:
     """Ticks per second of a 1 ms ticker, and its p99 lag, while ``await work()`` runs on the loop."""
     lags: list[float] = []
@@ -102,10 +131,12 @@ async def tick_while(work: Any) -> tuple[float, float]:
     return len(lags) / elapsed, float(np.percentile(lags, 99))
 
 
-async def test_a_python_heavy_env_leaves_the_loop_free() -> None:
+@pytest.mark.timing
+async def test_ticks_beside_a_python_heavy_env() -> None:
     """While an env that holds the GIL is collected, a 1 ms ticker keeps >= 80 % of the ticks it gets
-    beside the same Python work in a plain worker thread (the GIL's switch interval is the limit; 60 % on
-    a loaded machine), and a p99 lag within two GIL switch intervals (about 10 ms)."""
+    beside the same Python work in a plain worker thread (the GIL's switch interval is the limit), and a
+    p99 lag within two GIL switch intervals (about 10 ms). A speed figure: ``nox -s timing`` runs it alone
+    (``test_a_python_heavy_env_leaves_the_loop_free`` is the verdict by cause)."""
 
     def spin() -> None:
         env = PythonHeavyEnv()
@@ -121,7 +152,7 @@ async def test_a_python_heavy_env_leaves_the_loop_free() -> None:
             async for _ in collector:
                 pass
 
-    # interleaved rounds: the machine's load drifts. The collectors are built before the ticker runs:
+    # interleaved rounds: the machine's speed drifts. The collectors are built before the ticker runs:
     # the constructor makes the env on the calling thread (Collector.create would not)
     collectors = [
         Collector(lambda: GymEnv(PythonHeavyEnv()), frames_per_batch=256, total_frames=1024) for _ in range(3)
@@ -133,18 +164,11 @@ async def test_a_python_heavy_env_leaves_the_loop_free() -> None:
     p99 = float(np.median([r[1][1] for r in rounds]))
     # p99 within two GIL switch intervals (5 ms each: the loop waits for the GIL at most that long per
     # switch, twice when the rollout thread takes it back at once) plus 1 ms of timer slack: about 10 ms;
-    # the median over rounds was 10.4-10.5 ms in about 1 run in 6 on an idle 2-core machine (with the code
-    # of the previous release too), so the bound is 11 ms. Unless the machine is so loaded that the plain
-    # worker thread's p99 is over that already (the loop then waits for a core, not for us): then no worse
-    # than twice that (at load 5-8 on 2 cores the ratio read 1.8 once; a loop held by the rollout, the
-    # defect this guards against, lags by a whole batch: hundreds of ms)
+    # the median over rounds was 10.4-10.5 ms in about 1 run in 6 on an idle 2-core machine, so the bound
+    # is 11 ms, or twice the plain worker thread's own p99 where that is over it already
     bound = 2 * sys.getswitchinterval() + 0.001
     assert p99 <= max(bound, 2.0 * reference_p99), (p99, reference_p99)
-    # the ticks: >= 80 % of the reference's, or on a machine that loaded (the reference's own p99 over the
-    # bound) >= 60 % (0.71 read once at load 10: the collector runs more threads than the reference, and
-    # each waits for a core); a loop held by the rollout ticks a few times per batch, not 60 %
-    loaded = reference_p99 > bound
-    assert rate >= (0.6 if loaded else 0.8) * reference_rate, (rate, reference_rate, reference_p99)
+    assert rate >= 0.8 * reference_rate, (rate, reference_rate, reference_p99)
 
 
 class DropBuffer:
@@ -163,23 +187,19 @@ async def test_start_fills_the_buffer_while_the_loop_is_blocked() -> None:
     rb = DropBuffer()
     async with Collector(lambda: GymEnv("CartPole-v1"), frames_per_batch=64, replay_buffer=rb) as c:
         await c.start()
-        with anyio.fail_after(30):
-            while rb.calls == 0:  # noqa: ASYNC110 - written by the rollout thread, no event to await
-                await anyio.sleep(0.01)
+        await wait_until(lambda: rb.calls > 0)  # written by the rollout thread, no event to await
         before = rb.calls
-        # the point: synchronous trainer code holds the loop (1 s is ~300 batches when idle; up to 5 s
-        # on a loaded machine)
-        blocked_until = time.monotonic() + 5.0
+        # the point: synchronous trainer code holds the loop until the thread has written 5 more batches
+        # (TorchRL's background collection goes on too); a thread that needed the loop never would
+        blocked_until = time.monotonic() + 60.0  # only stops a hang
         while rb.calls - before < 5 and time.monotonic() < blocked_until:
-            time.sleep(0.1)  # noqa: ASYNC251
+            time.sleep(0.01)  # noqa: ASYNC251 - the blocked loop is the behaviour under test
         during = rb.calls - before
-        assert during >= 5, during  # TorchRL's background collection goes on too
+        assert during >= 5, during
         # the loop counts what the thread wrote meanwhile; paused, so that the thread (which may write
         # batches faster than the loop counts them) stops adding to what is compared
         async with c.pause():
-            with anyio.fail_after(30):
-                while c.statistics().frames < rb.frames:  # noqa: ASYNC110
-                    await anyio.sleep(0.01)
+            await wait_until(lambda: c.statistics().frames >= rb.frames)
             assert c.statistics().frames == rb.frames
 
 

@@ -35,7 +35,7 @@ from attacks import (
     upgrade,
 )
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.all_loops]  # servers: every loop in the README's run
 
 
 def cartpoles(n: int = 2) -> list[Any]:

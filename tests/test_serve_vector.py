@@ -35,9 +35,19 @@ from aiocollect import (
 )
 from aiocollect._serve._wire import decode, encode, pack_tree, unpack_tree
 from aiocollect._serve._ws import connect
-from test_serve import assert_heartbeat_gave_up, certificate, clean, stopped, warm_loop  # noqa: F401  (fixtures)
+from support import Timing, wait_until
+from test_serve import (  # noqa: F401  (fixtures)
+    assert_connection_lost,
+    assert_heartbeat_gave_up,
+    certificate,
+    clean,
+    stopped,
+    wait_dropped_by_server,
+    warm_loop,
+)
 
-pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("clean")]
+# servers: every loop in the README's run
+pytestmark = [pytest.mark.anyio, pytest.mark.all_loops, pytest.mark.usefixtures("clean")]
 
 TOKEN = "serve-vector-token-0123456789"
 
@@ -244,7 +254,7 @@ async def test_cancelled_step_leaves_nothing_and_reconnects() -> None:
             await env.reset()
 
 
-async def test_server_killed_mid_run_fails_within_two_seconds() -> None:
+async def test_server_killed_mid_run_fails_within_two_seconds(timing: Timing) -> None:
     async with serve_envs_process(vector_env_fn=lambda: local_vector(8), token=TOKEN) as server:
         env = await RemoteVectorEnv.open(server.url, token=TOKEN)
         try:
@@ -253,20 +263,22 @@ async def test_server_killed_mid_run_fails_within_two_seconds() -> None:
             running = anyio.Event()
 
             async def run() -> None:
-                with pytest.raises(RemoteConnectionError):
+                with pytest.raises(RemoteConnectionError) as info:
                     for step in range(10**9):
                         await env.step(np.zeros(8, np.int64))
                         if step == 20:
                             running.set()
+                assert_connection_lost(str(info.value))  # from the socket, not a heartbeat given up
                 failed.append(time.monotonic())
 
-            with anyio.fail_after(10):
+            with anyio.fail_after(30):
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(run)
                     await running.wait()
                     killed_at = time.monotonic()
                     server.kill()
-            assert failed and failed[0] - killed_at < 2.0
+            assert failed
+            timing.bound(failed[0] - killed_at, 2.0, "the error")
             with pytest.raises(RemoteConnectionError):
                 await env.reset()  # reconnecting fails too: the server is gone
         finally:
@@ -305,16 +317,12 @@ async def test_long_steps_and_idle_clients_are_not_silence() -> None:
                 obs, *_ = await env.step(np.zeros((2, 2), np.float32))  # 2 x 0.3 s in one step
             ws = env._ws
             assert ws is not None and not ws.closed
-            await anyio.sleep(0.6)  # nobody reads this idle connection: the server drops it (IDLE_CLOSE)
+            await wait_dropped_by_server(ws)  # nobody reads this idle connection: the server drops it
             with anyio.fail_after(5):
                 obs, *_ = await env.step(np.zeros((2, 2), np.float32))  # on a new connection, sent once
             assert env._ws is not ws and ws.close_code == 4408
             assert obs["steps"].tolist() == [2, 2]
-        for _ in range(500):  # the server's threads end with the connection
-            if not vector_threads():
-                break
-            await anyio.sleep(0.01)
-        assert not vector_threads()
+        await wait_until(lambda: not vector_threads(), 5)  # the server's threads end with the connection
 
 
 async def test_the_server_drops_a_silent_vector_client_and_frees_its_envs() -> None:
@@ -331,7 +339,7 @@ async def test_the_server_drops_a_silent_vector_client_and_frees_its_envs() -> N
             await silent.abort()
 
 
-async def test_leaving_the_server_ends_its_vector_threads_mid_step() -> None:
+async def test_leaving_the_server_ends_its_vector_threads_mid_step(timing: Timing) -> None:
     envs: list[DictObs] = []
 
     def made() -> DictObs:
@@ -352,7 +360,7 @@ async def test_leaving_the_server_ends_its_vector_threads_mid_step() -> None:
                 await anyio.to_thread.run_sync(envs[0].stepping.wait)
             started = time.monotonic()
         # left mid-step: the client's connection ends at once; the step finishes, then the thread
-        assert time.monotonic() - started < 2.0
+        timing.bound(time.monotonic() - started, 2.0, "leaving the server")
         assert not vector_threads()
 
 
@@ -401,12 +409,13 @@ async def test_async_env_collector_over_two_servers() -> None:
                 assert torch.equal(nxt[a], obs[b]) and ids[b] == ids[a]
 
 
-async def test_the_collector_ends_within_two_seconds_when_a_server_dies() -> None:
+async def test_the_collector_ends_within_two_seconds_when_a_server_dies(timing: Timing) -> None:
     async with serve_envs_process(vector_env_fn=lambda: local_vector(8), token=TOKEN) as server:
         collector = AsyncEnvCollector([lambda: RemoteVectorEnv(server.url, token=TOKEN)], frames_per_batch=64)
-        with pytest.raises(RemoteConnectionError):
+        with pytest.raises(RemoteConnectionError) as info:
             async with collector:
                 async for _ in collector:
                     killed_at = time.monotonic()
                     server.kill()
-        assert time.monotonic() - killed_at < 2.0
+        assert_connection_lost(str(info.value))  # from the socket, not a heartbeat given up
+        timing.bound(time.monotonic() - killed_at, 2.0, "the error")

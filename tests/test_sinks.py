@@ -40,6 +40,7 @@ class Recording(Sink):
         self.threads: set[int] = set()
         self.gate = gate
         self.fail = fail
+        self.writing = threading.Event()  # a write has started (and waits on ``gate``, if any)
 
     def open(self) -> None:
         self.threads.add(threading.get_ident())
@@ -49,8 +50,9 @@ class Recording(Sink):
 
     def write(self, statistics: CollectorStatistics | None, metrics: list[MetricsLogged]) -> None:
         self.threads.add(threading.get_ident())
+        self.writing.set()
         if self.gate is not None:
-            assert self.gate.wait(10)
+            assert self.gate.wait(60)  # only stops a hang
         self.calls.append("write")
         if self.fail == "write":
             raise OSError("disk full")
@@ -93,7 +95,7 @@ async def test_a_slow_sink_never_holds_collection():
     ) as c:
         await c.add_sink(sink)
         with anyio.fail_after(20):
-            await anyio.sleep(0.1)  # the first write has started and waits on the gate
+            await anyio.to_thread.run_sync(sink.writing.wait)  # the first write started: it waits on the gate
             before = c.statistics().batches
             for _ in range(10):
                 await c.__anext__()
@@ -116,7 +118,7 @@ async def test_sink_errors(caplog: pytest.LogCaptureFixture):
         with pytest.raises(RuntimeError, match="one sink per collector"):
             await c.add_sink(broken)
         with caplog.at_level(logging.ERROR, logger="aiocollect.sinks"), anyio.fail_after(10):
-            while "write" not in broken.calls:
+            while "write" not in broken.calls:  # its schedule's first write (a poll: no event for it)
                 await c.__anext__()
                 await anyio.sleep(0.03)
             for _ in range(3):
@@ -195,6 +197,7 @@ def wandb_history(run_dir: Path) -> list[dict[str, Any]]:
     ]
 
 
+@pytest.mark.wandb  # nox -s sinks: the default suite has no wandb
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # wandb's service: one backend is enough
 async def test_wandb_sink_offline_run(tmp_path: Path):
     pytest.importorskip("wandb")

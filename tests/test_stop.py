@@ -26,7 +26,7 @@ from aiocollect import (
 )
 from support import ListBuffer
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.all_loops]  # stopping: every loop in the README's run
 
 
 def cartpole() -> GymEnv:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import anyio
 import gymnasium as gym
@@ -29,6 +28,7 @@ class HangingEnv(gym.Env):
         self.hang_at = hang_at
         self.hang_s = hang_s
         self.t = 0
+        self.hanging = False  # in the hang now
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
@@ -37,7 +37,9 @@ class HangingEnv(gym.Env):
     def step(self, action):
         self.t += 1
         if self.t == self.hang_at:
+            self.hanging = True
             RELEASE.wait(self.hang_s)
+            self.hanging = False
         return np.zeros(2, np.float32), 0.0, False, False, {}
 
 
@@ -45,8 +47,13 @@ def hanging():  # in a worker process: killed when the collector closes
     return GymEnv(HangingEnv(hang_at=15, hang_s=120))
 
 
-def hanging_briefly():  # in this process: the stuck thread cannot be killed, so it ends by itself
-    return GymEnv(HangingEnv(hang_at=15, hang_s=20))
+#: the envs ``hanging_in_process`` built
+IN_PROCESS: list[HangingEnv] = []
+
+
+def hanging_in_process():  # the stuck thread cannot be killed: the test releases it (RELEASE)
+    IN_PROCESS.append(HangingEnv(hang_at=15, hang_s=120))
+    return GymEnv(IN_PROCESS[-1])
 
 
 def healthy():
@@ -64,14 +71,15 @@ async def test_hung_worker_process_raises_named_error(cls):
 
 async def test_hung_in_process_collector_raises_named_error():
     RELEASE.clear()
-    c = Collector(hanging_briefly, frames_per_batch=20, worker_timeout=0.5)
-    start = time.monotonic()
+    IN_PROCESS.clear()
+    c = Collector(hanging_in_process, frames_per_batch=20, worker_timeout=0.5)
     try:
         with anyio.fail_after(30), pytest.raises(WorkerTimeoutError):
             async with c:
                 async for _ in c:
                     pass
-        assert time.monotonic() - start < 15  # well before the 20 s hang ends
+        (env,) = IN_PROCESS
+        assert env.hanging  # raised by the timeout, while the env still hangs (not once its step returned)
         assert c.closed
     finally:
         RELEASE.set()  # the abandoned rollout thread returns from the env's step and ends

@@ -221,6 +221,7 @@ def pool(task: str = "CartPole-v1", n: int = N, **kwargs: Any) -> Any:
         return envpool.make_gymnasium(task, num_envs=n, **kwargs)
 
 
+@pytest.mark.envpool  # nox -s realenvs
 @pytest.mark.filterwarnings("ignore::UserWarning")
 class TestEnvPool:
     def test_frames_equal_the_pools_own_next_step_autoreset(self):
@@ -271,6 +272,7 @@ def envpool_cartpole() -> GymEnv:
     return GymEnv(pool(seed=0))
 
 
+@pytest.mark.envpool  # nox -s realenvs
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("backend", ["serial", "process"])
 async def test_envpool_in_every_collector(backend):

@@ -8,7 +8,7 @@ import pytest
 
 from aiocollect._transport._waiters import WaiterTable
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.all_loops]  # waiters: every loop in the README's run
 
 
 async def test_reply_reaches_its_waiter():
