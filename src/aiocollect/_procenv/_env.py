@@ -4,13 +4,10 @@ one-byte doorbells (``_doorbell.py``)."""
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import multiprocessing as mp
-import multiprocessing.util  # registers its exit handler (which joins live children) before ours
 import signal
 import socket
-import weakref
 from collections.abc import Sequence
 from typing import Any, NoReturn, cast
 
@@ -22,28 +19,16 @@ import numpy as np
 
 from .._core._errors import WorkerDiedError
 from .._core._mistakes import check_main_guard
+from .._core._processes import reaped, signal_group, started
 from .._envs._spaces import NestedKey, action_specs, observation_specs
 from .._transport._messages import Failed
 from .._transport._wire import BlockingChannel, FrameReader
-from .._workers._pool import signal_group
 from .._workers._preload import PRELOAD
 from ._doorbell import ReplyReader
 from ._slots import Slots
 from ._worker import worker_main
 
 __all__ = ["Part", "ProcessVectorEnv", "Worker"]
-
-#: worker processes not reaped yet: killed with their process groups at the interpreter's exit if their env
-#: was never closed (before multiprocessing's exit handler would wait for them: atexit runs last-in first-out)
-_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-@atexit.register
-def _kill_leftover_workers() -> None:
-    for process in list(_LIVE):
-        with contextlib.suppress(Exception):
-            signal_group(process, signal.SIGKILL)
-            process.join(5)
 
 
 class Worker:
@@ -190,7 +175,7 @@ class ProcessVectorEnv:
                 process.start()
             finally:
                 child.close()
-            _LIVE.add(process)
+            started(process)
         lo = 0
         for worker in self._workers:
             n, obs_space, act_space = self._hello(worker)
@@ -444,7 +429,7 @@ class ProcessVectorEnv:
                     process.join(1.0)
                 signal_group(process, signal.SIGKILL)  # and whatever its envs started
                 process.join()
-                _LIVE.discard(process)
+                reaped(process)
                 with contextlib.suppress(ValueError):
                     process.close()
             worker.sock.close()
