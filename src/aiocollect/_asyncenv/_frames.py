@@ -114,6 +114,45 @@ class FrameBatch:
         self.calls: list[PolicyCall] = []
         self._rows: np.ndarray | None = None
 
+    def write(
+        self,
+        row: int,
+        off: int,
+        end: int,
+        number: int,
+        nxt: list[np.ndarray],
+        flags: tuple[np.ndarray, np.ndarray, np.ndarray],
+        obs: list[np.ndarray] | None = None,
+        finals: tuple[np.ndarray, list[np.ndarray]] | None = None,
+    ) -> None:
+        """Rows ``off:end`` of a vector step as the frames from ``row`` on (their actions numbered from
+        ``number``): the next observations ``nxt`` (the final ones where ``finals = (ended, blocks)`` marks a
+        sub-env whose episode ended), reward, terminated and truncated (``flags``); a block batch also the
+        observations ``obs`` the actions were computed from."""
+        stop = row + end - off
+        for slot, block in zip(self.next_obs, nxt, strict=True):
+            slot[row:stop] = block[off:end]
+        if finals is not None:
+            ended, blocks = finals
+            rows = ended[off:end].nonzero()[0]
+            for slot, final in zip(self.next_obs, blocks, strict=True):
+                slot[row + rows] = final[off + rows]
+        reward, terminated, truncated = flags
+        if self.blocks:
+            assert obs is not None
+            for slot, block in zip(self.obs, obs, strict=True):
+                slot[row:stop] = block[off:end]
+            self.source[row:stop] = np.arange(number + off, number + end)
+            self.reward[row:stop] = reward[off:end]
+            self.terminated[row:stop] = terminated[off:end]
+            self.truncated[row:stop] = truncated[off:end]
+        else:
+            self.source.extend(range(number + off, number + end))
+            self.reward.extend(reward[off:end].tolist())
+            self.terminated.extend(terminated[off:end].tolist())
+            self.truncated.extend(truncated[off:end].tolist())
+        self.filled = stop
+
     def resolve(self, calls: list[PolicyCall]) -> None:
         """Find the call of each frame among ``calls`` (in the order they were made; they must hold every
         frame's action)."""

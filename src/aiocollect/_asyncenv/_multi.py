@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -15,17 +14,7 @@ from tensordict.nn import InteractionType
 
 from .._core._mistakes import explicit_keywords
 from .._core._restart import RestartPolicy
-from .._core._validation import (
-    exploration_type_arg,
-    flag,
-    init_random_frames_arg,
-    lag_arg,
-    non_negative_int,
-    optional_callable,
-    optional_positive_int,
-    seed_arg,
-)
-from .._episodes._args import async_chunk, episode_args, trajs_per_batch_arg
+from .._core._validation import flag, lag_arg, optional_callable
 from .._episodes._trajectories import split_trajectories
 from .._fleet._collector import Arrival, FleetCollector
 from .._multi._async import FirstReady
@@ -34,17 +23,10 @@ from .._multi._workers import Workers, WorkersMixin, init_workers
 from .._observe._events import Restarted, WorkerFailed
 from .._transport._messages import RunFree
 from .._weightsync._schemes import WeightSync
-from ._args import max_wait_arg, on_env_error_arg
-from ._multi_args import (
-    UNSUPPORTED,
-    frames_arg,
-    groups_arg,
-    loop_arg,
-    shares_arg,
-    warn_envs_wait,
-)
+from ._args import UNSUPPORTED, shares_arg
+from ._options import AsyncEnvOptions
 from ._restarts import restart_arg
-from ._worker import EnvOffset, EnvRows, EnvShare, WorkerConfig, run_async_worker
+from ._worker import EnvOffset, EnvRows, EnvShare, run_async_worker
 from ._worker_envids import EnvIds
 from ._worker_frames import FLOOR, VERSION
 
@@ -268,52 +250,44 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
     ) -> None:
         shares = shares_arg(env_fns_per_worker)
         lag = lag_arg(max_policy_lag)
-        trajs = trajs_per_batch_arg(
+        options = self._options = AsyncEnvOptions.of(
             "MultiAsyncEnvCollector",
-            trajs_per_batch,
-            frames_per_batch,
-            max_policy_lag=lag,
-            on_env_error="drop" if on_env_error == "drop" else None,
-        )
-        group, update = episode_args("MultiAsyncEnvCollector", trajs, group_size, on_update, restart)
-        groups_arg(shares, group)
-        frames_per_batch = async_chunk(frames_per_batch, trajs, max(len(share) for share in shares))
-        fpb = frames_arg(frames_per_batch, len(shares))
-        if prefetch is None:  # on-policy: what a worker collects ahead is dropped at the next update
-            prefetch = 0 if lag == 0 else 1
-        random_frames = init_random_frames_arg(init_random_frames)
-        self._async_config = WorkerConfig(
-            min_batch=optional_positive_int("min_batch", min_batch, fix="None: half of a worker's envs"),
-            max_wait=max_wait_arg(max_wait),
-            max_frames_per_traj=optional_positive_int("max_frames_per_traj", max_frames_per_traj),
-            exploration_type=exploration_type_arg(exploration_type),
-            seed=seed_arg(seed),
-            prefetch=non_negative_int("prefetch", prefetch, fix="0: a batch is collected when asked for"),
-            loop=loop_arg(loop),
-            random_frames=math.ceil(random_frames / len(shares)),
-            pause_when_held=lag == 0,
-            on_env_error=on_env_error_arg(on_env_error),
+            [len(share) for share in shares],
+            frames_per_batch=frames_per_batch,
+            total_frames=total_frames,
+            trajs_per_batch=trajs_per_batch,
+            group_size=group_size,
+            on_update=on_update,
+            min_batch=min_batch,
+            max_wait=max_wait,
+            max_frames_per_traj=max_frames_per_traj,
+            exploration_type=exploration_type,
+            seed=seed,
+            track_policy_version=track_policy_version,
+            on_env_error=on_env_error,
+            prefetch=prefetch,
             restart=restart_arg(restart, [fn for share in shares for fn in share]),
-            group_size=group,
-            on_update=update,
+            max_policy_lag=lag,
+            init_random_frames=init_random_frames,
+            loop=loop,
             traj_id_start=traj_id_start,
             traj_id_stride=traj_id_stride,
         )
-        self._track_versions = flag("track_policy_version", track_policy_version)
+        trajs, group, update = options.trajs_per_batch, options.group_size, options.on_update
         self.num_envs = sum(len(share) for share in shares)
         self._env_ids = EnvIds(len(shares))  # each worker's first env id, once every worker built its envs
-        warn_envs_wait(shares, fpb, self._async_config.prefetch)
-        first_ready = _EnvsFirstReady(len(shares), self._track_versions)
+        first_ready = _EnvsFirstReady(len(shares), options.track_policy_version)
         delivery = Episodes.over(first_ready, trajs, group_size=group, on_update=update)
         self._workers = init_workers(
             self,
             [EnvShare(share) for share in shares],
             policy,
-            frames_per_batch=frames_per_batch if isinstance(frames_per_batch, int) else list(fpb),
-            total_frames=total_frames,
-            init_random_frames=random_frames,
+            # the per-worker values checked (the trainer's options are built from the same keywords)
+            frames_per_batch=list(options.per_worker),
+            total_frames=options.total_frames,
+            init_random_frames=options.random_frames,
             postproc=_Finish(
-                flag("split_trajs", split_trajs), optional_callable("postproc", postproc), trajs is not None
+                flag("split_trajs", split_trajs), optional_callable("postproc", postproc), trajs
             ),
             replay_buffer=replay_buffer,
             storing_device=storing_device,
@@ -328,9 +302,9 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
             worker_timeout=worker_timeout,
             traj_id_start=traj_id_start,
             traj_id_stride=traj_id_stride,
-            restart=restart,  # worker processes that die or hang are replaced (their envs: WorkerConfig)
+            restart=restart,  # worker processes that die or hang are replaced (their envs: the options)
             delivery=delivery,
-            body=functools.partial(run_async_worker, self._async_config),
+            body=functools.partial(run_async_worker, options),  # each worker: options.for_member()
             on_message=self._worker_message,
         )
 

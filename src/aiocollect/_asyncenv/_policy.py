@@ -15,6 +15,7 @@ from gymnasium import spaces
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import InteractionType, set_interaction_type
 
+from .._core._rng import RolloutRNG
 from .._envs._spaces import NestedKey, action_bounds, action_leaf_spaces, action_outside_space
 from .._policies._runners import RandomPolicy, make_runner
 from .._policies._weights import as_weights, check_compatible, copy_weights, module_weights
@@ -125,6 +126,9 @@ class BatchPolicy:
         self.obs_keys = obs_keys
         self.exploration_type = exploration_type
         self.is_async = is_async_policy(policy)
+        #: the collector's own torch generator (a seeded collector's: see ``_core/_rng.py``), swapped in
+        #: around each torch call
+        self.rng: RolloutRNG | None = None
         self._thread: PolicyThread | None = None
         self._route: Any = None  # route_calls: in_thread's calls go there instead of to _thread
         self._out_keys: list[NestedKey] | None = None
@@ -191,6 +195,13 @@ class BatchPolicy:
         return await self.in_thread(lambda: self._call_torch(obs, n))
 
     def _call_torch(self, obs: dict[NestedKey, torch.Tensor], n: int) -> dict[NestedKey, torch.Tensor]:
+        """The call, in the thread that runs the policy (the policy thread, or the fused engine's), drawing
+        from :attr:`rng` when it is set."""
+        if self.rng is not None:
+            return self.rng.run(lambda: self._call_module(obs, n))
+        return self._call_module(obs, n)
+
+    def _call_module(self, obs: dict[NestedKey, torch.Tensor], n: int) -> dict[NestedKey, torch.Tensor]:
         if self._resized:
             self._sized.batch_shape = (n,)
         if self.staging is not None:

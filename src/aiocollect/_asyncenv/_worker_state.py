@@ -56,9 +56,10 @@ def restarts(op: Any) -> bool:
     return isinstance(op, (SetSeed, Reset, LoadState)) or (isinstance(op, GetState) and op.envs)
 
 
-async def serve_checkpoint(collector: Any, frames: WorkerFrames, op: Any) -> Any:
-    """The reply to ``op`` (one of :data:`CHECKPOINT_OPS`) from the worker's ``AsyncEnvCollector`` and
-    the worker's ``frames``."""
+async def serve_checkpoint(hosted: Any, frames: WorkerFrames, op: Any) -> Any:
+    """The reply to ``op`` (one of :data:`CHECKPOINT_OPS`) from the worker's ``AsyncEnvCollector`` (its
+    :class:`~._collector.Hosted` handle) and the worker's ``frames``."""
+    collector = hosted.collector
     if isinstance(op, SetSeed):
         return await collector.set_seed(op.seed)
     if isinstance(op, Reset):
@@ -70,11 +71,8 @@ async def serve_checkpoint(collector: Any, frames: WorkerFrames, op: Any) -> Any
             "state carries the trainer's versions already: send versioned=False"
         )
     if isinstance(op, GetState):
-        if op.envs:
-            state = await collector.state_dict(envs=True)
-        else:  # at once, not after the batch being collected: a plain state restarts nothing
-            engine = collector._check_restartable("state_dict", restarts=False)
-            state = await collector._read_state(engine, envs=False)
+        # a plain state at once, not after the batch being collected: it restarts nothing
+        state = await collector.state_dict(envs=True) if op.envs else await hosted.state_now()
         state.pop("policy", None)  # the trainer saves the weights once, for every worker
         state["fresh_ids"] = frames.fresh
         return state

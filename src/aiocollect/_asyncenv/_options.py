@@ -1,0 +1,215 @@
+"""The options of the async-env collectors, one frozen object checked once.
+
+``AsyncEnvCollector`` and ``MultiAsyncEnvCollector`` keep their flat keywords and turn them into an
+:class:`AsyncEnvOptions` with :meth:`AsyncEnvOptions.of`, before any env is built or process started; it
+travels as it is to the worker processes of ``MultiAsyncEnvCollector`` (pickled with the worker's body),
+where :meth:`AsyncEnvOptions.for_member` derives each worker's view (its ``frames_per_batch``, its share of
+``init_random_frames``) instead of repacking it, and the worker's collector runs on that view unchecked.
+
+A value of the wrong type raises ``TypeError``, a value out of range ``ValueError``; both name the keyword.
+
+Example:
+    >>> options = AsyncEnvOptions.of("AsyncEnvCollector", [8], frames_per_batch=64, total_frames=100)
+    >>> options.frames_per_batch, options.target()
+    (64, 128)
+    >>> AsyncEnvOptions.of("AsyncEnvCollector", [8], frames_per_batch=64, max_wait=-1.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: max_wait must be >= 0 and finite (seconds the oldest ready env may wait), got -1.0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from math import ceil
+from typing import Any
+
+from tensordict.nn import InteractionType
+
+from .._core._mistakes import warn_user
+from .._core._restart import RestartPolicy
+from .._core._validation import (
+    exploration_type_arg,
+    flag,
+    init_random_frames_arg,
+    non_negative_int,
+    optional_positive_int,
+    positive_int,
+    seed_arg,
+    total_frames_arg,
+)
+from .._episodes._args import async_chunk, episode_args, trajs_per_batch_arg
+from ._args import fused_arg, groups_arg, loop_arg, max_wait_arg, on_env_error_arg, per_worker_arg
+
+__all__ = ["AsyncEnvOptions"]
+
+
+@dataclass(frozen=True)
+class AsyncEnvOptions:
+    """What an async-env collector runs, checked (the keywords of the same names, normalised).
+
+    ``frames_per_batch`` is the collector's (with ``trajs_per_batch``, the chunk its envs are collected
+    in); ``MultiAsyncEnvCollector``'s also holds one value per worker (``per_worker``), the workers'
+    ``loop``, ``init_random_frames`` over all workers (``random_frames``), ``pause_when_held``
+    (``max_policy_lag=0``: a worker's envs wait while the trainer holds its batch) and the trajectory
+    ids' ``traj_id_start``/``traj_id_stride``; a worker's view (:meth:`for_member`) has its own.
+    """
+
+    frames_per_batch: int
+    total_frames: int = -1
+    trajs_per_batch: int | None = None
+    group_size: int | None = None
+    on_update: str = "continue"
+    #: counted in (sub-)envs; ``None``: half of them (known once the envs are built)
+    min_batch: int | None = None
+    max_wait: float = 0.002
+    max_frames_per_traj: int | None = None
+    split_trajs: bool = False
+    exploration_type: InteractionType = InteractionType.RANDOM
+    seed: int | None = None
+    track_policy_version: bool = False
+    on_env_error: str = "raise"
+    prefetch: int = 1
+    restart: RestartPolicy | None = None
+    fused: bool | None = None
+    per_worker: tuple[int, ...] = ()
+    loop: str = "asyncio"
+    random_frames: int = 0
+    pause_when_held: bool = False
+    traj_id_start: int = 0
+    traj_id_stride: int = 1
+    #: a worker's view: how many times the worker was replaced before (``restart=``; its seeds derive
+    #: from it)
+    generation: int = 0
+
+    @classmethod
+    def of(
+        cls,
+        collector: str,
+        envs: list[int],
+        *,
+        frames_per_batch: Any,
+        policy: Any = None,
+        total_frames: Any = -1,
+        trajs_per_batch: Any = None,
+        group_size: Any = None,
+        on_update: Any = "continue",
+        min_batch: Any = None,
+        max_wait: Any = 0.002,
+        max_frames_per_traj: Any = None,
+        split_trajs: Any = False,
+        exploration_type: Any = "random",
+        seed: Any = None,
+        track_policy_version: Any = False,
+        on_env_error: Any = "raise",
+        prefetch: Any = None,
+        restart: RestartPolicy | None = None,
+        fused: Any = None,
+        max_policy_lag: int | None = None,
+        init_random_frames: Any = None,
+        loop: Any = "asyncio",
+        traj_id_start: int = 0,
+        traj_id_stride: int = 1,
+    ) -> AsyncEnvOptions:
+        """The options of ``collector`` over ``envs`` env fns (one count per worker process; one count for
+        ``AsyncEnvCollector``), every keyword checked here and nowhere else (``restart``: by the caller,
+        against the env fns). Warns where fewer frames may be in flight than a worker has envs."""
+        multi = collector != "AsyncEnvCollector"
+        fused = None if multi else fused_arg(fused, policy, restart)
+        cuts: dict[str, Any] = {"on_env_error": on_env_error == "drop"}
+        if multi:
+            cuts = {
+                "max_policy_lag": max_policy_lag,
+                "on_env_error": "drop" if on_env_error == "drop" else None,
+            }
+        trajs = trajs_per_batch_arg(collector, trajs_per_batch, frames_per_batch, **cuts)
+        group, update = episode_args(collector, trajs, group_size, on_update, restart)
+        if multi:
+            groups_arg(envs, group)
+        chunk = async_chunk(frames_per_batch, trajs, max(envs))
+        per_worker = per_worker_arg(chunk, len(envs)) if multi else [positive_int("frames_per_batch", chunk)]
+        if prefetch is None:  # on-policy: what a worker collects ahead is dropped at the next update
+            prefetch = 0 if max_policy_lag == 0 else 1
+        options = cls(
+            frames_per_batch=max(per_worker),
+            total_frames=total_frames_arg(total_frames),
+            trajs_per_batch=trajs,
+            group_size=group,
+            on_update=update,
+            min_batch=optional_positive_int(
+                "min_batch",
+                min_batch,
+                fix="None: half of a worker's envs" if multi else "None: half of the envs",
+            ),
+            max_wait=max_wait_arg(max_wait),
+            max_frames_per_traj=optional_positive_int("max_frames_per_traj", max_frames_per_traj),
+            split_trajs=flag("split_trajs", split_trajs),
+            exploration_type=exploration_type_arg(exploration_type),
+            seed=seed_arg(seed),
+            track_policy_version=flag("track_policy_version", track_policy_version),
+            on_env_error=on_env_error_arg(on_env_error),
+            prefetch=non_negative_int("prefetch", prefetch, fix="0: a batch is collected when asked for"),
+            restart=restart,
+            fused=fused,
+            per_worker=tuple(per_worker) if multi else (),
+            loop=loop_arg(loop),
+            random_frames=init_random_frames_arg(init_random_frames),
+            pause_when_held=max_policy_lag == 0,
+            traj_id_start=traj_id_start,
+            traj_id_stride=traj_id_stride,
+        )
+        options._warn(collector, envs)
+        return options
+
+    def _warn(self, collector: str, envs: list[int]) -> None:
+        where = " in a worker" if self.per_worker else ""
+        for n, frames in zip(envs, self.per_worker or (self.frames_per_batch,), strict=True):
+            ahead = (1 + self.prefetch) * frames
+            if ahead < n:
+                warn_user(
+                    f"(1 + prefetch) * frames_per_batch = {ahead} frames may be collected or stepping at once"
+                    f"{where}, fewer than {'its' if where else 'the'} {n} envs: the others wait. Raise "
+                    "frames_per_batch or prefetch"
+                )
+                return
+        uneven = self.total_frames > 0 and self.total_frames % self.frames_per_batch
+        if uneven and not self.per_worker and self.trajs_per_batch is None:
+            warn_user(
+                f"total_frames={self.total_frames} is not a multiple of frames_per_batch="
+                f"{self.frames_per_batch}: the last batch is not cut, {self.target()} frames are collected"
+            )
+
+    @property
+    def drop_failed(self) -> bool:
+        """``on_env_error="drop"``."""
+        return self.on_env_error == "drop"
+
+    def target(self) -> int:
+        """The frames to collect, in whole batches; ``-1``: endless (with ``trajs_per_batch``, the budget
+        is the frames delivered: the collector counts it)."""
+        if self.total_frames < 0 or self.trajs_per_batch is not None:
+            return -1
+        return ceil(self.total_frames / self.frames_per_batch) * self.frames_per_batch
+
+    def min_batch_of(self, rows: int) -> int:
+        """``min_batch`` over ``rows`` (sub-)envs: by default half of them."""
+        return max(1, rows // 2) if self.min_batch is None else min(self.min_batch, rows)
+
+    def for_member(self, index: int, *, generation: int = 0) -> AsyncEnvOptions:
+        """The options of ``MultiAsyncEnvCollector``'s worker ``index``, replaced ``generation`` times
+        before: its own ``frames_per_batch``, its share of ``init_random_frames`` in whole batches of its
+        own (none for a replacement: its predecessor took them), every frame's version tracked (the
+        trainer's floors), endless, frames only (the trainer assembles trajectories and splits them)."""
+        frames = self.per_worker[index]
+        share = ceil(self.random_frames / len(self.per_worker))
+        return replace(
+            self,
+            frames_per_batch=frames,
+            random_frames=0 if generation else ceil(share / frames) * frames,
+            total_frames=-1,
+            trajs_per_batch=None,
+            split_trajs=False,
+            track_policy_version=True,
+            per_worker=(),
+            generation=generation,
+        )
