@@ -10,6 +10,10 @@ unseeded (``reset``), or from their saved state (``state_dict(envs=True)`` resta
 that the run that saved and a run resumed from the checkpoint deliver the same frames). Every trajectory in
 flight goes on under a fresh trajectory id at a restart (its frames collected ahead were dropped).
 
+An env saves and restores its own state with its ``get_state()``/``set_state(state)`` (sync or async); for
+the gymnasium envs the collector wraps, the state ``GymEnv`` saves. A restored env (:class:`FromState`)
+gives the saved observation at its first ``reset`` instead of resetting.
+
 Random states: a seeded collector's torch policy draws from the collector's own torch generator (swapped
 in around each policy call, in the policy thread, as ``Collector`` does), and the random policy's (and a
 worker's ``init_random_frames``) generators are saved with it.
@@ -30,20 +34,87 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import anyio
+import numpy as np
+import torch
 
-from .._core._resume import generator_state, set_generator_state, to_plain
+from .._core._resume import generator_state, set_generator_state, to_arrays, to_plain
 from .._core._rng import RolloutRNG
+from .._envs._async import ThreadedAsyncEnv
+from .._envs._async_vector import ThreadedAsyncVectorEnv
+from .._envs._gym_state import env_state as gym_env_state
+from .._envs._gym_state import set_env_state as set_gym_env_state
 from ._engine import Engine, Signal
-from ._envstate import maybe_await, raw_obs, state_methods
 from ._policy import BatchPolicy
 from ._run import LoopSteps
 from ._worker_random import RandomFirst
 
 __all__ = ["CANNOT_LOAD", "CANNOT_SAVE", "capture", "load_random_states", "random_states", "state_methods_of"]
+
+
+class FromState:
+    """An env restored from a checkpoint (or rebased on one): its first ``reset`` returns the saved
+    observation without resetting it; everything else is the env's."""
+
+    def __init__(self, env: Any, obs: Any) -> None:
+        self._env = env
+        self._obs = obs
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._env, name)
+
+    async def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        obs, self._obs = self._obs, None
+        if obs is not None:
+            return obs, {}
+        return await self._env.reset(seed=seed, options=options)
+
+
+async def maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+def state_methods(env: Any) -> tuple[Callable[[], Any], Callable[[Any], Any]] | None:
+    """An env's ``(get_state, set_state)`` (sync or async): its own, or for the gymnasium envs the
+    collector wraps, the state ``GymEnv`` saves; ``None``: it cannot save its state."""
+    get, put = getattr(env, "get_state", None), getattr(env, "set_state", None)
+    if callable(get) and callable(put):
+        return get, put
+    if isinstance(env, ThreadedAsyncVectorEnv):
+        return env._gym.get_state, env._gym.set_state
+    if isinstance(env, ThreadedAsyncEnv):
+        inner = env.env
+        return (lambda: gym_env_state(inner)), (lambda s: set_gym_env_state(inner, to_arrays(s)))
+    return None
+
+
+def raw_obs(spec: Any, rows: list[np.ndarray], width: int) -> Any:
+    """An env's observation as it gives it (one array, or a dict of them for a ``Dict`` space) from its
+    staging rows (a single env's first row; a vector env's ``[width, ...]``)."""
+    values = [r.copy() if width else r[0].copy() for r in rows]
+    if not spec._dict:
+        return values[0]
+    out: dict[str, Any] = {}
+    for key, value in zip(spec.obs_keys, values, strict=True):
+        parts = (key,) if isinstance(key, str) else key
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return out
+
+
+def as_obs(value: Any) -> Any:
+    """A saved observation (tensors, from a checkpoint) as numpy arrays, as an env gives them."""
+    if isinstance(value, torch.Tensor):
+        return value.numpy().copy()
+    if isinstance(value, dict):
+        return {k: as_obs(v) for k, v in value.items()}
+    return value
 
 
 async def _first_of(*signals: Signal) -> None:

@@ -33,14 +33,16 @@ from .._procenv._driven import is_process_env
 from ._checkpoint import (
     CANNOT_LOAD,
     CANNOT_SAVE,
+    FromState,
+    as_obs,
     capture,
     load_random_states,
+    maybe_await,
     random_states,
     state_methods_of,
 )
 from ._engine import Engine, Stepper
 from ._envset import EnvSet, env_fns_arg, open_envs
-from ._envstate import FromState, as_obs, maybe_await
 from ._fused import FusedSteps
 from ._options import AsyncEnvOptions
 from ._policy import BatchPolicy, is_async_policy

@@ -298,17 +298,22 @@ class Engine:
         number: int,
         nxt: list[np.ndarray],
         flags: tuple[np.ndarray, np.ndarray, np.ndarray],
-        episodes: tuple[list[int], np.ndarray, np.ndarray],
+        episode: tuple[np.ndarray, np.ndarray],
         obs: list[np.ndarray] | None = None,
         finals: tuple[np.ndarray, list[np.ndarray]] | None = None,
-    ) -> int:
-        """The frames of a step of the rows ``first`` to ``first + width - 1`` (their actions numbered from
-        ``number``; ``nxt``: their next observations, ``flags``: reward, terminated, truncated): written
-        into the batch being filled, the rest into the next one; frames past the budget are not written.
-        ``episodes``: the sub-envs (from 0) whose episode ended, and each sub-env's return and length;
-        ``obs``, ``finals``: see :meth:`FrameBatch.write`. Returns the frames written."""
-        width = len(flags[0])
-        ended, ret, length = episodes
+    ) -> None:
+        """The frames of a vector step of the rows ``first`` on (their actions numbered from ``number``;
+        ``nxt``: their next observations, ``flags``: reward, terminated, truncated; ``obs``, ``finals``: see
+        :meth:`FrameBatch.write`): written into the batch being filled, the rest into the next one (frames
+        past the budget are not written); then the episodes that ended are counted (``episode``: each
+        row's return and length so far) and begin new trajectories, and the rows step no more."""
+        reward, terminated, truncated = flags
+        done = terminated | truncated
+        ended = done.nonzero()[0].tolist() if np.count_nonzero(done) else []  # (any() costs twice as much)
+        ret, length = episode
+        ret += reward
+        length += 1
+        width = len(reward)
         off = 0
         while off < width:
             if 0 < self.target <= self.batches_completed * self.frames_per_batch:
@@ -323,7 +328,14 @@ class Engine:
             if batch.filled == batch.size:
                 self.finish(batch)
             off = end
-        return off
+        counts = self.env_frames
+        counts[first : first + off] = [f + 1 for f in counts[first : first + off]]
+        if ended:  # new trajectory ids, in the order of the sub-envs
+            self.traj_ids[first + np.asarray(ended)] = np.arange(self.next_traj, self.next_traj + len(ended))
+            self.next_traj += len(ended)
+            ret[done] = 0.0
+            length[done] = 0
+        self.in_flight -= width
 
     def finish(self, batch: FrameBatch) -> None:
         """``batch`` is full: find the policy calls of its frames, free the calls no frame can come from

@@ -246,29 +246,17 @@ class Driver:
 
     # -- frames -----------------------------------------------------------------------------------
     def _frames(self, unit: Unit) -> None:
-        """Append the frames of ``unit``'s step, count its episodes and give its ended sub-envs new
-        trajectory ids."""
-        e = self.e
-        first, width = unit.first, unit.width
-        stop = first + width
+        """Append the frames of ``unit``'s step (its episodes counted, its ended sub-envs given new
+        trajectory ids)."""
+        e, first = self.e, unit.first
+        stop = first + unit.width
         reward, terminated, truncated, ended = unit.flags()
-        done = terminated | truncated
-        ends = done.nonzero()[0].tolist() if np.count_nonzero(done) else []
-        ret, length = self.ret[first:stop], self.len[first:stop]
-        ret += reward
-        length += 1
         keys = e.spec.obs_keys
         finals = (ended, [unit.final(key) for key in keys]) if np.count_nonzero(ended) else None
         nxt = [unit.obs(key) for key in keys]
-        flags = (reward, terminated, truncated)
-        written = e.append(first, unit.action_no, nxt, flags, (ends, ret, length), unit.obs_at_call, finals)
-        if written:
-            e.env_frames[first : first + written] = [f + 1 for f in e.env_frames[first : first + written]]
-        if ends:
-            e.traj_ids[first + np.asarray(ends)] = np.arange(e.next_traj, e.next_traj + len(ends))
-            e.next_traj += len(ends)
-            ret[done] = 0.0
-            length[done] = 0
+        episode = (self.ret[first:stop], self.len[first:stop])
+        e.append(
+            first, unit.action_no, nxt, (reward, terminated, truncated), episode, unit.obs_at_call, finals
+        )
         unit.stepping = False
-        e.in_flight -= width
         self._idle_maybe()

@@ -287,31 +287,17 @@ class LoopSteps:
         ret: Any,
         length: Any,
     ) -> None:
-        """Append a vector step's frames (every value checked before the first is written), then count
-        its episodes and free its rows' actions."""
+        """Append a vector step's frames (every value checked before the first is written), then free
+        its rows' actions."""
         e, width = self.engine, len(ret)
         reward = column(step[0], np.float64, width, "reward")
         terminated = column(step[1], np.bool_, width, "terminated")
         truncated = column(step[2], np.bool_, width, "truncated")
         done = terminated | truncated
-        ended = np.count_nonzero(done)  # (a bool array's any() costs twice as much)
-        nxt = final_obs(e.spec, blocks, done, info) if ended else blocks
-        ret += reward
-        length += 1
-        ends = done.nonzero()[0].tolist() if ended else []
-        number = self._action_no[first]  # the rows' actions are numbered in a row
-        written = e.append(first, number, nxt, (reward, terminated, truncated), (ends, ret, length))
-        if written:
-            stop = first + written
-            e.env_frames[first:stop] = [f + 1 for f in e.env_frames[first:stop]]
-        if ended:  # new trajectory ids, in the order of the sub-envs
-            e.traj_ids[first + np.asarray(ends)] = np.arange(e.next_traj, e.next_traj + len(ends))
-            e.next_traj += len(ends)
-            ret[done] = 0.0
-            length[done] = 0
+        nxt = final_obs(e.spec, blocks, done, info) if np.count_nonzero(done) else blocks
+        e.append(first, self._action_no[first], nxt, (reward, terminated, truncated), (ret, length))
         # the actions are freed last: a batch completed above may still need their calls
         self._actions[first : first + width] = [None] * width
-        e.in_flight -= width
 
     async def _env_failed(self, u: int, exc: Exception) -> None:
         """An env task's error: a restart (``restart=``), the collector's end, or (``on_env_error="drop"``)

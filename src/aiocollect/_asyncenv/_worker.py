@@ -36,13 +36,17 @@ from .._transport._messages import (
     Close,
     GetAttr,
     GetPath,
+    GetState,
     GetWeights,
+    LoadState,
     LoadWeights,
     MapFn,
     Ready,
     Release,
+    Reset,
     Result,
     RunFree,
+    SetSeed,
 )
 from .._transport._shm import SharedBlock
 from .._transport._wire import BlockingChannel
@@ -54,7 +58,6 @@ from ._engine import AllDropped
 from ._envset import EnvSet
 from ._options import AsyncEnvOptions
 from ._worker_frames import VERSION, WorkerFrames
-from ._worker_state import CHECKPOINT_OPS, SendGate, restarts, serve_checkpoint
 
 __all__ = ["EnvOffset", "EnvRows", "EnvShare", "run_async_worker"]
 
@@ -89,6 +92,29 @@ def generation(options: AsyncEnvOptions, spec: Any) -> int:
     (``_workers/_replace.py``)."""
     first = options.traj_id_start + spec.index * options.traj_id_stride
     return (spec.rollout.traj_id_start - first) // (IDS_PER_GENERATION * spec.rollout.traj_id_stride)
+
+
+class SendGate:
+    """Orders a worker's batches against the calls that restart its engine: a batch is taken in and sent
+    under :attr:`lock` (a call waits for it), and after a restart none is sent until :meth:`open`."""
+
+    def __init__(self) -> None:
+        self.lock = anyio.Lock()
+        self._open = anyio.Event()
+
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    def open(self) -> None:
+        self._open.set()
+
+    def close(self) -> None:
+        if self._open.is_set():
+            self._open = anyio.Event()
+
+    async def wait(self) -> None:
+        await self._open.wait()
 
 
 class _AsyncWorker:
@@ -173,13 +199,28 @@ class _AsyncWorker:
                 raise TypeError(f"unexpected message {msg!r}")
 
     async def call(self, op: Any) -> Any:
-        """The reply to a control operation (``Call.op``)."""
+        """The reply to a control operation (``Call.op``). Seeds, resets and checkpoints are served by the
+        worker's ``AsyncEnvCollector`` (``_checkpoint.py``) plus the worker's own part, its counter of
+        fresh trajectory ids; every one but a plain ``GetState`` restarts its engine (:meth:`restart`)."""
+        if isinstance(op, (GetState, LoadState)) and op.versioned:
+            raise ValueError(
+                f"{type(op).__name__}(versioned=True) is for hosted collectors (nodes, actors); a worker's "
+                "state carries the trainer's versions already: send versioned=False"
+            )
+        if isinstance(op, (SetSeed, Reset, LoadState)) or (isinstance(op, GetState) and op.envs):
+            async with self.gate.lock:  # between two batches taken in
+                reply = await self.restart(op)
+                self.gate.close()
+                self.frames.restart(0 if self.batch is None else self.batch.shape[0])
+                self.discarded[self.index] = self.frames.discarded
+                self.batch, self.episodes = None, []
+            return reply
         collector = self.collector
-        if isinstance(op, CHECKPOINT_OPS):
-            return await self.checkpoint(op)
         module = collector.policy
         roots = {"env": collector.envs[0] if collector.envs else None, "policy": module}
         match op:
+            case GetState():  # at once, between two engine events: it restarts nothing
+                return self.with_ids(await self.hosted.state_now())
             case LoadWeights():
                 version = await self.load_weights()
                 if self.generation:  # a replacement told to load (PipeWeightSync: now): no frame older
@@ -197,18 +238,32 @@ class _AsyncWorker:
                 return resolve(roots, op.path)(*op.args, **op.kwargs)
         raise TypeError(f"{type(op).__name__} is not supported by MultiAsyncEnvCollector's workers")
 
-    async def checkpoint(self, op: Any) -> Any:
-        """A seed, a reset or a checkpoint (``_worker_state.py``); one that restarts the engine drops what
-        was taken in and not sent, and no batch is sent until the trainer's ``RunFree``."""
-        if not restarts(op):  # a plain GetState: at once (between two engine events)
-            return await serve_checkpoint(self.hosted, self.frames, op)
-        async with self.gate.lock:  # between two batches taken in
-            reply = await serve_checkpoint(self.hosted, self.frames, op)
-            self.gate.close()
-            self.frames.restart(0 if self.batch is None else self.batch.shape[0])
-            self.discarded[self.index] = self.frames.discarded
-            self.batch, self.episodes = None, []
-        return reply
+    async def restart(self, op: SetSeed | Reset | GetState | LoadState) -> Any:
+        """A call that restarts the engine. The frames the worker took in and did not send are dropped with
+        those the engine collected ahead, and the worker sends no batch until the trainer says so
+        (``RunFree``), which it does once it has dropped the batches the worker sent before the call
+        (waiting in the slots): no frame collected before the call is delivered after it."""
+        collector = self.collector
+        match op:
+            case SetSeed():
+                return await collector.set_seed(op.seed)
+            case Reset():
+                await collector.reset()
+            case GetState():
+                return self.with_ids(await collector.state_dict(envs=True))
+            case LoadState():
+                state = dict(op.state)
+                fresh = int(state.pop("fresh_ids", 0))
+                await collector.load_state_dict(state)
+                self.frames.fresh = fresh
+        return None
+
+    def with_ids(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A worker's state: its collector's, without the weights (the trainer saves them once, for every
+        worker), with its counter of fresh ids (no fresh id is given twice across a resume)."""
+        state.pop("policy", None)
+        state["fresh_ids"] = self.frames.fresh
+        return state
 
     async def load_weights(self) -> int:
         """Load the newest published weights between two policy calls; the version the policy runs."""
