@@ -79,10 +79,10 @@ class Driver:
         """Read the replies a stopped engine (or a cancelled call) left owed, then reset every unit."""
         for unit in self.units:
             unit.pending, unit.stepping = sum(1 for w in unit.workers if w.owed), False
-            unit.staged = [np.empty_like(unit.obs(key)) for key in self.e.spec.obs_keys]
+            unit.staged = [np.empty_like(unit.block.obs(key)) for key in self.e.spec.obs_keys]
         self._wait_units()
         for unit in self.units:
-            unit.write_seed(self.e.reset_seed(unit.first, unit.index))
+            unit.block.write_seed(self.e.reset_seed(unit.first, unit.index))
             try:
                 unit.ring(b"R")
             except Exception as exc:
@@ -221,11 +221,11 @@ class Driver:
             unit = units[0]
             obs = unit.staged
             for buf, key in zip(obs, keys, strict=True):
-                np.copyto(buf, unit.obs(key))
-            idx = unit.rows
+                np.copyto(buf, unit.block.obs(key))
+            idx = unit.ids
         else:
-            obs = [np.concatenate([u.obs(key) for u in units]) for key in keys]
-            idx = np.concatenate([u.rows for u in units])
+            obs = [np.concatenate([u.block.obs(key) for u in units]) for key in keys]
+            idx = np.concatenate([u.ids for u in units])
         version = e.version
         tensors = {key: torch.from_numpy(a) for key, a in zip(keys, obs, strict=True)}
         start = perf_counter()
@@ -234,7 +234,7 @@ class Driver:
         arrays, base = e.called(obs, idx, out, version)
         j = 0
         for unit in units:
-            unit.write_actions(arrays, j)
+            unit.block.write_actions(arrays, j)
             unit.action_no, unit.obs_at_call = base + j, [o[j : j + unit.width] for o in obs]
             j += unit.width
         e.next_action = base + taken
@@ -250,10 +250,10 @@ class Driver:
         trajectory ids)."""
         e, first = self.e, unit.first
         stop = first + unit.width
-        reward, terminated, truncated, ended = unit.flags()
+        reward, terminated, truncated, ended = unit.block.flags()
         keys = e.spec.obs_keys
-        finals = (ended, [unit.final(key) for key in keys]) if np.count_nonzero(ended) else None
-        nxt = [unit.obs(key) for key in keys]
+        finals = (ended, [unit.block.final(key) for key in keys]) if np.count_nonzero(ended) else None
+        nxt = [unit.block.obs(key) for key in keys]
         episode = (self.ret[first:stop], self.len[first:stop])
         e.append(
             first, unit.action_no, nxt, (reward, terminated, truncated), episode, unit.obs_at_call, finals
