@@ -232,6 +232,7 @@ class AsyncEnvCollector(CollectorBase):
         self._policy: BatchPolicy | None = None
         self._version = 0  # trajs_per_batch: the policy version of the newest frames taken
         self._episodes_delivered: list[tuple[int, float, int]] = []  # those of the batch delivered last
+        self._offset = 0  # a hosted collector's first env id over its host's (once placed)
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def _on_enter(self) -> None:
@@ -272,6 +273,8 @@ class AsyncEnvCollector(CollectorBase):
         if self._gc_hold is not None:  # after the envs are built: they are long-lived too
             self._gc_hold.hold()
         restarts = env_restarts(self._options.restart, self._env_fns, limiter, spec, self._hub)
+        if restarts is not None:  # its events: as the host numbers them (0 and the env ids in process)
+            restarts.worker, restarts.offset = self._options.member or 0, self._offset
         self._engine = Engine(
             envs,
             spec,
@@ -284,6 +287,7 @@ class AsyncEnvCollector(CollectorBase):
             is_paused=self._is_paused,
             resumed=self._resumed,
             restarts=restarts,
+            offset=self._offset,
         )
         for i in range(spec.rows):
             self._hub.publish(WorkerStarted(i))
@@ -296,7 +300,7 @@ class AsyncEnvCollector(CollectorBase):
         host, seed = self._host, self._seed
         if host is None:
             return seed
-        first = await host.place(spec)
+        first = self._offset = await host.place(spec)
         if seed is not None:  # env i of these envs is env first + i of the host's
             self._seed = derive_seed(seed + first, self._options.generation)
         return None if seed is None else seed + first
@@ -821,12 +825,6 @@ class Hosted:
         """``state_dict()`` at once, between two engine events (not after the batch being collected)."""
         engine = self.collector._check_restartable("state_dict", restarts=False)
         return await self.collector._read_state(engine, envs=False)
-
-    @property
-    def all_dropped(self) -> bool:
-        """Every env was dropped (``on_env_error="drop"``)."""
-        engine = self.collector._engine
-        return engine is not None and len(engine.dropped) >= engine.rows
 
     def time_split(self) -> tuple[float, ...]:
         engine = self.collector._engine

@@ -102,7 +102,7 @@ class Engine:
     Its per-env state is per row: a single env has one row, a vector env of ``N`` sub-envs ``N``
     consecutive rows (``spec.firsts``); a row's index is its env id. ``target``: the frames to collect
     (a multiple of ``frames_per_batch``, or -1), ``seed``: the envs' first resets' (env ``i``'s
-    ``seed + i``)."""
+    ``seed + i``), ``offset``: see :meth:`drop`."""
 
     def __init__(
         self,
@@ -118,12 +118,14 @@ class Engine:
         is_paused: Callable[[], bool],
         resumed: Callable[[], Awaitable[None]],
         restarts: Any = None,
+        offset: int = 0,
     ) -> None:
         n = spec.rows
         self.rows, self.envs, self.spec, self.policy, self.options = n, envs, spec, policy, options
         self.frames_per_batch, self.target, self.seed = options.frames_per_batch, target, seed
         self.min_batch = options.min_batch_of(n)
         self.hub, self.restarts = hub, restarts  # restart=RestartPolicy(...): its EnvRestarts
+        self.offset = offset  # a hosted collector's: its first env id over the host's (its events say those)
         self.is_paused, self.resumed = is_paused, resumed
         self.codec = ActionCodec(spec.action_space)
         self.traj_ids = np.arange(n, dtype=np.int64)
@@ -173,6 +175,7 @@ class Engine:
             is_paused=self.is_paused,
             resumed=self.resumed,
             restarts=self.restarts,
+            offset=self.offset,
         )
         n = new.rows
         new.traj_ids[:] = np.arange(self.next_traj, self.next_traj + n)
@@ -355,21 +358,31 @@ class Engine:
 
     def drop(self, u: int, exc: BaseException) -> BaseException | None:
         """Drop env ``u`` (``on_env_error="drop"``; a vector env: all its sub-envs), a ``WorkerFailed``
-        event for each of its rows; the error to end with when every env is dropped."""
+        event for each of its rows (their env ids over the host's, in a ``MultiAsyncEnvCollector``
+        worker); the error to end with when every env is dropped."""
         first, width = self.spec.firsts[u], self.spec.widths[u]
         stop = first + max(width, 1)
+        off, member = self.offset, self.options.member
+        where = "" if member is None else f"worker {member}'s "
         message = f"{type(exc).__name__}: {exc}"
         if width:
-            message += f" (vector env {u}: its sub-envs, env ids {first} to {stop - 1}, are dropped)"
+            ids = f"env ids {first + off} to {stop - 1 + off}"
+            message += f" ({where}vector env {u}: its sub-envs, {ids}, are dropped)"
         self.dropped.update(range(first, stop))
         hub = self.hub
-        self.stepper.on_loop(lambda: [hub.publish(WorkerFailed(i, message)) for i in range(first, stop)])
+        self.stepper.on_loop(
+            lambda: [hub.publish(WorkerFailed(i + off, message)) for i in range(first, stop)]
+        )
         if len(self.dropped) < self.rows:
             return None
-        error = AllDropped(
-            f"every env was dropped (on_env_error='drop'); the last one, env {first}, raised "
-            f"{type(exc).__name__}: {exc}"
-        )
+        if member is None:
+            what = f"every env was dropped (on_env_error='drop'); the last one, env {first}, raised"
+        else:
+            ids = f"env ids {off} to {off + self.rows - 1}"
+            what = (
+                f"every env was dropped in worker {member} ({ids}; on_env_error='drop'); the last one raised"
+            )
+        error = AllDropped(f"{what} {type(exc).__name__}: {exc}")
         error.__cause__ = exc
         return error
 

@@ -78,8 +78,9 @@ class AsyncEnvOptions:
     pause_when_held: bool = False
     traj_id_start: int = 0
     traj_id_stride: int = 1
-    #: a worker's view: how many times the worker was replaced before (``restart=``; its seeds derive
-    #: from it)
+    #: a worker's view: its index, and how many times it was replaced before (``restart=``; its seeds
+    #: derive from it)
+    member: int | None = None
     generation: int = 0
 
     @classmethod
@@ -211,5 +212,6 @@ class AsyncEnvOptions:
             split_trajs=False,
             track_policy_version=True,
             per_worker=(),
+            member=index,
             generation=generation,
         )

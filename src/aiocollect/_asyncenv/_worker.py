@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -125,10 +125,9 @@ class _AsyncWorker:
         self.generation = generation(options, spec)
         #: this worker's view of the collector's options (checked by the trainer)
         self.options = options.for_member(spec.index, generation=self.generation)
-        #: this worker's first env id over all workers (EnvOffset), and its envs once built
+        #: this worker's first env id over all workers (EnvOffset)
         self.first = 0
         self.placed = anyio.Event()
-        self.env_set: EnvSet | None = None
         self.drops: EventStream | None = None
         self.fpb = self.options.frames_per_batch
         self.frames = WorkerFrames(
@@ -276,7 +275,6 @@ class _AsyncWorker:
     async def place(self, spec: EnvSet) -> int:
         """Tell the parent how many env ids this worker's envs take; its first one, once every worker
         told (no env is reset before: seeds follow from it)."""
-        self.env_set = spec
         if self.options.drop_failed or self.options.restart is not None:  # before any env steps
             self.drops = self.collector.events(kinds={"worker_failed", "restarted"})
         self.chan.send(EnvRows(spec.rows))
@@ -293,38 +291,9 @@ class _AsyncWorker:
             stream.close()
 
     def send_drop(self, event: Any) -> None:
-        if isinstance(event, Restarted):  # as the parent numbers them: this worker, a global env id
-            self.chan.send(replace(event, worker=self.index, env=self.first + event.env))
-            return
-        if not isinstance(event, WorkerFailed) or event.worker_id < 0:
-            return  # -1: the collector failed, which the worker's own failure reports
-        local = event.worker_id
-        error = event.error
-        spec = self.env_set
-        assert spec is not None
-        for u, (first, width) in enumerate(zip(spec.firsts, spec.widths, strict=True)):
-            suffix = f" (vector env {u}: its sub-envs, env ids {first} to {first + width - 1}, are dropped)"
-            if width and first <= local < first + width and error.endswith(suffix):
-                error = error[: -len(suffix)] + (
-                    f" (worker {self.index}'s vector env {u}: its sub-envs, env ids {self.first + first} to "
-                    f"{self.first + first + width - 1}, are dropped)"
-                )
-        self.chan.send(replace(event, worker_id=self.first + local, error=error))
-
-    def all_dropped(self, exc: AllDropped) -> RuntimeError:
-        """``exc`` (every env was dropped) with this worker's env ids, after the last drops."""
-        if self.drops is not None:
-            while (event := self.drops.receive_nowait()) is not None:
-                self.send_drop(event)
-        cause = exc.__cause__
-        assert self.env_set is not None
-        error = RuntimeError(
-            f"every env was dropped in worker {self.index} (env ids {self.first} to "
-            f"{self.first + self.env_set.rows - 1}; on_env_error='drop'); the last one raised "
-            f"{type(cause).__name__}: {cause}"
-        )
-        error.__cause__ = cause
-        return error
+        """An env dropped or restarted (its env id over all workers already: ``Engine.drop``)."""
+        if isinstance(event, Restarted) or (isinstance(event, WorkerFailed) and event.worker_id >= 0):
+            self.chan.send(event)  # (-1: the collector failed, which the worker's own failure reports)
 
     # -- batches ----------------------------------------------------------------------------------
     async def next_batch(self) -> TensorDictBase:
@@ -336,8 +305,10 @@ class _AsyncWorker:
                 return batch
             try:
                 batch = await self.collector.__anext__()
-            except AllDropped as exc:
-                raise self.all_dropped(exc) from exc.__cause__
+            except AllDropped:  # the last drops first, then the worker's failure
+                while self.drops is not None and (event := self.drops.receive_nowait()) is not None:
+                    self.send_drop(event)
+                raise
             assert batch is not None  # no replay buffer in a worker
             self.frames.add(batch)
             self.episodes += self.hosted.episodes
