@@ -50,7 +50,7 @@ from ._restarts import env_restarts, restart_arg
 from ._run import LoopSteps
 from ._worker_random import RandomFirst
 
-__all__ = ["ENV_THREADS", "AsyncEnvCollector", "Hosted"]
+__all__ = ["ENV_THREADS", "AsyncEnvCollector", "Finish", "Hosted"]
 
 #: worker threads shared by the gymnasium envs an ``AsyncEnvCollector`` wraps in ``ThreadedAsyncEnv``
 ENV_THREADS = 32
@@ -221,7 +221,7 @@ class AsyncEnvCollector(CollectorBase):
         self.frames_per_batch, self.total_frames = options.frames_per_batch, options.total_frames
         trajs = options.trajs_per_batch
         self._episodes = None if trajs is None else TrajectoryAssembler(trajs, options.group_size)
-        self._postproc, self.replay_buffer = postproc, replay_buffer
+        self._finish, self.replay_buffer = Finish(options, postproc), replay_buffer
         self._gc_hold = GcHold() if flag("freeze_gc", freeze_gc) else None
         self._source_policy = policy_arg(policy)
         self._init_base(progress)  # checks `progress`
@@ -424,13 +424,7 @@ class AsyncEnvCollector(CollectorBase):
             episodes = [(-1, r, n) for r, n in zip(popped.returns, popped.lengths, strict=True)]
         self._record(batch.shape[0], episodes, worker_id=None, policy_version=version)
         self._episodes_delivered = episodes
-        if self._options.split_trajs and self._episodes is not None:
-            batch = split_trajectories(batch)
-        elif self._options.split_trajs:
-            order = torch.sort(batch.get(("collector", "traj_ids")), stable=True).indices
-            batch = split_trajectories(batch[order])
-        if self._postproc is not None:
-            batch = self._postproc(batch)
+        batch = self._finish(batch)
         if self.replay_buffer is None:
             return batch
         with anyio.CancelScope(shield=True):  # counted already: it goes to the buffer
@@ -767,6 +761,26 @@ def _stepper_kind(given: bool | None, envs: list[Any], wraps: bool) -> Callable[
     if given:
         raise ValueError(f"fused=True: {why}; pass fused=None to fall back to the engine on the loop")
     return LoopSteps
+
+
+class Finish:
+    """The batch as delivered: trajectories split (sorted by trajectory first: a flat batch interleaves
+    its envs; with ``trajs_per_batch`` they follow one another already), then the user's ``postproc``."""
+
+    def __init__(
+        self, options: AsyncEnvOptions, postproc: Callable[[TensorDictBase], TensorDictBase] | None
+    ) -> None:
+        self.split_trajs = options.split_trajs
+        self.grouped = options.trajs_per_batch is not None
+        self.postproc = postproc
+
+    def __call__(self, batch: TensorDictBase) -> TensorDictBase:
+        batch.names = None  # a flat batch of frames, not a time dimension
+        if self.split_trajs:
+            if not self.grouped:
+                batch = batch[torch.sort(batch.get(("collector", "traj_ids")), stable=True).indices]
+            batch = split_trajectories(batch)
+        return self.postproc(batch) if self.postproc is not None else batch
 
 
 class Hosted:

@@ -8,14 +8,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import anyio
-import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
 from .._core._mistakes import explicit_keywords
 from .._core._restart import RestartPolicy
-from .._core._validation import flag, lag_arg, optional_callable
-from .._episodes._trajectories import split_trajectories
+from .._core._validation import lag_arg, optional_callable
 from .._fleet._collector import Arrival, FleetCollector
 from .._multi._async import FirstReady
 from .._multi._episodes import Episodes
@@ -24,6 +22,7 @@ from .._observe._events import Restarted, WorkerFailed
 from .._transport._messages import RunFree
 from .._weightsync._schemes import WeightSync
 from ._args import UNSUPPORTED, shares_arg
+from ._collector import Finish
 from ._options import AsyncEnvOptions
 from ._restarts import restart_arg
 from ._worker import EnvOffset, EnvRows, EnvShare, run_async_worker
@@ -31,29 +30,6 @@ from ._worker_envids import EnvIds
 from ._worker_frames import FLOOR, VERSION
 
 __all__ = ["MultiAsyncEnvCollector"]
-
-
-class _Finish:
-    """The batch as delivered: trajectories split (sorted by trajectory first: a flat batch interleaves
-    its envs), then the user's ``postproc``."""
-
-    def __init__(
-        self,
-        split_trajs: bool,
-        postproc: Callable[[TensorDictBase], TensorDictBase] | None,
-        grouped: bool = False,
-    ) -> None:
-        self.split_trajs = split_trajs
-        self.postproc = postproc
-        self.grouped = grouped  # trajs_per_batch: whole trajectories one after the other already
-
-    def __call__(self, batch: TensorDictBase) -> TensorDictBase:
-        batch.names = None  # a flat batch of frames, not a time dimension
-        if self.split_trajs:
-            if not self.grouped:
-                batch = batch[torch.sort(batch.get(("collector", "traj_ids")), stable=True).indices]
-            batch = split_trajectories(batch)
-        return self.postproc(batch) if self.postproc is not None else batch
 
 
 class _EnvsFirstReady(FirstReady):
@@ -261,6 +237,7 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
             min_batch=min_batch,
             max_wait=max_wait,
             max_frames_per_traj=max_frames_per_traj,
+            split_trajs=split_trajs,
             exploration_type=exploration_type,
             seed=seed,
             track_policy_version=track_policy_version,
@@ -286,9 +263,7 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
             frames_per_batch=list(options.per_worker),
             total_frames=options.total_frames,
             init_random_frames=options.random_frames,
-            postproc=_Finish(
-                flag("split_trajs", split_trajs), optional_callable("postproc", postproc), trajs
-            ),
+            postproc=Finish(options, optional_callable("postproc", postproc)),
             replay_buffer=replay_buffer,
             storing_device=storing_device,
             max_policy_lag=lag,

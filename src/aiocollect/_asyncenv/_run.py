@@ -151,9 +151,7 @@ class LoopSteps:
             rows, single = self._stage_rows(i)
             arrays = e.spec.arrays
             ready = self.ready
-            actions = self._actions
-            action_no = self._action_no
-            waiters = self._waiters
+            actions, action_no, waiters = self._actions, self._action_no, self._waiters
             new_waiter = self._new_waiter
             is_future = new_waiter is not anyio.Event
             policy_signal = e.policy_signal
@@ -429,36 +427,12 @@ class LoopSteps:
         finally:
             e.acting = False
         arrays, base = e.called(obs, idx, out, version)
-        if e.spec.has_vector:
-            await self._dispatch_mixed(ids, arrays, base)
-        else:
-            await self._dispatch(ids, e.codec.actions(arrays, n), base)
+        await self._dispatch(ids, arrays, base)
         e.next_action = base + n
 
-    async def _dispatch(self, ids: list[int], env_actions: list[Any], base: int) -> None:
-        """Hand single envs their actions (numbered from ``base``) and wake them."""
-        n = len(ids)
-        actions, action_no, waiters = self._actions, self._action_no, self._waiters
-        futures = self._new_waiter is not anyio.Event
-        wake = self._wake
-        for start in range(0, n, DISPATCH_CHUNK):
-            if start:
-                # let the loop run these envs (and anything else waiting) before waking more: a burst of
-                # hundreds of steps at once (and of their sleeps ending together) would hold the loop
-                await anyio.lowlevel.checkpoint()
-            for j in range(start, min(n, start + DISPATCH_CHUNK)):
-                i = ids[j]
-                actions[i] = env_actions[j]
-                action_no[i] = base + j
-                waiter = waiters[i]
-                if not futures:
-                    wake(waiter)
-                elif not waiter.done():  # done: its task was cancelled
-                    waiter.set_result(None)
-
-    async def _dispatch_mixed(self, ids: list[int], arrays: dict[NestedKey, Any], base: int) -> None:
-        """Hand single and vector envs their actions (numbered from ``base``; a vector env's rows in a
-        row, its block of actions given to its first) and wake them, as :meth:`_dispatch` does."""
+    async def _dispatch(self, ids: list[int], arrays: dict[NestedKey, Any], base: int) -> None:
+        """Hand the envs their actions (numbered from ``base``; a vector env's rows in a row, its block of
+        actions given to its first) and wake them."""
         n = len(ids)
         codec, kinds = self.engine.codec, self._kinds
         singles = codec.actions(arrays, n) if self.engine.spec.has_single else []
@@ -466,7 +440,9 @@ class LoopSteps:
         j = woken = 0
         while j < n:  # per env, not per row
             if woken and not woken % DISPATCH_CHUNK:
-                await anyio.lowlevel.checkpoint()  # see _dispatch
+                # let the loop run these envs (and anything else waiting) before waking more: a burst of
+                # hundreds of steps at once (and of their sleeps ending together) would hold the loop
+                await anyio.lowlevel.checkpoint()
             i = ids[j]
             width = kinds[i]  # a vector env's first row (a call holds its rows in a row, first first)
             if width:
