@@ -244,20 +244,7 @@ class AsyncEnvCollector(CollectorBase):
                 await anyio.to_thread.run_sync(open_envs, self._env_fns, envs, limiter)
             spec = EnvSet(envs)
             self._check_vector_envs(spec)
-            random_seed = await self._placed(spec)
-            policy = BatchPolicy(
-                self._source_policy,
-                action_space=spec.action_space,
-                obs_keys=spec.obs_keys,
-                exploration_type=self._options.exploration_type,
-                name=f"aiocollect-policy-{id(self):x}",
-            )
-            actions = self._options.random_frames  # a worker's init_random_frames
-            engine_policy = (
-                RandomFirst(policy, spec.action_space, actions=actions, seed=random_seed)
-                if actions
-                else policy
-            )
+            policy, engine_policy = self._policies(spec, await self._placed(spec))
             self._kind = _stepper_kind(self._options.fused, envs, engine_policy is not policy)
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -293,6 +280,21 @@ class AsyncEnvCollector(CollectorBase):
             self._hub.publish(WorkerStarted(i))
         assert self._task_group is not None
         await self._task_group.start(self._engine.run)
+
+    def _policies(self, spec: EnvSet, random_seed: int | None) -> tuple[BatchPolicy, Any]:
+        """The collector's policy, and what the engine calls: the policy, or (a worker's
+        ``init_random_frames``) its first actions drawn at random, seeded with ``random_seed``."""
+        policy = BatchPolicy(
+            self._source_policy,
+            action_space=spec.action_space,
+            obs_keys=spec.obs_keys,
+            exploration_type=self._options.exploration_type,
+            name=f"aiocollect-policy-{id(self):x}",
+        )
+        actions = self._options.random_frames
+        if not actions:
+            return policy, policy
+        return policy, RandomFirst(policy, spec.action_space, actions=actions, seed=random_seed)
 
     async def _placed(self, spec: EnvSet) -> int | None:
         """A hosted collector learns its first env id from its host (its seeds follow from it, and from

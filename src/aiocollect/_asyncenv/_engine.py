@@ -19,18 +19,17 @@ from typing import Any, Protocol
 import anyio
 import anyio.abc
 import numpy as np
-import torch
 
-from .._envs._spaces import LeafSpec, NestedKey
+from .._envs._spaces import NestedKey
 from .._episodes._groups import RowEpisodes
 from .._observe._events import WorkerFailed
 from .._observe._timesplit import SplitClock
 from ._envset import EnvSet, close_once
-from ._frames import FrameBatch, Layout, PolicyCall
+from ._frames import FrameBatch, Layout, PolicyCall, as_numpy
 from ._options import AsyncEnvOptions
 from ._policy import ActionCodec
 
-__all__ = ["AllDropped", "Engine", "Hold", "Signal", "Stepper", "as_numpy"]
+__all__ = ["AllDropped", "Engine", "Hold", "Signal", "Stepper"]
 
 
 class AllDropped(RuntimeError):
@@ -273,11 +272,8 @@ class Engine:
         outputs = {key: as_numpy(value, n) for key, value in out.items()}
         layout = self.layout
         if layout is None:
-            specs = {key: LeafSpec(tuple(v.shape[1:]), _dtype(v)) for key, v in outputs.items()}
             track, grouped = self.options.track_policy_version, self.options.group_size is not None
-            layout = self.layout = Layout(
-                self.spec.obs_specs, specs, track_policy_version=track, group_ids=grouped
-            )
+            layout = self.layout = Layout.of_outputs(self.spec.obs_specs, outputs, track, grouped)
         elif list(outputs) != layout.out_keys:
             raise KeyError(f"the policy wrote {list(outputs)}, and {layout.out_keys} at its first call")
         arrays = self.codec.arrays(outputs, n)
@@ -385,18 +381,3 @@ class Engine:
         error = AllDropped(f"{what} {type(exc).__name__}: {exc}")
         error.__cause__ = exc
         return error
-
-
-def as_numpy(value: torch.Tensor, n: int) -> Any:
-    if not isinstance(value, torch.Tensor) or not value.shape or value.shape[0] != n:
-        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise ValueError(f"a policy output has shape {shape}; it must start with the batch of {n} envs")
-    value = value.detach().cpu()
-    try:
-        return value.numpy()
-    except TypeError:  # bfloat16: kept as a tensor
-        return value
-
-
-def _dtype(value: Any) -> torch.dtype:
-    return value.dtype if isinstance(value, torch.Tensor) else torch.from_numpy(value[:0]).dtype

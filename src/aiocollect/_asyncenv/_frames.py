@@ -11,7 +11,7 @@ from tensordict import TensorDict
 
 from .._envs._spaces import LeafSpec, NestedKey
 
-__all__ = ["FrameBatch", "Layout", "PolicyCall"]
+__all__ = ["FrameBatch", "Layout", "PolicyCall", "as_numpy"]
 
 _FLAGS = ("done", "terminated", "truncated")
 
@@ -50,6 +50,14 @@ class Layout:
         self.entries = entries
         self.track_policy_version = track_policy_version
         self.group_ids = group_ids
+
+    @classmethod
+    def of_outputs(
+        cls, obs_specs: dict[NestedKey, LeafSpec], outputs: dict[NestedKey, Any], track: bool, grouped: bool
+    ) -> Layout:
+        """The layout of batches whose policy wrote ``outputs`` (a call's, :func:`as_numpy`'s arrays)."""
+        specs = {key: LeafSpec(tuple(v.shape[1:]), _dtype(v)) for key, v in outputs.items()}
+        return cls(obs_specs, specs, track_policy_version=track, group_ids=grouped)
 
 
 class PolicyCall:
@@ -211,3 +219,18 @@ def _numpy(tensor: torch.Tensor) -> Any:
         return tensor.numpy()
     except TypeError:  # dtypes numpy lacks (bfloat16): written through torch
         return tensor
+
+
+def as_numpy(value: torch.Tensor, n: int) -> Any:
+    if not isinstance(value, torch.Tensor) or not value.shape or value.shape[0] != n:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"a policy output has shape {shape}; it must start with the batch of {n} envs")
+    value = value.detach().cpu()
+    try:
+        return value.numpy()
+    except TypeError:  # bfloat16: kept as a tensor
+        return value
+
+
+def _dtype(value: Any) -> torch.dtype:
+    return value.dtype if isinstance(value, torch.Tensor) else torch.from_numpy(value[:0]).dtype
