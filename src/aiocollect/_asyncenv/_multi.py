@@ -226,7 +226,7 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
     ) -> None:
         shares = shares_arg(env_fns_per_worker)
         lag = lag_arg(max_policy_lag)
-        options = self._options = AsyncEnvOptions.of(
+        options = AsyncEnvOptions.of(
             "MultiAsyncEnvCollector",
             [len(share) for share in shares],
             frames_per_batch=frames_per_batch,

@@ -342,7 +342,7 @@ class _AsyncWorker:
 
     async def collect(self) -> None:
         """Send batches until cancelled (``Close``); a batch is taken in and sent under the gate's lock,
-        and sent only while the gate is open (see ``_worker_state.py``)."""
+        and sent only while the gate is open (see :meth:`restart`)."""
         self.batch = batch = await self.next_batch()
         with self.held():
             # the slots' layout is the first batch's

@@ -131,11 +131,11 @@ class Block:
 
     def obs(self, key: NestedKey, copy: bool = False) -> np.ndarray:
         """The observation ``key`` of every sub-env."""
-        return self._join([w.slots.obs[key] for w in self.workers], copy)  # type: ignore[union-attr]
+        return self._join([w.slots.obs[key] for w in self.workers], copy)
 
     def final(self, key: NestedKey) -> np.ndarray:
         """The final observation ``key`` of the sub-envs whose episode ended at the last step."""
-        return self._join([w.slots.final[key] for w in self.workers], False)  # type: ignore[union-attr]
+        return self._join([w.slots.final[key] for w in self.workers], False)
 
     def flags(self, copy: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``reward``, ``terminated``, ``truncated`` and ``ended`` of the last step."""
