@@ -49,9 +49,8 @@ from .._envs._async_vector import ThreadedAsyncVectorEnv
 from .._envs._gym_state import env_state as gym_env_state
 from .._envs._gym_state import set_env_state as set_gym_env_state
 from ._engine import Engine, Signal
-from ._policy import BatchPolicy
+from ._policy import BatchPolicy, RandomFirst
 from ._run import LoopSteps
-from ._worker_random import RandomFirst
 
 __all__ = ["CANNOT_LOAD", "CANNOT_SAVE", "capture", "load_random_states", "random_states", "state_methods_of"]
 

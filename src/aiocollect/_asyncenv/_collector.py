@@ -45,10 +45,9 @@ from ._engine import Engine, Stepper
 from ._envset import EnvSet, env_fns_arg, open_envs
 from ._fused import FusedSteps
 from ._options import AsyncEnvOptions
-from ._policy import BatchPolicy, is_async_policy
+from ._policy import BatchPolicy, RandomFirst, is_async_policy
 from ._restarts import env_restarts, restart_arg
 from ._run import LoopSteps
-from ._worker_random import RandomFirst
 
 __all__ = ["ENV_THREADS", "AsyncEnvCollector", "Finish", "Hosted"]
 
