@@ -148,6 +148,10 @@ def extras() -> None:
     if not installed("prometheus_client"):
         collector = Collector(make_env, None, frames_per_batch=200, total_frames=200)
         names_extra("metrics_text", "metrics", lambda: aiocollect.metrics_text(collector))
+    if not installed("pettingzoo"):
+        names_extra("PettingZooEnv", "multiagent", lambda: aiocollect.PettingZooEnv(lambda: None))
+    if not installed("vmas"):
+        names_extra("VmasEnv", "multiagent", lambda: aiocollect.VmasEnv("balance", num_envs=2))
     if not installed("ray"):
 
         async def ray_collector() -> None:

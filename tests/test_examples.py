@@ -65,6 +65,10 @@ CASES = {
     "why_slow_handoff": ["why_slow.py", "--case", "handoff", "--total-frames", "320"],
     # an env that crashes about once every 800 steps, restarted (RestartPolicy)
     "restarts": ["restarts.py", "--total-frames", "4000", "--crash-every", "800"],
+    # the multiagent extra: MAPPO on MPE simple_spread, self-play on tic-tac-toe
+    "multiagent_mappo": ["multiagent_mappo.py", "--total-frames", "4000", "--frames-per-batch", "2000"],
+    "multiagent_selfplay": ["multiagent_selfplay.py", "--total-frames", "4000", "--frames-per-batch", "2000"]
+    + ["--eval-every", "1", "--eval-frames", "400"],
 }
 
 
@@ -178,6 +182,7 @@ RUNNABLE_PAGES = [
     "long-runs",
     "episodes",
     "faults",
+    "multiagent",
 ]
 DOC_PAGES = [ROOT / "README.md", *(ROOT / "docs" / f"{name}.md" for name in RUNNABLE_PAGES)]
 _BLOCK = re.compile(r"(<!-- (continue|skip) -->\s*\n)?^```python[^\n]*\n(.*?)^```", re.S | re.M)

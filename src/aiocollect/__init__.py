@@ -21,6 +21,8 @@ from ._core._signals import SignalStop, stop_on_signals
 from ._envs._async import AsyncEnvProtocol, AsyncVectorEnvProtocol, ThreadedAsyncEnv
 from ._envs._async_vector import ThreadedAsyncVectorEnv
 from ._envs._gym import GymEnv
+from ._envs._multiagent._pettingzoo import PettingZooEnv
+from ._envs._multiagent._vmas import VmasEnv
 from ._envs._protocol import EnvProtocol
 from ._episodes._assembler import EpisodeStatistics
 from ._episodes._trajectories import split_trajectories
@@ -50,6 +52,7 @@ from ._observe._events import (
 from ._observe._metrics import metrics_text
 from ._observe._sinks import Sink, TensorBoardSink, WandbSink
 from ._observe._stats import CollectorStatistics, WorkerState, WorkerStatistics
+from ._policies._group_policy import GroupPolicy
 from ._policies._runners import RandomPolicy
 from ._procenv import ProcessVectorEnv
 from ._weightsync._distributed import DistributedWeightSync
@@ -133,12 +136,14 @@ __all__ = [
     "EpisodeStatistics",
     "Event",
     "EventStream",
+    "GroupPolicy",
     "GymEnv",
     "MultiAsyncCollector",
     "MultiAsyncEnvCollector",
     "MultiCollector",
     "MultiSyncCollector",
     "Paused",
+    "PettingZooEnv",
     "PipeWeightSync",
     "ProcessCollector",
     "ProcessVectorEnv",
@@ -153,6 +158,7 @@ __all__ = [
     "SignalStop",
     "ThreadedAsyncEnv",
     "ThreadedAsyncVectorEnv",
+    "VmasEnv",
     "WorkerDiedError",
     "WorkerError",
     "WorkerFailed",

@@ -15,6 +15,7 @@ from gymnasium import spaces
 
 from .._envs._async import ThreadedAsyncEnv, is_async_vector_env
 from .._envs._async_vector import ThreadedAsyncVectorEnv
+from .._envs._multiagent._base import GroupedEnv
 from .._envs._spaces import LeafSpec, NestedKey, action_specs, flatten_obs, observation_specs
 
 __all__ = ["EnvSet", "close_once", "env_fns_arg", "open_envs", "reopen_env", "spaces_of", "vector_width"]
@@ -61,6 +62,13 @@ def _open(fn: Any, i: int, limiter: Any) -> Any:
                     f"env_fns[{i}] gave {env!r}, an async env without {member!r} (AsyncEnvProtocol)"
                 )
         return env
+    if isinstance(env, GroupedEnv):  # reset(td)/step(td) of the env protocol, agent groups
+        env.close()
+        raise TypeError(
+            f"env_fns[{i}] gave {env!r}, a multi-agent env of the env protocol (PettingZooEnv, VmasEnv): "
+            "AsyncEnvCollector steps async and gymnasium envs; collect it with Collector, MultiSyncCollector "
+            "or MultiAsyncCollector"
+        )
     if all(hasattr(env, m) for m in ("step", "reset", "observation_space", "action_space")):
         return ThreadedAsyncEnv(env, limiter=limiter)  # a gymnasium env: its calls run in worker threads
     raise TypeError(

@@ -132,9 +132,12 @@ def seed_arg(value: Any) -> int | None:
 
 
 def policy_arg(value: Any) -> Any:
-    if value is not None and not callable(value):
+    """A collector's ``policy`` checked; a mapping ``{group: module}`` (a policy per agent group) is made a
+    ``GroupPolicy`` where the rollout takes its own copy (``own_policy``)."""
+    if value is not None and not callable(value) and not isinstance(value, Mapping):
         raise TypeError(
-            f"policy must be a TensorDictModule, an nn.Module, a callable td -> td or None, got {value!r}"
+            "policy must be a TensorDictModule, an nn.Module, a callable td -> td, a dict {group: module} "
+            f"or None, got {value!r}"
         )
     return value
 

@@ -16,6 +16,8 @@ import torch
 from tensordict import TensorDict
 
 from ._gym import ArrayStep, GymEnv, fusable_type, overrides_gym_env
+from ._multiagent._base import GroupedEnv
+from ._multiagent._pettingzoo import PettingZooEnv
 from ._protocol import EnvProtocol
 from ._spaces import LeafSpec, NestedKey, action_specs, group_specs, grouped_action_keys, observation_specs
 from ._torchrl import TorchRLArrays, is_torchrl_env
@@ -56,15 +58,20 @@ class ArrayEnv:
         self.env = env
         self.batch_shape: tuple[int, ...] = tuple(env.batch_size)
         self.numel = prod(self.batch_shape)
-        if is_torchrl_env(env):
-            arrays = TorchRLArrays(env)
-            self.action_space: Any = arrays.action_torch_spec
+        self.action_masks: dict[NestedKey, NestedKey] = {}  # action key -> its legal-action mask's key
+        if is_torchrl_env(env) or isinstance(env, GroupedEnv):
+            # a PettingZooEnv / VmasEnv is its own array view (agent groups, TorchRL's layout)
+            arrays: Any = TorchRLArrays(env) if is_torchrl_env(env) else env
+            self.action_space: Any = arrays.action_torch_spec if arrays is not env else env.action_space
             self.obs_specs: dict[NestedKey, LeafSpec] = arrays.obs_specs
             self.action_specs: dict[NestedKey, LeafSpec] = arrays.action_specs
             self.next_specs: dict[NestedKey, LeafSpec] = arrays.next_specs
             self.has_reward = arrays.has_reward
             self.has_truncated = arrays.has_truncated
             self._gym: Any = arrays  # the array fast path: a GymEnv, or this adapter
+            if isinstance(env, GroupedEnv):
+                self.action_rename = grouped_action_keys(env.action_space)
+                self.action_masks = dict(env.action_masks)
         else:
             self.action_space = env.action_space
             gym_env = isinstance(env, GymEnv)
@@ -85,6 +92,8 @@ class ArrayEnv:
         #: the observation entries a plain ``nn.Module`` policy is called on: not the info entries
         info = env.info_specs if isinstance(env, GymEnv) else {}
         self.module_obs_keys: list[NestedKey] = [k for k in self.obs_specs if k not in info]
+        if isinstance(env, GroupedEnv):  # the groups' observations, not their masks and flags
+            self.module_obs_keys = list(env.module_obs_keys)
         #: the spec of the first action entry (the only one but for Dict/Tuple action spaces)
         self.action_spec: LeafSpec = next(iter(self.action_specs.values()))
         self._action_keys = list(self.action_specs)
@@ -128,7 +137,7 @@ class ArrayEnv:
     def group_flag_keys(self) -> list[NestedKey]:
         """The done flags of the agent groups (``("agents", "truncated")``, ...): batch entries like
         observations, at the root and under ``"next"``."""
-        arrays = self.torchrl_arrays
+        arrays = self.env if isinstance(self.env, GroupedEnv) else self.torchrl_arrays
         return arrays.group_flag_keys if arrays is not None else self._flag_keys
 
     def pass_to_env(self, state_keys: list[NestedKey]) -> None:
@@ -246,7 +255,7 @@ class ArrayEnv:
 
     def check_reset_seeded(self) -> None:
         """Raise unless :meth:`reset_seeded` works for this env (``group_size``, ``on_update="restart"``)."""
-        if isinstance(self._gym, GymEnv):
+        if isinstance(self._gym, (GymEnv, PettingZooEnv)):
             self._gym._check_reset_seeded()
         elif self.batch_shape or self.torchrl_arrays is not None:
             raise ValueError(
@@ -258,7 +267,7 @@ class ArrayEnv:
     def reset_seeded(self, mask: np.ndarray | None, seeds: np.ndarray) -> dict[NestedKey, np.ndarray]:
         """Reset the sub-envs in ``mask`` (all: ``None``), sub-env ``i`` with seed ``seeds[i]``; the
         observations of every sub-env (see :meth:`check_reset_seeded`)."""
-        if isinstance(self._gym, GymEnv):
+        if isinstance(self._gym, (GymEnv, PettingZooEnv)):
             return self._gym._reset_seeded(mask, seeds)
         self.env.set_seed(int(seeds.reshape(-1)[0]))  # one env: set_seed seeds its next reset
         return self.reset()

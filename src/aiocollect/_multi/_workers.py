@@ -40,7 +40,7 @@ from .._core._validation import (
 from .._episodes._trajectories import split_trajectories
 from .._fleet._collector import Arrival, FleetCollector
 from .._observe._stats import WorkerStatistics
-from .._policies._weights import flat_weights
+from .._policies._weights import weights_template
 from .._transport._messages import FleetOp, GetPath, GetWeights, LoadWeights, MapFn, SetSeed
 from .._transport._shm import SharedBlock
 from .._weightsync._schemes import (
@@ -182,7 +182,7 @@ def init_workers(
         # async: the largest worker batch (all equal unless frames_per_batch is a per-worker list)
         frames_per_batch=sum(per_worker) if delivery.sync else max(per_worker),
         policy=policy_arg(policy),
-        weights_template=flat_weights(policy) if isinstance(policy, torch.nn.Module) else None,
+        weights_template=weights_template(policy),
         seed=options.seed,
         replay_buffer=replay_buffer_arg(replay_buffer),
         progress=progress,

@@ -19,14 +19,17 @@ from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import InteractionType, TensorDictModuleBase
 
 from .._envs._adapter import ArrayEnv
+from .._envs._multiagent._spec import masked_choice
 from .._envs._spaces import NestedKey, action_specs, sample
 from .._envs._torchrl import TorchRLArrays
 from ._fast import LazyFastRunner, lazy_fast_runner
+from ._group_policy import GroupPolicy, group_runner
 
 __all__ = [
     "RandomPolicy",
     "Runner",
     "TorchRLRandomPolicy",
+    "as_policy",
     "compile_policy",
     "make_runner",
     "one_input",
@@ -84,6 +87,9 @@ class RandomPolicy:
     samples_any_shape = True
     #: the keys the entries are written at, where not ``action_specs``'s (an env's agent groups)
     rename: dict[NestedKey, NestedKey] | None = None
+    #: ``{action key: mask key}``: discrete actions drawn among the legal ones, where the observations
+    #: passed to ``__call__`` hold the mask (an env's ``action_mask`` entries, ``[..., n_actions]`` bool)
+    masks: dict[NestedKey, NestedKey] | None = None
 
     def set_seed(self, seed: int) -> None:
         """Draw from an own generator seeded with ``seed`` from now on."""
@@ -109,8 +115,19 @@ class RandomPolicy:
             out.set(key[1:], value)
         return out
 
+    def sample_legal(
+        self, obs: Mapping[NestedKey, torch.Tensor], batch_shape: tuple[int, ...]
+    ) -> dict[NestedKey, torch.Tensor]:
+        """:meth:`sample_entries`, the masked entries drawn among the actions their mask in ``obs`` allows."""
+        entries = self.sample_entries(batch_shape)
+        for key, mask_key in (self.masks or {}).items():
+            mask = obs.get(mask_key, None)
+            if mask is not None and key in entries:
+                entries[key] = masked_choice(mask, self.generator).reshape(entries[key].shape)
+        return entries
+
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
-        for key, value in self.sample_entries(tuple(td.batch_size)).items():
+        for key, value in self.sample_legal(td, tuple(td.batch_size)).items():
             td.set(key, value)
         return td
 
@@ -158,6 +175,7 @@ def random_policy_for(env: ArrayEnv) -> RandomPolicy:
         return TorchRLRandomPolicy(arrays)
     policy = RandomPolicy(env.action_space)
     policy.rename = env.action_rename  # agent groups: ("agents", "action"), not ("action", "agents", ...)
+    policy.masks = env.action_masks or None  # legal actions only (PettingZoo's action masks)
     return policy
 
 
@@ -180,6 +198,16 @@ class _RandomRunner:
             draws = [self({}) for _ in range(steps)]
             return {key: torch.stack([d[key] for d in draws]) for key in draws[0]}
         return _RandomRunner(self.policy, (steps, *self.batch_shape))({})
+
+
+class _LegalRandomRunner(_RandomRunner):
+    """Random actions among the legal ones: drawn at each step from that step's masks (no ``sample_steps``:
+    a batch's actions cannot be drawn before its observations)."""
+
+    sample_steps = None  # type: ignore[assignment]
+
+    def __call__(self, obs: Mapping[NestedKey, torch.Tensor]) -> dict[NestedKey, torch.Tensor]:
+        return self.policy.sample_legal(obs, self.batch_shape)
 
 
 class _ModuleRunner:
@@ -292,14 +320,28 @@ def make_runner(
     device: torch.device | None,
     module_keys: list[NestedKey] | None = None,
     next_keys: Sequence[NestedKey] = (),
+    random: Any = None,
 ) -> Runner:
     """The per-step callable for ``policy`` (see the module docstring).
 
     ``module_keys``: the entries a plain ``nn.Module`` is called on (default ``obs_keys``); the env's
     info entries are observations for the batch but not arguments of a plain module. ``next_keys``:
-    the ``("next", state)`` outputs of a recurrent policy to return too (``_policies/_recurrent.py``)."""
+    the ``("next", state)`` outputs of a recurrent policy to return too (``_policies/_recurrent.py``).
+    ``random``: the
+    env's random policy, for the groups a :class:`GroupPolicy` has no policy for."""
+    if isinstance(policy, GroupPolicy):
+        return group_runner(
+            policy,
+            batch_shape=batch_shape,
+            obs_keys=obs_keys,
+            device=device,
+            next_keys=next_keys,
+            random=random,
+            make_runner=make_runner,
+            unwrap_compiled=unwrap_compiled,
+        )
     if isinstance(policy, RandomPolicy):
-        return _RandomRunner(policy, batch_shape)
+        return (_LegalRandomRunner if policy.masks else _RandomRunner)(policy, batch_shape)
     # a torch.compile'd TensorDictModule is an nn.Module wrapper: it still takes a TensorDict
     if isinstance(unwrap_compiled(policy), TensorDictModuleBase):
         slow = _TensorDictRunner(policy, batch_shape, obs_keys, device, next_keys)
@@ -313,9 +355,23 @@ def make_runner(
         return _ModuleRunner(policy, obs_keys if module_keys is None else module_keys, device)
     if callable(policy):
         return _TensorDictRunner(policy, batch_shape, obs_keys, device, next_keys)
+    if isinstance(policy, Mapping):
+        raise TypeError(
+            "a policy per group (a dict {group: module}) needs an env with agent groups stepped by "
+            "Collector, MultiSyncCollector or MultiAsyncCollector (PettingZooEnv, VmasEnv, a TorchRL "
+            "multi-agent env)"
+        )
     raise TypeError(
         f"policy must be a TensorDictModule, an nn.Module, a callable td -> td or None, got {policy!r}"
     )
+
+
+def as_policy(policy: Any) -> Any:
+    """A collector's ``policy``: a mapping ``{group: module}`` becomes a :class:`GroupPolicy`; anything
+    else is returned as it is."""
+    if isinstance(policy, Mapping) and not callable(policy) and not isinstance(policy, TensorDictBase):
+        return GroupPolicy(policy)
+    return policy
 
 
 def unwrap_compiled(policy: Any) -> Any:
@@ -329,5 +385,9 @@ def compile_policy(policy: Any, option: bool | Mapping[str, Any]) -> Any:
         return policy
     kwargs = dict(option) if isinstance(option, Mapping) else {}
     if isinstance(policy, RandomPolicy):
+        return policy
+    if isinstance(policy, GroupPolicy):  # each group's module compiled in place: its weights keep their names
+        for module in policy.values():
+            module.compile(**kwargs)
         return policy
     return torch.compile(policy, **kwargs)

@@ -8,9 +8,17 @@ from typing import Any
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from ._runners import unwrap_compiled
+from ._group_policy import GroupPolicy
+from ._runners import as_policy, unwrap_compiled
 
-__all__ = ["as_weights", "check_compatible", "copy_weights", "flat_weights", "module_weights"]
+__all__ = [
+    "as_weights",
+    "check_compatible",
+    "copy_weights",
+    "flat_weights",
+    "module_weights",
+    "weights_template",
+]
 
 
 def module_weights(module: torch.nn.Module) -> TensorDictBase:
@@ -23,12 +31,26 @@ def flat_weights(module: torch.nn.Module) -> TensorDictBase:
     return module_weights(module).flatten_keys(".")
 
 
+def weights_template(policy: Any) -> TensorDictBase | None:
+    """The flat weights of a collector's ``policy`` (an ``nn.Module`` or a dict ``{group: module}``), or
+    ``None`` for a policy without weights."""
+    if isinstance(policy, Mapping) and not isinstance(policy, TensorDictBase):
+        policy = as_policy(policy)
+    return flat_weights(policy) if isinstance(policy, torch.nn.Module) else None
+
+
 def as_weights(source: Any) -> TensorDictBase:
     """An ``nn.Module``, a TensorDict of weights or a state dict -> a TensorDict of weights."""
     if isinstance(source, torch.nn.Module):
         return module_weights(source)
     if isinstance(source, TensorDictBase):
         return source
+    if (
+        isinstance(source, Mapping)
+        and source
+        and all(isinstance(v, torch.nn.Module) for v in source.values())
+    ):
+        return module_weights(GroupPolicy(source))  # a policy per group: {group: module}
     if isinstance(source, Mapping):
         return TensorDict(dict(source), batch_size=[]).unflatten_keys(".")
     raise TypeError(

@@ -24,6 +24,7 @@ from .._core._mistakes import warn_user
 from .._core._options import RolloutOptions, WeightSchedule
 from .._core._restart import RestartPolicy
 from .._core._validation import positive_int, seed_arg
+from .._policies._runners import as_policy
 from .._policies._weights import flat_weights
 
 #: keywords a remote collector sets on every hosted collector itself
@@ -104,11 +105,14 @@ def member_rollouts(per_member: list[dict[str, Any]], frames_per_batch: int) -> 
     return out
 
 
-def check_policy(policy: Any) -> None:
+def check_policy(policy: Any) -> Any:
+    """The checked policy (a dict ``{group: module}`` becomes a ``GroupPolicy``)."""
+    policy = as_policy(policy)
     if policy is not None and not callable(policy):
         raise TypeError(
             f"policy must be a TensorDictModule, an nn.Module, a callable td -> td or None, got {policy!r}"
         )
+    return policy
 
 
 def per_member(name: str, value: Any, n: int, kind: type | tuple[type, ...], noun: str) -> list[Any]:

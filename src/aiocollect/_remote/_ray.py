@@ -170,7 +170,7 @@ class RayCollector(FleetCollector):
                 f"ProcessCollector, got {collector_class!r}"
             )
         self._collector_class = collector_class
-        check_policy(policy)
+        policy = check_policy(policy)
         plan = weight_plan(
             policy, update_at_each_batch, max_weight_update_interval, update_after_each_batch, weights
         )

@@ -100,7 +100,7 @@ def node_plan(
     be large) once and in a thread when the collector is entered."""
     env_fns = _env_fns_arg(create_env_fn, num_collectors)
     n = len(env_fns)
-    check_policy(policy)
+    policy = check_policy(policy)
     if not (isinstance(collector_class, type) and issubclass(collector_class, _COLLECTOR_CLASSES)):
         raise TypeError(
             "collector_class must be Collector, MultiSyncCollector or MultiAsyncCollector, got "

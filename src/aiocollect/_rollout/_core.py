@@ -25,7 +25,7 @@ from .._envs._spaces import LeafSpec, NestedKey
 from .._episodes._groups import EpisodeSeeds, SeededEnv
 from .._observe._timesplit import SplitClock
 from .._policies._recurrent import Carry, Recurrence, find_recurrence
-from .._policies._runners import Runner, compile_policy, make_runner, one_input, random_policy_for
+from .._policies._runners import Runner, as_policy, compile_policy, make_runner, one_input, random_policy_for
 from ._batch import end_trajectories, episode_stats, nested_td, stack_into, time_first, trajectory_ids
 from ._casts import ActionCaster, lossless_casts
 from ._storage import StoragePool
@@ -608,9 +608,8 @@ class Rollout:
 def own_policy(policy: Any, random_policy: Any, options: RolloutOptions, *, copy_module: bool) -> Any:
     """The policy a rollout runs: the random policy for ``None``; an ``nn.Module`` (a copy with
     ``copy_module``: no aliasing with the trainer's) on the policy device; compiled if asked for."""
-    if policy is None:
-        policy = random_policy
-    elif isinstance(policy, torch.nn.Module):
+    policy = random_policy if policy is None else as_policy(policy)  # a dict {group: module}: a GroupPolicy
+    if isinstance(policy, torch.nn.Module):
         if copy_module:
             try:
                 policy = copy.deepcopy(policy)
@@ -656,7 +655,7 @@ def build_rollout(
     }
     rollout = Rollout(
         array_env,
-        make_runner(policy, **runner_kwargs, next_keys=recurrence.next_outputs),
+        make_runner(policy, **runner_kwargs, next_keys=recurrence.next_outputs, random=random_policy),
         make_runner(random_policy, **runner_kwargs),
         options,
         schedule,
