@@ -111,7 +111,7 @@ class _EnvsFirstReady(FirstReady):
         return out
 
     async def flush(self, w: Workers) -> None:
-        """Every worker restarted its engine and waits (see ``_worker_state.py``): drop the batches waiting
+        """Every worker restarted its engine and waits (see ``_worker.py``): drop the batches waiting
         in the slots (counted as discarded), hand the slots back, then let the workers send again."""
         pool = w.pool
         assert pool is not None
@@ -349,7 +349,7 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
             except Exception:  # the pool failed (a worker died or raised): its start-up raises why
                 return
 
-    # -- seeds, resets, checkpoints (served by each worker's AsyncEnvCollector: _worker_state.py) -------
+    # -- seeds, resets, checkpoints (served by each worker's AsyncEnvCollector: _worker.py) -------------
     def _check_env_state(self, envs: bool) -> None:
         if envs and self._episodes is not None:  # type: ignore[attr-defined]
             raise ValueError(
