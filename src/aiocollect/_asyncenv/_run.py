@@ -437,6 +437,7 @@ class LoopSteps:
         codec, kinds = self.engine.codec, self._kinds
         singles = codec.actions(arrays, n) if self.engine.spec.has_single else []
         actions, action_no, waiters, wake = self._actions, self._action_no, self._waiters, self._wake
+        futures = self._new_waiter is not anyio.Event  # asyncio: a future set here, no call per env
         j = woken = 0
         while j < n:  # per env, not per row
             if woken and not woken % DISPATCH_CHUNK:
@@ -453,7 +454,11 @@ class LoopSteps:
             else:
                 actions[i], action_no[i] = singles[j], base + j
                 j += 1
-            wake(waiters[i])
+            waiter = waiters[i]
+            if not futures:
+                wake(waiter)
+            elif not waiter.done():  # done: its task was cancelled
+                waiter.set_result(None)
             woken += 1
 
 
