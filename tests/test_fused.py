@@ -66,8 +66,8 @@ async def collect(envs, policy, *, fused, **kwargs) -> tuple[list[TensorDictBase
     async with AsyncEnvCollector(envs, policy, fused=fused, **kwargs) as c:
         with anyio.fail_after(60):
             batches = [b async for b in c]
-        kind = type(c._engine).__name__
-        assert c.fused == (kind == "FusedEngine")
+        kind = type(c._engine.stepper).__name__
+        assert c.fused == (kind == "FusedSteps")
     return batches, kind
 
 
@@ -91,7 +91,7 @@ async def test_fused_batches_equal_the_engines_bit_for_bit(anyio_backend, leaks,
             [lambda e=env: e], None if policy == "random" else Argmax(), fused=fused, **kwargs
         )
     (fused_batches, fused_kind), (engine_batches, engine_kind) = runs[True], runs[False]
-    assert (fused_kind, engine_kind) == ("FusedEngine", "Engine")
+    assert (fused_kind, engine_kind) == ("FusedSteps", "LoopSteps")
     assert_same(fused_batches, engine_batches)
     done = torch.cat([b["next", "done"] for b in fused_batches])
     assert done.sum() > 10  # episodes ended (and their sub-envs were reset in the same step)
@@ -107,7 +107,7 @@ async def test_split_parts_give_each_env_the_frames_of_the_whole_env(leaks):
         batches, kind = await collect(
             envs, Argmax(), fused=True, frames_per_batch=60, total_frames=600, seed=7, min_batch=3
         )
-        assert kind == "FusedEngine"
+        assert kind == "FusedSteps"
         data = torch.cat(batches)
         per_env[split] = {i: data[data["collector", "env_id"] == i] for i in range(6)}
     for i in range(6):
@@ -233,7 +233,7 @@ async def test_trajs_per_batch_whole_episodes(leaks):
     batches, kind = await collect(
         [lambda: env], Argmax(), fused=True, trajs_per_batch=6, total_frames=600, seed=0
     )
-    assert kind == "FusedEngine" and batches
+    assert kind == "FusedSteps" and batches
     for batch in batches:
         done = batch["next", "done"].squeeze(-1)
         ids = batch["collector", "traj_ids"]
@@ -308,10 +308,10 @@ async def test_fused_true_refusals_and_fused_none_falls_back(leaks):
         async with AsyncEnvCollector([cartpole], frames_per_batch=8, fused=True):
             pass
     _, kind = await collect([cartpole] * 2, None, fused=None, frames_per_batch=8, total_frames=16)
-    assert kind == "Engine"
+    assert kind == "LoopSteps"
     env = await make([cartpole] * 2)
     _, kind = await collect(env.split(), async_policy_random, fused=None, frames_per_batch=8, total_frames=16)
-    assert kind == "Engine"
+    assert kind == "LoopSteps"
 
 
 async def async_policy_random(td):
@@ -330,8 +330,8 @@ async def test_backpressure_bounds_the_frames_ahead_of_the_consumer(leaks):
 
         def filled() -> bool:  # a slow consumer: the driver fills what it may, then waits
             ahead = engine.completed - engine.delivered
-            seen.append(ahead + engine._driver.in_flight)
-            return ahead >= 40 and engine._driver.in_flight == 0  # nothing stepping: it waits
+            seen.append(ahead + engine.in_flight)
+            return ahead >= 40 and engine.in_flight == 0  # nothing stepping: it waits
 
         with anyio.fail_after(60):
             for _ in range(3):
@@ -353,7 +353,7 @@ async def test_dict_spaces_and_uint8_pixels_bit_for_bit(anyio_backend, leaks):
         env = await make([Echo] * 4)
         runs[fused] = await collect([lambda e=env: e], None, fused=fused, **kwargs)
     (fused_batches, kind), (engine_batches, _) = runs[True], runs[False]
-    assert kind == "FusedEngine"
+    assert kind == "FusedSteps"
     assert_same(fused_batches, engine_batches)
     batch = torch.cat(fused_batches)
     assert batch["pixels"].dtype == torch.uint8 and batch["next", "state", "echo"].shape == (120, 3)

@@ -31,11 +31,11 @@ TARGET_BODY_LINES = 50
 # main-guard and sniffio helpers, issue 26's input bounds in _serve/_ws.py, issue 33's nested truncated flags
 # in _rollout/_core.py, issue 34's pool loop, issue 31's ProcessVectorEnv).
 LONG_MODULES: dict[str, int] = {
-    "aiocollect/_procenv/_env.py": 486,
-    "aiocollect/_asyncenv/_collector.py": 513,  # issue 30: trajs_per_batch, group_size; issue 28: restart=
-    "aiocollect/_asyncenv/_run.py": 649,  # issue 28: env restarts; issue 30: groups, on_update
+    "aiocollect/_procenv/_env.py": 451,
+    # issue 28: env restarts; issue 30: groups, on_update (issue 40: the steps on the loop, LoopSteps)
+    "aiocollect/_asyncenv/_run.py": 500,
     # issue 28: restart= and its Restarted events to the parent; issue 29: checkpoint calls, the send gate
-    "aiocollect/_asyncenv/_worker.py": 472,
+    "aiocollect/_asyncenv/_worker.py": 430,
     "aiocollect/_weightsync/_distributed.py": 483,
     "aiocollect/_policies/_fast.py": 598,
     # issue 30: trajs_per_batch; issue 29: stop flag, resume hooks; issue 28: restart=, Restarted events
@@ -56,10 +56,10 @@ LONG_MODULES: dict[str, int] = {
     "aiocollect/_serve/_ws.py": 585,
     # issue 28: each worker's env restarts, events and counts; step 2: worker replacement hooks (_spawn,
     # doomed workers, calls raced against a worker's exit), the Replacer itself in _replace.py
-    "aiocollect/_workers/_pool.py": 514,
+    "aiocollect/_workers/_pool.py": 483,
     # issue 28: env restarts (factory, seeds, BatchReady.restarts); step 2: steps begun counted (_Counting);
     # issue 29: a halted worker starts no batch and drops the one it cut
-    "aiocollect/_workers/_worker.py": 579,
+    "aiocollect/_workers/_worker.py": 538,
 }
 
 #: cohesive modules allowed past the target, each with the size it may reach and why
@@ -92,6 +92,13 @@ EXEMPT_MODULES: dict[str, tuple[int, str]] = {
         "810 lines together then, 682 now); issue 28: a replaced actor's slot (new_actor, the restart "
         "policy's paths in both deliveries; the replacement itself is _ray_replace.py)",
     ),
+    "aiocollect/_asyncenv/_collector.py": (
+        851,
+        "AsyncEnvCollector is one class: its lifecycle, iteration, weights, statistics and checkpoints "
+        "(CheckpointMixin's 400 lines once, a base class in another file with this one subclass), with "
+        "Finish and Hosted, the declared handle its host (a MultiAsyncEnvCollector worker) acts through "
+        "(once InnerCollector, a subclass of the public class assigning to its privates)",
+    ),
     "aiocollect/_envs/_gym.py": (
         887,
         "GymEnv is one class: what it wraps, its state, its step paths and its fused step loops (once "
@@ -101,7 +108,7 @@ EXEMPT_MODULES: dict[str, tuple[int, str]] = {
 
 LONG_FUNCTIONS: dict[str, int] = {
     "aiocollect/_remote/_gloo.py:run_node": 78,
-    "aiocollect/_asyncenv/_run.py:Engine._env_task": 78,
+    "aiocollect/_asyncenv/_run.py:LoopSteps._env_task": 77,
     "aiocollect/dashboard/_routes.py:build_app": 69,
     # the multi-process collectors' keywords checked into options (MultiCollectorBase.__init__, 67, once)
     "aiocollect/_multi/_workers.py:init_workers": 65,
@@ -116,10 +123,10 @@ LONG_FUNCTIONS: dict[str, int] = {
     "aiocollect/_local/_collector.py:Collector.__init__": 67,
     # explicit-keyword constructors that also check trajs_per_batch against the options that cut episodes
     "aiocollect/_multi/_sync.py:MultiSyncCollector.__init__": 59,
-    "aiocollect/_asyncenv/_multi.py:MultiAsyncEnvCollector.__init__": 67,  # issue 27: its workers' body
+    # issue 27: its workers' body; issue 40: AsyncEnvOptions built once, sent to the workers
+    "aiocollect/_asyncenv/_multi.py:MultiAsyncEnvCollector.__init__": 58,
     "aiocollect/_remote/_ray.py:RayCollector.__init__": 59,
     "aiocollect/_envs/_gym.py:GymEnv._run_gym_steps": 70,
-    "aiocollect/_asyncenv/_run.py:Engine.__init__": 65,
     "aiocollect/_serve/_actions.py:batch_action_checker": 54,
 }
 
@@ -370,7 +377,6 @@ def import_circles(graph: dict[tuple[str, ...], set[tuple[str, ...]]]) -> list[l
 #: import circles still there (issue 40 removes them; may only shrink)
 KNOWN_CIRCLES: list[list[str]] = [
     ["_workers._pool", "_workers._replace"],
-    ["_asyncenv._fused", "_asyncenv._fused_driver"],
     ["_multi._delivery", "_multi._episodes", "_multi._workers"],
     ["_remote._nodes", "_remote._relaunch", "_remote._trainer"],
     ["_remote._ray_fleet", "_remote._ray_replace"],

@@ -1,10 +1,11 @@
 """``AsyncEnvCollector``: many async envs stepped concurrently on the collector's event loop, the policy
-called on batches of the envs that are ready (central inference, as in SEED RL)."""
+called on batches of the envs that are ready (central inference, as in SEED RL); and :class:`Hosted`, the
+declared handle through which a ``MultiAsyncEnvCollector`` worker runs one."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from math import ceil
+import contextlib
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -16,42 +17,45 @@ from tensordict.nn import InteractionType
 
 from .._core._gcfreeze import GcHold
 from .._core._mistakes import explicit_keywords, warn_user
-from .._core._restart import RestartPolicy
+from .._core._restart import RestartPolicy, derive_seed
+from .._core._resume import derived_seed, to_plain
 from .._core._rng import RolloutRNG
-from .._core._validation import (
-    exploration_type_arg,
-    flag,
-    non_negative_int,
-    optional_callable,
-    optional_positive_int,
-    policy_arg,
-    positive_int,
-    replay_buffer_arg,
-    seed_arg,
-    total_frames_arg,
-)
+from .._core._validation import flag, optional_callable, policy_arg, replay_buffer_arg, seed_arg
 from .._envs._async import AsyncVectorEnvProtocol
-from .._episodes._args import async_chunk, check_async_envs, episode_args, trajs_per_batch_arg
+from .._episodes._args import check_async_envs
 from .._episodes._assembler import TrajectoryAssembler
 from .._episodes._trajectories import split_trajectories
 from .._local._base import CollectorBase
 from .._observe._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
 from .._observe._stats import CollectorStatistics, WorkerStatistics
-from ._args import engine_kind, fused_arg, max_wait_arg, on_env_error_arg
-from ._checkpoint import CheckpointMixin, SeededPolicy
+from .._policies._weights import as_weights, check_compatible, module_weights
+from .._procenv._driven import is_process_env
+from ._checkpoint import (
+    CANNOT_LOAD,
+    CANNOT_SAVE,
+    FromState,
+    as_obs,
+    capture,
+    load_random_states,
+    maybe_await,
+    random_states,
+    state_methods_of,
+)
+from ._engine import Engine, Stepper
 from ._envset import EnvSet, env_fns_arg, open_envs
-from ._fused import FusedEngine
-from ._policy import BatchPolicy, is_async_policy
+from ._fused import FusedSteps
+from ._options import AsyncEnvOptions
+from ._policy import BatchPolicy, RandomFirst, is_async_policy
 from ._restarts import env_restarts, restart_arg
-from ._run import Engine, EngineConfig
+from ._run import LoopSteps
 
-__all__ = ["ENV_THREADS", "AsyncEnvCollector"]
+__all__ = ["ENV_THREADS", "AsyncEnvCollector", "Finish", "Hosted"]
 
 #: worker threads shared by the gymnasium envs an ``AsyncEnvCollector`` wraps in ``ThreadedAsyncEnv``
 ENV_THREADS = 32
 
 
-class AsyncEnvCollector(CheckpointMixin, CollectorBase):
+class AsyncEnvCollector(CollectorBase):
     """Step many async envs concurrently on the event loop and batch the policy over the envs that are
     ready; ``async for batch in collector`` gives flat ``[frames]`` batches.
 
@@ -172,58 +176,62 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
         on_update: str = "continue",
         fused: bool | None = None,
     ) -> None:
-        # every argument is checked here, before any env is built
-        self._env_fns = env_fns_arg(env_fns)
-        self._restart_policy = restart_arg(restart, self._env_fns)
-        self._fused_arg = fused_arg(fused, policy, restart)
-        self._engine_kind: Any = Engine  # FusedEngine where the envs are process envs (decided on entering)
-        n = len(self._env_fns)
-        trajs = trajs_per_batch_arg(
-            "AsyncEnvCollector", trajs_per_batch, frames_per_batch, on_env_error=on_env_error == "drop"
+        env_fns = env_fns_arg(env_fns)  # every argument is checked here, before any env is built
+        options = AsyncEnvOptions.of(
+            "AsyncEnvCollector",
+            [len(env_fns)],
+            policy=policy,
+            frames_per_batch=frames_per_batch,
+            total_frames=total_frames,
+            trajs_per_batch=trajs_per_batch,
+            group_size=group_size,
+            on_update=on_update,
+            min_batch=min_batch,
+            max_wait=max_wait,
+            max_frames_per_traj=max_frames_per_traj,
+            split_trajs=split_trajs,
+            exploration_type=exploration_type,
+            seed=seed,
+            track_policy_version=track_policy_version,
+            on_env_error=on_env_error,
+            prefetch=prefetch,
+            restart=restart_arg(restart, env_fns),
+            fused=fused,
         )
-        self._group_size, self._on_update = episode_args(
-            "AsyncEnvCollector", trajs, group_size, on_update, restart
+        postproc = optional_callable("postproc", postproc)
+        self._setup(
+            env_fns, policy, options, None, postproc, replay_buffer_arg(replay_buffer), progress, freeze_gc
         )
-        self._episodes = None if trajs is None else TrajectoryAssembler(trajs, self._group_size)
-        self.frames_per_batch = positive_int("frames_per_batch", async_chunk(frames_per_batch, trajs, n))
-        self.total_frames = total_frames_arg(total_frames)
-        # counted in (sub-)envs: the default, half of them, is known once the envs are built
-        self._min_batch_arg = optional_positive_int("min_batch", min_batch, fix="None: half of the envs")
-        self._max_wait = max_wait_arg(max_wait)
-        self._max_frames_per_traj = optional_positive_int("max_frames_per_traj", max_frames_per_traj)
-        self._split_trajs = flag("split_trajs", split_trajs)
-        self._exploration_type = exploration_type_arg(exploration_type)
-        self._seed = seed_arg(seed)
-        self._track_policy_version = flag("track_policy_version", track_policy_version)
-        self._drop_failed = on_env_error_arg(on_env_error) == "drop"
-        self._prefetch = non_negative_int("prefetch", prefetch, fix="0: a batch is collected when asked for")
-        self._postproc = optional_callable("postproc", postproc)
+
+    def _setup(
+        self,
+        env_fns: list[Any],
+        policy: Any,
+        options: AsyncEnvOptions,
+        host: Hosted | None,
+        postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
+        replay_buffer: Any = None,
+        progress: Any = None,
+        freeze_gc: bool = True,
+    ) -> None:
+        """The collector of ``options`` (checked) over ``env_fns``; ``host``: the handle of the host that
+        runs it (a ``MultiAsyncEnvCollector`` worker)."""
+        self._env_fns, self._options, self._host = env_fns, options, host
+        self.frames_per_batch, self.total_frames = options.frames_per_batch, options.total_frames
+        trajs = options.trajs_per_batch
+        self._episodes = None if trajs is None else TrajectoryAssembler(trajs, options.group_size)
+        self._finish, self.replay_buffer = Finish(options, postproc), replay_buffer
         self._gc_hold = GcHold() if flag("freeze_gc", freeze_gc) else None
-        self.replay_buffer = replay_buffer_arg(replay_buffer)
         self._source_policy = policy_arg(policy)
-        self._async_policy = is_async_policy(policy)
         self._init_base(progress)  # checks `progress`
-        ahead = (1 + self._prefetch) * self.frames_per_batch
-        if ahead < n:
-            warn_user(
-                f"(1 + prefetch) * frames_per_batch = {ahead} frames may be collected or stepping at once, "
-                f"fewer than the {n} envs: the others wait. Raise frames_per_batch or prefetch"
-            )
-        if self.total_frames > 0 and self.total_frames % self.frames_per_batch and trajs is None:
-            warn_user(
-                f"total_frames={self.total_frames} is not a multiple of frames_per_batch="
-                f"{self.frames_per_batch}: the last batch is not cut, {self._target()} frames are collected"
-            )
+        self._seed = options.seed  # a hosted collector's: from its first env id, once its envs are built
+        self._rng = RolloutRNG(self._seed)  # a seeded collector's policy draws from its own generator
+        self._kind: Callable[[Engine], Stepper] = LoopSteps  # FusedSteps: decided on entering
         self._engine: Engine | None = None
         self._policy: BatchPolicy | None = None
-        self._rng = RolloutRNG(self._seed)  # a seeded collector's policy draws from its own generator
-        self._parked = False  # the engine's policy task waits while paused (see _checkpoint.py)
         self._version = 0  # trajs_per_batch: the policy version of the newest frames taken
-
-    def _target(self) -> int:
-        if self.total_frames < 0 or self._episodes is not None:  # episodes: the budget is delivered frames
-            return -1
-        return ceil(self.total_frames / self.frames_per_batch) * self.frames_per_batch
+        self._episodes_delivered: list[tuple[int, float, int]] = []  # those of the batch delivered last
+        self._offset = 0  # a hosted collector's first env id over its host's (once placed)
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def _on_enter(self) -> None:
@@ -235,16 +243,8 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
                 await anyio.to_thread.run_sync(open_envs, self._env_fns, envs, limiter)
             spec = EnvSet(envs)
             self._check_vector_envs(spec)
-            await self._envs_opened(spec)
-            policy = SeededPolicy(
-                self._source_policy,
-                action_space=spec.action_space,
-                obs_keys=spec.obs_keys,
-                exploration_type=self._exploration_type,
-                name=f"aiocollect-policy-{id(self):x}",
-            )
-            wraps = self._engine_policy(policy, spec) is not policy
-            self._engine_kind = engine_kind(self._fused_arg, envs, wraps)
+            policy, engine_policy = self._policies(spec, await self._placed(spec))
+            self._kind = _stepper_kind(self._options.fused, envs, engine_policy is not policy)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 for env in envs:
@@ -253,49 +253,73 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
                     except Exception:  # best effort: the error that stopped us goes on
                         pass
             raise
-        policy.rng = self._rng = RolloutRNG(self._seed)  # the seed as _envs_opened left it
+        policy.rng = self._rng = RolloutRNG(self._seed)  # the seed as _placed left it
         policy.start()  # the thread gets the entering thread's torch settings
         self._policy = policy
         if self._gc_hold is not None:  # after the envs are built: they are long-lived too
             self._gc_hold.hold()
-        config = EngineConfig(
-            frames_per_batch=self.frames_per_batch,
-            target=self._target(),
-            min_batch=self._min_batch(spec.rows),
-            max_wait=self._max_wait,
-            prefetch=self._prefetch,
-            max_frames_per_traj=self._max_frames_per_traj,
+        restarts = env_restarts(self._options.restart, self._env_fns, limiter, spec, self._hub)
+        if restarts is not None:  # its events: as the host numbers them (0 and the env ids in process)
+            restarts.worker, restarts.offset = self._options.member or 0, self._offset
+        self._engine = Engine(
+            envs,
+            spec,
+            engine_policy,
+            self._options,
+            self._kind,
+            target=self._options.target(),
             seed=self._seed,
-            drop_failed_envs=self._drop_failed,
-            track_policy_version=self._track_policy_version,
-            group_size=self._group_size,
-            restart_on_update=self._on_update == "restart",
+            hub=self._hub,
+            is_paused=self._is_paused,
+            resumed=self._resumed,
+            restarts=restarts,
+            offset=self._offset,
         )
-        restarts = env_restarts(self._restart_policy, self._env_fns, limiter, spec, self._hub)
-        self._engine = self._new_engine(envs, spec, self._engine_policy(policy, spec), config, restarts)
         for i in range(spec.rows):
             self._hub.publish(WorkerStarted(i))
         assert self._task_group is not None
         await self._task_group.start(self._engine.run)
 
-    def _min_batch(self, rows: int) -> int:
-        """``min_batch`` in (sub-)envs: default half of them."""
-        given = self._min_batch_arg
-        return max(1, rows // 2) if given is None else min(given, rows)
+    def _policies(self, spec: EnvSet, random_seed: int | None) -> tuple[BatchPolicy, Any]:
+        """The collector's policy, and what the engine calls: the policy, or (a worker's
+        ``init_random_frames``) its first actions drawn at random, seeded with ``random_seed``."""
+        policy = BatchPolicy(
+            self._source_policy,
+            action_space=spec.action_space,
+            obs_keys=spec.obs_keys,
+            exploration_type=self._options.exploration_type,
+            name=f"aiocollect-policy-{id(self):x}",
+        )
+        actions = self._options.random_frames
+        if not actions:
+            return policy, policy
+        return policy, RandomFirst(policy, spec.action_space, actions=actions, seed=random_seed)
+
+    async def _placed(self, spec: EnvSet) -> int | None:
+        """A hosted collector learns its first env id from its host (its seeds follow from it, and from
+        its generation: a replaced worker's are derived); the seed of ``init_random_frames``' draws."""
+        host, seed = self._host, self._seed
+        if host is None:
+            return seed
+        first = self._offset = await host.place(spec)
+        if seed is not None:  # env i of these envs is env first + i of the host's
+            self._seed = derive_seed(seed + first, self._options.generation)
+        return None if seed is None else seed + first
 
     def _check_vector_envs(self, spec: EnvSet) -> None:
         """Refuse what vector envs cannot do, once the envs are built (an env fn's kind is known then)."""
-        check_async_envs(spec.rows, spec.has_vector, self._group_size, self._on_update)
+        options = self._options
+        check_async_envs(spec.rows, spec.has_vector, options.group_size, options.on_update)
         if not spec.has_vector:
             return
-        if self._max_frames_per_traj is not None:
+        if options.max_frames_per_traj is not None:
             raise ValueError(
-                f"max_frames_per_traj={self._max_frames_per_traj} cannot be kept with async vector envs: "
+                f"max_frames_per_traj={options.max_frames_per_traj} cannot be kept with async vector envs: "
                 "a vector env resets a sub-env only when its episode ends (same-step autoreset), not on "
                 "request. Drop max_frames_per_traj and limit the episodes in the env (e.g. gymnasium's "
                 "TimeLimit, or max_episode_steps= of gymnasium.make_vec)"
             )
-        ahead = (1 + self._prefetch) * self.frames_per_batch
+        ahead = (1 + options.prefetch) * options.frames_per_batch
         if ahead < spec.rows:
             warn_user(
                 f"(1 + prefetch) * frames_per_batch = {ahead} frames may be collected or stepping at once, "
@@ -303,14 +327,17 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
                 "frames_per_batch or prefetch"
             )
 
-    async def _envs_opened(self, spec: EnvSet) -> None:
-        """A subclass's hook: the envs are built and checked, no env is reset yet
-        (``MultiAsyncEnvCollector``'s workers learn their first env id, hence their seeds, here). An error
-        closes the envs."""
+    def _is_paused(self) -> bool:
+        return self._paused > 0 or (self._host is not None and self._host.held > 0)
 
-    def _engine_policy(self, policy: BatchPolicy, spec: EnvSet) -> Any:
-        """What the engine calls on each batch of ready envs: ``policy`` (a subclass may wrap it)."""
-        return policy
+    async def _resumed(self) -> None:
+        """Until the collector is resumed (and its host holds it no more): the engine's policy side waits
+        here while paused (no call is in flight)."""
+        while self._is_paused():
+            event = self._unpaused if self._paused else self._host.released if self._host else None
+            if event is None:
+                return
+            await event.wait()
 
     async def aclose(self) -> None:
         """Stop the env tasks and the policy (after the steps and the policy call in flight), close every
@@ -355,7 +382,9 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
     def _budget_reached(self) -> bool:
         if self._episodes is not None:
             return 0 < self.total_frames <= self._stats.frames
-        return 0 < self._target() <= self._stats.frames  # a resumed collector counts from the checkpoint
+        return (
+            0 < self._options.target() <= self._stats.frames
+        )  # a resumed collector counts from the checkpoint
 
     async def __anext__(self) -> TensorDictBase | None:
         if self._engine is None and not self._closed:
@@ -395,13 +424,8 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
             version, batch = self._version, popped.batch
             episodes = [(-1, r, n) for r, n in zip(popped.returns, popped.lengths, strict=True)]
         self._record(batch.shape[0], episodes, worker_id=None, policy_version=version)
-        if self._split_trajs and self._episodes is not None:
-            batch = split_trajectories(batch)
-        elif self._split_trajs:
-            order = torch.sort(batch.get(("collector", "traj_ids")), stable=True).indices
-            batch = split_trajectories(batch[order])
-        if self._postproc is not None:
-            batch = self._postproc(batch)
+        self._episodes_delivered = episodes
+        batch = self._finish(batch)
         if self.replay_buffer is None:
             return batch
         with anyio.CancelScope(shield=True):  # counted already: it goes to the buffer
@@ -436,7 +460,7 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
         flag("wait", wait)
         if worker_ids is not None:
             raise ValueError(f"worker_ids must be None (the envs share one policy), got {worker_ids!r}")
-        if self._async_policy:
+        if is_async_policy(self._source_policy):
             raise TypeError(
                 "update_weights needs an nn.Module policy; an async policy updates its own weights"
             )
@@ -470,7 +494,7 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
     @property
     def fused(self) -> bool:
         """Whether the fused path steps the envs (known once entered; see ``fused=``)."""
-        return isinstance(self._engine, FusedEngine)
+        return self._engine is not None and self._engine.kind is FusedSteps
 
     @property
     def envs(self) -> list[Any]:
@@ -500,7 +524,7 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
                 WorkerStatistics(i, "failed" if i in engine.dropped else state, frames, version, restarts=r)
                 for i, (frames, r) in enumerate(zip(engine.env_frames, engine.restart_counts(), strict=True))
             )
-        split = engine.clock.recent() if engine is not None and not self._closed else None  # its policy task
+        split = engine.clock.recent() if engine is not None and not self._closed else None  # its policy side
         return self._stats.snapshot(
             version, workers=workers, paused=self.paused, loop_lag_ms=self._lag.percentiles_ms(), split=split
         )
@@ -510,3 +534,318 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
             f"AsyncEnvCollector(envs={len(self._env_fns)}, frames_per_batch={self.frames_per_batch}, "
             f"total_frames={self.total_frames}, closed={self._closed})"
         )
+
+    # -- seeds, resets, checkpoints (see _checkpoint.py) ------------------------------------------
+    async def set_seed(self, seed: int) -> int:
+        """Reset every env with ``seed + its env id`` (a vector env's sub-env ``k``: its first env id
+        ``+ k``) and seed the policy's sampling; batches collected ahead are dropped and the trajectories
+        start anew (fresh trajectory ids).
+
+        Returns the last seed an env used (seed the next collector with ``returned + 1``).
+        """
+        seed = seed_arg(seed)
+        if seed is None:
+            raise TypeError("set_seed needs an int")
+
+        async def apply(engine: Engine) -> int:
+            await engine.stop()  # first: no policy call draws from the new seed before the restart
+            self._seed = seed
+            await self._in_policy_thread(lambda: self._rng.seed(seed))
+            await self._restart_engine(seed)
+            return seed + engine.rows - 1
+
+        return int(await self._locked("set_seed", apply))
+
+    async def reset(self) -> None:
+        """Reset every env (unseeded: each goes on with its own generator): the next batch starts new
+        episodes, with fresh trajectory ids; batches collected ahead are dropped. Groups (``group_size``)
+        go on seeded from the ones before: the same in every run of a seeded collector."""
+
+        async def apply(engine: Engine) -> None:
+            episodes = engine.episodes
+            await self._restart_engine(None if episodes is None else derive_seed(episodes.seeds.base_seed, 1))
+
+        await self._locked("reset", apply)
+
+    async def state_dict(self, *, envs: bool = False) -> dict[str, Any]:
+        """Counters (frames, batches, episodes delivered), the trajectory-id counter, the policy version
+        and weights, and the random states (the policy's torch generator of a seeded collector, the random
+        policy's); the frames collected ahead of the consumer are not in it.
+
+        ``envs=True`` adds each env's own state (``get_state()``, see ``EnvProtocol``) and the observation
+        it acts on next, taken once every env waits for its action; the collector then restarts from that
+        state (the frames collected ahead are dropped, trajectories go on under fresh ids), as a
+        collector resumed from the checkpoint does. An env without ``get_state()`` raises ``TypeError``.
+        """
+        read = lambda engine: self._read_state(engine, envs)  # noqa: E731
+        return dict(await self._locked("state_dict", read, restarts=envs))
+
+    async def _read_state(self, engine: Engine, envs: bool) -> dict[str, Any]:
+        """:meth:`state_dict` under the batch lock; without ``envs``, any time between two engine events
+        (``MultiAsyncEnvCollector``'s workers read it so, not after the batch being collected)."""
+        rngs: list[Any] = []  # a capture reads them before it restarts the engine (which draws)
+        saved = await self._capture(engine, rngs) if envs else None
+        # a capture restarted the engine: its fresh ids are those a resume gives, from the old counter
+        next_traj, engine = engine.next_traj, self._engine or engine
+        state: dict[str, Any] = {
+            "frames": self._stats.frames,
+            "batches": self._stats.batches,
+            "episodes": self._stats.episodes,
+            "next_traj_id": next_traj,
+            "policy_version": engine.version,
+        }
+        if engine.episodes is not None:  # seeded episodes: a resume's groups go on after these
+            state["group_round"] = engine.episodes.next_round
+        state["rng"] = rngs[0] if rngs else await self._in_policy_thread(lambda: self._random_states(engine))
+        if envs:
+            state["env_state"] = saved
+        module = self._policy.module if self._policy is not None else None
+        if module is not None:
+            weights = module_weights(module)
+            state["policy"] = await self._in_policy_thread(lambda: weights.detach().clone().to_dict())
+        return state
+
+    async def _capture(self, engine: Engine, rngs: list[Any]) -> dict[str, Any] | None:
+        """The envs' state once each waits for its action (no policy call runs meanwhile; the random
+        states then go into ``rngs``), then the engine restarted from it."""
+        if self._episodes is not None:
+            raise ValueError(
+                "state_dict(envs=True) with trajs_per_batch: the trajectories being assembled are not saved; "
+                "save without envs (the envs then start from reset at a resume)"
+            )
+        methods = state_methods_of(engine, CANNOT_SAVE)
+        self._paused += 1
+        if self._unpaused is None:
+            self._unpaused = anyio.Event()
+        try:
+            captured = await capture(engine, methods)
+            if captured is None:
+                return None
+            obs, states = captured
+            rngs.append(await self._in_policy_thread(lambda: self._random_states(engine)))
+            await self._restart_engine(None, obs)  # from the state saved, as a resumed collector
+            return {"envs": states, "obs": [to_plain(o) for o in obs]}
+        finally:
+            self._paused -= 1
+            if not self._paused and self._unpaused is not None:
+                self._unpaused.set()
+                self._unpaused = None
+
+    async def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output into a collector made with the same arguments (and entered):
+        the counters (the frame budget goes on from the saved count), trajectory ids, policy version and
+        weights, random states, and the envs: from their saved state (``envs=True``), else reset (a
+        seeded collector's with a seed derived from the checkpoint: two resumes from one checkpoint
+        collect alike)."""
+        missing = {"frames", "batches", "next_traj_id", "policy_version"} - set(state)
+        if missing:
+            raise KeyError(f"state dict lacks {sorted(missing)}")
+
+        async def apply(engine: Engine) -> None:
+            saved = state.get("env_state")
+            if saved is not None and len(saved["envs"]) != len(engine.envs):
+                raise ValueError(
+                    f"the checkpoint holds the state of {len(saved['envs'])} envs, the collector has "
+                    f"{len(engine.envs)}: load it into a collector made with the same env fns"
+                )
+            methods = [] if saved is None else state_methods_of(engine, CANNOT_LOAD)  # before anything stops
+            module = None if self._policy is None else self._policy.module
+            if "policy" in state and module is not None:
+                check_compatible(module_weights(module), as_weights(state["policy"]))
+            await engine.stop()  # no policy call in flight from here on
+            try:
+                await self._load_stopped(engine, state, methods)
+            except BaseException:  # the collector goes on, from reset
+                await self._restart_engine(None)
+                raise
+
+        await self._locked("load_state_dict", apply)
+
+    async def _load_stopped(self, engine: Engine, state: Mapping[str, Any], methods: list[Any]) -> None:
+        """:meth:`load_state_dict` once the engine is stopped (``methods``: each env's state methods)."""
+        saved = state.get("env_state")
+        if "policy" in state and self._policy is not None and self._policy.module is not None:
+            await self._policy.load_weights(state["policy"])
+        frames = int(state["frames"])
+        rngs = state.get("rng")
+        if rngs is not None:
+            assert self._policy is not None
+            policy = self._policy
+            await self._in_policy_thread(lambda: load_random_states(self._rng, policy, engine, rngs))
+        engine.next_traj = int(state["next_traj_id"])
+        engine.version = int(state["policy_version"])
+        self._stats.load(frames, int(state["batches"]), int(state.get("episodes", 0)))
+        if saved is None:
+            rollout = None if rngs is None else rngs["rollout"]
+            seed = None if rollout is None else derived_seed(rollout, frames)
+            await self._restart_engine(seed, frames=frames, group_round=state.get("group_round"))
+            return
+        for pair, env_state in zip(methods, saved["envs"], strict=True):
+            await maybe_await(pair[1](env_state))
+        await self._restart_engine(None, [as_obs(o) for o in saved["obs"]], frames=frames)
+
+    def _random_states(self, engine: Engine) -> dict[str, Any]:
+        assert self._policy is not None
+        return random_states(self._rng, self._policy, engine)
+
+    async def _restart_engine(
+        self,
+        seed: int | None,
+        obs: list[Any] | None = None,
+        frames: int | None = None,
+        group_round: int | None = None,
+    ) -> None:
+        """Stop the engine (dropping what it collected ahead) and start its successor over the same envs:
+        each env reset with ``seed + its env id`` (``None``: unseeded), or with ``obs`` (per env) as it is
+        now, without a reset. Fresh trajectory ids; ``frames``: the budget left counts from there; seeded
+        episodes go on from round ``group_round`` at least (a checkpoint's)."""
+        with anyio.CancelScope(shield=True):  # never left without an engine
+            old = self._engine
+            assert old is not None
+            assert self._task_group is not None
+            await old.stop()
+            if self._episodes is not None:  # trajectories in assembly went with the frames dropped
+                self._episodes = self._episodes.emptied()
+            done = self._stats.frames if frames is None else frames
+            target = self._options.target()
+            if 0 < target <= done:  # the budget is collected already: nothing more to run
+                return
+            envs = list(old.envs)
+            run = envs if obs is None else [FromState(env, o) for env, o in zip(envs, obs, strict=True)]
+            new = old.successor(run, seed=seed, target=target - done if target > 0 else -1, at=group_round)
+            self._engine = new
+            await self._task_group.start(new.run)
+            new.envs[:] = envs  # the tasks hold the restored ones; the collector's envs are the envs
+
+    def _check_restartable(self, what: str, restarts: bool = True) -> Engine:
+        self._check_open()
+        engine = self._engine
+        if engine is None:
+            raise RuntimeError(f"{what} needs an entered collector: `async with AsyncEnvCollector(...) as c`")
+        if engine.dropped and restarts:
+            raise ValueError(
+                f"{what}: the envs {sorted(engine.dropped)} were dropped (on_env_error='drop'), so the "
+                "collector cannot restart its envs; make a new collector (and load the checkpoint into it)"
+            )
+        return engine
+
+    async def _in_policy_thread(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` between two policy calls (in the policy thread; on the loop for an async policy)."""
+        policy, engine = self._policy, self._engine
+        assert policy is not None
+        assert engine is not None
+        if policy.is_async:
+            return fn()
+        async with engine.policy_lock:  # the policy thread's doorbell has one waiter at a time
+            return await policy.in_thread(fn)
+
+    async def _locked(self, what: str, fn: Callable[[Engine], Awaitable[Any]], restarts: bool = True) -> Any:
+        self._check_restartable(what, restarts)
+        async with self._lock:
+            engine = self._check_restartable(what, restarts)
+            if engine.error is not None:
+                raise engine.error
+            return await fn(engine)
+
+
+def _stepper_kind(given: bool | None, envs: list[Any], wraps: bool) -> Callable[[Engine], Stepper]:
+    """The fused steps where they can step ``envs`` (``given``: ``fused=`` as checked; ``wraps``: the
+    collector wraps its policy), else the steps on the loop; ``fused=True`` that cannot: ``ValueError``."""
+    if given is False:
+        return LoopSteps
+    if not all(is_process_env(env) for env in envs):
+        why = "every env must be a ProcessVectorEnv or one of its split() parts"
+    elif wraps:
+        why = "the collector wraps its policy (init_random_frames)"
+    else:
+        return FusedSteps
+    if given:
+        raise ValueError(f"fused=True: {why}; pass fused=None to fall back to the engine on the loop")
+    return LoopSteps
+
+
+class Finish:
+    """The batch as delivered: trajectories split (sorted by trajectory first: a flat batch interleaves
+    its envs; with ``trajs_per_batch`` they follow one another already), then the user's ``postproc``."""
+
+    def __init__(
+        self, options: AsyncEnvOptions, postproc: Callable[[TensorDictBase], TensorDictBase] | None
+    ) -> None:
+        self.split_trajs = options.split_trajs
+        self.grouped = options.trajs_per_batch is not None
+        self.postproc = postproc
+
+    def __call__(self, batch: TensorDictBase) -> TensorDictBase:
+        batch.names = None  # a flat batch of frames, not a time dimension
+        if self.split_trajs:
+            if not self.grouped:
+                batch = batch[torch.sort(batch.get(("collector", "traj_ids")), stable=True).indices]
+            batch = split_trajectories(batch)
+        return self.postproc(batch) if self.postproc is not None else batch
+
+
+class Hosted:
+    """An ``AsyncEnvCollector`` run by a host (a ``MultiAsyncEnvCollector`` worker, ``_worker.py``), and the
+    declared handle through which the host acts on it: its options (the worker's view, checked by the
+    trainer), ``place`` (awaited once the envs are built, none reset yet: the first env id of these envs
+    among the host's, from which their seeds follow), a hold on its policy calls, weights loaded from the
+    host's receiver, its state read at once, its time split and the episodes of its last batch."""
+
+    def __init__(
+        self,
+        env_fns: list[Any],
+        policy: Any,
+        options: AsyncEnvOptions,
+        place: Callable[[EnvSet], Awaitable[int]],
+    ) -> None:
+        self.place = place
+        self.held = 0  # holds open (no policy call starts)
+        self.released: anyio.Event | None = None  # set when the last hold closes
+        self.collector = AsyncEnvCollector.__new__(AsyncEnvCollector)
+        self.collector._setup(env_fns, policy, options, self)
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """No policy call starts while this is open (as in ``pause()``, without waiting for the steps in
+        flight: a hung env does not hold it back)."""
+        self.held += 1
+        if self.released is None:
+            self.released = anyio.Event()
+        try:
+            yield
+        finally:
+            self.held -= 1
+            if not self.held and self.released is not None:
+                self.released.set()
+                self.released = None
+
+    async def load_weights(self, load: Callable[[torch.nn.Module, int], int]) -> int:
+        """``load(module, version)`` (a weight receiver's: the version it loaded) between two policy calls,
+        in the policy thread; the version the policy runs (``on_update="restart"``: a new one restarts the
+        episodes in flight)."""
+        engine, policy = self.collector._engine, self.collector._policy
+        assert engine is not None
+        assert policy is not None
+        module = policy.module
+        if module is None:
+            return engine.version
+        async with engine.policy_lock:
+            before = engine.version
+            engine.version = await policy.in_thread(lambda: load(module, before))
+            if engine.version != before and engine.episodes is not None:
+                engine.episodes.updated()
+        return engine.version
+
+    async def state_now(self) -> dict[str, Any]:
+        """``state_dict()`` at once, between two engine events (not after the batch being collected)."""
+        engine = self.collector._check_restartable("state_dict", restarts=False)
+        return await self.collector._read_state(engine, envs=False)
+
+    def time_split(self) -> tuple[float, ...]:
+        engine = self.collector._engine
+        return engine.clock.totals() if engine is not None else ()
+
+    @property
+    def episodes(self) -> list[tuple[int, float, int]]:
+        """``(env id, return, length)`` of the episodes that ended in the batch delivered last."""
+        return self.collector._episodes_delivered

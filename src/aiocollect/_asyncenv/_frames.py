@@ -11,7 +11,7 @@ from tensordict import TensorDict
 
 from .._envs._spaces import LeafSpec, NestedKey
 
-__all__ = ["FrameBatch", "Layout", "PolicyCall"]
+__all__ = ["FrameBatch", "Layout", "PolicyCall", "as_numpy"]
 
 _FLAGS = ("done", "terminated", "truncated")
 
@@ -50,6 +50,14 @@ class Layout:
         self.entries = entries
         self.track_policy_version = track_policy_version
         self.group_ids = group_ids
+
+    @classmethod
+    def of_outputs(
+        cls, obs_specs: dict[NestedKey, LeafSpec], outputs: dict[NestedKey, Any], track: bool, grouped: bool
+    ) -> Layout:
+        """The layout of batches whose policy wrote ``outputs`` (a call's, :func:`as_numpy`'s arrays)."""
+        specs = {key: LeafSpec(tuple(v.shape[1:]), _dtype(v)) for key, v in outputs.items()}
+        return cls(obs_specs, specs, track_policy_version=track, group_ids=grouped)
 
 
 class PolicyCall:
@@ -114,6 +122,45 @@ class FrameBatch:
         self.calls: list[PolicyCall] = []
         self._rows: np.ndarray | None = None
 
+    def write(
+        self,
+        row: int,
+        off: int,
+        end: int,
+        number: int,
+        nxt: list[np.ndarray],
+        flags: tuple[np.ndarray, np.ndarray, np.ndarray],
+        obs: list[np.ndarray] | None = None,
+        finals: tuple[np.ndarray, list[np.ndarray]] | None = None,
+    ) -> None:
+        """Rows ``off:end`` of a vector step as the frames from ``row`` on (their actions numbered from
+        ``number``): the next observations ``nxt`` (the final ones where ``finals = (ended, blocks)`` marks a
+        sub-env whose episode ended), reward, terminated and truncated (``flags``); a block batch also the
+        observations ``obs`` the actions were computed from."""
+        stop = row + end - off
+        for slot, block in zip(self.next_obs, nxt, strict=True):
+            slot[row:stop] = block[off:end]
+        if finals is not None:
+            ended, blocks = finals
+            rows = ended[off:end].nonzero()[0]
+            for slot, final in zip(self.next_obs, blocks, strict=True):
+                slot[row + rows] = final[off + rows]
+        reward, terminated, truncated = flags
+        if self.blocks:
+            assert obs is not None
+            for slot, block in zip(self.obs, obs, strict=True):
+                slot[row:stop] = block[off:end]
+            self.source[row:stop] = np.arange(number + off, number + end)
+            self.reward[row:stop] = reward[off:end]
+            self.terminated[row:stop] = terminated[off:end]
+            self.truncated[row:stop] = truncated[off:end]
+        else:
+            self.source.extend(range(number + off, number + end))
+            self.reward.extend(reward[off:end].tolist())
+            self.terminated.extend(terminated[off:end].tolist())
+            self.truncated.extend(truncated[off:end].tolist())
+        self.filled = stop
+
     def resolve(self, calls: list[PolicyCall]) -> None:
         """Find the call of each frame among ``calls`` (in the order they were made; they must hold every
         frame's action)."""
@@ -172,3 +219,18 @@ def _numpy(tensor: torch.Tensor) -> Any:
         return tensor.numpy()
     except TypeError:  # dtypes numpy lacks (bfloat16): written through torch
         return tensor
+
+
+def as_numpy(value: torch.Tensor, n: int) -> Any:
+    if not isinstance(value, torch.Tensor) or not value.shape or value.shape[0] != n:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"a policy output has shape {shape}; it must start with the batch of {n} envs")
+    value = value.detach().cpu()
+    try:
+        return value.numpy()
+    except TypeError:  # bfloat16: kept as a tensor
+        return value
+
+
+def _dtype(value: Any) -> torch.dtype:
+    return value.dtype if isinstance(value, torch.Tensor) else torch.from_numpy(value[:0]).dtype

@@ -4,29 +4,17 @@
 from __future__ import annotations
 
 import functools
-import math
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import anyio
-import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
 from .._core._mistakes import explicit_keywords
 from .._core._restart import RestartPolicy
-from .._core._validation import (
-    exploration_type_arg,
-    flag,
-    init_random_frames_arg,
-    lag_arg,
-    non_negative_int,
-    optional_callable,
-    optional_positive_int,
-    seed_arg,
-)
-from .._episodes._args import async_chunk, episode_args, trajs_per_batch_arg
-from .._episodes._trajectories import split_trajectories
+from .._core._validation import lag_arg, optional_callable
 from .._fleet._collector import Arrival, FleetCollector
 from .._multi._async import FirstReady
 from .._multi._episodes import Episodes
@@ -34,44 +22,54 @@ from .._multi._workers import Workers, WorkersMixin, init_workers
 from .._observe._events import Restarted, WorkerFailed
 from .._transport._messages import RunFree
 from .._weightsync._schemes import WeightSync
-from ._args import max_wait_arg, on_env_error_arg
-from ._multi_args import (
-    UNSUPPORTED,
-    frames_arg,
-    groups_arg,
-    loop_arg,
-    shares_arg,
-    warn_envs_wait,
-)
+from ._collector import Finish
+from ._options import UNSUPPORTED, AsyncEnvOptions, shares_arg
 from ._restarts import restart_arg
-from ._worker import EnvOffset, EnvRows, EnvShare, WorkerConfig, run_async_worker
-from ._worker_envids import EnvIds
+from ._worker import EnvOffset, EnvRows, EnvShare, run_async_worker
 from ._worker_frames import FLOOR, VERSION
 
-__all__ = ["MultiAsyncEnvCollector"]
+__all__ = ["EnvIds", "MultiAsyncEnvCollector"]
 
 
-class _Finish:
-    """The batch as delivered: trajectories split (sorted by trajectory first: a flat batch interleaves
-    its envs), then the user's ``postproc``."""
+class EnvIds:
+    """Env ids over the workers: each worker reports how many (sub-)envs it built (``EnvRows``, known only
+    once built: a vector env's size), and learns its first env id once every worker has; a replacement of
+    a worker that died (``restart=``) gets its predecessor's at once.
 
-    def __init__(
-        self,
-        split_trajs: bool,
-        postproc: Callable[[TensorDictBase], TensorDictBase] | None,
-        grouped: bool = False,
-    ) -> None:
-        self.split_trajs = split_trajs
-        self.postproc = postproc
-        self.grouped = grouped  # trajs_per_batch: whole trajectories one after the other already
+    Example:
+        >>> ids = EnvIds(2)
+        >>> ids.counted(1, 4), ids.counted(0, 3)  # worker 1 waits for worker 0's count
+        ({}, {0: 0, 1: 3})
+        >>> ids.counted(1, 4), ids.total  # worker 1 replaced: its env ids again
+        ({1: 3}, 7)
+    """
 
-    def __call__(self, batch: TensorDictBase) -> TensorDictBase:
-        batch.names = None  # a flat batch of frames, not a time dimension
-        if self.split_trajs:
-            if not self.grouped:
-                batch = batch[torch.sort(batch.get(("collector", "traj_ids")), stable=True).indices]
-            batch = split_trajectories(batch)
-        return self.postproc(batch) if self.postproc is not None else batch
+    def __init__(self, workers: int) -> None:
+        self.rows: list[int | None] = [None] * workers
+        #: per worker, its first env id over all workers (``None`` until every worker reported)
+        self.firsts: list[int] | None = None
+
+    @property
+    def total(self) -> int:
+        return sum(r for r in self.rows if r is not None)
+
+    def counted(self, index: int, rows: int) -> dict[int, int]:
+        """Worker ``index`` built ``rows`` (sub-)envs: the first env ids to send now, by worker (every
+        worker's once all have reported; a replacement's, its predecessor's); ``RuntimeError`` if a
+        replacement built another number of envs."""
+        if self.firsts is not None:
+            if rows != self.rows[index]:
+                raise RuntimeError(
+                    f"worker {index}'s replacement built {rows} (sub-)envs, its predecessor "
+                    f"{self.rows[index]}: its env fns must build the same envs every time"
+                )
+            return {index: self.firsts[index]}
+        self.rows[index] = rows
+        counts = [r for r in self.rows if r is not None]
+        if len(counts) < len(self.rows):
+            return {}
+        self.firsts = [0, *itertools.accumulate(counts[:-1])]
+        return dict(enumerate(self.firsts))
 
 
 class _EnvsFirstReady(FirstReady):
@@ -113,7 +111,7 @@ class _EnvsFirstReady(FirstReady):
         return out
 
     async def flush(self, w: Workers) -> None:
-        """Every worker restarted its engine and waits (see ``_worker_state.py``): drop the batches waiting
+        """Every worker restarted its engine and waits (see ``_worker.py``): drop the batches waiting
         in the slots (counted as discarded), hand the slots back, then let the workers send again."""
         pool = w.pool
         assert pool is not None
@@ -268,53 +266,44 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
     ) -> None:
         shares = shares_arg(env_fns_per_worker)
         lag = lag_arg(max_policy_lag)
-        trajs = trajs_per_batch_arg(
+        options = AsyncEnvOptions.of(
             "MultiAsyncEnvCollector",
-            trajs_per_batch,
-            frames_per_batch,
-            max_policy_lag=lag,
-            on_env_error="drop" if on_env_error == "drop" else None,
-        )
-        group, update = episode_args("MultiAsyncEnvCollector", trajs, group_size, on_update, restart)
-        groups_arg(shares, group)
-        frames_per_batch = async_chunk(frames_per_batch, trajs, max(len(share) for share in shares))
-        fpb = frames_arg(frames_per_batch, len(shares))
-        if prefetch is None:  # on-policy: what a worker collects ahead is dropped at the next update
-            prefetch = 0 if lag == 0 else 1
-        random_frames = init_random_frames_arg(init_random_frames)
-        self._async_config = WorkerConfig(
-            min_batch=optional_positive_int("min_batch", min_batch, fix="None: half of a worker's envs"),
-            max_wait=max_wait_arg(max_wait),
-            max_frames_per_traj=optional_positive_int("max_frames_per_traj", max_frames_per_traj),
-            exploration_type=exploration_type_arg(exploration_type),
-            seed=seed_arg(seed),
-            prefetch=non_negative_int("prefetch", prefetch, fix="0: a batch is collected when asked for"),
-            loop=loop_arg(loop),
-            random_frames=math.ceil(random_frames / len(shares)),
-            pause_when_held=lag == 0,
-            on_env_error=on_env_error_arg(on_env_error),
+            [len(share) for share in shares],
+            frames_per_batch=frames_per_batch,
+            total_frames=total_frames,
+            trajs_per_batch=trajs_per_batch,
+            group_size=group_size,
+            on_update=on_update,
+            min_batch=min_batch,
+            max_wait=max_wait,
+            max_frames_per_traj=max_frames_per_traj,
+            split_trajs=split_trajs,
+            exploration_type=exploration_type,
+            seed=seed,
+            track_policy_version=track_policy_version,
+            on_env_error=on_env_error,
+            prefetch=prefetch,
             restart=restart_arg(restart, [fn for share in shares for fn in share]),
-            group_size=group,
-            on_update=update,
+            max_policy_lag=lag,
+            init_random_frames=init_random_frames,
+            loop=loop,
             traj_id_start=traj_id_start,
             traj_id_stride=traj_id_stride,
         )
-        self._track_versions = flag("track_policy_version", track_policy_version)
+        trajs, group, update = options.trajs_per_batch, options.group_size, options.on_update
         self.num_envs = sum(len(share) for share in shares)
         self._env_ids = EnvIds(len(shares))  # each worker's first env id, once every worker built its envs
-        warn_envs_wait(shares, fpb, self._async_config.prefetch)
-        first_ready = _EnvsFirstReady(len(shares), self._track_versions)
+        first_ready = _EnvsFirstReady(len(shares), options.track_policy_version)
         delivery = Episodes.over(first_ready, trajs, group_size=group, on_update=update)
         self._workers = init_workers(
             self,
             [EnvShare(share) for share in shares],
             policy,
-            frames_per_batch=frames_per_batch if isinstance(frames_per_batch, int) else list(fpb),
-            total_frames=total_frames,
-            init_random_frames=random_frames,
-            postproc=_Finish(
-                flag("split_trajs", split_trajs), optional_callable("postproc", postproc), trajs is not None
-            ),
+            # the per-worker values checked (the trainer's options are built from the same keywords)
+            frames_per_batch=list(options.per_worker),
+            total_frames=options.total_frames,
+            init_random_frames=options.random_frames,
+            postproc=Finish(options, optional_callable("postproc", postproc)),
             replay_buffer=replay_buffer,
             storing_device=storing_device,
             max_policy_lag=lag,
@@ -328,9 +317,9 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
             worker_timeout=worker_timeout,
             traj_id_start=traj_id_start,
             traj_id_stride=traj_id_stride,
-            restart=restart,  # worker processes that die or hang are replaced (their envs: WorkerConfig)
+            restart=restart,  # worker processes that die or hang are replaced (their envs: the options)
             delivery=delivery,
-            body=functools.partial(run_async_worker, self._async_config),
+            body=functools.partial(run_async_worker, options),  # each worker: options.for_member()
             on_message=self._worker_message,
         )
 
@@ -360,7 +349,7 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
             except Exception:  # the pool failed (a worker died or raised): its start-up raises why
                 return
 
-    # -- seeds, resets, checkpoints (served by each worker's AsyncEnvCollector: _worker_state.py) -------
+    # -- seeds, resets, checkpoints (served by each worker's AsyncEnvCollector: _worker.py) -------------
     def _check_env_state(self, envs: bool) -> None:
         if envs and self._episodes is not None:  # type: ignore[attr-defined]
             raise ValueError(

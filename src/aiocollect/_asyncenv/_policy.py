@@ -1,6 +1,6 @@
 """The policy side of ``AsyncEnvCollector``: one call per batch of ready envs (a torch policy in the
-collector's own thread, an async policy awaited on the loop), and the conversion of its actions into what
-each env's ``step`` takes."""
+collector's own thread, an async policy awaited on the loop), a worker's random first actions, and the
+conversion of its actions into what each env's ``step`` takes."""
 
 from __future__ import annotations
 
@@ -15,12 +15,13 @@ from gymnasium import spaces
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import InteractionType, set_interaction_type
 
+from .._core._rng import RolloutRNG
 from .._envs._spaces import NestedKey, action_bounds, action_leaf_spaces, action_outside_space
 from .._policies._runners import RandomPolicy, make_runner
 from .._policies._weights import as_weights, check_compatible, copy_weights, module_weights
 from ._policy_thread import PolicyThread
 
-__all__ = ["ActionCodec", "BatchPolicy", "DeviceStaging", "is_async_policy"]
+__all__ = ["ActionCodec", "BatchPolicy", "DeviceStaging", "RandomFirst", "is_async_policy"]
 
 _MIN, _MAX = np.minimum.reduce, np.maximum.reduce
 
@@ -125,6 +126,9 @@ class BatchPolicy:
         self.obs_keys = obs_keys
         self.exploration_type = exploration_type
         self.is_async = is_async_policy(policy)
+        #: the collector's own torch generator (a seeded collector's: see ``_core/_rng.py``), swapped in
+        #: around each torch call
+        self.rng: RolloutRNG | None = None
         self._thread: PolicyThread | None = None
         self._route: Any = None  # route_calls: in_thread's calls go there instead of to _thread
         self._out_keys: list[NestedKey] | None = None
@@ -191,6 +195,13 @@ class BatchPolicy:
         return await self.in_thread(lambda: self._call_torch(obs, n))
 
     def _call_torch(self, obs: dict[NestedKey, torch.Tensor], n: int) -> dict[NestedKey, torch.Tensor]:
+        """The call, in the thread that runs the policy (the policy thread, or the fused engine's), drawing
+        from :attr:`rng` when it is set."""
+        if self.rng is not None:
+            return self.rng.run(lambda: self._call_module(obs, n))
+        return self._call_module(obs, n)
+
+    def _call_module(self, obs: dict[NestedKey, torch.Tensor], n: int) -> dict[NestedKey, torch.Tensor]:
         if self._resized:
             self._sized.batch_shape = (n,)
         if self.staging is not None:
@@ -239,6 +250,62 @@ class BatchPolicy:
             copy_weights(target, weights)
 
         await self.in_thread(apply)
+
+
+class RandomFirst:
+    """``init_random_frames`` in a ``MultiAsyncEnvCollector`` worker: wraps what the engine calls on each
+    batch of ready envs, the first ``actions`` env actions drawn uniformly from the action space (a call
+    that crosses the count gets random actions in its first rows), then the policy's; the policy's other
+    outputs are zeros in those frames, which carry the policy version of the moment, as in the other
+    collectors' random frames.
+
+    The policy is called at the first call (its outputs say the keys, shapes and dtypes every call has)
+    and whenever a call is not all random; draws run in the policy thread (on the loop for an async
+    policy, which has none).
+
+    Example:
+        >>> from gymnasium.spaces import Discrete
+        >>> RandomFirst(None, Discrete(2), actions=8, seed=0).left
+        8
+    """
+
+    def __init__(
+        self, policy: BatchPolicy, action_space: spaces.Space[Any], *, actions: int, seed: int | None
+    ) -> None:
+        self.policy = policy
+        self.left = actions
+        self.random = RandomPolicy(action_space, seed=seed)
+        self._template: dict[NestedKey, tuple[tuple[int, ...], torch.dtype]] | None = None
+
+    async def __call__(self, obs: dict[NestedKey, torch.Tensor], n: int) -> dict[NestedKey, torch.Tensor]:
+        k = min(self.left, n)
+        if k == 0:
+            return await self.policy(obs, n)
+        self.left -= k
+        if self._template is None or k < n:
+            out = await self.policy(obs, n)
+            if self._template is None:
+                self._template = {key: (tuple(v.shape[1:]), v.dtype) for key, v in out.items()}
+        else:  # all random: no policy call
+            out = {
+                key: torch.zeros((n, *shape), dtype=dtype) for key, (shape, dtype) in self._template.items()
+            }
+        if self.policy.is_async:  # no policy thread: a draw is cheap
+            draws = self.random.sample_entries((k,))
+        else:
+            draws = await self.policy.in_thread(lambda: self.random.sample_entries((k,)))
+        return {key: _first_rows(value, draws.get(key), k) for key, value in out.items()}
+
+
+def _first_rows(value: torch.Tensor, draw: torch.Tensor | None, k: int) -> torch.Tensor:
+    """``value`` with its first ``k`` rows replaced by ``draw`` (zeros where the random policy drew
+    nothing: the policy's other outputs)."""
+    shape = (k, *value.shape[1:])
+    if draw is None:
+        head = torch.zeros(shape, dtype=value.dtype, device=value.device)
+    else:
+        head = draw.reshape(shape).to(dtype=value.dtype, device=value.device)
+    return head if k == value.shape[0] else torch.cat([head, value[k:]])
 
 
 class ActionCodec:

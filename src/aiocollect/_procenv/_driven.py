@@ -15,12 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from .._envs._spaces import NestedKey
-from .._transport._messages import Failed
-from .._transport._wire import FrameReader
 from ._env import Part, ProcessVectorEnv, Worker
+from ._slots import Block
 
-__all__ = ["Poller", "Unit", "is_process_env", "read_failure", "read_reply", "release"]
+__all__ = ["Poller", "Unit", "is_process_env", "read_reply", "release"]
 
 
 def is_process_env(env: Any) -> bool:
@@ -30,7 +28,7 @@ def is_process_env(env: Any) -> bool:
 
 class Unit:
     """Env ``index`` of the collector (a ``ProcessVectorEnv`` or a part), its rows ``first`` to
-    ``first + width - 1``; the workers it steps together, claimed from the env."""
+    ``first + width - 1``; the workers it steps together (its :attr:`block`), claimed from the env."""
 
     def __init__(self, env: ProcessVectorEnv | Part, index: int, first: int) -> None:
         whole = env if isinstance(env, ProcessVectorEnv) else env._env
@@ -40,16 +38,15 @@ class Unit:
         self.workers: list[Worker] = (
             list(env._workers) if isinstance(env, ProcessVectorEnv) else [env._worker]
         )
-        lo = self.workers[0].lo
-        self.width = self.workers[-1].hi - lo
-        self.offsets = [(w.lo - lo, w.hi - lo) for w in self.workers]  # each worker's rows in the unit
+        self.block = Block(self.workers)  # its slots, read and written as one block of rows
+        self.width = self.block.width
         self.pending = 0  # replies the unit awaits for its command in flight
         self.stepping = False  # its command in flight is a step (not a reset)
         self.dead = False  # failed (dropped): never stepped again
         self.action_no = 0  # the number of its first row's action (rows numbered in a row)
         self.obs_at_call: list[Any] = []  # the observations its actions were computed from (copies)
         self.staged: list[np.ndarray] = []  # its observations for a policy call of its own (reused)
-        self.rows = np.arange(first, first + self.width)  # its env ids
+        self.ids = np.arange(first, first + self.width)  # its env ids
         for worker in self.workers:
             if worker.failure is not None:
                 raise worker.failure
@@ -59,45 +56,6 @@ class Unit:
             worker.reader.unwatch()
             worker.waiting = True  # claimed: the env's own calls refuse while we drive it
 
-    # -- the slots (views for one worker, copies joined for several) -----------------------------
-    def _join(self, arrays: list[np.ndarray]) -> np.ndarray:
-        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-
-    def obs(self, key: NestedKey) -> np.ndarray:
-        """The observation ``key`` of every sub-env (a view of the slot for a one-worker unit)."""
-        return self._join([w.slots.obs[key] for w in self.workers])  # type: ignore[union-attr]
-
-    def final(self, key: NestedKey) -> np.ndarray:
-        """The final observation ``key`` of the sub-envs whose episode ended at the last step."""
-        return self._join([w.slots.final[key] for w in self.workers])  # type: ignore[union-attr]
-
-    def flags(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``reward``, ``terminated``, ``truncated`` and ``ended`` of the last step."""
-        slots = [w.slots for w in self.workers]
-        return (
-            self._join([s.reward for s in slots]),  # type: ignore[union-attr]
-            self._join([s.terminated for s in slots]),  # type: ignore[union-attr]
-            self._join([s.truncated for s in slots]),  # type: ignore[union-attr]
-            self._join([s.ended for s in slots]),  # type: ignore[union-attr]
-        )
-
-    def write_actions(self, arrays: dict[NestedKey, np.ndarray], start: int) -> None:
-        """The unit's actions: rows ``start`` to ``start + width - 1`` of each action leaf."""
-        for worker, (lo, hi) in zip(self.workers, self.offsets, strict=True):
-            slots = worker.slots
-            assert slots is not None
-            for key, value in arrays.items():
-                slots.actions[key][...] = value[start + lo : start + hi]
-
-    def write_seed(self, seed: int | None) -> None:
-        """Sub-env ``k`` of the next reset seeded with ``seed + k``."""
-        for worker, (lo, _) in zip(self.workers, self.offsets, strict=True):
-            slots = worker.slots
-            assert slots is not None
-            slots.seed[0] = seed is not None
-            slots.seed[1] = 0 if seed is None else seed + lo
-
-    # -- the doorbells ----------------------------------------------------------------------------
     def ring(self, command: bytes) -> None:
         """Send ``command`` (``S`` step, ``R`` reset) to every worker; their replies are then owed."""
         for worker in self.workers:
@@ -129,25 +87,7 @@ def read_reply(worker: Worker) -> bool | None:
         worker.owed -= 1
         return True
     worker.owed = 0
-    raise read_failure(worker) if reply == b"E" else worker.died()
-
-
-def read_failure(worker: Worker, timeout: float = 10.0) -> BaseException:
-    """The error frame that follows an ``E`` reply (blocking, up to ``timeout`` seconds between reads)."""
-    reader = FrameReader()
-    while True:
-        try:
-            data = worker.sock.recv(1 << 16)
-        except BlockingIOError:
-            if not select.select([worker.sock], [], [], timeout)[0]:
-                return RuntimeError(f"ProcessVectorEnv worker {worker.index} sent no error after 'E'")
-            continue
-        except OSError:
-            data = b""
-        if not data:
-            return worker.died()
-        for msg in reader.feed(data):
-            return msg.error if isinstance(msg, Failed) else RuntimeError(f"unexpected reply {msg!r}")
+    raise worker.read_failure() if reply == b"E" else worker.died()
 
 
 def release(units: list[Unit]) -> None:

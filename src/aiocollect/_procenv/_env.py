@@ -4,13 +4,11 @@ one-byte doorbells (``_doorbell.py``)."""
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import multiprocessing as mp
-import multiprocessing.util  # registers its exit handler (which joins live children) before ours
+import select
 import signal
 import socket
-import weakref
 from collections.abc import Sequence
 from typing import Any, NoReturn, cast
 
@@ -22,28 +20,16 @@ import numpy as np
 
 from .._core._errors import WorkerDiedError
 from .._core._mistakes import check_main_guard
+from .._core._processes import reaped, signal_group, started
 from .._envs._spaces import NestedKey, action_specs, observation_specs
 from .._transport._messages import Failed
 from .._transport._wire import BlockingChannel, FrameReader
-from .._workers._pool import signal_group
 from .._workers._preload import PRELOAD
 from ._doorbell import ReplyReader
-from ._slots import Slots
+from ._slots import Block, Slots
 from ._worker import worker_main
 
 __all__ = ["Part", "ProcessVectorEnv", "Worker"]
-
-#: worker processes not reaped yet: killed with their process groups at the interpreter's exit if their env
-#: was never closed (before multiprocessing's exit handler would wait for them: atexit runs last-in first-out)
-_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-@atexit.register
-def _kill_leftover_workers() -> None:
-    for process in list(_LIVE):
-        with contextlib.suppress(Exception):
-            signal_group(process, signal.SIGKILL)
-            process.join(5)
 
 
 class Worker:
@@ -62,6 +48,24 @@ class Worker:
         self.process.join(5)
         return WorkerDiedError(self.index, self.process.exitcode)
 
+    def read_failure(self, timeout: float = 10.0) -> BaseException:
+        """The error frame that follows an ``E`` reply (blocking, up to ``timeout`` seconds between
+        reads): the worker's error with its traceback, or :class:`WorkerDiedError` if it hung up."""
+        reader = FrameReader()
+        while True:
+            try:
+                data = self.sock.recv(1 << 16)
+            except BlockingIOError:
+                if not select.select([self.sock], [], [], timeout)[0]:
+                    return RuntimeError(f"ProcessVectorEnv worker {self.index} sent no error after 'E'")
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                return self.died()
+            for msg in reader.feed(data):
+                return msg.error if isinstance(msg, Failed) else RuntimeError(f"unexpected reply {msg!r}")
+
 
 def _leaves(space: gym.Space[Any], actions: Any, path: tuple[str, ...] = ()) -> dict[NestedKey, Any]:
     """A gymnasium batched action as ``{"action" or ("action", ...): array}`` (:func:`action_specs`)."""
@@ -78,10 +82,6 @@ def _leaves(space: gym.Space[Any], actions: Any, path: tuple[str, ...] = ()) -> 
             for k, v in _leaves(sub, actions[i], (*path, str(i))).items()
         }
     return {("action", *path) if path else "action": np.asarray(actions)}
-
-
-def _copy(arrays: list[np.ndarray]) -> np.ndarray:  # np.concatenate of one array, at a third of its cost
-    return arrays[0].copy()
 
 
 def _split(env_fns: Sequence[Any], num_workers: int) -> list[list[Any]]:
@@ -190,7 +190,7 @@ class ProcessVectorEnv:
                 process.start()
             finally:
                 child.close()
-            _LIVE.add(process)
+            started(process)
         lo = 0
         for worker in self._workers:
             n, obs_space, act_space = self._hello(worker)
@@ -213,10 +213,11 @@ class ProcessVectorEnv:
         for worker in self._workers:
             worker.slots = Slots(self._obs_specs, self._act_specs, worker.hi - worker.lo)
             BlockingChannel(worker.sock).send(worker.slots.name)
+        self._block = Block(self._workers)
         for worker in self._workers:
             reply = worker.sock.recv(1)
             if reply == b"E":
-                raise self._read_failure_blocking(worker)
+                raise worker.read_failure()
             if reply != b"D":
                 raise worker.died()
             worker.sock.setblocking(False)
@@ -231,24 +232,17 @@ class ProcessVectorEnv:
         n, obs_space, act_space = cast("tuple[int, Any, Any]", msg)
         return n, obs_space, act_space
 
-    def _read_failure_blocking(self, worker: Worker) -> BaseException:
-        try:
-            msg = BlockingChannel(worker.sock).recv()
-        except (EOFError, OSError):
-            return worker.died()
-        return msg.error if isinstance(msg, Failed) else RuntimeError(f"unexpected reply {msg!r}")
-
     # -- the protocol -----------------------------------------------------------------------------
     async def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[Any, dict[str, Any]]:
         """Reset every sub-env (sub-env ``k`` seeded with ``seed + k``); ``options`` must be ``None``."""
-        return await self._reset(self._workers, seed, options)
+        return await self._reset(self._block, seed, options)
 
     async def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """Step every sub-env with ``actions`` ``[num_envs, ...]`` (same-step autoreset: an ended sub-env's
         final observation is in ``info["final_obs"]``, ``info["_final_obs"]`` the mask)."""
-        return await self._step(self._workers, actions)
+        return await self._step(self._block, actions)
 
     async def close(self) -> None:
         """Stop the workers (a grace period, then SIGTERM/SIGKILL of their process groups) and remove the
@@ -285,7 +279,7 @@ class ProcessVectorEnv:
 
     # -- stepping ---------------------------------------------------------------------------------
     async def _reset(
-        self, workers: list[Worker], seed: int | None, options: dict[str, Any] | None
+        self, block: Block, seed: int | None, options: dict[str, Any] | None
     ) -> tuple[Any, dict[str, Any]]:
         if options is not None:
             raise ValueError(
@@ -294,18 +288,15 @@ class ProcessVectorEnv:
             )
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
-        self._check(workers)
-        await self._drain(workers)
-        for worker in workers:
-            assert worker.slots is not None
-            worker.slots.seed[0] = seed is not None
-            worker.slots.seed[1] = 0 if seed is None else int(seed) + worker.lo - workers[0].lo
-        await self._run(workers, b"R")
-        return self._obs(workers, "obs"), {}
+        self._check(block.workers)
+        await self._drain(block.workers)
+        block.write_seed(seed)
+        await self._run(block.workers, b"R")
+        return self._nest({k: block.obs(k, copy=True) for k in self._obs_specs}), {}
 
-    async def _step(self, workers: list[Worker], actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-        self._check(workers)
-        base, n = workers[0].lo, workers[-1].hi - workers[0].lo
+    async def _step(self, block: Block, actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        self._check(block.workers)
+        n = block.width
         try:
             leaves = _leaves(self.single_action_space, actions)
         except (KeyError, IndexError, TypeError) as exc:
@@ -319,36 +310,23 @@ class ProcessVectorEnv:
                     f"actions: {key!r} has the shape {value.shape}, expected "
                     f"{(n, *self._act_specs[key].shape)} (one action per sub-env)"
                 )
-        await self._drain(workers)
-        for worker in workers:
-            assert worker.slots is not None
-            for key, value in leaves.items():
-                worker.slots.actions[key][...] = value[worker.lo - base : worker.hi - base]
-        await self._run(workers, b"S")
-        return self._results(workers, n)
-
-    def _results(self, workers: list[Worker], n: int) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-        slots = [w.slots for w in workers]
-        join = _copy if len(slots) == 1 else np.concatenate
-        reward = join([s.reward for s in slots])  # type: ignore[union-attr]
-        terminated = join([s.terminated for s in slots])  # type: ignore[union-attr]
-        truncated = join([s.truncated for s in slots])  # type: ignore[union-attr]
-        ended = join([s.ended for s in slots])  # type: ignore[union-attr]
+        await self._drain(block.workers)
+        block.write_actions(leaves)
+        await self._run(block.workers, b"S")
+        reward, terminated, truncated, ended = block.flags(copy=True)
         info: dict[str, Any] = {}
         if np.count_nonzero(ended):
-            final = np.empty(n, dtype=object)
-            k = 0
-            for s in slots:
-                assert s is not None
-                for j in s.ended.nonzero()[0].tolist():
-                    final[k + j] = self._nest({key: v[j].copy() for key, v in s.final.items()})
-                k += len(s.ended)
+            final, finals = np.empty(n, dtype=object), {key: block.final(key) for key in self._obs_specs}
+            for j in ended.nonzero()[0].tolist():
+                final[j] = self._nest({key: value[j].copy() for key, value in finals.items()})
             info = {"final_obs": final, "_final_obs": ended}
-        return self._obs(workers, "obs"), reward, terminated, truncated, info
-
-    def _obs(self, workers: list[Worker], group: str) -> Any:
-        join = _copy if len(workers) == 1 else np.concatenate  # (one worker: a split() part)
-        return self._nest({k: join([getattr(w.slots, group)[k] for w in workers]) for k in self._obs_specs})
+        return (
+            self._nest({k: block.obs(k, copy=True) for k in self._obs_specs}),
+            reward,
+            terminated,
+            truncated,
+            info,
+        )
 
     def _nest(self, flat: dict[NestedKey, np.ndarray]) -> Any:
         """``{key: array}`` as gymnasium gives it: the array, or a nested dict for a Dict space."""
@@ -417,21 +395,8 @@ class ProcessVectorEnv:
         return WorkerDiedError(worker.index, worker.process.exitcode)
 
     async def _read_failure(self, worker: Worker) -> BaseException:
-        reader = FrameReader()
-        while True:
-            try:
-                data = worker.sock.recv(1 << 16)
-            except BlockingIOError:
-                await anyio.wait_readable(worker.sock)
-                continue
-            except OSError:
-                data = b""
-            if not data:
-                return await self._died(worker)
-            for msg in reader.feed(data):
-                if isinstance(msg, Failed):
-                    return msg.error
-                return RuntimeError(f"ProcessVectorEnv: unexpected reply {msg!r}")
+        await anyio.wait_readable(worker.sock)  # the error frame (or the hang-up) follows
+        return await anyio.to_thread.run_sync(worker.read_failure)
 
     # -- stop and reap ----------------------------------------------------------------------------
     def _reap(self) -> None:
@@ -444,7 +409,7 @@ class ProcessVectorEnv:
                     process.join(1.0)
                 signal_group(process, signal.SIGKILL)  # and whatever its envs started
                 process.join()
-                _LIVE.discard(process)
+                reaped(process)
                 with contextlib.suppress(ValueError):
                     process.close()
             worker.sock.close()
@@ -462,7 +427,7 @@ class Part:
     """One worker's sub-envs of a :class:`ProcessVectorEnv`, an async vector env of their own."""
 
     def __init__(self, env: ProcessVectorEnv, worker: Worker) -> None:
-        self._env, self._worker = env, worker
+        self._env, self._worker, self._block = env, worker, Block([worker])
         self._closed = False
         self.num_envs: int = worker.hi - worker.lo
         self.single_observation_space = env.single_observation_space
@@ -471,10 +436,10 @@ class Part:
     async def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[Any, dict[str, Any]]:
-        return await self._env._reset([self._worker], seed, options)
+        return await self._env._reset(self._block, seed, options)
 
     async def step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-        return await self._env._step([self._worker], actions)
+        return await self._env._step(self._block, actions)
 
     async def close(self) -> None:
         if not self._closed:

@@ -9,11 +9,8 @@ in the slots) or ``C`` (close); the worker answers ``D`` (done) or ``E`` followe
 from __future__ import annotations
 
 import functools
-import os
-import select
 import signal
 import socket
-import threading
 import warnings
 from typing import Any
 
@@ -21,6 +18,7 @@ import cloudpickle
 import gymnasium as gym
 import numpy as np
 
+from .._core._processes import lead_group, watch_parent
 from .._envs._async_vector import ThreadedAsyncVectorEnv
 from .._envs._spaces import NestedKey, action_specs, flatten_obs, observation_specs
 from .._transport._messages import failure
@@ -111,41 +109,10 @@ def _serve(sock: socket.socket, stepper: _Stepper) -> None:
         sock.sendall(b"D")
 
 
-def _own_process_group() -> None:
-    """Lead a process group: the parent reaps the worker and whatever its envs started with one killpg."""
-    if hasattr(os, "setpgid"):
-        try:
-            os.setpgid(0, 0)
-        except OSError:
-            pass
-
-
-def _watch_parent(sock: socket.socket) -> None:
-    """A thread that kills this worker's process group when the parent's end of the socket hangs up (the
-    parent was killed) while the main thread is stuck in a step. It polls the socket, never reads it."""
-    if not hasattr(select, "poll"):  # pragma: no cover - not Linux/macOS
-        return
-    hangup = select.POLLHUP | getattr(select, "POLLRDHUP", 0)
-
-    def watch() -> None:
-        poller = select.poll()
-        poller.register(sock.fileno(), getattr(select, "POLLRDHUP", 0))
-        while True:
-            events = poller.poll()
-            if any(mask & select.POLLNVAL for _, mask in events):
-                return  # our own end closed: we are exiting
-            if any(mask & hangup for _, mask in events):
-                if hasattr(os, "killpg") and os.getpgid(0) == os.getpid():
-                    os.killpg(0, signal.SIGKILL)
-                os._exit(1)
-
-    threading.Thread(target=watch, name="aiocollect-envs-parent-watch", daemon=True).start()
-
-
 def worker_main(sock: socket.socket, index: int, payload: bytes, show_warnings: bool) -> None:
     """Entry point of a worker process (started through the forkserver)."""
-    _own_process_group()
-    _watch_parent(sock)
+    lead_group()
+    watch_parent(sock, "aiocollect-envs-parent-watch")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes us
     if not show_warnings:
         warnings.simplefilter("ignore")

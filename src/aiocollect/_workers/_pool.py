@@ -8,17 +8,13 @@ is in the ``WorkerDiedError``.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import itertools
 import math
 import multiprocessing as mp
-import multiprocessing.util  # registers its exit handler (which joins live children) before ours
-import os
 import signal
 import socket
 import threading
-import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -34,6 +30,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from .._core._errors import WorkerDiedError, WorkerTimeoutError
 from .._core._gather import gather
 from .._core._mistakes import check_main_guard
+from .._core._processes import reaped, signal_group, started
 from .._core._restart import RestartPolicy
 from .._observe._events import Event, Restarted, WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
 from .._observe._stats import WorkerState
@@ -59,34 +56,6 @@ from ._replace import Replacer
 from ._worker import WorkerSpec, start_thread_worker, worker_main
 
 __all__ = ["WorkerHandle", "WorkerPool", "signal_group", "start_forkserver", "thread_alive"]
-
-
-#: worker processes started and not reaped yet. Workers are not daemonic (their envs may start processes
-#: of their own); if a collector was never closed, the interpreter's exit kills them with their process
-#: groups here, before multiprocessing's exit handler would wait for them (atexit runs last-in, first-out)
-_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def signal_group(process: Any, sig: int) -> None:
-    """Send ``sig`` to a worker process and to its process group (the processes its env started: the
-    worker leads a group of its own). Either may be gone already."""
-    pid = process.pid
-    if pid is None:
-        return
-    if hasattr(os, "killpg"):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, sig)
-    with contextlib.suppress(ProcessLookupError, ValueError):
-        if process.exitcode is None:
-            os.kill(pid, sig)
-
-
-@atexit.register
-def _kill_leftover_workers() -> None:
-    for process in list(_LIVE):
-        with contextlib.suppress(Exception):
-            signal_group(process, signal.SIGKILL)
-            process.join(5)
 
 
 def _check_op(op: object) -> None:
@@ -247,7 +216,7 @@ class WorkerPool:
             try:
                 with anyio.CancelScope(shield=True):  # a started process is always handed back
                     await anyio.to_thread.run_sync(process.start)
-                _LIVE.add(process)
+                started(process)
             finally:
                 child_sock.close()
         else:
@@ -279,7 +248,7 @@ class WorkerPool:
                 if isinstance(handle.process, mp.process.BaseProcess):
                     # whatever its env started and did not stop (or could not: the worker was killed)
                     signal_group(handle.process, signal.SIGKILL)
-                    _LIVE.discard(handle.process)
+                    reaped(handle.process)
                 handle.exited.set()
                 cause = handle.doomed
                 if cause is None and not failed and not self.closing:

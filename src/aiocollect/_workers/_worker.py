@@ -6,9 +6,6 @@ batch on the control socket tells the parent which slot is ready.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import select
 import signal
 import socket
 import threading
@@ -22,6 +19,7 @@ import numpy as np
 import torch
 
 from .._core._options import RolloutOptions, WeightSchedule
+from .._core._processes import lead_group, watch_parent
 from .._core._resume import load_member, worker_state
 from .._core._rng import RolloutRNG
 from .._core._torch_settings import TorchSettings
@@ -482,45 +480,6 @@ _OPERATIONS: dict[type[Operation], Callable[[Worker, Any], Any]] = {
 }
 
 
-def _own_process_group() -> None:
-    """Lead a process group of our own: the trainer reaps the worker *and* every process its env started
-    (a torchrl ``ParallelEnv``, a gymnasium ``AsyncVectorEnv``) with one ``killpg``, and a Ctrl-C at the
-    terminal reaches the trainer only, which then stops us."""
-    if hasattr(os, "setpgid"):
-        with contextlib.suppress(OSError):
-            os.setpgid(0, 0)
-
-
-def _kill_own_group() -> None:
-    if hasattr(os, "killpg") and os.getpgid(0) == os.getpid():
-        os.killpg(0, signal.SIGKILL)
-    os._exit(1)
-
-
-def _watch_parent(sock: socket.socket) -> None:
-    """A thread that kills this worker's process group when the trainer's end of the channel closes
-    without a goodbye (the trainer was killed): the main thread may be stuck in ``env.step`` and never read
-    the channel's EOF. It only polls the socket (never reads it), so it steals no message."""
-    if not hasattr(select, "poll"):  # pragma: no cover - not Linux/macOS: the main thread's EOF still ends us
-        return
-    hangup = select.POLLHUP | getattr(select, "POLLRDHUP", 0)
-
-    def watch() -> None:
-        poller = select.poll()
-        poller.register(sock.fileno(), getattr(select, "POLLRDHUP", 0))
-        while True:
-            try:
-                events = poller.poll()
-            except InterruptedError:  # pragma: no cover - retried by Python itself since 3.5
-                continue
-            if any(mask & select.POLLNVAL for _, mask in events):
-                return  # the worker closed its own end: it is exiting
-            if any(mask & hangup for _, mask in events):
-                _kill_own_group()
-
-    threading.Thread(target=watch, name="aiocollect-parent-watch", daemon=True).start()
-
-
 def worker_main(sock: socket.socket, spec: WorkerSpec) -> None:
     """Entry point of a worker process (or thread, for the serial backend)."""
     chan = BlockingChannel(sock)
@@ -528,8 +487,8 @@ def worker_main(sock: socket.socket, spec: WorkerSpec) -> None:
     failed = False
     try:
         if not spec.in_process:
-            _own_process_group()
-            _watch_parent(sock)
+            lead_group()
+            watch_parent(sock, "aiocollect-parent-watch")
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which stops us
             if not spec.show_warnings:
                 warnings.simplefilter("ignore")
