@@ -14,7 +14,7 @@ from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
 from .._episodes_args import async_chunk, episode_args, trajs_per_batch_arg
-from .._events import Restarted, WorkerFailed
+from .._events import WorkerFailed
 from .._fleet import Arrival, FleetCollector
 from .._mistakes import explicit_keywords
 from .._multi._async import FirstReady
@@ -335,7 +335,7 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
         )
 
     def _worker_message(self, index: int, msg: Any) -> None:
-        if isinstance(msg, (WorkerFailed, Restarted)):  # an env dropped or restarted, its global env id
+        if isinstance(msg, WorkerFailed):  # an env dropped, its global env id (restarts: the pool's)
             self._hub.publish(msg)
         elif isinstance(msg, EnvRows):  # a worker built its envs: once all have, each its first env id
             try:

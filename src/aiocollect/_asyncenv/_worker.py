@@ -262,11 +262,14 @@ class _AsyncWorker:
         return self.first
 
     async def forward_drops(self, stream: EventStream) -> None:
-        """Send each env dropped (``on_env_error="drop"``) to the parent as its ``WorkerFailed``."""
+        """Send each env dropped (``on_env_error="drop"``) or restarted to the parent as it happens (the
+        last ones as the worker ends: before its failure, if it fails)."""
         try:
             async for event in stream:
                 self.send_drop(event)
         finally:
+            while (event := stream.receive_nowait()) is not None:
+                self.send_drop(event)
             stream.close()
 
     def send_drop(self, event: Any) -> None:
@@ -295,9 +298,6 @@ class _AsyncWorker:
         engine = collector._engine
         if not collector._drop_failed or engine is None or len(engine.dropped) < engine.rows:
             return exc
-        if collector.drops is not None:  # the last drops, before the worker's failure
-            while (event := collector.drops.receive_nowait()) is not None:
-                self.send_drop(event)
         cause = exc.__cause__
         error = RuntimeError(
             f"every env was dropped in worker {self.index} (env ids {self.first} to "

@@ -23,7 +23,7 @@ from .._envs._rebuild import env_factory
 from .._episodes import TrajectoryAssembler
 from .._episodes_args import chunk_frames, group_size_arg, refuse_cuts, trajs_per_batch_arg
 from .._errors import WorkerTimeoutError
-from .._events import Restarted, WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
+from .._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
 from .._mistakes import explicit_keywords, warn_user
 from .._options import RolloutOptions, WeightSchedule, refuse_schedule
 from .._restart import RestartPolicy
@@ -45,6 +45,7 @@ from .._validation import (
 from .._weights import as_weights, check_compatible, copy_weights, module_weights
 from .._weightsync import weight_sync_arg
 from ._base import CollectorBase
+from ._restarts import RestartReport
 
 __all__ = ["Collector"]
 
@@ -250,6 +251,7 @@ class Collector(CollectorBase):
             factory=env_factory(create_env_fn, self._options.restart),
             on_env=partial(setattr, self, "_env"),
         )
+        self._restarts = RestartReport(self._hub, self._rollout.restarts)
         # the policy samples with the collector's own torch RNG state when seeded (see _rng.py)
         self._rng = RolloutRNG(self._seed)
         # one dry policy call: a broken policy fails here, not later. It draws from a forked RNG so
@@ -363,20 +365,14 @@ class Collector(CollectorBase):
         self._closed_reason = f"a batch failed with {type(exc).__name__}: {exc}"
         self._closed = True
         self._failed = True
-        self._publish_restarts()
+        self._restarts.publish()
         self._hub.publish(WorkerFailed(0, f"{type(exc).__name__}: {exc}"))
         await self._close_env()
         self._hub.close()
         await self._end_thread()
 
-    def _publish_restarts(self) -> None:
-        """``Restarted`` events for the env's restarts since the last call (drained in the loop)."""
-        if self._rollout.restarts is not None:
-            for r in self._rollout.restarts.budget.drain():
-                self._hub.publish(Restarted(0, r.env, r.cause, r.restarts))
-
     def _record_result(self, result: RolloutResult) -> None:
-        self._publish_restarts()
+        self._restarts.publish()
         self._record(
             result.frames,
             [(0, r, n) for r, n in zip(result.episode_returns, result.episode_lengths, strict=True)],
@@ -477,6 +473,8 @@ class Collector(CollectorBase):
     async def _on_enter(self) -> None:
         self._submit(lambda stop: None)  # the thread starts with the entering thread's torch settings
         self._hub.publish(WorkerStarted(0))
+        assert self._task_group is not None
+        self._task_group.start_soon(self._restarts.run)
 
     async def aclose(self) -> None:
         """Stop background collection, wait for a batch in flight, close the env and end the rollout
@@ -499,6 +497,7 @@ class Collector(CollectorBase):
         if not self._thread_stuck:
             await self._thread.stop()
         _end_thread(self._thread, self._bells)
+        self._restarts.close()
 
     async def _close_env(self) -> None:
         for job in self._pending:  # batches collected ahead: stop and drop them
@@ -652,10 +651,7 @@ class Collector(CollectorBase):
         else:
             state = "paused" if self.paused else "collecting"
         version = self._rollout.policy_version
-        restarts = self._rollout.restarts
-        worker = WorkerStatistics(
-            0, state, self._stats.frames, version, restarts=restarts.budget.count if restarts else 0
-        )
+        worker = WorkerStatistics(0, state, self._stats.frames, version, restarts=self._restarts.count)
         return self._stats.snapshot(
             version,
             workers=(worker,),

@@ -15,7 +15,7 @@ import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import cloudpickle
 import numpy as np
@@ -23,6 +23,7 @@ import torch
 
 from .._envs._adapter import check_env
 from .._envs._rebuild import env_factory
+from .._events import Restarted
 from .._options import RolloutOptions, WeightSchedule
 from .._resume import load_member, worker_state
 from .._rng import RolloutRNG
@@ -195,12 +196,11 @@ class _StopOrStale:
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec) -> None:
-        self.spec = spec
+    def __init__(self, spec: WorkerSpec, chan: BlockingChannel) -> None:
+        self.spec, self.chan = spec, chan
         create_env_fn = cloudpickle.loads(spec.payload)
         policy = cloudpickle.loads(spec.policy_payload)
-        env = build_env(create_env_fn)
-        self.env = env
+        self.env = env = build_env(create_env_fn)
         try:
             check_env(env)
             self.rollout, self.policy, self.random_policy = build_rollout(
@@ -216,14 +216,12 @@ class Worker:
             self.rng = RolloutRNG()
             self.control = SharedBlock(control_layout(spec.num_workers), (), name=spec.control_name)
             self.stop = _StopFlag(self.control.td["stop"].numpy(), spec.index)
-            self._published = self.control.td["published"].numpy()
-            self._floor = self.control.td["floor"].numpy()
-            self._discarded = self.control.td["discarded"].numpy()
-            self._progress = self.control.td["progress"].numpy()
+            self._published, self._floor, self._discarded, self._progress = (
+                self.control.td[k].numpy() for k in ("published", "floor", "discarded", "progress")
+            )
             #: the policy version of the last batch sent; whether the trajectories in flight took new ids
             #: since (see ``collect``)
-            self._sent_version = 0
-            self._split = False
+            self._sent_version, self._split = 0, False
             #: run_free: the slot of the last batch sent (unread while it is not handed back)
             self._sent_slot: int | None = None
             self._stop_or_stale = _StopOrStale(
@@ -233,6 +231,8 @@ class Worker:
             self.slots: list[SharedBlock] = []
             self.free: set[int] = set()
             self.frames = 0
+            if self.rollout.restarts is not None:  # each one reported as it happens, batch or not
+                self.rollout.restarts.on_restart = lambda r: chan.send(Restarted.of(spec.index, r))
         except BaseException as exc:
             close_after_failure(env, exc)
             raise
@@ -347,7 +347,6 @@ class Worker:
             episode_lengths=lengths,
             spare_ids=spare_ids,
             time_split=self.rollout.clock.totals(),
-            restarts=tuple(self.rollout.restarts.budget.drain()) if self.rollout.restarts else (),
         )
 
     def _spare_ids(self) -> tuple[int, ...]:
@@ -392,9 +391,7 @@ class Worker:
     def get_weights(self, op: GetWeights) -> dict[str, torch.Tensor] | None:
         if not isinstance(self.policy, torch.nn.Module):
             return None
-        return {
-            k: cast("torch.Tensor", v).detach().cpu().clone() for k, v in flat_weights(self.policy).items()
-        }
+        return dict(flat_weights(self.policy).detach().cpu().clone().items())
 
     def get_attr(self, op: GetAttr) -> Any:
         return getattr(self.env if op.root == "env" else self.policy, op.name)
@@ -540,7 +537,7 @@ def worker_main(sock: socket.socket, spec: WorkerSpec) -> None:
         if spec.run is not None:
             spec.run(chan, spec)
             return
-        worker = Worker(spec)
+        worker = Worker(spec, chan)
         layout, batch_size = worker.layout()
         chan.send(
             Ready(
