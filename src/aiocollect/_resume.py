@@ -203,6 +203,8 @@ def member_state(
     if process:
         rngs["process"] = process_rng_state()
     state: dict[str, Any] = {"rng": rngs}
+    if rollout.restarts is not None:  # a rebuild's seed derives from the restarts so far: they go on
+        state["env_restarts"] = rollout.restarts.budget.count
     if envs:
         state["env_state"] = {"env": env_state(rollout.env.env), "flight": flight(rollout)}
     return state
@@ -224,7 +226,7 @@ def worker_state(worker: Any, envs: bool) -> dict[str, Any]:
     not handed back holds a batch the trainer was not given yet: its envs are ahead."""
     ahead = worker._sent_slot is not None and len(worker.slots) > 1 and len(worker.free) < len(worker.slots)
     fix = "make the MultiAsyncCollector with max_policy_lag=0 (a worker collects when asked)"
-    return member_state(
+    state = member_state(
         worker.rollout,
         worker.rng,
         worker.random_policy,
@@ -232,6 +234,8 @@ def worker_state(worker: Any, envs: bool) -> dict[str, Any]:
         process=not worker.spec.in_process,
         ahead=fix if ahead else None,
     )
+    state["sent_version"] = worker._sent_version  # a resume splits the trajectories in flight as here
+    return state
 
 
 def load_member(rollout: Any, rng: Any, random_policy: Any, state: dict[str, Any], frames: int) -> None:
@@ -246,6 +250,8 @@ def load_member(rollout: Any, rng: Any, random_policy: Any, state: dict[str, Any
             rollout.env.set_seed(derived_seed(rngs["rollout"], frames))
         rollout.reset()
     rollout.load_state_dict(state)  # trajectory-id counter, policy version; fresh ids
+    if rollout.restarts is not None:
+        rollout.restarts.budget.count = int(state.get("env_restarts", 0))
     if saved is not None:
         load_env_state(rollout.env.env, saved["env"])
         load_flight(rollout, saved["flight"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import anyio
@@ -378,17 +378,6 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
             delivery = delivery.inner
         assert isinstance(delivery, _EnvsFirstReady)
         await delivery.flush(self._workers)
-
-    async def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (same number of workers) into a collector made with the same
-        arguments: counters, trajectory ids, version and weights, random states, and each worker's envs,
-        from their saved state (``envs=True``) or reset (a seeded collector's with a seed derived from the
-        checkpoint). Each worker's engine restarts: what was collected before is dropped."""
-        policy = state.get("policy")
-        if policy is not None:  # each worker loads the weights before its engine restarts
-            keys = [f"worker{i}" for i in range(self.num_workers) if f"worker{i}" in state]
-            state = {**state, **{k: {**state[k], "policy": policy} for k in keys}}
-        await super().load_state_dict(state)
 
     def __repr__(self) -> str:
         return (

@@ -585,6 +585,7 @@ class Collector(CollectorBase):
                 copy_weights(module_weights(self._policy), weights)
 
         await self._control(apply)
+        self._restarts.count = int(state.get("env_restarts", 0))  # statistics().restarts goes on
 
     async def update_weights(
         self,

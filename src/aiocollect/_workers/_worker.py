@@ -54,7 +54,7 @@ from .._transport._messages import (
 )
 from .._transport._shm import SharedBlock
 from .._transport._wire import BlockingChannel
-from .._weights import flat_weights
+from .._weights import as_weights, copy_weights, flat_weights, module_weights
 from ._paths import resolve
 
 __all__ = [
@@ -385,8 +385,10 @@ class Worker:
     def load_state(self, op: LoadState) -> None:
         _unversioned(op)
         state = dict(op.state)
-        self.frames = int(state.get("frames", 0))
+        self.frames, self._sent_version = int(state.get("frames", 0)), int(state.get("sent_version", 0))
         load_member(self.rollout, self.rng, self.random_policy, state, self.frames)
+        if state.get("policy") is not None and isinstance(self.policy, torch.nn.Module):  # the newest
+            copy_weights(module_weights(self.policy), as_weights(state["policy"]))
 
     def get_weights(self, op: GetWeights) -> dict[str, torch.Tensor] | None:
         if not isinstance(self.policy, torch.nn.Module):
