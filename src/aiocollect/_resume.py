@@ -141,19 +141,24 @@ def flight(rollout: Any) -> dict[str, Any]:
             [list(k) if isinstance(k, tuple) else k, torch.from_numpy(v.copy())]
             for k, v in rollout._root.items()
         ],
-        "traj_ids": torch.from_numpy(np.array(rollout._traj_ids, copy=True)),
-        "ep_return": torch.from_numpy(rollout._ep_return.copy()),
-        "ep_steps": torch.from_numpy(rollout._ep_steps.copy()),
-        "ep_length": torch.from_numpy(rollout._ep_length.copy()),
+        **{name: torch.from_numpy(np.array(getattr(rollout, f"_{name}"), copy=True)) for name in _CARRIES},
     }
+
+
+#: the per-env carries of a rollout besides its observation (numpy arrays, or scalars for one unbatched env)
+_CARRIES = ("traj_ids", "ep_return", "ep_steps", "ep_length")
+
+
+def _array(value: torch.Tensor) -> Any:
+    """A saved carry as the rollout holds it: an array, or a numpy scalar for an unbatched env."""
+    array = value.numpy().copy()
+    return array[()] if array.ndim == 0 else array
 
 
 def load_flight(rollout: Any, state: dict[str, Any]) -> None:
     rollout._root = {tuple(k) if isinstance(k, list) else k: v.numpy().copy() for k, v in state["root"]}
-    rollout._traj_ids = state["traj_ids"].numpy().copy()
-    rollout._ep_return = state["ep_return"].numpy().copy()
-    rollout._ep_steps = state["ep_steps"].numpy().copy()
-    rollout._ep_length = state["ep_length"].numpy().copy()
+    for name in _CARRIES:
+        setattr(rollout, f"_{name}", _array(state[name]))
 
 
 def env_state(env: Any) -> Any:
