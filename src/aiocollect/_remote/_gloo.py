@@ -47,7 +47,18 @@ from .._transport._store import StoreClient
 from .._transport._wire import AsyncChannel
 from .._weights import module_weights
 from ._args import UNSET
-from ._messages import BatchNotice, CallFailed, Close, Collect, Loaded, NodeBatch, NodeReady, Request, Setup
+from ._messages import (
+    BatchNotice,
+    CallFailed,
+    Close,
+    Collect,
+    Loaded,
+    NodeBatch,
+    NodeReady,
+    NodeRestarts,
+    Request,
+    Setup,
+)
 from ._node import NodeCore
 from ._nodes import DEFAULT_PROGRESS_TIMEOUT, Nodes, RemoteNode
 from ._trainer import NodeCollectorMixin, NodePlan, init_nodes, node_plan
@@ -138,6 +149,7 @@ async def run_node(chan: AsyncChannel, setup: Setup, where: str) -> None:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(collect_loop)
                 tg.start_soon(core.run_applier, loaded)
+                tg.start_soon(core.report_restarts, lambda records: chan.send(NodeRestarts(records)))
                 while True:
                     msg = await chan.receive()
                     if isinstance(msg, Collect):

@@ -84,6 +84,14 @@ class BatchNotice:
 
 
 @dataclass(frozen=True)
+class NodeRestarts:
+    """The node's collector restarted envs (or worker processes) just now: ``(env, cause, restarts)`` per
+    ``Restarted`` event, sent as they happen (batch or not)."""
+
+    records: tuple[tuple[int, str, int], ...]
+
+
+@dataclass(frozen=True)
 class Loaded:
     """The node's collector runs the trainer's weights ``version``."""
 
@@ -176,6 +184,7 @@ __all__ = [
     "NextBatch",
     "NodeBatch",
     "NodeReady",
+    "NodeRestarts",
     "Request",
     "Setup",
     "StageWeights",

@@ -29,7 +29,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from tensordict import TensorDictBase
 
 from .._errors import WorkerError, WorkerTimeoutError, as_error, worker_died
-from .._events import WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
+from .._events import WeightsLoaded, WorkerStarted, WorkerStopped
 from .._fleet import Arrival, FleetCollector
 from .._gather import gather
 from .._stats import WorkerState
@@ -54,6 +54,7 @@ from ._messages import (
     Loaded,
     NodeBatch,
     NodeReady,
+    NodeRestarts,
     Request,
     Setup,
 )
@@ -484,7 +485,7 @@ class Nodes(Hosts, abc.ABC):
     def _fail(self, node: RemoteNode | None, error: BaseException) -> None:
         if node is not None and node.state not in (WorkerState.FAILED, WorkerState.STOPPED):
             node.state = WorkerState.FAILED
-            self.fleet._hub.publish(WorkerFailed(node.index, f"{type(error).__name__}: {error}"))
+            self.failed(node, error)
         if self._failure is None and not (self.relauncher is not None and self.relauncher.lose(node, error)):
             self._end(error)
 
@@ -671,6 +672,8 @@ class Nodes(Hosts, abc.ABC):
                     elif isinstance(msg, NodeReady):
                         node.ready, node.pid, node.host = msg, msg.pid, msg.host
                         node.ready_event.set()
+                    elif isinstance(msg, NodeRestarts):  # as they happen
+                        self.restarted(node, msg.records)
                     elif isinstance(msg, Failed):
                         self._fail(node, as_error(msg.error))
                     else:

@@ -22,7 +22,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from tensordict import TensorDictBase
 
 from .._errors import CollectorClosedError, WorkerTimeoutError
-from .._events import WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
+from .._events import WeightsLoaded, WorkerStarted, WorkerStopped
 from .._fleet import Arrival, FleetCollector
 from .._gather import gather
 from .._mistakes import warn_user
@@ -140,7 +140,7 @@ class RayActors(Hosts):
 
     async def start(self) -> list[int]:
         ray = self._ray = import_ray()
-        self._limiter = anyio.CapacityLimiter(2 * self.num_actors + 2)
+        self._limiter = anyio.CapacityLimiter(3 * self.num_actors + 2)  # a batch, a call, its restarts
         if not ray.is_initialized():
             config = dict(DEFAULT_RAY_INIT_CONFIG)
             if self.plan.ray_init_config is not None:
@@ -192,6 +192,7 @@ class RayActors(Hosts):
             actor.info["frames_per_batch"] = int(fpb)
             actor.state = WorkerState.COLLECTING
             self.fleet._hub.publish(WorkerStarted(actor.index))
+            self.watch_restarts(actor)
         return [int(f) for f in fpbs]
 
     async def run(self) -> None:
@@ -278,8 +279,21 @@ class RayActors(Hosts):
     def failed_actor(self, actor: Actor, exc: BaseException, what: str) -> BaseException:
         actor.state = WorkerState.FAILED
         error = unwrap_ray_error(exc, f"actor {actor.index} ({what})", actor)
-        self.fleet._hub.publish(WorkerFailed(actor.index, f"{type(error).__name__}: {error}"))
+        self.failed(actor, error)
         return error
+
+    def watch_restarts(self, actor: Actor) -> None:
+        """Report ``actor``'s restarts as its collector makes them: one call waits in the actor for the
+        next ones, in the collector's task group, while ``actor`` holds its slot."""
+
+        async def watch() -> None:
+            with contextlib.suppress(Exception):  # the actor is gone: its batch says how
+                while self.actors[actor.index] is actor and (records := await self._await(restarts())):
+                    self.restarted(actor, records)
+
+        restarts = actor.handle.restarts.remote
+        assert self.fleet._task_group is not None
+        self.fleet._task_group.start_soon(watch)
 
     async def _next_async(self) -> Arrival:
         due, self._due = self._due, []

@@ -147,3 +147,4 @@ class ActorReplacer:
                 new.pending = None
         new.state = WorkerState.COLLECTING
         actors.fleet._hub.publish(WorkerStarted(index))
+        actors.watch_restarts(new)

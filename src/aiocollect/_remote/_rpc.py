@@ -55,6 +55,7 @@ from ._messages import (
     NextBatch,
     NodeBatch,
     NodeReady,
+    NodeRestarts,
     Setup,
     StageWeights,
 )
@@ -165,6 +166,7 @@ async def run_node(chan: AsyncChannel, setup: Setup, where: str) -> None:
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(core.run_applier, loaded)
+                tg.start_soon(core.report_restarts, lambda records: chan.send(NodeRestarts(records)))
                 while True:
                     msg = await chan.receive()
                     if isinstance(msg, Close):

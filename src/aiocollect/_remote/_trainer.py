@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from .._events import Restarted
+from .._events import Restarted, WorkerFailed
 from .._local._collector import Collector
 from .._multi._async import MultiAsyncCollector
 from .._multi._sync import MultiSyncCollector
@@ -30,6 +30,7 @@ from ._args import (
     with_restart,
 )
 from ._launchers import Launcher, make_launcher
+from ._node import RESTARTS_ATTR
 
 if TYPE_CHECKING:
     from .._fleet import FleetCollector, Transport
@@ -231,6 +232,12 @@ class Hosts:
         for env, cause, restarts in records:
             member.restarts += 1
             self.fleet._hub.publish(Restarted(member.index, int(env), str(cause), int(restarts)))
+
+    def failed(self, member: Any, error: BaseException) -> None:
+        """``member`` failed with ``error``: the restarts its collector made before (they travel with its
+        error, ``RESTARTS_ATTR``), then its ``WorkerFailed`` event."""
+        self.restarted(member, vars(error).pop(RESTARTS_ATTR, ()))
+        self.fleet._hub.publish(WorkerFailed(member.index, f"{type(error).__name__}: {error}"))
 
     async def published(self, version: int, ids: list[int], raised: list[int]) -> None:
         """Nothing waits here: a stale batch is dropped when it arrives (``FleetCollector._stale``)."""
