@@ -78,20 +78,22 @@ EXEMPT_MODULES: dict[str, tuple[int, str]] = {
         "dict); issue 28: bringing a replaced worker up to date (seed, weights, its delivery)",
     ),
     "aiocollect/_remote/_nodes.py": (
-        740,
+        743,
         "Nodes is one transport: the connections of a set of nodes and the batches and weights asked of "
         "them (NodeFleet and RemoteCollectorBase's iteration, once split over _nodes.py and _trainer.py "
         "as base and subclass; 882 lines together then, 811 now); issue 28: the hooks of a group "
         "relaunch (one I/O task group per group, a round or a call that meets a lost group runs again on "
         "the next, the frames lost in flight; the relaunch itself is _relaunch.py); +3: the batch being "
-        "delivered counts as outstanding until recorded (the nodes are asked for total_frames, no more)",
+        "delivered counts as outstanding until recorded (the nodes are asked for total_frames, no more); "
+        "+3 (issue 43): a node's restarts as they happen (NodeRestarts on the control connection)",
     ),
     "aiocollect/_remote/_ray_fleet.py": (
-        510,
+        521,
         "RayActors is one transport: the actors of a RayCollector, their batches and weights (ActorFleet "
         "and RayCollector's iteration, once split over _ray_fleet.py and _ray.py as base and subclass; "
         "810 lines together then, 682 now); issue 28: a replaced actor's slot (new_actor, the restart "
-        "policy's paths in both deliveries; the replacement itself is _ray_replace.py)",
+        "policy's paths in both deliveries; the replacement itself is _ray_replace.py); issue 43: an "
+        "actor's restarts as they happen (watch_restarts, one call waiting in each actor)",
     ),
     "aiocollect/_envs/_gym.py": (
         887,

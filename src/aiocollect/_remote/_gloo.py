@@ -47,18 +47,7 @@ from .._transport._store import StoreClient
 from .._transport._wire import AsyncChannel
 from .._weights import module_weights
 from ._args import UNSET
-from ._messages import (
-    BatchNotice,
-    CallFailed,
-    Close,
-    Collect,
-    Loaded,
-    NodeBatch,
-    NodeReady,
-    NodeRestarts,
-    Request,
-    Setup,
-)
+from ._messages import BatchNotice, CallFailed, Close, Collect, Loaded, NodeBatch, NodeReady, Request, Setup
 from ._node import NodeCore
 from ._nodes import DEFAULT_PROGRESS_TIMEOUT, Nodes, RemoteNode
 from ._trainer import NodeCollectorMixin, NodePlan, init_nodes, node_plan
@@ -134,9 +123,6 @@ async def run_node(chan: AsyncChannel, setup: Setup, where: str) -> None:
                 await chan.send(out.notice(request.seq, layout if new_layout else None))
                 await anyio.to_thread.run_sync(_send_wait, group, buffer.data, request.seq & 0x7FFFFFFF)
 
-        async def loaded(version: int) -> None:
-            await chan.send(Loaded(version))
-
         async def serve_call(msg: Request) -> None:
             try:
                 value = await core.call(msg.op)
@@ -148,8 +134,8 @@ async def run_node(chan: AsyncChannel, setup: Setup, where: str) -> None:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(collect_loop)
-                tg.start_soon(core.run_applier, loaded)
-                tg.start_soon(core.report_restarts, lambda records: chan.send(NodeRestarts(records)))
+                tg.start_soon(core.run_applier, lambda version: chan.send(Loaded(version)))
+                tg.start_soon(core.report_restarts, chan.send)
                 while True:
                     msg = await chan.receive()
                     if isinstance(msg, Collect):

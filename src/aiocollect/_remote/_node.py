@@ -22,7 +22,7 @@ from .._events import BatchDelivered, EpisodeFinished
 from .._fleet import FleetCollector
 from .._timesplit import producer_totals
 from .._transport._messages import GetAttr, GetState, LoadState, Reset, SetSeed
-from ._messages import ControlOp, HostSpec, NextBatch, NodeBatch, StageWeights, WaitLoaded
+from ._messages import ControlOp, HostSpec, NextBatch, NodeBatch, NodeRestarts, StageWeights, WaitLoaded
 
 _VERSION_KEY = ("collector", "policy_version")
 _BATCH_KINDS = frozenset({"batch", "episode"})
@@ -98,15 +98,15 @@ class NodeCore:
             return ()
 
     async def report_restarts(self, send: Callable[[Any], Awaitable[Any]]) -> None:
-        """``await send(records)`` with the collector's restarts as they happen, until cancelled (the last
-        ones then too: before a failure the node sends)."""
+        """``await send(NodeRestarts(records))`` (a node's control connection) with the collector's restarts
+        as they happen, until cancelled (the last ones then too: before a failure the node sends)."""
         try:
             while records := await self.next_restarts():
-                await send(records)
+                await send(NodeRestarts(records))
         finally:
             if records := self.unreported_restarts():
                 with anyio.CancelScope(shield=True):
-                    await send(records)
+                    await send(NodeRestarts(records))
 
     # -- weights ------------------------------------------------------------------------------------
     @property

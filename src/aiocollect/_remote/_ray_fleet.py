@@ -13,7 +13,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.abc
@@ -192,10 +192,11 @@ class RayActors(Hosts):
             actor.info["frames_per_batch"] = int(fpb)
             actor.state = WorkerState.COLLECTING
             self.fleet._hub.publish(WorkerStarted(actor.index))
-            self.watch_restarts(actor)
         return [int(f) for f in fpbs]
 
     async def run(self) -> None:
+        for actor in self.actors:
+            cast("anyio.abc.TaskGroup", self.fleet._task_group).start_soon(self.watch_restarts, actor)
         if not self.plan.sync:
             self._results_send, self._results_receive = anyio.create_memory_object_stream[tuple[int, Any]](
                 self.num_actors
@@ -282,18 +283,14 @@ class RayActors(Hosts):
         self.failed(actor, error)
         return error
 
-    def watch_restarts(self, actor: Actor) -> None:
-        """Report ``actor``'s restarts as its collector makes them: one call waits in the actor for the
-        next ones, in the collector's task group, while ``actor`` holds its slot."""
-
-        async def watch() -> None:
-            with contextlib.suppress(Exception):  # the actor is gone: its batch says how
-                while self.actors[actor.index] is actor and (records := await self._await(restarts())):
-                    self.restarted(actor, records)
-
-        restarts = actor.handle.restarts.remote
-        assert self.fleet._task_group is not None
-        self.fleet._task_group.start_soon(watch)
+    async def watch_restarts(self, actor: Actor) -> None:
+        """In the collector's task group, while ``actor`` holds its slot: its restarts as its collector
+        makes them (a call waits in the actor for the next ones)."""
+        with contextlib.suppress(Exception):  # the actor is gone: its batch says how
+            while self.actors[actor.index] is actor and (
+                records := await self._await(actor.handle.restarts.remote())
+            ):
+                self.restarted(actor, records)
 
     async def _next_async(self) -> Arrival:
         due, self._due = self._due, []

@@ -55,7 +55,6 @@ from ._messages import (
     NextBatch,
     NodeBatch,
     NodeReady,
-    NodeRestarts,
     Setup,
     StageWeights,
 )
@@ -166,7 +165,7 @@ async def run_node(chan: AsyncChannel, setup: Setup, where: str) -> None:
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(core.run_applier, loaded)
-                tg.start_soon(core.report_restarts, lambda records: chan.send(NodeRestarts(records)))
+                tg.start_soon(core.report_restarts, chan.send)
                 while True:
                     msg = await chan.receive()
                     if isinstance(msg, Close):
