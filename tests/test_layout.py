@@ -145,6 +145,7 @@ LAYERS: dict[str, int] = {
     "_mistakes": 0,
     "_signals": 0,
     "_resume": 0,
+    "_checkpoints": 0,
     "_episodes_args": 0,
     "_groups": 0,
     "_restart": 0,

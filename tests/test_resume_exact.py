@@ -4,7 +4,7 @@ trajectory ids and the policy versions, on ``Collector``, ``MultiSyncCollector``
 ``MultiAsyncCollector`` (one worker, ``max_policy_lag=0``), under asyncio and trio.
 
 The checkpoint is the one the uninterrupted run takes after its ``k``-th batch (the trainer's policy
-beside the collector's state), through ``torch.save`` / ``torch.load(weights_only=True)``; the counters the
+beside the collector's state), through ``save_checkpoint`` / ``load_checkpoint``; the counters the
 collector restores (its policy version) are the saved ones.
 """
 
@@ -20,7 +20,14 @@ import torch
 from tensordict import TensorDictBase
 from torch import nn
 
-from aiocollect import Collector, GymEnv, MultiAsyncCollector, MultiSyncCollector
+from aiocollect import (
+    Collector,
+    GymEnv,
+    MultiAsyncCollector,
+    MultiSyncCollector,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -100,7 +107,7 @@ async def collect(
     versions: list[int] = []
     async with build(kind, policy) as collector:
         if resume is not None:
-            state = torch.load(resume, weights_only=True)
+            state = load_checkpoint(resume)
             policy.load_state_dict(state["trainer"])
             await collector.load_state_dict(state["collector"])
             assert collector.policy_version == state["collector"]["policy_version"]
@@ -117,7 +124,7 @@ async def collect(
                         "collector": await collector.state_dict(envs=True),
                         "trainer": policy.state_dict(),
                     }
-                    torch.save(state, path)
+                    save_checkpoint(state, path)
                 if len(batches) == n:
                     break
     return batches, versions

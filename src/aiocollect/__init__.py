@@ -14,6 +14,7 @@ from ._workers import _preload  # noqa: F401  (first: imports tensordict without
 
 from ._asyncenv._collector import AsyncEnvCollector
 from ._asyncenv._multi import MultiAsyncEnvCollector
+from ._checkpoints import CheckpointError, load_checkpoint, save_checkpoint
 from ._distributed_weights import DistributedWeightSync
 from ._envs._async import AsyncEnvProtocol, AsyncVectorEnvProtocol, ThreadedAsyncEnv
 from ._envs._async_vector import ThreadedAsyncVectorEnv
@@ -122,6 +123,7 @@ __all__ = [
     "AsyncEnvProtocol",
     "AsyncVectorEnvProtocol",
     "BatchDelivered",
+    "CheckpointError",
     "Collector",
     "CollectorClosedError",
     "CollectorStatistics",
@@ -171,8 +173,10 @@ __all__ = [
     "Sink",
     "TensorBoardSink",
     "WandbSink",
+    "load_checkpoint",
     "metrics_text",
     "__version__",
+    "save_checkpoint",
     "set_worker_warnings",
     "split_trajectories",
     "stop_on_signals",
