@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from ._errors import keep_fields_when_pickled
+
 __all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
 
 
@@ -38,6 +40,9 @@ class CheckpointError(ValueError):
     def __init__(self, message: str, path: Path, size: int) -> None:
         super().__init__(message)
         self.path, self.size = path, size
+
+
+keep_fields_when_pickled(CheckpointError)  # its path and size go with it across processes
 
 
 def _path_arg(name: str, path: Any) -> Path:
