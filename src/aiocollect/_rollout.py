@@ -17,7 +17,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import set_interaction_type
 
-from ._envs._adapter import ArrayEnv, check_env
+from ._envs._adapter import ArrayEnv, check_env, env_contract
 from ._envs._rebuild import EnvRebuilder
 from ._envs._spaces import LeafSpec, NestedKey
 from ._groups import EpisodeSeeds, SeededEnv
@@ -27,7 +27,7 @@ from ._recurrent import Carry, Recurrence, find_recurrence
 from ._restart import CountedStop
 from ._rollout_batch import end_trajectories, episode_stats, nested_td, stack_into, time_first, trajectory_ids
 from ._rollout_casts import ActionCaster, lossless_casts
-from ._storage import StoragePool
+from ._storage import StoragePool, batch_specs
 from ._timesplit import SplitClock
 
 __all__ = ["Rollout", "RolloutResult", "StopSignal", "build_rollout", "open_env"]
@@ -251,7 +251,7 @@ class Rollout:
             shapes[("collector", "traj_ids")] = (bt, torch.int64)
             if self.options.group_size is not None:
                 shapes[("collector", "group_id")] = (bt, torch.int64)
-            self._specs = (list(shapes), list(shapes.values()))
+            self._specs = batch_specs(shapes, self.frames_per_batch)  # refused if it cannot fit in memory
         return self._specs
 
     def _allocate(
@@ -312,7 +312,7 @@ class Rollout:
         block, block_steps = self._random_block(runner)
         hist = _Steps(step_count=[] if self.options.step_count else None)
         mark = self.clock.loop_started()
-        with torch.no_grad(), set_interaction_type(self.options.exploration_type):
+        with torch.no_grad(), set_interaction_type(self.options.exploration_type), env_contract(self.env):
             if self.restarts is None:
                 steps = self._run(self._obs_slots(views), runner, block_steps, hist, stop, views)
             else:

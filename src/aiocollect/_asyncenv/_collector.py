@@ -28,11 +28,11 @@ from .._trajectories import split_trajectories
 from .._validation import (
     exploration_type_arg,
     flag,
+    frames_per_batch_arg,
     non_negative_int,
     optional_callable,
     optional_positive_int,
     policy_arg,
-    positive_int,
     replay_buffer_arg,
     seed_arg,
     total_frames_arg,
@@ -185,7 +185,7 @@ class AsyncEnvCollector(CheckpointMixin, CollectorBase):
             "AsyncEnvCollector", trajs, group_size, on_update, restart
         )
         self._episodes = None if trajs is None else TrajectoryAssembler(trajs, self._group_size)
-        self.frames_per_batch = positive_int("frames_per_batch", async_chunk(frames_per_batch, trajs, n))
+        self.frames_per_batch = frames_per_batch_arg(async_chunk(frames_per_batch, trajs, n))
         self.total_frames = total_frames_arg(total_frames)
         # counted in (sub-)envs: the default, half of them, is known once the envs are built
         self._min_batch_arg = optional_positive_int("min_batch", min_batch, fix="None: half of the envs")

@@ -28,6 +28,7 @@ import anyio.lowlevel
 import numpy as np
 import torch
 
+from .._envs._contract import contract_error
 from .._envs._spaces import LeafSpec, NestedKey
 from .._events import WorkerFailed
 from .._groups import RowEpisodes
@@ -356,6 +357,7 @@ class Engine(VectorSteps):
                 else:
                     self._tg.start_soon(self._env_task, first, env, u)
                 return
+        exc = contract_error(exc, self.envs[u]) or exc  # an env that broke gymnasium's API: named
         if not self.config.drop_failed_envs:
             self._fail(exc)
             return

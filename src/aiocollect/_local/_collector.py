@@ -258,6 +258,7 @@ class Collector(CollectorBase):
         # that the first batch is the one a later set_seed(seed) gives (no number drawn here).
         with forked_rng():
             self._rollout.output_specs()
+        self._rollout._batch_specs()  # a batch too large for this machine's memory is refused now
 
     def _rounded_budgets(self, env: Any) -> int:
         """Warn where a budget is not a whole number of batches; the random frames, in whole batches."""
