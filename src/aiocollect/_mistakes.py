@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, overload
 
-__all__ = ["check_main_guard", "explicit_keywords", "unguarded_main_line", "warn_user"]
+__all__ = ["check_main_guard", "explicit_keywords", "unguarded_main_line", "warn_if_spent", "warn_user"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -54,6 +54,25 @@ def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
         True
     """
     warnings.warn(message, category, stacklevel=_user_stacklevel() + 1)
+
+
+def warn_if_spent(collector: Any) -> Any:
+    """Warn (at the user's line) when an iteration begins over ``collector`` that will yield nothing: its
+    ``total_frames`` are collected, or a stop was requested. Returns ``collector``."""
+    stopped = bool(getattr(collector, "stop_requested", False))
+    total, frames = collector.total_frames, collector._stats.frames
+    if stopped or 0 < total <= frames:
+        why = (
+            "a stop was requested (request_stop(), stop_on_signals)"
+            if stopped
+            else f"it has collected its total_frames={total} already ({frames} frames)"
+        )
+        warn_user(
+            f"this iteration over the {type(collector).__name__} yields nothing: {why}, and a collector is "
+            "iterated once. Make a new collector for another run (load_state_dict() goes on from a "
+            "checkpoint), or give total_frames=-1 to collect until you stop"
+        )
+    return collector
 
 
 # -- keywords ------------------------------------------------------------------------------------------
