@@ -27,7 +27,7 @@ from tensordict import TensorDictBase
 from ._events import WeightsPublished
 from ._gather import gather
 from ._local._base import CollectorBase
-from ._mistakes import warn_user
+from ._mistakes import name_coroutines, warn_rounded, warn_user
 from ._stats import CollectorStatistics, WorkerState, WorkerStatistics
 from ._timesplit import member_split
 from ._transport._messages import FleetOp, GetAttr, GetState, LoadState, Reset, SetSeed
@@ -146,6 +146,10 @@ class FleetCollector(CollectorBase):
     _halt_ahead: Callable[[bool], None] | None = None
     _delivering = False  # a batch is on its way (__anext__): a stop requested meanwhile waits for it
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        name_coroutines(cls, FleetCollector)  # "coroutine 'MultiSyncCollector.update_weights' was never..."
+
     def _init_fleet(
         self,
         transport: Transport,
@@ -211,9 +215,10 @@ class FleetCollector(CollectorBase):
     async def _on_enter(self) -> None:
         if self._entered:
             raise RuntimeError(f"the collector was entered already: a {type(self).__name__} is entered once")
-        self._entered = True
+        self._entered, requested = True, self.frames_per_batch
         self._member_frames = fpbs = await self._transport.start()
         self.frames_per_batch = (sum if self._sync else max)(fpbs)
+        warn_rounded(requested, self.frames_per_batch, f"the {self._member_noun}s' env batch sizes")
         await self._members_started()
         await self._transport.run()
 
