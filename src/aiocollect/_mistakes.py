@@ -102,7 +102,7 @@ def name_coroutines(cls: type, base: type) -> None:
         own = types.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
         functools.update_wrapper(own, fn)
         own.__kwdefaults__ = fn.__kwdefaults__
-        del own.__wrapped__  # the signature is its own: help() and the docs show the same one
+        vars(own).pop("__wrapped__", None)  # the signature is its own: help() and the docs show the same one
         own.__qualname__ = f"{cls.__qualname__}.{name}"
         setattr(cls, name, own)
 

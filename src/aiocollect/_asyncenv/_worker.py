@@ -268,8 +268,8 @@ class _AsyncWorker:
             async for event in stream:
                 self.send_drop(event)
         finally:
-            while (event := stream.receive_nowait()) is not None:
-                self.send_drop(event)
+            while (left := stream.receive_nowait()) is not None:
+                self.send_drop(left)
             stream.close()
 
     def send_drop(self, event: Any) -> None:

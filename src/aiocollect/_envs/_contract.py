@@ -61,7 +61,8 @@ def env_name(env: Any) -> str:
         sub = getattr(subs[0], "unwrapped", subs[0])
         name = f"{name} of {type(sub).__name__}"
         spec = getattr(subs[0], "spec", None)
-    return f"the env {name} ({spec.id})" if getattr(spec, "id", None) else f"the env {name}"
+    spec_id = getattr(spec, "id", None)
+    return f"the env {name} ({spec_id})" if spec_id else f"the env {name}"
 
 
 def _raised_in_the_contract(exc: BaseException) -> bool:

@@ -53,6 +53,8 @@ class CompatCollector:
 
     _inner: Any
     _needs_entering = True
+    #: the coroutines of the calls since the last step, by method name (see ``_tracked``)
+    _calls: list[tuple[str, Any]]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -168,7 +170,8 @@ class CompatCollector:
 
     def _check_awaited(self) -> None:
         """Raise if a method called since the last step was never awaited (it did nothing)."""
-        calls, self._calls = self.__dict__.get("_calls", []), []
+        calls: list[tuple[str, Any]] = self.__dict__.get("_calls", [])
+        self._calls = []
         forgotten = [(n, c) for n, c in calls if inspect.getcoroutinestate(c) == inspect.CORO_CREATED]
         for _, coro in forgotten:
             coro.close()  # (no "never awaited" RuntimeWarning later: this error says it)
