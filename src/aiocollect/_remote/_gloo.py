@@ -255,7 +255,7 @@ class GlooNodes(Nodes):
                 raise self._failure from None
             raise
         n = notice
-        return NodeBatch(batch, n.frames, n.episodes, n.policy_version, n.time_split, n.restarts)
+        return NodeBatch(batch, n.frames, n.episodes, n.policy_version, n.time_split)
 
     async def _on_notice(self, node: RemoteNode, msg: Any) -> None:
         if not isinstance(msg, BatchNotice):

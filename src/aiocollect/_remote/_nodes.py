@@ -184,7 +184,6 @@ class Nodes(Hosts, abc.ABC):
     def _account(self, node: RemoteNode, result: NodeBatch) -> NodeBatch:
         node.frames += result.frames
         node.time_split.add(result.time_split)
-        self.restarted(node, result.restarts)
         node.since_update += 1
         node.fresh = True
         return result

@@ -269,7 +269,6 @@ class RayActors(Hosts):
     def _delivered_by(self, actor: Actor, meta: dict[str, Any]) -> list[tuple[int, float, int]]:
         actor.frames += int(meta["frames"])
         actor.time_split.add(meta.get("time_split", ()))
-        self.restarted(actor, meta.get("restarts", ()))
         actor.since_update += 1
         version = int(meta["policy_version"])
         if version > actor.policy_version:

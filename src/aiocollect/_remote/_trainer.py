@@ -227,7 +227,7 @@ class Hosts:
     versioned: bool
 
     def restarted(self, member: Any, records: Sequence[tuple[int, str, int]]) -> None:
-        """``member`` (a node or actor) restarted its envs (``records``, from its batch: ``(env, cause,
+        """``member`` (a node or actor) restarted its envs (``records``, as they happened: ``(env, cause,
         restarts)`` each): counted in its ``restarts``, a ``Restarted`` event each, as for a worker."""
         for env, cause, restarts in records:
             member.restarts += 1
