@@ -106,7 +106,7 @@ async def main(args: Args) -> None:
         elapsed = time.perf_counter() - start
         print(
             f"{stats.frames_delivered} frames in {stats.delivered} episodes, "
-            f"{stats.frames_delivered / elapsed:,.0f} frames/s, mean return {stats.mean_length:.1f} "
+            f"{stats.frames_delivered / elapsed:,.0f} frames/s, mean length {stats.mean_length:.1f} "
             f"(longest {stats.max_length})"
         )
 

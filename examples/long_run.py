@@ -7,7 +7,8 @@
 ``stop_on_signals(collector)`` turns the first SIGTERM (or Ctrl-C) into ``collector.request_stop()``:
 the ``async for`` ends after the batch being collected is delivered and trained on, so the trainer,
 the replay buffer and the collector agree on what was collected. Then one checkpoint holds all three,
-written atomically (a temporary file, then a rename): a kill during the write leaves the previous one.
+written atomically by ``aiocollect.save_checkpoint`` (a temporary file flushed to disk, then renamed over
+the path): a kill during the write leaves the previous one.
 A second signal is not caught (the default: terminate, or KeyboardInterrupt).
 
 ``collector.state_dict(envs=True)`` holds the random states and the envs' own state, so a resumed
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
-from aiocollect import Collector, GymEnv, stop_on_signals
+from aiocollect import Collector, GymEnv, load_checkpoint, save_checkpoint, stop_on_signals
 
 
 @dataclass
@@ -122,19 +122,10 @@ def train_step(policy: CategoricalMLP, optimizer: torch.optim.Optimizer, sample:
     return loss.item()
 
 
-def save_atomically(state: dict[str, Any], path: Path) -> None:
-    """Write ``state`` next to ``path``, flush it to disk, then rename it over ``path`` (atomic on POSIX)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path: Path) -> dict[str, Any] | None:
-    """The checkpoint at ``path`` (weights only: no code runs while it loads), or ``None``."""
-    return torch.load(path, weights_only=True) if path.exists() else None
+def load_if_there(path: Path) -> dict[str, Any] | None:
+    """The checkpoint at ``path`` (weights only: no code runs while it loads), or ``None``; a truncated
+    file is named (``CheckpointError``)."""
+    return load_checkpoint(path) if path.exists() else None
 
 
 async def main(args: Args) -> None:
@@ -163,12 +154,12 @@ async def main(args: Args) -> None:
             "buffer": buffer.state_dict(),
             "trainer": {"batches": batches, "updates": updates, "torch_rng": torch.get_rng_state()},
         }
-        await anyio.to_thread.run_sync(save_atomically, state, path)  # a large buffer: off the loop
+        await anyio.to_thread.run_sync(save_checkpoint, state, path)  # atomic; a large buffer: off the loop
         print(f"checkpoint at {state['collector']['frames']} frames", flush=True)
 
     start = time.perf_counter()
     async with collector, stop_on_signals(collector) as stop:
-        saved = await anyio.to_thread.run_sync(load_checkpoint, path)
+        saved = await anyio.to_thread.run_sync(load_if_there, path)
         if saved is not None:  # the same command again: resume
             policy.load_state_dict(saved["policy"])
             optimizer.load_state_dict(saved["optimizer"])

@@ -170,7 +170,7 @@ async def main(args: Args) -> None:
                 await collector.update_weights(policy)
             if train_steps % args.checkpoint_every == 0:
                 async with collector.pause():  # no batch is written to rb while this block runs
-                    state, buffer_len = await collector.state_dict(), len(rb)  # torch.save(state, path)
+                    state, buffer_len = await collector.state_dict(), len(rb)  # save_checkpoint(state, path)
                 frames = state["frames"]
                 print(
                     f"train step {train_steps:5d}  loss {loss:.3f}  "

@@ -212,8 +212,9 @@ async def test_total_frames_divisible(anyio_backend):
         batches = await take(collector)
         assert sum(b.numel() for b in batches) == 48
         assert collector.statistics().frames == 48
-        # once the budget is spent, iterating again yields nothing
-        assert await take(collector) == []
+        # once the budget is spent, iterating again yields nothing, and says so
+        with pytest.warns(UserWarning, match="yields nothing: it has collected its total_frames=48"):
+            assert await take(collector) == []
 
 
 async def test_total_frames_not_divisible_warns_and_keeps_last_batch_whole(anyio_backend):

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import pickle
 import signal
+from pathlib import Path
 
 import cloudpickle
 import pytest
 
 import aiocollect
 from aiocollect import (
+    CheckpointError,
     CollectorClosedError,
     RemoteConnectionError,
     WorkerDiedError,
@@ -30,6 +32,7 @@ def _examples() -> dict[type, BaseException]:
         RemoteConnectionError: RemoteConnectionError(
             "the env server at ws://127.0.0.1:1 closed the connection"
         ),
+        CheckpointError: CheckpointError("'ckpt.pt' is not a whole checkpoint", Path("ckpt.pt"), 27113),
     }
 
 

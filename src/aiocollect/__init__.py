@@ -14,6 +14,7 @@ from ._workers import _preload  # noqa: F401  (first: imports tensordict without
 
 from ._asyncenv._collector import AsyncEnvCollector
 from ._asyncenv._multi import MultiAsyncEnvCollector
+from ._core._checkpoints import CheckpointError, load_checkpoint, save_checkpoint
 from ._core._errors import CollectorClosedError, WorkerDiedError, WorkerError, WorkerTimeoutError
 from ._core._options import RolloutOptions, WeightSchedule
 from ._core._restart import RestartPolicy
@@ -125,6 +126,7 @@ __all__ = [
     "AsyncEnvProtocol",
     "AsyncVectorEnvProtocol",
     "BatchDelivered",
+    "CheckpointError",
     "Collector",
     "CollectorClosedError",
     "CollectorStatistics",
@@ -177,8 +179,10 @@ __all__ = [
     "Sink",
     "TensorBoardSink",
     "WandbSink",
+    "load_checkpoint",
     "metrics_text",
     "__version__",
+    "save_checkpoint",
     "set_worker_warnings",
     "split_trajectories",
     "stop_on_signals",

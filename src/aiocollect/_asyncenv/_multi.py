@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import anyio
@@ -19,7 +19,7 @@ from .._fleet._collector import Arrival, FleetCollector
 from .._multi._async import FirstReady
 from .._multi._episodes import Episodes
 from .._multi._workers import Workers, WorkersMixin, init_workers
-from .._observe._events import Restarted, WorkerFailed
+from .._observe._events import WorkerFailed
 from .._transport._messages import RunFree
 from .._weightsync._schemes import WeightSync
 from ._collector import Finish
@@ -324,7 +324,7 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
         )
 
     def _worker_message(self, index: int, msg: Any) -> None:
-        if isinstance(msg, (WorkerFailed, Restarted)):  # an env dropped or restarted, its global env id
+        if isinstance(msg, WorkerFailed):  # an env dropped, its global env id (restarts: the pool's)
             self._hub.publish(msg)
         elif isinstance(msg, EnvRows):  # a worker built its envs: once all have, each its first env id
             try:
@@ -367,17 +367,6 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
             delivery = delivery.inner
         assert isinstance(delivery, _EnvsFirstReady)
         await delivery.flush(self._workers)
-
-    async def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (same number of workers) into a collector made with the same
-        arguments: counters, trajectory ids, version and weights, random states, and each worker's envs,
-        from their saved state (``envs=True``) or reset (a seeded collector's with a seed derived from the
-        checkpoint). Each worker's engine restarts: what was collected before is dropped."""
-        policy = state.get("policy")
-        if policy is not None:  # each worker loads the weights before its engine restarts
-            keys = [f"worker{i}" for i in range(self.num_workers) if f"worker{i}" in state]
-            state = {**state, **{k: {**state[k], "policy": policy} for k in keys}}
-        await super().load_state_dict(state)
 
     def __repr__(self) -> str:
         return (

@@ -35,10 +35,10 @@ from .._core._restart import RestartPolicy
 from .._core._validation import (
     exploration_type_arg,
     flag,
+    frames_per_batch_arg,
     init_random_frames_arg,
     non_negative_int,
     optional_positive_int,
-    positive_int,
     seed_arg,
     total_frames_arg,
 )
@@ -176,7 +176,7 @@ class AsyncEnvOptions:
         if multi:
             groups_arg(envs, group)
         chunk = async_chunk(frames_per_batch, trajs, max(envs))
-        per_worker = per_worker_arg(chunk, len(envs)) if multi else [positive_int("frames_per_batch", chunk)]
+        per_worker = per_worker_arg(chunk, len(envs)) if multi else [frames_per_batch_arg(chunk)]
         if prefetch is None:  # on-policy: what a worker collects ahead is dropped at the next update
             prefetch = 0 if max_policy_lag == 0 else 1
         options = cls(
@@ -339,8 +339,8 @@ def per_worker_arg(value: Any, workers: int) -> list[int]:
                 f"frames_per_batch has {len(value)} values for {workers} workers: give one per worker "
                 "(worker i's batches hold frames_per_batch[i] frames) or one int for all"
             )
-        return [positive_int(f"frames_per_batch[{i}]", v) for i, v in enumerate(value)]
-    return [positive_int("frames_per_batch", value)] * workers
+        return [frames_per_batch_arg(v, f"frames_per_batch[{i}]") for i, v in enumerate(value)]
+    return [frames_per_batch_arg(value)] * workers
 
 
 def groups_arg(shares: list[int], group_size: int | None) -> None:

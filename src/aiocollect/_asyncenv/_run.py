@@ -27,6 +27,7 @@ import anyio.lowlevel
 import numpy as np
 import torch
 
+from .._envs._contract import contract_error
 from .._envs._spaces import NestedKey
 from ._engine import Engine
 from ._restarts import truncate_last_frames
@@ -312,6 +313,7 @@ class LoopSteps:
                 e.closed_envs.discard(u)
                 self._start_env(u, env)
                 return
+        exc = contract_error(exc, e.envs[u]) or exc  # an env that broke gymnasium's API: named
         if not e.options.drop_failed:
             self._fail(exc)
             return

@@ -283,11 +283,14 @@ class _AsyncWorker:
         return self.first
 
     async def forward_drops(self, stream: EventStream) -> None:
-        """Send each env dropped or restarted to the parent as its event."""
+        """Send each env dropped (``on_env_error="drop"``) or restarted to the parent as it happens (the
+        last ones as the worker ends: before its failure, if it fails)."""
         try:
             async for event in stream:
                 self.send_drop(event)
         finally:
+            while (left := stream.receive_nowait()) is not None:
+                self.send_drop(left)
             stream.close()
 
     def send_drop(self, event: Any) -> None:

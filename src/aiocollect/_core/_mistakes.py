@@ -7,7 +7,8 @@
   ``if __name__ == "__main__":`` is refused before any process starts (each worker would import the
   script again and start collectors of its own, and die of it).
 - :func:`warn_user`: a warning about the user's own arguments, attributed to the user's line rather than
-  to a line of aiocollect.
+  to a line of aiocollect; :func:`warn_if_spent`: an iteration that will yield nothing (the budget spent).
+- :func:`name_coroutines`: a forgotten ``await`` names the user's collector class, not an internal one.
 """
 
 from __future__ import annotations
@@ -18,11 +19,20 @@ import functools
 import inspect
 import os
 import sys
+import types
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, overload
 
-__all__ = ["check_main_guard", "explicit_keywords", "unguarded_main_line", "warn_user"]
+__all__ = [
+    "check_main_guard",
+    "explicit_keywords",
+    "name_coroutines",
+    "unguarded_main_line",
+    "warn_if_spent",
+    "warn_rounded",
+    "warn_user",
+]
 
 #: the package root (this module is in its _core/ folder)
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,6 +65,47 @@ def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
         True
     """
     warnings.warn(message, category, stacklevel=_user_stacklevel() + 1)
+
+
+def warn_if_spent(collector: Any) -> Any:
+    """Warn (at the user's line) when an iteration begins over ``collector`` that will yield nothing: its
+    ``total_frames`` are collected, or a stop was requested. Returns ``collector``."""
+    stopped = bool(getattr(collector, "stop_requested", False))
+    total, frames = collector.total_frames, collector._stats.frames
+    if stopped or 0 < total <= frames:
+        why = (
+            "a stop was requested (request_stop(), stop_on_signals)"
+            if stopped
+            else f"it has collected its total_frames={total} already ({frames} frames)"
+        )
+        warn_user(
+            f"this iteration over the {type(collector).__name__} yields nothing: {why}, and a collector is "
+            "iterated once. Make a new collector for another run (load_state_dict() goes on from a "
+            "checkpoint), or give total_frames=-1 to collect until you stop"
+        )
+    return collector
+
+
+def warn_rounded(requested: int, frames: int, of: str) -> None:
+    """Warn (at the user's line) that ``frames_per_batch=requested`` became ``frames`` (whole steps of
+    ``of``: each member's share rounded up to its envs' batch size)."""
+    if frames != requested:
+        warn_user(f"frames_per_batch={requested} is not a multiple of {of}: each batch has {frames} frames")
+
+
+def name_coroutines(cls: type, base: type) -> None:
+    """Give ``cls`` its own copy of each public coroutine method it inherits from ``base``, named after
+    it: a forgotten ``await`` then warns ``coroutine 'MultiSyncCollector.update_weights' was never
+    awaited``, the user's class, where it named ``base``, an internal one."""
+    for name, fn in vars(base).items():
+        if name.startswith("_") or not inspect.iscoroutinefunction(fn) or getattr(cls, name) is not fn:
+            continue  # private, not a coroutine, or overridden on the way
+        own = types.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+        functools.update_wrapper(own, fn)
+        own.__kwdefaults__ = fn.__kwdefaults__
+        vars(own).pop("__wrapped__", None)  # the signature is its own: help() and the docs show the same one
+        own.__qualname__ = f"{cls.__qualname__}.{name}"
+        setattr(cls, name, own)
 
 
 # -- keywords ------------------------------------------------------------------------------------------

@@ -22,7 +22,9 @@ from tensordict.nn import InteractionType
 from ._mistakes import warn_user
 from ._restart import RestartPolicy
 from ._validation import (
+    MIN_FRAME_BYTES,
     Devices,
+    batch_memory,
     compile_arg,
     device_arg,
     exploration_type_arg,
@@ -194,6 +196,8 @@ class RolloutOptions:
             fpb = tuple(positive_int(f"frames_per_batch[{i}]", f) for i, f in enumerate(fpb))
         else:
             fpb = positive_int("frames_per_batch", fpb)
+        total = sum(fpb) if isinstance(fpb, tuple) else fpb
+        batch_memory(total, total * MIN_FRAME_BYTES, "the rewards, done flags and trajectory ids alone")
         compile_option = compile_arg(self.compile_policy)
         start, stride = traj_ids_arg(self.traj_id_start, self.traj_id_stride)
         normal: dict[str, Any] = {

@@ -141,19 +141,24 @@ def flight(rollout: Any) -> dict[str, Any]:
             [list(k) if isinstance(k, tuple) else k, torch.from_numpy(v.copy())]
             for k, v in rollout._root.items()
         ],
-        "traj_ids": torch.from_numpy(np.array(rollout._traj_ids, copy=True)),
-        "ep_return": torch.from_numpy(rollout._ep_return.copy()),
-        "ep_steps": torch.from_numpy(rollout._ep_steps.copy()),
-        "ep_length": torch.from_numpy(rollout._ep_length.copy()),
+        **{name: torch.from_numpy(np.array(getattr(rollout, f"_{name}"), copy=True)) for name in _CARRIES},
     }
+
+
+#: the per-env carries of a rollout besides its observation (numpy arrays, or scalars for one unbatched env)
+_CARRIES = ("traj_ids", "ep_return", "ep_steps", "ep_length")
+
+
+def _array(value: torch.Tensor) -> Any:
+    """A saved carry as the rollout holds it: an array, or a numpy scalar for an unbatched env."""
+    array = value.numpy().copy()
+    return array[()] if array.ndim == 0 else array
 
 
 def load_flight(rollout: Any, state: dict[str, Any]) -> None:
     rollout._root = {tuple(k) if isinstance(k, list) else k: v.numpy().copy() for k, v in state["root"]}
-    rollout._traj_ids = state["traj_ids"].numpy().copy()
-    rollout._ep_return = state["ep_return"].numpy().copy()
-    rollout._ep_steps = state["ep_steps"].numpy().copy()
-    rollout._ep_length = state["ep_length"].numpy().copy()
+    for name in _CARRIES:
+        setattr(rollout, f"_{name}", _array(state[name]))
 
 
 def env_state(env: Any) -> Any:
@@ -203,6 +208,8 @@ def member_state(
     if process:
         rngs["process"] = process_rng_state()
     state: dict[str, Any] = {"rng": rngs}
+    if rollout.restarts is not None:  # a rebuild's seed derives from the restarts so far: they go on
+        state["env_restarts"] = rollout.restarts.budget.count
     if envs:
         state["env_state"] = {"env": env_state(rollout.env.env), "flight": flight(rollout)}
     return state
@@ -224,7 +231,7 @@ def worker_state(worker: Any, envs: bool) -> dict[str, Any]:
     not handed back holds a batch the trainer was not given yet: its envs are ahead."""
     ahead = worker._sent_slot is not None and len(worker.slots) > 1 and len(worker.free) < len(worker.slots)
     fix = "make the MultiAsyncCollector with max_policy_lag=0 (a worker collects when asked)"
-    return member_state(
+    state = member_state(
         worker.rollout,
         worker.rng,
         worker.random_policy,
@@ -232,6 +239,8 @@ def worker_state(worker: Any, envs: bool) -> dict[str, Any]:
         process=not worker.spec.in_process,
         ahead=fix if ahead else None,
     )
+    state["sent_version"] = worker._sent_version  # a resume splits the trajectories in flight as here
+    return state
 
 
 def load_member(rollout: Any, rng: Any, random_policy: Any, state: dict[str, Any], frames: int) -> None:
@@ -246,6 +255,8 @@ def load_member(rollout: Any, rng: Any, random_policy: Any, state: dict[str, Any
             rollout.env.set_seed(derived_seed(rngs["rollout"], frames))
         rollout.reset()
     rollout.load_state_dict(state)  # trajectory-id counter, policy version; fresh ids
+    if rollout.restarts is not None:
+        rollout.restarts.budget.count = int(state.get("env_restarts", 0))
     if saved is not None:
         load_env_state(rollout.env.env, saved["env"])
         load_flight(rollout, saved["flight"])

@@ -56,9 +56,13 @@ class SignalStop:
         assert tg is not None
         tg.cancel_scope.cancel()
         try:
-            return bool(await tg.__aexit__(exc_type, exc, tb))
+            # only the signal watcher ends here: the body's exception (a worker's WorkerDiedError, the
+            # trainer's own error, a cancellation) is not handed to the task group, which would wrap it in
+            # an ExceptionGroup, and goes on as itself
+            await tg.__aexit__(None, None, None)
         finally:
             self._restore()
+        return False
 
     async def _watch(self, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         try:

@@ -6,6 +6,7 @@ The options objects (``_core/_options.py``) are built from these checks.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, overload
@@ -14,11 +15,14 @@ import torch
 from tensordict.nn import InteractionType
 
 __all__ = [
+    "MIN_FRAME_BYTES",
     "Devices",
+    "batch_memory",
     "compile_arg",
     "device_arg",
     "exploration_type_arg",
     "flag",
+    "frames_per_batch_arg",
     "init_random_frames_arg",
     "int_type",
     "is_int",
@@ -34,6 +38,46 @@ __all__ = [
     "total_frames_arg",
     "traj_ids_arg",
 ]
+
+
+#: the bytes every frame of a batch takes whatever the env: its reward, done flags and trajectory id
+MIN_FRAME_BYTES = 4 + 6 + 8
+
+
+def _memory() -> int | None:
+    """This machine's physical memory in bytes (``None`` where the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _size(n: int) -> str:
+    for unit, k in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << k:
+            return f"{n / (1 << k):.1f} {unit}"
+    return f"{n} bytes"
+
+
+def batch_memory(frames: int, nbytes: int, what: str) -> None:
+    """Refuse a batch of ``frames`` frames that needs ``nbytes`` (``what`` says of which entries) when it
+    would not fit in this machine's memory, with a ``ValueError`` naming ``frames_per_batch``: before any
+    process starts or any batch is allocated (a ``MemoryError`` of tebibytes otherwise)."""
+    memory = _memory()
+    if memory is not None and nbytes > memory:
+        raise ValueError(
+            f"frames_per_batch={frames:,} needs {_size(nbytes)} per batch ({nbytes // max(frames, 1):,} "
+            f"bytes per frame for {what}), more than this machine's {_size(memory)} of memory: choose a "
+            "smaller frames_per_batch (a batch is held whole in memory)"
+        )
+
+
+def frames_per_batch_arg(value: Any, name: str = "frames_per_batch") -> int:
+    """``frames_per_batch`` (or one worker's, ``name``): a positive int whose batch can fit in memory
+    (:func:`batch_memory`, at :data:`MIN_FRAME_BYTES` a frame: the env's own entries come on top)."""
+    frames = positive_int(name, value)
+    batch_memory(frames, frames * MIN_FRAME_BYTES, "the rewards, done flags and trajectory ids alone")
+    return frames
 
 
 def is_int(value: Any) -> bool:

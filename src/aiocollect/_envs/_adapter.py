@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from ._contract import env_contract
 from ._gym import ArrayStep, GymEnv, fusable_type, overrides_gym_env
 from ._multiagent._base import GroupedEnv
 from ._multiagent._pettingzoo import PettingZooEnv
@@ -22,7 +23,7 @@ from ._protocol import EnvProtocol
 from ._spaces import LeafSpec, NestedKey, action_specs, group_specs, grouped_action_keys, observation_specs
 from ._torchrl import TorchRLArrays, is_torchrl_env
 
-__all__ = ["ArrayEnv", "check_env"]
+__all__ = ["ArrayEnv", "check_env", "env_contract"]
 
 _FLAGS = ("done", "terminated", "truncated")
 _REQUIRED = ("batch_size", "observation_space", "action_space", "reset", "step", "set_seed", "close")
@@ -234,7 +235,8 @@ class ArrayEnv:
 
     def reset(self, mask: np.ndarray | None = None) -> dict[NestedKey, np.ndarray]:
         if self._gym is not None:
-            return self._gym._reset_arrays(mask)
+            with env_contract(self):  # a bare observation, a shape the space does not have: named
+                return self._gym._reset_arrays(mask)
         # a GymEnv subclass (same-step autoreset already done) is told which sub-envs, even unbatched
         if mask is None or (not self.batch_shape and not isinstance(self.env, GymEnv)):
             td = self.env.reset()

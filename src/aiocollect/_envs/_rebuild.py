@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from .._core._restart import RestartBudget, RestartPolicy, derive_seed, wait_interruptibly
+from .._core._restart import Restart, RestartBudget, RestartPolicy, derive_seed, wait_interruptibly
 from ._adapter import ArrayEnv
 
 __all__ = ["EnvRebuilder", "close_quietly", "env_factory"]
@@ -59,6 +59,9 @@ class EnvRebuilder:
 
     ``seed``: the seed the env was (last) given; rebuild ``k`` is seeded with ``derive_seed(seed, k)``.
     ``on_env``: told of every rebuilt env (its owner's reference: ``Collector.env``, a worker's env).
+    ``on_restart``: told of each restart (its :class:`~aiocollect._core._restart.Restart` record) as it is
+    admitted, before the backoff and the rebuild, where the env is stepped: the owner reports it at once
+    (a ``Restarted`` event), whether or not a batch follows. Without it, ``budget.pending`` keeps them.
     """
 
     def __init__(
@@ -73,10 +76,16 @@ class EnvRebuilder:
         self.budget = RestartBudget(policy)
         self.seed = seed
         self.on_env = on_env
+        self.on_restart: Callable[[Restart], None] | None = None
 
     def seeded(self, seed: int | None) -> None:
         """The env was seeded again (``set_seed``): later rebuilds derive their seeds from ``seed``."""
         self.seed = seed
+
+    def _admitted(self) -> None:
+        if self.on_restart is not None:
+            for record in self.budget.drain():
+                self.on_restart(record)
 
     def rebuild(
         self, failed: ArrayEnv, exc: BaseException, stop: Any, keys: list[Any], *, progressed: bool = True
@@ -89,6 +98,7 @@ class EnvRebuilder:
         delay = self.budget.admit(
             exc, progressed=progressed
         )  # raises first: a failure not restarted leaves the env to its owner
+        self._admitted()
         close_quietly(failed.env, exc)
         while True:
             wait_interruptibly(delay, stop)
@@ -116,6 +126,7 @@ class EnvRebuilder:
                     if self.on_env is not None:
                         self.on_env(_ClosedEnv())  # the failed env is closed: not again by its owner
                     raise
+                self._admitted()
                 continue
             if self.on_env is not None:
                 self.on_env(raw)

@@ -25,7 +25,7 @@ import cloudpickle
 from tensordict import TensorDictBase
 
 from .._core._gather import gather
-from .._core._mistakes import warn_user
+from .._core._mistakes import name_coroutines, warn_rounded, warn_user
 from .._core._validation import flag, seed_arg
 from .._local._base import CollectorBase
 from .._observe._events import WeightsPublished
@@ -146,6 +146,10 @@ class FleetCollector(CollectorBase):
     _halt_ahead: Callable[[bool], None] | None = None
     _delivering = False  # a batch is on its way (__anext__): a stop requested meanwhile waits for it
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        name_coroutines(cls, FleetCollector)  # "coroutine 'MultiSyncCollector.update_weights' was never..."
+
     def _init_fleet(
         self,
         transport: Transport,
@@ -169,6 +173,7 @@ class FleetCollector(CollectorBase):
         self.replay_buffer = replay_buffer
         self._init_base(progress)
         self._version = self._issued = 0  # _issued: the last version handed to a publish
+        self._published: TensorDictBase | None = None  # a copy of the newest weights for member 0
         self._weights_lock = anyio.Lock()
         self._entered = self._progress_closed = False
         #: per member, the oldest version a delivered batch may have (update_weights(flush=True))
@@ -210,9 +215,10 @@ class FleetCollector(CollectorBase):
     async def _on_enter(self) -> None:
         if self._entered:
             raise RuntimeError(f"the collector was entered already: a {type(self).__name__} is entered once")
-        self._entered = True
+        self._entered, requested = True, self.frames_per_batch
         self._member_frames = fpbs = await self._transport.start()
         self.frames_per_batch = (sum if self._sync else max)(fpbs)
+        warn_rounded(requested, self.frames_per_batch, f"the {self._member_noun}s' env batch sizes")
         await self._members_started()
         await self._transport.run()
 
@@ -308,12 +314,19 @@ class FleetCollector(CollectorBase):
         weights = self._weights_to_publish(policy_or_weights)
         flag("wait", wait)
         self._active()
-        ids = self._target_ids(worker_ids)
+        return await self._publish(weights, self._target_ids(worker_ids), wait=wait, flush=flush)
+
+    async def _publish(
+        self, weights: TensorDictBase, ids: list[int], *, wait: bool, flush: bool, version: int | None = None
+    ) -> int:
+        """Publish ``weights`` to members ``ids`` as ``version`` (``None``: the next number)."""
         async with self._weights_lock:
             # numbers are never reused: an update interrupted midway may still reach some members
-            version = self._issued = self._issued + 1
+            version = self._issued = self._issued + 1 if version is None else version
             published = await self._transport.publish(weights, version, ids)
             self._version = version
+            if 0 in ids:
+                self._published = weights.detach().clone()
             self._hub.publish(WeightsPublished(version))
             floor, raised = self._floor_after(version, flush), []
             if floor is not None:
@@ -492,6 +505,8 @@ class FleetCollector(CollectorBase):
             if self._stop_requested:  # what members sent before their state: never delivered
                 self._stopping(drain=True)
         policy = await transport.saved_policy(states)
+        if self._published is not None:  # the newest weights, not those a member may still run
+            policy = dict(self._published.items())
         out: dict[str, Any] = {f"{transport.state_prefix}{i}": s for i, s in enumerate(states)}
         out.update(self._counters())
         if policy is not None:
@@ -504,26 +519,33 @@ class FleetCollector(CollectorBase):
         versioned, prefix = self._transport.versioned, self._transport.state_prefix
         self._check_state(state, prefix)
         self._active()
+        weights = state.get("policy") if self._weights_template is not None else None
+        saved = int(state.get("policy_version", 0))  # kept, unless this collector numbered it already
+        version = saved if saved > self._issued or not self._issued else self._issued + 1
+        extra = {} if weights is None or versioned else {"policy": weights, "policy_version": version}
         async with self._lock:
-            ops = [
-                (i, LoadState(dict(state[f"{prefix}{i}"]), versioned=versioned)) for i in range(self._size)
-            ]
+            ops = [(i, LoadState({**state[f"{prefix}{i}"], **extra}, versioned)) for i in range(self._size)]
             await self._transport.call_each(ops)
             await self._restarted()
             self._load_counters(state)
+            for member, restarts in zip(self._members(), state.get("member_restarts", ()), strict=False):
+                member.restarts = int(restarts)  # type: ignore[attr-defined]
             if versioned:
                 for member in self._transport.members():
                     member.policy_version = int(state[f"{prefix}{member.index}"].get("version", 0))
-        if "policy" in state and self._weights_template is not None:
-            await self.update_weights(state["policy"], wait=True)
+        if weights is not None and (versioned or version):  # workers run them already: the transport's copy
+            ids, version_or_next = list(range(self._size)), None if versioned else version
+            weights = self._weights_to_publish(weights)
+            await self._publish(weights, ids, wait=True, flush=False, version=version_or_next)
 
-    def _counters(self) -> dict[str, int]:
+    def _counters(self) -> dict[str, Any]:
         """The collector's own part of ``state_dict``."""
         return {
             "frames": self._stats.frames,
             "batches": self._stats.batches,
             "episodes": self._stats.episodes,
             "policy_version": self._version,
+            "member_restarts": [getattr(m, "restarts", 0) for m in self._members()],
         }
 
     def _check_state(self, state: Mapping[str, Any], prefix: str) -> None:

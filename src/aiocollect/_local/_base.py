@@ -16,6 +16,7 @@ import anyio.abc
 from tensordict import TensorDictBase
 
 from .._core._errors import CollectorClosedError
+from .._core._mistakes import warn_if_spent
 from .._observe._events import (
     BatchDelivered,
     EpisodeFinished,
@@ -36,11 +37,9 @@ if TYPE_CHECKING:
 __all__ = ["CollectorBase"]
 
 
-def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
-    out: list[BaseException] = []
-    for exc in group.exceptions:
-        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
-    return out
+def _leaves(exc: BaseException) -> list[BaseException]:
+    subs = exc.exceptions if isinstance(exc, BaseExceptionGroup) else None
+    return [exc] if subs is None else [leaf for e in subs for leaf in _leaves(e)]
 
 
 class CollectorBase(abc.ABC):
@@ -125,6 +124,7 @@ class CollectorBase(abc.ABC):
                 DeprecationWarning,
                 stacklevel=2,
             )
+        warn_if_spent(self)  # a second `async for` yields nothing: say so
         # __anext__ gives a batch, or None (only) in the replay-buffer mode warned about above
         return cast("AsyncIterator[TensorDictBase]", self)
 
@@ -153,7 +153,7 @@ class CollectorBase(abc.ABC):
                 f"fill() needs a replay_buffer: {name}(..., replay_buffer=rb); without one, iterate the "
                 "batches: `async for batch in collector:`"
             )
-        return _Fill(self)
+        return _Fill(warn_if_spent(self))
 
     async def _batch_turn(self) -> None:
         """The start of every ``__anext__``: ``StopAsyncIteration`` once the budget is spent or a stop

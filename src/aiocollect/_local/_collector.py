@@ -39,7 +39,6 @@ from .._episodes._args import chunk_frames, group_size_arg, refuse_cuts, trajs_p
 from .._episodes._assembler import TrajectoryAssembler
 from .._episodes._trajectories import split_trajectories
 from .._observe._events import (
-    Restarted,
     WeightsLoaded,
     WeightsPublished,
     WorkerFailed,
@@ -52,6 +51,7 @@ from .._rollout._core import RolloutResult, build_rollout, open_env
 from .._rollout._thread import Doorbell, Job, RolloutThread, collect_episodes
 from .._weightsync._schemes import weight_sync_arg
 from ._base import CollectorBase
+from ._restarts import RestartReport
 
 __all__ = ["Collector"]
 
@@ -257,12 +257,14 @@ class Collector(CollectorBase):
             factory=env_factory(create_env_fn, self._options.restart),
             on_env=partial(setattr, self, "_env"),
         )
+        self._restarts = RestartReport(self._hub, self._rollout.restarts)
         # the policy samples with the collector's own torch RNG state when seeded (see _core/_rng.py)
         self._rng = RolloutRNG(self._seed)
         # one dry policy call: a broken policy fails here, not later. It draws from a forked RNG so
         # that the first batch is the one a later set_seed(seed) gives (no number drawn here).
         with forked_rng():
             self._rollout.output_specs()
+        self._rollout._batch_specs()  # a batch too large for this machine's memory is refused now
 
     def _rounded_budgets(self, env: Any) -> int:
         """Warn where a budget is not a whole number of batches; the random frames, in whole batches."""
@@ -370,20 +372,14 @@ class Collector(CollectorBase):
         self._closed_reason = f"a batch failed with {type(exc).__name__}: {exc}"
         self._closed = True
         self._failed = True
-        self._publish_restarts()
+        self._restarts.publish()
         self._hub.publish(WorkerFailed(0, f"{type(exc).__name__}: {exc}"))
         await self._close_env()
         self._hub.close()
         await self._end_thread()
 
-    def _publish_restarts(self) -> None:
-        """``Restarted`` events for the env's restarts since the last call (drained in the loop)."""
-        if self._rollout.restarts is not None:
-            for r in self._rollout.restarts.budget.drain():
-                self._hub.publish(Restarted(0, r.env, r.cause, r.restarts))
-
     def _record_result(self, result: RolloutResult) -> None:
-        self._publish_restarts()
+        self._restarts.publish()
         self._record(
             result.frames,
             [(0, r, n) for r, n in zip(result.episode_returns, result.episode_lengths, strict=True)],
@@ -484,6 +480,8 @@ class Collector(CollectorBase):
     async def _on_enter(self) -> None:
         self._submit(lambda stop: None)  # the thread starts with the entering thread's torch settings
         self._hub.publish(WorkerStarted(0))
+        assert self._task_group is not None
+        self._task_group.start_soon(self._restarts.run)
 
     async def aclose(self) -> None:
         """Stop background collection, wait for a batch in flight, close the env and end the rollout
@@ -506,6 +504,7 @@ class Collector(CollectorBase):
         if not self._thread_stuck:
             await self._thread.stop()
         _end_thread(self._thread, self._bells)
+        self._restarts.close()
 
     async def _close_env(self) -> None:
         for job in self._pending:  # batches collected ahead: stop and drop them
@@ -593,6 +592,7 @@ class Collector(CollectorBase):
                 copy_weights(module_weights(self._policy), weights)
 
         await self._control(apply)
+        self._restarts.count = int(state.get("env_restarts", 0))  # statistics().restarts goes on
 
     async def update_weights(
         self,
@@ -659,10 +659,7 @@ class Collector(CollectorBase):
         else:
             state = "paused" if self.paused else "collecting"
         version = self._rollout.policy_version
-        restarts = self._rollout.restarts
-        worker = WorkerStatistics(
-            0, state, self._stats.frames, version, restarts=restarts.budget.count if restarts else 0
-        )
+        worker = WorkerStatistics(0, state, self._stats.frames, version, restarts=self._restarts.count)
         return self._stats.snapshot(
             version,
             workers=(worker,),

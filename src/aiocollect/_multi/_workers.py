@@ -504,13 +504,13 @@ class Workers:
                 self.fleet._closed = True
                 if self._stopped:
                     return
-                self._stopped = True
-                if self.pool is not None:
+                if self.pool is not None:  # (members() go on until the pool is closed: statistics())
                     await self.pool.aclose()
                     self.fleet._last_workers = tuple(
                         WorkerStatistics(w.index, w.state, w.frames, w.policy_version, restarts=w.restarts)
                         for w in self.pool.workers
                     )
+                self._stopped = True
                 if self.control is not None:
                     self._last_discarded = int(self.control.td["discarded"].sum())
                     self.control.unlink()

@@ -113,6 +113,11 @@ class Restarted(Event):
     cause: str
     restarts: int
 
+    @classmethod
+    def of(cls, worker: int, record: Any) -> Restarted:
+        """The event of member ``worker``'s restart ``record`` (a ``_restart.Restart``)."""
+        return cls(worker, record.env, record.cause, record.restarts)
+
 
 @dataclass(frozen=True)
 class Paused(Event):

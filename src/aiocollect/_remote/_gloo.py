@@ -123,9 +123,6 @@ async def run_node(chan: AsyncChannel, setup: Setup, where: str) -> None:
                 await chan.send(out.notice(request.seq, layout if new_layout else None))
                 await anyio.to_thread.run_sync(_send_wait, group, buffer.data, request.seq & 0x7FFFFFFF)
 
-        async def loaded(version: int) -> None:
-            await chan.send(Loaded(version))
-
         async def serve_call(msg: Request) -> None:
             try:
                 value = await core.call(msg.op)
@@ -137,7 +134,8 @@ async def run_node(chan: AsyncChannel, setup: Setup, where: str) -> None:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(collect_loop)
-                tg.start_soon(core.run_applier, loaded)
+                tg.start_soon(core.run_applier, lambda version: chan.send(Loaded(version)))
+                tg.start_soon(core.report_restarts, chan.send)
                 while True:
                     msg = await chan.receive()
                     if isinstance(msg, Collect):
@@ -257,7 +255,7 @@ class GlooNodes(Nodes):
                 raise self._failure from None
             raise
         n = notice
-        return NodeBatch(batch, n.frames, n.episodes, n.policy_version, n.time_split, n.restarts)
+        return NodeBatch(batch, n.frames, n.episodes, n.policy_version, n.time_split)
 
     async def _on_notice(self, node: RemoteNode, msg: Any) -> None:
         if not isinstance(msg, BatchNotice):

@@ -78,9 +78,14 @@ class BatchNotice:
     policy_version: int
     #: the node's time split so far (``_timesplit.producer_totals``; empty from a node without one)
     time_split: tuple[Any, ...] = ()
-    #: the envs (and worker processes) its collector restarted since its last batch: ``(env, cause,
-    #: restarts)`` per ``Restarted`` event (``RestartPolicy``; empty from a node without any)
-    restarts: tuple[tuple[int, str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class NodeRestarts:
+    """The node's collector restarted envs (or worker processes) just now: ``(env, cause, restarts)`` per
+    ``Restarted`` event, sent as they happen (batch or not)."""
+
+    records: tuple[tuple[int, str, int], ...]
 
 
 @dataclass(frozen=True)
@@ -107,14 +112,11 @@ class NodeBatch:
     policy_version: int
     #: its collector's time split so far: one ``_timesplit.Totals`` per producer (``producer_totals``)
     time_split: tuple[Any, ...] = ()
-    #: its collector's restarts since its previous batch: ``(env, cause, restarts)`` per ``Restarted``
-    restarts: tuple[tuple[int, str, int], ...] = ()
 
     def notice(self, seq: int, layout: Any) -> BatchNotice:
-        """The :class:`BatchNotice` that announces it (``layout`` ``None``: the previous batch's)."""
-        return BatchNotice(
-            seq, self.frames, layout, self.episodes, self.policy_version, self.time_split, self.restarts
-        )
+        """The :class:`BatchNotice` that announces it (``layout`` ``None``: the previous batch's); its
+        collector's restarts travel apart, as they happen (:class:`NodeRestarts`)."""
+        return BatchNotice(seq, self.frames, layout, self.episodes, self.policy_version, self.time_split)
 
 
 # -- trainer -> node ---------------------------------------------------------------------------------
@@ -176,6 +178,7 @@ __all__ = [
     "NextBatch",
     "NodeBatch",
     "NodeReady",
+    "NodeRestarts",
     "Request",
     "Setup",
     "StageWeights",

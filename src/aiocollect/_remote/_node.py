@@ -19,12 +19,16 @@ import torch
 from tensordict import TensorDict
 
 from .._fleet._collector import FleetCollector
-from .._observe._events import BatchDelivered, EpisodeFinished, Restarted
+from .._observe._events import BatchDelivered, EpisodeFinished
 from .._observe._timesplit import producer_totals
 from .._transport._messages import GetAttr, GetState, LoadState, Reset, SetSeed
-from ._messages import ControlOp, HostSpec, NextBatch, NodeBatch, StageWeights, WaitLoaded
+from ._messages import ControlOp, HostSpec, NextBatch, NodeBatch, NodeRestarts, StageWeights, WaitLoaded
 
 _VERSION_KEY = ("collector", "policy_version")
+_BATCH_KINDS = frozenset({"batch", "episode"})
+#: the attribute of a hosted collector's error that holds its restarts not reported yet: the trainer
+#: publishes them before the failure (``Hosts.failed``)
+RESTARTS_ATTR = "aiocollect_restarts"
 
 
 def build_collector(spec: HostSpec) -> tuple[Any, Any]:
@@ -67,14 +71,42 @@ class NodeCore:
 
     async def __aenter__(self) -> NodeCore:
         await self.collector.__aenter__()
-        self.events = self.collector.events(max_buffer=1 << 16)
+        self.events = self.collector.events(max_buffer=1 << 16, kinds=_BATCH_KINDS)
+        self._restarts = self.collector.events(max_buffer=1 << 16, kinds={"restarted"})
         self.iterator = self.collector.__aiter__()
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         if self.events is not None:
             await self.events.aclose()
+            self._restarts.close()
         await self.collector.__aexit__(*exc)
+
+    # -- restarts, reported as they happen ------------------------------------------------------------
+    def unreported_restarts(self, *first: Any) -> tuple[tuple[int, str, int], ...]:
+        """The collector's ``Restarted`` events not reported yet (after ``first``), ``(env, cause,
+        restarts)`` each."""
+        events = [*first, *iter(self._restarts.receive_nowait, None)]
+        return tuple((int(e.env), str(e.cause), int(e.restarts)) for e in events)
+
+    async def next_restarts(self) -> tuple[tuple[int, str, int], ...]:
+        """The collector's next restarts (waits for one; empty once it closed): an engine reports them to
+        the trainer at once, whether or not a batch follows."""
+        try:
+            return self.unreported_restarts(await self._restarts.__anext__())
+        except StopAsyncIteration:
+            return ()
+
+    async def report_restarts(self, send: Callable[[Any], Awaitable[Any]]) -> None:
+        """``await send(NodeRestarts(records))`` (a node's control connection) with the collector's restarts
+        as they happen, until cancelled (the last ones then too: before a failure the node sends)."""
+        try:
+            while records := await self.next_restarts():
+                await send(NodeRestarts(records))
+        finally:
+            if records := self.unreported_restarts():
+                with anyio.CancelScope(shield=True):
+                    await send(NodeRestarts(records))
 
     # -- weights ------------------------------------------------------------------------------------
     @property
@@ -129,13 +161,16 @@ class NodeCore:
         collector's producers' totals (``_timesplit.producer_totals``), for the trainer's split; its
         ``restarts``: the collector's ``Restarted`` events since the previous batch, for the trainer's."""
         await self.wait_applied(self.received)
-        batch = await self.iterator.__anext__()
+        try:
+            batch = await self.iterator.__anext__()
+        except StopAsyncIteration:
+            raise
+        except Exception as exc:  # the restarts before it go with it (an engine's error travels apart)
+            vars(exc).setdefault(RESTARTS_ATTR, self.unreported_restarts())
+            raise
         frames, inner_version, seen, episodes = 0, 0, False, []
-        restarts: list[tuple[int, str, int]] = []
         while (event := self.events.receive_nowait()) is not None:
-            if isinstance(event, Restarted):
-                restarts.append((int(event.env), str(event.cause), int(event.restarts)))
-            elif isinstance(event, EpisodeFinished):
+            if isinstance(event, EpisodeFinished):
                 episodes.append((float(event.episode_return), int(event.length)))
             elif isinstance(event, BatchDelivered):
                 frames += int(event.frames)
@@ -145,7 +180,7 @@ class NodeCore:
         if _VERSION_KEY in batch.keys(include_nested=True):
             batch.set(_VERSION_KEY, self._outer(batch.get(_VERSION_KEY)))
         version = self.outer_of_inner.get(inner_version, self.applied)
-        return NodeBatch(batch, frames, episodes, version, producer_totals(self.collector), tuple(restarts))
+        return NodeBatch(batch, frames, episodes, version, producer_totals(self.collector))
 
     def _outer(self, inner: torch.Tensor) -> torch.Tensor:
         """The trainer's versions of the collector's ``inner`` versions (unknown ones as they are)."""
@@ -210,4 +245,4 @@ class NodeCore:
         raise TypeError(f"not a control operation: {op!r}")  # pragma: no cover - a protocol bug
 
 
-__all__ = ["NodeCore", "build_collector"]
+__all__ = ["RESTARTS_ATTR", "NodeCore", "build_collector"]

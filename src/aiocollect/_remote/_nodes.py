@@ -32,7 +32,7 @@ from tensordict import TensorDictBase
 from .._core._errors import WorkerError, WorkerTimeoutError, as_error, worker_died
 from .._core._gather import gather
 from .._fleet._collector import Arrival, FleetCollector
-from .._observe._events import WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
+from .._observe._events import WeightsLoaded, WorkerStarted, WorkerStopped
 from .._observe._stats import WorkerState
 from .._observe._timesplit import SplitWindows
 from .._transport._messages import Failed, FleetOp, Result
@@ -55,6 +55,7 @@ from ._messages import (
     Loaded,
     NodeBatch,
     NodeReady,
+    NodeRestarts,
     Request,
     Setup,
 )
@@ -185,7 +186,6 @@ class Nodes(Hosts, abc.ABC):
     def _account(self, node: RemoteNode, result: NodeBatch) -> NodeBatch:
         node.frames += result.frames
         node.time_split.add(result.time_split)
-        self.restarted(node, result.restarts)
         node.since_update += 1
         node.fresh = True
         return result
@@ -486,7 +486,7 @@ class Nodes(Hosts, abc.ABC):
     def _fail(self, node: RemoteNode | None, error: BaseException) -> None:
         if node is not None and node.state not in (WorkerState.FAILED, WorkerState.STOPPED):
             node.state = WorkerState.FAILED
-            self.fleet._hub.publish(WorkerFailed(node.index, f"{type(error).__name__}: {error}"))
+            self.failed(node, error)
         if self._failure is None and not (self.relauncher is not None and self.relauncher.lose(node, error)):
             self._end(error)
 
@@ -673,6 +673,8 @@ class Nodes(Hosts, abc.ABC):
                     elif isinstance(msg, NodeReady):
                         node.ready, node.pid, node.host = msg, msg.pid, msg.host
                         node.ready_event.set()
+                    elif isinstance(msg, NodeRestarts):  # as they happen
+                        self.restarted(node, msg.records)
                     elif isinstance(msg, Failed):
                         self._fail(node, as_error(msg.error))
                     else:

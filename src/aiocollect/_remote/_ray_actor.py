@@ -119,8 +119,12 @@ class RemoteCollectorActor:
             )
         meta = {"frames": out.frames, "episodes": out.episodes, "policy_version": out.policy_version}
         meta["time_split"] = out.time_split  # the actor's collector's split so far (producer_totals)
-        meta["restarts"] = out.restarts  # its collector's restarts since its previous batch
         return to_wire(batch), meta
+
+    async def restarts(self) -> tuple[tuple[int, str, int], ...]:
+        """The collector's next restarts, once it makes them (the trainer keeps one call waiting: they
+        reach it as they happen); empty once the collector closed."""
+        return await self.core.next_restarts()
 
     async def call(self, op: ControlOp) -> Any:
         """Answer a control operation (seed, reset, state dict...)."""

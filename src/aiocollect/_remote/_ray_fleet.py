@@ -14,7 +14,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.abc
@@ -28,7 +28,7 @@ from .._core._mistakes import warn_user
 from .._core._options import RolloutOptions
 from .._core._restart import RestartPolicy
 from .._fleet._collector import Arrival, FleetCollector
-from .._observe._events import WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
+from .._observe._events import WeightsLoaded, WorkerStarted, WorkerStopped
 from .._observe._stats import WorkerState
 from .._observe._timesplit import SplitWindows
 from .._transport._messages import FleetOp
@@ -141,7 +141,7 @@ class RayActors(Hosts):
 
     async def start(self) -> list[int]:
         ray = self._ray = import_ray()
-        self._limiter = anyio.CapacityLimiter(2 * self.num_actors + 2)
+        self._limiter = anyio.CapacityLimiter(3 * self.num_actors + 2)  # a batch, a call, its restarts
         if not ray.is_initialized():
             config = dict(DEFAULT_RAY_INIT_CONFIG)
             if self.plan.ray_init_config is not None:
@@ -196,6 +196,8 @@ class RayActors(Hosts):
         return [int(f) for f in fpbs]
 
     async def run(self) -> None:
+        for actor in self.actors:
+            cast("anyio.abc.TaskGroup", self.fleet._task_group).start_soon(self.watch_restarts, actor)
         if not self.plan.sync:
             self._results_send, self._results_receive = anyio.create_memory_object_stream[tuple[int, Any]](
                 self.num_actors
@@ -268,7 +270,6 @@ class RayActors(Hosts):
     def _delivered_by(self, actor: Actor, meta: dict[str, Any]) -> list[tuple[int, float, int]]:
         actor.frames += int(meta["frames"])
         actor.time_split.add(meta.get("time_split", ()))
-        self.restarted(actor, meta.get("restarts", ()))
         actor.since_update += 1
         version = int(meta["policy_version"])
         if version > actor.policy_version:
@@ -279,8 +280,17 @@ class RayActors(Hosts):
     def failed_actor(self, actor: Actor, exc: BaseException, what: str) -> BaseException:
         actor.state = WorkerState.FAILED
         error = unwrap_ray_error(exc, f"actor {actor.index} ({what})", actor)
-        self.fleet._hub.publish(WorkerFailed(actor.index, f"{type(error).__name__}: {error}"))
+        self.failed(actor, error)
         return error
+
+    async def watch_restarts(self, actor: Actor) -> None:
+        """In the collector's task group, while ``actor`` holds its slot: its restarts as its collector
+        makes them (a call waits in the actor for the next ones)."""
+        with contextlib.suppress(Exception):  # the actor is gone: its batch says how
+            while self.actors[actor.index] is actor and (
+                records := await self._await(actor.handle.restarts.remote())
+            ):
+                self.restarted(actor, records)
 
     async def _next_async(self) -> Arrival:
         due, self._due = self._due, []

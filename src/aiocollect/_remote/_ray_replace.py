@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 import anyio.to_thread
@@ -148,3 +148,4 @@ class ActorReplacer:
                 new.pending = None
         new.state = WorkerState.COLLECTING
         actors.fleet._hub.publish(WorkerStarted(index))
+        cast("anyio.abc.TaskGroup", actors.fleet._task_group).start_soon(actors.watch_restarts, new)

@@ -144,8 +144,8 @@ async def _handle(op: ControlOp) -> Any:
         }
         names = tuple(batch.names) if batch.names is not None else None
         layout = (tuple(batch.batch_size), names)
-        v = value  # time_split and restarts last: a trainer reads what follows the version as optional
-        return leaves, layout, v.frames, v.episodes, v.policy_version, v.time_split, v.restarts
+        v = value  # time_split last: a trainer reads what follows the version as optional
+        return leaves, layout, v.frames, v.episodes, v.policy_version, v.time_split
     return value
 
 
@@ -165,6 +165,7 @@ async def run_node(chan: AsyncChannel, setup: Setup, where: str) -> None:
 
             async with anyio.create_task_group() as tg:
                 tg.start_soon(core.run_applier, loaded)
+                tg.start_soon(core.report_restarts, chan.send)
                 while True:
                     msg = await chan.receive()
                     if isinstance(msg, Close):
@@ -262,7 +263,7 @@ class RpcNodes(Nodes):
         # no timeout: a batch takes what it takes; a dead node is noticed by its connection
         leaves, layout, frames, episodes, version, *extra = await self._within_progress_timeout(
             node, partial(self._rpc_async, node, NextBatch(), rpc_timeout=0)
-        )  # extra: (time_split, restarts), or fewer from an older node
+        )  # extra: (time_split,), or nothing from an older node
         return NodeBatch(rebuild(leaves, *layout), frames, episodes, version, *extra)
 
     async def _send_weights(self, weights: TensorDictBase, version: int, ids: list[int]) -> None:

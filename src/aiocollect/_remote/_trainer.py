@@ -15,7 +15,7 @@ from .._core._validation import flag, positive_int, total_frames_arg
 from .._local._collector import Collector
 from .._multi._async import MultiAsyncCollector
 from .._multi._sync import MultiSyncCollector
-from .._observe._events import Restarted
+from .._observe._events import Restarted, WorkerFailed
 from ._args import (
     UNSET,
     WeightPlan,
@@ -30,6 +30,7 @@ from ._args import (
     with_restart,
 )
 from ._launchers import Launcher, make_launcher
+from ._node import RESTARTS_ATTR
 
 if TYPE_CHECKING:
     from .._fleet._collector import FleetCollector, Transport
@@ -226,11 +227,17 @@ class Hosts:
     versioned: bool
 
     def restarted(self, member: Any, records: Sequence[tuple[int, str, int]]) -> None:
-        """``member`` (a node or actor) restarted its envs (``records``, from its batch: ``(env, cause,
+        """``member`` (a node or actor) restarted its envs (``records``, as they happened: ``(env, cause,
         restarts)`` each): counted in its ``restarts``, a ``Restarted`` event each, as for a worker."""
         for env, cause, restarts in records:
             member.restarts += 1
             self.fleet._hub.publish(Restarted(member.index, int(env), str(cause), int(restarts)))
+
+    def failed(self, member: Any, error: BaseException) -> None:
+        """``member`` failed with ``error``: the restarts its collector made before (they travel with its
+        error, ``RESTARTS_ATTR``), then its ``WorkerFailed`` event."""
+        self.restarted(member, vars(error).pop(RESTARTS_ATTR, ()))
+        self.fleet._hub.publish(WorkerFailed(member.index, f"{type(error).__name__}: {error}"))
 
     async def published(self, version: int, ids: list[int], raised: list[int]) -> None:
         """Nothing waits here: a stale batch is dropped when it arrives (``FleetCollector._stale``)."""

@@ -19,7 +19,7 @@ from tensordict.nn import set_interaction_type
 
 from .._core._options import RolloutOptions, WeightSchedule
 from .._core._restart import CountedStop
-from .._envs._adapter import ArrayEnv, check_env
+from .._envs._adapter import ArrayEnv, check_env, env_contract
 from .._envs._rebuild import EnvRebuilder
 from .._envs._spaces import LeafSpec, NestedKey
 from .._episodes._groups import EpisodeSeeds, SeededEnv
@@ -28,7 +28,7 @@ from .._policies._recurrent import Carry, Recurrence, find_recurrence
 from .._policies._runners import Runner, as_policy, compile_policy, make_runner, one_input, random_policy_for
 from ._batch import end_trajectories, episode_stats, nested_td, stack_into, time_first, trajectory_ids
 from ._casts import ActionCaster, lossless_casts
-from ._storage import StoragePool
+from ._storage import StoragePool, batch_specs
 
 __all__ = ["Rollout", "RolloutResult", "StopSignal", "build_rollout", "open_env"]
 
@@ -254,7 +254,7 @@ class Rollout:
             shapes[("collector", "traj_ids")] = (bt, torch.int64)
             if self.options.group_size is not None:
                 shapes[("collector", "group_id")] = (bt, torch.int64)
-            self._specs = (list(shapes), list(shapes.values()))
+            self._specs = batch_specs(shapes, self.frames_per_batch)  # refused if it cannot fit in memory
         return self._specs
 
     def _allocate(
@@ -316,7 +316,7 @@ class Rollout:
         block, block_steps = self._random_block(runner)
         hist = _Steps(step_count=[] if self.options.step_count else None)
         mark = self.clock.loop_started()
-        with torch.no_grad(), set_interaction_type(self.options.exploration_type):
+        with torch.no_grad(), set_interaction_type(self.options.exploration_type), env_contract(self.env):
             if self.restarts is None:
                 steps = self._run(self._obs_slots(views), runner, block_steps, hist, stop, views)
             else:

@@ -19,11 +19,25 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["StoragePool"]
+from .._core._validation import batch_memory
+
+__all__ = ["StoragePool", "batch_specs"]
 
 _ALIGN = 64
 #: below this a batch is left to the allocator (glibc reuses heap memory under its mmap threshold)
 POOL_MIN_BYTES = 1 << 20
+
+
+def batch_specs(
+    shapes: dict[Any, tuple[tuple[int, ...], torch.dtype]], frames: int
+) -> tuple[list[Any], list[Any]]:
+    """A batch's keys and their ``(shape, dtype)``, checked first: one that would not fit in this machine's
+    memory is refused with a ``ValueError`` naming ``frames_per_batch`` and the bytes it would need."""
+    specs = list(shapes.values())
+    batch_memory(
+        frames, sum(prod(shape) * dtype.itemsize for shape, dtype in specs), "every key of the batch"
+    )
+    return list(shapes), specs
 
 
 def _aligned(n: int) -> int:

@@ -112,8 +112,6 @@ class BatchReady:
     spare_ids: tuple[int, ...] = ()
     #: the worker's time split so far (``_timesplit.Totals``; empty where it keeps none)
     time_split: tuple[Any, ...] = ()
-    #: the envs the worker rebuilt since its last batch (``_restart.Restart`` records, ``RestartPolicy``)
-    restarts: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -298,9 +298,6 @@ class WorkerPool:
             self.note_version(handle.index, msg.policy_version)
             handle.frames += msg.frames
             handle.time_split.add(msg.time_split)
-            for r in msg.restarts:  # a rollout worker's env restarts: an event each, counted per worker
-                handle.restarts += 1
-                self._on_event(Restarted(handle.index, r.env, r.cause, r.restarts))
             handle.held_slots += 1
             # with a free slot left it goes on collecting (async mode); otherwise it waits for us
             more = handle.held_slots < self.slots_per_worker
@@ -314,14 +311,15 @@ class WorkerPool:
             handle.state = WorkerState.COLLECTING
             self._on_event(WorkerStarted(handle.index))
             self._ready_event(handle).set()
+        elif isinstance(msg, Restarted):  # an env restart in the worker, sent as it happened: counted
+            handle.restarts += 1  # where statistics() reads it, and published with it
+            self._on_event(msg)
         elif isinstance(msg, Failed):
             handle.state = WorkerState.FAILED
             self._on_event(WorkerFailed(handle.index, f"{type(msg.error).__name__}: {msg.error}"))
             self.fail(msg.error)  # an error the worker raised (the policy's, a spent env budget): no restart
             return True
         else:
-            if isinstance(msg, Restarted):  # an async-env worker's env restart (it publishes its own)
-                handle.restarts += 1
             self._on_message(handle.index, msg)
         return False
 

@@ -12,7 +12,7 @@ import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import cloudpickle
 import numpy as np
@@ -25,7 +25,8 @@ from .._core._rng import RolloutRNG
 from .._core._torch_settings import TorchSettings
 from .._envs._adapter import check_env
 from .._envs._rebuild import env_factory
-from .._policies._weights import flat_weights
+from .._observe._events import Restarted
+from .._policies._weights import as_weights, copy_weights, flat_weights, module_weights
 from .._rollout._core import build_rollout
 from .._transport._flat import FlatLayout, layout_of
 from .._transport._messages import (
@@ -193,12 +194,11 @@ class _StopOrStale:
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec) -> None:
-        self.spec = spec
+    def __init__(self, spec: WorkerSpec, chan: BlockingChannel) -> None:
+        self.spec, self.chan = spec, chan
         create_env_fn = cloudpickle.loads(spec.payload)
         policy = cloudpickle.loads(spec.policy_payload)
-        env = build_env(create_env_fn)
-        self.env = env
+        self.env = env = build_env(create_env_fn)
         try:
             check_env(env)
             self.rollout, self.policy, self.random_policy = build_rollout(
@@ -214,14 +214,12 @@ class Worker:
             self.rng = RolloutRNG()
             self.control = SharedBlock(control_layout(spec.num_workers), (), name=spec.control_name)
             self.stop = _StopFlag(self.control.td["stop"].numpy(), spec.index)
-            self._published = self.control.td["published"].numpy()
-            self._floor = self.control.td["floor"].numpy()
-            self._discarded = self.control.td["discarded"].numpy()
-            self._progress = self.control.td["progress"].numpy()
+            self._published, self._floor, self._discarded, self._progress = (
+                self.control.td[k].numpy() for k in ("published", "floor", "discarded", "progress")
+            )
             #: the policy version of the last batch sent; whether the trajectories in flight took new ids
             #: since (see ``collect``)
-            self._sent_version = 0
-            self._split = False
+            self._sent_version, self._split = 0, False
             #: run_free: the slot of the last batch sent (unread while it is not handed back)
             self._sent_slot: int | None = None
             self._stop_or_stale = _StopOrStale(
@@ -231,6 +229,8 @@ class Worker:
             self.slots: list[SharedBlock] = []
             self.free: set[int] = set()
             self.frames = 0
+            if self.rollout.restarts is not None:  # each one reported as it happens, batch or not
+                self.rollout.restarts.on_restart = lambda r: chan.send(Restarted.of(spec.index, r))
         except BaseException as exc:
             close_after_failure(env, exc)
             raise
@@ -345,7 +345,6 @@ class Worker:
             episode_lengths=lengths,
             spare_ids=spare_ids,
             time_split=self.rollout.clock.totals(),
-            restarts=tuple(self.rollout.restarts.budget.drain()) if self.rollout.restarts else (),
         )
 
     def _spare_ids(self) -> tuple[int, ...]:
@@ -384,15 +383,15 @@ class Worker:
     def load_state(self, op: LoadState) -> None:
         _unversioned(op)
         state = dict(op.state)
-        self.frames = int(state.get("frames", 0))
+        self.frames, self._sent_version = int(state.get("frames", 0)), int(state.get("sent_version", 0))
         load_member(self.rollout, self.rng, self.random_policy, state, self.frames)
+        if state.get("policy") is not None and isinstance(self.policy, torch.nn.Module):  # the newest
+            copy_weights(module_weights(self.policy), as_weights(state["policy"]))
 
     def get_weights(self, op: GetWeights) -> dict[str, torch.Tensor] | None:
         if not isinstance(self.policy, torch.nn.Module):
             return None
-        return {
-            k: cast("torch.Tensor", v).detach().cpu().clone() for k, v in flat_weights(self.policy).items()
-        }
+        return dict(flat_weights(self.policy).detach().cpu().clone().items())
 
     def get_attr(self, op: GetAttr) -> Any:
         return getattr(self.env if op.root == "env" else self.policy, op.name)
@@ -499,7 +498,7 @@ def worker_main(sock: socket.socket, spec: WorkerSpec) -> None:
         if spec.run is not None:
             spec.run(chan, spec)
             return
-        worker = Worker(spec)
+        worker = Worker(spec, chan)
         layout, batch_size = worker.layout()
         chan.send(
             Ready(

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+import functools
+import inspect
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Any, Self
 
 import anyio
+import anyio.lowlevel
 from tensordict import TensorDictBase
 
 from .._local._collector import Collector as NativeCollector
@@ -15,11 +18,47 @@ from .._local._collector import Collector as NativeCollector
 __all__ = ["CompatCollector"]
 
 
+def _tracked(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (a coroutine method), its coroutines kept until the collector's next step, which
+    checks that each was awaited (:meth:`CompatCollector._check_awaited`)."""
+
+    @functools.wraps(method)
+    def call(self: CompatCollector, *args: Any, **kwargs: Any) -> Any:
+        coro = method(self, *args, **kwargs)
+        calls = self.__dict__.setdefault("_calls", [])
+        if len(calls) >= 64:  # those awaited since are forgotten
+            calls[:] = [c for c in calls if inspect.getcoroutinestate(c[1]) == inspect.CORO_CREATED]
+        calls.append((name, coro))
+        return coro
+
+    if hasattr(inspect, "markcoroutinefunction"):  # Python 3.12+: still a coroutine function to inspect
+        inspect.markcoroutinefunction(call)
+    return call
+
+
+def _track_coroutines(cls: type) -> None:
+    """Wrap ``cls``'s own public coroutine methods with :func:`_tracked`."""
+    for name, value in list(vars(cls).items()):
+        if not name.startswith("_") and inspect.iscoroutinefunction(value):
+            setattr(cls, name, _tracked(name, value))
+
+
 class CompatCollector:
-    """torchrl's iterator surface (as coroutines) over one aiocollect collector."""
+    """torchrl's iterator surface (as coroutines) over one aiocollect collector.
+
+    Its methods are coroutines where torchrl's block (``set_seed``, ``update_policy_weights_``,
+    ``reset``, ...): one called and never awaited did nothing, and the collector's next step raises a
+    ``RuntimeError`` naming it, rather than leaving the seeding or the weight update undone in silence.
+    """
 
     _inner: Any
     _needs_entering = True
+    #: the coroutines of the calls since the last step, by method name (see ``_tracked``)
+    _calls: list[tuple[str, Any]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _track_coroutines(cls)
 
     def _setup(self, inner: Any, post_collect_hook: Any, pre_collect_hook: Any) -> None:
         self._inner = inner
@@ -108,6 +147,8 @@ class CompatCollector:
         return self
 
     async def __anext__(self) -> TensorDictBase | None:
+        await anyio.lowlevel.checkpoint()  # a call started as a task (start_soon) begins first
+        self._check_awaited()
         if self._exhausted:
             raise StopAsyncIteration
         await self._ensure_started()
@@ -126,6 +167,22 @@ class CompatCollector:
         if self._post_collect_hook is not None and batch is not None:
             self._post_collect_hook(batch)
         return batch
+
+    def _check_awaited(self) -> None:
+        """Raise if a method called since the last step was never awaited (it did nothing)."""
+        calls: list[tuple[str, Any]] = self.__dict__.get("_calls", [])
+        self._calls = []
+        forgotten = [(n, c) for n, c in calls if inspect.getcoroutinestate(c) == inspect.CORO_CREATED]
+        for _, coro in forgotten:
+            coro.close()  # (no "never awaited" RuntimeWarning later: this error says it)
+        if forgotten:
+            cls, names = type(self).__name__, sorted({n for n, _ in forgotten})
+            calls_text = " and ".join(f"{cls}.{n}(...)" for n in names)
+            raise RuntimeError(
+                f"{calls_text} {'was' if len(names) == 1 else 'were'} called but never awaited, so it did "
+                f"nothing: write `await collector.{names[0]}(...)` (a synchronous helper that calls it "
+                "becomes `async def` and is awaited too)"
+            )
 
     async def next(self) -> TensorDictBase | None:
         """The next batch, or ``None`` when ``total_frames`` are collected (torchrl's ``next()``)."""
@@ -280,6 +337,8 @@ class CompatCollector:
             raise AttributeError(f"{type(self).__name__!r} has no attribute {name!r}")
         raise AttributeError(f"{type(self).__name__}.{name} is not available in aiocollect: {hint}")
 
+
+_track_coroutines(CompatCollector)
 
 _NOT_AVAILABLE = {
     "receive_weights": "weights flow one way, from the trainer: use update_policy_weights_",
