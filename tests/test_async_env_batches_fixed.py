@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from aiocollect import AsyncEnvCollector, ProcessVectorEnv
+from support import ENV_ID, take_until
 
 pytestmark = pytest.mark.anyio
 
@@ -176,17 +177,11 @@ async def test_split_gives_each_env_the_frames_of_the_whole_env(leaks):
 
         env = await anyio.to_thread.run_sync(make)
         envs = env.split() if split else [env]
-        batches = []
         # until every env has 30 frames (a shared frame budget could go to the parts that step faster)
-        with anyio.fail_after(60):
-            async with AsyncEnvCollector(
-                [lambda e=e: e for e in envs], Argmax(), frames_per_batch=60, seed=7, min_batch=3
-            ) as collector:
-                async for batch in collector:
-                    batches.append(batch)
-                    ids = torch.cat(batches)["collector", "env_id"]
-                    if all(int((ids == i).sum()) >= 30 for i in range(6)):
-                        break
+        async with AsyncEnvCollector(
+            [lambda e=e: e for e in envs], Argmax(), frames_per_batch=60, seed=7, min_batch=3
+        ) as collector:
+            batches = await take_until(collector, each=30, members=6, key=ENV_ID, frames=True)
         data = torch.cat(batches)
         out = {}
         for i in range(6):
