@@ -41,6 +41,7 @@ __all__ = [
     "BufferedConstantPolicy",
     "ConstantPolicy",
     "CrashesAt",
+    "ENV_ID",
     "EnvFactory",
     "EnvFailure",
     "HookedEnv",
@@ -50,7 +51,6 @@ __all__ = [
     "Timing",
     "alive",
     "assert_clean",
-    "batch_members",
     "blocked_in",
     "broken_factory",
     "cartpole",
@@ -488,26 +488,28 @@ async def take(collector: Any, n: int | None = None, seconds: float = 30) -> lis
     return out
 
 
-#: the key that names the member (worker, actor) a frame came from
+#: the key that names the member (worker, actor) a frame came from, and the env
 WORKER_ID = ("collector", "worker_id")
-
-
-def batch_members(batch: Any) -> set[int]:
-    """The members whose frames ``batch`` holds (``("collector", "worker_id")``; empty if it has none)."""
-    ids = batch.get(WORKER_ID, None)
-    return set() if ids is None else {int(i) for i in ids.unique()}
+ENV_ID = ("collector", "env_id")
 
 
 async def take_until(
-    collector: Any, *, each: int, members: int | None = None, seconds: float = 60
+    collector: Any,
+    *,
+    each: int,
+    members: int | None = None,
+    key: tuple[str, str] = WORKER_ID,
+    frames: bool = False,
+    seconds: float = 60,
 ) -> list[Any]:
     """The batches of ``collector``'s ``async for`` until every member has delivered ``each`` of them.
 
     A batch counts for each member whose frames it holds (``("collector", "worker_id")``); a batch with no
     such key (a sync collector's stack holds every member's rollout) counts for every member. ``members``
-    defaults to the collector's ``num_workers``. Stop on this, not on a shared frame budget, wherever a test
-    needs each member's batches: one fast member can take a whole budget alone. Raises an
-    ``AssertionError`` with the counts if the iteration ends first; ``seconds`` only stops a hang.
+    defaults to the collector's ``num_workers``. With ``key=("collector", "env_id")`` and ``frames=True``
+    (``members``: the number of envs), it counts each env's frames instead. Stop on this, not on a shared
+    frame budget, wherever a test needs each member's data: one fast member can take a whole budget alone.
+    Raises an ``AssertionError`` with the counts if the iteration ends first; ``seconds`` only stops a hang.
     """
     if each < 1:
         raise ValueError(f"each must be 1 or more, got {each}")
@@ -517,11 +519,18 @@ async def take_until(
     with anyio.fail_after(seconds):
         async for batch in collector:
             out.append(batch)
-            for member in batch_members(batch) or counts:
-                counts[member] = counts.get(member, 0) + 1
+            ids = batch.get(key, None)
+            if ids is None:
+                for member in counts:
+                    counts[member] += batch.numel() if frames else 1
+            else:
+                found, times = ids.flatten().unique(return_counts=True)
+                for member, k in zip(found.tolist(), times.tolist(), strict=True):
+                    counts[member] = counts.get(member, 0) + (k if frames else 1)
             if all(counts[m] >= each for m in range(n)):
                 return out
-    raise AssertionError(f"the iteration ended before every member delivered {each} batches: {counts}")
+    what = "frames" if frames else "batches"
+    raise AssertionError(f"the iteration ended before every member delivered {each} {what}: {counts}")
 
 
 async def wait_until(predicate: Any, seconds: float = 30, *, poll: float = 0.01) -> None:

@@ -22,7 +22,7 @@ from aiocollect import (
     ThreadedAsyncVectorEnv,
     WorkerFailed,
 )
-from support import take
+from support import ENV_ID, take, take_until
 
 pytestmark = pytest.mark.anyio
 
@@ -300,8 +300,9 @@ async def test_gymnasium_vector_envs_are_wrapped_and_seeded_reproducibly() -> No
         def policy(td):
             return td.set("action", (td["observation"][:, 2] > 0).long())
 
-        async with AsyncEnvCollector(fns, policy, frames_per_batch=70, total_frames=700, seed=11) as c:
-            batches = await take(c)
+        async with AsyncEnvCollector(fns, policy, frames_per_batch=70, seed=11) as c:
+            # until every sub-env has 90 frames (a shared budget could go to the vector env faster to step)
+            batches = await take_until(c, each=90, members=7, key=ENV_ID, frames=True)
             assert all(isinstance(env, ThreadedAsyncVectorEnv) for env in c.envs)
         return torch.cat(batches)
 

@@ -20,7 +20,7 @@ import torch
 from tensordict import TensorDictBase
 
 from aiocollect import AsyncEnvCollector, ProcessVectorEnv, RestartPolicy, WorkerDiedError
-from support import EnvFailure, HookedEnv, LoopProbe, wait_until
+from support import ENV_ID, EnvFailure, HookedEnv, LoopProbe, take_until, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -104,10 +104,13 @@ async def test_split_parts_give_each_env_the_frames_of_the_whole_env(leaks):
     for split in (True, False):
         env = await make([cartpole] * 6)
         envs = env.split() if split else [env]
-        batches, kind = await collect(
-            envs, Argmax(), fused=True, frames_per_batch=60, total_frames=600, seed=7, min_batch=3
-        )
-        assert kind == "FusedSteps"
+        async with AsyncEnvCollector(
+            envs, Argmax(), fused=True, frames_per_batch=60, seed=7, min_batch=3
+        ) as c:
+            assert type(c._engine).__name__ == "FusedEngine"
+            # until every env has 30 frames (a shared frame budget could go to the parts that step faster)
+            batches = await take_until(c, each=30, members=6, key=ENV_ID, frames=True)
+            assert type(c._engine.stepper).__name__ == "FusedSteps"
         data = torch.cat(batches)
         per_env[split] = {i: data[data["collector", "env_id"] == i] for i in range(6)}
     for i in range(6):
