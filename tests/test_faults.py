@@ -129,7 +129,8 @@ RELEASE = threading.Event()
 class FaultyEnv(gym.Env):
     """Episodes of 4 steps. Raises at reset number ``fail_reset_at`` (1 is the collector's first, at
     start-up) or step ``fail_step_at``; hangs at step ``hang_at`` (writing the time it starts to
-    ``hang_file``); sleeps ``delay`` per step; writes its pid to ``pid_file`` when built."""
+    ``hang_file``); sleeps ``delay`` per step; holds each step while the file ``gate`` exists (after writing
+    ``gate`` + ".held"); writes its pid to ``pid_file`` when built."""
 
     observation_space = gym.spaces.Box(-1, 1, (2,), np.float32)
     action_space = gym.spaces.Discrete(2)
@@ -141,12 +142,14 @@ class FaultyEnv(gym.Env):
         hang_at: int | None = None,
         hang_file: str | None = None,
         delay: float = 0.0,
+        gate: str | None = None,
     ) -> None:
         self.fail_reset_at = fail_reset_at
         self.fail_step_at = fail_step_at
         self.hang_at = hang_at
         self.hang_file = hang_file
         self.delay = delay
+        self.gate = gate
         self.t = 0
         self.resets = 0
 
@@ -167,6 +170,10 @@ class FaultyEnv(gym.Env):
             RELEASE.wait(60)
         if self.delay:
             time.sleep(self.delay)
+        if self.gate is not None and os.path.exists(self.gate):
+            Path(self.gate + ".held").touch()
+            while os.path.exists(self.gate):  # the test removes it: no event crosses the process
+                time.sleep(0.002)
         return np.full(2, self.t % 4 / 4, np.float32), 1.0, self.t % 4 == 0, False, {}
 
 
@@ -499,15 +506,18 @@ UPDATES = [
         for name, options, label in BACKEND_PARAMS
     ],
 )
-async def test_consumer_cancelled_mid_weight_update(request, leaks, timing, kind, scheme):
+async def test_consumer_cancelled_mid_weight_update(request, leaks, timing, tmp_path, kind, scheme):
     """``update_weights(wait=True)`` waits for the workers' batch in flight: cancelling it leaves a
     consistent collector (versions never reused, the next update reaches every worker). With weights on
     the control socket (``PipeWeightSync``, 16 MB: more than the socket holds while the worker collects),
-    the cancellation lands mid-send and the channel must stay whole."""
+    the cancellation lands mid-send and the channel must stay whole. The batch in flight is held at a
+    gate (a file) while the update is cancelled: the update cannot have finished by then (a cause, not
+    a deadline)."""
+    gate = tmp_path / "gate"
     trainer = FaultyPolicy(size=4_000_000 if scheme == "pipe" else 0)
     collector = build(
         kind,
-        functools.partial(make_env, delay=0.01),
+        functools.partial(make_env, delay=0.002, gate=str(gate)),
         trainer,
         frames_per_batch=50 * (1 + kind.startswith("sync")),
         track_policy_version=True,
@@ -515,19 +525,23 @@ async def test_consumer_cancelled_mid_weight_update(request, leaks, timing, kind
     )
     async with collector, anyio.create_task_group() as tg:
         await collector.__anext__()
-        in_flight = anyio.Event()
+        gate.touch()
+        tg.start_soon(collector.__anext__)  # the batch in flight while the update waits
+        await wait_until(Path(f"{gate}.held").exists)  # the env holds that batch at the gate
 
-        async def next_batch() -> None:  # the batch in flight while the update waits
-            in_flight.set()
-            await collector.__anext__()
+        async def cancel_once_waiting(scope: anyio.CancelScope) -> None:
+            await anyio.wait_all_tasks_blocked()  # update_weights waits for the held batch
+            nonlocal cancelled_at
+            cancelled_at = time.monotonic()
+            scope.cancel()
 
-        tg.start_soon(next_batch)
-        await in_flight.wait()
-        await anyio.wait_all_tasks_blocked()  # next_batch waits for the batch in flight
-        with anyio.move_on_after(0.1) as scope:  # the batch takes 0.5 s of 10 ms steps: mid-update
-            start = time.monotonic()
+        cancelled_at = 0.0
+        with anyio.CancelScope() as scope:
+            tg.start_soon(cancel_once_waiting, scope)
             await collector.update_weights(wait=True)
-        record(request, timing, time.monotonic() - start - 0.1)
+        record(request, timing, time.monotonic() - cancelled_at)
+        assert scope.cancelled_caught or kind == "collector"  # the in-process copy may just finish
+        gate.unlink()
         with torch.no_grad():
             trainer.weight.fill_(1.0)
         with anyio.fail_after(30):
@@ -539,7 +553,6 @@ async def test_consumer_cancelled_mid_weight_update(request, leaks, timing, kind
             while int(batch["collector", "policy_version"].min()) < version:  # async: one batch ahead
                 batch = await collector.__anext__()
         assert (batch["action"] == 1).all()
-        assert scope.cancelled_caught or kind == "collector"  # the in-process copy may just finish
     leaks.check()
 
 
