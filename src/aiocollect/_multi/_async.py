@@ -223,7 +223,6 @@ class FirstReady:
             if renamed is not ids:
                 batch.set(_TRAJ_IDS, renamed)
         batch.set(("collector", "worker_id"), torch.full(batch.batch_size, index, dtype=torch.int64))
-        batch.names = [None] * (batch.ndim - 1) + ["time"]
         if w.schedule.update_at_each_batch and w.sender is not None:
             await w.fleet.update_weights(worker_ids=[index])
         return Arrival(batch, notice.frames, episodes_of(index, notice), index, notice.policy_version)

@@ -33,6 +33,11 @@ def _td_key(key: Key) -> Any:
     return key[0] if len(key) == 1 else key
 
 
+def _time_last(ndim: int) -> list[str | None]:
+    """A batch's dim names: the last one ``"time"`` (given to the constructor: cheaper than set after)."""
+    return [None] * (ndim - 1) + ["time"]
+
+
 class BatchCopies:
     """Copies batches out of shared-memory slots into pooled memory (one pool per collector).
 
@@ -59,7 +64,8 @@ class BatchCopies:
         self._pool = StoragePool()
 
     def one(self, block: SharedBlock) -> TensorDict:
-        """A copy of ``block``'s batch: one copy of the whole block, the entries views of it."""
+        """A copy of ``block``'s batch (its last dim named ``"time"``): one copy of the whole block, the
+        entries views of it."""
         layout = block.layout
         buffer = self._pool.take_buffer(layout.nbytes)
         torch.from_numpy(buffer).copy_(block.data)
@@ -67,10 +73,11 @@ class BatchCopies:
             _td_key(leaf.key): tensor_at(buffer, leaf.offset, leaf.nbytes, leaf.shape, leaf.dtype)[0]
             for leaf in layout.leaves
         }
-        return nested_td(tensors, layout.batch_size, None)
+        return nested_td(tensors, layout.batch_size, _time_last(len(layout.batch_size)))
 
     def stack(self, blocks: Sequence[SharedBlock]) -> TensorDict:
-        """The blocks' batches (one layout) stacked along a new dim 0, as ``torch.stack`` gives them."""
+        """The blocks' batches (one layout) stacked along a new dim 0, as ``torch.stack`` gives them (the
+        last dim named ``"time"``)."""
         layout = blocks[0].layout
         specs = [((len(blocks), *leaf.shape), leaf.dtype) for leaf in layout.leaves]
         tensors: dict[Any, torch.Tensor] = {}
@@ -78,11 +85,12 @@ class BatchCopies:
             for i, block in enumerate(blocks):
                 out[i].copy_(block.td.get(leaf.key))
             tensors[_td_key(leaf.key)] = out
-        return nested_td(tensors, (len(blocks), *layout.batch_size), None)
+        return nested_td(tensors, (len(blocks), *layout.batch_size), _time_last(len(layout.batch_size) + 1))
 
     def cat(self, parts: Sequence[TensorDictBase], dim: int) -> TensorDict:
         """The batches ``parts`` (views of the blocks, maybe cut short along time) concatenated along
-        batch dim ``dim`` (0, or -1 for time), as ``torch.cat`` gives them."""
+        batch dim ``dim`` (0, or -1 for time), as ``torch.cat`` gives them (the last dim named
+        ``"time"``)."""
         ndim = parts[0].batch_dims
         d = dim % ndim
         sizes = [p.batch_size[d] for p in parts]
@@ -102,4 +110,4 @@ class BatchCopies:
                 out.narrow(d, start, size).copy_(part.get(key))
                 start += size
             tensors[key] = out
-        return nested_td(tensors, tuple(batch_size), None)
+        return nested_td(tensors, tuple(batch_size), _time_last(ndim))

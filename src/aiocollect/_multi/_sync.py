@@ -181,7 +181,6 @@ class Gather:
             batch: TensorDictBase = self._copies.stack(blocks)  # the one copy out of shared memory
             if partial or self._threshold is not None:
                 batch.set(("collector", "mask"), batch.get(("collector", "traj_ids")) != -1)
-            batch.names = [None] * (batch.ndim - 1) + ["time"]
             return batch, valid
         parts = [s[..., : notices[i].steps] if partial else s for i, s in enumerate(slots)]
         uneven = partial and len({p.batch_size for p in parts}) > 1
@@ -189,9 +188,7 @@ class Gather:
             raise RuntimeError(
                 "preempted batches of batched envs cannot be concatenated along dim 0; use cat_results=-1"
             )
-        batch = self._copies.cat(parts, 0 if self._cat_results == 0 else -1)
-        batch.names = [None] * (batch.ndim - 1) + ["time"]
-        return batch, valid
+        return self._copies.cat(parts, 0 if self._cat_results == 0 else -1), valid
 
 
 class MultiSyncCollector(WorkersMixin, FleetCollector):
