@@ -66,6 +66,13 @@ HIDDEN = 64
 #: the pixel encoder: every 5th row and column, grey (mean of RGB), / 255, flattened: 42 x 32 = 1344 inputs
 PIXEL_STRIDE = 5
 ME = psutil.Process()
+#: ``--limits`` (issue 42): the cells where the collectors' own cost showed against the limit, each with its
+#: collectors, measured against the raw loop that stores every key a batch holds
+LIMIT_CELLS: tuple[tuple[str, int, str, tuple[str, ...]], ...] = (
+    ("ALE/Pong-v5", 8, "cnn", COLLECTORS),
+    ("ALE/Pong-v5", 1, "random", ("collector",)),
+    ("CartPole-v1", 8, "tdseq", COLLECTORS),
+)
 
 
 def is_pixels(env_id: str) -> bool:
@@ -1015,6 +1022,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="smoke run: CartPole-v1 and ALE/Pong-v5, 8 envs, tdseq and random policies (filters override)",
     )
+    parser.add_argument(
+        "--limits",
+        action="store_true",
+        help="issue 42's cells (ALE/Pong-v5 x8 cnn and x1 random, CartPole-v1 x8 tdseq, with their "
+        "collectors) against the raw loop that stores the keys; --envs, --num-envs, --policies and "
+        "--collectors are ignored",
+    )
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown for docs/")
     parser.add_argument("--json", metavar="PATH", help="also write every measurement as JSON")
     args = parser.parse_args(argv)
@@ -1029,11 +1043,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.rounds < 1 or args.seconds <= 0:
         parser.error("--rounds must be >= 1 and --seconds > 0")
     args.torchrl = args.torchrl and torchrl_available()
+    if args.limits:
+        args.raw = "store"
     return args
 
 
 async def run(args: argparse.Namespace, log: Callable[[str], None]) -> list[CellResult]:
     cells = []
+    if args.limits:
+        for env_id, n, policy, collectors in LIMIT_CELLS:
+            log(f"{env_id} x{n} {policy}")
+            cell_args = argparse.Namespace(**{**vars(args), "collectors": list(collectors)})
+            cells.append(await run_cell(env_id, n, policy, cell_args, log))
+        return cells
     for env_id in args.envs:
         for n in args.num_envs:
             if (n in POOL_NUM_ENVS) != is_pool(env_id):  # EnvPool's cells have their own sizes
@@ -1056,7 +1078,8 @@ def main(argv: list[str] | None = None) -> int:
 
     trl = "on" if args.torchrl else "off (not importable or --no-torchrl)"
     pairs = sum((n in POOL_NUM_ENVS) == is_pool(e) for e in args.envs for n in args.num_envs)
-    log(f"torch threads {torch.get_num_threads()}; torchrl {trl}; {pairs * len(args.policies)} cells")
+    count = len(LIMIT_CELLS) if args.limits else pairs * len(args.policies)
+    log(f"torch threads {torch.get_num_threads()}; torchrl {trl}; {count} cells")
     cells = anyio.run(run, args, log)
     info = {
         "command": " ".join(["python", "benchmarks/matrix.py", *(sys.argv[1:] if argv is None else argv)]),
