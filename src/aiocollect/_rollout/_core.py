@@ -120,8 +120,6 @@ class Rollout:
         self._caster: ActionCaster | None = None  # lossless action casts (output_specs)
         self._specs: tuple[list[Any], list[tuple[tuple[int, ...], torch.dtype]]] | None = None
         self._storage = StoragePool()
-        #: the batch and views made over each ``into`` (a worker's shared-memory slots): made once per slot
-        self._into_views: list[tuple[TensorDictBase, TensorDict, dict[Any, np.ndarray]]] = []
         # where the time goes (_observe/_timesplit.py): clocks per batch and policy call
         self.clock = SplitClock()
         #: rebuilds the env after a fault (``RestartPolicy``; see :meth:`_run_restarting`), else ``None``
@@ -263,16 +261,7 @@ class Rollout:
         self, into: TensorDictBase | None = None, *, named: bool = True
     ) -> tuple[TensorDict, dict[Any, np.ndarray]]:
         """The batch's tensors (from ``into``'s, when given) and numpy views to write them through;
-        ``named``: the last dim is named ``"time"`` (given to the constructor: cheaper than set after).
-
-        The batch over an ``into`` is made at its first batch and reused after (a worker collects into the
-        same slots again and again: their tensors, and so the views, never change)."""
-        if into is not None and named:
-            for slot, batch, views in self._into_views:
-                if slot is into:
-                    for flag in _FLAGS:
-                        views[flag][...] = False
-                    return batch, views
+        ``named``: the last dim is named ``"time"`` (given to the constructor: cheaper than set after)."""
         keys, specs = self._batch_specs()
         bt = (*self.batch_shape, self.steps_per_batch)
         # one buffer for the batch, reused once the consumer has dropped an earlier batch
@@ -296,10 +285,7 @@ class Rollout:
         for flag in _FLAGS:
             views[flag][...] = False
         names: list[str | None] | None = [None] * len(self.batch_shape) + ["time"] if named else None
-        batch = nested_td(tensors, bt, names)
-        if into is not None and named:
-            self._into_views = [*self._into_views[-3:], (into, batch, views)]
-        return batch, views
+        return nested_td(tensors, bt, names), views
 
     def layout(self) -> TensorDict:
         """An empty batch as :meth:`collect` makes it (keys, shapes, dtypes), without collecting."""
