@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,17 +24,26 @@ def base_tree(rev: str) -> Path:
     return path
 
 
-def run_child(script: str, tree: Path, cell: str, seconds: float, pairs: int) -> dict[str, float]:
-    """``script --child cell`` with ``tree``'s ``src`` first on the path; the JSON its last line prints."""
+def run_child(
+    script: str, tree: Path, cell: str, seconds: float, pairs: int, extra: Sequence[str] = ()
+) -> dict[str, float]:
+    """``script --child cell [extra]`` with ``tree``'s ``src`` first on the path; the JSON its last line
+    prints."""
     env = {**os.environ, "PYTHONPATH": f"{tree / 'src'}{os.pathsep}{ROOT / 'benchmarks'}"}
-    args = [sys.executable, script, "--child", cell, "--seconds", str(seconds), "--pairs", str(pairs)]
+    args = [sys.executable, script, "--child", cell, "--seconds", str(seconds), "--pairs", str(pairs), *extra]
     out = subprocess.run(args, env=env, check=True, capture_output=True, text=True, cwd=ROOT)
     result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
 
 def ab_rounds(
-    script: str, base: str, cells: list[str], rounds: int, seconds: float, pairs: int
+    script: str,
+    base: str,
+    cells: list[str],
+    rounds: int,
+    seconds: float,
+    pairs: int,
+    extra: Sequence[str] = (),
 ) -> dict[str, dict[str, list[dict[str, float]]]]:
     """Each cell measured by ``script``'s child in this tree ("new") and in ``base``'s, in turn (the order
     alternating from round to round): ``{cell: {"new": [...], "base": [...]}}``, one result per round."""
@@ -42,6 +52,6 @@ def ab_rounds(
     for r in range(rounds):
         for cell in cells:
             for side in ["new", "base"] if r % 2 == 0 else ["base", "new"]:
-                results[cell][side].append(run_child(script, trees[side], cell, seconds, pairs))
+                results[cell][side].append(run_child(script, trees[side], cell, seconds, pairs, extra))
         print(f"round {r + 1}/{rounds} done", file=sys.stderr)
     return results

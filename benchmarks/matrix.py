@@ -51,7 +51,12 @@ NUM_ENVS = (1, 8, 32)
 #: near-free envs (issue 34): EnvPool's C++ pools, measured with their own numbers of envs (not by default)
 POOL_ENVS = ("EnvPool/CartPole-v1",)
 POOL_NUM_ENVS = (256, 1024)
-POLICIES = ("module", "tdseq", "prob", "random")
+POLICIES = ("module", "tdseq", "prob", "random", "cnn")
+#: the policies a cell runs unless named (``cnn``, a conv net on pixels only, when named: issue 42)
+DEFAULT_POLICIES = ("module", "tdseq", "prob", "random")
+#: the raw loops: ``bare`` steps and stores nothing (the limit of issue 12), ``store`` writes every key a
+#: batch holds into preallocated arrays (the limit of issue 42)
+RAW_KINDS = ("bare", "store")
 COLLECTORS = ("collector", "multisync", "multiasync")
 WORKERS = 2
 #: steps per env in one batch (of one worker): frames per batch = steps x envs (pixels: smaller batches)
@@ -61,6 +66,13 @@ HIDDEN = 64
 #: the pixel encoder: every 5th row and column, grey (mean of RGB), / 255, flattened: 42 x 32 = 1344 inputs
 PIXEL_STRIDE = 5
 ME = psutil.Process()
+#: ``--limits`` (issue 42): the cells where the collectors' own cost showed against the limit, each with its
+#: collectors, measured against the raw loop that stores every key a batch holds
+LIMIT_CELLS: tuple[tuple[str, int, str, tuple[str, ...]], ...] = (
+    ("ALE/Pong-v5", 8, "cnn", COLLECTORS),
+    ("ALE/Pong-v5", 1, "random", ("collector",)),
+    ("CartPole-v1", 8, "tdseq", COLLECTORS),
+)
 
 
 def is_pixels(env_id: str) -> bool:
@@ -144,6 +156,23 @@ def mlp(env: gym.Env[Any, Any], n_out: int) -> nn.Module:
     )
 
 
+class ConvNet(nn.Module):
+    """A small Atari conv net on uint8 frames ``[..., 210, 160, 3]`` -> ``n_out`` logits (the ``cnn`` policy):
+    two strided convolutions, a 4 x 4 average pool, one linear layer."""
+
+    def __init__(self, n_out: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 16, 8, stride=4), nn.ReLU(), nn.Conv2d(16, 32, 4, stride=2), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(32 * 16, n_out),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-3]
+        out = self.net(x.reshape(-1, *x.shape[-3:]).permute(0, 3, 1, 2).float() / 255.0)
+        return out.reshape(*lead, -1)
+
+
 class Plain(nn.Module):
     """A plain ``nn.Module`` policy: argmax (Discrete) or ``high * tanh`` (Box)."""
 
@@ -208,6 +237,16 @@ def make_policy(kind: str, env_id: str, obs_key: str = "observation") -> PolicyS
         plain = Plain(mlp(env, n_act), discrete, high).eval()
         env.close()
         return PolicySpec(plain, plain)
+    if kind == "cnn":  # TorchRL style as tdseq, a conv net writing "logits" (issue 42)
+        if not (discrete and is_pixels(env_id)):
+            raise ValueError(f"the cnn policy is for pixel envs with a Discrete action space, not {env_id}")
+        env.close()
+        conv, categorical = ConvNet(n_act), SampleCategorical()
+        cnn_policy = TensorDictSequential(
+            TensorDictModule(conv, in_keys=[obs_key], out_keys=["logits"]),
+            TensorDictModule(categorical, in_keys=["logits"], out_keys=["action"]),
+        ).eval()
+        return PolicySpec(cnn_policy, lambda obs: categorical(conv(obs)))
     if kind == "tdseq":
         if discrete:
             head: nn.Module = mlp(env, n_act)
@@ -526,6 +565,66 @@ class Raw(Variant):
         return self.steps * self.num_envs
 
 
+class RawStore(Raw):
+    """:class:`Raw` that also stores what a batch holds (issue 42's limit): the observation, the next
+    observation (the final one where an episode ended), the action, the reward, terminated, truncated and
+    done, into arrays ``[T, (N,) ...]`` preallocated once and reused by every batch, as a user's loop
+    filling a rollout buffer does."""
+
+    def __init__(self, env_id: str, num_envs: int, spec: PolicySpec, steps: int) -> None:
+        super().__init__(env_id, num_envs, spec, steps)
+        self.label = "raw loop, stores the keys"
+
+    async def _open(self, stack: AsyncExitStack) -> None:
+        await super()._open(stack)
+        obs = np.asarray(self.obs)
+        lead = (self.steps,) if self.num_envs == 1 else (self.steps, self.num_envs)
+        space = self.env.single_action_space if self.num_envs > 1 else self.env.action_space
+        action = ((), np.int64) if self.discrete else (space.shape, np.float32)
+        self.store = {
+            "observation": np.empty((self.steps, *obs.shape), obs.dtype),
+            "next_observation": np.empty((self.steps, *obs.shape), obs.dtype),
+            "action": np.empty((*lead, *action[0]), action[1]),
+            "reward": np.empty(lead, np.float32),
+            **{flag: np.empty(lead, bool) for flag in ("terminated", "truncated", "done")},
+        }
+        for array in self.store.values():  # its pages mapped once, as the collectors' reused buffers
+            array.fill(0)
+
+    async def batch(self) -> int:
+        env, fn, obs, s = self.env, self.fn, self.obs, self.store
+        observation, nxt, actions, rewards = s["observation"], s["next_observation"], s["action"], s["reward"]
+        terms, truncs = s["terminated"], s["truncated"]
+        single = self.num_envs == 1
+        with torch.no_grad():
+            for t in range(self.steps):
+                observation[t] = obs
+                if fn is None:
+                    action = env.action_space.sample()
+                else:
+                    action = fn(torch.from_numpy(obs)).numpy()
+                    if single and self.discrete:
+                        action = int(action)
+                obs, reward, terminated, truncated, info = env.step(action)
+                nxt[t] = obs
+                if single:
+                    if terminated or truncated:
+                        obs, _ = env.reset()
+                else:
+                    done = terminated | truncated
+                    if done.any():
+                        finals = info["final_obs"]
+                        for i in np.flatnonzero(done):
+                            nxt[t, i] = finals[i]
+                actions[t] = action
+                rewards[t] = reward
+                terms[t] = terminated
+                truncs[t] = truncated
+            np.logical_or(terms, truncs, out=s["done"])
+        self.obs = obs
+        return self.steps * self.num_envs
+
+
 class RawPool(Variant):
     """An EnvPool pool stepped in a plain loop that stores what a batch holds (observation, next
     observation, action, reward, terminated, truncated) into preallocated ``[T, N]`` arrays, new ones each
@@ -630,15 +729,16 @@ def torchrl_obs_key(env_id: str, num_envs: int) -> str:
 
 
 def build(
-    env_id: str, num_envs: int, policy: str, collectors: list[str], with_torchrl: bool
+    env_id: str, num_envs: int, policy: str, collectors: list[str], with_torchrl: bool, raw: str = "bare"
 ) -> list[Variant]:
+    """The variants of a cell, the raw loop first (``raw``: one of :data:`RAW_KINDS`)."""
     import aiocollect
 
     steps = (PIXEL_STEPS if is_pixels(env_id) else STEPS)[num_envs]
     fpb = steps * num_envs  # one worker's batch
     spec = make_policy(policy, env_id)
     env_fn = functools.partial(ours_env, env_id, num_envs)
-    out: list[Variant] = [Raw(env_id, num_envs, spec, steps)]
+    out: list[Variant] = [(RawStore if raw == "store" else Raw)(env_id, num_envs, spec, steps)]
     if is_pool(env_id):  # no TorchRL here: its EnvPool wrapper is another env than ours
         out = [RawPool(env_id, num_envs, spec, steps, same_step=s) for s in (False, True)]
         with_torchrl = False
@@ -750,7 +850,7 @@ def summarise(variants: list[Variant]) -> list[dict[str, Any]]:
 async def run_cell(
     env_id: str, n: int, policy: str, args: argparse.Namespace, log: Callable[[str], None]
 ) -> CellResult:
-    variants = build(env_id, n, policy, args.collectors, args.torchrl)
+    variants = build(env_id, n, policy, args.collectors, args.torchrl, args.raw)
     steps = (PIXEL_STEPS if is_pixels(env_id) else STEPS)[n]
     states = {"off": ["idle"], "on": ["busy"], "both": ["idle", "busy"]}[args.busy]
     async with AsyncExitStack() as stack:
@@ -892,7 +992,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=csv(NUM_ENVS + POOL_NUM_ENVS, int),
         help="comma-separated, from 1, 8, 32 (gymnasium), 256, 1024 (EnvPool)",
     )
-    parser.add_argument("--policies", type=csv(POLICIES), help=f"comma-separated, from {', '.join(POLICIES)}")
+    parser.add_argument(
+        "--policies",
+        type=csv(POLICIES),
+        help=f"comma-separated, from {', '.join(POLICIES)} (cnn: pixel envs only, when named)",
+    )
     parser.add_argument(
         "--collectors", type=csv(COLLECTORS), help=f"comma-separated, from {', '.join(COLLECTORS)}"
     )
@@ -904,6 +1008,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--seconds", type=float, help="least length of one measurement (default 0.5, --quick 0.25)"
     )
     parser.add_argument(
+        "--raw",
+        choices=RAW_KINDS,
+        default="bare",
+        help="the raw loop the ratios divide by: bare (stores nothing, the default) or store (writes every "
+        "key a batch holds into preallocated arrays)",
+    )
+    parser.add_argument(
         "--no-torchrl", dest="torchrl", action="store_false", help="skip TorchRL's collectors"
     )
     parser.add_argument(
@@ -911,13 +1022,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="smoke run: CartPole-v1 and ALE/Pong-v5, 8 envs, tdseq and random policies (filters override)",
     )
+    parser.add_argument(
+        "--limits",
+        action="store_true",
+        help="issue 42's cells (ALE/Pong-v5 x8 cnn and x1 random, CartPole-v1 x8 tdseq, with their "
+        "collectors) against the raw loop that stores the keys; --envs, --num-envs, --policies and "
+        "--collectors are ignored",
+    )
     parser.add_argument("--markdown", action="store_true", help="print the table as markdown for docs/")
     parser.add_argument("--json", metavar="PATH", help="also write every measurement as JSON")
     args = parser.parse_args(argv)
     q = args.quick
     args.envs = args.envs or (["CartPole-v1", "ALE/Pong-v5"] if q else list(ENVS))
     args.num_envs = args.num_envs or ([8] if q else [*NUM_ENVS, *POOL_NUM_ENVS])
-    args.policies = args.policies or (["tdseq", "random"] if q else list(POLICIES))
+    args.policies = args.policies or (["tdseq", "random"] if q else list(DEFAULT_POLICIES))
     args.collectors = args.collectors or list(COLLECTORS)
     args.busy = args.busy or "both"
     args.rounds = args.rounds or (2 if q else 3)
@@ -925,16 +1043,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.rounds < 1 or args.seconds <= 0:
         parser.error("--rounds must be >= 1 and --seconds > 0")
     args.torchrl = args.torchrl and torchrl_available()
+    if args.limits:
+        args.raw = "store"
     return args
 
 
 async def run(args: argparse.Namespace, log: Callable[[str], None]) -> list[CellResult]:
     cells = []
+    if args.limits:
+        for env_id, n, policy, collectors in LIMIT_CELLS:
+            log(f"{env_id} x{n} {policy}")
+            cell_args = argparse.Namespace(**{**vars(args), "collectors": list(collectors)})
+            cells.append(await run_cell(env_id, n, policy, cell_args, log))
+        return cells
     for env_id in args.envs:
         for n in args.num_envs:
             if (n in POOL_NUM_ENVS) != is_pool(env_id):  # EnvPool's cells have their own sizes
                 continue
             for policy in args.policies:
+                if policy == "cnn" and not is_pixels(env_id):  # a conv net reads frames only
+                    continue
                 log(f"{env_id} x{n} {policy}")
                 cells.append(await run_cell(env_id, n, policy, args, log))
     return cells
@@ -950,7 +1078,8 @@ def main(argv: list[str] | None = None) -> int:
 
     trl = "on" if args.torchrl else "off (not importable or --no-torchrl)"
     pairs = sum((n in POOL_NUM_ENVS) == is_pool(e) for e in args.envs for n in args.num_envs)
-    log(f"torch threads {torch.get_num_threads()}; torchrl {trl}; {pairs * len(args.policies)} cells")
+    count = len(LIMIT_CELLS) if args.limits else pairs * len(args.policies)
+    log(f"torch threads {torch.get_num_threads()}; torchrl {trl}; {count} cells")
     cells = anyio.run(run, args, log)
     info = {
         "command": " ".join(["python", "benchmarks/matrix.py", *(sys.argv[1:] if argv is None else argv)]),

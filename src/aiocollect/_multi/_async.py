@@ -24,6 +24,7 @@ from .._transport._messages import Release, RunFree
 from .._weightsync._schemes import WeightSync
 from .._workers._pool import WorkerPool
 from .._workers._worker import HALTED
+from ._copies import BatchCopies
 from ._delivery import episodes_of
 from ._episodes import Episodes
 from ._workers import Workers, WorkersMixin, init_workers
@@ -58,6 +59,7 @@ class FirstReady:
         #: per worker, the trajectories renamed because they go on across a batch dropped as stale
         self._renames: list[TrajectoryRenames] = []
         self._random_frames = 0
+        self._copies = BatchCopies()  # the batches copied out of the slots (_copies.py)
 
     @staticmethod
     def split_frames(frames_per_batch: int | Sequence[int], n: int) -> list[int]:
@@ -206,7 +208,7 @@ class FirstReady:
         while True:
             index, notice = await self._next_notice(w, pool)
             handle = pool.workers[index]
-            batch = handle.slots[notice.slot].td.clone()  # the one copy out of shared memory
+            batch = self._copies.one(handle.slots[notice.slot])  # the one copy out of shared memory
             if not self.stale(w, index, notice.policy_version) and self.on_demand(w):
                 self._held.append((index, notice.slot))
                 break
@@ -221,7 +223,6 @@ class FirstReady:
             if renamed is not ids:
                 batch.set(_TRAJ_IDS, renamed)
         batch.set(("collector", "worker_id"), torch.full(batch.batch_size, index, dtype=torch.int64))
-        batch.names = [None] * (batch.ndim - 1) + ["time"]
         if w.schedule.update_at_each_batch and w.sender is not None:
             await w.fleet.update_weights(worker_ids=[index])
         return Arrival(batch, notice.frames, episodes_of(index, notice), index, notice.policy_version)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import anyio
-import torch
 from tensordict import TensorDictBase
 from tensordict.nn import InteractionType
 
@@ -19,6 +18,7 @@ from .._fleet._collector import Arrival, FleetCollector
 from .._transport._messages import Collect
 from .._weightsync._schemes import WeightSync
 from .._workers._pool import WorkerPool
+from ._copies import BatchCopies
 from ._delivery import episodes_of
 from ._episodes import Episodes
 from ._workers import Workers, WorkersMixin, init_workers
@@ -39,6 +39,7 @@ class Gather:
         #: while a batch is gathered: the notices so far, and whether its frames are random
         self._notices: dict[int, Any] | None = None
         self._random = False
+        self._copies = BatchCopies()  # the batches copied out of the slots (_copies.py)
 
     @staticmethod
     def slots_per_worker(w: Workers) -> int:
@@ -172,28 +173,22 @@ class Gather:
         return flat
 
     def _combine(self, pool: WorkerPool, notices: dict[int, Any]) -> tuple[TensorDictBase, int]:
-        slots = [w.slots[0].td for w in pool.workers]
+        blocks = [w.slots[0] for w in pool.workers]
+        slots = [b.td for b in blocks]
         partial = any(notices[i].steps < slots[i].batch_size[-1] for i in range(len(slots)))
         valid = sum(notices[i].frames for i in range(len(slots)))
         if self._cat_results == "stack":
-            # the one copy out of shared memory; torch's stubs take Tensors only (TensorDicts dispatch
-            # through __torch_function__)
-            batch = cast("TensorDictBase", torch.stack(slots, 0))  # type: ignore[arg-type]
+            batch: TensorDictBase = self._copies.stack(blocks)  # the one copy out of shared memory
             if partial or self._threshold is not None:
                 batch.set(("collector", "mask"), batch.get(("collector", "traj_ids")) != -1)
-            batch.names = [None] * (batch.ndim - 1) + ["time"]
             return batch, valid
         parts = [s[..., : notices[i].steps] if partial else s for i, s in enumerate(slots)]
-        if self._cat_results == 0:
-            if partial and len({p.batch_size for p in parts}) > 1 and parts[0].ndim > 1:
-                raise RuntimeError(
-                    "preempted batches of batched envs cannot be concatenated along dim 0; use cat_results=-1"
-                )
-            batch = cast("TensorDictBase", torch.cat(parts, 0))  # type: ignore[arg-type]
-        else:
-            batch = cast("TensorDictBase", torch.cat(parts, -1))  # type: ignore[arg-type]
-        batch.names = [None] * (batch.ndim - 1) + ["time"]
-        return batch, valid
+        uneven = partial and len({p.batch_size for p in parts}) > 1
+        if self._cat_results == 0 and uneven and parts[0].ndim > 1:
+            raise RuntimeError(
+                "preempted batches of batched envs cannot be concatenated along dim 0; use cat_results=-1"
+            )
+        return self._copies.cat(parts, 0 if self._cat_results == 0 else -1), valid
 
 
 class MultiSyncCollector(WorkersMixin, FleetCollector):

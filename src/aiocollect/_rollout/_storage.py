@@ -21,7 +21,7 @@ import torch
 
 from .._core._validation import batch_memory
 
-__all__ = ["StoragePool", "batch_specs"]
+__all__ = ["POOL_MIN_BYTES", "StoragePool", "batch_specs", "tensor_at"]
 
 _ALIGN = 64
 #: below this a batch is left to the allocator (glibc reuses heap memory under its mmap threshold)
@@ -69,6 +69,20 @@ class StoragePool:
                 return self._buffers[i]
         return None
 
+    def take_buffer(self, nbytes: int) -> np.ndarray:
+        """A ``uint8`` array of ``nbytes`` starting at a 64-byte boundary: a free pooled one (its pages
+        warm), else a new one (pooled from :data:`POOL_MIN_BYTES` on). It counts as in use while any array
+        made from it (a view, and so a tensor ``torch.from_numpy`` made of one) is alive."""
+        if nbytes < POOL_MIN_BYTES:
+            return _aligned_array(nbytes)
+        buffer = self._free_buffer(nbytes + _ALIGN)
+        if buffer is None:
+            buffer = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+            # the oldest buffers are forgotten (those still in use are freed by their users as usual)
+            self._buffers = [*self._buffers[-self.keep :], buffer]
+        start = -buffer.ctypes.data % _ALIGN
+        return buffer[start : start + nbytes]
+
     def take(self, specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
         return [tensor for tensor, _ in self.take_arrays(specs)]
 
@@ -79,7 +93,7 @@ class StoragePool:
         numpy lacks, such as bfloat16). Arrays are made first and wrapped by ``torch.from_numpy``: about
         4x cheaper than ``torch.empty`` followed by ``Tensor.numpy()`` for the small entries of a batch."""
         sizes = [prod(shape) * dtype.itemsize for shape, dtype in specs]
-        nbytes = sum(_aligned(n) for n in sizes) + _ALIGN
+        nbytes = sum(_aligned(n) for n in sizes)
         if nbytes < POOL_MIN_BYTES:
             out: list[tuple[torch.Tensor, np.ndarray | None]] = []
             for shape, dtype in specs:
@@ -90,23 +104,34 @@ class StoragePool:
                     array = np.empty(shape, dtype=np_dtype)
                     out.append((torch.from_numpy(array), array))
             return out
-        buffer = self._free_buffer(nbytes)
-        if buffer is None:
-            buffer = np.empty(nbytes, dtype=np.uint8)
-            # the oldest buffers are forgotten (those still in use are freed by their users as usual)
-            self._buffers = [*self._buffers[-self.keep :], buffer]
-        start = -buffer.ctypes.data % _ALIGN
+        buffer = self.take_buffer(nbytes)
         out = []
+        start = 0
         for (shape, dtype), size in zip(specs, sizes, strict=True):
-            raw = buffer[start : start + size]
-            np_dtype = _numpy_dtype(dtype)
-            if np_dtype is None:
-                out.append((torch.from_numpy(raw).view(dtype).view(shape), None))
-            else:
-                array = raw.view(np_dtype).reshape(shape)
-                out.append((torch.from_numpy(array), array))
+            out.append(tensor_at(buffer, start, size, shape, dtype))
             start += _aligned(size)
         return out
+
+
+def _aligned_array(nbytes: int) -> np.ndarray:
+    """A new ``uint8`` array of ``nbytes`` that starts at a 64-byte boundary."""
+    raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start : start + nbytes]
+
+
+def tensor_at(
+    buffer: np.ndarray, offset: int, nbytes: int, shape: Sequence[int], dtype: torch.dtype
+) -> tuple[torch.Tensor, np.ndarray | None]:
+    """The tensor of ``shape`` and ``dtype`` on ``buffer[offset : offset + nbytes]`` (a ``uint8`` array), and
+    the numpy array it is made of (``None`` for a dtype numpy lacks, such as bfloat16): either holds a
+    reference to ``buffer``, so that a :class:`StoragePool` sees it in use."""
+    raw = buffer[offset : offset + nbytes]
+    np_dtype = _numpy_dtype(dtype)
+    if np_dtype is None:
+        return torch.from_numpy(raw).view(dtype).view(tuple(shape)), None
+    array = raw.view(np_dtype).reshape(tuple(shape))
+    return torch.from_numpy(array), array
 
 
 _NUMPY_DTYPES: dict[torch.dtype, np.dtype[Any] | None] = {}

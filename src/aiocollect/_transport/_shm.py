@@ -89,8 +89,9 @@ class SharedBlock:
             finally:
                 os.close(fd)
             buf = self._mmap
-        data = torch.frombuffer(buf, dtype=torch.uint8, count=self.nbytes)
-        self.td: TensorDict = FlatBuffer(layout, data=data).views
+        #: the whole block as one ``uint8`` tensor (what a reader copies out in one go)
+        self.data: torch.Tensor = torch.frombuffer(buf, dtype=torch.uint8, count=self.nbytes)
+        self.td: TensorDict = FlatBuffer(layout, data=self.data).views
 
     def unlink(self) -> None:
         """Remove the segment (parent). Mappings stay valid until dropped."""
@@ -101,7 +102,7 @@ class SharedBlock:
                 pass
 
     def close(self) -> None:
-        self.td = None  # type: ignore[assignment]  # drop the views: the mapping can close
+        self.td = self.data = None  # type: ignore[assignment]  # drop the views: the mapping can close
         for closable in (self._shm, self._mmap):
             if closable is not None:
                 try:
