@@ -465,6 +465,17 @@ async def test_arguments_are_checked_first(kwargs, error, match) -> None:
         AsyncEnvCollector([lambda: built.append(1)] * 30, frames_per_batch=10)
 
 
+async def test_a_gym_env_wrapper_is_refused_with_its_fix() -> None:
+    """A ``GymEnv`` (TensorDict reset/step) is not a gymnasium env: named, closed, and the fix given."""
+    env = GymEnv("CartPole-v1")
+    closed = []
+    env.close = lambda: closed.append(True)
+    with pytest.raises(TypeError, match=r"env_fns\[0\] gave GymEnv.*gymnasium.make"):
+        async with AsyncEnvCollector([lambda: env], frames_per_batch=10):
+            pass
+    assert closed
+
+
 async def test_mismatched_spaces_are_refused_and_closed() -> None:
     envs = [Counter(0), gym.make("CartPole-v1")]
     with pytest.raises(ValueError, match=r"env_fns\[1\]"):

@@ -15,6 +15,7 @@ from gymnasium import spaces
 
 from .._envs._async import ThreadedAsyncEnv, is_async_vector_env
 from .._envs._async_vector import ThreadedAsyncVectorEnv
+from .._envs._gym import GymEnv
 from .._envs._multiagent._base import GroupedEnv
 from .._envs._spaces import LeafSpec, NestedKey, action_specs, flatten_obs, observation_specs
 
@@ -68,6 +69,13 @@ def _open(fn: Any, i: int, limiter: Any) -> Any:
             f"env_fns[{i}] gave {env!r}, a multi-agent env of the env protocol (PettingZooEnv, VmasEnv): "
             "AsyncEnvCollector steps async and gymnasium envs; collect it with Collector, MultiSyncCollector "
             "or MultiAsyncCollector"
+        )
+    if isinstance(env, GymEnv):  # its reset/step speak TensorDicts, not gymnasium's API
+        env.close()
+        raise TypeError(
+            f"env_fns[{i}] gave {env!r}, a GymEnv: AsyncEnvCollector steps gymnasium envs (and async ones) "
+            "itself; return the gymnasium env instead (gymnasium.make(...) or gymnasium.make_vec(...)), or "
+            "collect the GymEnv with Collector, MultiSyncCollector or MultiAsyncCollector"
         )
     if all(hasattr(env, m) for m in ("step", "reset", "observation_space", "action_space")):
         return ThreadedAsyncEnv(env, limiter=limiter)  # a gymnasium env: its calls run in worker threads
