@@ -416,7 +416,15 @@ def test_no_private_reach_into_a_fleet() -> None:
 def test_private_fleet_reaches_are_found() -> None:
     """The check itself: a reach through ``fleet``, ``w.fleet`` and ``self._fleet`` is found, a call of
     the handle's declared operations and a dunder are not."""
-    code = "fleet._hub.publish(e)\nw.fleet._closed = True\nw.fleet.discard(1)\nself._fleet._stats\nfleet.__class__\n"
+    code = "\n".join(
+        [
+            "fleet._hub.publish(e)",
+            "w.fleet._closed = True",
+            "w.fleet.discard(1)",
+            "self._fleet._stats",
+            "fleet.__class__",
+        ]
+    )
     assert [e for _, e in private_fleet_reaches(ast.parse(code))] == [
         "fleet._hub",
         "w.fleet._closed",

@@ -66,7 +66,7 @@ __all__ = [
 
 T = TypeVar("T", bound=Transport)
 
-#: the keywords a part of a keyword list leaves out take these
+#: the defaults of the keywords a caller leaves out (``MultiAsyncEnvCollector`` gives a part of the list)
 _DEFAULTS = keyword_list(WorkersKeywords).defaults
 
 
