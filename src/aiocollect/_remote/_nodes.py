@@ -324,9 +324,10 @@ class Nodes(Hosts, abc.ABC):
         """Send the weights; a copy of them when a relaunched group would load them (``restart=``)."""
         if self._failure is not None:
             raise self._failure
-        copy = None
-        if self.relauncher is not None:  # taken now, off the loop: the trainer's tensors change as it trains
-            copy = await anyio.to_thread.run_sync(lambda: weights.detach().clone())
+        copy, replacements = None, self.fleet.replacements
+        if self.relauncher is not None and replacements is not None:  # what a relaunched group loads
+            copy = await anyio.to_thread.run_sync(lambda: weights.detach().clone())  # as they are now
+            replacements.published(version, ids, copy)  # (before the send: a group relaunched meanwhile)
         await self._guard(partial(self._send_weights, weights, version, ids))
         for i in ids:
             self.nodes[i].since_update = 0

@@ -166,10 +166,11 @@ class RayCollector(FleetCollector):
         kwargs_list = with_restart(kwargs_list, kwargs["restart"])
         # pickled here (small: a bad one fails now); the policy once, in a thread, when entered
         check_keywords(collector_class, kwargs_list)
+        rollouts = member_rollouts(kwargs_list, per_actor_fpb)  # checked here, sent typed (and taken out)
         actors = ActorPlan(
             sync=sync,
             payloads=payloads(env_args, collector_class, kwargs_list, "actor"),
-            rollouts=member_rollouts(kwargs_list, per_actor_fpb),  # checked here, sent typed (and taken out)
+            rollouts=rollouts,
             remote_configs=[{**DEFAULT_REMOTE_CONFIG, **dict(rc)} for rc in remote_list],
             ray_init_config=dict(ray_init_config) if ray_init_config is not None else None,
             weights=weights,
