@@ -39,7 +39,7 @@ LONG_MODULES: dict[str, int] = {
     "aiocollect/_weightsync/_distributed.py": 483,
     "aiocollect/_policies/_fast.py": 598,
     # issue 30: trajs_per_batch; issue 29: stop flag, resume hooks; issue 28: restart=, Restarted events
-    "aiocollect/_local/_collector.py": 628,
+    "aiocollect/_local/_collector.py": 630,
     # the lifecycle every collector shares: issue 29's request_stop, issue 30's episode_statistics, issue 32's
     # trainer_wait
     "aiocollect/_local/_base.py": 415,  # issue 29: request_stop's hook for fleets (_stopping)

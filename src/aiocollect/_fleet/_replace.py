@@ -115,10 +115,6 @@ class Replacements:
         """Whether the policy answers ``error`` with a replacement."""
         return self.policy.counts(error)
 
-    def count(self, key: int) -> int:
-        """How many times slot ``key`` was replaced."""
-        return self._budget(key).count
-
     def busy(self, key: int) -> bool:
         """Whether slot ``key`` is being replaced (in the background)."""
         return key in self._running

@@ -240,7 +240,9 @@ class Collector(CollectorBase):
         return rounded
 
     @classmethod
-    async def create(cls, create_env_fn: Any, policy: Any = None, **kwargs: Any) -> Collector:
+    async def create(
+        cls, create_env_fn: Any, policy: Any = None, **kwargs: Unpack[CollectorKeywords]
+    ) -> Collector:
         """Build the collector in a worker thread: ``await Collector.create(...)`` takes the same arguments
         as ``Collector(...)``.
 
