@@ -114,7 +114,7 @@ LONG_FUNCTIONS: dict[str, int] = {
     "aiocollect/_local/_collector.py:Collector.__init__": 54,
     # explicit-keyword constructors that also check trajs_per_batch against the options that cut episodes
     "aiocollect/_asyncenv/_multi.py:MultiAsyncEnvCollector.__init__": 66,  # issue 27: its workers' body
-    "aiocollect/_remote/_ray.py:RayCollector.__init__": 51,
+    "aiocollect/_remote/_ray.py:RayCollector.__init__": 52,
     "aiocollect/_envs/_gym.py:GymEnv._run_gym_steps": 70,
     "aiocollect/_asyncenv/_run.py:Engine.__init__": 65,
     "aiocollect/_serve/_actions.py:batch_action_checker": 54,
