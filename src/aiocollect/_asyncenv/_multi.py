@@ -15,10 +15,10 @@ from tensordict.nn import InteractionType
 from .._core._mistakes import explicit_keywords
 from .._core._restart import RestartPolicy
 from .._core._validation import lag_arg, optional_callable
-from .._fleet._collector import Arrival, FleetCollector
+from .._fleet._collector import FleetCollector
 from .._multi._async import FirstReady
 from .._multi._episodes import Episodes
-from .._multi._workers import Workers, WorkersMixin, init_workers
+from .._multi._workers import Arrival, WorkersMixin, WorkersView
 from .._observe._events import WorkerFailed
 from .._transport._messages import RunFree
 from .._weightsync._schemes import WeightSync
@@ -83,13 +83,13 @@ class _EnvsFirstReady(FirstReady):
         self._track_versions = track_versions
         self._cut = [0] * workers  # per worker: the newest floor one of its batches was dropped at
 
-    def stale(self, w: Workers, index: int, policy_version: int) -> bool:
+    def stale(self, w: WorkersView, index: int, policy_version: int) -> bool:
         stale = super().stale(w, index, policy_version)
         if stale:  # dropped: see next_batch
             self._cut[index] = max(self._cut[index], w.floors[index])
         return stale
 
-    async def next_batch(self, w: Workers) -> Arrival:
+    async def next_batch(self, w: WorkersView) -> Arrival:
         """The next batch whose every frame is at or above its worker's floor, and that continues no
         trajectory of a batch dropped here under the same id.
 
@@ -106,11 +106,11 @@ class _EnvsFirstReady(FirstReady):
                 self._cut[index] = max(self._cut[index], floor)
             elif int(batch.get(FLOOR)[0]) >= self._cut[index]:
                 break
-            w.fleet._dropped_frames += out.frames
+            w.fleet.discard(out.frames)
         out.batch = batch.exclude(FLOOR) if self._track_versions else batch.exclude(FLOOR, VERSION)
         return out
 
-    async def flush(self, w: Workers) -> None:
+    async def flush(self, w: WorkersView) -> None:
         """Every worker restarted its engine and waits (see ``_worker.py``): drop the batches waiting
         in the slots (counted as discarded), hand the slots back, then let the workers send again."""
         pool = w.pool
@@ -118,14 +118,14 @@ class _EnvsFirstReady(FirstReady):
         with anyio.CancelScope(shield=True):
             for item in self._take_waiting(pool):
                 if isinstance(item, tuple):
-                    w.fleet._dropped_frames += item[1].frames
+                    w.fleet.discard(item[1].frames)
                     await self._release(pool, item[0], item[1].slot)
                 else:  # the pool's failure: raised by whoever reads next
                     self._backlog.append(item)
             for i in range(len(pool.workers)):
                 await pool.send(i, RunFree(random_frames=0))
 
-    async def load_behind(self, w: Workers, raised: list[int]) -> None:
+    async def load_behind(self, w: WorkersView, raised: list[int]) -> None:
         """The workers whose floor rose and that run older weights load the new ones now, not after
         their next batch (each drops the frames it holds below the floor; its next batch would be
         dropped otherwise)."""
@@ -295,10 +295,10 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
         self._env_ids = EnvIds(len(shares))  # each worker's first env id, once every worker built its envs
         first_ready = _EnvsFirstReady(len(shares), options.track_policy_version)
         delivery = Episodes.over(first_ready, trajs, group_size=group, on_update=update)
-        self._workers = init_workers(
-            self,
+        self._init_workers(
             [EnvShare(share) for share in shares],
             policy,
+            delivery,
             # the per-worker values checked (the trainer's options are built from the same keywords)
             frames_per_batch=list(options.per_worker),
             total_frames=options.total_frames,
@@ -318,7 +318,6 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
             traj_id_start=traj_id_start,
             traj_id_stride=traj_id_stride,
             restart=restart,  # worker processes that die or hang are replaced (their envs: the options)
-            delivery=delivery,
             body=functools.partial(run_async_worker, options),  # each worker: options.for_member()
             on_message=self._worker_message,
         )
@@ -351,7 +350,7 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
 
     # -- seeds, resets, checkpoints (served by each worker's AsyncEnvCollector: _worker.py) -------------
     def _check_env_state(self, envs: bool) -> None:
-        if envs and self._episodes is not None:  # type: ignore[attr-defined]
+        if envs and self._episodes is not None:
             raise ValueError(
                 "state_dict(envs=True) with trajs_per_batch: the trajectories being assembled are not saved; "
                 "save without envs (the envs then start from reset at a resume)"
