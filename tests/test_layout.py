@@ -125,8 +125,6 @@ LONG_FUNCTIONS: dict[str, int] = {
     "aiocollect/_multi/_workers.py:Workers._start": 52,  # issue 28: the pool's restart= and its respawns
     "aiocollect/_local/_collector.py:Collector.__init__": 54,
     # explicit-keyword constructors that also check trajs_per_batch against the options that cut episodes
-    # issue 27: its workers' body; issue 40: AsyncEnvOptions built once, sent to the workers
-    "aiocollect/_asyncenv/_multi.py:MultiAsyncEnvCollector.__init__": 58,
     "aiocollect/_remote/_ray.py:RayCollector.__init__": 52,
     "aiocollect/_envs/_gym.py:GymEnv._run_gym_steps": 70,
     "aiocollect/_serve/_actions.py:batch_action_checker": 54,

@@ -9,11 +9,13 @@ starts (the keywords are checked first).
 from __future__ import annotations
 
 from aiocollect import (
+    AsyncEnvCollector,
     Collector,
     DistributedCollector,
     DistributedSyncCollector,
     GymEnv,
     MultiAsyncCollector,
+    MultiAsyncEnvCollector,
     MultiSyncCollector,
     ProcessCollector,
     RayCollector,
@@ -57,4 +59,23 @@ def ray() -> object:
     return RayCollector(make_env, num_collectors=2, frames_per_batch=8, total_frame=16)
 
 
-CALLS = [collector, multi_sync, multi_async, process, distributed, distributed_sync, rpc, ray]
+def async_envs() -> object:
+    return AsyncEnvCollector([make_env] * 2, frames_per_batch=8, total_frame=16)
+
+
+def multi_async_envs() -> object:
+    return MultiAsyncEnvCollector([[make_env]] * 2, frames_per_batch=8, total_frame=16)
+
+
+CALLS = [
+    collector,
+    multi_sync,
+    multi_async,
+    process,
+    distributed,
+    distributed_sync,
+    rpc,
+    ray,
+    async_envs,
+    multi_async_envs,
+]

@@ -6,14 +6,11 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Unpack
 
 import anyio
-from tensordict import TensorDictBase
-from tensordict.nn import InteractionType
 
 from .._core._mistakes import explicit_keywords
-from .._core._restart import RestartPolicy
 from .._core._validation import lag_arg, optional_callable
 from .._fleet._collector import FleetCollector
 from .._multi._async import FirstReady
@@ -21,8 +18,8 @@ from .._multi._episodes import Episodes
 from .._multi._workers import Arrival, WorkersMixin, WorkersView
 from .._observe._events import WorkerFailed
 from .._transport._messages import RunFree
-from .._weightsync._schemes import WeightSync
 from ._collector import Finish
+from ._keywords import MULTI_OPTION_KEYWORDS, POOL_KEYWORDS, MultiAsyncEnvKeywords, picked
 from ._options import UNSUPPORTED, AsyncEnvOptions, shares_arg
 from ._restarts import restart_arg
 from ._worker import EnvOffset, EnvRows, EnvShare, run_async_worker
@@ -226,69 +223,22 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
     #: built them (a vector env's sub-envs are counted then)
     num_envs: int
 
-    @explicit_keywords(refused=UNSUPPORTED)
+    @explicit_keywords(refused=UNSUPPORTED, keywords=MultiAsyncEnvKeywords)
     def __init__(
         self,
         env_fns_per_worker: Sequence[Sequence[Callable[[], Any]]],
         policy: Any = None,
-        *,
-        frames_per_batch: int | Sequence[int] | None = None,
-        total_frames: int | None = -1,
-        trajs_per_batch: int | None = None,
-        min_batch: int | None = None,
-        max_wait: float = 0.002,
-        max_frames_per_traj: int | None = None,
-        init_random_frames: int | None = None,
-        split_trajs: bool = False,
-        exploration_type: str | InteractionType = "random",
-        seed: int | None = None,
-        track_policy_version: bool = False,
-        on_env_error: str = "raise",
-        max_policy_lag: int | None = None,
-        update_at_each_batch: bool = False,
-        prefetch: int | None = None,
-        loop: Literal["asyncio", "uvloop", "trio"] = "asyncio",
-        postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
-        replay_buffer: Any = None,
-        storing_device: Any = None,
-        progress: Any = None,
-        num_threads: int | None = None,
-        num_sub_threads: int = 1,
-        worker_backend: Literal["process", "serial"] = "process",
-        start_method: str | None = None,
-        weight_sync: WeightSync | None = None,
-        worker_timeout: float | None = None,
-        traj_id_start: int = 0,
-        traj_id_stride: int = 1,
-        restart: RestartPolicy | None = None,
-        group_size: int | None = None,
-        on_update: str = "continue",
+        **kwargs: Unpack[MultiAsyncEnvKeywords],
     ) -> None:
+        kw = kwargs
         shares = shares_arg(env_fns_per_worker)
-        lag = lag_arg(max_policy_lag)
+        lag = lag_arg(kw["max_policy_lag"])
         options = AsyncEnvOptions.of(
             "MultiAsyncEnvCollector",
             [len(share) for share in shares],
-            frames_per_batch=frames_per_batch,
-            total_frames=total_frames,
-            trajs_per_batch=trajs_per_batch,
-            group_size=group_size,
-            on_update=on_update,
-            min_batch=min_batch,
-            max_wait=max_wait,
-            max_frames_per_traj=max_frames_per_traj,
-            split_trajs=split_trajs,
-            exploration_type=exploration_type,
-            seed=seed,
-            track_policy_version=track_policy_version,
-            on_env_error=on_env_error,
-            prefetch=prefetch,
-            restart=restart_arg(restart, [fn for share in shares for fn in share]),
+            **picked(kw, MULTI_OPTION_KEYWORDS),
+            restart=restart_arg(kw["restart"], [fn for share in shares for fn in share]),
             max_policy_lag=lag,
-            init_random_frames=init_random_frames,
-            loop=loop,
-            traj_id_start=traj_id_start,
-            traj_id_stride=traj_id_stride,
         )
         trajs, group, update = options.trajs_per_batch, options.group_size, options.on_update
         self.num_envs = sum(len(share) for share in shares)
@@ -299,25 +249,13 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
             [EnvShare(share) for share in shares],
             policy,
             delivery,
+            picked(kw, POOL_KEYWORDS),  # worker processes that die or hang are replaced (restart=)
             # the per-worker values checked (the trainer's options are built from the same keywords)
             frames_per_batch=list(options.per_worker),
             total_frames=options.total_frames,
             init_random_frames=options.random_frames,
-            postproc=Finish(options, optional_callable("postproc", postproc)),
-            replay_buffer=replay_buffer,
-            storing_device=storing_device,
+            postproc=Finish(options, optional_callable("postproc", kw["postproc"])),
             max_policy_lag=lag,
-            update_at_each_batch=update_at_each_batch,
-            progress=progress,
-            num_threads=num_threads,
-            num_sub_threads=num_sub_threads,
-            worker_backend=worker_backend,
-            start_method=start_method,
-            weight_sync=weight_sync,
-            worker_timeout=worker_timeout,
-            traj_id_start=traj_id_start,
-            traj_id_stride=traj_id_stride,
-            restart=restart,  # worker processes that die or hang are replaced (their envs: the options)
             body=functools.partial(run_async_worker, options),  # each worker: options.for_member()
             on_message=self._worker_message,
         )
