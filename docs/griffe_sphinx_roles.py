@@ -8,6 +8,10 @@
   one entry per name.
 * ``Args:`` entries for arguments that reach ``__init__`` through ``**kwargs`` (documented on a subclass,
   defined by a base class) move to a ``Keyword Args:`` section, typed from the base class's signature.
+* A constructor that takes a keyword list as ``**kwargs: Unpack[SomeKeywords]`` (a ``TypedDict`` whose
+  values carry their defaults, ``Annotated[type, Default(value)]``; see ``src/aiocollect/_core/_mistakes.py``)
+  shows its keywords instead, one keyword-only parameter each, typed and with its default, as ``help()``
+  does.
 
 Used by ``mkdocs.yml``; the source docstrings stay plain Google style with Sphinx roles.
 """
@@ -54,10 +58,37 @@ class SphinxRoles(griffe.Extension):
     def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
         self._walk(pkg, set())
 
+    @staticmethod
+    def _keyword_list(func: griffe.Function) -> None:
+        """``**kwargs: Unpack[SomeKeywords]`` -> the keywords of ``SomeKeywords`` (its bases' first)."""
+        var = [p for p in func.parameters if p.kind is griffe.ParameterKind.var_keyword]
+        ann = var[0].annotation if var else None
+        if not (isinstance(ann, griffe.ExprSubscript) and str(ann.left) == "Unpack"):
+            return
+        keywords = func.modules_collection[ann.slice.canonical_path]  # type: ignore[union-attr]
+        listed: dict[str, griffe.Parameter] = {}
+        for klass in [*reversed(keywords.mro()), keywords]:
+            for member in klass.members.values():
+                value = getattr(member, "annotation", None)
+                if not member.is_attribute or not isinstance(value, griffe.ExprSubscript):
+                    continue
+                default = None
+                if str(value.left) == "Annotated":
+                    value, default = value.slice.elements[0], value.slice.elements[1].arguments[0]
+                elif str(value.left) == "Required":
+                    value = value.slice
+                kind = griffe.ParameterKind.keyword_only
+                param = griffe.Parameter(member.name, annotation=value, kind=kind, default=default)
+                listed[member.name] = param
+        kept = [p for p in func.parameters if p is not var[0]]
+        func.parameters = griffe.Parameters(*kept, *listed.values())
+
     def _walk(self, obj: griffe.Object, seen: set[str]) -> None:
         if obj.path in seen:
             return
         seen.add(obj.path)
+        if isinstance(obj, griffe.Function):
+            self._keyword_list(obj)
         if obj.docstring is not None:
             value = _ROLE.sub(self._role, obj.docstring.value)
             value = _EXAMPLE.sub(r"\1Examples:", value)

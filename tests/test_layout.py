@@ -39,24 +39,17 @@ LONG_MODULES: dict[str, int] = {
     "aiocollect/_weightsync/_distributed.py": 483,
     "aiocollect/_policies/_fast.py": 598,
     # issue 30: trajs_per_batch; issue 29: stop flag, resume hooks; issue 28: restart=, Restarted events
-    "aiocollect/_local/_collector.py": 678,
+    "aiocollect/_local/_collector.py": 630,
     # the lifecycle every collector shares: issue 29's request_stop, issue 30's episode_statistics, issue 32's
     # trainer_wait
     "aiocollect/_local/_base.py": 415,  # issue 29: request_stop's hook for fleets (_stopping)
-    # issue 30: trajs_per_batch (two explicit-keyword constructors); issue 28: restart=
-    # issue 28 step 2: FirstReady.replaced (a replaced worker collects freely again); issue 29: _halt;
-    # issue 30: on_update, group_size
-    "aiocollect/_multi/_async.py": 461,
-    # two public collectors' explicit keyword signatures (DistributedCollector, DistributedSyncCollector) and
-    # GlooNodes, their transport (issue 27: DistributedSyncCollector subclasses DistributedCollector no more)
-    "aiocollect/_remote/_gloo.py": 471,
     "aiocollect/_remote/_launchers.py": 465,  # issue 28: Launcher.relaunchable
     # issue 28: env restarts within a batch (Rollout._run_restarting); issue 34: a restarted pool per step
     "aiocollect/_rollout/_core.py": 688,
     "aiocollect/_serve/_ws.py": 585,
-    # issue 28: each worker's env restarts, events and counts; step 2: worker replacement hooks (_spawn,
-    # doomed workers, calls raced against a worker's exit), the Replacer itself in _replace.py
-    "aiocollect/_workers/_pool.py": 483,
+    # issue 28: each worker's env restarts, events and counts; step 2: worker replacement hooks (spawn,
+    # doomed workers, calls raced against a worker's exit), the respawn itself in _replace.py
+    "aiocollect/_workers/_pool.py": 476,
     # issue 28: env restarts (factory, seeds, BatchReady.restarts); step 2: steps begun counted (_Counting);
     # issue 29: a halted worker starts no batch and drops the one it cut
     "aiocollect/_workers/_worker.py": 538,
@@ -65,38 +58,43 @@ LONG_MODULES: dict[str, int] = {
 #: cohesive modules allowed past the target, each with the size it may reach and why
 EXEMPT_MODULES: dict[str, tuple[int, str]] = {
     "aiocollect/_fleet/_collector.py": (
-        564,
+        552,
         "FleetCollector is the one collector over several members (iteration, weights, state dict, seeds, "
-        "getattr_*, statistics, written once for every transport: worker pools, nodes, actors) beside the "
-        "Transport protocol it holds; issue 43: state_dict saves the newest weights published (a copy) and "
-        "load_state_dict runs them as the saved version, with the members' restart counts; a forgotten await "
-        "names the subclass (__init_subclass__), a rounded frames_per_batch is warned about",
+        "getattr_*, statistics, written once for every transport: worker pools, nodes, actors) and the "
+        "handle it hands its transport (issue 40: what a transport may do to it, declared in "
+        "_transport.py, reading the collector's own state); issue 43: state_dict saves the newest weights "
+        "published (a copy) and load_state_dict runs them as the saved version, with the members' restart "
+        "counts; a forgotten await names the subclass (__init_subclass__), a rounded frames_per_batch is "
+        "warned about",
     ),
     "aiocollect/_multi/_workers.py": (
-        579,
+        566,
         "Workers is one transport: the worker pool of a multi-process collector, its control block and "
         "weight sender (MultiCollectorBase's 601 lines once, with its own iteration, weights and state "
-        "dict); issue 28: bringing a replaced worker up to date (seed, weights, its delivery)",
+        "dict); its keywords checked into a plan (init_workers); what a replacement asks of it (issue "
+        "40: the replacement is the fleet's, the respawn the pool's)",
     ),
     "aiocollect/_remote/_nodes.py": (
-        744,
-        743,
+        758,
         "Nodes is one transport: the connections of a set of nodes and the batches and weights asked of "
         "them (NodeFleet and RemoteCollectorBase's iteration, once split over _nodes.py and _trainer.py "
         "as base and subclass; 882 lines together then, 811 now); issue 28: the hooks of a group "
         "relaunch (one I/O task group per group, a round or a call that meets a lost group runs again on "
         "the next, the frames lost in flight; the relaunch itself is _relaunch.py); +3: the batch being "
         "delivered counts as outstanding until recorded (the nodes are asked for total_frames, no more); "
-        "+3 (issue 43): a node's restarts as they happen (NodeRestarts on the control connection)",
+        "issue 40: the group relaunch is declared here (Relaunching) and handed in, so that _relaunch.py "
+        "imports this module and not the other way round, and the weights a relaunched group loads are "
+        "copied when published (the replacement itself is the fleet's, _fleet/_replace.py); +3 (issue "
+        "43): a node's restarts as they happen (NodeRestarts on the control connection)",
     ),
     "aiocollect/_remote/_ray_fleet.py": (
-        521,
-        521,
+        533,
         "RayActors is one transport: the actors of a RayCollector, their batches and weights (ActorFleet "
         "and RayCollector's iteration, once split over _ray_fleet.py and _ray.py as base and subclass; "
         "810 lines together then, 682 now); issue 28: a replaced actor's slot (new_actor, the restart "
-        "policy's paths in both deliveries; the replacement itself is _ray_replace.py); issue 43: an "
-        "actor's restarts as they happen (watch_restarts, one call waiting in each actor)",
+        "policy's paths in both deliveries; the respawn itself is _ray_replace.py, handed in as "
+        "ActorReplacing, declared here, so that it imports this module and not the other way round); "
+        "issue 43: an actor's restarts as they happen (watch_restarts, one call waiting in each actor)",
     ),
     "aiocollect/_asyncenv/_collector.py": (
         851,
@@ -117,21 +115,17 @@ LONG_FUNCTIONS: dict[str, int] = {
     "aiocollect/_asyncenv/_run.py:LoopSteps._env_task": 77,
     "aiocollect/dashboard/_routes.py:build_app": 69,
     # the multi-process collectors' keywords checked into options (MultiCollectorBase.__init__, 67, once)
-    "aiocollect/_multi/_workers.py:init_workers": 65,
+    "aiocollect/_multi/_workers.py:init_workers": 55,
     "aiocollect/_envs/_gym.py:GymEnv._step_env_action": 67,
     "aiocollect/_remote/_ray_fleet.py:RayActors.start": 54,
     "aiocollect/_rollout/_core.py:Rollout._run": 69,  # issue 34: a pool under a RestartPolicy steps per step
     "aiocollect/_rollout/_core.py:Rollout._finish": 52,  # issue 30: group ids
     "aiocollect/_envs/_gym.py:GymEnv.__init__": 63,
     "aiocollect/_policies/_fast.py:_Compiler._prob_module": 61,
-    "aiocollect/_multi/_workers.py:Workers._start": 53,  # issue 28: the pool's restart= and on_replaced
-    "aiocollect/_multi/_sync.py:Gather.next_batch": 51,  # issue 28: the gather's notices, for a replacement
-    "aiocollect/_local/_collector.py:Collector.__init__": 67,
+    "aiocollect/_multi/_workers.py:Workers._start": 52,  # issue 28: the pool's restart= and its respawns
+    "aiocollect/_local/_collector.py:Collector.__init__": 54,
     # explicit-keyword constructors that also check trajs_per_batch against the options that cut episodes
-    "aiocollect/_multi/_sync.py:MultiSyncCollector.__init__": 59,
-    # issue 27: its workers' body; issue 40: AsyncEnvOptions built once, sent to the workers
-    "aiocollect/_asyncenv/_multi.py:MultiAsyncEnvCollector.__init__": 58,
-    "aiocollect/_remote/_ray.py:RayCollector.__init__": 59,
+    "aiocollect/_remote/_ray.py:RayCollector.__init__": 52,
     "aiocollect/_envs/_gym.py:GymEnv._run_gym_steps": 70,
     "aiocollect/_serve/_actions.py:batch_action_checker": 54,
 }
@@ -381,13 +375,7 @@ def import_circles(graph: dict[tuple[str, ...], set[tuple[str, ...]]]) -> list[l
 
 
 #: import circles still there (issue 40 removes them; may only shrink)
-KNOWN_CIRCLES: list[list[str]] = [
-    ["_workers._pool", "_workers._replace"],
-    ["_multi._delivery", "_multi._episodes", "_multi._workers"],
-    ["_remote._nodes", "_remote._relaunch", "_remote._trainer"],
-    ["_remote._ray_fleet", "_remote._ray_replace"],
-    ["dashboard._app", "dashboard._guard", "dashboard._routes"],
-]
+KNOWN_CIRCLES: list[list[str]] = []
 
 
 def test_no_import_circles() -> None:
@@ -404,6 +392,52 @@ def test_import_circles_are_found() -> None:
     found = sorted(import_circles(graph))
     assert found == [["a", "b", "c"], ["p", "p.m"]]
     assert import_circles({("a",): {("b",)}, ("b",): set()}) == []
+
+
+def private_fleet_reaches(tree: ast.AST) -> list[tuple[int, str]]:
+    """``(line, expression)`` of every private attribute reached through a fleet: a receiver named
+    ``fleet`` or ``_fleet`` (``fleet._hub``, ``w.fleet._closed``, ``self._fleet._stats``)."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        receiver = node.value
+        name = receiver.id if isinstance(receiver, ast.Name) else getattr(receiver, "attr", None)
+        if name in ("fleet", "_fleet"):
+            found.append((node.lineno, ast.unparse(node)))
+    return sorted(found)
+
+
+def test_no_private_reach_into_a_fleet() -> None:
+    """A transport, and a delivery of its, acts on its fleet through the handle the fleet hands it
+    (``_fleet/_transport.py``'s ``FleetHandle``), never through the fleet's private names: no module outside
+    ``_fleet/`` reaches a private attribute through a fleet."""
+    reaches = [
+        f"{rel(path)}:{line} {expression}"
+        for path, tree in TREES.items()
+        if module_parts(path)[:1] != ("_fleet",)
+        for line, expression in private_fleet_reaches(tree)
+    ]
+    assert not reaches, "private names reached through a fleet: " + "; ".join(reaches)
+
+
+def test_private_fleet_reaches_are_found() -> None:
+    """The check itself: a reach through ``fleet``, ``w.fleet`` and ``self._fleet`` is found, a call of
+    the handle's declared operations and a dunder are not."""
+    code = "\n".join(
+        [
+            "fleet._hub.publish(e)",
+            "w.fleet._closed = True",
+            "w.fleet.discard(1)",
+            "self._fleet._stats",
+            "fleet.__class__",
+        ]
+    )
+    assert [e for _, e in private_fleet_reaches(ast.parse(code))] == [
+        "fleet._hub",
+        "w.fleet._closed",
+        "self._fleet._stats",
+    ]
 
 
 def test_package_root_is_small() -> None:

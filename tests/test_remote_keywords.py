@@ -86,3 +86,17 @@ def test_a_weight_schedule_object_is_accepted(cls):
     assert schedule(c).interval == 2
     with pytest.raises(TypeError, match="both given"):
         make(cls, ConstantPolicy(), weights=WeightSchedule(), max_weight_update_interval=2)
+
+
+@pytest.mark.parametrize("cls", ENGINES)
+def test_rollout_keywords_travel_typed_and_leave_the_pickled_keywords(cls):
+    """``collector_kwargs``' rollout keywords become each member's ``RolloutOptions`` and are taken out of
+    the keywords pickled for it (the member's collector is built with ``rollout=``, which refuses both)."""
+    import cloudpickle
+
+    c = make(cls, collector_kwargs={"max_frames_per_traj": 5, "track_policy_version": True})
+    plan = c._transport.plan
+    assert [r.max_frames_per_traj for r in plan.rollouts] == [5, 5]
+    for payload in plan.payloads:
+        _, _, kwargs = cloudpickle.loads(payload)
+        assert kwargs == {"track_policy_version": True}

@@ -21,6 +21,7 @@ import aiocollect
 
 ROOT = Path(__file__).resolve().parents[1]
 USER_SCRIPT = ROOT / "tests" / "typing_user.py"
+TYPO_SCRIPT = ROOT / "tests" / "typing_typo.py"
 COLLECTORS = [
     "Collector",
     "MultiSyncCollector",
@@ -31,6 +32,8 @@ COLLECTORS = [
     "RPCCollector",
     "RayCollector",
 ]
+#: the collectors whose misspelt keyword tests/typing_typo.py writes: every public one
+TYPO_COLLECTORS = [*COLLECTORS, "AsyncEnvCollector", "MultiAsyncEnvCollector"]
 
 pytest.importorskip("mypy", reason="the typing test needs mypy (pip install 'aiocollect[test]')")
 
@@ -70,3 +73,27 @@ def test_examples_and_a_user_script_pass_mypy_strict() -> None:
     pairs = list(zip(revealed[0:-1:2], revealed[1:-1:2], strict=True))
     assert pairs == [(qualified(name), "tensordict.base.TensorDictBase") for name in COLLECTORS]
     assert revealed[-1] == "int"
+
+
+def test_a_misspelt_keyword_is_a_type_error_and_a_did_you_mean_at_run_time() -> None:
+    """Each public collector's keyword list reaches mypy (``**kwargs: Unpack[...]``): a misspelt keyword is
+    an error on its line; at run time the same call raises ``TypeError`` with the keyword meant."""
+    import importlib.util
+
+    result = run_mypy(TYPO_SCRIPT)
+    flagged = re.findall(
+        r'typing_typo\.py:\d+: error: Unexpected keyword argument "total_frame" for "(\w+)"', result.stdout
+    )
+    assert flagged == TYPO_COLLECTORS, result.stdout
+    errors = [line for line in result.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == len(TYPO_COLLECTORS), "\n".join(errors)
+    spec = importlib.util.spec_from_file_location("typing_typo", TYPO_SCRIPT)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for call, name in zip(script.CALLS, TYPO_COLLECTORS, strict=True):
+        with pytest.raises(TypeError) as info:
+            call()
+        message = str(info.value)
+        assert message.startswith(f"{name}() got an unexpected keyword argument 'total_frame'"), message
+        assert "did you mean 'total_frames'?" in message, message

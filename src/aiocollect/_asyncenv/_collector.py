@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import anyio
 import anyio.abc
 import anyio.to_thread
 import torch
 from tensordict import TensorDictBase
-from tensordict.nn import InteractionType
 
 from .._core._gcfreeze import GcHold
 from .._core._mistakes import explicit_keywords, warn_user
-from .._core._restart import RestartPolicy, derive_seed
+from .._core._restart import derive_seed
 from .._core._resume import derived_seed, to_plain
 from .._core._rng import RolloutRNG
 from .._core._validation import flag, optional_callable, policy_arg, replay_buffer_arg, seed_arg
@@ -44,6 +43,7 @@ from ._checkpoint import (
 from ._engine import Engine, Stepper
 from ._envset import EnvSet, env_fns_arg, open_envs
 from ._fused import FusedSteps
+from ._keywords import OPTION_KEYWORDS, AsyncEnvKeywords, picked
 from ._options import AsyncEnvOptions
 from ._policy import BatchPolicy, RandomFirst, is_async_policy
 from ._restarts import env_restarts, restart_arg
@@ -149,59 +149,25 @@ class AsyncEnvCollector(CollectorBase):
         torch.Size([500]) 100
     """
 
-    @explicit_keywords
+    @explicit_keywords(keywords=AsyncEnvKeywords)
     def __init__(
         self,
         env_fns: Sequence[Callable[[], Any] | AsyncVectorEnvProtocol],
         policy: Any = None,
-        *,
-        frames_per_batch: int | None = None,
-        total_frames: int | None = -1,
-        trajs_per_batch: int | None = None,
-        min_batch: int | None = None,
-        max_wait: float = 0.002,
-        max_frames_per_traj: int | None = None,
-        split_trajs: bool = False,
-        exploration_type: str | InteractionType = "random",
-        seed: int | None = None,
-        track_policy_version: bool = False,
-        on_env_error: str = "raise",
-        prefetch: int = 1,
-        postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
-        replay_buffer: Any = None,
-        progress: Any = None,
-        freeze_gc: bool = True,
-        restart: RestartPolicy | None = None,
-        group_size: int | None = None,
-        on_update: str = "continue",
-        fused: bool | None = None,
+        **kwargs: Unpack[AsyncEnvKeywords],
     ) -> None:
+        kw = kwargs
         env_fns = env_fns_arg(env_fns)  # every argument is checked here, before any env is built
         options = AsyncEnvOptions.of(
             "AsyncEnvCollector",
             [len(env_fns)],
             policy=policy,
-            frames_per_batch=frames_per_batch,
-            total_frames=total_frames,
-            trajs_per_batch=trajs_per_batch,
-            group_size=group_size,
-            on_update=on_update,
-            min_batch=min_batch,
-            max_wait=max_wait,
-            max_frames_per_traj=max_frames_per_traj,
-            split_trajs=split_trajs,
-            exploration_type=exploration_type,
-            seed=seed,
-            track_policy_version=track_policy_version,
-            on_env_error=on_env_error,
-            prefetch=prefetch,
-            restart=restart_arg(restart, env_fns),
-            fused=fused,
+            **picked(kw, (*OPTION_KEYWORDS, "fused")),
+            restart=restart_arg(kw["restart"], env_fns),
         )
-        postproc = optional_callable("postproc", postproc)
-        self._setup(
-            env_fns, policy, options, None, postproc, replay_buffer_arg(replay_buffer), progress, freeze_gc
-        )
+        postproc = optional_callable("postproc", kw["postproc"])
+        replay_buffer, progress = replay_buffer_arg(kw["replay_buffer"]), kw["progress"]
+        self._setup(env_fns, policy, options, None, postproc, replay_buffer, progress, kw["freeze_gc"])
 
     def _setup(
         self,

@@ -6,23 +6,20 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Unpack
 
 import anyio
-from tensordict import TensorDictBase
-from tensordict.nn import InteractionType
 
 from .._core._mistakes import explicit_keywords
-from .._core._restart import RestartPolicy
 from .._core._validation import lag_arg, optional_callable
-from .._fleet._collector import Arrival, FleetCollector
+from .._fleet._collector import FleetCollector
 from .._multi._async import FirstReady
 from .._multi._episodes import Episodes
-from .._multi._workers import Workers, WorkersMixin, init_workers
+from .._multi._workers import Arrival, WorkersMixin, WorkersView
 from .._observe._events import WorkerFailed
 from .._transport._messages import RunFree
-from .._weightsync._schemes import WeightSync
 from ._collector import Finish
+from ._keywords import MULTI_OPTION_KEYWORDS, POOL_KEYWORDS, MultiAsyncEnvKeywords, picked
 from ._options import UNSUPPORTED, AsyncEnvOptions, shares_arg
 from ._restarts import restart_arg
 from ._worker import EnvOffset, EnvRows, EnvShare, run_async_worker
@@ -83,13 +80,13 @@ class _EnvsFirstReady(FirstReady):
         self._track_versions = track_versions
         self._cut = [0] * workers  # per worker: the newest floor one of its batches was dropped at
 
-    def stale(self, w: Workers, index: int, policy_version: int) -> bool:
+    def stale(self, w: WorkersView, index: int, policy_version: int) -> bool:
         stale = super().stale(w, index, policy_version)
         if stale:  # dropped: see next_batch
             self._cut[index] = max(self._cut[index], w.floors[index])
         return stale
 
-    async def next_batch(self, w: Workers) -> Arrival:
+    async def next_batch(self, w: WorkersView) -> Arrival:
         """The next batch whose every frame is at or above its worker's floor, and that continues no
         trajectory of a batch dropped here under the same id.
 
@@ -106,11 +103,11 @@ class _EnvsFirstReady(FirstReady):
                 self._cut[index] = max(self._cut[index], floor)
             elif int(batch.get(FLOOR)[0]) >= self._cut[index]:
                 break
-            w.fleet._dropped_frames += out.frames
+            w.fleet.discard(out.frames)
         out.batch = batch.exclude(FLOOR) if self._track_versions else batch.exclude(FLOOR, VERSION)
         return out
 
-    async def flush(self, w: Workers) -> None:
+    async def flush(self, w: WorkersView) -> None:
         """Every worker restarted its engine and waits (see ``_worker.py``): drop the batches waiting
         in the slots (counted as discarded), hand the slots back, then let the workers send again."""
         pool = w.pool
@@ -118,14 +115,14 @@ class _EnvsFirstReady(FirstReady):
         with anyio.CancelScope(shield=True):
             for item in self._take_waiting(pool):
                 if isinstance(item, tuple):
-                    w.fleet._dropped_frames += item[1].frames
+                    w.fleet.discard(item[1].frames)
                     await self._release(pool, item[0], item[1].slot)
                 else:  # the pool's failure: raised by whoever reads next
                     self._backlog.append(item)
             for i in range(len(pool.workers)):
                 await pool.send(i, RunFree(random_frames=0))
 
-    async def load_behind(self, w: Workers, raised: list[int]) -> None:
+    async def load_behind(self, w: WorkersView, raised: list[int]) -> None:
         """The workers whose floor rose and that run older weights load the new ones now, not after
         their next batch (each drops the frames it holds below the floor; its next batch would be
         dropped otherwise)."""
@@ -226,99 +223,39 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
     #: built them (a vector env's sub-envs are counted then)
     num_envs: int
 
-    @explicit_keywords(refused=UNSUPPORTED)
+    @explicit_keywords(refused=UNSUPPORTED, keywords=MultiAsyncEnvKeywords)
     def __init__(
         self,
         env_fns_per_worker: Sequence[Sequence[Callable[[], Any]]],
         policy: Any = None,
-        *,
-        frames_per_batch: int | Sequence[int] | None = None,
-        total_frames: int | None = -1,
-        trajs_per_batch: int | None = None,
-        min_batch: int | None = None,
-        max_wait: float = 0.002,
-        max_frames_per_traj: int | None = None,
-        init_random_frames: int | None = None,
-        split_trajs: bool = False,
-        exploration_type: str | InteractionType = "random",
-        seed: int | None = None,
-        track_policy_version: bool = False,
-        on_env_error: str = "raise",
-        max_policy_lag: int | None = None,
-        update_at_each_batch: bool = False,
-        prefetch: int | None = None,
-        loop: Literal["asyncio", "uvloop", "trio"] = "asyncio",
-        postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
-        replay_buffer: Any = None,
-        storing_device: Any = None,
-        progress: Any = None,
-        num_threads: int | None = None,
-        num_sub_threads: int = 1,
-        worker_backend: Literal["process", "serial"] = "process",
-        start_method: str | None = None,
-        weight_sync: WeightSync | None = None,
-        worker_timeout: float | None = None,
-        traj_id_start: int = 0,
-        traj_id_stride: int = 1,
-        restart: RestartPolicy | None = None,
-        group_size: int | None = None,
-        on_update: str = "continue",
+        **kwargs: Unpack[MultiAsyncEnvKeywords],
     ) -> None:
+        kw = kwargs
         shares = shares_arg(env_fns_per_worker)
-        lag = lag_arg(max_policy_lag)
+        lag = lag_arg(kw["max_policy_lag"])
         options = AsyncEnvOptions.of(
             "MultiAsyncEnvCollector",
             [len(share) for share in shares],
-            frames_per_batch=frames_per_batch,
-            total_frames=total_frames,
-            trajs_per_batch=trajs_per_batch,
-            group_size=group_size,
-            on_update=on_update,
-            min_batch=min_batch,
-            max_wait=max_wait,
-            max_frames_per_traj=max_frames_per_traj,
-            split_trajs=split_trajs,
-            exploration_type=exploration_type,
-            seed=seed,
-            track_policy_version=track_policy_version,
-            on_env_error=on_env_error,
-            prefetch=prefetch,
-            restart=restart_arg(restart, [fn for share in shares for fn in share]),
+            **picked(kw, MULTI_OPTION_KEYWORDS),
+            restart=restart_arg(kw["restart"], [fn for share in shares for fn in share]),
             max_policy_lag=lag,
-            init_random_frames=init_random_frames,
-            loop=loop,
-            traj_id_start=traj_id_start,
-            traj_id_stride=traj_id_stride,
         )
         trajs, group, update = options.trajs_per_batch, options.group_size, options.on_update
         self.num_envs = sum(len(share) for share in shares)
         self._env_ids = EnvIds(len(shares))  # each worker's first env id, once every worker built its envs
         first_ready = _EnvsFirstReady(len(shares), options.track_policy_version)
         delivery = Episodes.over(first_ready, trajs, group_size=group, on_update=update)
-        self._workers = init_workers(
-            self,
+        self._init_workers(
             [EnvShare(share) for share in shares],
             policy,
+            delivery,
+            picked(kw, POOL_KEYWORDS),  # worker processes that die or hang are replaced (restart=)
             # the per-worker values checked (the trainer's options are built from the same keywords)
             frames_per_batch=list(options.per_worker),
             total_frames=options.total_frames,
             init_random_frames=options.random_frames,
-            postproc=Finish(options, optional_callable("postproc", postproc)),
-            replay_buffer=replay_buffer,
-            storing_device=storing_device,
+            postproc=Finish(options, optional_callable("postproc", kw["postproc"])),
             max_policy_lag=lag,
-            update_at_each_batch=update_at_each_batch,
-            progress=progress,
-            num_threads=num_threads,
-            num_sub_threads=num_sub_threads,
-            worker_backend=worker_backend,
-            start_method=start_method,
-            weight_sync=weight_sync,
-            worker_timeout=worker_timeout,
-            traj_id_start=traj_id_start,
-            traj_id_stride=traj_id_stride,
-            restart=restart,  # worker processes that die or hang are replaced (their envs: the options)
-            delivery=delivery,
             body=functools.partial(run_async_worker, options),  # each worker: options.for_member()
             on_message=self._worker_message,
         )
@@ -351,7 +288,7 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
 
     # -- seeds, resets, checkpoints (served by each worker's AsyncEnvCollector: _worker.py) -------------
     def _check_env_state(self, envs: bool) -> None:
-        if envs and self._episodes is not None:  # type: ignore[attr-defined]
+        if envs and self._episodes is not None:
             raise ValueError(
                 "state_dict(envs=True) with trajs_per_batch: the trajectories being assembled are not saved; "
                 "save without envs (the envs then start from reset at a resume)"

@@ -26,6 +26,7 @@ import cloudpickle
 import torch
 from tensordict import TensorDictBase
 
+from .._core._restart import IDS_PER_GENERATION
 from .._observe._events import EventStream, Restarted, WorkerFailed
 from .._policies._weights import flat_weights
 from .._transport._flat import layout_of
@@ -51,7 +52,6 @@ from .._transport._messages import (
 from .._transport._shm import SharedBlock
 from .._transport._wire import BlockingChannel
 from .._workers._paths import resolve
-from .._workers._replace import IDS_PER_GENERATION
 from .._workers._worker import control_layout
 from ._collector import Hosted
 from ._engine import AllDropped
@@ -89,7 +89,7 @@ class EnvShare:
 def generation(options: AsyncEnvOptions, spec: Any) -> int:
     """How many times worker ``spec.index`` was replaced before this process (``restart=``): the pool
     starts replacement ``g`` with trajectory ids ``g`` generations past the first worker's
-    (``_workers/_replace.py``)."""
+    (``_fleet/_replace.py``)."""
     first = options.traj_id_start + spec.index * options.traj_id_stride
     return (spec.rollout.traj_id_start - first) // (IDS_PER_GENERATION * spec.rollout.traj_id_stride)
 

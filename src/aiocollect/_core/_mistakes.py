@@ -2,7 +2,11 @@
 
 - :func:`explicit_keywords`: a misspelt keyword of a public constructor suggests the closest one (as
   argparse does), and TorchRL's spellings (``create_env_fn=``, ``num_workers=``) point to ours and to
-  :mod:`aiocollect.compat`, instead of Python's bare "unexpected keyword argument".
+  :mod:`aiocollect.compat`, instead of Python's bare "unexpected keyword argument". A family's keywords
+  are written once, as a ``TypedDict`` whose values carry their defaults (``Annotated[type,
+  Default(value)]``, a required one ``Required[type]``; :func:`keyword_list` reads it): the constructors
+  take it as ``**kwargs: Unpack[...]`` (PEP 692: mypy and IDEs show, and check, the keywords), and
+  ``explicit_keywords(keywords=...)`` gives them its signature (``help()``), its defaults and its checks.
 - :func:`check_main_guard`: a script that starts worker processes from its top level without
   ``if __name__ == "__main__":`` is refused before any process starts (each worker would import the
   script again and start collectors of its own, and die of it).
@@ -22,11 +26,25 @@ import sys
 import types
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar, overload
+from dataclasses import dataclass
+from typing import (
+    Annotated,
+    Any,
+    NotRequired,
+    Required,
+    TypeVar,
+    get_args,
+    get_origin,
+    get_type_hints,
+    overload,
+)
 
 __all__ = [
+    "Default",
+    "KeywordList",
     "check_main_guard",
     "explicit_keywords",
+    "keyword_list",
     "name_coroutines",
     "unguarded_main_line",
     "warn_if_spent",
@@ -110,6 +128,71 @@ def name_coroutines(cls: type, base: type) -> None:
 
 # -- keywords ------------------------------------------------------------------------------------------
 
+
+class Default:
+    """A keyword's default, in its annotation: ``Annotated[int | None, Default(-1)]``."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"Default({self.value!r})"
+
+
+@dataclass(frozen=True)
+class KeywordList:
+    """A keyword list read at run time: its keyword-only parameters (annotation and default, in the list's
+    order), the defaults and the required names."""
+
+    params: tuple[inspect.Parameter, ...]
+    defaults: Mapping[str, Any]
+    required: frozenset[str]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.params)
+
+
+def keyword_list(keywords: type) -> KeywordList:
+    """The parameters, defaults and required keywords of ``keywords`` (a ``TypedDict`` whose values are
+    ``Annotated[type, Default(value)]`` or ``Required[type]``); ``TypeError`` for a value that is
+    neither.
+
+    Example:
+        >>> from typing import TypedDict
+        >>> class Keywords(TypedDict, total=False):
+        ...     frames_per_batch: Required[int]
+        ...     total_frames: Annotated[int | None, Default(-1)]
+        >>> listed = keyword_list(Keywords)
+        >>> listed.defaults, sorted(listed.required)
+        ({'total_frames': -1}, ['frames_per_batch'])
+        >>> [str(p) for p in listed.params]
+        ['frames_per_batch: int', 'total_frames: int | None = -1']
+    """
+    params, defaults, required = [], {}, set()
+    for name, annotation in get_type_hints(keywords, include_extras=True).items():
+        if get_origin(annotation) in (Required, NotRequired):  # (read here: a string annotation hides it)
+            if get_origin(annotation) is Required:
+                required.add(name)
+            annotation = get_args(annotation)[0]
+        default: Any = inspect.Parameter.empty
+        if get_origin(annotation) is Annotated:
+            annotation, *extras = get_args(annotation)
+            found = [e.value for e in extras if isinstance(e, Default)]
+            default = found[0] if found else default
+        if (default is inspect.Parameter.empty) == (name not in required):
+            raise TypeError(
+                f"{keywords.__name__}.{name}: write Annotated[..., Default(value)] or Required[...]"
+            )
+        if default is not inspect.Parameter.empty:
+            defaults[name] = default
+        kind = inspect.Parameter.KEYWORD_ONLY
+        params.append(inspect.Parameter(name, kind, default=default, annotation=annotation))
+    return KeywordList(tuple(params), defaults, frozenset(required))
+
+
 #: keywords of TorchRL's collectors that ours spell differently, with the fix
 TORCHRL_SPELLINGS: Mapping[str, str] = {
     "create_env_fn": "aiocollect's multi-process collectors take one env factory per worker: "
@@ -145,12 +228,21 @@ def _keyword_error(cls_name: str, name: str, accepted: list[str]) -> TypeError:
 @overload
 def explicit_keywords(init: _F) -> _F: ...
 @overload
-def explicit_keywords(*, refused: Mapping[str, str]) -> Callable[[_F], _F]: ...
-def explicit_keywords(init: _F | None = None, *, refused: Mapping[str, str] | None = None) -> Any:
+def explicit_keywords(
+    *, refused: Mapping[str, str] | None = None, keywords: type | None = None
+) -> Callable[[_F], _F]: ...
+def explicit_keywords(
+    init: _F | None = None, *, refused: Mapping[str, str] | None = None, keywords: type | None = None
+) -> Any:
     """Decorate a public constructor: an unknown keyword raises a ``TypeError`` that names the class the
     user wrote, suggests the closest keyword, and points TorchRL's spellings to ours; a keyword of
     ``refused`` (one the class deliberately does not take) raises its fix. The signature is kept
     (``help()`` and IDEs show the keywords); a known keyword costs one set lookup.
+
+    ``keywords``: the constructor takes its keyword list as ``**kwargs: Unpack[keywords]`` (a
+    ``TypedDict`` of ``_keywords.py``'s kind, written once for a family): the constructor's signature
+    shows that list (``help()``, ``inspect.signature``), a required keyword that is missing raises as
+    Python does, and the constructor receives every keyword of the list, the defaults filled in.
 
     Example:
         >>> class Collector:
@@ -162,17 +254,23 @@ def explicit_keywords(init: _F | None = None, *, refused: Mapping[str, str] | No
         TypeError: Collector() got an unexpected keyword argument 'total_frame'; did you mean 'total_frames'?
     """
     if init is None:
-        return functools.partial(explicit_keywords, refused=refused)
-    params = inspect.signature(init).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        raise TypeError(f"{init.__qualname__} takes **kwargs: explicit_keywords has nothing to check")
+        return functools.partial(explicit_keywords, refused=refused, keywords=keywords)
+    signature = inspect.signature(init)
+    params = list(signature.parameters.values())
+    taken = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    if taken != (keywords is not None):
+        raise TypeError(f"{init.__qualname__}: **kwargs goes with explicit_keywords(keywords=...), and only")
+    listed = keyword_list(keywords) if keywords is not None else None
+    own = [p for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
     accepted = [
-        name
-        for name, p in params.items()
+        p.name
+        for p in own
         if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    ][1:]  # not self
+    ][1:] + list(listed.names if listed is not None else ())  # not self
     known = frozenset(accepted)
     fixes = dict(refused or {})
+    defaults = dict(listed.defaults) if listed is not None else None
+    required = sorted(listed.required) if listed is not None else []
 
     @functools.wraps(init)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -181,8 +279,17 @@ def explicit_keywords(init: _F | None = None, *, refused: Mapping[str, str] | No
                 if name in fixes:
                     raise TypeError(f"{type(self).__name__} does not take {name}: {fixes[name]}")
                 raise _keyword_error(type(self).__name__, name, accepted)
+        if defaults is not None:
+            for name in required:
+                if name not in kwargs:
+                    raise TypeError(
+                        f"{type(self).__name__}() missing 1 required keyword-only argument: {name!r}"
+                    )
+            kwargs = {**defaults, **kwargs}
         return init(self, *args, **kwargs)
 
+    if listed is not None:  # help() and inspect.signature show the list, not **kwargs
+        wrapper.__signature__ = signature.replace(parameters=[*own, *listed.params])  # type: ignore[attr-defined]
     return wrapper
 
 

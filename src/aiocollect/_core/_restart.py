@@ -20,7 +20,16 @@ import numpy as np
 
 from ._validation import is_int
 
-__all__ = ["CountedStop", "Restart", "RestartBudget", "RestartPolicy", "derive_seed", "wait_interruptibly"]
+__all__ = [
+    "IDS_PER_GENERATION",
+    "CountedStop",
+    "Lost",
+    "Restart",
+    "RestartBudget",
+    "RestartPolicy",
+    "derive_seed",
+    "wait_interruptibly",
+]
 
 #: the package root (this module is in its _core/ folder)
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -120,6 +129,11 @@ def _raised_here(exc: BaseException) -> bool:
     return os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE + os.sep)
 
 
+#: trajectory ids a member's generation may take before its replacement's start (ids stay disjoint:
+#: ``aiocollect._fleet._replace.restarted_options``)
+IDS_PER_GENERATION = 1 << 32
+
+
 def derive_seed(seed: int | None, restarts: int) -> int | None:
     """The seed of an env's ``restarts``-th rebuild: reproducible, and apart from the original's stream.
 
@@ -132,6 +146,15 @@ def derive_seed(seed: int | None, restarts: int) -> int | None:
         return seed
     state = np.random.SeedSequence([abs(seed), int(seed < 0), restarts]).generate_state(1, np.uint32)
     return int(state[0])
+
+
+class Lost(Exception):
+    """A member started in a lost one's place was lost on its way up (it died, hung, or its group was
+    lost): another loss of its slot, answered as the first (``cause``)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
 
 
 @dataclass(frozen=True)

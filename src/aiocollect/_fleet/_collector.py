@@ -4,125 +4,49 @@ torch.distributed or RPC nodes (``DistributedCollector``, ``DistributedSyncColle
 and Ray actors (``RayCollector``).
 
 One copy of the collector surface: iteration, ``update_weights`` (lock, versions, staleness floors,
-events, ``wait``), ``state_dict``, the seed chain, ``getattr_*``, per-member statistics, and the
-trajectory renames after a dropped batch. What differs per family is a :class:`Transport` the collector
-holds (the worker pool of ``_multi/_workers.py``, the nodes of ``_remote/_nodes.py``, the actors of
-``_remote/_ray_fleet.py``): start the members, the next delivery (sync or async), publish weights to some
-or all members, load them now, call a typed operation (:data:`FleetOp`) on a member, drop stale
-deliveries, stop. The trainer side mirror of ``NodeCore``.
+events, ``wait``), ``state_dict``, the seed chain, ``getattr_*``, per-member statistics, the trajectory
+renames after a dropped batch, and the replacement of lost members (``_replace.Replacements``). What
+differs per family is a :class:`~._transport.Transport` the collector holds (the worker pool of
+``_multi/_workers.py``, the nodes of ``_remote/_nodes.py``, the actors of ``_remote/_ray_fleet.py``),
+built with the collector's :class:`~._transport.FleetHandle` (``_Handle`` here): what the transport may
+do to the collector, declared. The trainer side mirror of ``NodeCore``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, TypeVar
 
 import anyio
+import anyio.abc
 import anyio.to_thread
 import cloudpickle
 from tensordict import TensorDictBase
 
+from .._core._errors import CollectorClosedError
 from .._core._gather import gather
 from .._core._mistakes import name_coroutines, warn_rounded, warn_user
-from .._core._validation import flag, seed_arg
+from .._core._validation import flag, policy_arg, replay_buffer_arg, seed_arg
+from .._episodes._renames import DroppedBatchRenames
 from .._local._base import CollectorBase
 from .._observe._events import WeightsPublished
 from .._observe._stats import CollectorStatistics, WorkerState, WorkerStatistics
 from .._observe._timesplit import member_split
 from .._policies._weights import as_weights, check_compatible
 from .._transport._messages import FleetOp, GetAttr, GetState, LoadState, Reset, SetSeed
+from ._replace import Replacements
+from ._transport import FleetHandle, FleetSetup, Member, Transport
 
+__all__ = ["FleetCollector"]
 
-class Member(Protocol):
-    """The collector's view of one worker, node or actor (its version is restored by
-    ``load_state_dict``)."""
-
-    @property
-    def index(self) -> int: ...
-    @property
-    def state(self) -> str: ...  # a WorkerState (a str enum)
-    @property
-    def frames(self) -> int: ...
-
-    policy_version: int
-
-
-@dataclass
-class Arrival:
-    """A batch a transport delivered: its frames, its finished episodes ``(member, return, length)``,
-    the member it came from (``None``: one from each, stacked) and the oldest policy version in it."""
-
-    batch: TensorDictBase
-    frames: int
-    episodes: list[tuple[int, float, int]]
-    member: int | None
-    policy_version: int
-
-
-class Transport(Protocol):
-    """How a :class:`FleetCollector` reaches its members (nodes, actors). Built by the public class with
-    the collector it serves; the collector calls it, and it tells the collector of deliveries
-    (:meth:`FleetCollector._stale`), weight loads and failures through the collector's events."""
-
-    #: ``state_dict``'s key of member ``i``: ``f"{state_prefix}{i}"``
-    state_prefix: str
-    #: members' states carry their version map, and the policy apart (``GetState(versioned=True)``)
-    versioned: bool
-
-    @property
-    def started(self) -> bool:
-        """Whether the members run (``async with`` entered)."""
-
-    def members(self) -> Sequence[Member]:
-        """The members (their states before start-up, as they were after shutdown)."""
-
-    async def start(self) -> list[int]:
-        """Start every member; each one's ``frames_per_batch``. Raises if one fails to start."""
-
-    async def run(self) -> None:
-        """Once the members are seeded: start collecting (ask for the first batches)."""
-
-    async def next_delivery(self) -> Arrival:
-        """The next batch (one member's, or one of each stacked), never one below its member's floor."""
-
-    async def publish(self, weights: TensorDictBase, version: int, ids: list[int]) -> Any:
-        """Send ``weights`` as ``version`` to members ``ids``, loaded before their next batch; what
-        :meth:`load_now` needs of this publication (Ray: the weights' object ref)."""
-
-    async def load_now(self, ids: list[int], version: int, published: Any) -> None:
-        """Return once members ``ids`` run ``version`` (``published``: what :meth:`publish` returned)."""
-
-    async def published(self, version: int, ids: list[int], raised: list[int]) -> None:
-        """Under the weights lock, after :meth:`publish`: the floors of members ``raised`` rose
-        (``FleetCollector._floors``): drop what waits below them."""
-
-    async def load_behind(self, raised: list[int]) -> None:
-        """After a publication (no ``wait``) that raised the floors of members ``raised``."""
-
-    def discarded(self) -> int:
-        """Frames the members collected and discarded themselves (restarted on newer weights)."""
-
-    def check_env_state(self, envs: bool) -> None:
-        """Raise ``ValueError`` if ``state_dict(envs=envs)`` cannot hold the members' envs."""
-
-    async def saved_policy(self, states: list[Any]) -> Any:
-        """The policy weights ``state_dict`` saves (``None``: none), from the members' ``states``
-        (which it may strip)."""
-
-    async def call_each(self, ops: Sequence[tuple[int, FleetOp]]) -> list[Any]:
-        """Run each ``(member, op)`` concurrently; the replies in order (a remote exception is raised with
-        its own type)."""
-
-    async def stop(self) -> None:
-        """Mark the collector closed (``_closed``) once no batch can start any more (worker pools: after
-        the batch in flight), then stop and reap every member. Idempotent."""
+T = TypeVar("T", bound=Transport)
 
 
 class FleetCollector(CollectorBase):
     """A collector over ``_fleet_size`` members, addressed by index ``0 .. _fleet_size - 1``, reached
-    through a :class:`Transport` (``_init_fleet``)."""
+    through a :class:`~._transport.Transport` (``_init_fleet``)."""
 
     #: what a member is called in error messages ("worker", "node", "actor")
     _member_noun: ClassVar[str] = "worker"
@@ -131,8 +55,6 @@ class FleetCollector(CollectorBase):
     _source_policy: Any
     #: the seed of the first member (``None``: unseeded)
     _seed: int | None
-    #: the members' statistics as they were when the collector closed (for statistics() afterwards)
-    _last_workers: tuple[WorkerStatistics, ...] = ()
     _transport: Transport
     _size: int
     #: frames delivered to the consumer were too stale (``update_weights(flush=True)``) and dropped
@@ -145,43 +67,43 @@ class FleetCollector(CollectorBase):
     #: ``drain`` (on the loop): what they sent, never to be delivered, is counted as discarded
     _halt_ahead: Callable[[bool], None] | None = None
     _delivering = False  # a batch is on its way (__anext__): a stop requested meanwhile waits for it
+    #: replaces members that die or hang (``restart=``; ``None``: the run ends)
+    _replacements: Replacements | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         name_coroutines(cls, FleetCollector)  # "coroutine 'MultiSyncCollector.update_weights' was never..."
 
-    def _init_fleet(
-        self,
-        transport: Transport,
-        *,
-        size: int,
-        sync: bool,
-        total_frames: int,
-        frames_per_batch: int,
-        policy: Any,
-        weights_template: TensorDictBase | None,
-        seed: int | None,
-        replay_buffer: Any = None,
-        progress: Any = None,
-    ) -> None:
-        """What every transport's collector sets up: counters, versions, floors, the transport."""
-        from .._episodes._renames import DroppedBatchRenames  # (_multi imports this module)
-
-        self._transport, self._size, self._sync = transport, size, sync
-        self.total_frames, self.frames_per_batch = total_frames, frames_per_batch
-        self._source_policy, self._weights_template, self._seed = policy, weights_template, seed
-        self.replay_buffer = replay_buffer
-        self._init_base(progress)
+    def _init_fleet(self, setup: FleetSetup, transport: Callable[[FleetHandle], T]) -> T:
+        """What every transport's collector sets up (counters, versions, floors), then its transport,
+        built with the collector's handle (``transport(handle)``), which it returns."""
+        self._size, self._sync = setup.size, setup.sync
+        self.total_frames, self.frames_per_batch = setup.total_frames, setup.frames_per_batch
+        self._source_policy, self._weights_template = policy_arg(setup.policy), setup.weights_template
+        self._seed, self._floor_lag, self._episodes = setup.seed, setup.floor_lag, setup.episodes
+        self.replay_buffer = replay_buffer_arg(setup.replay_buffer)
+        self._init_base(setup.progress)
         self._version = self._issued = 0  # _issued: the last version handed to a publish
         self._published: TensorDictBase | None = None  # a copy of the newest weights for member 0
         self._weights_lock = anyio.Lock()
         self._entered = self._progress_closed = False
         #: per member, the oldest version a delivered batch may have (update_weights(flush=True))
-        self._floors = [0] * size
+        self._floors = [0] * setup.size
         #: the seed each member was last given (a replaced member's is derived from it)
         self.member_seeds: dict[int, int] = {}
         #: trajectories that go on after a dropped batch take fresh ids (no delivered id spans a gap)
         self._renames = DroppedBatchRenames()
+        handle = _Handle(self)
+        if setup.restart is not None:
+            self._replacements = Replacements(
+                setup.restart,
+                publish=self._hub.publish,
+                seed_of=self.member_seeds.get,
+                task_group=lambda: handle.task_group,
+            )
+        built = transport(handle)
+        self._transport = built
+        return built
 
     @property
     def _fleet_size(self) -> int:
@@ -231,7 +153,7 @@ class FleetCollector(CollectorBase):
             if self._stop_requested:
                 self._stopping(drain=True)
             await self._transport.stop()
-            self._closed = True
+            self._close()
             self._hub.close()
             if not self._progress_closed:
                 self._progress_closed = True
@@ -324,6 +246,8 @@ class FleetCollector(CollectorBase):
             # numbers are never reused: an update interrupted midway may still reach some members
             version = self._issued = self._issued + 1 if version is None else version
             published = await self._transport.publish(weights, version, ids)
+            if self._replacements is not None:  # a replacement of one of them loads these
+                self._replacements.published(version, ids, published)
             self._version = version
             if 0 in ids:
                 self._published = weights.detach().clone()
@@ -397,7 +321,7 @@ class FleetCollector(CollectorBase):
     def statistics(self) -> CollectorStatistics:
         """A frozen record of what the collector and each member (``workers[i]``) have done (see
         :class:`CollectorStatistics`)."""
-        workers = self._worker_stats() or self._last_workers
+        workers = self._worker_stats()
         snapshot = self._stats.snapshot(
             self._version,
             workers=workers,
@@ -561,4 +485,68 @@ class FleetCollector(CollectorBase):
         self._issued = max(self._issued, self._version)  # version numbers are never reused
 
 
-__all__ = ["Arrival", "FleetCollector", "Member", "Transport"]
+class _Handle:
+    """The collector's :class:`~._transport.FleetHandle`: what its transport may do to it (built by
+    ``_init_fleet``, handed to the transport). What never changes is bound once; the rest is read live."""
+
+    def __init__(self, fleet: FleetCollector) -> None:
+        self._fleet = fleet
+        self.name, self.member_noun = type(fleet).__name__, fleet._member_noun
+        self.floors: Sequence[int] = fleet._floors  # (updated in place)
+        self.batch_lock = fleet._lock
+        self.publish, self.end_events = fleet._hub.publish, fleet._hub.close
+        self.stale, self.delivered = fleet._stale, fleet._delivered
+        self.pickled_policy = fleet._pickled_policy
+
+    @property
+    def total_frames(self) -> int:
+        return self._fleet.total_frames
+
+    @property
+    def frames_per_batch(self) -> int:
+        return self._fleet.frames_per_batch
+
+    @property
+    def frames(self) -> int:
+        return self._fleet._stats.frames
+
+    @property
+    def version(self) -> int:
+        return self._fleet._version
+
+    @property
+    def task_group(self) -> anyio.abc.TaskGroup:
+        tg = self._fleet._task_group
+        if tg is None:
+            raise RuntimeError(f"the {self.name} is not entered (async with)")
+        return tg
+
+    @property
+    def closed(self) -> bool:
+        return self._fleet._closed
+
+    @property
+    def failed(self) -> bool:
+        return self._fleet._failed
+
+    @property
+    def replacements(self) -> Replacements | None:
+        return self._fleet._replacements
+
+    def fail(self, reason: str, *, close: bool = False) -> None:
+        self._fleet._close(reason, failed=True, now=close)
+
+    def close(self) -> None:
+        self._fleet._close()
+
+    def closed_error(self) -> CollectorClosedError:
+        return CollectorClosedError(f"the collector is closed: {self._fleet._closed_reason}")
+
+    def discard(self, frames: int) -> None:
+        self._fleet._dropped_frames += int(frames)
+
+    def on_stop(self, halt: Callable[[bool], None]) -> None:
+        self._fleet._halt_ahead = halt
+
+    async def update_weights(self, worker_ids: Sequence[int] | None = None) -> int:
+        return await self._fleet.update_weights(worker_ids=worker_ids)

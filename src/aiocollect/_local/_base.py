@@ -61,8 +61,7 @@ class CollectorBase(abc.ABC):
         self._lock = anyio.Lock()
         self._paused = 0
         self._unpaused: anyio.Event | None = None
-        self._closed = False
-        self._failed = False
+        self._closed = self._failed = False
         self._closed_reason = "it was closed"
         self._task_group: anyio.abc.TaskGroup | None = None
         self._background: anyio.CancelScope | None = None
@@ -76,6 +75,12 @@ class CollectorBase(abc.ABC):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def _close(self, reason: str | None = None, *, failed: bool = False, now: bool = True) -> None:
+        """The one writer of the closed state: ``now``: closed, nothing new starts; ``reason``: what a use
+        of the closed collector says; ``failed``: the run failed (a close from another task is not)."""
+        self._closed, self._failed = self._closed or now, self._failed or failed
+        self._closed_reason = reason or self._closed_reason
 
     def _check_open(self) -> None:
         if self._closed:
@@ -191,7 +196,7 @@ class CollectorBase(abc.ABC):
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._task_group = tg
-        self._start_monitoring()
+        tg.start_soon(self._lag.run)  # the event loop's lag while entered (statistics().loop_lag_ms)
         try:
             await self._on_enter()
         except BaseException:
@@ -245,11 +250,6 @@ class CollectorBase(abc.ABC):
     @abc.abstractmethod
     async def aclose(self) -> None:
         """Close the collector: stop its workers, free its memory, close its envs. Idempotent."""
-
-    def _start_monitoring(self) -> None:
-        """Measure the event loop's lag while the collector is entered (statistics().loop_lag_ms)."""
-        assert self._task_group is not None
-        self._task_group.start_soon(self._lag.run)
 
     def episode_statistics(self) -> EpisodeStatistics | None:
         """With ``trajs_per_batch``: trajectories in flight, delivered and discarded, their mean and

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from math import ceil, prod
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import anyio
 import anyio.abc
@@ -17,12 +17,11 @@ import anyio.lowlevel
 import anyio.to_thread
 import torch
 from tensordict import TensorDictBase
-from tensordict.nn import InteractionType
 
 from .._core._errors import WorkerTimeoutError
+from .._core._keywords import rollout_keywords
 from .._core._mistakes import explicit_keywords, warn_user
 from .._core._options import RolloutOptions, WeightSchedule, refuse_schedule
-from .._core._restart import RestartPolicy
 from .._core._resume import load_member, member_state
 from .._core._rng import RolloutRNG, forked_rng
 from .._core._validation import (
@@ -51,6 +50,7 @@ from .._rollout._core import RolloutResult, build_rollout, open_env
 from .._rollout._thread import Doorbell, Job, RolloutThread, collect_episodes
 from .._weightsync._schemes import weight_sync_arg
 from ._base import CollectorBase
+from ._keywords import CollectorKeywords
 from ._restarts import RestartReport
 
 __all__ = ["Collector"]
@@ -135,71 +135,22 @@ class Collector(CollectorBase):
         torch.Size([64])
     """
 
-    @explicit_keywords
-    def __init__(
-        self,
-        create_env_fn: Any,
-        policy: Any = None,
-        *,
-        frames_per_batch: int | None = None,
-        total_frames: int | None = -1,
-        max_frames_per_traj: int | None = None,
-        init_random_frames: int | None = None,
-        reset_at_each_iter: bool = False,
-        split_trajs: bool = False,
-        postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
-        exploration_type: str | InteractionType = "random",
-        set_truncated: bool = False,
-        seed: int | None = None,
-        device: Any = None,
-        env_device: Any = None,
-        policy_device: Any = None,
-        storing_device: Any = None,
-        replay_buffer: Any = None,
-        track_policy_version: bool = False,
-        compile_policy: bool | Mapping[str, Any] = False,
-        weight_sync: Any = None,
-        max_policy_lag: int | None = None,
-        progress: Any = None,
-        traj_id_start: int = 0,
-        traj_id_stride: int = 1,
-        worker_timeout: float | None = None,
-        prefetch: int = 0,
-        trajs_per_batch: int | None = None,
-        group_size: int | None = None,
-        rollout: RolloutOptions | None = None,
-        weights: WeightSchedule | None = None,
-        restart: RestartPolicy | None = None,
-    ) -> None:
+    @explicit_keywords(keywords=CollectorKeywords)
+    def __init__(self, create_env_fn: Any, policy: Any = None, **kwargs: Unpack[CollectorKeywords]) -> None:
         # -- every argument is checked before the env is built ----------------------------------
-        trajs = trajs_per_batch_arg("Collector", trajs_per_batch, frames_per_batch)
-        group = group_size_arg("Collector", group_size, trajs)
-        frames_per_batch = 1 if trajs and rollout is None else frames_per_batch  # chunks: _build_rollout
+        kw, rollout = kwargs, kwargs["rollout"]
+        trajs = trajs_per_batch_arg("Collector", kw["trajs_per_batch"], kw["frames_per_batch"])
+        group = group_size_arg("Collector", kw["group_size"], trajs)
+        frames_per_batch = (
+            1 if trajs and rollout is None else kw["frames_per_batch"]
+        )  # chunks: _build_rollout
         options = RolloutOptions.from_kwargs(
-            rollout,
-            frames_per_batch=frames_per_batch,
-            total_frames=total_frames,
-            max_frames_per_traj=max_frames_per_traj,
-            init_random_frames=init_random_frames,
-            reset_at_each_iter=reset_at_each_iter,
-            split_trajs=split_trajs,
-            set_truncated=set_truncated,
-            exploration_type=exploration_type,
-            seed=seed,
-            device=device,
-            env_device=env_device,
-            policy_device=policy_device,
-            storing_device=storing_device,
-            compile_policy=compile_policy,
-            traj_id_start=traj_id_start,
-            traj_id_stride=traj_id_stride,
-            restart=restart,
-            group_size=group,
+            rollout, frames_per_batch=frames_per_batch, group_size=group, **rollout_keywords(kw)
         )
         schedule = WeightSchedule.from_kwargs(
-            weights,
-            track_policy_version=track_policy_version,
-            max_policy_lag=max_policy_lag,
+            kw["weights"],
+            track_policy_version=kw["track_policy_version"],
+            max_policy_lag=kw["max_policy_lag"],
         )
         self._options, self._schedule = options, schedule
         refuse_cuts("Collector", trajs, options)
@@ -208,14 +159,16 @@ class Collector(CollectorBase):
                 f"Collector takes one frames_per_batch (an int), got {options.frames_per_batch!r}"
             )
         refuse_schedule(self._schedule, type(self).__name__)
-        self._prefetch = non_negative_int("prefetch", prefetch, fix="0 collects each batch when asked for")
+        self._prefetch = non_negative_int(
+            "prefetch", kw["prefetch"], fix="0 collects each batch when asked for"
+        )
         self.total_frames = options.total_frames
         self._seed = options.seed
-        self._postproc = optional_callable("postproc", postproc)
-        self.replay_buffer = replay_buffer_arg(replay_buffer)
-        weight_sync_arg(weight_sync)
-        self._worker_timeout = timeout_arg(worker_timeout)
-        self._init_base(progress)  # checks `progress`
+        self._postproc = optional_callable("postproc", kw["postproc"])
+        self.replay_buffer = replay_buffer_arg(kw["replay_buffer"])
+        weight_sync_arg(kw["weight_sync"])
+        self._worker_timeout = timeout_arg(kw["worker_timeout"])
+        self._init_base(kw["progress"])  # checks `progress`
         if not callable(create_env_fn) and not hasattr(create_env_fn, "step"):
             raise TypeError(
                 f"create_env_fn must be an env or a callable returning one, got {create_env_fn!r}"
@@ -289,7 +242,9 @@ class Collector(CollectorBase):
         return rounded
 
     @classmethod
-    async def create(cls, create_env_fn: Any, policy: Any = None, **kwargs: Any) -> Collector:
+    async def create(
+        cls, create_env_fn: Any, policy: Any = None, **kwargs: Unpack[CollectorKeywords]
+    ) -> Collector:
         """Build the collector in a worker thread: ``await Collector.create(...)`` takes the same arguments
         as ``Collector(...)``.
 
@@ -369,9 +324,7 @@ class Collector(CollectorBase):
             self._pending.append(self._submit_batch())
 
     async def _fail(self, exc: BaseException) -> None:
-        self._closed_reason = f"a batch failed with {type(exc).__name__}: {exc}"
-        self._closed = True
-        self._failed = True
+        self._close(f"a batch failed with {type(exc).__name__}: {exc}", failed=True)
         self._restarts.publish()
         self._hub.publish(WorkerFailed(0, f"{type(exc).__name__}: {exc}"))
         await self._close_env()
@@ -491,8 +444,7 @@ class Collector(CollectorBase):
         with anyio.CancelScope(shield=True):
             async with self._lock:
                 if not self._closed:
-                    self._closed = True
-                    self._closed_reason = "it was closed"
+                    self._close("it was closed")
                     self._hub.publish(WorkerStopped(0))
                     self._finish_progress()
                 await self._close_env()

@@ -5,29 +5,27 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from functools import partial
-from typing import Any
+from typing import Any, Unpack
 
 import anyio
 import torch
 from tensordict import TensorDictBase
-from tensordict.nn import InteractionType
 
 from .._core._mistakes import explicit_keywords
-from .._core._options import RolloutOptions, WeightSchedule
-from .._core._restart import RestartPolicy
 from .._episodes._args import episode_args, trajs_per_batch_arg
 from .._episodes._renames import TrajectoryRenames
-from .._fleet._collector import Arrival, FleetCollector
+from .._fleet._collector import FleetCollector
+from .._fleet._transport import Arrival
 from .._transport._messages import Release, RunFree
-from .._weightsync._schemes import WeightSync
 from .._workers._pool import WorkerPool
 from .._workers._worker import HALTED
 from ._copies import BatchCopies
-from ._delivery import episodes_of
+from ._delivery import WorkersView, episodes_of
 from ._episodes import Episodes
-from ._workers import Workers, WorkersMixin, init_workers
+from ._keywords import MultiAsyncKeywords, WorkersKeywords
+from ._workers import WorkersMixin
 
 __all__ = ["FirstReady", "MultiAsyncCollector", "ProcessCollector"]
 
@@ -73,31 +71,31 @@ class FirstReady:
         return [frames_per_batch] * n
 
     @staticmethod
-    def on_demand(w: Workers) -> bool:
+    def on_demand(w: WorkersView) -> bool:
         """On-policy (``max_policy_lag=0``): a batch collected while the trainer trains is dropped at its
         next update, and takes CPU from it. So each worker has one slot, handed back when the trainer
         asks for its next batch: the workers collect while the trainer waits for batches, and wait
         while it trains."""
         return w.schedule.max_policy_lag == 0
 
-    def slots_per_worker(self, w: Workers) -> int:
+    def slots_per_worker(self, w: WorkersView) -> int:
         return 1 if self.on_demand(w) else 2
 
     def check_layouts(self, ready: list[Any]) -> None:
         """Batches are delivered one worker at a time: any layouts go."""
 
-    async def started(self, w: Workers) -> None:
+    async def started(self, w: WorkersView) -> None:
         """The workers run: each collects freely from the first batch (``lazy``) or now, random first."""
         self._renames = [TrajectoryRenames() for _ in range(w.num_workers)]
         init_random = w.options.init_random_frames
         per_worker_random = math.ceil(init_random / w.num_workers) if init_random else 0
         self._random_frames = per_worker_random
         self._pending = RunFree(random_frames=per_worker_random)
-        w.fleet._halt_ahead = partial(self._halt, w)
+        w.fleet.on_stop(partial(self._halt, w))
         if not self._lazy:
             await self._run_free(w)
 
-    def _halt(self, w: Workers, drain: bool) -> None:
+    def _halt(self, w: WorkersView, drain: bool) -> None:
         """``request_stop()``, once no batch is being delivered: no worker starts another batch and the
         ones in flight end at their next step (each worker counts their frames as discarded: never
         delivered). ``drain`` (on the event loop): the batches waiting to be read are counted as
@@ -110,7 +108,7 @@ class FirstReady:
             return
         for item in self._take_waiting(pool, anyio.EndOfStream, anyio.ClosedResourceError):
             if isinstance(item, tuple):
-                w.fleet._dropped_frames += item[1].frames
+                w.fleet.discard(item[1].frames)
             else:  # the pool's failure: raised by whoever reads next
                 self._backlog.append(item)
 
@@ -126,7 +124,7 @@ class FirstReady:
             except stop:
                 return waiting
 
-    async def _run_free(self, w: Workers) -> None:
+    async def _run_free(self, w: WorkersView) -> None:
         pending, self._pending, pool = self._pending, None, w.pool
         if pending is not None and pool is not None:
             with anyio.CancelScope(shield=True):  # a worker left out would never deliver
@@ -145,7 +143,7 @@ class FirstReady:
         if handle.expected_since is None:  # it was blocked on full slots: it collects again now
             handle.expected_since = anyio.current_time()
 
-    async def replaced(self, w: Workers, index: int) -> None:
+    async def replaced(self, w: WorkersView, index: int) -> None:
         """Worker ``index`` was replaced (its batches not read yet were dropped): it collects freely
         once the others do; its trajectories are all new."""
         pool = w.pool
@@ -158,7 +156,7 @@ class FirstReady:
             await pool.send(index, RunFree(random_frames=max(0, self._random_frames - handle.frames)))
             handle.expected_since = anyio.current_time()
 
-    async def drop_stale(self, w: Workers) -> None:
+    async def drop_stale(self, w: WorkersView) -> None:
         """Drop the batches waiting to be read that are now below their worker's floor: now, not when
         next read (their workers may be blocked on full slots, and collect again once a slot is free)."""
         pool = w.pool
@@ -171,11 +169,11 @@ class FirstReady:
                 else:  # fresh already (loaded before the floor was raised), or the pool's failure
                     self._backlog.append(item)
 
-    def stale(self, w: Workers, index: int, policy_version: int) -> bool:
+    def stale(self, w: WorkersView, index: int, policy_version: int) -> bool:
         """Whether a batch of worker ``index`` collected with ``policy_version`` is below its floor."""
         return policy_version < w.floors[index]
 
-    async def _next_notice(self, w: Workers, pool: WorkerPool) -> tuple[int, Any]:
+    async def _next_notice(self, w: WorkersView, pool: WorkerPool) -> tuple[int, Any]:
         """The next fresh batch notice; stale ones (below their worker's floor) are dropped and their
         slots released, without a delivery."""
         while True:
@@ -192,13 +190,13 @@ class FirstReady:
             self._drop(w, index, notice)
             await self._release(pool, index, notice.slot)
 
-    def _drop(self, w: Workers, index: int, notice: Any) -> None:
+    def _drop(self, w: WorkersView, index: int, notice: Any) -> None:
         """Worker ``index``'s batch ``notice`` is stale: counted, not delivered (its trajectories that go
         on in the next batches take fresh ids)."""
-        w.fleet._dropped_frames += notice.frames
+        w.fleet.discard(notice.frames)
         self._renames[index].dropped()
 
-    async def next_batch(self, w: Workers) -> Arrival:
+    async def next_batch(self, w: WorkersView) -> Arrival:
         pool = w.pool
         assert pool is not None
         await self._run_free(w)  # the first batch asked for: the workers start collecting
@@ -228,12 +226,12 @@ class FirstReady:
         return Arrival(batch, notice.frames, episodes_of(index, notice), index, notice.policy_version)
 
     @staticmethod
-    def frames_for_buffer(w: Workers, batch: TensorDictBase) -> TensorDictBase:
+    def frames_for_buffer(w: WorkersView, batch: TensorDictBase) -> TensorDictBase:
         """What ``replay_buffer.extend`` gets: the batch as delivered (one worker's rollout, as torchrl's
         workers extend theirs)."""
         return batch
 
-    async def load_behind(self, w: Workers, raised: list[int]) -> None:
+    async def load_behind(self, w: WorkersView, raised: list[int]) -> None:
         """Nothing: a rollout worker's rollout in flight restarts on the new weights by itself."""
 
 
@@ -270,95 +268,20 @@ class MultiAsyncCollector(WorkersMixin, FleetCollector):
         torch.Size([32])
     """
 
-    @explicit_keywords
+    @explicit_keywords(keywords=MultiAsyncKeywords)
     def __init__(
-        self,
-        create_env_fns: Sequence[Any],
-        policy: Any = None,
-        *,
-        frames_per_batch: int | Sequence[int] | None = None,
-        total_frames: int | None = -1,
-        max_frames_per_traj: int | None = None,
-        init_random_frames: int | None = None,
-        reset_at_each_iter: bool = False,
-        split_trajs: bool = False,
-        postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
-        exploration_type: str | InteractionType = "random",
-        set_truncated: bool = False,
-        seed: int | None = None,
-        device: Any = None,
-        env_device: Any = None,
-        policy_device: Any = None,
-        storing_device: Any = None,
-        replay_buffer: Any = None,
-        track_policy_version: bool = False,
-        compile_policy: bool | Mapping[str, Any] = False,
-        update_at_each_batch: bool = False,
-        num_threads: int | None = None,
-        num_sub_threads: int = 1,
-        worker_backend: str = "process",
-        start_method: str | None = None,
-        weight_sync: WeightSync | None = None,
-        max_policy_lag: int | None = None,
-        progress: Any = None,
-        traj_id_start: int = 0,
-        traj_id_stride: int = 1,
-        worker_timeout: float | None = None,
-        rollout: RolloutOptions | None = None,
-        weights: WeightSchedule | None = None,
-        backend: str | None = None,
-        trajs_per_batch: int | None = None,
-        restart: RestartPolicy | None = None,
-        group_size: int | None = None,
-        on_update: str = "continue",
+        self, create_env_fns: Sequence[Any], policy: Any = None, **kwargs: Unpack[MultiAsyncKeywords]
     ) -> None:
-        trajs = trajs_per_batch_arg(
-            "MultiAsyncCollector",
-            trajs_per_batch,
-            frames_per_batch,
-        )
+        lag, owner = kwargs["max_policy_lag"], type(self).__name__
+        trajs = trajs_per_batch_arg(owner, kwargs["trajs_per_batch"], kwargs["frames_per_batch"])
         # with trajs_per_batch, max_policy_lag bounds each episode's oldest frame (the workers drop none)
-        group, update = episode_args("MultiAsyncCollector", trajs, group_size, on_update, restart)
-        delivery = Episodes.over(FirstReady(), trajs, lag=max_policy_lag, group_size=group, on_update=update)
-        frames_per_batch = Episodes.frames(frames_per_batch, trajs, rollout)  # per worker
-        self._workers = init_workers(
-            self,
-            create_env_fns,
-            policy,
-            delivery=delivery,
-            frames_per_batch=frames_per_batch,
-            total_frames=total_frames,
-            max_frames_per_traj=max_frames_per_traj,
-            init_random_frames=init_random_frames,
-            reset_at_each_iter=reset_at_each_iter,
-            split_trajs=split_trajs,
-            postproc=postproc,
-            exploration_type=exploration_type,
-            set_truncated=set_truncated,
-            seed=seed,
-            device=device,
-            env_device=env_device,
-            policy_device=policy_device,
-            storing_device=storing_device,
-            replay_buffer=replay_buffer,
-            track_policy_version=track_policy_version,
-            compile_policy=compile_policy,
-            update_at_each_batch=update_at_each_batch,
-            num_threads=num_threads,
-            num_sub_threads=num_sub_threads,
-            worker_backend=worker_backend,
-            start_method=start_method,
-            weight_sync=weight_sync,
-            max_policy_lag=None if trajs else max_policy_lag,
-            progress=progress,
-            traj_id_start=traj_id_start,
-            traj_id_stride=traj_id_stride,
-            worker_timeout=worker_timeout,
-            rollout=rollout,
-            weights=weights,
-            backend=backend,
-            restart=restart,
+        group, update = episode_args(
+            owner, trajs, kwargs["group_size"], kwargs["on_update"], kwargs["restart"]
         )
+        delivery = Episodes.over(FirstReady(), trajs, lag=lag, group_size=group, on_update=update)
+        frames = Episodes.frames(kwargs["frames_per_batch"], trajs, kwargs["rollout"])  # per worker
+        own = {"frames_per_batch": frames, "max_policy_lag": None if trajs else lag}
+        self._init_workers(create_env_fns, policy, delivery, {**kwargs, **own})
 
 
 class ProcessCollector(WorkersMixin, FleetCollector):
@@ -377,82 +300,8 @@ class ProcessCollector(WorkersMixin, FleetCollector):
         torch.Size([32])
     """
 
-    @explicit_keywords
-    def __init__(
-        self,
-        create_env_fn: Any,
-        policy: Any = None,
-        *,
-        frames_per_batch: int | Sequence[int] | None = None,
-        total_frames: int | None = -1,
-        max_frames_per_traj: int | None = None,
-        init_random_frames: int | None = None,
-        reset_at_each_iter: bool = False,
-        split_trajs: bool = False,
-        postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
-        exploration_type: str | InteractionType = "random",
-        set_truncated: bool = False,
-        seed: int | None = None,
-        device: Any = None,
-        env_device: Any = None,
-        policy_device: Any = None,
-        storing_device: Any = None,
-        replay_buffer: Any = None,
-        track_policy_version: bool = False,
-        compile_policy: bool | Mapping[str, Any] = False,
-        update_at_each_batch: bool = False,
-        num_threads: int | None = None,
-        num_sub_threads: int = 1,
-        worker_backend: str = "process",
-        start_method: str | None = None,
-        weight_sync: WeightSync | None = None,
-        max_policy_lag: int | None = None,
-        progress: Any = None,
-        traj_id_start: int = 0,
-        traj_id_stride: int = 1,
-        worker_timeout: float | None = None,
-        rollout: RolloutOptions | None = None,
-        weights: WeightSchedule | None = None,
-        backend: str | None = None,
-        restart: RestartPolicy | None = None,
-    ) -> None:
+    @explicit_keywords(keywords=WorkersKeywords)
+    def __init__(self, create_env_fn: Any, policy: Any = None, **kwargs: Unpack[WorkersKeywords]) -> None:
         if not callable(create_env_fn):
             raise TypeError(f"create_env_fn must be a callable returning an env, got {create_env_fn!r}")
-        self._workers = init_workers(
-            self,
-            [create_env_fn],
-            policy,
-            delivery=FirstReady(),
-            frames_per_batch=frames_per_batch,
-            total_frames=total_frames,
-            max_frames_per_traj=max_frames_per_traj,
-            init_random_frames=init_random_frames,
-            reset_at_each_iter=reset_at_each_iter,
-            split_trajs=split_trajs,
-            postproc=postproc,
-            exploration_type=exploration_type,
-            set_truncated=set_truncated,
-            seed=seed,
-            device=device,
-            env_device=env_device,
-            policy_device=policy_device,
-            storing_device=storing_device,
-            replay_buffer=replay_buffer,
-            track_policy_version=track_policy_version,
-            compile_policy=compile_policy,
-            update_at_each_batch=update_at_each_batch,
-            num_threads=num_threads,
-            num_sub_threads=num_sub_threads,
-            worker_backend=worker_backend,
-            start_method=start_method,
-            weight_sync=weight_sync,
-            max_policy_lag=max_policy_lag,
-            progress=progress,
-            traj_id_start=traj_id_start,
-            traj_id_stride=traj_id_stride,
-            worker_timeout=worker_timeout,
-            rollout=rollout,
-            weights=weights,
-            backend=backend,
-            restart=restart,
-        )
+        self._init_workers([create_env_fn], policy, FirstReady(), kwargs)

@@ -5,7 +5,7 @@ another (``Gather`` or ``FirstReady``) that feeds its frame batches to one
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tensordict import TensorDictBase
 
@@ -13,11 +13,8 @@ from .._core._options import RolloutOptions
 from .._core._validation import lag_arg
 from .._episodes._args import CHUNK_FRAMES, refuse_cuts
 from .._episodes._assembler import TrajectoryAssembler
-from .._fleet._collector import Arrival
-from ._delivery import Delivering
-
-if TYPE_CHECKING:
-    from ._workers import Workers
+from .._fleet._transport import Arrival
+from ._delivery import Delivering, WorkersView
 
 __all__ = ["Episodes"]
 
@@ -91,16 +88,16 @@ class Episodes:
     def split_frames(self, frames_per_batch: int | Sequence[int], n: int) -> list[int]:
         return self.inner.split_frames(frames_per_batch, n)
 
-    def slots_per_worker(self, w: Workers) -> int:
+    def slots_per_worker(self, w: WorkersView) -> int:
         return self.inner.slots_per_worker(w)
 
     def check_layouts(self, ready: list[Any]) -> None:
         self.inner.check_layouts(ready)
 
-    async def started(self, w: Workers) -> None:
+    async def started(self, w: WorkersView) -> None:
         await self.inner.started(w)
 
-    async def drop_stale(self, w: Workers) -> None:
+    async def drop_stale(self, w: WorkersView) -> None:
         """A flush raised the floors of some workers: their batches waiting are dropped and their
         rollouts in flight restart, so the trajectories they have in flight are torn."""
         for index, floor in enumerate(w.floors):
@@ -109,25 +106,25 @@ class Episodes:
                 self.assembler.taint(index)
         await self.inner.drop_stale(w)
 
-    async def load_behind(self, w: Workers, raised: list[int]) -> None:
+    async def load_behind(self, w: WorkersView, raised: list[int]) -> None:
         await self.inner.load_behind(w, raised)
 
-    async def replaced(self, w: Workers, index: int) -> None:
+    async def replaced(self, w: WorkersView, index: int) -> None:
         """Worker ``index`` was replaced: its trajectories in flight are torn (never delivered)."""
         self.assembler.taint(index)
         await self.inner.replaced(w, index)
 
-    def frames_for_buffer(self, w: Workers, batch: TensorDictBase) -> TensorDictBase:
+    def frames_for_buffer(self, w: WorkersView, batch: TensorDictBase) -> TensorDictBase:
         """Whole trajectories, flat over frames (or padded ``[N, T]`` with ``split_trajs``), as they are."""
         return batch
 
-    def _ready(self, w: Workers) -> bool:
+    def _ready(self, w: WorkersView) -> bool:
         """Whether a batch is ready, once the episodes whose oldest frame is too old are discarded."""
         if self.lag is not None:
-            self.assembler.drop_older(w.fleet._version - self.lag)
+            self.assembler.drop_older(w.fleet.version - self.lag)
         return self.assembler.ready()
 
-    async def next_batch(self, w: Workers) -> Arrival:
+    async def next_batch(self, w: WorkersView) -> Arrival:
         assembler = self.assembler
         while not self._ready(w):
             out = await self.inner.next_batch(w)

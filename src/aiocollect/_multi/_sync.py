@@ -3,25 +3,23 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any, Literal, Unpack
 
 import anyio
 from tensordict import TensorDictBase
-from tensordict.nn import InteractionType
 
 from .._core._mistakes import explicit_keywords, warn_user
-from .._core._options import RolloutOptions, WeightSchedule
-from .._core._restart import RestartPolicy
 from .._episodes._args import group_size_arg, trajs_per_batch_arg
-from .._fleet._collector import Arrival, FleetCollector
+from .._fleet._collector import FleetCollector
+from .._fleet._transport import Arrival
 from .._transport._messages import Collect
-from .._weightsync._schemes import WeightSync
 from .._workers._pool import WorkerPool
 from ._copies import BatchCopies
-from ._delivery import episodes_of
+from ._delivery import WorkersView, episodes_of
 from ._episodes import Episodes
-from ._workers import Workers, WorkersMixin, init_workers
+from ._keywords import MultiSyncKeywords
+from ._workers import WorkersMixin
 
 __all__ = ["Gather", "MultiSyncCollector"]
 
@@ -42,19 +40,19 @@ class Gather:
         self._copies = BatchCopies()  # the batches copied out of the slots (_copies.py)
 
     @staticmethod
-    def slots_per_worker(w: Workers) -> int:
+    def slots_per_worker(w: WorkersView) -> int:
         return 1  # a worker collects when asked
 
-    async def started(self, w: Workers) -> None:
+    async def started(self, w: WorkersView) -> None:
         """Nothing: a worker collects when a batch is asked for."""
 
-    async def drop_stale(self, w: Workers) -> None:
+    async def drop_stale(self, w: WorkersView) -> None:
         """Nothing waits: batches are collected when asked for."""
 
-    async def load_behind(self, w: Workers, raised: list[int]) -> None:
+    async def load_behind(self, w: WorkersView, raised: list[int]) -> None:
         """Nothing: workers load the new weights before their next rollout."""
 
-    async def replaced(self, w: Workers, index: int) -> None:
+    async def replaced(self, w: WorkersView, index: int) -> None:
         """Worker ``index`` was replaced: during a gather, its share is collected again (its notice, if
         any, went with its slot)."""
         notices, pool = self._notices, w.pool
@@ -104,16 +102,14 @@ class Gather:
                 f"preempted batches of batched envs (worker batches {shapes}); use cat_results=-1 or 'stack'"
             )
 
-    async def next_batch(self, w: Workers) -> Arrival:
+    async def next_batch(self, w: WorkersView) -> Arrival:
         n, fleet, pool = w.num_workers, w.fleet, w.pool
         assert pool is not None
         assert w.control is not None
         if w.schedule.update_at_each_batch and w.sender is not None:
             await fleet.update_weights()
         init_random = w.options.init_random_frames
-        random = (
-            fleet._stats.frames < math.ceil(init_random / fleet.frames_per_batch) * fleet.frames_per_batch
-        )
+        random = fleet.frames < math.ceil(init_random / fleet.frames_per_batch) * fleet.frames_per_batch
         stop = w.control.td["stop"]
         stop.zero_()
         notices: dict[int, Any] = {}
@@ -157,7 +153,7 @@ class Gather:
             min(notices[i].policy_version for i in range(n)),
         )
 
-    def frames_for_buffer(self, w: Workers, batch: TensorDictBase) -> TensorDictBase:
+    def frames_for_buffer(self, w: WorkersView, batch: TensorDictBase) -> TensorDictBase:
         """The stacked ``[workers, ..., T]`` batch with its worker dim folded into the next one: the entries
         torchrl's workers add when each extends the buffer with its own rollout (frames for single envs,
         ``[B, T]`` rows for batched ones), in worker order; frames a preempted worker did not collect are
@@ -232,103 +228,26 @@ class MultiSyncCollector(WorkersMixin, FleetCollector):
         torch.Size([2, 32])
     """
 
-    @explicit_keywords
+    @explicit_keywords(keywords=MultiSyncKeywords)
     def __init__(
-        self,
-        create_env_fns: Sequence[Any],
-        policy: Any = None,
-        *,
-        frames_per_batch: int | Sequence[int] | None = None,
-        preemptive_threshold: float | None = None,
-        cat_results: Literal["stack"] | int = "stack",
-        total_frames: int | None = -1,
-        max_frames_per_traj: int | None = None,
-        init_random_frames: int | None = None,
-        reset_at_each_iter: bool = False,
-        split_trajs: bool = False,
-        postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
-        exploration_type: str | InteractionType = "random",
-        set_truncated: bool = False,
-        seed: int | None = None,
-        device: Any = None,
-        env_device: Any = None,
-        policy_device: Any = None,
-        storing_device: Any = None,
-        replay_buffer: Any = None,
-        track_policy_version: bool = False,
-        compile_policy: bool | Mapping[str, Any] = False,
-        update_at_each_batch: bool = False,
-        num_threads: int | None = None,
-        num_sub_threads: int = 1,
-        worker_backend: str = "process",
-        start_method: str | None = None,
-        weight_sync: WeightSync | None = None,
-        max_policy_lag: int | None = None,
-        progress: Any = None,
-        traj_id_start: int = 0,
-        traj_id_stride: int = 1,
-        worker_timeout: float | None = None,
-        rollout: RolloutOptions | None = None,
-        weights: WeightSchedule | None = None,
-        backend: str | None = None,
-        trajs_per_batch: int | None = None,
-        restart: RestartPolicy | None = None,
-        group_size: int | None = None,
+        self, create_env_fns: Sequence[Any], policy: Any = None, **kwargs: Unpack[MultiSyncKeywords]
     ) -> None:
+        threshold, cat_results = kwargs["preemptive_threshold"], kwargs["cat_results"]
         trajs = trajs_per_batch_arg(
             "MultiSyncCollector",
-            trajs_per_batch,
-            frames_per_batch,
-            preemptive_threshold=preemptive_threshold,
+            kwargs["trajs_per_batch"],
+            kwargs["frames_per_batch"],
+            preemptive_threshold=threshold,
             cat_results=cat_results if cat_results == -1 else None,
-            max_policy_lag=max_policy_lag,
+            max_policy_lag=kwargs["max_policy_lag"],
         )
-        group = group_size_arg("MultiSyncCollector", group_size, trajs)
-        delivery = Episodes.over(Gather(preemptive_threshold, cat_results), trajs, group_size=group)
-        frames_per_batch = Episodes.frames(frames_per_batch, trajs, rollout, create_env_fns)
-        if preemptive_threshold is not None and (
-            isinstance(preemptive_threshold, bool)
-            or not isinstance(preemptive_threshold, (int, float))
-            or not 0 < preemptive_threshold <= 1
+        group = group_size_arg("MultiSyncCollector", kwargs["group_size"], trajs)
+        delivery = Episodes.over(Gather(threshold, cat_results), trajs, group_size=group)
+        if threshold is not None and (
+            isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold <= 1
         ):
-            raise ValueError(f"preemptive_threshold must be in (0, 1] or None, got {preemptive_threshold!r}")
+            raise ValueError(f"preemptive_threshold must be in (0, 1] or None, got {threshold!r}")
         if cat_results != "stack" and (isinstance(cat_results, bool) or cat_results not in (0, -1)):
             raise ValueError(f"cat_results must be 'stack', 0 or -1, got {cat_results!r}")
-        self._workers = init_workers(
-            self,
-            create_env_fns,
-            policy,
-            delivery=delivery,
-            frames_per_batch=frames_per_batch,
-            total_frames=total_frames,
-            max_frames_per_traj=max_frames_per_traj,
-            init_random_frames=init_random_frames,
-            reset_at_each_iter=reset_at_each_iter,
-            split_trajs=split_trajs,
-            postproc=postproc,
-            exploration_type=exploration_type,
-            set_truncated=set_truncated,
-            seed=seed,
-            device=device,
-            env_device=env_device,
-            policy_device=policy_device,
-            storing_device=storing_device,
-            replay_buffer=replay_buffer,
-            track_policy_version=track_policy_version,
-            compile_policy=compile_policy,
-            update_at_each_batch=update_at_each_batch,
-            num_threads=num_threads,
-            num_sub_threads=num_sub_threads,
-            worker_backend=worker_backend,
-            start_method=start_method,
-            weight_sync=weight_sync,
-            max_policy_lag=max_policy_lag,
-            progress=progress,
-            traj_id_start=traj_id_start,
-            traj_id_stride=traj_id_stride,
-            worker_timeout=worker_timeout,
-            rollout=rollout,
-            weights=weights,
-            backend=backend,
-            restart=restart,
-        )
+        frames = Episodes.frames(kwargs["frames_per_batch"], trajs, kwargs["rollout"], create_env_fns)
+        self._init_workers(create_env_fns, policy, delivery, {**kwargs, "frames_per_batch": frames})

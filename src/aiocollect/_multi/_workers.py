@@ -1,7 +1,8 @@
-"""The worker pool as a :class:`~aiocollect._fleet._collector.Transport` of the one
-:class:`~aiocollect._fleet._collector.FleetCollector` (:class:`Workers`), and what the multi-process
-collectors
-add to the fleet's surface (:class:`WorkersMixin`: ``get_distant_attr``, ``map_fn``).
+"""The worker pool as a :class:`~aiocollect._fleet._transport.Transport` of the one
+:class:`~aiocollect._fleet._collector.FleetCollector` (:class:`Workers`), its keywords checked into options
+(:func:`init_workers`), a lost worker's respawn (:class:`_Replacing`, driven by the fleet's replacements),
+and what the multi-process collectors add to the fleet's surface (:class:`WorkersMixin`:
+``get_distant_attr``, ``map_fn``).
 
 Each worker (a process, or a thread with ``worker_backend="serial"``) runs the rollout core and writes
 batches into shared-memory slots; the parent's task group merges their notices into one ``async for``.
@@ -11,37 +12,30 @@ How a batch is gathered is the :class:`~._delivery.Delivering` the public class 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 import anyio
 import anyio.abc
 import anyio.to_thread
 import torch
 from tensordict import TensorDictBase
-from tensordict.nn import InteractionType
 
 from .._core._errors import CollectorClosedError, WorkerTimeoutError
 from .._core._gather import gather
+from .._core._keywords import rollout_keywords
+from .._core._mistakes import keyword_list
 from .._core._options import RolloutOptions, WeightSchedule, refuse_schedule, worker_backend_arg
-from .._core._restart import RestartPolicy, derive_seed
 from .._core._resume import check_fleet_env_state
 from .._core._torch_settings import TorchSettings
-from .._core._validation import (
-    optional_callable,
-    optional_positive_int,
-    policy_arg,
-    positive_int,
-    replay_buffer_arg,
-    timeout_arg,
-)
+from .._core._validation import optional_callable, optional_positive_int, positive_int, timeout_arg
 from .._episodes._trajectories import split_trajectories
-from .._fleet._collector import Arrival, FleetCollector
-from .._observe._stats import WorkerStatistics
+from .._fleet._replace import restarted_options
+from .._fleet._transport import Arrival, FleetHandle, FleetSetup, Transport
 from .._policies._weights import weights_template
-from .._transport._messages import FleetOp, GetPath, GetWeights, LoadWeights, MapFn, SetSeed
+from .._transport._messages import FleetOp, GetPath, GetWeights, LoadWeights, MapFn
 from .._transport._shm import SharedBlock
 from .._weightsync._schemes import (
     PipeWeightSync,
@@ -52,14 +46,28 @@ from .._weightsync._schemes import (
 )
 from .._workers._paths import parse_path
 from .._workers._pool import WorkerHandle, WorkerPool, start_forkserver
+from .._workers._replace import Respawner, WorkerRespawn
 from .._workers._worker import WorkerSpec, control_layout
 from ._args import env_fns_arg, pickled_env_fns, show_worker_warnings, start_method_arg
+from ._delivery import Delivering, WorkersView
 from ._episodes import Episodes
+from ._keywords import WorkersKeywords
 
-if TYPE_CHECKING:
-    from ._delivery import Delivering
+# (with what the collectors over the pool take from here: what it delivers, what a delivery sees of it)
+__all__ = [
+    "Arrival",
+    "Workers",
+    "WorkersKeywords",
+    "WorkersMixin",
+    "WorkersPlan",
+    "WorkersView",
+    "init_workers",
+]
 
-__all__ = ["Workers", "WorkersMixin", "init_workers"]
+T = TypeVar("T", bound=Transport)
+
+#: the defaults of the keywords a caller leaves out (``MultiAsyncEnvCollector`` gives a part of the list)
+_DEFAULTS = keyword_list(WorkersKeywords).defaults
 
 
 async def _first_exit(pool: WorkerPool) -> None:
@@ -74,199 +82,158 @@ async def _first_exit(pool: WorkerPool) -> None:
             tg.start_soon(wait, handle.exited)
 
 
-def _envs_per_step(handle: WorkerHandle) -> int:
-    """Frames a worker's step makes: its batch's size without the time dim."""
-    size = handle.ready.batch_size[:-1] if handle.ready is not None else ()
-    return int(math.prod(size))
+@dataclass(frozen=True)
+class WorkersPlan:
+    """A worker pool's keywords, checked (:func:`init_workers`): what its workers run and how they start."""
+
+    #: the pickled env constructors, one per worker
+    payloads: list[bytes]
+    options: RolloutOptions
+    schedule: WeightSchedule
+    #: each worker's frames per batch
+    per_worker: list[int]
+    postproc: Callable[[TensorDictBase], TensorDictBase] | None
+    num_threads: int | None
+    num_sub_threads: int
+    backend: str
+    start_method: str
+    weight_sync: WeightSync
+    timeout: float | None
+    #: the policy's flat weights (``None``: it has none) and whether batches go to a replay buffer
+    weights_template: TensorDictBase | None
+    buffering: bool
+    #: the workers' own body (``WorkerSpec.run``) and a handler of its messages (``MultiAsyncEnvCollector``)
+    body: Any = None
+    on_message: Callable[[int, Any], None] | None = None
 
 
 def init_workers(
-    fleet: FleetCollector,
     create_env_fns: Sequence[Any],
-    policy: Any = None,
-    *,
+    policy: Any,
     delivery: Delivering,
-    frames_per_batch: int | Sequence[int] | None = None,
-    total_frames: int | None = -1,
-    max_frames_per_traj: int | None = None,
-    init_random_frames: int | None = None,
-    reset_at_each_iter: bool = False,
-    split_trajs: bool = False,
-    postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
-    exploration_type: str | InteractionType = "random",
-    set_truncated: bool = False,
-    seed: int | None = None,
-    device: Any = None,
-    env_device: Any = None,
-    policy_device: Any = None,
-    storing_device: Any = None,
-    replay_buffer: Any = None,
-    track_policy_version: bool = False,
-    compile_policy: bool | Mapping[str, Any] = False,
-    update_at_each_batch: bool = False,
-    num_threads: int | None = None,
-    num_sub_threads: int = 1,
-    worker_backend: str = "process",
-    start_method: str | None = None,
-    weight_sync: WeightSync | None = None,
-    max_policy_lag: int | None = None,
-    progress: Any = None,
-    traj_id_start: int = 0,
-    traj_id_stride: int = 1,
-    worker_timeout: float | None = None,
-    rollout: RolloutOptions | None = None,
-    weights: WeightSchedule | None = None,
-    backend: str | None = None,
-    restart: RestartPolicy | None = None,
+    keywords: Mapping[str, Any],
+    *,
+    owner: str,
     body: Any = None,
     on_message: Callable[[int, Any], None] | None = None,
-) -> Workers:
-    """Build ``fleet`` (a multi-process collector being constructed) over a pool of workers, one per env
-    constructor, with the keywords checked into options; ``body``/``on_message``: the workers' own body
-    (``WorkerSpec.run``) and a handler of its messages (``MultiAsyncEnvCollector``'s)."""
+) -> tuple[FleetSetup, Callable[[FleetHandle], Workers]]:
+    """A multi-process collector (``owner``, its class name) over a pool of workers, one per env
+    constructor: its keywords (a :class:`~._keywords.WorkersKeywords`, or a part of one: the others take
+    their defaults) checked into options; what the fleet is set up with, and its transport.
+    ``body``/``on_message``: the workers' own body and a handler of its messages."""
+    kw = {**_DEFAULTS, **keywords}
     env_fns = env_fns_arg(create_env_fns)
     options = RolloutOptions.from_kwargs(
-        rollout,
-        frames_per_batch=frames_per_batch,
-        total_frames=total_frames,
-        max_frames_per_traj=max_frames_per_traj,
-        init_random_frames=init_random_frames,
-        reset_at_each_iter=reset_at_each_iter,
-        split_trajs=split_trajs,
-        set_truncated=set_truncated,
-        exploration_type=exploration_type,
-        seed=seed,
-        device=device,
-        env_device=env_device,
-        policy_device=policy_device,
-        storing_device=storing_device,
-        compile_policy=compile_policy,
-        traj_id_start=traj_id_start,
-        traj_id_stride=traj_id_stride,
-        restart=restart,
+        kw["rollout"],
+        frames_per_batch=kw["frames_per_batch"],
+        **rollout_keywords(kw),
         **Episodes.rollout_options(delivery),
     )
     schedule = WeightSchedule.from_kwargs(
-        weights,
-        update_at_each_batch=update_at_each_batch,
-        track_policy_version=track_policy_version,
-        max_policy_lag=max_policy_lag,
+        kw["weights"],
+        update_at_each_batch=kw["update_at_each_batch"],
+        track_policy_version=kw["track_policy_version"],
+        max_policy_lag=kw["max_policy_lag"],
     )
-    refuse_schedule(schedule, type(fleet).__name__, update_at_each_batch=True)
+    refuse_schedule(schedule, owner, update_at_each_batch=True)
     n = len(env_fns)
     per_worker = delivery.split_frames(options.frames_per_batch, n)
-    workers = Workers(
-        fleet,
-        delivery,
+    template = weights_template(policy)
+    plan = WorkersPlan(
         pickled_env_fns(env_fns),  # small: a bad one fails now; the policy once entered, in a thread
         options,
         schedule,
         per_worker,
-        postproc=optional_callable("postproc", postproc),
-        threads=(optional_positive_int("num_threads", num_threads, fix="None leaves it"), num_sub_threads),
-        backend=worker_backend_arg(worker_backend, backend),
-        start_method=start_method_arg(start_method),
-        weight_sync=weight_sync_arg(weight_sync),
-        timeout=timeout_arg(worker_timeout),
+        postproc=optional_callable("postproc", kw["postproc"]),
+        num_threads=optional_positive_int("num_threads", kw["num_threads"], fix="None leaves it"),
+        num_sub_threads=positive_int("num_sub_threads", kw["num_sub_threads"]),
+        backend=worker_backend_arg(kw["worker_backend"], kw["backend"]),
+        start_method=start_method_arg(kw["start_method"]),
+        weight_sync=weight_sync_arg(kw["weight_sync"]),
+        timeout=timeout_arg(kw["worker_timeout"]),
+        weights_template=template,
+        buffering=kw["replay_buffer"] is not None,
         body=body,
         on_message=on_message,
     )
-    fleet.num_workers = n  # type: ignore[attr-defined]
-    fleet._floor_lag = None if delivery.sync else schedule.max_policy_lag
-    fleet._episodes = Episodes.checked(delivery, type(fleet).__name__, options)  # type: ignore[attr-defined]
-    fleet._init_fleet(
-        workers,
+    setup = FleetSetup(
         size=n,
         sync=delivery.sync,
         total_frames=options.total_frames,
         # async: the largest worker batch (all equal unless frames_per_batch is a per-worker list)
         frames_per_batch=sum(per_worker) if delivery.sync else max(per_worker),
-        policy=policy_arg(policy),
-        weights_template=weights_template(policy),
+        policy=policy,
+        weights_template=template,
         seed=options.seed,
-        replay_buffer=replay_buffer_arg(replay_buffer),
-        progress=progress,
+        replay_buffer=kw["replay_buffer"],
+        progress=kw["progress"],
+        floor_lag=None if delivery.sync else schedule.max_policy_lag,
+        episodes=Episodes.checked(delivery, owner, options),
+        # workers that die or hang are replaced with weights in shared memory or through the pipe (a
+        # collective transfer cannot take in a new process); MultiAsyncEnvCollector's also restart envs
+        restart=options.restart
+        if isinstance(plan.weight_sync, (SharedMemoryWeightSync, PipeWeightSync))
+        else None,
     )
-    start_forkserver(workers.backend, workers.start_method, type(fleet).__name__)  # imports meanwhile
-    return workers
+    return setup, partial(Workers, delivery=delivery, plan=plan, owner=owner)
 
 
 class Workers:
-    """The worker pool of a multi-process collector (``fleet``), a
-    :class:`~aiocollect._fleet._collector.Transport`:
+    """The worker pool of a multi-process collector, a :class:`~aiocollect._fleet._transport.Transport`:
     the workers, their shared control block (stop flags, staleness floors, versions published, frames
-    discarded) and the weights' sender; ``delivery`` says how a batch is gathered."""
+    discarded) and the weights' sender; ``delivery`` says how a batch is gathered, ``fleet`` is the
+    collector's handle."""
 
     state_prefix = "worker"
     versioned = False
 
-    def __init__(
-        self,
-        fleet: FleetCollector,
-        delivery: Delivering,
-        payloads: list[bytes],
-        options: RolloutOptions,
-        schedule: WeightSchedule,
-        per_worker_frames: list[int],
-        *,
-        postproc: Callable[[TensorDictBase], TensorDictBase] | None,
-        threads: tuple[int | None, int],
-        backend: str,
-        start_method: str,
-        weight_sync: WeightSync,
-        timeout: float | None,
-        body: Any,
-        on_message: Callable[[int, Any], None] | None,
-    ) -> None:
-        self.fleet, self.delivery, self.options, self.schedule = fleet, delivery, options, schedule
-        self.num_workers = len(payloads)
-        self._payloads, self._per_worker_frames, self._postproc = payloads, per_worker_frames, postproc
-        self._num_threads, self._num_sub_threads = threads[0], positive_int("num_sub_threads", threads[1])
-        self.backend, self.start_method, self._weight_sync = backend, start_method, weight_sync
-        self.timeout, self._body, self._on_message = timeout, body, on_message
+    def __init__(self, fleet: FleetHandle, *, delivery: Delivering, plan: WorkersPlan, owner: str) -> None:
+        self.fleet, self.delivery, self.plan = fleet, delivery, plan
+        self.options, self.schedule = plan.options, plan.schedule
+        self.num_workers = len(plan.payloads)
+        self.timeout = plan.timeout
         self._show_warnings = show_worker_warnings()
         self.pool: WorkerPool | None = None
         self.control: SharedBlock | None = None
         self.sender: WeightSender | None = None
+        self._respawner: Respawner | None = None
         self._targets = [0] * self.num_workers  # per worker: the last version published for it
-        #: per worker, the weights last published for it (handed to a replacement, pipe sync)
-        self._last_weights: list[TensorDictBase | None] = [None] * self.num_workers
         self._saved_threads: int | None = None
         self._last_discarded = 0  # the control block's "discarded" when the collector closed
         self._stopped = False
+        start_forkserver(plan.backend, plan.start_method, owner)  # its imports run meanwhile
 
     @property
-    def floors(self) -> list[int]:
+    def floors(self) -> Sequence[int]:
         """Per worker, the oldest policy version a delivered batch may have (mirrored in the control
         block's "floor")."""
-        return self.fleet._floors
+        return self.fleet.floors
 
     @property
     def started(self) -> bool:
         return self.pool is not None and not self._stopped
 
     def members(self) -> Sequence[WorkerHandle]:
-        return self.pool.workers if self.started and self.pool is not None else ()
+        return self.pool.workers if self.pool is not None else ()
 
     # -- start --------------------------------------------------------------------------------------
     async def start(self) -> list[int]:
         try:
             return await self._start()
         except Exception as exc:  # closed on the way out of __aenter__: say why on any further use
-            self.fleet._closed_reason = f"it failed to start with {type(exc).__name__}: {exc}"
+            self.fleet.fail(f"it failed to start with {type(exc).__name__}: {exc}")
             raise
 
     async def _start(self) -> list[int]:
-        fleet, n = self.fleet, self.num_workers
-        assert fleet._task_group is not None
-        policy_payload = await fleet._pickled_policy("the worker processes")
+        fleet, plan, n = self.fleet, self.plan, self.num_workers
+        tg = fleet.task_group
+        policy_payload = await fleet.pickled_policy("the worker processes")
         self.control = SharedBlock(control_layout(n), ())
         self.control.td.zero_()
         receivers: list[Any] = [None] * n
-        if fleet._weights_template is not None:
-            template = fleet._weights_template
+        if (template := plan.weights_template) is not None:
             self.sender = await anyio.to_thread.run_sync(
-                lambda: self._weight_sync.open_sender(template.clone(), n, self._send_to)
+                lambda: plan.weight_sync.open_sender(template.clone(), n, self._send_to)
             )
             receivers = self.sender.receivers()
         settings = TorchSettings.capture()  # this (the entering) thread's: serial workers take them
@@ -274,39 +241,39 @@ class Workers:
             WorkerSpec(
                 index=i,
                 num_workers=n,
-                payload=self._payloads[i],
+                payload=plan.payloads[i],
                 policy_payload=policy_payload,
                 # worker i's ids: traj_id_start + traj_id_stride * (i + num_workers * k)
-                rollout=self.options.for_member(i, n, frames_per_batch=self._per_worker_frames[i]),
+                rollout=self.options.for_member(i, n, frames_per_batch=plan.per_worker[i]),
                 schedule=self.schedule,
                 control_name=self.control.name,
                 weights=receivers[i],
-                num_threads=self._num_sub_threads,
-                in_process=self.backend == "serial",
+                num_threads=plan.num_sub_threads,
+                in_process=plan.backend == "serial",
                 show_warnings=self._show_warnings,
                 torch_settings=settings,
-                run=self._body,
+                run=plan.body,
             )
             for i in range(n)
         ]
-        if self._num_threads is not None:
+        if plan.num_threads is not None:
             self._saved_threads = torch.get_num_threads()
-            torch.set_num_threads(self._num_threads)
+            torch.set_num_threads(plan.num_threads)
         self.pool = pool = WorkerPool(
             specs,
-            backend=self.backend,
-            start_method=self.start_method,
+            backend=plan.backend,
+            start_method=plan.start_method,
             slots_per_worker=self.delivery.slots_per_worker(self),
-            on_event=fleet._hub.publish,
+            on_event=fleet.publish,
             timeout=self.timeout,
-            on_message=self._on_message or (lambda index, msg: None),
-            restart=self._worker_restarts(),
-            on_replaced=self._replaced,
+            on_message=plan.on_message or (lambda index, msg: None),
         )
+        if fleet.replacements is not None:
+            self._respawner = pool.respawner = Respawner(pool, self)
         if self.sender is not None:
-            await gather(partial(pool.start, fleet._task_group), self.sender.connect)
+            await gather(partial(pool.start, tg), self.sender.connect)
         else:
-            await pool.start(fleet._task_group)
+            await pool.start(tg)
         ready = [w.ready for w in pool.workers]
         self.delivery.check_layouts(ready)
         return [r.frames_per_batch for r in ready if r is not None]
@@ -314,36 +281,29 @@ class Workers:
     async def run(self) -> None:
         await self.delivery.started(self)
 
-    def _worker_restarts(self) -> RestartPolicy | None:
-        """The policy that replaces workers that die or hang, with weights in shared memory or through
-        the pipe (a collective transfer cannot take in a new process); ``MultiAsyncEnvCollector``'s
-        workers also restart their envs themselves."""
-        sync = self._weight_sync
-        if not isinstance(sync, (SharedMemoryWeightSync, PipeWeightSync)):
-            return None
-        return self.options.restart
+    # -- replacements (aiocollect._workers._replace.PoolOwner) ---------------------------------------
+    def replace(self, handle: WorkerHandle, cause: BaseException, respawn: WorkerRespawn) -> bool:
+        replacements = self.fleet.replacements
+        progressed = handle.frames > handle.born_frames  # it delivered: the backoff starts again
+        return replacements is not None and replacements.later(
+            handle.index, cause, respawn, progressed=progressed
+        )
 
-    async def _replaced(self, index: int) -> None:
-        """Worker ``index`` was replaced (``RestartPolicy``): seed it from its seed and its replacements,
-        load the newest weights published for it, then let it collect."""
-        pool, control = self.pool, self.control
-        assert pool is not None
-        assert control is not None
-        handle = pool.workers[index]
-        # the steps its predecessor began in its last batch are lost (the one it died in, too)
-        steps, numel = int(control.td["progress"][index]), _envs_per_step(handle)
-        control.td["progress"][index] = 0
-        if pool.replacer is not None:
-            pool.replacer.discarded_frames += max(0, steps - 1) * numel
-        seed, replacer = self.fleet.member_seeds.get(index), pool.replacer
-        if seed is not None and replacer is not None:
-            await pool.call(index, SetSeed(cast("int", derive_seed(seed, replacer.count(index)))))
-        if self.sender is not None:
-            weights = self._last_weights[index]
-            if not self.sender.one_copy and weights is not None:
-                await self.sender.publish(weights, self._targets[index], [index])
-            pool.note_version(index, await pool.call(index, LoadWeights()))
-        handle.expected_since = None
+    def may_kill(self, index: int, error: BaseException) -> bool:
+        replacements = self.fleet.replacements
+        return (
+            replacements is not None and replacements.counts(error) and not replacements.spent(index, error)
+        )
+
+    def respawned_spec(self, index: int, restarts: int) -> WorkerSpec:
+        assert self.pool is not None
+        original = self.pool.specs[index]  # ids and seed from the first generation's
+        return replace(original, rollout=restarted_options(original.rollout, restarts))
+
+    def discard(self, frames: int) -> None:
+        self.fleet.discard(frames)
+
+    async def collect(self, index: int) -> None:
         await self.delivery.replaced(self, index)
 
     # -- deliveries ---------------------------------------------------------------------------------
@@ -354,17 +314,16 @@ class Workers:
             out = await self.delivery.next_batch(self)
         except Exception as exc:
             if pool.failure is not None:  # closed for good: any further use says so
-                self.fleet._closed_reason = f"a worker failed with {type(exc).__name__}: {exc}"
-                self.fleet._closed = True
+                self.fleet.fail(f"a worker failed with {type(exc).__name__}: {exc}", close=True)
             raise
         batch = out.batch
         if self.options.split_trajs:
             batch = split_trajectories(batch)
-        if self._postproc is not None:
-            batch = self._postproc(batch)
+        if self.plan.postproc is not None:
+            batch = self.plan.postproc(batch)
         if self.options.devices.storing is not None:
             batch = batch.to(self.options.devices.storing)
-        if self.fleet.replay_buffer is not None:
+        if self.plan.buffering:
             batch = self.delivery.frames_for_buffer(self, batch)
         out.batch = batch
         return out
@@ -390,14 +349,16 @@ class Workers:
                     f"workers {late} delivered no batch within worker_timeout={timeout} s "
                     "(a hung env or policy?)"
                 )
-                if pool.replacer is not None and all([pool.replacer.kill_hung(i, error) for i in late]):
+                respawner = self._respawner
+                if respawner is not None and all([respawner.kill_hung(i, error) for i in late]):
                     continue  # killed, to be replaced (RestartPolicy)
                 pool.fail(error)
                 raise error
 
     # -- weights ------------------------------------------------------------------------------------
-    async def publish(self, weights: TensorDictBase, version: int, ids: list[int]) -> None:
-        """Through ``weight_sync``: workers ``ids`` load ``version`` at their next batch boundary."""
+    async def publish(self, weights: TensorDictBase, version: int, ids: list[int]) -> TensorDictBase | None:
+        """Through ``weight_sync``: workers ``ids`` load ``version`` at their next batch boundary; what a
+        replacement of one of them is sent again (the weights, unless they are one shared copy)."""
         pool, sender = self.pool, self.sender
         assert pool is not None
         assert sender is not None  # a collector with weights has a sender
@@ -407,13 +368,13 @@ class Workers:
             behind = enumerate(pool.workers)
             pending = [i for i, h in behind if i not in ids and self._targets[i] > h.policy_version]
             await self.load_now(pending, version, None)
-        if pool.restart is not None:  # a worker that dies meanwhile gets these once replaced
+        if pool.respawner is not None:  # a worker that dies meanwhile gets these once replaced
             await sender.publish(weights, version, ids)
         else:
             await self._publish(pool, sender, weights, version, ids)
         for i in ids:
             self._targets[i] = version
-            self._last_weights[i] = weights
+        return None if sender.one_copy else weights
 
     async def published(self, version: int, ids: list[int], raised: list[int]) -> None:
         """The shared floors first (a worker that reads the new "published" sees them), then the
@@ -421,7 +382,7 @@ class Workers:
         control = self.control
         assert control is not None
         for i in raised:
-            control.td["floor"][i] = self.fleet._floors[i]
+            control.td["floor"][i] = self.fleet.floors[i]
         published = control.td["published"]
         for i in ids:
             published[i] = version
@@ -484,8 +445,8 @@ class Workers:
         return await gather(*[partial(pool.call, i, op) for i, op in ops])
 
     def discarded(self) -> int:
-        control, pool = self.control, self.pool
-        replaced = pool.replacer.discarded_frames if pool is not None and pool.replacer is not None else 0
+        control = self.control
+        replaced = self._respawner.discarded_frames if self._respawner is not None else 0
         own = int(control.td["discarded"].sum()) if control is not None else self._last_discarded
         return replaced + own
 
@@ -500,17 +461,18 @@ class Workers:
             if self.control is not None:
                 # workers mid-batch stop at their next step instead of finishing it
                 self.control.td["stop"].fill_(1)
-            async with self.fleet._lock:  # after the batch in flight (its workers stop at their next step)
-                self.fleet._closed = True
+            async with (
+                self.fleet.batch_lock
+            ):  # after the batch in flight (its workers stop at their next step)
+                self.fleet.close()
                 if self._stopped:
                     return
-                if self.pool is not None:  # (members() go on until the pool is closed: statistics())
-                    await self.pool.aclose()
-                    self.fleet._last_workers = tuple(
-                        WorkerStatistics(w.index, w.state, w.frames, w.policy_version, restarts=w.restarts)
-                        for w in self.pool.workers
-                    )
                 self._stopped = True
+                if self.pool is not None:
+                    self.pool.closing = True  # no worker is replaced any more; the replacements settle
+                    if (replacements := self.fleet.replacements) is not None:
+                        await replacements.cancel()
+                    await self.pool.aclose()
                 if self.control is not None:
                     self._last_discarded = int(self.control.td["discarded"].sum())
                     self.control.unlink()
@@ -528,13 +490,38 @@ class WorkersMixin:
     """What the multi-process collectors add to the fleet's surface: the workers' envs and policies
     reached by path (torchrl's ``get_distant_attr``, ``map_fn``)."""
 
-    num_workers: int
     _workers: Workers
     _lock: anyio.Lock
 
     if TYPE_CHECKING:
 
         def _active(self) -> None: ...
+
+        def _init_fleet(self, setup: FleetSetup, transport: Callable[[FleetHandle], T]) -> T: ...
+
+    @property
+    def num_workers(self) -> int:
+        return self._workers.num_workers
+
+    def _init_workers(
+        self,
+        create_env_fns: Sequence[Any],
+        policy: Any,
+        delivery: Delivering,
+        keywords: Mapping[str, Any] | None = None,
+        *,
+        body: Any = None,
+        on_message: Callable[[int, Any], None] | None = None,
+        **given: Unpack[WorkersKeywords],
+    ) -> None:
+        """The fleet set up over a pool of workers (:func:`init_workers`): ``keywords``, the collector's
+        keyword list (filled), or ``given`` one by one; ``body``/``on_message``: its workers' body and a
+        handler of its messages."""
+        kw = {**(keywords or {}), **given}
+        owner = type(self).__name__
+        self._workers = self._init_fleet(
+            *init_workers(create_env_fns, policy, delivery, kw, owner=owner, body=body, on_message=on_message)
+        )
 
     @property
     def _pool(self) -> WorkerPool | None:

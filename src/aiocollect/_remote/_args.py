@@ -51,28 +51,25 @@ class WeightPlan:
     template: TensorDictBase | None
 
 
-def weight_plan(
-    policy: Any,
-    update_at_each_batch: Any,
-    max_weight_update_interval: Any,
-    update_after_each_batch: Any = UNSET,
-    weights: WeightSchedule | None = None,
-) -> WeightPlan:
-    """The checked weight keywords as one :class:`~aiocollect.WeightSchedule` (``weights=`` when given);
-    ``update_after_each_batch`` is the deprecated spelling of ``update_at_each_batch``."""
-    if update_at_each_batch is True or update_after_each_batch is True:
-        interval = max_weight_update_interval
-        if isinstance(interval, int) and not isinstance(interval, bool) and interval > 0:
-            raise ValueError(
-                "update_at_each_batch and max_weight_update_interval exclude each other: "
-                "update_at_each_batch=True sends weights before every batch already, drop "
-                "max_weight_update_interval"
-            )
+def weight_plan(policy: Any, keywords: Mapping[str, Any]) -> WeightPlan:
+    """The checked weight keywords of a remote collector (``update_at_each_batch``,
+    ``max_weight_update_interval``, ``update_after_each_batch``: its deprecated spelling, or ``weights=``)
+    as one :class:`~aiocollect.WeightSchedule`."""
+    at_each_batch, interval = keywords["update_at_each_batch"], keywords["max_weight_update_interval"]
+    after_each_batch = keywords["update_after_each_batch"]
+    if (at_each_batch is True or after_each_batch is True) and (
+        isinstance(interval, int) and not isinstance(interval, bool) and interval > 0
+    ):
+        raise ValueError(
+            "update_at_each_batch and max_weight_update_interval exclude each other: "
+            "update_at_each_batch=True sends weights before every batch already, drop "
+            "max_weight_update_interval"
+        )
     schedule = WeightSchedule.from_kwargs(
-        weights,
-        update_after_each_batch=None if update_after_each_batch is UNSET else update_after_each_batch,
-        update_at_each_batch=update_at_each_batch,
-        max_weight_update_interval=max_weight_update_interval,
+        keywords["weights"],
+        update_after_each_batch=None if after_each_batch is UNSET else after_each_batch,
+        update_at_each_batch=at_each_batch,
+        max_weight_update_interval=interval,
     )
     if schedule.max_policy_lag is not None or schedule.track_policy_version:
         raise ValueError(

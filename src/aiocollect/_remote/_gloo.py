@@ -22,9 +22,9 @@ import contextlib
 import math
 import os
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, Unpack
 
 import anyio
 import anyio.to_thread
@@ -35,10 +35,8 @@ from .._core._daemon import run_abandonable
 from .._core._errors import RemoteFailure
 from .._core._gather import gather
 from .._core._mistakes import explicit_keywords
-from .._core._options import WeightSchedule
-from .._core._restart import RestartPolicy
 from .._fleet._collector import FleetCollector
-from .._local._collector import Collector
+from .._fleet._transport import FleetHandle
 from .._policies._weights import module_weights
 from .._transport._flat import FlatBuffer, layout_of
 from .._transport._groups import check_backend, interface_from_env, new_group
@@ -46,11 +44,12 @@ from .._transport._messages import Result
 from .._transport._store import StoreClient
 from .._transport._wire import AsyncChannel
 from .._weightsync._distributed import DistributedWeightSync
-from ._args import UNSET
+from ._keywords import DistributedKeywords, DistributedSyncKeywords
 from ._messages import BatchNotice, CallFailed, Close, Collect, Loaded, NodeBatch, NodeReady, Request, Setup
 from ._node import NodeCore
-from ._nodes import DEFAULT_PROGRESS_TIMEOUT, Nodes, RemoteNode
-from ._trainer import NodeCollectorMixin, NodePlan, init_nodes, node_plan
+from ._nodes import Nodes, RemoteNode
+from ._relaunch import GroupRelauncher
+from ._trainer import NodeCollectorMixin, NodePlan
 
 _TIMEOUT = 120.0  # seconds: rendezvous and transfers of the data group
 
@@ -168,8 +167,8 @@ class GlooNodes(Nodes):
     _engine = "_gloo"
     _engine_name = "torch.distributed"
 
-    def __init__(self, fleet: FleetCollector, plan: NodePlan, backend: str) -> None:
-        super().__init__(fleet, plan)
+    def __init__(self, fleet: FleetHandle, *, plan: NodePlan, backend: str) -> None:
+        super().__init__(fleet, plan, GroupRelauncher)
         self.backend = backend
         self._group: Any = None
         self._sender: Any = None
@@ -347,57 +346,12 @@ class DistributedCollector(NodeCollectorMixin, FleetCollector):
 
     _member_noun = "node"
 
-    @explicit_keywords
-    def __init__(
-        self,
-        create_env_fn: Any,
-        policy: Any = None,
-        *,
-        backend: str = "gloo",
-        frames_per_batch: int,
-        total_frames: int | None = -1,
-        sync: bool = False,
-        num_collectors: int | None = None,
-        collector_class: type = Collector,
-        collector_kwargs: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
-        num_workers_per_collector: int = 1,
-        launcher: Any = "mp",
-        slurm_kwargs: Mapping[str, Any] | None = None,
-        tcp_port: int | None = None,
-        trainer_address: str | None = None,
-        progress_timeout: float | None = DEFAULT_PROGRESS_TIMEOUT,
-        update_at_each_batch: bool = False,
-        max_weight_update_interval: int | None = None,
-        progress: Any = None,
-        update_after_each_batch: Any = UNSET,
-        weights: WeightSchedule | None = None,
-        restart: RestartPolicy | None = None,
-    ) -> None:
-        check_backend(backend)
-        self.backend = backend
-        plan = node_plan(
-            create_env_fn,
-            policy,
-            frames_per_batch=frames_per_batch,
-            total_frames=total_frames,
-            sync=sync,
-            num_collectors=num_collectors,
-            collector_class=collector_class,
-            collector_kwargs=collector_kwargs,
-            num_workers_per_collector=num_workers_per_collector,
-            launcher=launcher,
-            slurm_kwargs=slurm_kwargs,
-            tcp_port=tcp_port,
-            trainer_address=trainer_address,
-            progress_timeout=progress_timeout,
-            update_at_each_batch=update_at_each_batch,
-            max_weight_update_interval=max_weight_update_interval,
-            update_after_each_batch=update_after_each_batch,
-            weights=weights,
-            owner=type(self).__name__,
-            restart=restart,
-        )
-        init_nodes(self, GlooNodes(self, plan, backend), plan, progress)
+    @explicit_keywords(keywords=DistributedKeywords)
+    def __init__(self, create_env_fn: Any, policy: Any = None, **kwargs: Unpack[DistributedKeywords]) -> None:
+        check_backend(kwargs["backend"])
+        self.backend = kwargs["backend"]
+        gloo = partial(GlooNodes, backend=self.backend)
+        self._init_nodes(create_env_fn, policy, kwargs, sync=kwargs["sync"], transport=gloo)
 
 
 class DistributedSyncCollector(NodeCollectorMixin, FleetCollector):
@@ -411,59 +365,16 @@ class DistributedSyncCollector(NodeCollectorMixin, FleetCollector):
 
     _member_noun = "node"
 
-    @explicit_keywords
+    @explicit_keywords(keywords=DistributedSyncKeywords)
     def __init__(
-        self,
-        create_env_fn: Any,
-        policy: Any = None,
-        *,
-        backend: str = "gloo",
-        frames_per_batch: int,
-        total_frames: int | None = -1,
-        sync: bool = True,
-        num_collectors: int | None = None,
-        collector_class: type = Collector,
-        collector_kwargs: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
-        num_workers_per_collector: int = 1,
-        launcher: Any = "mp",
-        slurm_kwargs: Mapping[str, Any] | None = None,
-        tcp_port: int | None = None,
-        trainer_address: str | None = None,
-        progress_timeout: float | None = DEFAULT_PROGRESS_TIMEOUT,
-        update_at_each_batch: bool = False,
-        max_weight_update_interval: int | None = None,
-        progress: Any = None,
-        update_after_each_batch: Any = UNSET,
-        weights: WeightSchedule | None = None,
-        restart: RestartPolicy | None = None,
+        self, create_env_fn: Any, policy: Any = None, **kwargs: Unpack[DistributedSyncKeywords]
     ) -> None:
-        if sync is not True:
+        if kwargs["sync"] is not True:
             raise ValueError("DistributedSyncCollector is sync=True; use DistributedCollector for sync=False")
-        check_backend(backend)
-        self.backend = backend
-        plan = node_plan(
-            create_env_fn,
-            policy,
-            frames_per_batch=frames_per_batch,
-            total_frames=total_frames,
-            sync=sync,
-            num_collectors=num_collectors,
-            collector_class=collector_class,
-            collector_kwargs=collector_kwargs,
-            num_workers_per_collector=num_workers_per_collector,
-            launcher=launcher,
-            slurm_kwargs=slurm_kwargs,
-            tcp_port=tcp_port,
-            trainer_address=trainer_address,
-            progress_timeout=progress_timeout,
-            update_at_each_batch=update_at_each_batch,
-            max_weight_update_interval=max_weight_update_interval,
-            update_after_each_batch=update_after_each_batch,
-            weights=weights,
-            owner=type(self).__name__,
-            restart=restart,
-        )
-        init_nodes(self, GlooNodes(self, plan, backend), plan, progress)
+        check_backend(kwargs["backend"])
+        self.backend = kwargs["backend"]
+        gloo = partial(GlooNodes, backend=self.backend)
+        self._init_nodes(create_env_fn, policy, kwargs, sync=kwargs["sync"], transport=gloo)
 
 
 __all__ = ["DistributedCollector", "DistributedSyncCollector", "GlooNodes"]

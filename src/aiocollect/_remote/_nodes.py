@@ -20,7 +20,7 @@ import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import anyio
 import anyio.abc
@@ -31,7 +31,8 @@ from tensordict import TensorDictBase
 
 from .._core._errors import WorkerError, WorkerTimeoutError, as_error, worker_died
 from .._core._gather import gather
-from .._fleet._collector import Arrival, FleetCollector
+from .._fleet._replace import restarted_options
+from .._fleet._transport import Arrival, FleetHandle
 from .._observe._events import WeightsLoaded, WorkerStarted, WorkerStopped
 from .._observe._stats import WorkerState
 from .._observe._timesplit import SplitWindows
@@ -59,13 +60,16 @@ from ._messages import (
     Request,
     Setup,
 )
-from ._relaunch import RELAUNCHED, GroupLost, GroupRelauncher, guarded
 from ._trainer import NOT_REPLACED, Hosts, NodePlan
 
 #: seconds a node gets to close its collector and hang up after ``Close`` (any worker_timeout): then killed
 _CLOSE_GRACE = 2.0
-#: default ``progress_timeout``: seconds a node may take to deliver one batch before it counts as hung
-DEFAULT_PROGRESS_TIMEOUT = 600.0
+#: queued to the async deliveries once a new group runs: ``__anext__`` asks it for batches
+RELAUNCHED = object()
+
+
+class GroupLost(Exception):
+    """The node group a call ran on was lost and is being relaunched (never reaches the user)."""
 
 
 async def _then_cancel(event: anyio.Event, scope: anyio.CancelScope) -> None:
@@ -76,6 +80,21 @@ async def _then_cancel(event: anyio.Event, scope: anyio.CancelScope) -> None:
 @dataclass
 class Failure:
     error: BaseException
+
+
+class Relaunching(Protocol):
+    """The group's relaunch under ``restart=`` (``_relaunch.GroupRelauncher``), as the nodes see it."""
+
+    lost: anyio.Event
+    up: anyio.Event
+    quiet: bool
+    held: list[Any] | None
+
+    @property
+    def settled(self) -> bool: ...
+    def started(self) -> None: ...
+    def lose(self, node: RemoteNode | None, error: BaseException) -> bool: ...
+    async def guarded(self, fn: Callable[[], Any], retry: bool) -> Any: ...
 
 
 @dataclass
@@ -131,7 +150,9 @@ class Nodes(Hosts, abc.ABC):
     _engine: str
     _engine_name: str
 
-    def __init__(self, fleet: FleetCollector, plan: NodePlan) -> None:
+    def __init__(
+        self, fleet: FleetHandle, plan: NodePlan, relaunch: Callable[[Nodes], Relaunching] | None = None
+    ) -> None:
         self.fleet, self.plan = fleet, plan
         self.num_nodes = plan.num_nodes
         self.nodes = [RemoteNode(i) for i in range(self.num_nodes)]
@@ -161,11 +182,7 @@ class Nodes(Hosts, abc.ABC):
         self._hosting: anyio.abc.TaskGroup | None = None
         self._gen_closed = anyio.Event()
         #: relaunches the whole group under ``restart=`` (a launcher that can start nodes again)
-        self.relauncher = (
-            GroupRelauncher(self, plan.restart)
-            if plan.restart is not None and plan.launcher.relaunchable
-            else None
-        )
+        self.relauncher = relaunch(self) if relaunch is not None and fleet.replacements is not None else None
 
     @property
     def started(self) -> bool:
@@ -220,8 +237,7 @@ class Nodes(Hosts, abc.ABC):
             try:
                 await self._guard(partial(gather, *fetches), retry=False)
             except GroupLost:
-                assert self.relauncher is not None
-                self.relauncher.discarded_frames += sum(r.frames for r in done.values())
+                self.fleet.discard(sum(r.frames for r in done.values()))
                 continue
             return [self._account(node, done[node.index]) for node in self.nodes]
 
@@ -244,7 +260,7 @@ class Nodes(Hosts, abc.ABC):
                 continue
             if eager and self.plan.weights.at_each_batch and node.fresh:
                 continue
-            if 0 < fleet.total_frames <= fleet._stats.frames + self._outstanding:
+            if 0 < fleet.total_frames <= fleet.frames + self._outstanding:
                 break
             chosen.append((node, self._node_frames(node)))
             self._outstanding += chosen[-1][1]
@@ -289,11 +305,11 @@ class Nodes(Hosts, abc.ABC):
                 continue  # a new group runs: ask it for batches
             index, result, frames = item
             # one collected before an update_weights(flush=True) reached its node: dropped, asked again
-            if not self.fleet._stale(index, result.policy_version, result.frames):
+            if not self.fleet.stale(index, result.policy_version, result.frames):
                 break
             self._outstanding -= frames
         batch = result.batch
-        self.fleet._delivered(index, batch)
+        self.fleet.delivered(index, batch)
         batch.set(("collector", "node_id"), torch.full(batch.batch_size, index, dtype=torch.int64))
         batch.names = [None] * (batch.ndim - 1) + ["time"]
         try:  # this batch counts as outstanding until the fleet records it: never asked for twice
@@ -304,15 +320,19 @@ class Nodes(Hosts, abc.ABC):
         return Arrival(batch, result.frames, episodes, index, result.policy_version)
 
     # -- weights and calls ------------------------------------------------------------------------------
-    async def publish(self, weights: TensorDictBase, version: int, ids: list[int]) -> None:
+    async def publish(self, weights: TensorDictBase, version: int, ids: list[int]) -> TensorDictBase | None:
+        """Send the weights; a copy of them when a relaunched group would load them (``restart=``)."""
         if self._failure is not None:
             raise self._failure
-        if self.relauncher is not None:
-            await anyio.to_thread.run_sync(self.relauncher.published, weights, version, ids)
+        copy, replacements = None, self.fleet.replacements
+        if self.relauncher is not None and replacements is not None:  # what a relaunched group loads
+            copy = await anyio.to_thread.run_sync(lambda: weights.detach().clone())  # as they are now
+            replacements.published(version, ids, copy)  # (before the send: a group relaunched meanwhile)
         await self._guard(partial(self._send_weights, weights, version, ids))
         for i in ids:
             self.nodes[i].since_update = 0
             self.nodes[i].fresh = False
+        return copy
 
     async def load_now(self, ids: list[int], version: int, published: Any = None) -> None:
         await self._guard(lambda: gather(*[partial(self._wait_loaded, self.nodes[i], version) for i in ids]))
@@ -395,7 +415,7 @@ class Nodes(Hosts, abc.ABC):
         """``await fn()``, ended by a node failure (raised instead); under a relauncher, on a running
         group, and again on the next one if the group is lost meanwhile (``retry``; else ``GroupLost``)."""
         if self.relauncher is not None:
-            return await guarded(self, fn, retry)
+            return await self.relauncher.guarded(fn, retry)
         return await self._watched(fn)
 
     async def _watched(self, fn: Callable[[], Any], lost: anyio.Event | None = None) -> Any:
@@ -497,18 +517,17 @@ class Nodes(Hosts, abc.ABC):
         if self.relauncher is not None:
             self.relauncher.up.set()  # its waiters see the failure
         self._failure = error
-        self.fleet._failed = True
-        self.fleet._closed_reason = f"a node failed with {type(error).__name__}: {error}"
+        self.fleet.fail(f"a node failed with {type(error).__name__}: {error}")
         self._failed_event.set()
         self._waiters.fail(error)
         self._deliveries_send.send_nowait(Failure(error))
 
     # -- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> list[int]:
-        assert self.fleet._task_group is not None
+        tg = self.fleet.task_group
         self._deliveries_send, self._deliveries = anyio.create_memory_object_stream[Any](math.inf)
-        self._policy_payload = await self.fleet._pickled_policy("the nodes")
-        await self.fleet._task_group.start(self._io_host)
+        self._policy_payload = await self.fleet.pickled_policy("the nodes")
+        await tg.start(self._io_host)
         fpbs = await self._start()
         if self.relauncher is not None:
             self.relauncher.started()
@@ -586,9 +605,7 @@ class Nodes(Hosts, abc.ABC):
                     num_nodes=self.num_nodes,
                     payload=self.plan.payloads[node.index],
                     policy_payload=self._policy_payload,
-                    rollout=self.relauncher.rollout(node.index, restarts)
-                    if self.relauncher is not None
-                    else self.plan.rollouts[node.index],
+                    rollout=restarted_options(self.plan.rollouts[node.index], restarts),
                 )
                 setup = Setup(self._engine, spec, self._transport_setup(node.index))
                 assert node.channel is not None
@@ -604,7 +621,7 @@ class Nodes(Hosts, abc.ABC):
         for node in self.nodes:
             assert node.ready is not None
             node.state = WorkerState.COLLECTING
-            self.fleet._hub.publish(WorkerStarted(node.index))
+            self.fleet.publish(WorkerStarted(node.index))
         return [n.ready.frames_per_batch for n in self.nodes if n.ready is not None]
 
     async def _accept_loop(self, listener: socket.socket, token: str) -> None:
@@ -667,7 +684,7 @@ class Nodes(Hosts, abc.ABC):
                     elif isinstance(msg, Loaded):
                         if msg.version > node.policy_version:
                             node.policy_version = msg.version
-                            self.fleet._hub.publish(WeightsLoaded(msg.version, node.index))
+                            self.fleet.publish(WeightsLoaded(msg.version, node.index))
                         node.loaded_event.set()
                         node.loaded_event = anyio.Event()
                     elif isinstance(msg, NodeReady):
@@ -699,16 +716,16 @@ class Nodes(Hosts, abc.ABC):
                 self._fail(node, self._died(node, exitcode))
             elif not failed and node.state != WorkerState.FAILED:
                 node.state = WorkerState.STOPPED
-                self.fleet._hub.publish(WorkerStopped(node.index))
+                self.fleet.publish(WorkerStopped(node.index))
 
     async def stop(self) -> None:
-        self.fleet._closed = True  # nothing new starts (Transport.stop)
+        self.fleet.close()  # nothing new starts (Transport.stop)
         with anyio.CancelScope(shield=True):
             if self._closing:
                 return
             self._closing = True
-            if self.relauncher is not None:  # a group it started is in the nodes' list by now
-                await self.relauncher.cancel()
+            if (replacements := self.fleet.replacements) is not None:  # a group it started is in the list
+                await replacements.cancel()
             await self._close_nodes()
             for node in self.nodes:
                 if node.state not in (WorkerState.FAILED, WorkerState.STOPPED):
@@ -737,8 +754,5 @@ class Nodes(Hosts, abc.ABC):
 
         await gather(*[partial(close, node) for node in self.nodes])
 
-    def discarded(self) -> int:
-        return self.relauncher.discarded_frames if self.relauncher is not None else 0
 
-
-__all__ = ["DEFAULT_PROGRESS_TIMEOUT", "Failure", "Nodes", "RemoteNode"]
+__all__ = ["RELAUNCHED", "Failure", "GroupLost", "Nodes", "Relaunching", "RemoteNode"]

@@ -13,18 +13,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from functools import partial
+from typing import Any, Unpack, cast
 
 from .._core._mistakes import explicit_keywords
-from .._core._options import WeightSchedule
-from .._core._restart import RestartPolicy
-from .._core._validation import flag, positive_int, replay_buffer_arg, total_frames_arg
+from .._core._validation import flag, positive_int, total_frames_arg
 from .._fleet._collector import FleetCollector
+from .._fleet._transport import FleetSetup
 from .._local._collector import Collector
 from .._multi._async import MultiAsyncCollector, ProcessCollector
 from .._multi._sync import MultiSyncCollector
 from ._args import (
-    UNSET,
     check_keywords,
     check_policy,
     collector_kwargs_arg,
@@ -36,8 +35,9 @@ from ._args import (
     weight_plan,
     with_restart,
 )
-from ._nodes import DEFAULT_PROGRESS_TIMEOUT
+from ._keywords import RayKeywords
 from ._ray_fleet import DEFAULT_REMOTE_CONFIG, ActorPlan, RayActors
+from ._ray_replace import ActorRespawn
 
 
 def _env_args(create_env_fn: Any, n: int, collector_class: type) -> list[Any]:
@@ -136,34 +136,11 @@ class RayCollector(FleetCollector):
 
     _member_noun = "actor"
 
-    @explicit_keywords
-    def __init__(
-        self,
-        create_env_fn: Any,
-        policy: Any = None,
-        *,
-        frames_per_batch: int,
-        total_frames: int | None = -1,
-        num_collectors: int,
-        collector_class: type = Collector,
-        collector_kwargs: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
-        remote_config: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
-        ray_init_config: Mapping[str, Any] | None = None,
-        sync: bool = False,
-        update_at_each_batch: bool = False,
-        max_weight_update_interval: int | None = None,
-        replay_buffer: Any = None,
-        progress_timeout: float | None = DEFAULT_PROGRESS_TIMEOUT,
-        progress: Any = None,
-        update_after_each_batch: Any = UNSET,
-        weights: WeightSchedule | None = None,
-        restart: RestartPolicy | None = None,
-    ) -> None:
-        n = self.num_collectors = positive_int("num_collectors", num_collectors)
-        timeout = seconds_or_none("progress_timeout", progress_timeout)
-        total = total_frames_arg(total_frames)
-        sync = flag("sync", sync)
-        buffer = replay_buffer_arg(replay_buffer)
+    @explicit_keywords(keywords=RayKeywords)
+    def __init__(self, create_env_fn: Any, policy: Any = None, **kwargs: Unpack[RayKeywords]) -> None:
+        n = self.num_collectors = positive_int("num_collectors", kwargs["num_collectors"])
+        sync, collector_kwargs = flag("sync", kwargs["sync"]), kwargs["collector_kwargs"]
+        collector_class = kwargs["collector_class"]
         if not isinstance(collector_class, type) or not issubclass(collector_class, _COLLECTOR_CLASSES):
             raise TypeError(
                 "collector_class must be Collector, MultiSyncCollector, MultiAsyncCollector or "
@@ -171,9 +148,7 @@ class RayCollector(FleetCollector):
             )
         self._collector_class = collector_class
         policy = check_policy(policy)
-        plan = weight_plan(
-            policy, update_at_each_batch, max_weight_update_interval, update_after_each_batch, weights
-        )
+        weights = weight_plan(policy, kwargs)
         env_args = _env_args(create_env_fn, n, collector_class)
         kwargs_list, seed = collector_kwargs_arg(
             collector_kwargs, n, "RayCollector", "actor", list_seeds=True
@@ -183,11 +158,12 @@ class RayCollector(FleetCollector):
         ):  # a shared budget of random frames: split over the actors
             share = math.ceil(int(kwargs_list[0]["init_random_frames"]) / n)
             kwargs_list = [{**kw, "init_random_frames": share} for kw in kwargs_list]
-        remote_list = per_member("remote_config", remote_config or {}, n, Mapping, "actor")
+        remote_list = per_member("remote_config", kwargs["remote_config"] or {}, n, Mapping, "actor")
+        ray_init_config = kwargs["ray_init_config"]
         if ray_init_config is not None and not isinstance(ray_init_config, Mapping):
             raise TypeError(f"ray_init_config must be a dict of ray.init arguments, got {ray_init_config!r}")
-        per_actor_fpb = split_frames(frames_per_batch, n, sync, "actor", stacklevel=3)
-        kwargs_list = with_restart(kwargs_list, restart)
+        per_actor_fpb = split_frames(kwargs["frames_per_batch"], n, sync, "actor", stacklevel=3)
+        kwargs_list = with_restart(kwargs_list, kwargs["restart"])
         # pickled here (small: a bad one fails now); the policy once, in a thread, when entered
         check_keywords(collector_class, kwargs_list)
         rollouts = member_rollouts(kwargs_list, per_actor_fpb)  # checked here, sent typed (and taken out)
@@ -197,22 +173,23 @@ class RayCollector(FleetCollector):
             rollouts=rollouts,
             remote_configs=[{**DEFAULT_REMOTE_CONFIG, **dict(rc)} for rc in remote_list],
             ray_init_config=dict(ray_init_config) if ray_init_config is not None else None,
-            weights=plan,
-            progress_timeout=timeout,
-            restart=restart,
+            weights=weights,
+            progress_timeout=seconds_or_none("progress_timeout", kwargs["progress_timeout"]),
+            restart=kwargs["restart"],
         )
-        self._init_fleet(
-            RayActors(self, actors),
+        setup = FleetSetup(
             size=n,
             sync=sync,
-            total_frames=total,
+            total_frames=total_frames_arg(kwargs["total_frames"]),
             frames_per_batch=per_actor_fpb * n if sync else per_actor_fpb,
             policy=policy,
-            weights_template=plan.template,
+            weights_template=weights.template,
             seed=seed,
-            replay_buffer=buffer,
-            progress=progress,
+            replay_buffer=kwargs["replay_buffer"],
+            progress=kwargs["progress"],
+            restart=kwargs["restart"],
         )
+        self._init_fleet(setup, partial(RayActors, plan=actors, replacing=ActorRespawn))
 
     # -- introspection ----------------------------------------------------------------------------
     @property

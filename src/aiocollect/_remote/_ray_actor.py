@@ -13,7 +13,7 @@ import anyio.to_thread
 import torch
 from tensordict import TensorDictBase
 
-from .._core._errors import worker_died, worker_error
+from .._core._errors import WorkerDiedError, WorkerTimeoutError, worker_died, worker_error
 from .._core._options import RolloutOptions
 from ._launchers import stop_forkserver
 from ._messages import ControlOp, HostSpec
@@ -207,4 +207,13 @@ def unwrap_ray_error(exc: BaseException, where: str, actor: Any = None) -> BaseE
     return exc
 
 
-__all__ = ["RemoteCollectorActor", "actor_class", "import_ray", "unwrap_ray_error"]
+def actor_lost(error: BaseException) -> bool:
+    """Whether ``error`` says the actor itself is gone (killed, its node lost) or hung past
+    ``progress_timeout``: what a new actor answers. An exception raised in the actor (its env's past the
+    env budget, its policy's, a worker of its own that died) is not."""
+    if isinstance(error, WorkerTimeoutError):
+        return True
+    return isinstance(error, WorkerDiedError) and error.engine == "ray"
+
+
+__all__ = ["RemoteCollectorActor", "actor_class", "actor_lost", "import_ray", "unwrap_ray_error"]

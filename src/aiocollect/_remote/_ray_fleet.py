@@ -14,7 +14,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, cast
+from typing import Any, Protocol
 
 import anyio
 import anyio.abc
@@ -22,12 +22,12 @@ import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from tensordict import TensorDictBase
 
-from .._core._errors import CollectorClosedError, WorkerTimeoutError
+from .._core._errors import WorkerTimeoutError
 from .._core._gather import gather
 from .._core._mistakes import warn_user
 from .._core._options import RolloutOptions
 from .._core._restart import RestartPolicy
-from .._fleet._collector import Arrival, FleetCollector
+from .._fleet._transport import Arrival, FleetHandle
 from .._observe._events import WeightsLoaded, WorkerStarted, WorkerStopped
 from .._observe._stats import WorkerState
 from .._observe._timesplit import SplitWindows
@@ -36,7 +36,6 @@ from ._args import WeightPlan
 from ._ray_actor import actor_class, import_ray, unwrap_ray_error
 from ._ray_local import init_local
 from ._ray_reaper import Watchdog, descendants, end_processes, start_watchdog
-from ._ray_replace import ActorReplacer
 from ._ray_wire import from_wires, weights_to_wire
 from ._trainer import Hosts
 
@@ -102,14 +101,26 @@ class _Lost:
     error: BaseException
 
 
+class ActorReplacing(Protocol):
+    """A lost actor's replacement under ``restart=`` (``_ray_replace.ActorRespawn``), as the actors call it:
+    ``later`` (in the background; ``False``: not answered) or ``now`` (raises the error when not)."""
+
+    def later(self, actors: RayActors, old: Actor, error: BaseException) -> bool: ...
+    async def now(self, actors: RayActors, old: Actor, error: BaseException) -> Actor: ...
+
+
 class RayActors(Hosts):
-    """The actors of a ``RayCollector`` (``fleet``), a :class:`~aiocollect._fleet._collector.Transport`."""
+    """The actors of a ``RayCollector``, a :class:`~aiocollect._fleet._transport.Transport` (``fleet``: the
+    collector's handle); ``replacing``: how a lost actor is replaced (``restart=``)."""
 
     state_prefix = "worker"
     versioned = True
 
-    def __init__(self, fleet: FleetCollector, plan: ActorPlan) -> None:
+    def __init__(
+        self, fleet: FleetHandle, *, plan: ActorPlan, replacing: ActorReplacing | None = None
+    ) -> None:
         self.fleet, self.plan = fleet, plan
+        self._replacing = replacing if fleet.replacements is not None else None
         self.num_actors = len(plan.payloads)
         self._ray: Any = None
         self._started_ray = False
@@ -122,11 +133,10 @@ class RayActors(Hosts):
         self._torn_down = False
         self._delivered = 0
         self._refs: tuple[Any, list[Any]] | None = None  # the policy's and each actor's payload's refs
-        self.replacer = ActorReplacer(self, plan.restart) if plan.restart is not None else None
 
     @property
     def closing(self) -> bool:
-        return self._torn_down or self.fleet._closed
+        return self._torn_down or self.fleet.closed
 
     @property
     def watchdog(self) -> Watchdog | None:
@@ -158,7 +168,7 @@ class RayActors(Hosts):
             warn_user(
                 "ray is initialised already: ray_init_config is ignored (this collector uses that cluster)"
             )
-        policy_blob = await self.fleet._pickled_policy("the Ray actors")
+        policy_blob = await self.fleet.pickled_policy("the Ray actors")
         self.actors = await anyio.to_thread.run_sync(self._create_actors, policy_blob)
         # the actors' processes start (or wait for the resources they ask for: Ray queues them)
         where = [a.handle.where.remote() for a in self.actors]
@@ -192,12 +202,12 @@ class RayActors(Hosts):
         for actor, fpb in zip(self.actors, fpbs, strict=True):
             actor.info["frames_per_batch"] = int(fpb)
             actor.state = WorkerState.COLLECTING
-            self.fleet._hub.publish(WorkerStarted(actor.index))
+            self.fleet.publish(WorkerStarted(actor.index))
         return [int(f) for f in fpbs]
 
     async def run(self) -> None:
         for actor in self.actors:
-            cast("anyio.abc.TaskGroup", self.fleet._task_group).start_soon(self.watch_restarts, actor)
+            self.fleet.task_group.start_soon(self.watch_restarts, actor)
         if not self.plan.sync:
             self._results_send, self._results_receive = anyio.create_memory_object_stream[tuple[int, Any]](
                 self.num_actors
@@ -210,12 +220,11 @@ class RayActors(Hosts):
         try:
             out = await (self._next_sync() if self.plan.sync else self._next_async())
         except Exception as exc:
-            if fleet._closed and not fleet._failed:  # closed under us (aclose from another task)
-                raise CollectorClosedError(f"the collector is closed: {fleet._closed_reason}") from exc
-            fleet._failed = fleet._closed = True
-            fleet._closed_reason = f"a remote collector failed with {type(exc).__name__}: {exc}"
+            if fleet.closed and not fleet.failed:  # closed under us (aclose from another task)
+                raise fleet.closed_error() from exc
+            fleet.fail(f"a remote collector failed with {type(exc).__name__}: {exc}", close=True)
             await self._teardown()
-            fleet._hub.close()
+            fleet.end_events()
             raise
         self._delivered += 1
         return out
@@ -231,8 +240,7 @@ class RayActors(Hosts):
             actor.since_update = 0
         ref = actor.handle.next.remote(version, weights)
         if not self.plan.sync:
-            assert self.fleet._task_group is not None
-            self.fleet._task_group.start_soon(self._wait_one, actor, ref)
+            self.fleet.task_group.start_soon(self._wait_one, actor, ref)
         return ref
 
     async def _wait_one(self, actor: Actor, ref: Any) -> None:
@@ -274,7 +282,7 @@ class RayActors(Hosts):
         version = int(meta["policy_version"])
         if version > actor.policy_version:
             actor.policy_version = version
-            self.fleet._hub.publish(WeightsLoaded(version, actor.index))
+            self.fleet.publish(WeightsLoaded(version, actor.index))
         return [(actor.index, r, n) for r, n in meta["episodes"]]
 
     def failed_actor(self, actor: Actor, exc: BaseException, what: str) -> BaseException:
@@ -306,18 +314,17 @@ class RayActors(Hosts):
                 raise out.error
             if isinstance(out, BaseException):
                 error = self.failed_actor(actor, out, "next batch")
-                if self.replacer is not None and self.replacer.may_replace(error):
-                    self.replacer.later(actor, error)  # the others deliver meanwhile
-                    continue
+                if self._replacing is not None and self._replacing.later(self, actor, error):
+                    continue  # the others deliver meanwhile
                 raise error from error.__cause__
             wire, meta = out
-            if not self.fleet._stale(index, int(meta["policy_version"]), int(meta["frames"])):
+            if not self.fleet.stale(index, int(meta["policy_version"]), int(meta["frames"])):
                 break
             # collected before an update_weights(flush=True) reached this actor: dropped, and the actor
             # asked again (its request carries the new weights, loaded before the batch)
             await self.submit(actor)
         batch = await anyio.to_thread.run_sync(from_wires, [wire], False)
-        self.fleet._delivered(index, batch)
+        self.fleet.delivered(index, batch)
         episodes = self._delivered_by(actor, meta)
         if self.plan.weights.at_each_batch:
             self._due.append(index)  # asked for again at the next __anext__: after the training step
@@ -342,10 +349,10 @@ class RayActors(Hosts):
                     return await self._await_batch(actor, ref)
                 except Exception as exc:
                     error = self.failed_actor(actor, exc, "next batch")
-                    if self.replacer is None or not self.replacer.may_replace(error):
+                    if self._replacing is None:
                         raise error from error.__cause__
                 # a new actor collects its share of this batch again (the others' wait for it)
-                actor = await self.replacer.replace(actor, error)
+                actor = await self._replacing.now(self, actor, error)
                 ref = await self.submit(actor)
 
         outs = await gather(*[partial(one, a, r) for a, r in zip(self.actors, refs, strict=True)])
@@ -380,13 +387,11 @@ class RayActors(Hosts):
         ref = await anyio.to_thread.run_sync(put)
         for i in ids:
             self.actors[i].pending = (version, ref)
-            if self.replacer is not None:  # a replacement loads it before its first batch
-                self.replacer.latest[i] = (version, ref)
         return ref
 
     async def load_now(self, ids: list[int], version: int, published: Any) -> None:
         """Send the weights at once (an actor collecting a batch finishes it first)."""
-        # an actor being replaced loads the newest weights before its first batch (ActorReplacer)
+        # an actor being replaced loads the newest weights before its first batch (ActorRespawn.restore)
         actors = [a for i in ids if (a := self.actors[i]).state != WorkerState.STARTING]
         loaded = await gather(
             *[
@@ -400,7 +405,7 @@ class RayActors(Hosts):
                 actor.since_update = 0
             if v > actor.policy_version:
                 actor.policy_version = int(v)
-                self.fleet._hub.publish(WeightsLoaded(int(v), actor.index))
+                self.fleet.publish(WeightsLoaded(int(v), actor.index))
 
     async def call_each(self, ops: Sequence[tuple[int, FleetOp]]) -> list[Any]:
         return await gather(
@@ -442,7 +447,7 @@ class RayActors(Hosts):
                 pass
 
     async def stop(self) -> None:
-        self.fleet._closed = True  # nothing new starts (Transport.stop)
+        self.fleet.close()  # nothing new starts (Transport.stop)
         await self._teardown()
 
     async def _teardown(self) -> None:
@@ -451,8 +456,8 @@ class RayActors(Hosts):
             if self._torn_down:
                 return
             self._torn_down = True
-            if self.replacer is not None:  # an actor being started is then in the list, killed below
-                await self.replacer.cancel()
+            if (replacements := self.fleet.replacements) is not None:  # an actor it started is listed now
+                await replacements.cancel()
             for stream in (self._results_send, self._results_receive):
                 if stream is not None:
                     stream.close()
@@ -464,7 +469,7 @@ class RayActors(Hosts):
                 for actor in actors:
                     if actor.state != WorkerState.FAILED:
                         actor.state = WorkerState.STOPPED
-                    self.fleet._hub.publish(WorkerStopped(actor.index))
+                    self.fleet.publish(WorkerStopped(actor.index))
             if self._started_ray:
                 self._started_ray = False
                 try:
@@ -518,4 +523,11 @@ class RayActors(Hosts):
             raise error from error.__cause__  # Ray's error stays the cause of a WorkerDiedError
 
 
-__all__ = ["DEFAULT_RAY_INIT_CONFIG", "DEFAULT_REMOTE_CONFIG", "Actor", "ActorPlan", "RayActors"]
+__all__ = [
+    "DEFAULT_RAY_INIT_CONFIG",
+    "DEFAULT_REMOTE_CONFIG",
+    "Actor",
+    "ActorPlan",
+    "ActorReplacing",
+    "RayActors",
+]

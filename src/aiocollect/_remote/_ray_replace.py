@@ -1,151 +1,135 @@
-"""Replacing the Ray actors of a ``RayCollector`` that die or hang, under a ``RestartPolicy``.
+"""Respawning a Ray actor of a ``RayCollector`` that died or hung (``restart=``): the actors' part of a
+replacement.
 
-An :class:`ActorReplacer` belongs to one :class:`~._ray_fleet.RayActors`: per actor, a restart budget;
-the newest weights published to each actor (their object ref, kept so that a replacement loads them before
-its first frame). A replacement is a new actor on the same slot: the first generation's env constructors,
-collector and policy (the same objects in Ray's object store), trajectory ids of its own generation
-(:func:`~aiocollect._workers._replace.restarted_options`), a seed derived from its predecessor's
-(:func:`~aiocollect._core._restart.derive_seed`), and the newest weights loaded before it is asked for a
-batch.
+What a replacement takes (a budget per actor, the backoff, the seed chain, the newest weights, the
+``Restarted`` events) is the fleet's (``_fleet/_replace.py``). An :class:`ActorRespawn` answers one lost
+actor: the lost one is killed, a new actor takes its slot of the transport (the first generation's env
+constructors, collector and policy, the same objects in Ray's object store; trajectory ids of its own
+generation and a seed derived from its own, :func:`~aiocollect._fleet._replace.restarted_options`), its
+collector is started; the fleet then seeds it and loads the newest weights published to its slot (the
+object ref) before it is asked for a batch. A new actor that fails on its way up is answered again, after a
+longer backoff, when it is gone too (``actor_lost``); any other failure of its (its env's constructor
+raising) ends the run, since a new one would fail the same way.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
 import anyio.to_thread
 
-from .._core._errors import WorkerDiedError, WorkerTimeoutError
-from .._core._restart import RestartBudget, RestartPolicy, derive_seed
-from .._observe._events import Restarted, WorkerStarted
+from .._core._options import RolloutOptions
+from .._core._restart import Lost
+from .._fleet._replace import restarted_options
+from .._observe._events import WorkerStarted
 from .._observe._stats import WorkerState
-from .._transport._messages import SetSeed
-from .._workers._replace import restarted_options
+from .._transport._messages import FleetOp
+from ._ray_actor import actor_lost
+from ._ray_fleet import Actor, RayActors
 from ._ray_reaper import descendants
 
-if TYPE_CHECKING:
-    from ._ray_fleet import Actor, RayActors
-
-__all__ = ["ActorReplacer", "actor_lost"]
+__all__ = ["ActorRespawn"]
 
 
-def actor_lost(error: BaseException) -> bool:
-    """Whether ``error`` says the actor itself is gone (killed, its node lost) or hung past
-    ``progress_timeout``: what a new actor answers. An exception raised in the actor (its env's past the
-    env budget, its policy's, a worker of its own that died) is not."""
-    if isinstance(error, WorkerTimeoutError):
-        return True
-    return isinstance(error, WorkerDiedError) and error.engine == "ray"
+class ActorRespawn:
+    """Actor ``old``'s replacement in ``actors`` (a ``RayActors``), driven by the fleet's replacements;
+    ``submit``: the new actor is asked for a batch once it runs (the async deliveries)."""
 
+    @classmethod
+    def later(cls, actors: RayActors, old: Actor, error: BaseException) -> bool:
+        """Replace ``old`` in the background (the fleet's replacements), then ask the new actor for a batch
+        (the async deliveries); ``False`` unless the policy answers ``error`` (its budget spent: the
+        history is then a note on ``error``)."""
+        replacements = actors.fleet.replacements
+        if replacements is None or not actor_lost(error) or actors.closing:
+            return False
+        return replacements.later(
+            old.index, error, cls(actors, old, True), progressed=old.frames > old.born_frames
+        )
 
-class ActorReplacer:
-    """The actor replacements of ``actors`` (a ``RayActors``) under ``policy``."""
+    @classmethod
+    async def now(cls, actors: RayActors, old: Actor, error: BaseException) -> Actor:
+        """A new actor in ``old``'s place, collecting and up to date; raises ``error`` (the history a note,
+        once the budget is spent) unless the policy answers it."""
+        replacements = actors.fleet.replacements
+        if replacements is None or not actor_lost(error) or actors.closing:
+            raise error from error.__cause__
+        respawn = cls(actors, old, False)
+        await replacements.replace(old.index, error, respawn, progressed=old.frames > old.born_frames)
+        return actors.actors[old.index]
 
-    def __init__(self, actors: RayActors, policy: RestartPolicy) -> None:
-        self.actors = actors
-        self.policy = policy
-        self._budgets = [RestartBudget(policy) for _ in range(actors.num_actors)]
-        #: per actor, the newest weights published to it: (version, object ref)
-        self.latest: dict[int, tuple[int, Any]] = {}
+    def __init__(self, actors: RayActors, old: Actor, submit: bool) -> None:
+        self.actors, self.index, self.ids = actors, old.index, [old.index]
+        self._old = self._current = old
+        self._submit = submit
 
-        self._replacing: dict[int, tuple[anyio.CancelScope, anyio.Event]] = {}
+    async def retire(self) -> None:
+        await anyio.to_thread.run_sync(self.actors.kill_actors, [self._current])
 
-    def may_replace(self, error: BaseException) -> bool:
-        return actor_lost(error) and self.policy.counts(error) and not self.actors.closing
-
-    def later(self, old: Actor, error: BaseException) -> None:
-        """Replace ``old`` in the collector's task group, then ask the new actor for a batch (async
-        mode: the other actors' batches are delivered meanwhile); a spent budget goes to the
-        deliveries as ``error``, which ends the run."""
-        tg = self.actors.fleet._task_group
-        assert tg is not None
-        scope, done = anyio.CancelScope(), anyio.Event()
-        self._replacing[old.index] = (scope, done)
-        tg.start_soon(self._later, old, error, scope, done)
-
-    async def _later(
-        self, old: Actor, error: BaseException, scope: anyio.CancelScope, done: anyio.Event
-    ) -> None:
-        try:
-            with scope:
-                new = await self.replace(old, error)
-                await self.actors.submit(new)
-        except Exception as exc:
-            await self.actors.lost(old.index, exc)
-        finally:
-            if self._replacing.get(old.index, (None,))[0] is scope:
-                del self._replacing[old.index]
-            done.set()
-
-    async def cancel(self) -> None:
-        """Cancel the replacements in flight and wait until each has settled (an actor it created is
-        then in the transport's list, killed with the others)."""
-        for scope, _ in list(self._replacing.values()):
-            scope.cancel()
-        for _, done in list(self._replacing.values()):
-            await done.wait()
-
-    async def replace(self, old: Actor, error: BaseException) -> Actor:
-        """A new actor in ``old``'s place, collecting and up to date; raises ``error`` (the restart
-        history as a note) once the budget is spent. A replacement that fails to start is replaced in
-        turn, after a longer backoff."""
-        index = old.index
-        budget = self._budgets[index]
-        progressed = old.frames > old.born_frames  # it delivered: the backoff starts again
-        current = old
-        while True:
-            delay = budget.admit(error, -1, progressed=progressed)  # raises when spent
-            await anyio.to_thread.run_sync(self.actors.kill_actors, [current])
-            await anyio.sleep(delay)
-            new = await anyio.to_thread.run_sync(self._create, old, budget.count)
-            try:
-                await self._bring_up(new, budget.count)
-            except Exception as exc:
-                error, progressed, current = self.actors.failed_actor(new, exc, "restart"), False, new
-                if not actor_lost(error):  # it raised (its env's constructor...): a new one would too
-                    raise error from error.__cause__
-                continue
-            for record in budget.drain():
-                new.restarts += 1
-                self.actors.fleet._hub.publish(Restarted(index, record.env, record.cause, record.restarts))
-            return new
-
-    def _create(self, old: Actor, restarts: int) -> Actor:
-        """In a worker thread: the new actor (not started), in ``old``'s slot of the transport at once
-        (so that a collector closing meanwhile kills it)."""
+    async def respawn(self, restarts: int) -> None:
         actors = self.actors
-        rollout = actors.plan.rollouts[old.index]
-        rollout = restarted_options(rollout, restarts)
-        if rollout.seed is not None:  # a seed of its own in collector_kwargs: a derived one
-            rollout = replace(rollout, seed=derive_seed(rollout.seed, restarts))
-        new = actors.new_actor(old.index, rollout)
-        new.restarts, new.frames, new.born_frames = old.restarts, old.frames, old.frames
-        new.policy_version = old.policy_version
-        actors.actors[old.index] = new
-        return new
-
-    async def _bring_up(self, new: Actor, restarts: int) -> None:
-        """Start ``new``'s collector, seed it (derived from its slot's seed) and load the newest weights
-        published to its slot, before it is asked for a batch."""
-        actors, index = self.actors, new.index
-        new.info = await actors.call(new, new.handle.where.remote, what="restart")
-        fpb = await actors.call(new, new.handle.start.remote, what="restart")
+        rollout = restarted_options(actors.plan.rollouts[self.index], restarts)
+        self._current = new = await anyio.to_thread.run_sync(self._create, rollout)
+        new.info = await self._up(lambda: actors.call(new, new.handle.where.remote, what="restart"))
+        fpb = await self._up(lambda: actors.call(new, new.handle.start.remote, what="restart"))
         new.info["frames_per_batch"] = int(fpb)
         watchdog = actors.watchdog
         if watchdog is not None:  # the cluster we started: its new actor process is watched too
             await anyio.to_thread.run_sync(lambda: watchdog.watch(descendants(os.getpid())))
-        seed = actors.fleet.member_seeds.get(index)
-        if (derived := derive_seed(seed, restarts)) is not None:
-            await actors.call(new, new.handle.call.remote, SetSeed(derived), what="SetSeed")
-        if (latest := self.latest.get(index)) is not None:
-            version, ref = latest
-            loaded = await actors.call(new, new.handle.load_weights.remote, version, ref, what="weights")
-            new.policy_version = max(new.policy_version, int(loaded))
-            if new.pending is not None and new.pending[0] <= int(loaded):
-                new.pending = None
+
+    def _create(self, rollout: RolloutOptions) -> Actor:
+        """In a worker thread: the new actor (not started), in the slot of the transport at once (so that
+        a collector closing meanwhile kills it)."""
+        old = self._old
+        new = self.actors.new_actor(self.index, rollout)
+        new.restarts, new.frames, new.born_frames = old.restarts, old.frames, old.frames
+        new.policy_version = old.policy_version
+        self.actors.actors[self.index] = new
+        return new
+
+    async def call(self, index: int, op: FleetOp) -> Any:
+        new = self._current
+        return await self._up(
+            lambda: self.actors.call(new, new.handle.call.remote, op, what=type(op).__name__)
+        )
+
+    async def restore(self, newest: dict[int, tuple[int, Any] | None]) -> None:
+        new, latest = self._current, newest[self.index]
+        if latest is None:
+            return
+        version, ref = latest
+        load = new.handle.load_weights.remote
+        loaded = int(await self._up(lambda: self.actors.call(new, load, version, ref, what="weights")))
+        new.policy_version = max(new.policy_version, loaded)
+        if new.pending is not None and new.pending[0] <= loaded:
+            new.pending = None
+
+    async def resume(self) -> None:
+        new = self._current
         new.state = WorkerState.COLLECTING
-        actors.fleet._hub.publish(WorkerStarted(index))
-        cast("anyio.abc.TaskGroup", actors.fleet._task_group).start_soon(actors.watch_restarts, new)
+        self.actors.fleet.publish(WorkerStarted(self.index))
+        self.actors.fleet.task_group.start_soon(self.actors.watch_restarts, new)  # its restarts as they come
+        if self._submit:
+            await self.actors.submit(new)
+
+    def counted(self, index: int) -> None:
+        self._old.restarts += 1  # a next attempt's actor starts from it
+        if self._current is not self._old:
+            self._current.restarts += 1
+
+    async def give_up(self, error: BaseException) -> None:
+        await self.actors.lost(self.index, error)
+
+    async def _up(self, fn: Callable[[], Awaitable[Any]]) -> Any:
+        """``await fn()`` on the new actor; an actor that is gone meanwhile is ``Lost`` (answered
+        again), any other failure of its is raised (a new one would fail the same way)."""
+        try:
+            return await fn()
+        except Exception as exc:
+            error = self.actors.failed_actor(self._current, exc, "restart")
+            if not actor_lost(error):
+                raise error from error.__cause__
+            raise Lost(error) from None

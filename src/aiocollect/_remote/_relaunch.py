@@ -1,24 +1,24 @@
-"""Relaunching every node of a ``DistributedCollector`` / ``RPCCollector`` under a ``RestartPolicy``.
+"""Relaunching every node of a ``DistributedCollector`` / ``RPCCollector`` under a ``RestartPolicy``: the
+nodes' part of a replacement.
 
 A gloo process group (and the weight broadcast over it) cannot take a new process as a dead rank, and an
 RPC group's membership is fixed once it started: a node that dies (or hangs past ``progress_timeout``) is
-answered by relaunching the **whole group**. A :class:`GroupRelauncher` belongs to one
-:class:`~._nodes.Nodes`: one :class:`~aiocollect._core._restart.RestartBudget` for the group, the newest
-weights
-published to each node, and the relaunch itself, run in the collector's I/O task group:
+answered by relaunching the **whole group**. What a replacement takes (one budget for the group, the
+backoff, the seed chain, the newest weights, the ``Restarted`` event naming the node lost, ``env=-1``) is
+the fleet's (``_fleet/_replace.py``); a :class:`GroupRelauncher` belongs to one :class:`~._nodes.Nodes`
+and is the group's :class:`~aiocollect._fleet._replace.Respawn`:
 
-1. the loss is counted against the budget (spent: the run ends with the node's own error, the restart
-   history as a note); a ``Restarted`` event (``env=-1``) names the node that was lost;
-2. every node is closed (a grace period, then killed with its process group), the data plane (process
-   group, weight group, RPC agent, store) is released and the generation's I/O tasks (listener,
+1. **retire**: every node is closed (a grace period, then killed with its process group), the data plane
+   (process group, weight group, RPC agent, store) is released and the generation's I/O tasks (listener,
    connections, transfers) end; a batch whose notice had arrived is counted in ``frames_discarded``;
-3. after the backoff, every node is launched again on a new control port, store and token, with
-   trajectory ids of a new generation (:func:`~aiocollect._workers._replace.restarted_options`), each
-   node seeded with :func:`~aiocollect._core._restart.derive_seed` of its seed and the restart count, and the
-   newest weights loaded before its first batch. A node that fails on the way up counts as another loss.
+2. **respawn**: every node is launched again on a new control port, store and token, with trajectory ids
+   of a new generation (:func:`~aiocollect._fleet._replace.restarted_options`); a node lost on the way up
+   counts as another loss (the fleet then seeds each node and loads the newest weights, watched the same
+   way);
+3. **resume**: the deliveries ask the new group for batches.
 
 Callers of the transport (a batch, a weight update, a call) that meet the loss wait for the new group and
-try again (:meth:`Nodes._guard`). The batches the lost group delivered that the consumer had not taken yet
+try again (``Nodes._guard``). The batches the lost group delivered that the consumer had not taken yet
 (or that finished arriving while it was closed) are held until it is gone, then delivered, each node's
 last one with its last frame marked truncated and done: its trajectories never go on.
 """
@@ -26,45 +26,33 @@ last one with its last frame marked truncated and done: its trajectories never g
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import Any
 
 import anyio
 import anyio.to_thread
 from tensordict import TensorDictBase
 
 from .._core._errors import WorkerDiedError, WorkerTimeoutError
-from .._core._options import RolloutOptions
-from .._core._restart import RestartBudget, RestartPolicy, derive_seed
-from .._observe._events import Restarted
-from .._transport._messages import SetSeed
-from .._workers._replace import restarted_options
+from .._core._restart import Lost
+from .._fleet._transport import FleetHandle
+from .._transport._messages import FleetOp
+from ._nodes import RELAUNCHED, GroupLost, Nodes, RemoteNode
 
-if TYPE_CHECKING:
-    from ._nodes import Nodes, RemoteNode
+__all__ = ["GROUP", "GroupRelauncher", "end_trajectories"]
 
-__all__ = ["RELAUNCHED", "GroupLost", "GroupRelauncher"]
-
-
-class GroupLost(Exception):
-    """The node group a call ran on was lost and is being relaunched (never reaches the user)."""
-
-
-#: queued to the async deliveries once a new group runs: ``__anext__`` asks it for batches
-RELAUNCHED = object()
+#: the group's slot in the fleet's replacements: one budget for every node
+GROUP = -1
 
 
 class GroupRelauncher:
-    """The group relaunches of ``nodes`` (a ``Nodes``) under ``policy``."""
+    """The group relaunches of ``nodes`` (a ``Nodes``), driven by the fleet's replacements."""
 
-    def __init__(self, nodes: Nodes, policy: RestartPolicy) -> None:
+    def __init__(self, nodes: Nodes) -> None:
         self.nodes = nodes
-        self.policy = policy
-        self.budget = RestartBudget(policy)
-        #: per node, the newest weights published to it: (version, a copy of them)
-        self.latest: dict[int, tuple[int, TensorDictBase]] = {}
-        #: frames of batches whose notice had arrived when their group was lost
-        self.discarded_frames = 0
+        self.ids = [node.index for node in nodes.nodes]
+        #: the node whose loss is being answered (-1: none)
+        self.index = -1
         #: set when the current group is lost (a new event per group)
         self.lost = anyio.Event()
         #: set while a group runs (or once the run failed for good)
@@ -72,14 +60,14 @@ class GroupRelauncher:
         #: tearing a lost group down: its nodes' ends are expected, not failures
         self.quiet = False
         self._error: BaseException | None = None
-        self._culprit: RemoteNode | None = None
-        self._scope: anyio.CancelScope | None = None
-        self._done = anyio.Event()
-        self._done.set()
         self._born_frames = 0
         self._launched = False
         #: async mode: the lost group's batches, held until it is torn down (``(node, batch, frames)``)
         self.held: list[Any] | None = None
+
+    @property
+    def _fleet(self) -> FleetHandle:
+        return self.nodes.fleet
 
     @property
     def settled(self) -> bool:
@@ -89,26 +77,31 @@ class GroupRelauncher:
     def started(self) -> None:
         """The first group runs: from now on a loss is answered with a relaunch."""
         self._launched = True
-        self._born_frames = self.nodes.fleet._stats.frames
+        self._born_frames = self._fleet.frames
         self.up.set()
 
     def counts(self, error: BaseException) -> bool:
         """Whether ``error`` says a node of this engine is gone (died, or hung past ``progress_timeout``)
         and the policy counts it. A node's own exception (its env's past the env budget) is not."""
+        replacements = self._fleet.replacements
         gone = isinstance(error, WorkerTimeoutError) or (
             isinstance(error, WorkerDiedError) and error.engine == self.nodes._engine_name
         )
-        return gone and self.policy.counts(error)
+        return gone and replacements is not None and replacements.counts(error)
 
     def lose(self, node: RemoteNode | None, error: BaseException) -> bool:
         """``node`` failed with ``error``: relaunch the group (``True``) if the policy answers it, else
         ``False`` (the run ends as without a policy)."""
-        n = self.nodes
+        n, replacements = self.nodes, self._fleet.replacements
         if self.quiet or self.lost.is_set():
             return True  # the group is lost already: the first error drives the relaunch
-        if not self._launched or n._closing or not self.counts(error):
+        if not self._launched or n._closing or replacements is None or not self.counts(error):
             return False
-        self._error, self._culprit = error, node
+        self._error, self.index = error, (node.index if node is not None else -1)
+        if not replacements.busy(GROUP):  # else a relaunch is bringing the group up: it sees ``lost``
+            progressed = self._fleet.frames > self._born_frames  # the backoff starts again
+            if not replacements.later(GROUP, error, self, progressed=progressed):
+                return False  # the budget is spent: the history is a note on ``error``
         self.lost.set()
         self.held = []
         while True:  # what it delivered and the consumer did not take yet: held (see _release)
@@ -118,83 +111,77 @@ class GroupRelauncher:
                 break
         if self.up.is_set():
             self.up = anyio.Event()
-        if self._done.is_set():  # else a relaunch is bringing the group up: it sees ``lost``
-            self._done = anyio.Event()
-            self._scope = anyio.CancelScope()
-            assert n._hosting is not None
-            n._hosting.start_soon(self._run, self._scope, self._done)
         return True
 
-    async def wait_up(self) -> None:
-        """Return once a group runs; raise the run's failure."""
-        while True:
-            if self.nodes._failure is not None:
-                raise self.nodes._failure
-            if self.settled:
-                return
-            await self.up.wait()
-
-    async def cancel(self) -> None:
-        """End a relaunch in flight (the collector closes) once it settled: whatever it started is then
-        in the nodes' list, stopped with the others."""
-        if self._scope is not None:
-            self._scope.cancel()
-        await self._done.wait()
-
-    def rollout(self, index: int, restarts: int) -> RolloutOptions:
-        """Node ``index``'s rollout options for the ``restarts``-th group: trajectory ids of a new
-        generation; a seed of its own (``collector_kwargs``) derived."""
-        rollout = self.nodes.plan.rollouts[index]
-        if restarts == 0:
-            return rollout
-        rollout = restarted_options(rollout, restarts)
-        if rollout.seed is not None:
-            rollout = replace(rollout, seed=derive_seed(rollout.seed, restarts))
-        return rollout
-
-    def published(self, weights: TensorDictBase, version: int, ids: list[int]) -> None:
-        """Weights published to nodes ``ids``: a relaunched group loads them before its first batch."""
-        copy = weights.detach().clone()
-        for i in ids:
-            self.latest[i] = (version, copy)
-
-    # -- the relaunch -------------------------------------------------------------------------------
-    async def _run(self, scope: anyio.CancelScope, done: anyio.Event) -> None:
+    async def guarded(self, fn: Callable[[], Awaitable[Any]], retry: bool) -> Any:
+        """``await fn()`` on a running group, ended by the run's failure (raised); a group lost meanwhile:
+        again on the next one (``retry``) or ``GroupLost``."""
         n = self.nodes
+        while True:
+            while not self.settled:
+                if n._failure is not None:
+                    raise n._failure
+                await self.up.wait()
+            if n._failure is not None:
+                raise n._failure
+            try:
+                return await n._watched(fn, self.lost)
+            except GroupLost:
+                if not retry:
+                    raise
+
+    # -- the relaunch (aiocollect._fleet._replace.Respawn) ----------------------------------------------
+    async def retire(self) -> None:
+        """Close every node of the lost group and release its data plane and I/O tasks."""
+        n = self.nodes
+        self.quiet = True
+        with anyio.CancelScope(shield=True):
+            await n._close_nodes()
+            await anyio.to_thread.run_sync(n._close_transport)
+            await n._end_generation()
+            for node in n.nodes:
+                self._fleet.discard(node.announced)
+                node.renew()
+            self._release(mark=True)
+
+    async def respawn(self, restarts: int) -> None:
+        """The next group, launched and joined; ``Lost`` if it is lost meanwhile."""
+        n = self.nodes
+        self.lost = anyio.Event()
+        self.quiet = False
+        await n._new_generation()
+        await self._watched(partial(n._start, restarts))
+
+    async def call(self, index: int, op: FleetOp) -> Any:
+        return await self._watched(partial(self.nodes._call, self.nodes.nodes[index], op))
+
+    async def restore(self, newest: dict[int, tuple[int, Any] | None]) -> None:
+        versions: dict[int, tuple[TensorDictBase, list[int]]] = {}
+        for i, entry in sorted(newest.items()):
+            if entry is not None and entry[1] is not None:
+                versions.setdefault(entry[0], (entry[1], []))[1].append(i)
+        for version, (weights, ids) in sorted(versions.items()):
+            await self._watched(partial(self.nodes._send_weights, weights, version, ids))
+
+    async def resume(self) -> None:
+        self._born_frames = self._fleet.frames
+        self.up.set()
+        self.nodes._deliveries_send.send_nowait(RELAUNCHED)
+
+    def counted(self, index: int) -> None:
+        self.nodes.nodes[index].restarts += 1
+
+    async def give_up(self, error: BaseException) -> None:
+        self._release(mark=False)  # delivered before the error, as without a policy
+        self.nodes._end(error)
+
+    async def _watched(self, fn: Callable[[], Awaitable[Any]]) -> Any:
+        """``await fn()`` on the group being brought up; ``Lost`` if it is lost meanwhile."""
         try:
-            with scope:
-                while True:
-                    error, culprit = self._error, self._culprit
-                    assert error is not None
-                    progressed = n.fleet._stats.frames > self._born_frames  # the backoff starts again
-                    try:
-                        delay = self.budget.admit(error, -1, progressed=progressed)
-                    except Exception:  # spent: the history is a note on ``error``
-                        self._release(mark=False)  # delivered before the error, as without a policy
-                        n._end(error)
-                        return
-                    self.budget.drain()
-                    index = culprit.index if culprit is not None else -1
-                    if culprit is not None:
-                        culprit.restarts += 1
-                    cause = f"{type(error).__name__}: {error}"
-                    n.fleet._hub.publish(Restarted(index, -1, cause, self.budget.count))
-                    await self._teardown()
-                    await anyio.sleep(delay)
-                    try:
-                        await self._launch(self.budget.count)
-                    except GroupLost:
-                        continue
-                    except Exception as exc:  # a node raised on its way up: a new group would too
-                        n._end(exc if n._failure is None else n._failure)
-                        return
-                    self._born_frames = n.fleet._stats.frames
-                    self.up.set()
-                    n._deliveries_send.send_nowait(RELAUNCHED)
-                    return
-        finally:
-            self._release(mark=False)  # (the run ended, or the collector closes, before the teardown)
-            done.set()
+            return await self.nodes._watched(fn, self.lost)
+        except GroupLost:
+            assert self._error is not None
+            raise Lost(self._error) from None
 
     def _release(self, mark: bool) -> None:
         """Deliver the lost group's held batches, in order; ``mark``: each node's last one has its last
@@ -209,41 +196,6 @@ class GroupRelauncher:
         for item in held:
             self.nodes._deliveries_send.send_nowait(item)
 
-    async def _teardown(self) -> None:
-        """Close every node of the lost group and release its data plane and I/O tasks."""
-        n = self.nodes
-        self.quiet = True
-        with anyio.CancelScope(shield=True):
-            await n._close_nodes()
-            await anyio.to_thread.run_sync(n._close_transport)
-            await n._end_generation()
-            for node in n.nodes:
-                self.discarded_frames += node.announced
-                node.renew()
-            self._release(mark=True)
-
-    async def _launch(self, restarts: int) -> None:
-        """The next group: launched, joined, seeded and up to date; ``GroupLost`` if it is lost
-        meanwhile."""
-        n = self.nodes
-        self.lost = anyio.Event()
-        self.quiet = False
-        await n._new_generation()
-        await n._start(restarts)
-
-        async def bring_up() -> None:
-            for node in n.nodes:
-                seed = derive_seed(n.fleet.member_seeds.get(node.index), restarts)
-                if seed is not None:
-                    await n._call(node, SetSeed(seed))
-            versions: dict[int, tuple[TensorDictBase, list[int]]] = {}
-            for i, (version, weights) in sorted(self.latest.items()):
-                versions.setdefault(version, (weights, []))[1].append(i)
-            for version, (weights, ids) in sorted(versions.items()):
-                await n._send_weights(weights, version, ids)
-
-        await n._watched(bring_up, self.lost)
-
 
 def end_trajectories(batch: TensorDictBase) -> None:
     """Mark ``batch``'s last frame (its time is its last batch dim) truncated and done, every truncated
@@ -254,17 +206,3 @@ def end_trajectories(batch: TensorDictBase) -> None:
             for flag in (key, (*key[:-1], "done")):
                 if flag in batch.keys(include_nested=True):
                     batch.get(flag)[index] = True
-
-
-async def guarded(nodes: Nodes, fn: Callable[[], Awaitable[Any]], retry: bool) -> Any:
-    """``await fn()`` on a running group, ended by the run's failure (raised); a group lost meanwhile:
-    again on the next one (``retry``) or ``GroupLost``."""
-    relauncher = nodes.relauncher
-    assert relauncher is not None
-    while True:
-        await relauncher.wait_up()
-        try:
-            return await nodes._watched(fn, relauncher.lost)
-        except GroupLost:
-            if not retry:
-                raise

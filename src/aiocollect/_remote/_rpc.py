@@ -25,9 +25,9 @@ import secrets
 import socket
 import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from functools import partial
-from typing import Any, cast
+from typing import Any, Unpack, cast
 
 import anyio
 import anyio.from_thread
@@ -40,14 +40,12 @@ from .._core._daemon import run_abandonable
 from .._core._errors import RemoteFailure, as_error
 from .._core._gather import gather
 from .._core._mistakes import explicit_keywords
-from .._core._options import WeightSchedule
-from .._core._restart import RestartPolicy
 from .._fleet._collector import FleetCollector
-from .._local._collector import Collector
+from .._fleet._transport import FleetHandle
 from .._transport._flat import rebuild
 from .._transport._store import StoreClient
 from .._transport._wire import AsyncChannel
-from ._args import UNSET
+from ._keywords import RPC_TIMEOUT, RPCKeywords
 from ._messages import (
     Close,
     ControlOp,
@@ -59,10 +57,11 @@ from ._messages import (
     StageWeights,
 )
 from ._node import NodeCore
-from ._nodes import DEFAULT_PROGRESS_TIMEOUT, Nodes, RemoteNode
-from ._trainer import NodeCollectorMixin, NodePlan, init_nodes, node_plan
+from ._nodes import Nodes, RemoteNode
+from ._relaunch import GroupRelauncher
+from ._trainer import NodeCollectorMixin, NodePlan
 
-_TIMEOUT = 120.0
+_TIMEOUT = RPC_TIMEOUT
 #: how long closing waits for an abandoned rendezvous (a node failed during start-up) to end once its store
 #: is closed, so that no agent thread outlives the interpreter (a joinable C++ thread aborts the exit)
 _ABANDONED_INIT_GRACE = 10.0
@@ -187,9 +186,9 @@ class RpcNodes(Nodes):
     _engine_name = "torch.distributed.rpc"
 
     def __init__(
-        self, fleet: FleetCollector, plan: NodePlan, options: dict[str, Any], timeout: float
+        self, fleet: FleetHandle, *, plan: NodePlan, options: dict[str, Any], timeout: float
     ) -> None:
-        super().__init__(fleet, plan)
+        super().__init__(fleet, plan, GroupRelauncher)
         self._tp_options = options
         self._rpc_timeout = timeout
         self._names: list[str] = []
@@ -316,36 +315,12 @@ class RPCCollector(NodeCollectorMixin, FleetCollector):
 
     _member_noun = "node"
 
-    @explicit_keywords
-    def __init__(
-        self,
-        create_env_fn: Any,
-        policy: Any = None,
-        *,
-        tensorpipe_options: Mapping[str, Any] | None = None,
-        rpc_timeout: float = _TIMEOUT,
-        frames_per_batch: int,
-        total_frames: int | None = -1,
-        sync: bool = False,
-        num_collectors: int | None = None,
-        collector_class: type = Collector,
-        collector_kwargs: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
-        num_workers_per_collector: int = 1,
-        launcher: Any = "mp",
-        slurm_kwargs: Mapping[str, Any] | None = None,
-        tcp_port: int | None = None,
-        trainer_address: str | None = None,
-        progress_timeout: float | None = DEFAULT_PROGRESS_TIMEOUT,
-        update_at_each_batch: bool = False,
-        max_weight_update_interval: int | None = None,
-        progress: Any = None,
-        update_after_each_batch: Any = UNSET,
-        weights: WeightSchedule | None = None,
-        restart: RestartPolicy | None = None,
-    ) -> None:
+    @explicit_keywords(keywords=RPCKeywords)
+    def __init__(self, create_env_fn: Any, policy: Any = None, **kwargs: Unpack[RPCKeywords]) -> None:
+        rpc_timeout = kwargs["rpc_timeout"]
         if isinstance(rpc_timeout, bool) or not isinstance(rpc_timeout, (int, float)) or not rpc_timeout > 0:
             raise ValueError(f"rpc_timeout must be a positive number of seconds, got {rpc_timeout!r}")
-        options = dict(tensorpipe_options or {})
+        options = dict(kwargs["tensorpipe_options"] or {})
         if "init_method" in options:
             raise ValueError(
                 "tensorpipe_options cannot set init_method: RPCCollector runs its own rendezvous"
@@ -357,29 +332,8 @@ class RPCCollector(NodeCollectorMixin, FleetCollector):
             raise TypeError(
                 f"tensorpipe_options are not TensorPipeRpcBackendOptions arguments: {exc}"
             ) from exc
-        plan = node_plan(
-            create_env_fn,
-            policy,
-            frames_per_batch=frames_per_batch,
-            total_frames=total_frames,
-            sync=sync,
-            num_collectors=num_collectors,
-            collector_class=collector_class,
-            collector_kwargs=collector_kwargs,
-            num_workers_per_collector=num_workers_per_collector,
-            launcher=launcher,
-            slurm_kwargs=slurm_kwargs,
-            tcp_port=tcp_port,
-            trainer_address=trainer_address,
-            progress_timeout=progress_timeout,
-            update_at_each_batch=update_at_each_batch,
-            max_weight_update_interval=max_weight_update_interval,
-            update_after_each_batch=update_after_each_batch,
-            weights=weights,
-            owner=type(self).__name__,
-            restart=restart,
-        )
-        init_nodes(self, RpcNodes(self, plan, options, float(rpc_timeout)), plan, progress)
+        rpc = partial(RpcNodes, options=options, timeout=float(rpc_timeout))
+        self._init_nodes(create_env_fn, policy, kwargs, sync=kwargs["sync"], transport=rpc)
 
 
 __all__ = ["RPCCollector", "RpcNodes"]

@@ -1,17 +1,20 @@
 """What the collectors hosted on nodes (``DistributedCollector``, ``DistributedSyncCollector``,
 ``RPCCollector``) share on the trainer: their keywords checked once into a :class:`NodePlan`, before any
 node starts, and the node-only methods (:class:`NodeCollectorMixin`). The nodes themselves are a
-transport (:class:`~._nodes.Nodes`) of the one :class:`~aiocollect._fleet._collector.FleetCollector`."""
+transport (:class:`~._nodes.Nodes`) of the one :class:`~aiocollect._fleet._collector.FleetCollector`;
+what they and the actors answer alike is :class:`Hosts`."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from functools import partial
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from .._core._options import RolloutOptions, WeightSchedule
+from .._core._options import RolloutOptions
 from .._core._restart import RestartPolicy
 from .._core._validation import flag, positive_int, total_frames_arg
+from .._fleet._transport import FleetHandle, FleetSetup, Transport
 from .._local._collector import Collector
 from .._multi._async import MultiAsyncCollector
 from .._multi._sync import MultiSyncCollector
@@ -29,12 +32,11 @@ from ._args import (
     weight_plan,
     with_restart,
 )
+from ._keywords import NodeKeywords
 from ._launchers import Launcher, make_launcher
 from ._node import RESTARTS_ATTR
 
-if TYPE_CHECKING:
-    from .._fleet._collector import FleetCollector, Transport
-    from ._nodes import Nodes
+T = TypeVar("T", bound=Transport)
 
 _COLLECTOR_CLASSES = (Collector, MultiSyncCollector, MultiAsyncCollector)
 #: why a node that died under a restart policy ends the run all the same
@@ -72,35 +74,29 @@ class NodePlan:
     def num_nodes(self) -> int:
         return len(self.payloads)
 
+    def setup(self, progress: Any) -> FleetSetup:
+        """What the fleet over these nodes is set up with (a group is relaunched only by a launcher that
+        starts its nodes)."""
+        n, sync = self.num_nodes, self.sync
+        return FleetSetup(
+            size=n,
+            sync=sync,
+            total_frames=self.total_frames,
+            frames_per_batch=self.node_fpb * n if sync else self.node_fpb,
+            policy=self.policy,
+            weights_template=self.weights.template,
+            seed=self.seed,
+            progress=progress,
+            restart=self.restart if self.launcher.relaunchable else None,
+        )
 
-def node_plan(
-    create_env_fn: Any,
-    policy: Any,
-    *,
-    frames_per_batch: int,
-    total_frames: int | None,
-    sync: bool,
-    num_collectors: int | None,
-    collector_class: type,
-    collector_kwargs: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None,
-    num_workers_per_collector: int,
-    launcher: Any,
-    slurm_kwargs: Mapping[str, Any] | None,
-    tcp_port: int | None,
-    trainer_address: str | None,
-    progress_timeout: float | None,
-    update_at_each_batch: bool,
-    max_weight_update_interval: int | None,
-    update_after_each_batch: Any,
-    weights: WeightSchedule | None,
-    owner: str,
-    restart: RestartPolicy | None = None,
-) -> NodePlan:
-    """The keywords of a node collector (``owner``, its class name in errors) checked; the env
-    constructors and collector arguments pickled here (small: a bad one fails now), the policy (which can
-    be large) once and in a thread when the collector is entered."""
-    env_fns = _env_fns_arg(create_env_fn, num_collectors)
-    n = len(env_fns)
+
+def node_plan(create_env_fn: Any, policy: Any, kw: NodeKeywords, *, sync: bool, owner: str) -> NodePlan:
+    """The keywords of a node collector (``owner``, its class name in errors; ``kw`` filled) checked; the
+    env constructors and collector arguments pickled here (small: a bad one fails now), the policy (which
+    can be large) once and in a thread when the collector is entered."""
+    env_fns = _env_fns_arg(create_env_fn, kw["num_collectors"])
+    n, collector_class = len(env_fns), kw["collector_class"]
     policy = check_policy(policy)
     if not (isinstance(collector_class, type) and issubclass(collector_class, _COLLECTOR_CLASSES)):
         raise TypeError(
@@ -108,17 +104,15 @@ def node_plan(
             f"{collector_class!r}"
         )
     sync = flag("sync", sync)
-    total = total_frames_arg(total_frames)
-    node_fpb = split_frames(frames_per_batch, n, sync, "node")
-    workers = positive_int("num_workers_per_collector", num_workers_per_collector)
+    node_fpb = split_frames(kw["frames_per_batch"], n, sync, "node")
+    workers = positive_int("num_workers_per_collector", kw["num_workers_per_collector"])
     if collector_class is Collector and workers != 1:
         raise ValueError("num_workers_per_collector > 1 needs collector_class=MultiSyncCollector/Async")
-    per_node, seed = collector_kwargs_arg(collector_kwargs, n, owner, "node")
-    per_node = with_restart(per_node, restart)
-    plan = weight_plan(
-        policy, update_at_each_batch, max_weight_update_interval, update_after_each_batch, weights
-    )
-    made = make_launcher(launcher, slurm_kwargs)
+    per_node, seed = collector_kwargs_arg(kw["collector_kwargs"], n, owner, "node")
+    per_node = with_restart(per_node, kw["restart"])
+    weights = weight_plan(policy, kw)
+    launcher = make_launcher(kw["launcher"], kw["slurm_kwargs"])
+    tcp_port, trainer_address = kw["tcp_port"], kw["trainer_address"]
     if tcp_port is not None and (
         isinstance(tcp_port, bool) or not isinstance(tcp_port, int) or not 0 <= tcp_port < 65536
     ):
@@ -128,25 +122,25 @@ def node_plan(
             f"trainer_address must be the host name or IP address the nodes reach the trainer at, got "
             f"{trainer_address!r}"
         )
-    timeout = seconds_or_none("progress_timeout", progress_timeout)
+    timeout = seconds_or_none("progress_timeout", kw["progress_timeout"])
     env_args = [fn if collector_class is Collector else [fn] * workers for fn in env_fns]
     check_keywords(collector_class, per_node)
     rollouts = member_rollouts(per_node, node_fpb)  # checked here, before any node starts
     return NodePlan(
-        policy=policy,
-        total_frames=total,
-        sync=sync,
-        node_fpb=node_fpb,
-        num_workers_per_collector=workers,
-        seed=seed,
-        weights=plan,
-        payloads=payloads(env_args, collector_class, per_node, "node"),
-        rollouts=rollouts,
-        launcher=made,
-        tcp_port=tcp_port or 0,
-        trainer_address=trainer_address,
-        progress_timeout=timeout,
-        restart=restart,
+        policy,
+        total_frames_arg(kw["total_frames"]),
+        sync,
+        node_fpb,
+        workers,
+        seed,
+        weights,
+        payloads(env_args, collector_class, per_node, "node"),
+        rollouts,
+        launcher,
+        tcp_port or 0,
+        trainer_address,
+        timeout,
+        kw["restart"],
     )
 
 
@@ -172,39 +166,52 @@ def _env_fns_arg(create_env_fn: Any, num_collectors: int | None) -> list[Any]:
     return env_fns
 
 
-def init_nodes(fleet: FleetCollector, nodes: Nodes, plan: NodePlan, progress: Any) -> None:
-    """Hand ``nodes`` and the checked keywords to ``fleet`` (a node collector being built)."""
-    fleet.num_collectors = plan.num_nodes  # type: ignore[attr-defined]
-    fleet.num_workers_per_collector = plan.num_workers_per_collector  # type: ignore[attr-defined]
-    fleet._init_fleet(
-        nodes,
-        size=plan.num_nodes,
-        sync=plan.sync,
-        total_frames=plan.total_frames,
-        frames_per_batch=plan.node_fpb * plan.num_nodes if plan.sync else plan.node_fpb,
-        policy=plan.policy,
-        weights_template=plan.weights.template,
-        seed=plan.seed,
-        progress=progress,
-    )
+class _Node(Protocol):
+    @property
+    def pid(self) -> int | None: ...
+
+
+class _NodeTransport(Transport, Protocol):
+    @property
+    def nodes(self) -> Sequence[_Node]: ...
 
 
 class NodeCollectorMixin:
-    """The node collectors' own methods, beside the fleet's surface."""
+    """The node collectors' own methods, beside the fleet's surface (the collector keeps its plan and its
+    nodes, ``_plan`` and ``_nodes``)."""
 
-    num_collectors: int
-    num_workers_per_collector: int
     frames_per_batch: int
     total_frames: int
     _sync: bool
     _closed: bool
+    _plan: NodePlan
+    _nodes: _NodeTransport
 
     if TYPE_CHECKING:
-        _transport: Transport
+
+        def _init_fleet(self, setup: FleetSetup, transport: Callable[[FleetHandle], T]) -> T: ...
+
+    def _init_nodes(
+        self,
+        create_env_fn: Any,
+        policy: Any,
+        kw: NodeKeywords,
+        *,
+        sync: bool,
+        transport: Callable[..., _NodeTransport],
+    ) -> None:
+        """The keywords checked into the collector's plan, then the fleet set up over its nodes
+        (``transport(handle, plan=plan)``)."""
+        self._plan = plan = node_plan(create_env_fn, policy, kw, sync=sync, owner=type(self).__name__)
+        self._nodes = self._init_fleet(plan.setup(kw["progress"]), partial(transport, plan=plan))
 
     @property
-    def _nodes(self) -> Nodes:
-        return cast("Nodes", self._transport)
+    def num_collectors(self) -> int:
+        return self._plan.num_nodes
+
+    @property
+    def num_workers_per_collector(self) -> int:
+        return self._plan.num_workers_per_collector
 
     def node_pids(self) -> list[int | None]:
         """The process id of each node (as each node reported it)."""
@@ -223,7 +230,7 @@ class Hosts:
     a member collects ahead of the batch delivered (no env state in a checkpoint) and drops nothing itself;
     the collector drops what arrives below a floor."""
 
-    fleet: FleetCollector
+    fleet: FleetHandle
     versioned: bool
 
     def restarted(self, member: Any, records: Sequence[tuple[int, str, int]]) -> None:
@@ -231,13 +238,13 @@ class Hosts:
         restarts)`` each): counted in its ``restarts``, a ``Restarted`` event each, as for a worker."""
         for env, cause, restarts in records:
             member.restarts += 1
-            self.fleet._hub.publish(Restarted(member.index, int(env), str(cause), int(restarts)))
+            self.fleet.publish(Restarted(member.index, int(env), str(cause), int(restarts)))
 
     def failed(self, member: Any, error: BaseException) -> None:
         """``member`` failed with ``error``: the restarts its collector made before (they travel with its
         error, ``RESTARTS_ATTR``), then its ``WorkerFailed`` event."""
         self.restarted(member, vars(error).pop(RESTARTS_ATTR, ()))
-        self.fleet._hub.publish(WorkerFailed(member.index, f"{type(error).__name__}: {error}"))
+        self.fleet.publish(WorkerFailed(member.index, f"{type(error).__name__}: {error}"))
 
     async def published(self, version: int, ids: list[int], raised: list[int]) -> None:
         """Nothing waits here: a stale batch is dropped when it arrives (``FleetCollector._stale``)."""
@@ -252,7 +259,7 @@ class Hosts:
         if envs:
             fleet = self.fleet
             raise ValueError(
-                f"{type(fleet).__name__}.state_dict(envs=True): each {fleet._member_noun} collects ahead "
+                f"{fleet.name}.state_dict(envs=True): each {fleet.member_noun} collects ahead "
                 "of the batch delivered, so its envs' state is past the checkpoint; save without envs=True "
                 "(the envs then start from reset when the checkpoint is loaded)"
             )
@@ -263,4 +270,4 @@ class Hosts:
         return policies[0] if policies else None
 
 
-__all__ = ["NOT_REPLACED", "UNSET", "Hosts", "NodeCollectorMixin", "NodePlan", "init_nodes", "node_plan"]
+__all__ = ["NOT_REPLACED", "UNSET", "Hosts", "NodeCollectorMixin", "NodePlan", "node_plan"]

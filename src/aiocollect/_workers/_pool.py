@@ -14,11 +14,10 @@ import math
 import multiprocessing as mp
 import signal
 import socket
-import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, get_args
+from typing import Any, Protocol, get_args
 
 import anyio
 import anyio.abc
@@ -31,7 +30,6 @@ from .._core._errors import WorkerDiedError, WorkerTimeoutError
 from .._core._gather import gather
 from .._core._mistakes import check_main_guard
 from .._core._processes import reaped, signal_group, started
-from .._core._restart import RestartPolicy
 from .._observe._events import Event, Restarted, WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
 from .._observe._stats import WorkerState
 from .._observe._timesplit import SplitWindow
@@ -52,10 +50,9 @@ from .._transport._shm import SharedBlock
 from .._transport._waiters import WaiterTable
 from .._transport._wire import AsyncChannel
 from ._preload import PRELOAD
-from ._replace import Replacer
 from ._worker import WorkerSpec, start_thread_worker, worker_main
 
-__all__ = ["WorkerHandle", "WorkerPool", "signal_group", "start_forkserver", "thread_alive"]
+__all__ = ["Respawning", "WorkerHandle", "WorkerPool", "signal_group", "start_forkserver"]
 
 
 def _check_op(op: object) -> None:
@@ -79,6 +76,8 @@ class WorkerHandle:
     ready: Ready | None = None
     slots: list[SharedBlock] = field(default_factory=list)
     exited: anyio.Event = field(default_factory=anyio.Event)
+    #: set once it is ready (or the pool failed)
+    readied: anyio.Event = field(default_factory=anyio.Event)
     policy_version: int = 0
     frames: int = 0
     #: a WorkerState: starting, collecting, stopped or failed (the collector adds paused); typed ``str``
@@ -136,6 +135,17 @@ def start_forkserver(backend: str, start_method: str, caller: str) -> None:
         forkserver.ensure_running()
 
 
+class Respawning(Protocol):
+    """What the pool asks of its replacement of lost workers (``_replace.Respawner``, set as
+    :attr:`WorkerPool.respawner` by the transport)."""
+
+    def lost(self, handle: WorkerHandle, cause: BaseException) -> bool:
+        """Worker ``handle`` exited with ``cause``: whether it is being replaced."""
+
+    def current(self, item: tuple[int, BatchReady]) -> bool:
+        """Whether a batch notice comes from its worker as it is now (a replaced one's is dropped)."""
+
+
 class WorkerPool:
     """``num_workers`` workers of ``backend`` ``"process"`` or ``"serial"`` (threads, same code)."""
 
@@ -149,12 +159,10 @@ class WorkerPool:
         on_event: Callable[[Event], None] = lambda event: None,
         timeout: float | None = None,
         on_message: Callable[[int, Any], None] = lambda index, msg: None,
-        restart: RestartPolicy | None = None,
-        on_replaced: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         self._on_event = on_event
-        #: replaces a worker that dies or hangs (``restart``; ``None``: fail fast)
-        self.restart = restart
+        #: replaces a worker that dies or hangs (``restart=``; ``None``: fail fast), set by the transport
+        self.respawner: Respawning | None = None
         #: the collector's task group, once every worker started (replacements start in it)
         self.tg: anyio.abc.TaskGroup | None = None
         #: a worker body's own messages (not the rollout protocol's), with the worker's index
@@ -162,7 +170,6 @@ class WorkerPool:
         #: worker_timeout for control calls
         self.timeout = timeout
         self.specs = specs
-        self.replacer = Replacer(self, restart, on_replaced) if restart is not None else None
         self.backend = backend
         self.start_method = start_method
         self.slots_per_worker = slots_per_worker
@@ -180,16 +187,16 @@ class WorkerPool:
     async def start(self, tg: anyio.abc.TaskGroup) -> None:
         """Start every worker and return when all are ready (or raise the first start-up error)."""
         for spec in self.specs:
-            handle = await self._spawn(spec)
+            handle = await self.spawn(spec)
             self.workers.append(handle)
-            tg.start_soon(self._reader, handle)
+            tg.start_soon(self.watch, handle)
         with anyio.CancelScope() as scope:
             self._startup_scope = scope
             for handle in self.workers:
                 while handle.ready is None:
                     if self.failure is not None:
                         raise self.failure
-                    await self._ready_event(handle).wait()
+                    await handle.readied.wait()
         if self.failure is not None:
             raise self.failure
         for handle in self.workers:
@@ -201,7 +208,7 @@ class WorkerPool:
             await handle.channel.send(Attach(tuple(s.name for s in handle.slots)))
         self.tg = tg  # from now on a worker that dies may be replaced (RestartPolicy)
 
-    async def _spawn(self, spec: WorkerSpec) -> WorkerHandle:
+    async def spawn(self, spec: WorkerSpec) -> WorkerHandle:
         """Start the worker of ``spec`` (a process, or a thread with the serial backend)."""
         parent_sock, child_sock = socket.socketpair()
         if self.backend == "process":
@@ -223,15 +230,9 @@ class WorkerPool:
             process = start_thread_worker(child_sock, spec)
         return WorkerHandle(spec.index, spec, AsyncChannel(parent_sock), process)
 
-    def _ready_event(self, handle: WorkerHandle) -> anyio.Event:
-        event = getattr(handle, "_ready_event", None)
-        if event is None:
-            event = anyio.Event()
-            handle._ready_event = event  # type: ignore[attr-defined]
-        return event
-
     # -- the reader task per worker ---------------------------------------------------------------
-    async def _reader(self, handle: WorkerHandle) -> None:
+    async def watch(self, handle: WorkerHandle) -> None:
+        """The reader task of worker ``handle`` (in the collector's task group)."""
         # Shielded: the reader lives as long as its worker, whatever the caller's cancel scopes do (a
         # cancelled consumer must not look like a dead worker); it ends at the worker's EOF, or when
         # aclose() cancels `reader_scope` after the worker was stopped.
@@ -244,7 +245,7 @@ class WorkerPool:
                 with anyio.CancelScope(shield=True):  # also when aclose() cancelled reader_scope
                     # aclose() gave up on a thread worker stuck in a call that never returns (a hung
                     # env): it cannot be killed, so do not wait for it again
-                    await self._join(handle, 0.0 if scope.cancel_called else 2.0)
+                    await anyio.to_thread.run_sync(handle.process.join, 0.0 if scope.cancel_called else 2.0)
                 if isinstance(handle.process, mp.process.BaseProcess):
                     # whatever its env started and did not stop (or could not: the worker was killed)
                     signal_group(handle.process, signal.SIGKILL)
@@ -253,13 +254,13 @@ class WorkerPool:
                 cause = handle.doomed
                 if cause is None and not failed and not self.closing:
                     cause = WorkerDiedError(handle.index, handle.exitcode)
-                if cause is not None and self.replacer is not None and self.replacer.later(handle, cause):
+                respawner = self.respawner
+                if cause is not None and respawner is not None and not handle.attached:
+                    pass  # a replacement lost on its way up: the replacement answers it
+                elif cause is not None and respawner is not None and respawner.lost(handle, cause):
                     pass  # a replacement is on its way
                 elif cause is not None and not self.closing:
-                    handle.state = WorkerState.FAILED
-                    if handle.doomed is None:
-                        self._on_event(WorkerFailed(handle.index, str(cause)))
-                    self.fail(cause)
+                    self.lost(handle, cause)
                 elif not failed:
                     handle.state = WorkerState.STOPPED
                     self._on_event(WorkerStopped(handle.index))
@@ -293,7 +294,7 @@ class WorkerPool:
     def _route(self, handle: WorkerHandle, msg: Any) -> bool:
         """Dispatch one message from a worker; ``True`` if it reported a failure."""
         if isinstance(msg, BatchReady):
-            if self.restart is not None:
+            if self.respawner is not None:
                 handle.notices.add(id(msg))
             self.note_version(handle.index, msg.policy_version)
             handle.frames += msg.frames
@@ -310,7 +311,7 @@ class WorkerPool:
             handle.policy_version = msg.policy_version
             handle.state = WorkerState.COLLECTING
             self._on_event(WorkerStarted(handle.index))
-            self._ready_event(handle).set()
+            handle.readied.set()
         elif isinstance(msg, Restarted):  # an env restart in the worker, sent as it happened: counted
             handle.restarts += 1  # where statistics() reads it, and published with it
             self._on_event(msg)
@@ -323,10 +324,6 @@ class WorkerPool:
             self._on_message(handle.index, msg)
         return False
 
-    async def _join(self, handle: WorkerHandle, grace: float = 2.0) -> None:
-        process = handle.process
-        await anyio.to_thread.run_sync(process.join, grace)
-
     def fail(self, error: BaseException) -> None:
         """Fail the pool: every waiter (batches, calls, start-up) raises ``error``."""
         if self.failure is None:
@@ -334,7 +331,14 @@ class WorkerPool:
         self._deliveries_send.send_nowait(_Failure(error))
         self._replies.fail(error)
         for handle in self.workers:
-            self._ready_event(handle).set()
+            handle.readied.set()
+
+    def lost(self, handle: WorkerHandle, cause: BaseException) -> None:
+        """Worker ``handle`` exited with ``cause`` and is not replaced: the pool fails with it."""
+        handle.state = WorkerState.FAILED
+        if handle.doomed is None:
+            self._on_event(WorkerFailed(handle.index, str(cause)))
+        self.fail(cause)
 
     def note_version(self, index: int, version: int) -> None:
         """Worker ``index`` runs ``version`` (from a batch notice or a load acknowledgement)."""
@@ -361,7 +365,7 @@ class WorkerPool:
             with anyio.move_on_after(5.0):
                 await handle.exited.wait()
             self.check()
-            if self.restart is not None and handle.exited.is_set():
+            if self.respawner is not None and handle.exited.is_set():
                 return  # being replaced: the replacement is brought up to date (``on_replaced``)
             raise
 
@@ -374,7 +378,7 @@ class WorkerPool:
             handle = self.workers[index]
             await self.send(index, Call(request_id, op))
             with anyio.move_on_after(self.timeout if self.timeout is not None else math.inf):
-                if self.restart is None:
+                if self.respawner is None:
                     return await waiter.wait()
                 return await _reply_or_exit(waiter, handle)
         error = WorkerTimeoutError(
@@ -395,7 +399,7 @@ class WorkerPool:
             if isinstance(item, _Failure):
                 self._deliveries_send.send_nowait(item)  # every later receive raises too
                 raise item.error
-            if self.replacer is None or self.replacer.current(item):
+            if self.respawner is None or self.respawner.current(item):
                 return item
 
     def receive_nowait(self) -> Any:
@@ -403,7 +407,7 @@ class WorkerPool:
         notices are dropped."""
         while True:
             item = self.deliveries.receive_nowait()
-            if isinstance(item, _Failure) or self.replacer is None or self.replacer.current(item):
+            if isinstance(item, _Failure) or self.respawner is None or self.respawner.current(item):
                 return item
 
     def set_stop(self, stop: torch.Tensor, indices: list[int], value: int) -> None:
@@ -414,9 +418,7 @@ class WorkerPool:
     async def aclose(self, grace: float = 5.0) -> None:
         """Ask every worker to stop, wait up to ``grace`` seconds, then terminate/kill; free the slots."""
         with anyio.CancelScope(shield=True):
-            self.closing = True
-            if self.replacer is not None:
-                await self.replacer.cancel()  # a replacement being started settles (reaped below)
+            self.closing = True  # (the transport let the replacements in flight settle first)
             if self.failure is not None:
                 grace = min(grace, 0.5)  # after a failure, do not wait long for the others
             # bounded: a hung worker does not read, and a full socket would block this send for ever
@@ -472,10 +474,3 @@ async def _reply_or_exit(waiter: Any, handle: WorkerHandle) -> Any:
     if result:
         return result[0]
     raise handle.doomed or WorkerDiedError(handle.index, handle.exitcode)
-
-
-def thread_alive(handle: WorkerHandle) -> bool:
-    process = handle.process
-    if isinstance(process, threading.Thread):
-        return process.is_alive()
-    return process.exitcode is None

@@ -11,7 +11,8 @@ them when called.
 
 from __future__ import annotations
 
-from ._app import DashboardControls, create_app
+from ._app import DashboardControls
+from ._create import create_app
 from ._serve import RunningServer, serve
 
 __all__ = ["DashboardControls", "RunningServer", "create_app", "serve"]
