@@ -260,7 +260,10 @@ def package(session: nox.Session) -> None:
     (shared/tools/check_declared_imports.py, where the shared folder is beside the repo)."""
     session.install("build>=1.2")
     dist = Path(session.create_tmp()) / "dist"
-    session.run("python", "-m", "build", "--sdist", "--wheel", "--outdir", str(dist))
+    # the build belongs to the install step (run_install): `nox --install-only` builds and installs the
+    # wheel, and `nox -R` (no install) then checks the wheel installed then
+    session.run_install("python", "-c", "import shutil, sys; shutil.rmtree(sys.argv[1], True)", str(dist))
+    session.run_install("python", "-m", "build", "--sdist", "--wheel", "--outdir", str(dist))
     sdists, wheels = glob.glob(str(dist / "*.tar.gz")), glob.glob(str(dist / "*.whl"))
     if len(sdists) != 1 or len(wheels) != 1:
         session.error(f"expected one sdist and one wheel in {dist}, got {sdists + wheels}")
