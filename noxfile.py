@@ -296,7 +296,11 @@ def minimum_versions(session: nox.Session) -> None:
     constraints.write_text("\n".join(floors) + "\n")
     session.install(*floors)
     session.install("-c", str(constraints), "-e", ".[test]")
-    session.run("python", "-m", "pip", "list")
+    # the versions installed (a uv-made virtualenv has no pip to list them)
+    listing = (
+        "import importlib.metadata as m; print(*sorted(f'{d.name}=={d.version}' for d in m.distributions()))"
+    )
+    session.run("python", "-c", listing)
     # mypy --strict on the examples reads the installed libraries' type stubs: older numpy and gymnasium
     # stubs differ (not a run-time matter), so that one test runs against the newest versions only
     typing = "--deselect=tests/test_typing.py::test_examples_and_a_user_script_pass_mypy_strict"
