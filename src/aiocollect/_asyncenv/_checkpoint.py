@@ -40,7 +40,6 @@ from typing import Any
 
 import anyio
 import numpy as np
-import torch
 
 from .._core._resume import generator_state, set_generator_state, to_arrays, to_plain
 from .._core._rng import RolloutRNG
@@ -48,6 +47,7 @@ from .._envs._async import ThreadedAsyncEnv
 from .._envs._async_vector import ThreadedAsyncVectorEnv
 from .._envs._gym_state import env_state as gym_env_state
 from .._envs._gym_state import set_env_state as set_gym_env_state
+from .._envs._spaces import nest_obs
 from ._engine import Engine, Signal
 from ._policy import BatchPolicy, RandomFirst
 from ._run import LoopSteps
@@ -95,25 +95,7 @@ def raw_obs(spec: Any, rows: list[np.ndarray], width: int) -> Any:
     """An env's observation as it gives it (one array, or a dict of them for a ``Dict`` space) from its
     staging rows (a single env's first row; a vector env's ``[width, ...]``)."""
     values = [r.copy() if width else r[0].copy() for r in rows]
-    if not spec._dict:
-        return values[0]
-    out: dict[str, Any] = {}
-    for key, value in zip(spec.obs_keys, values, strict=True):
-        parts = (key,) if isinstance(key, str) else key
-        node = out
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = value
-    return out
-
-
-def as_obs(value: Any) -> Any:
-    """A saved observation (tensors, from a checkpoint) as numpy arrays, as an env gives them."""
-    if isinstance(value, torch.Tensor):
-        return value.numpy().copy()
-    if isinstance(value, dict):
-        return {k: as_obs(v) for k, v in value.items()}
-    return value
+    return nest_obs(dict(zip(spec.obs_keys, values, strict=True))) if spec._dict else values[0]
 
 
 async def _first_of(*signals: Signal) -> None:

@@ -17,7 +17,7 @@ from tensordict import TensorDictBase
 from .._core._gcfreeze import GcHold
 from .._core._mistakes import explicit_keywords, warn_user
 from .._core._restart import derive_seed
-from .._core._resume import derived_seed, to_plain
+from .._core._resume import derived_seed, to_arrays, to_plain
 from .._core._rng import RolloutRNG
 from .._core._validation import flag, optional_callable, policy_arg, replay_buffer_arg, seed_arg
 from .._envs._async import AsyncVectorEnvProtocol
@@ -33,7 +33,6 @@ from ._checkpoint import (
     CANNOT_LOAD,
     CANNOT_SAVE,
     FromState,
-    as_obs,
     capture,
     load_random_states,
     maybe_await,
@@ -648,7 +647,7 @@ class AsyncEnvCollector(CollectorBase):
             return
         for pair, env_state in zip(methods, saved["envs"], strict=True):
             await maybe_await(pair[1](env_state))
-        await self._restart_engine(None, [as_obs(o) for o in saved["obs"]], frames=frames)
+        await self._restart_engine(None, [to_arrays(o) for o in saved["obs"]], frames=frames)
 
     def _random_states(self, engine: Engine) -> dict[str, Any]:
         assert self._policy is not None
