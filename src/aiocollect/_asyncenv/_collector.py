@@ -45,7 +45,7 @@ from ._fused import FusedSteps
 from ._keywords import OPTION_KEYWORDS, AsyncEnvKeywords, picked
 from ._options import AsyncEnvOptions
 from ._policy import BatchPolicy, RandomFirst, is_async_policy
-from ._restarts import env_restarts, restart_arg
+from ._restarts import EnvRestarts, restart_arg
 from ._run import LoopSteps
 
 __all__ = ["ENV_THREADS", "AsyncEnvCollector", "Finish", "Hosted"]
@@ -223,8 +223,9 @@ class AsyncEnvCollector(CollectorBase):
         self._policy = policy
         if self._gc_hold is not None:  # after the envs are built: they are long-lived too
             self._gc_hold.hold()
-        restarts = env_restarts(self._options.restart, self._env_fns, limiter, spec, self._hub)
-        if restarts is not None:  # its events: as the host numbers them (0 and the env ids in process)
+        restarts = None
+        if self._options.restart is not None:  # its events: as the host numbers them (its env ids)
+            restarts = EnvRestarts(self._options.restart, self._env_fns, limiter, spec, self._hub)
             restarts.worker, restarts.offset = self._options.member or 0, self._offset
         self._engine = Engine(
             envs,
@@ -293,16 +294,28 @@ class AsyncEnvCollector(CollectorBase):
             )
 
     def _is_paused(self) -> bool:
-        return self._paused > 0 or (self._host is not None and self._host.held > 0)
+        return self._paused > 0
 
     async def _resumed(self) -> None:
-        """Until the collector is resumed (and its host holds it no more): the engine's policy side waits
-        here while paused (no call is in flight)."""
-        while self._is_paused():
-            event = self._unpaused if self._paused else self._host.released if self._host else None
-            if event is None:
-                return
-            await event.wait()
+        """Until the collector is resumed (no ``pause()``, capture or host's hold open): the engine's policy
+        side waits here while paused (no call is in flight)."""
+        while self._paused and self._unpaused is not None:
+            await self._unpaused.wait()
+
+    @contextlib.contextmanager
+    def _hold(self) -> Iterator[None]:
+        """No policy call starts while this is open (counted with ``pause()``'s, without waiting for the
+        steps in flight: a hung env does not hold it back)."""
+        self._paused += 1
+        if self._unpaused is None:
+            self._unpaused = anyio.Event()
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            if not self._paused and self._unpaused is not None:
+                self._unpaused.set()
+                self._unpaused = None
 
     async def aclose(self) -> None:
         """Stop the env tasks and the policy (after the steps and the policy call in flight), close every
@@ -579,10 +592,7 @@ class AsyncEnvCollector(CollectorBase):
                 "save without envs (the envs then start from reset at a resume)"
             )
         methods = state_methods_of(engine, CANNOT_SAVE)
-        self._paused += 1
-        if self._unpaused is None:
-            self._unpaused = anyio.Event()
-        try:
+        with self._hold():
             captured = await capture(engine, methods)
             if captured is None:
                 return None
@@ -590,11 +600,6 @@ class AsyncEnvCollector(CollectorBase):
             rngs.append(await self._in_policy_thread(lambda: self._random_states(engine)))
             await self._restart_engine(None, obs)  # from the state saved, as a resumed collector
             return {"envs": states, "obs": [to_plain(o) for o in obs]}
-        finally:
-            self._paused -= 1
-            if not self._paused and self._unpaused is not None:
-                self._unpaused.set()
-                self._unpaused = None
 
     async def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output into a collector made with the same arguments (and entered):
@@ -764,25 +769,13 @@ class Hosted:
         place: Callable[[EnvSet], Awaitable[int]],
     ) -> None:
         self.place = place
-        self.held = 0  # holds open (no policy call starts)
-        self.released: anyio.Event | None = None  # set when the last hold closes
         self.collector = AsyncEnvCollector.__new__(AsyncEnvCollector)
         self.collector._setup(env_fns, policy, options, self)
 
-    @contextlib.contextmanager
-    def hold(self) -> Iterator[None]:
+    def hold(self) -> contextlib.AbstractContextManager[None]:
         """No policy call starts while this is open (as in ``pause()``, without waiting for the steps in
         flight: a hung env does not hold it back)."""
-        self.held += 1
-        if self.released is None:
-            self.released = anyio.Event()
-        try:
-            yield
-        finally:
-            self.held -= 1
-            if not self.held and self.released is not None:
-                self.released.set()
-                self.released = None
+        return self.collector._hold()
 
     async def load_weights(self, load: Callable[[torch.nn.Module, int], int]) -> int:
         """``load(module, version)`` (a weight receiver's: the version it loaded) between two policy calls,

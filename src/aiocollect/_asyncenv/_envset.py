@@ -19,7 +19,7 @@ from .._envs._gym import GymEnv
 from .._envs._multiagent._base import GroupedEnv
 from .._envs._spaces import LeafSpec, NestedKey, action_specs, flatten_obs, observation_specs
 
-__all__ = ["EnvSet", "close_once", "env_fns_arg", "open_envs", "reopen_env", "spaces_of", "vector_width"]
+__all__ = ["EnvSet", "close_once", "env_fns_arg", "open_env", "open_envs", "spaces_of", "vector_width"]
 
 
 def _is_async_env(env: Any) -> bool:
@@ -41,7 +41,9 @@ def env_fns_arg(env_fns: Any) -> list[Any]:
     return list(env_fns)
 
 
-def _open(fn: Any, i: int, limiter: Any) -> Any:
+def open_env(fn: Any, i: int, limiter: Any) -> Any:
+    """Env ``i`` built from its env fn ``fn`` (at the start, or again at a restart); a gymnasium env wrapped
+    in a thread of ``limiter``."""
     env = fn if hasattr(fn, "step") and not isinstance(fn, type) else fn()
     if is_async_vector_env(env):
         if env.num_envs < 1 or not hasattr(env, "single_action_space") or not hasattr(env, "close"):
@@ -90,12 +92,7 @@ def open_envs(env_fns: list[Any], into: list[Any], limiter: Any) -> None:
     """Build every env into ``into`` (which holds the envs built so far if one fails, to be closed); the
     gymnasium envs among them share the threads of ``limiter``."""
     for i, fn in enumerate(env_fns):
-        into.append(_open(fn, i, limiter))
-
-
-def reopen_env(fn: Any, u: int, limiter: Any) -> Any:
-    """Env ``u`` built again from its env fn ``fn`` (a restart), as :func:`open_envs` built it."""
-    return _open(fn, u, limiter)
+        into.append(open_env(fn, i, limiter))
 
 
 async def close_once(envs: list[Any], closed: set[int], i: int) -> None:

@@ -22,7 +22,7 @@ from ._collector import Finish
 from ._keywords import MULTI_OPTION_KEYWORDS, POOL_KEYWORDS, MultiAsyncEnvKeywords, picked
 from ._options import UNSUPPORTED, AsyncEnvOptions, shares_arg
 from ._restarts import restart_arg
-from ._worker import EnvOffset, EnvRows, EnvShare, run_async_worker
+from ._worker import EnvOffset, EnvRows, run_async_worker
 from ._worker_frames import FLOOR, VERSION
 
 __all__ = ["EnvIds", "MultiAsyncEnvCollector"]
@@ -246,7 +246,7 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
         first_ready = _EnvsFirstReady(len(shares), options.track_policy_version)
         delivery = Episodes.over(first_ready, trajs, group_size=group, on_update=update)
         self._init_workers(
-            [EnvShare(share) for share in shares],
+            [functools.partial(list, share) for share in shares],  # a worker env fn: its share's env fns
             policy,
             delivery,
             picked(kw, POOL_KEYWORDS),  # worker processes that die or hang are replaced (restart=)

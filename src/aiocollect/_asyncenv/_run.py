@@ -17,7 +17,6 @@ in one coroutine frame.
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +28,7 @@ import torch
 
 from .._envs._contract import contract_error
 from .._envs._spaces import NestedKey
+from .._procenv._doorbell import running_asyncio_loop
 from ._engine import Engine
 from ._restarts import truncate_last_frames
 from ._vector import blocks_of, column, final_obs
@@ -127,6 +127,7 @@ class LoopSteps:
         if self._scope is not None:
             self._scope.cancel()
         e.consumer_signal.set()
+        e.policy_signal.set()  # a capture waiting for the envs
         e.idle_signal.set()  # a pause() waiting for the steps in flight
 
     def _freed(self, rows: int) -> None:
@@ -480,23 +481,7 @@ def _set_event(event: anyio.Event) -> None:
 def _waiters_for_this_loop() -> tuple[Callable[[], Any], Callable[[Any], Any]]:
     """How a ready env waits for its action: a bare future on asyncio (a third of an ``anyio.Event``'s
     cost, paid at every step), else an ``anyio.Event``. Returns ``(new_waiter, wake)``."""
-    if _on_asyncio():
-        return asyncio.get_running_loop().create_future, _wake_future
+    loop = running_asyncio_loop()
+    if loop is not None:
+        return loop.create_future, _wake_future
     return anyio.Event, _set_event
-
-
-def _on_asyncio() -> bool:
-    """Whether the calling task runs on asyncio (uvloop included) rather than trio, without sniffio (not a
-    dependency): a trio task is recognised first, since trio in guest mode runs on top of an asyncio loop."""
-    trio = sys.modules.get("trio")  # trio's tasks can only run if trio was imported
-    if trio is not None:
-        try:
-            trio.lowlevel.current_task()
-            return False
-        except RuntimeError:  # not in a trio task
-            pass
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True

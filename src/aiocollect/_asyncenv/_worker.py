@@ -16,32 +16,25 @@ workers). The control channel is read on the loop (fd readiness), never by a blo
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import anyio.abc
 import cloudpickle
-import torch
 from tensordict import TensorDictBase
 
 from .._core._restart import IDS_PER_GENERATION
 from .._observe._events import EventStream, Restarted, WorkerFailed
-from .._policies._weights import flat_weights
 from .._transport._flat import layout_of
 from .._transport._messages import (
     Attach,
     BatchReady,
     Call,
     Close,
-    GetAttr,
-    GetPath,
     GetState,
-    GetWeights,
     LoadState,
     LoadWeights,
-    MapFn,
     Ready,
     Release,
     Reset,
@@ -51,7 +44,7 @@ from .._transport._messages import (
 )
 from .._transport._shm import SharedBlock
 from .._transport._wire import BlockingChannel
-from .._workers._paths import resolve
+from .._workers._answers import READS, read, unversioned
 from .._workers._worker import control_layout
 from ._collector import Hosted
 from ._engine import AllDropped
@@ -59,7 +52,7 @@ from ._envset import EnvSet
 from ._options import AsyncEnvOptions
 from ._worker_frames import VERSION, WorkerFrames
 
-__all__ = ["EnvOffset", "EnvRows", "EnvShare", "run_async_worker"]
+__all__ = ["EnvOffset", "EnvRows", "run_async_worker"]
 
 
 @dataclass(frozen=True)
@@ -74,16 +67,6 @@ class EnvOffset:
     """Parent -> worker, once every worker sent ``EnvRows``: its first env id over all workers."""
 
     first: int
-
-
-class EnvShare:
-    """One worker's envs: a callable (as a worker's env constructor must be) holding its env fns."""
-
-    def __init__(self, env_fns: Sequence[Callable[[], Any]]) -> None:
-        self.env_fns = list(env_fns)
-
-    def __call__(self) -> list[Callable[[], Any]]:
-        return self.env_fns
 
 
 def generation(options: AsyncEnvOptions, spec: Any) -> int:
@@ -201,11 +184,8 @@ class _AsyncWorker:
         """The reply to a control operation (``Call.op``). Seeds, resets and checkpoints are served by the
         worker's ``AsyncEnvCollector`` (``_checkpoint.py``) plus the worker's own part, its counter of
         fresh trajectory ids; every one but a plain ``GetState`` restarts its engine (:meth:`restart`)."""
-        if isinstance(op, (GetState, LoadState)) and op.versioned:
-            raise ValueError(
-                f"{type(op).__name__}(versioned=True) is for hosted collectors (nodes, actors); a worker's "
-                "state carries the trainer's versions already: send versioned=False"
-            )
+        if isinstance(op, (GetState, LoadState)):
+            unversioned(op)
         if isinstance(op, (SetSeed, Reset, LoadState)) or (isinstance(op, GetState) and op.envs):
             async with self.gate.lock:  # between two batches taken in
                 reply = await self.restart(op)
@@ -214,9 +194,9 @@ class _AsyncWorker:
                 self.discarded[self.index] = self.frames.discarded
                 self.batch, self.episodes = None, []
             return reply
-        collector = self.collector
-        module = collector.policy
-        roots = {"env": collector.envs[0] if collector.envs else None, "policy": module}
+        if isinstance(op, READS):
+            envs = self.collector.envs
+            return read(op, envs[0] if envs else None, self.collector.policy)
         match op:
             case GetState():  # at once, between two engine events: it restarts nothing
                 return self.with_ids(await self.hosted.state_now())
@@ -225,16 +205,6 @@ class _AsyncWorker:
                 if self.generation:  # a replacement told to load (PipeWeightSync: now): no frame older
                     self.own_floor = max(self.own_floor, version)
                 return version
-            case GetWeights():
-                if not isinstance(module, torch.nn.Module):
-                    return None
-                return {k: v.detach().cpu().clone() for k, v in flat_weights(module).items()}
-            case GetAttr():
-                return getattr(roots[op.root], op.name)
-            case GetPath():
-                return resolve(roots, op.path)
-            case MapFn():
-                return resolve(roots, op.path)(*op.args, **op.kwargs)
         raise TypeError(f"{type(op).__name__} is not supported by MultiAsyncEnvCollector's workers")
 
     async def restart(self, op: SetSeed | Reset | GetState | LoadState) -> Any:

@@ -26,7 +26,7 @@ from .._core._torch_settings import TorchSettings
 from .._envs._adapter import check_env
 from .._envs._rebuild import env_factory
 from .._observe._events import Restarted
-from .._policies._weights import as_weights, copy_weights, flat_weights, module_weights
+from .._policies._weights import as_weights, copy_weights, module_weights
 from .._rollout._core import build_rollout
 from .._transport._flat import FlatLayout, layout_of
 from .._transport._messages import (
@@ -35,13 +35,9 @@ from .._transport._messages import (
     Call,
     Close,
     Collect,
-    GetAttr,
-    GetPath,
     GetState,
-    GetWeights,
     LoadState,
     LoadWeights,
-    MapFn,
     Operation,
     Ready,
     Release,
@@ -53,7 +49,7 @@ from .._transport._messages import (
 )
 from .._transport._shm import SharedBlock
 from .._transport._wire import BlockingChannel
-from ._paths import resolve
+from ._answers import READS, read, unversioned
 
 __all__ = [
     "HALTED",
@@ -377,30 +373,16 @@ class Worker:
         self.rollout.reset()
 
     def get_state(self, op: GetState) -> dict[str, Any]:
-        _unversioned(op)
+        unversioned(op)
         return {**self.rollout.state_dict(), "frames": self.frames, **worker_state(self, op.envs)}
 
     def load_state(self, op: LoadState) -> None:
-        _unversioned(op)
+        unversioned(op)
         state = dict(op.state)
         self.frames, self._sent_version = int(state.get("frames", 0)), int(state.get("sent_version", 0))
         load_member(self.rollout, self.rng, self.random_policy, state, self.frames)
         if state.get("policy") is not None and isinstance(self.policy, torch.nn.Module):  # the newest
             copy_weights(module_weights(self.policy), as_weights(state["policy"]))
-
-    def get_weights(self, op: GetWeights) -> dict[str, torch.Tensor] | None:
-        if not isinstance(self.policy, torch.nn.Module):
-            return None
-        return dict(flat_weights(self.policy).detach().cpu().clone().items())
-
-    def get_attr(self, op: GetAttr) -> Any:
-        return getattr(self.env if op.root == "env" else self.policy, op.name)
-
-    def get_path(self, op: GetPath) -> Any:
-        return resolve({"env": self.env, "policy": self.policy}, op.path)
-
-    def map_fn(self, op: MapFn) -> Any:
-        return resolve({"env": self.env, "policy": self.policy}, op.path)(*op.args, **op.kwargs)
 
     def call(self, msg: Call) -> Result:
         handler = _OPERATIONS.get(type(msg.op))
@@ -457,14 +439,6 @@ class Worker:
         self.env.close()
 
 
-def _unversioned(op: GetState | LoadState) -> None:
-    if op.versioned:
-        raise ValueError(
-            f"{type(op).__name__}(versioned=True) is for hosted collectors (nodes, actors); a worker's "
-            "state carries the trainer's versions already: send versioned=False"
-        )
-
-
 #: the worker's method for each control operation
 _OPERATIONS: dict[type[Operation], Callable[[Worker, Any], Any]] = {
     SetSeed: Worker.set_seed,
@@ -472,10 +446,7 @@ _OPERATIONS: dict[type[Operation], Callable[[Worker, Any], Any]] = {
     GetState: Worker.get_state,
     LoadState: Worker.load_state,
     LoadWeights: lambda worker, op: worker.load_weights(),
-    GetWeights: Worker.get_weights,
-    GetAttr: Worker.get_attr,
-    GetPath: Worker.get_path,
-    MapFn: Worker.map_fn,
+    **{read_op: lambda worker, op: read(op, worker.env, worker.policy) for read_op in READS},
 }
 
 
