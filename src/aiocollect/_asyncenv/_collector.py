@@ -42,7 +42,7 @@ from ._checkpoint import (
 from ._engine import Engine, Stepper
 from ._envset import EnvSet, env_fns_arg, open_envs
 from ._fused import FusedSteps
-from ._keywords import OPTION_KEYWORDS, AsyncEnvKeywords, picked
+from ._keywords import AsyncEnvKeywords
 from ._options import AsyncEnvOptions
 from ._policy import BatchPolicy, RandomFirst, is_async_policy
 from ._restarts import EnvRestarts, restart_arg
@@ -157,12 +157,9 @@ class AsyncEnvCollector(CollectorBase):
     ) -> None:
         kw = kwargs
         env_fns = env_fns_arg(env_fns)  # every argument is checked here, before any env is built
+        restart = restart_arg(kw["restart"], env_fns)
         options = AsyncEnvOptions.of(
-            "AsyncEnvCollector",
-            [len(env_fns)],
-            policy=policy,
-            **picked(kw, (*OPTION_KEYWORDS, "fused")),
-            restart=restart_arg(kw["restart"], env_fns),
+            "AsyncEnvCollector", [len(env_fns)], **{**kw, "restart": restart}, policy=policy
         )
         postproc = optional_callable("postproc", kw["postproc"])
         replay_buffer, progress = replay_buffer_arg(kw["replay_buffer"]), kw["progress"]
