@@ -15,7 +15,7 @@ import torch
 from tensordict import TensorDictBase
 
 from .._core._gcfreeze import GcHold
-from .._core._mistakes import explicit_keywords, warn_user
+from .._core._mistakes import explicit_keywords
 from .._core._restart import derive_seed
 from .._core._resume import derived_seed, to_arrays, to_plain
 from .._core._rng import RolloutRNG
@@ -282,13 +282,10 @@ class AsyncEnvCollector(CollectorBase):
                 "request. Drop max_frames_per_traj and limit the episodes in the env (e.g. gymnasium's "
                 "TimeLimit, or max_episode_steps= of gymnasium.make_vec)"
             )
-        ahead = (1 + options.prefetch) * options.frames_per_batch
-        if ahead < spec.rows:
-            warn_user(
-                f"(1 + prefetch) * frames_per_batch = {ahead} frames may be collected or stepping at once, "
-                f"fewer than the {spec.rows} sub-envs of the vector envs: the others wait. Raise "
-                "frames_per_batch or prefetch"
-            )
+        rows = spec.rows
+        options.warn_ahead(
+            rows, options.frames_per_batch, f", fewer than the {rows} sub-envs of the vector envs"
+        )
 
     def _is_paused(self) -> bool:
         return self._paused > 0
@@ -323,8 +320,7 @@ class AsyncEnvCollector(CollectorBase):
                 async with self._lock:
                     pass
             if not self._closed:
-                self._closed = True
-                self._closed_reason = "it was closed"
+                self._close("it was closed")
                 if self._engine is not None:
                     for i in range(self._engine.rows):
                         self._hub.publish(WorkerStopped(i))
@@ -346,20 +342,15 @@ class AsyncEnvCollector(CollectorBase):
             self._gc_hold.release()
 
     async def _fail(self, exc: BaseException) -> None:
-        self._closed_reason = f"an env or the policy failed with {type(exc).__name__}: {exc}"
-        self._closed = True
-        self._failed = True
+        self._close(f"an env or the policy failed with {type(exc).__name__}: {exc}", failed=True)
         self._hub.publish(WorkerFailed(-1, f"{type(exc).__name__}: {exc}"))
         await self._shutdown()
         self._hub.close()
 
     # -- the iterator -----------------------------------------------------------------------------
-    def _budget_reached(self) -> bool:
-        if self._episodes is not None:
-            return 0 < self.total_frames <= self._stats.frames
-        return (
-            0 < self._options.target() <= self._stats.frames
-        )  # a resumed collector counts from the checkpoint
+    def _budget_reached(self) -> bool:  # (a resumed collector counts from the checkpoint)
+        budget = self.total_frames if self._episodes is not None else self._options.target()
+        return 0 < budget <= self._stats.frames
 
     async def __anext__(self) -> TensorDictBase | None:
         if self._engine is None and not self._closed:

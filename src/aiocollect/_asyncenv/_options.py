@@ -187,15 +187,11 @@ class AsyncEnvOptions:
         return options
 
     def _warn(self, collector: str, envs: list[int]) -> None:
-        where = " in a worker" if self.per_worker else ""
         for n, frames in zip(envs, self.per_worker or (self.frames_per_batch,), strict=True):
-            ahead = (1 + self.prefetch) * frames
-            if ahead < n:
-                warn_user(
-                    f"(1 + prefetch) * frames_per_batch = {ahead} frames may be collected or stepping at once"
-                    f"{where}, fewer than {'its' if where else 'the'} {n} envs: the others wait. Raise "
-                    "frames_per_batch or prefetch"
-                )
+            where = (
+                f" in a worker, fewer than its {n} envs" if self.per_worker else f", fewer than the {n} envs"
+            )
+            if self.warn_ahead(n, frames, where):
                 return
         uneven = self.total_frames > 0 and self.total_frames % self.frames_per_batch
         if uneven and not self.per_worker and self.trajs_per_batch is None:
@@ -203,6 +199,17 @@ class AsyncEnvOptions:
                 f"total_frames={self.total_frames} is not a multiple of frames_per_batch="
                 f"{self.frames_per_batch}: the last batch is not cut, {self.target()} frames are collected"
             )
+
+    def warn_ahead(self, n: int, frames: int, fewer_than: str) -> bool:
+        """Warn (and return ``True``) when fewer frames than ``n`` (sub-)envs may be in flight at once in
+        batches of ``frames`` (``fewer_than``: which envs, in the warning)."""
+        ahead = (1 + self.prefetch) * frames
+        if ahead < n:
+            warn_user(
+                f"(1 + prefetch) * frames_per_batch = {ahead} frames may be collected or stepping at once"
+                f"{fewer_than}: the others wait. Raise frames_per_batch or prefetch"
+            )
+        return ahead < n
 
     @property
     def drop_failed(self) -> bool:
