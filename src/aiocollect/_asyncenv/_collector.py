@@ -39,7 +39,7 @@ from ._checkpoint import (
     random_states,
     state_methods_of,
 )
-from ._engine import Engine, Stepper
+from ._engine import Engine, Setup, Stepper
 from ._envset import EnvSet, env_fns_arg, open_envs
 from ._fused import FusedSteps
 from ._keywords import AsyncEnvKeywords
@@ -224,20 +224,18 @@ class AsyncEnvCollector(CollectorBase):
         if self._options.restart is not None:  # its events: as the host numbers them (its env ids)
             restarts = EnvRestarts(self._options.restart, self._env_fns, limiter, spec, self._hub)
             restarts.worker, restarts.offset = self._options.member or 0, self._offset
-        self._engine = Engine(
-            envs,
+        setup = Setup(
             spec,
             engine_policy,
             self._options,
             self._kind,
-            target=self._options.target(),
-            seed=self._seed,
             hub=self._hub,
             is_paused=self._is_paused,
             resumed=self._resumed,
             restarts=restarts,
             offset=self._offset,
         )
+        self._engine = Engine(envs, setup, target=self._options.target(), seed=self._seed)
         for i in range(spec.rows):
             self._hub.publish(WorkerStarted(i))
         assert self._task_group is not None
