@@ -7,6 +7,7 @@ action spaces map to the single key ``"action"``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ __all__ = [
     "NestedKey",
     "action_bounds",
     "action_entries",
+    "assemble_action",
     "action_leaf_spaces",
     "action_outside_space",
     "action_spec",
@@ -251,6 +253,20 @@ def action_entries(
     else:
         return {("action", *path) if path else "action": actions}
     return {key: value for part in parts for key, value in part.items()}
+
+
+def assemble_action(
+    space: spaces.Space[Any],
+    leaf: Callable[[NestedKey, spaces.Space[Any]], Any],
+    path: tuple[str, ...] = ("action",),
+) -> Any:
+    """A gymnasium action built from its entries (the inverse of :func:`action_entries`): a ``Dict`` or
+    ``Tuple`` space's of its leaves' ``leaf(key, leaf_space)`` (keys as :func:`action_specs` names them)."""
+    if isinstance(space, spaces.Dict):
+        return {name: assemble_action(sub, leaf, (*path, name)) for name, sub in space.spaces.items()}
+    if isinstance(space, spaces.Tuple):
+        return tuple(assemble_action(sub, leaf, (*path, str(i))) for i, sub in enumerate(space.spaces))
+    return leaf(path if len(path) > 1 else "action", space)
 
 
 def sample(
