@@ -4,10 +4,10 @@
 actions may still give frames, the batch being filled and the batches completed) and writes once what both
 ways of stepping need: the budget (:meth:`Engine.room`, :meth:`Engine.need`), the batch filler
 (:meth:`Engine.append`), the completion (:meth:`Engine.finish`), the record of a policy call
-(:meth:`Engine.called`), :meth:`Engine.take_batch`, :attr:`Engine.idle`, :attr:`Engine.exhausted` and
-:meth:`Engine.new_version`. How the envs are stepped is its :class:`Stepper`: a task per env and a policy
-task on the collector's loop (``_run.py``, ``LoopSteps``), or one thread driving process envs' doorbells
-(``_fused.py``, ``FusedSteps``). The collector and its checkpoints talk to the engine only.
+(:meth:`Engine.called`), :meth:`Engine.take_batch`, :attr:`Engine.idle` and :meth:`Engine.new_version`.
+How the envs are stepped is its :class:`Stepper`: a task per env and a policy task on the collector's loop
+(``_run.py``, ``LoopSteps``), or one thread driving process envs' doorbells (``_fused.py``,
+``FusedSteps``). The collector and its checkpoints talk to the engine only.
 """
 
 from __future__ import annotations
@@ -191,11 +191,6 @@ class Engine:
     @property
     def idle(self) -> bool:
         return not self.in_flight and not self.acting
-
-    @property
-    def exhausted(self) -> bool:
-        """Every frame of the budget was delivered."""
-        return 0 < self.target <= self.delivered
 
     @property
     def completed(self) -> int:

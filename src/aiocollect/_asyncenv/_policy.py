@@ -242,12 +242,8 @@ class BatchPolicy:
     async def load_weights(self, source: Any) -> None:
         """Copy ``source`` (a module, weights TensorDict or state dict; ``None``: the policy given) into
         the collector's copy, in its thread, between two policy calls."""
-        if self.module is None:
-            raise TypeError(
-                f"the collector's policy ({type(self.policy).__name__}) has no weights to update; "
-                "update_weights needs an nn.Module policy (an async policy updates its own weights)"
-            )
         module = self.module
+        assert module is not None  # (the collector refuses a policy without weights first)
         source = self.source if source is None else source
 
         def apply() -> None:

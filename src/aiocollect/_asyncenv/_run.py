@@ -319,16 +319,18 @@ class LoopSteps:
             self._fail(exc)
             return
         first, width = e.spec.firsts[u], e.spec.widths[u]
-        stop = first + max(width, 1)
-        stepping = self._actions[first] is not None
-        self._actions[first:stop] = [None] * (stop - first)
+        self._stop_stepping(first, first + max(width, 1))  # other envs' steps make its frames up
         error = e.drop(u, exc)
-        if stepping:  # it failed mid-step: those frames are not collected (other envs' steps make them up)
-            self._freed(stop - first)
         if error is not None:
             self._fail(error)
         e.policy_signal.set()  # fewer envs to wait for
         await e.close_env(u)
+
+    def _stop_stepping(self, first: int, stop: int) -> None:
+        """The rows ``first:stop`` (one env's) failed: a step in flight gives no frame."""
+        if self._actions[first] is not None:  # mid-step: its frames will not come
+            self._actions[first:stop] = [None] * (stop - first)
+            self._freed(stop - first)
 
     def _end_trajectories(self, u: int) -> None:
         """Env ``u`` failed: the action it stepped with gives no frame; the last frame of each of its rows
@@ -337,9 +339,7 @@ class LoopSteps:
         e = self.engine
         first = e.spec.firsts[u]
         rows = set(range(first, self._row_stop[first]))
-        if self._actions[first] is not None:  # mid-step: its frames will not come
-            self._actions[first : first + len(rows)] = [None] * len(rows)
-            self._freed(len(rows))
+        self._stop_stepping(first, first + len(rows))
         for i in rows:
             e.traj_ids[i] = e.next_traj
             e.next_traj += 1
