@@ -77,29 +77,6 @@ def generation(options: AsyncEnvOptions, spec: Any) -> int:
     return (spec.rollout.traj_id_start - first) // (IDS_PER_GENERATION * spec.rollout.traj_id_stride)
 
 
-class SendGate:
-    """Orders a worker's batches against the calls that restart its engine: a batch is taken in and sent
-    under :attr:`lock` (a call waits for it), and after a restart none is sent until :meth:`open`."""
-
-    def __init__(self) -> None:
-        self.lock = anyio.Lock()
-        self._open = anyio.Event()
-
-    @property
-    def is_open(self) -> bool:
-        return self._open.is_set()
-
-    def open(self) -> None:
-        self._open.set()
-
-    def close(self) -> None:
-        if self._open.is_set():
-            self._open = anyio.Event()
-
-    async def wait(self) -> None:
-        await self._open.wait()
-
-
 class _AsyncWorker:
     def __init__(self, options: AsyncEnvOptions, chan: BlockingChannel, spec: Any) -> None:
         self.chan = chan
@@ -125,8 +102,9 @@ class _AsyncWorker:
         self.slots: list[SharedBlock] = []
         self.free: set[int] = set()
         self.attached = anyio.Event()
-        #: open once the trainer says ``RunFree`` (again after each call that restarted the engine)
-        self.gate = SendGate()
+        #: a batch is taken in and sent under ``lock`` (a call that restarts the engine waits for it), and
+        #: only once ``sending`` is set: at the trainer's ``RunFree`` (again after each such call)
+        self.lock, self.sending = anyio.Lock(), anyio.Event()
         #: the next batch to send (``None``: none taken yet, or dropped by a restart)
         self.batch: TensorDictBase | None = None
         self.freed = anyio.Event()
@@ -168,7 +146,7 @@ class _AsyncWorker:
                 self.free = set(range(len(self.slots)))
                 self.attached.set()
             case RunFree():
-                self.gate.open()
+                self.sending.set()
             case Release():
                 self.free.add(msg.slot)
                 self.freed.set()
@@ -187,9 +165,10 @@ class _AsyncWorker:
         if isinstance(op, (GetState, LoadState)):
             unversioned(op)
         if isinstance(op, (SetSeed, Reset, LoadState)) or (isinstance(op, GetState) and op.envs):
-            async with self.gate.lock:  # between two batches taken in
+            async with self.lock:  # between two batches taken in
                 reply = await self.restart(op)
-                self.gate.close()
+                if self.sending.is_set():  # none is sent until the trainer says so again
+                    self.sending = anyio.Event()
                 self.frames.restart(0 if self.batch is None else self.batch.shape[0])
                 self.discarded[self.index] = self.frames.discarded
                 self.batch, self.episodes = None, []
@@ -314,8 +293,8 @@ class _AsyncWorker:
                     await self.collect()
 
     async def collect(self) -> None:
-        """Send batches until cancelled (``Close``); a batch is taken in and sent under the gate's lock,
-        and sent only while the gate is open (see :meth:`restart`)."""
+        """Send batches until cancelled (``Close``); a batch is taken in and sent under :attr:`lock`, and
+        sent only while :attr:`sending` is set (see :meth:`restart`)."""
         self.batch = batch = await self.next_batch()
         with self.held():
             # the slots' layout is the first batch's
@@ -323,15 +302,14 @@ class _AsyncWorker:
             version = self.collector.policy_version
             self.chan.send(Ready(self.layout, self.batch_size, self.fpb, policy_version=version))
             await self.attached.wait()
-            await self.gate.wait()
+            await self.sending.wait()
         if int(batch.get(VERSION).min()) < self.own_floor:  # a replacement's, before its weights came
             self.frames.discarded += batch.shape[0]
             self.batch = None
-        gate = self.gate
         while True:
-            await gate.wait()
-            async with gate.lock:
-                if not gate.is_open:  # a restart came meanwhile: wait for the trainer again
+            await self.sending.wait()
+            async with self.lock:
+                if not self.sending.is_set():  # a restart came meanwhile: wait for the trainer again
                     continue
                 if self.batch is None:
                     self.batch = await self.next_batch()
@@ -339,17 +317,17 @@ class _AsyncWorker:
                 self.batch = None
                 self.note_unsent()
             with self.held():
-                async with gate.lock:  # not beside a call that stops the engine: both use its policy thread
+                async with self.lock:  # not beside a call that stops the engine: both use its policy thread
                     await self.load_weights()  # between batches, as the rollout workers do
                 await self.wait_for_slot()
-            async with gate.lock:
+            async with self.lock:
                 if self.batch is None:
                     self.batch = await self.next_batch()
                 self.note_unsent()
 
     def note_unsent(self) -> None:
         """The frames taken in and not sent, ``+ 1``, in the control block's "progress" (read once the
-        trainer opened the gate: a replacement's is read before): lost should this process die, they are
+        trainer let it send: a replacement's is read before): lost should this process die, they are
         counted as discarded (as a rollout worker's steps begun)."""
         held = 0 if self.batch is None else self.batch.shape[0]
         self.progress[self.index] = 1 + held + self.frames.pending
