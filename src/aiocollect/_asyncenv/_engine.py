@@ -259,7 +259,7 @@ class Engine:
         layout = self.layout
         if layout is None:
             track, grouped = self.options.track_policy_version, self.options.group_size is not None
-            layout = self.layout = Layout.of_outputs(self.spec.obs_specs, outputs, track, grouped)
+            layout = self.layout = Layout(self.spec.obs_specs, outputs, track=track, grouped=grouped)
         elif list(outputs) != layout.out_keys:
             raise KeyError(f"the policy wrote {list(outputs)}, and {layout.out_keys} at its first call")
         arrays = self.codec.arrays(outputs, n)

@@ -9,16 +9,14 @@ in the slots) or ``C`` (close); the worker answers ``D`` (done) or ``E`` followe
 from __future__ import annotations
 
 import functools
-import signal
 import socket
-import warnings
 from typing import Any
 
 import cloudpickle
 import gymnasium as gym
 import numpy as np
 
-from .._core._processes import lead_group, watch_parent
+from .._core._processes import become_worker
 from .._envs._async_vector import ThreadedAsyncVectorEnv
 from .._envs._spaces import NestedKey, action_specs, assemble_action, flatten_obs, observation_specs
 from .._transport._messages import failure
@@ -102,11 +100,7 @@ def _serve(sock: socket.socket, stepper: _Stepper) -> None:
 
 def worker_main(sock: socket.socket, index: int, payload: bytes, show_warnings: bool) -> None:
     """Entry point of a worker process (started through the forkserver)."""
-    lead_group()
-    watch_parent(sock, "aiocollect-envs-parent-watch")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes us
-    if not show_warnings:
-        warnings.simplefilter("ignore")
+    become_worker(sock, "aiocollect-envs-parent-watch", show_warnings)
     chan = BlockingChannel(sock)
     stepper: _Stepper | None = None
     env: Any = None

@@ -6,10 +6,8 @@ batch on the control socket tells the parent which slot is ready.
 
 from __future__ import annotations
 
-import signal
 import socket
 import threading
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +17,7 @@ import numpy as np
 import torch
 
 from .._core._options import RolloutOptions, WeightSchedule
-from .._core._processes import lead_group, watch_parent
+from .._core._processes import become_worker
 from .._core._resume import load_member, worker_state
 from .._core._rng import RolloutRNG
 from .._core._torch_settings import TorchSettings
@@ -457,11 +455,7 @@ def worker_main(sock: socket.socket, spec: WorkerSpec) -> None:
     failed = False
     try:
         if not spec.in_process:
-            lead_group()
-            watch_parent(sock, "aiocollect-parent-watch")
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which stops us
-            if not spec.show_warnings:
-                warnings.simplefilter("ignore")
+            become_worker(sock, "aiocollect-parent-watch", spec.show_warnings)
             if spec.num_threads is not None:
                 torch.set_num_threads(spec.num_threads)
         elif spec.torch_settings is not None:
