@@ -1,11 +1,13 @@
 """The envs of ``AsyncEnvCollector``: building them from ``env_fns`` (gymnasium envs wrapped in
 ``ThreadedAsyncEnv``, gymnasium vector envs in ``ThreadedAsyncVectorEnv``), checking that they agree, giving
-each (sub-)env its row (its env id), and turning their values into arrays."""
+each (sub-)env its row (its env id), and turning their values into arrays: a vector env's step as blocks of
+rows, checked (its protocol's autoreset is same-step: an ended sub-env's next observation in the frame is
+``info["final_obs"][k]``, its observation for the next step the reset one, ``obs[k]``)."""
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -160,6 +162,45 @@ class EnvSet:
             return [obs]
         flat = flatten_obs(self.observation_space, obs)
         return [flat[key] for key in self.obs_keys]
+
+    def blocks(self, obs: Any, width: int) -> list[np.ndarray]:
+        """A vector env's observation as one array ``[width, ...]`` per key, its shapes checked."""
+        blocks = [np.asarray(value) for value in self.arrays(obs)]
+        for (key, leaf), block in zip(self.obs_specs.items(), blocks, strict=True):
+            if block.shape != (width, *leaf.shape):
+                raise ValueError(
+                    f"an async vector env of {width} sub-envs gave the observation {key!r} of shape "
+                    f"{block.shape}; it must be {(width, *leaf.shape)} (num_envs first)"
+                )
+        return blocks
+
+    def final_obs(self, blocks: list[np.ndarray], done: np.ndarray, info: Any) -> list[np.ndarray]:
+        """The next observations of a vector step: the reset ones in ``blocks``, where a sub-env ended its
+        final one from ``info["final_obs"]`` (same-step autoreset)."""
+        finals = info.get("final_obs") if isinstance(info, Mapping) else None
+        ended = done.nonzero()[0].tolist()
+        if finals is None or len(finals) != len(done) or any(finals[k] is None for k in ended):
+            raise ValueError(
+                f"an async vector env's sub-envs {ended} ended without info['final_obs'][k]: the async "
+                "vector env protocol resets ended sub-envs in the same step and gives their final "
+                "observations in info['final_obs'] (gymnasium's AutoresetMode.SAME_STEP)"
+            )
+        nxt = [block.copy() for block in blocks]
+        for k in ended:
+            for slot, value in zip(nxt, self.arrays(finals[k]), strict=True):
+                slot[k] = value
+        return nxt
+
+    @staticmethod
+    def column(value: Any, dtype: Any, width: int, what: str) -> np.ndarray:
+        """A vector step's ``reward``, ``terminated`` or ``truncated`` as an array ``(width,)``, checked."""
+        array = np.asarray(value, dtype=dtype)
+        if array.shape != (width,):
+            raise ValueError(
+                f"an async vector env of {width} sub-envs gave {what} of shape {array.shape}; it must be "
+                f"({width},)"
+            )
+        return array
 
     def staging(self, n: int) -> list[np.ndarray]:
         """Arrays ``[n, ...]`` holding each env's current observation, per key."""

@@ -7,7 +7,7 @@ its env, appends the frame to the batch being filled (its next observation and t
 action's number, from which the batch finds the call's observation and outputs once it is complete) and
 queues itself again. Completed batches wait, in order, for the consumer; at most ``1 + prefetch`` batches are
 in flight (then the envs wait: backpressure). A vector env's task does the same for its ``N`` rows at once
-(``_vector.py``).
+(its step's values as blocks of rows: ``EnvSet``, ``_envset.py``).
 
 The step path is the hot one (docs/async-envs.md, "Performance"): per step an env task allocates one future
 and no tuple or dict that outlives the step (an episode's end adds one tuple), and it does its bookkeeping
@@ -31,7 +31,6 @@ from .._envs._spaces import NestedKey
 from .._procenv._doorbell import running_asyncio_loop
 from ._engine import Engine
 from ._restarts import truncate_last_frames
-from ._vector import blocks_of, column, final_obs
 
 __all__ = ["DISPATCH_CHUNK", "END", "LoopSteps"]
 
@@ -246,7 +245,7 @@ class LoopSteps:
         rows = range(first, stop)
         try:
             obs, _ = await env.reset(seed=e.reset_seed(first, u))
-            blocks = blocks_of(e.spec, obs, width)
+            blocks = e.spec.blocks(obs, width)
             stage = [slot[first:stop] for slot in self.stage]
             is_future = self._new_waiter is not anyio.Event
             ret = np.zeros(width)
@@ -271,7 +270,7 @@ class LoopSteps:
                 if action is END:  # the budget is spent
                     return
                 obs, reward, terminated, truncated, info = await env.step(action)
-                blocks = blocks_of(e.spec, obs, width)
+                blocks = e.spec.blocks(obs, width)
                 self._vector_frames(first, blocks, (reward, terminated, truncated), info, ret, length)
                 if e.idle_signal._event is not None and e.idle:  # a pause() waits for the steps
                     e.idle_signal.set()
@@ -290,11 +289,12 @@ class LoopSteps:
         """Append a vector step's frames (every value checked before the first is written), then free
         its rows' actions."""
         e, width = self.engine, len(ret)
+        column = e.spec.column
         reward = column(step[0], np.float64, width, "reward")
         terminated = column(step[1], np.bool_, width, "terminated")
         truncated = column(step[2], np.bool_, width, "truncated")
         done = terminated | truncated
-        nxt = final_obs(e.spec, blocks, done, info) if np.count_nonzero(done) else blocks
+        nxt = e.spec.final_obs(blocks, done, info) if np.count_nonzero(done) else blocks
         e.append(first, self._action_no[first], nxt, (reward, terminated, truncated), (ret, length))
         # the actions are freed last: a batch completed above may still need their calls
         self._actions[first : first + width] = [None] * width
