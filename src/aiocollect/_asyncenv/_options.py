@@ -93,6 +93,14 @@ UNSUPPORTED: dict[str, str] = {
 }
 
 
+#: each collector's keyword defaults (``MultiAsyncEnvCollector``'s: ``True``), read from its keyword list once
+#: (``typing.get_type_hints`` at each construction would churn typing's caches)
+_DEFAULTS = {
+    multi: keyword_list(MultiAsyncEnvKeywords if multi else AsyncEnvKeywords).defaults
+    for multi in (False, True)
+}
+
+
 @dataclass(frozen=True)
 class AsyncEnvOptions:
     """What an async-env collector runs, checked (the keywords of the same names, normalised).
@@ -140,7 +148,7 @@ class AsyncEnvOptions:
         (``restart``: by the caller, against the env fns). Warns where fewer frames may be in flight than a
         worker has envs."""
         multi = collector != "AsyncEnvCollector"
-        kw = {**keyword_list(MultiAsyncEnvKeywords if multi else AsyncEnvKeywords).defaults, **given}
+        kw = {**_DEFAULTS[multi], **given}
         lag, restart, drop = kw.get("max_policy_lag"), kw["restart"], kw["on_env_error"] == "drop"
         fused = None if multi else fused_arg(kw["fused"], kw.get("policy"), restart)
         cuts: dict[str, Any] = {"on_env_error": drop}
