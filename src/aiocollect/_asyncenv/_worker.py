@@ -44,8 +44,7 @@ from .._transport._messages import (
 )
 from .._transport._shm import SharedBlock
 from .._transport._wire import BlockingChannel
-from .._workers._answers import READS, read, unversioned
-from .._workers._worker import control_layout
+from .._workers._answers import READS, MemberIO, read, unversioned
 from ._collector import Hosted
 from ._engine import AllDropped
 from ._envset import EnvSet
@@ -77,7 +76,7 @@ def generation(options: AsyncEnvOptions, spec: Any) -> int:
     return (spec.rollout.traj_id_start - first) // (IDS_PER_GENERATION * spec.rollout.traj_id_stride)
 
 
-class _AsyncWorker:
+class _AsyncWorker(MemberIO):
     def __init__(self, options: AsyncEnvOptions, chan: BlockingChannel, spec: Any) -> None:
         self.chan = chan
         self.spec = spec
@@ -98,9 +97,7 @@ class _AsyncWorker:
         )
         #: the episodes that ended in the frames taken in since the last batch sent
         self.episodes: list[tuple[int, float, int]] = []
-        self.weights = spec.weights.open(spec.index) if spec.weights is not None else None
-        self.slots: list[SharedBlock] = []
-        self.free: set[int] = set()
+        super().__init__(spec)  # the control block, the weight receiver, the slots
         self.attached = anyio.Event()
         #: a batch is taken in and sent under ``lock`` (a call that restarts the engine waits for it), and
         #: only once ``sending`` is set: at the trainer's ``RunFree`` (again after each such call)
@@ -109,10 +106,9 @@ class _AsyncWorker:
         self.batch: TensorDictBase | None = None
         self.freed = anyio.Event()
         # the version floor the trainer sets, and where this worker counts the frames it drops below it
-        self.control = SharedBlock(control_layout(spec.num_workers), (), name=spec.control_name)
-        self.floor = self.control.td["floor"].numpy()
-        self.discarded = self.control.td["discarded"].numpy()
-        self.progress = self.control.td["progress"].numpy()
+        self.floor, self.discarded, self.progress = (
+            self.array(k) for k in ("floor", "discarded", "progress")
+        )
         self.own_floor = 0  # a replacement's: the version the trainer had it load (see call)
         self.frames.discarded = int(self.discarded[self.index])  # a replacement: its predecessor's count
         env_fns = cloudpickle.loads(spec.payload)()
@@ -349,13 +345,6 @@ class _AsyncWorker:
                 time_split=self.hosted.time_split(),  # its time split goes with the notice
             )
         )
-
-    def close(self) -> None:
-        for slot in self.slots:
-            slot.close()
-        self.control.close()
-        if self.weights is not None:
-            self.weights.close()
 
 
 async def _main(options: AsyncEnvOptions, chan: BlockingChannel, spec: Any) -> None:

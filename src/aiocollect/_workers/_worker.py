@@ -47,7 +47,7 @@ from .._transport._messages import (
 )
 from .._transport._shm import SharedBlock
 from .._transport._wire import BlockingChannel
-from ._answers import READS, read, unversioned
+from ._answers import HALTED, READS, MemberIO, control_layout, read, unversioned
 
 __all__ = [
     "HALTED",
@@ -120,29 +120,6 @@ class _Closing(Exception):
     """The parent asked the worker to stop."""
 
 
-def control_layout(num_workers: int) -> FlatLayout:
-    """Per-worker arrays shared with the parent: stop flags (preemption; in async mode also "start no
-    batch": 1 at shutdown, :data:`HALTED` after ``request_stop()``), published weight versions,
-    version floors (the oldest version a batch may still be delivered with: a rollout that falls below
-    its floor is restarted on the newer weights) and the frames each worker discarded that way."""
-    return FlatLayout.build(
-        [
-            ("stop", (num_workers,), torch.int64),
-            ("published", (num_workers,), torch.int64),
-            ("floor", (num_workers,), torch.int64),
-            ("discarded", (num_workers,), torch.int64),
-            # steps begun in the batch being collected (with a restart policy only): a worker that dies
-            # loses them (statistics().frames_discarded)
-            ("progress", (num_workers,), torch.int64),
-        ]
-    )
-
-
-#: a stop flag's value after ``request_stop()`` (async mode): the batch in flight ends at its next step and
-#: is not sent (its frames are counted as discarded), and no batch starts any more
-HALTED = 2
-
-
 class _StopFlag:
     """``is_set()`` reads this worker's entry of the shared stop array (preemption)."""
 
@@ -187,7 +164,7 @@ class _StopOrStale:
         return bool(self._stop[i]) or int(self._floor[i]) > self._rollout.policy_version
 
 
-class Worker:
+class Worker(MemberIO):
     def __init__(self, spec: WorkerSpec, chan: BlockingChannel) -> None:
         self.spec, self.chan = spec, chan
         create_env_fn = cloudpickle.loads(spec.payload)
@@ -206,22 +183,17 @@ class Worker:
             )
             self.rollout.output_specs()
             self.rng = RolloutRNG()
-            self.control = SharedBlock(control_layout(spec.num_workers), (), name=spec.control_name)
-            self.stop = _StopFlag(self.control.td["stop"].numpy(), spec.index)
+            super().__init__(spec)  # the control block, the weight receiver, the slots
+            self.stop = _StopFlag(self.array("stop"), spec.index)
             self._published, self._floor, self._discarded, self._progress = (
-                self.control.td[k].numpy() for k in ("published", "floor", "discarded", "progress")
+                self.array(k) for k in ("published", "floor", "discarded", "progress")
             )
             #: the policy version of the last batch sent; whether the trajectories in flight took new ids
             #: since (see ``collect``)
             self._sent_version, self._split = 0, False
             #: run_free: the slot of the last batch sent (unread while it is not handed back)
             self._sent_slot: int | None = None
-            self._stop_or_stale = _StopOrStale(
-                self.control.td["stop"].numpy(), self._floor, spec.index, self.rollout
-            )
-            self.weights = spec.weights.open(spec.index) if spec.weights is not None else None
-            self.slots: list[SharedBlock] = []
-            self.free: set[int] = set()
+            self._stop_or_stale = _StopOrStale(self.array("stop"), self._floor, spec.index, self.rollout)
             self.frames = 0
             if self.rollout.restarts is not None:  # each one reported as it happens, batch or not
                 self.rollout.restarts.on_restart = lambda r: chan.send(Restarted.of(spec.index, r))
@@ -429,11 +401,7 @@ class Worker:
             self._sent_slot = slot
 
     def close(self) -> None:
-        for slot in self.slots:
-            slot.close()
-        self.control.close()
-        if self.weights is not None:
-            self.weights.close()
+        super().close()
         self.env.close()
 
 
