@@ -213,6 +213,6 @@ def test_anyio_is_all_the_async_engine_needs() -> None:
 
 
 async def test_the_engine_tells_asyncio_from_trio(anyio_backend_name: str) -> None:
-    from aiocollect._asyncenv._run import _on_asyncio
+    from aiocollect._procenv._doorbell import running_asyncio_loop
 
-    assert _on_asyncio() == (anyio_backend_name == "asyncio")
+    assert (running_asyncio_loop() is not None) == (anyio_backend_name == "asyncio")

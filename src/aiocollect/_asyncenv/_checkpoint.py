@@ -38,9 +38,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import anyio
 import numpy as np
-import torch
 
 from .._core._resume import generator_state, set_generator_state, to_arrays, to_plain
 from .._core._rng import RolloutRNG
@@ -48,7 +46,8 @@ from .._envs._async import ThreadedAsyncEnv
 from .._envs._async_vector import ThreadedAsyncVectorEnv
 from .._envs._gym_state import env_state as gym_env_state
 from .._envs._gym_state import set_env_state as set_gym_env_state
-from ._engine import Engine, Signal
+from .._envs._spaces import nest_obs
+from ._engine import Engine
 from ._policy import BatchPolicy, RandomFirst
 from ._run import LoopSteps
 
@@ -95,42 +94,7 @@ def raw_obs(spec: Any, rows: list[np.ndarray], width: int) -> Any:
     """An env's observation as it gives it (one array, or a dict of them for a ``Dict`` space) from its
     staging rows (a single env's first row; a vector env's ``[width, ...]``)."""
     values = [r.copy() if width else r[0].copy() for r in rows]
-    if not spec._dict:
-        return values[0]
-    out: dict[str, Any] = {}
-    for key, value in zip(spec.obs_keys, values, strict=True):
-        parts = (key,) if isinstance(key, str) else key
-        node = out
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = value
-    return out
-
-
-def as_obs(value: Any) -> Any:
-    """A saved observation (tensors, from a checkpoint) as numpy arrays, as an env gives them."""
-    if isinstance(value, torch.Tensor):
-        return value.numpy().copy()
-    if isinstance(value, dict):
-        return {k: as_obs(v) for k, v in value.items()}
-    return value
-
-
-async def _first_of(*signals: Signal) -> None:
-    """Until any of ``signals`` is set (from now: each one's event is made before anything can run)."""
-    events = []
-    for signal in signals:
-        if signal._event is None:
-            signal._event = anyio.Event()
-        events.append(signal._event)
-    async with anyio.create_task_group() as tg:
-
-        async def wait(event: anyio.Event) -> None:
-            await event.wait()
-            tg.cancel_scope.cancel()
-
-        for event in events:
-            tg.start_soon(wait, event)
+    return nest_obs(dict(zip(spec.obs_keys, values, strict=True))) if spec._dict else values[0]
 
 
 #: why an env's state cannot be saved (``state_dict(envs=True)``) or loaded, and the fix
@@ -174,7 +138,7 @@ async def capture(engine: Engine, methods: list[Any]) -> tuple[list[Any], list[A
             break
         if steps.parked:
             steps.wake_at = ready + 1  # the next env ready wakes us
-        await _first_of(engine.policy_signal, engine.consumer_signal)
+        await engine.policy_signal.wait()  # an env ready, a batch complete, an error, a drop
     spec = engine.spec
     obs = [
         raw_obs(spec, [slot[f : f + max(w, 1)] for slot in steps.stage], w)

@@ -15,9 +15,9 @@ import torch
 from tensordict import TensorDictBase
 
 from .._core._gcfreeze import GcHold
-from .._core._mistakes import explicit_keywords, warn_user
+from .._core._mistakes import explicit_keywords
 from .._core._restart import derive_seed
-from .._core._resume import derived_seed, to_plain
+from .._core._resume import derived_seed, to_arrays, to_plain
 from .._core._rng import RolloutRNG
 from .._core._validation import flag, optional_callable, policy_arg, replay_buffer_arg, seed_arg
 from .._envs._async import AsyncVectorEnvProtocol
@@ -33,20 +33,19 @@ from ._checkpoint import (
     CANNOT_LOAD,
     CANNOT_SAVE,
     FromState,
-    as_obs,
     capture,
     load_random_states,
     maybe_await,
     random_states,
     state_methods_of,
 )
-from ._engine import Engine, Stepper
+from ._engine import Engine, Setup, Stepper
 from ._envset import EnvSet, env_fns_arg, open_envs
 from ._fused import FusedSteps
-from ._keywords import OPTION_KEYWORDS, AsyncEnvKeywords, picked
+from ._keywords import AsyncEnvKeywords
 from ._options import AsyncEnvOptions
 from ._policy import BatchPolicy, RandomFirst, is_async_policy
-from ._restarts import env_restarts, restart_arg
+from ._restarts import EnvRestarts, restart_arg
 from ._run import LoopSteps
 
 __all__ = ["ENV_THREADS", "AsyncEnvCollector", "Finish", "Hosted"]
@@ -158,12 +157,9 @@ class AsyncEnvCollector(CollectorBase):
     ) -> None:
         kw = kwargs
         env_fns = env_fns_arg(env_fns)  # every argument is checked here, before any env is built
+        restart = restart_arg(kw["restart"], env_fns)
         options = AsyncEnvOptions.of(
-            "AsyncEnvCollector",
-            [len(env_fns)],
-            policy=policy,
-            **picked(kw, (*OPTION_KEYWORDS, "fused")),
-            restart=restart_arg(kw["restart"], env_fns),
+            "AsyncEnvCollector", [len(env_fns)], **{**kw, "restart": restart}, policy=policy
         )
         postproc = optional_callable("postproc", kw["postproc"])
         replay_buffer, progress = replay_buffer_arg(kw["replay_buffer"]), kw["progress"]
@@ -224,23 +220,22 @@ class AsyncEnvCollector(CollectorBase):
         self._policy = policy
         if self._gc_hold is not None:  # after the envs are built: they are long-lived too
             self._gc_hold.hold()
-        restarts = env_restarts(self._options.restart, self._env_fns, limiter, spec, self._hub)
-        if restarts is not None:  # its events: as the host numbers them (0 and the env ids in process)
+        restarts = None
+        if self._options.restart is not None:  # its events: as the host numbers them (its env ids)
+            restarts = EnvRestarts(self._options.restart, self._env_fns, limiter, spec, self._hub)
             restarts.worker, restarts.offset = self._options.member or 0, self._offset
-        self._engine = Engine(
-            envs,
+        setup = Setup(
             spec,
             engine_policy,
             self._options,
             self._kind,
-            target=self._options.target(),
-            seed=self._seed,
             hub=self._hub,
             is_paused=self._is_paused,
             resumed=self._resumed,
             restarts=restarts,
             offset=self._offset,
         )
+        self._engine = Engine(envs, setup, target=self._options.target(), seed=self._seed)
         for i in range(spec.rows):
             self._hub.publish(WorkerStarted(i))
         assert self._task_group is not None
@@ -285,25 +280,34 @@ class AsyncEnvCollector(CollectorBase):
                 "request. Drop max_frames_per_traj and limit the episodes in the env (e.g. gymnasium's "
                 "TimeLimit, or max_episode_steps= of gymnasium.make_vec)"
             )
-        ahead = (1 + options.prefetch) * options.frames_per_batch
-        if ahead < spec.rows:
-            warn_user(
-                f"(1 + prefetch) * frames_per_batch = {ahead} frames may be collected or stepping at once, "
-                f"fewer than the {spec.rows} sub-envs of the vector envs: the others wait. Raise "
-                "frames_per_batch or prefetch"
-            )
+        rows = spec.rows
+        options.warn_ahead(
+            rows, options.frames_per_batch, f", fewer than the {rows} sub-envs of the vector envs"
+        )
 
     def _is_paused(self) -> bool:
-        return self._paused > 0 or (self._host is not None and self._host.held > 0)
+        return self._paused > 0
 
     async def _resumed(self) -> None:
-        """Until the collector is resumed (and its host holds it no more): the engine's policy side waits
-        here while paused (no call is in flight)."""
-        while self._is_paused():
-            event = self._unpaused if self._paused else self._host.released if self._host else None
-            if event is None:
-                return
-            await event.wait()
+        """Until the collector is resumed (no ``pause()``, capture or host's hold open): the engine's policy
+        side waits here while paused (no call is in flight)."""
+        while self._paused and self._unpaused is not None:
+            await self._unpaused.wait()
+
+    @contextlib.contextmanager
+    def _hold(self) -> Iterator[None]:
+        """No policy call starts while this is open (counted with ``pause()``'s, without waiting for the
+        steps in flight: a hung env does not hold it back)."""
+        self._paused += 1
+        if self._unpaused is None:
+            self._unpaused = anyio.Event()
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            if not self._paused and self._unpaused is not None:
+                self._unpaused.set()
+                self._unpaused = None
 
     async def aclose(self) -> None:
         """Stop the env tasks and the policy (after the steps and the policy call in flight), close every
@@ -314,8 +318,7 @@ class AsyncEnvCollector(CollectorBase):
                 async with self._lock:
                     pass
             if not self._closed:
-                self._closed = True
-                self._closed_reason = "it was closed"
+                self._close("it was closed")
                 if self._engine is not None:
                     for i in range(self._engine.rows):
                         self._hub.publish(WorkerStopped(i))
@@ -337,20 +340,15 @@ class AsyncEnvCollector(CollectorBase):
             self._gc_hold.release()
 
     async def _fail(self, exc: BaseException) -> None:
-        self._closed_reason = f"an env or the policy failed with {type(exc).__name__}: {exc}"
-        self._closed = True
-        self._failed = True
+        self._close(f"an env or the policy failed with {type(exc).__name__}: {exc}", failed=True)
         self._hub.publish(WorkerFailed(-1, f"{type(exc).__name__}: {exc}"))
         await self._shutdown()
         self._hub.close()
 
     # -- the iterator -----------------------------------------------------------------------------
-    def _budget_reached(self) -> bool:
-        if self._episodes is not None:
-            return 0 < self.total_frames <= self._stats.frames
-        return (
-            0 < self._options.target() <= self._stats.frames
-        )  # a resumed collector counts from the checkpoint
+    def _budget_reached(self) -> bool:  # (a resumed collector counts from the checkpoint)
+        budget = self.total_frames if self._episodes is not None else self._options.target()
+        return 0 < budget <= self._stats.frames
 
     async def __anext__(self) -> TensorDictBase | None:
         if self._engine is None and not self._closed:
@@ -580,10 +578,7 @@ class AsyncEnvCollector(CollectorBase):
                 "save without envs (the envs then start from reset at a resume)"
             )
         methods = state_methods_of(engine, CANNOT_SAVE)
-        self._paused += 1
-        if self._unpaused is None:
-            self._unpaused = anyio.Event()
-        try:
+        with self._hold():
             captured = await capture(engine, methods)
             if captured is None:
                 return None
@@ -591,11 +586,6 @@ class AsyncEnvCollector(CollectorBase):
             rngs.append(await self._in_policy_thread(lambda: self._random_states(engine)))
             await self._restart_engine(None, obs)  # from the state saved, as a resumed collector
             return {"envs": states, "obs": [to_plain(o) for o in obs]}
-        finally:
-            self._paused -= 1
-            if not self._paused and self._unpaused is not None:
-                self._unpaused.set()
-                self._unpaused = None
 
     async def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output into a collector made with the same arguments (and entered):
@@ -648,7 +638,7 @@ class AsyncEnvCollector(CollectorBase):
             return
         for pair, env_state in zip(methods, saved["envs"], strict=True):
             await maybe_await(pair[1](env_state))
-        await self._restart_engine(None, [as_obs(o) for o in saved["obs"]], frames=frames)
+        await self._restart_engine(None, [to_arrays(o) for o in saved["obs"]], frames=frames)
 
     def _random_states(self, engine: Engine) -> dict[str, Any]:
         assert self._policy is not None
@@ -765,25 +755,13 @@ class Hosted:
         place: Callable[[EnvSet], Awaitable[int]],
     ) -> None:
         self.place = place
-        self.held = 0  # holds open (no policy call starts)
-        self.released: anyio.Event | None = None  # set when the last hold closes
         self.collector = AsyncEnvCollector.__new__(AsyncEnvCollector)
         self.collector._setup(env_fns, policy, options, self)
 
-    @contextlib.contextmanager
-    def hold(self) -> Iterator[None]:
+    def hold(self) -> contextlib.AbstractContextManager[None]:
         """No policy call starts while this is open (as in ``pause()``, without waiting for the steps in
         flight: a hung env does not hold it back)."""
-        self.held += 1
-        if self.released is None:
-            self.released = anyio.Event()
-        try:
-            yield
-        finally:
-            self.held -= 1
-            if not self.held and self.released is not None:
-                self.released.set()
-                self.released = None
+        return self.collector._hold()
 
     async def load_weights(self, load: Callable[[torch.nn.Module, int], int]) -> int:
         """``load(module, version)`` (a weight receiver's: the version it loaded) between two policy calls,

@@ -4,16 +4,17 @@
 actions may still give frames, the batch being filled and the batches completed) and writes once what both
 ways of stepping need: the budget (:meth:`Engine.room`, :meth:`Engine.need`), the batch filler
 (:meth:`Engine.append`), the completion (:meth:`Engine.finish`), the record of a policy call
-(:meth:`Engine.called`), :meth:`Engine.take_batch`, :attr:`Engine.idle`, :attr:`Engine.exhausted` and
-:meth:`Engine.new_version`. How the envs are stepped is its :class:`Stepper`: a task per env and a policy
-task on the collector's loop (``_run.py``, ``LoopSteps``), or one thread driving process envs' doorbells
-(``_fused.py``, ``FusedSteps``). The collector and its checkpoints talk to the engine only.
+(:meth:`Engine.called`), :meth:`Engine.take_batch`, :attr:`Engine.idle` and :meth:`Engine.new_version`.
+How the envs are stepped is its :class:`Stepper`: a task per env and a policy task on the collector's loop
+(``_run.py``, ``LoopSteps``), or one thread driving process envs' doorbells (``_fused.py``,
+``FusedSteps``). The collector and its checkpoints talk to the engine only.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
@@ -29,7 +30,7 @@ from ._frames import FrameBatch, Layout, PolicyCall, as_numpy
 from ._options import AsyncEnvOptions
 from ._policy import ActionCodec
 
-__all__ = ["AllDropped", "Engine", "Hold", "Signal", "Stepper"]
+__all__ = ["AllDropped", "Engine", "Hold", "Setup", "Signal", "Stepper"]
 
 
 class AllDropped(RuntimeError):
@@ -95,37 +96,41 @@ class Stepper(Protocol):
         """The number of the oldest action still stepping (the next call's first: none is)."""
 
 
+@dataclass(frozen=True)
+class Setup:
+    """What every engine of one entered collector runs with, its successors' too: its envs' layout, what
+    it calls, the options, its way of stepping (``kind(engine)``), the collector's event hub and pause
+    state, the envs' restarts (``restart=``) and, in a host, its first env id there (:meth:`Engine.drop`)."""
+
+    spec: EnvSet
+    policy: Any
+    options: AsyncEnvOptions
+    kind: Callable[[Engine], Stepper]
+    hub: Any
+    is_paused: Callable[[], bool]
+    resumed: Callable[[], Awaitable[None]]
+    restarts: Any = None
+    offset: int = 0
+
+
 class Engine:
     """The running state of one entered ``AsyncEnvCollector`` (see the module docstring).
 
     Its per-env state is per row: a single env has one row, a vector env of ``N`` sub-envs ``N``
     consecutive rows (``spec.firsts``); a row's index is its env id. ``target``: the frames to collect
     (a multiple of ``frames_per_batch``, or -1), ``seed``: the envs' first resets' (env ``i``'s
-    ``seed + i``), ``offset``: see :meth:`drop`."""
+    ``seed + i``)."""
 
-    def __init__(
-        self,
-        envs: list[Any],
-        spec: EnvSet,
-        policy: Any,
-        options: AsyncEnvOptions,
-        kind: Callable[[Engine], Stepper],
-        *,
-        target: int,
-        seed: int | None,
-        hub: Any,
-        is_paused: Callable[[], bool],
-        resumed: Callable[[], Awaitable[None]],
-        restarts: Any = None,
-        offset: int = 0,
-    ) -> None:
-        n = spec.rows
-        self.rows, self.envs, self.spec, self.policy, self.options = n, envs, spec, policy, options
+    def __init__(self, envs: list[Any], setup: Setup, *, target: int, seed: int | None) -> None:
+        spec, options, n = setup.spec, setup.options, setup.spec.rows
+        self.setup, self.rows, self.envs, self.spec, self.options = setup, n, envs, spec, options
+        self.policy, self.kind, self.hub, self.restarts = setup.policy, setup.kind, setup.hub, setup.restarts
+        self.offset = (
+            setup.offset
+        )  # a hosted collector's: its first env id over the host's (its events say those)
+        self.is_paused, self.resumed = setup.is_paused, setup.resumed
         self.frames_per_batch, self.target, self.seed = options.frames_per_batch, target, seed
         self.min_batch = options.min_batch_of(n)
-        self.hub, self.restarts = hub, restarts  # restart=RestartPolicy(...): its EnvRestarts
-        self.offset = offset  # a hosted collector's: its first env id over the host's (its events say those)
-        self.is_paused, self.resumed = is_paused, resumed
         self.codec = ActionCodec(spec.action_space)
         self.traj_ids = np.arange(n, dtype=np.int64)
         self.next_traj = n
@@ -154,28 +159,14 @@ class Engine:
         self.idle_signal = Signal()
         self.held = 0  # the loop holds policy_lock
         self.policy_lock = Hold(self)
-        self.kind = kind
-        self.stepper: Stepper = kind(self)
+        self.stepper: Stepper = setup.kind(self)
 
     def successor(self, envs: list[Any], *, seed: int | None, target: int, at: int | None = None) -> Engine:
         """A new engine over ``envs`` (these, or restored ones) that goes on from this one: trajectory ids
         fresh from its counter, its version and frame counts, its seeded episodes' rounds (from round
         ``at`` at least); the envs reset with ``seed`` (env ``i``: ``seed + i``; ``None``: unseeded), and
         ``target`` frames to collect (-1: endless)."""
-        new = Engine(
-            envs,
-            self.spec,
-            self.policy,
-            self.options,
-            self.kind,
-            target=target,
-            seed=seed,
-            hub=self.hub,
-            is_paused=self.is_paused,
-            resumed=self.resumed,
-            restarts=self.restarts,
-            offset=self.offset,
-        )
+        new = Engine(envs, self.setup, target=target, seed=seed)
         n = new.rows
         new.traj_ids[:] = np.arange(self.next_traj, self.next_traj + n)
         new.next_traj = self.next_traj + n
@@ -200,11 +191,6 @@ class Engine:
     @property
     def idle(self) -> bool:
         return not self.in_flight and not self.acting
-
-    @property
-    def exhausted(self) -> bool:
-        """Every frame of the budget was delivered."""
-        return 0 < self.target <= self.delivered
 
     @property
     def completed(self) -> int:
@@ -273,7 +259,7 @@ class Engine:
         layout = self.layout
         if layout is None:
             track, grouped = self.options.track_policy_version, self.options.group_size is not None
-            layout = self.layout = Layout.of_outputs(self.spec.obs_specs, outputs, track, grouped)
+            layout = self.layout = Layout(self.spec.obs_specs, outputs, track=track, grouped=grouped)
         elif list(outputs) != layout.out_keys:
             raise KeyError(f"the policy wrote {list(outputs)}, and {layout.out_keys} at its first call")
         arrays = self.codec.arrays(outputs, n)

@@ -1,11 +1,13 @@
 """The envs of ``AsyncEnvCollector``: building them from ``env_fns`` (gymnasium envs wrapped in
 ``ThreadedAsyncEnv``, gymnasium vector envs in ``ThreadedAsyncVectorEnv``), checking that they agree, giving
-each (sub-)env its row (its env id), and turning their values into arrays."""
+each (sub-)env its row (its env id), and turning their values into arrays: a vector env's step as blocks of
+rows, checked (its protocol's autoreset is same-step: an ended sub-env's next observation in the frame is
+``info["final_obs"][k]``, its observation for the next step the reset one, ``obs[k]``)."""
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -19,7 +21,7 @@ from .._envs._gym import GymEnv
 from .._envs._multiagent._base import GroupedEnv
 from .._envs._spaces import LeafSpec, NestedKey, action_specs, flatten_obs, observation_specs
 
-__all__ = ["EnvSet", "close_once", "env_fns_arg", "open_envs", "reopen_env", "spaces_of", "vector_width"]
+__all__ = ["EnvSet", "close_once", "env_fns_arg", "open_env", "open_envs", "spaces_of", "vector_width"]
 
 
 def _is_async_env(env: Any) -> bool:
@@ -41,7 +43,9 @@ def env_fns_arg(env_fns: Any) -> list[Any]:
     return list(env_fns)
 
 
-def _open(fn: Any, i: int, limiter: Any) -> Any:
+def open_env(fn: Any, i: int, limiter: Any) -> Any:
+    """Env ``i`` built from its env fn ``fn`` (at the start, or again at a restart); a gymnasium env wrapped
+    in a thread of ``limiter``."""
     env = fn if hasattr(fn, "step") and not isinstance(fn, type) else fn()
     if is_async_vector_env(env):
         if env.num_envs < 1 or not hasattr(env, "single_action_space") or not hasattr(env, "close"):
@@ -90,12 +94,7 @@ def open_envs(env_fns: list[Any], into: list[Any], limiter: Any) -> None:
     """Build every env into ``into`` (which holds the envs built so far if one fails, to be closed); the
     gymnasium envs among them share the threads of ``limiter``."""
     for i, fn in enumerate(env_fns):
-        into.append(_open(fn, i, limiter))
-
-
-def reopen_env(fn: Any, u: int, limiter: Any) -> Any:
-    """Env ``u`` built again from its env fn ``fn`` (a restart), as :func:`open_envs` built it."""
-    return _open(fn, u, limiter)
+        into.append(open_env(fn, i, limiter))
 
 
 async def close_once(envs: list[Any], closed: set[int], i: int) -> None:
@@ -163,6 +162,45 @@ class EnvSet:
             return [obs]
         flat = flatten_obs(self.observation_space, obs)
         return [flat[key] for key in self.obs_keys]
+
+    def blocks(self, obs: Any, width: int) -> list[np.ndarray]:
+        """A vector env's observation as one array ``[width, ...]`` per key, its shapes checked."""
+        blocks = [np.asarray(value) for value in self.arrays(obs)]
+        for (key, leaf), block in zip(self.obs_specs.items(), blocks, strict=True):
+            if block.shape != (width, *leaf.shape):
+                raise ValueError(
+                    f"an async vector env of {width} sub-envs gave the observation {key!r} of shape "
+                    f"{block.shape}; it must be {(width, *leaf.shape)} (num_envs first)"
+                )
+        return blocks
+
+    def final_obs(self, blocks: list[np.ndarray], done: np.ndarray, info: Any) -> list[np.ndarray]:
+        """The next observations of a vector step: the reset ones in ``blocks``, where a sub-env ended its
+        final one from ``info["final_obs"]`` (same-step autoreset)."""
+        finals = info.get("final_obs") if isinstance(info, Mapping) else None
+        ended = done.nonzero()[0].tolist()
+        if finals is None or len(finals) != len(done) or any(finals[k] is None for k in ended):
+            raise ValueError(
+                f"an async vector env's sub-envs {ended} ended without info['final_obs'][k]: the async "
+                "vector env protocol resets ended sub-envs in the same step and gives their final "
+                "observations in info['final_obs'] (gymnasium's AutoresetMode.SAME_STEP)"
+            )
+        nxt = [block.copy() for block in blocks]
+        for k in ended:
+            for slot, value in zip(nxt, self.arrays(finals[k]), strict=True):
+                slot[k] = value
+        return nxt
+
+    @staticmethod
+    def column(value: Any, dtype: Any, width: int, what: str) -> np.ndarray:
+        """A vector step's ``reward``, ``terminated`` or ``truncated`` as an array ``(width,)``, checked."""
+        array = np.asarray(value, dtype=dtype)
+        if array.shape != (width,):
+            raise ValueError(
+                f"an async vector env of {width} sub-envs gave {what} of shape {array.shape}; it must be "
+                f"({width},)"
+            )
+        return array
 
     def staging(self, n: int) -> list[np.ndarray]:
         """Arrays ``[n, ...]`` holding each env's current observation, per key."""

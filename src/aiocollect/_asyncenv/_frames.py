@@ -21,43 +21,36 @@ def _next(key: NestedKey) -> tuple[str, ...]:
 
 
 class Layout:
-    """Keys, shapes and dtypes of a batch's entries (per frame)."""
+    """Keys, shapes and dtypes of a batch's entries (per frame), that of batches whose policy wrote
+    ``outputs`` (a call's, :func:`as_numpy`'s arrays)."""
 
     def __init__(
         self,
         obs_specs: dict[NestedKey, LeafSpec],
-        out_specs: dict[NestedKey, LeafSpec],
+        outputs: dict[NestedKey, Any],
         *,
-        track_policy_version: bool,
-        group_ids: bool = False,
+        track: bool,
+        grouped: bool,
     ) -> None:
         self.obs_keys = list(obs_specs)
-        self.out_keys = list(out_specs)
+        self.out_keys = list(outputs)
         entries: dict[Any, tuple[tuple[int, ...], torch.dtype]] = {}
         for key, spec in obs_specs.items():
             entries[key] = entries[_next(key)] = (spec.shape, spec.dtype)
-        for key, spec in out_specs.items():
-            entries[key] = (spec.shape, spec.dtype)
+        for key, value in outputs.items():
+            entries[key] = (tuple(value.shape[1:]), _dtype(value))
         for flag in _FLAGS:
             entries[flag] = entries[("next", flag)] = ((1,), torch.bool)
         entries[("next", "reward")] = ((1,), torch.float32)
         entries[("collector", "traj_ids")] = ((), torch.int64)
         entries[("collector", "env_id")] = ((), torch.int64)
-        if track_policy_version:
+        if track:  # track_policy_version
             entries[("collector", "policy_version")] = ((), torch.int64)
-        if group_ids:  # group_size: each frame's ("collector", "group_id")
+        if grouped:  # group_size: each frame's ("collector", "group_id")
             entries[("collector", "group_id")] = ((), torch.int64)
         self.entries = entries
-        self.track_policy_version = track_policy_version
-        self.group_ids = group_ids
-
-    @classmethod
-    def of_outputs(
-        cls, obs_specs: dict[NestedKey, LeafSpec], outputs: dict[NestedKey, Any], track: bool, grouped: bool
-    ) -> Layout:
-        """The layout of batches whose policy wrote ``outputs`` (a call's, :func:`as_numpy`'s arrays)."""
-        specs = {key: LeafSpec(tuple(v.shape[1:]), _dtype(v)) for key, v in outputs.items()}
-        return cls(obs_specs, specs, track_policy_version=track, group_ids=grouped)
+        self.track_policy_version = track
+        self.group_ids = grouped
 
 
 class PolicyCall:

@@ -25,6 +25,7 @@ replies its predecessor left owed). The frames are those the loop writes for the
 from __future__ import annotations
 
 import os
+import selectors
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -34,7 +35,7 @@ import anyio.abc
 import anyio.to_thread
 
 from .._core._torch_settings import TorchSettings
-from .._procenv._driven import Poller, Unit, release
+from .._procenv._driven import Unit, release
 from ._engine import Engine
 from ._fused_driver import Driver, Halted
 from ._policy_thread import loop_wake
@@ -65,7 +66,7 @@ class FusedSteps:
         e = self.engine
         thread: threading.Thread | None = None
         send, receive = anyio.create_memory_object_stream[Any](float("inf"))
-        poller, units, wake_r = Poller(), [], -1
+        poller, units, wake_r = selectors.DefaultSelector(), [], -1  # epoll where there is one
         try:
             with anyio.CancelScope() as scope:
                 self._scope = scope
@@ -74,10 +75,10 @@ class FusedSteps:
                     units.append(Unit(env, u, first))
                 wake_r, self._wake_w = os.pipe()
                 os.set_blocking(self._wake_w, False)
-                poller.add(wake_r, None)
+                poller.register(wake_r, selectors.EVENT_READ, None)
                 for unit in units:  # for good: a socket is readable only with a reply owed (or gone)
                     for worker in unit.workers:
-                        poller.add(worker.sock.fileno(), (unit, worker))
+                        poller.register(worker.sock, selectors.EVENT_READ, (unit, worker))
                 self.driver = driver = Driver(e, units, poller, wake_r, self.on_loop, self._request)
                 e.policy.route_calls(self._job)
                 settings = TorchSettings.capture()

@@ -10,7 +10,9 @@ calls) and talks to the loop only through the hand-offs it is given: ``on_loop(f
 
 from __future__ import annotations
 
+import contextlib
 import os
+import selectors
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -20,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._procenv._driven import Poller, Unit, read_reply
+from .._procenv._driven import Unit, read_reply
 from ._engine import Engine
 
 __all__ = ["Driver", "Halted"]
@@ -37,7 +39,7 @@ class Driver:
         self,
         engine: Engine,
         units: list[Unit],
-        poller: Poller,
+        poller: selectors.BaseSelector,
         wake_r: int,
         on_loop: Callable[[Callable[[], object]], None],
         request: Callable[[str, Any], None],
@@ -135,7 +137,8 @@ class Driver:
     def _wait(self, timeout: float | None, *, queue: bool = True) -> None:
         """Wait for replies (or a ring, or ``timeout`` s) and take them: a unit whose workers have all
         replied writes its frames and queues for the policy (``queue``)."""
-        for data in self.poller.wait(timeout):
+        for key, _ in self.poller.select(timeout):
+            data = key.data
             if data is None:
                 os.read(self.wake_r, 4096)
                 if self.halt:
@@ -175,7 +178,8 @@ class Driver:
         if not e.options.drop_failed:
             raise exc
         for worker in unit.workers:  # its sockets may hang up from now on; its other replies stay owed
-            self.poller.remove(worker.sock.fileno())
+            with contextlib.suppress(KeyError):  # (removed already)
+                self.poller.unregister(worker.sock)
         if unit.stepping and unit.pending:
             e.in_flight -= unit.width
         unit.pending, unit.stepping = 0, False

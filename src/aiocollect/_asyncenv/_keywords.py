@@ -1,8 +1,8 @@
 """The async-env collectors' keywords, written once: :class:`AsyncEnvKeywords` (``AsyncEnvCollector``'s),
 :class:`MultiAsyncEnvKeywords` (``MultiAsyncEnvCollector``'s), both over the keywords they share. Each
 constructor takes its list as ``**kwargs: Unpack[...]`` (mypy and IDEs show the keywords; ``help()`` too,
-through ``explicit_keywords``) and hands the filled list on by name: what
-:meth:`~._options.AsyncEnvOptions.of` checks (:data:`OPTION_KEYWORDS`), and for
+through ``explicit_keywords``) and hands the filled list on: to :meth:`~._options.AsyncEnvOptions.of`,
+which checks what it reads of it (and fills in, from these lists, what it is not given), and for
 ``MultiAsyncEnvCollector`` what its worker pool takes as it is (:data:`POOL_KEYWORDS`).
 
 A keyword's default is in its annotation, ``Annotated[type, Default(value)]``; the annotations are read
@@ -22,8 +22,6 @@ from .._core._restart import RestartPolicy
 from .._weightsync._schemes import WeightSync
 
 __all__ = [
-    "MULTI_OPTION_KEYWORDS",
-    "OPTION_KEYWORDS",
     "POOL_KEYWORDS",
     "AsyncEnvKeywords",
     "MultiAsyncEnvKeywords",
@@ -82,26 +80,6 @@ class MultiAsyncEnvKeywords(_SharedKeywords, total=False):
     traj_id_stride: Annotated[int, Default(1)]
 
 
-#: the keywords both collectors hand ``AsyncEnvOptions.of`` as they are (``restart`` is checked against the
-#: env fns first; ``AsyncEnvCollector`` adds ``fused``)
-OPTION_KEYWORDS = (
-    "frames_per_batch",
-    "total_frames",
-    "trajs_per_batch",
-    "group_size",
-    "on_update",
-    "min_batch",
-    "max_wait",
-    "max_frames_per_traj",
-    "split_trajs",
-    "exploration_type",
-    "seed",
-    "track_policy_version",
-    "on_env_error",
-    "prefetch",
-)
-#: ``MultiAsyncEnvCollector``'s: the workers' loop, their random frames and trajectory ids too
-MULTI_OPTION_KEYWORDS = (*OPTION_KEYWORDS, "init_random_frames", "loop", "traj_id_start", "traj_id_stride")
 #: the keywords ``MultiAsyncEnvCollector``'s worker pool takes as the user gave them (the per-worker frames,
 #: the budget, the random frames, the lag and ``postproc`` it takes checked, from the options)
 POOL_KEYWORDS = (

@@ -19,10 +19,10 @@ from .._multi._workers import Arrival, WorkersMixin, WorkersView
 from .._observe._events import WorkerFailed
 from .._transport._messages import RunFree
 from ._collector import Finish
-from ._keywords import MULTI_OPTION_KEYWORDS, POOL_KEYWORDS, MultiAsyncEnvKeywords, picked
+from ._keywords import POOL_KEYWORDS, MultiAsyncEnvKeywords, picked
 from ._options import UNSUPPORTED, AsyncEnvOptions, shares_arg
 from ._restarts import restart_arg
-from ._worker import EnvOffset, EnvRows, EnvShare, run_async_worker
+from ._worker import EnvOffset, EnvRows, run_async_worker
 from ._worker_frames import FLOOR, VERSION
 
 __all__ = ["EnvIds", "MultiAsyncEnvCollector"]
@@ -233,20 +233,16 @@ class MultiAsyncEnvCollector(WorkersMixin, FleetCollector):
         kw = kwargs
         shares = shares_arg(env_fns_per_worker)
         lag = lag_arg(kw["max_policy_lag"])
-        options = AsyncEnvOptions.of(
-            "MultiAsyncEnvCollector",
-            [len(share) for share in shares],
-            **picked(kw, MULTI_OPTION_KEYWORDS),
-            restart=restart_arg(kw["restart"], [fn for share in shares for fn in share]),
-            max_policy_lag=lag,
-        )
+        restart = restart_arg(kw["restart"], [fn for share in shares for fn in share])
+        checked = {**kw, "restart": restart, "max_policy_lag": lag}
+        options = AsyncEnvOptions.of("MultiAsyncEnvCollector", [len(share) for share in shares], **checked)
         trajs, group, update = options.trajs_per_batch, options.group_size, options.on_update
         self.num_envs = sum(len(share) for share in shares)
         self._env_ids = EnvIds(len(shares))  # each worker's first env id, once every worker built its envs
         first_ready = _EnvsFirstReady(len(shares), options.track_policy_version)
         delivery = Episodes.over(first_ready, trajs, group_size=group, on_update=update)
         self._init_workers(
-            [EnvShare(share) for share in shares],
+            [functools.partial(list, share) for share in shares],  # a worker env fn: its share's env fns
             policy,
             delivery,
             picked(kw, POOL_KEYWORDS),  # worker processes that die or hang are replaced (restart=)

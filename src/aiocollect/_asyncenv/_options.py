@@ -30,7 +30,7 @@ from typing import Any
 
 from tensordict.nn import InteractionType
 
-from .._core._mistakes import warn_user
+from .._core._mistakes import keyword_list, warn_user
 from .._core._restart import RestartPolicy
 from .._core._validation import (
     exploration_type_arg,
@@ -44,6 +44,7 @@ from .._core._validation import (
 )
 from .._episodes._args import async_chunk, episode_args, trajs_per_batch_arg
 from ._envset import env_fns_arg
+from ._keywords import AsyncEnvKeywords, MultiAsyncEnvKeywords
 from ._policy import is_async_policy
 
 __all__ = [
@@ -92,6 +93,14 @@ UNSUPPORTED: dict[str, str] = {
 }
 
 
+#: each collector's keyword defaults (``MultiAsyncEnvCollector``'s: ``True``), read from its keyword list once
+#: (``typing.get_type_hints`` at each construction would churn typing's caches)
+_DEFAULTS = {
+    multi: keyword_list(MultiAsyncEnvKeywords if multi else AsyncEnvKeywords).defaults
+    for multi in (False, True)
+}
+
+
 @dataclass(frozen=True)
 class AsyncEnvOptions:
     """What an async-env collector runs, checked (the keywords of the same names, normalised).
@@ -132,94 +141,65 @@ class AsyncEnvOptions:
     generation: int = 0
 
     @classmethod
-    def of(
-        cls,
-        collector: str,
-        envs: list[int],
-        *,
-        frames_per_batch: Any,
-        policy: Any = None,
-        total_frames: Any = -1,
-        trajs_per_batch: Any = None,
-        group_size: Any = None,
-        on_update: Any = "continue",
-        min_batch: Any = None,
-        max_wait: Any = 0.002,
-        max_frames_per_traj: Any = None,
-        split_trajs: Any = False,
-        exploration_type: Any = "random",
-        seed: Any = None,
-        track_policy_version: Any = False,
-        on_env_error: Any = "raise",
-        prefetch: Any = None,
-        restart: RestartPolicy | None = None,
-        fused: Any = None,
-        max_policy_lag: int | None = None,
-        init_random_frames: Any = None,
-        loop: Any = "asyncio",
-        traj_id_start: int = 0,
-        traj_id_stride: int = 1,
-    ) -> AsyncEnvOptions:
+    def of(cls, collector: str, envs: list[int], **given: Any) -> AsyncEnvOptions:
         """The options of ``collector`` over ``envs`` env fns (one count per worker process; one count for
-        ``AsyncEnvCollector``), every keyword checked here and nowhere else (``restart``: by the caller,
-        against the env fns). Warns where fewer frames may be in flight than a worker has envs."""
+        ``AsyncEnvCollector``) from its keywords ``given`` (its keyword list of ``_keywords.py``, the ones
+        not given at their defaults there; ``policy`` too), every one checked here and nowhere else
+        (``restart``: by the caller, against the env fns). Warns where fewer frames may be in flight than a
+        worker has envs."""
         multi = collector != "AsyncEnvCollector"
-        fused = None if multi else fused_arg(fused, policy, restart)
-        cuts: dict[str, Any] = {"on_env_error": on_env_error == "drop"}
+        kw = {**_DEFAULTS[multi], **given}
+        lag, restart, drop = kw.get("max_policy_lag"), kw["restart"], kw["on_env_error"] == "drop"
+        fused = None if multi else fused_arg(kw["fused"], kw.get("policy"), restart)
+        cuts: dict[str, Any] = {"on_env_error": drop}
         if multi:
-            cuts = {
-                "max_policy_lag": max_policy_lag,
-                "on_env_error": "drop" if on_env_error == "drop" else None,
-            }
-        trajs = trajs_per_batch_arg(collector, trajs_per_batch, frames_per_batch, **cuts)
-        group, update = episode_args(collector, trajs, group_size, on_update, restart)
+            cuts = {"max_policy_lag": lag, "on_env_error": "drop" if drop else None}
+        trajs = trajs_per_batch_arg(collector, kw["trajs_per_batch"], kw["frames_per_batch"], **cuts)
+        group, update = episode_args(collector, trajs, kw["group_size"], kw["on_update"], restart)
         if multi:
             groups_arg(envs, group)
-        chunk = async_chunk(frames_per_batch, trajs, max(envs))
+        chunk = async_chunk(kw["frames_per_batch"], trajs, max(envs))
         per_worker = per_worker_arg(chunk, len(envs)) if multi else [frames_per_batch_arg(chunk)]
+        prefetch = kw["prefetch"]
         if prefetch is None:  # on-policy: what a worker collects ahead is dropped at the next update
-            prefetch = 0 if max_policy_lag == 0 else 1
+            prefetch = 0 if lag == 0 else 1
         options = cls(
             frames_per_batch=max(per_worker),
-            total_frames=total_frames_arg(total_frames),
+            total_frames=total_frames_arg(kw["total_frames"]),
             trajs_per_batch=trajs,
             group_size=group,
             on_update=update,
             min_batch=optional_positive_int(
                 "min_batch",
-                min_batch,
+                kw["min_batch"],
                 fix="None: half of a worker's envs" if multi else "None: half of the envs",
             ),
-            max_wait=max_wait_arg(max_wait),
-            max_frames_per_traj=optional_positive_int("max_frames_per_traj", max_frames_per_traj),
-            split_trajs=flag("split_trajs", split_trajs),
-            exploration_type=exploration_type_arg(exploration_type),
-            seed=seed_arg(seed),
-            track_policy_version=flag("track_policy_version", track_policy_version),
-            on_env_error=on_env_error_arg(on_env_error),
+            max_wait=max_wait_arg(kw["max_wait"]),
+            max_frames_per_traj=optional_positive_int("max_frames_per_traj", kw["max_frames_per_traj"]),
+            split_trajs=flag("split_trajs", kw["split_trajs"]),
+            exploration_type=exploration_type_arg(kw["exploration_type"]),
+            seed=seed_arg(kw["seed"]),
+            track_policy_version=flag("track_policy_version", kw["track_policy_version"]),
+            on_env_error=on_env_error_arg(kw["on_env_error"]),
             prefetch=non_negative_int("prefetch", prefetch, fix="0: a batch is collected when asked for"),
             restart=restart,
             fused=fused,
             per_worker=tuple(per_worker) if multi else (),
-            loop=loop_arg(loop),
-            random_frames=init_random_frames_arg(init_random_frames),
-            pause_when_held=max_policy_lag == 0,
-            traj_id_start=traj_id_start,
-            traj_id_stride=traj_id_stride,
+            loop=loop_arg(kw.get("loop", "asyncio")),
+            random_frames=init_random_frames_arg(kw.get("init_random_frames")),
+            pause_when_held=lag == 0,
+            traj_id_start=kw.get("traj_id_start", 0),
+            traj_id_stride=kw.get("traj_id_stride", 1),
         )
         options._warn(collector, envs)
         return options
 
     def _warn(self, collector: str, envs: list[int]) -> None:
-        where = " in a worker" if self.per_worker else ""
         for n, frames in zip(envs, self.per_worker or (self.frames_per_batch,), strict=True):
-            ahead = (1 + self.prefetch) * frames
-            if ahead < n:
-                warn_user(
-                    f"(1 + prefetch) * frames_per_batch = {ahead} frames may be collected or stepping at once"
-                    f"{where}, fewer than {'its' if where else 'the'} {n} envs: the others wait. Raise "
-                    "frames_per_batch or prefetch"
-                )
+            where = (
+                f" in a worker, fewer than its {n} envs" if self.per_worker else f", fewer than the {n} envs"
+            )
+            if self.warn_ahead(n, frames, where):
                 return
         uneven = self.total_frames > 0 and self.total_frames % self.frames_per_batch
         if uneven and not self.per_worker and self.trajs_per_batch is None:
@@ -227,6 +207,17 @@ class AsyncEnvOptions:
                 f"total_frames={self.total_frames} is not a multiple of frames_per_batch="
                 f"{self.frames_per_batch}: the last batch is not cut, {self.target()} frames are collected"
             )
+
+    def warn_ahead(self, n: int, frames: int, fewer_than: str) -> bool:
+        """Warn (and return ``True``) when fewer frames than ``n`` (sub-)envs may be in flight at once in
+        batches of ``frames`` (``fewer_than``: which envs, in the warning)."""
+        ahead = (1 + self.prefetch) * frames
+        if ahead < n:
+            warn_user(
+                f"(1 + prefetch) * frames_per_batch = {ahead} frames may be collected or stepping at once"
+                f"{fewer_than}: the others wait. Raise frames_per_batch or prefetch"
+            )
+        return ahead < n
 
     @property
     def drop_failed(self) -> bool:

@@ -5,6 +5,7 @@ conversion of its actions into what each env's ``step`` takes."""
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from collections.abc import Mapping
 from typing import Any
@@ -16,7 +17,13 @@ from tensordict import TensorDict, TensorDictBase
 from tensordict.nn import InteractionType, set_interaction_type
 
 from .._core._rng import RolloutRNG
-from .._envs._spaces import NestedKey, action_bounds, action_leaf_spaces, action_outside_space
+from .._envs._spaces import (
+    NestedKey,
+    action_bounds,
+    action_leaf_spaces,
+    action_outside_space,
+    assemble_action,
+)
 from .._policies._runners import RandomPolicy, make_runner
 from .._policies._weights import as_weights, check_compatible, copy_weights, module_weights
 from ._policy_thread import PolicyThread
@@ -235,12 +242,8 @@ class BatchPolicy:
     async def load_weights(self, source: Any) -> None:
         """Copy ``source`` (a module, weights TensorDict or state dict; ``None``: the policy given) into
         the collector's copy, in its thread, between two policy calls."""
-        if self.module is None:
-            raise TypeError(
-                f"the collector's policy ({type(self.policy).__name__}) has no weights to update; "
-                "update_weights needs an nn.Module policy (an async policy updates its own weights)"
-            )
         module = self.module
+        assert module is not None  # (the collector refuses a policy without weights first)
         source = self.source if source is None else source
 
         def apply() -> None:
@@ -354,23 +357,16 @@ class ActionCodec:
             if isinstance(self.space, spaces.Discrete):
                 return array.tolist()
             return list(array)
-        return [self._assemble(self.space, ("action",), arrays, j) for j in range(n)]
+        return [assemble_action(self.space, functools.partial(_entry, arrays, j)) for j in range(n)]
 
     def block(self, arrays: Mapping[NestedKey, np.ndarray], start: int, stop: int) -> Any:
         """The actions of rows ``start:stop`` as a vector env takes them: an array ``[stop - start, ...]``
         (a dict or tuple of such arrays for a ``Dict`` or ``Tuple`` space)."""
         if not self.composite:
             return arrays["action"][start:stop]
-        return self._assemble(self.space, ("action",), arrays, slice(start, stop))
+        return assemble_action(self.space, lambda key, _: arrays[key][start:stop])
 
-    def _assemble(self, space: spaces.Space[Any], path: tuple[str, ...], arrays: Any, j: int | slice) -> Any:
-        if isinstance(space, spaces.Dict):
-            return {name: self._assemble(sub, (*path, name), arrays, j) for name, sub in space.spaces.items()}
-        if isinstance(space, spaces.Tuple):
-            return tuple(
-                self._assemble(sub, (*path, str(i)), arrays, j) for i, sub in enumerate(space.spaces)
-            )
-        value = arrays[path]
-        if isinstance(j, slice):
-            return value[j]
-        return int(value[j]) if isinstance(space, spaces.Discrete) else value[j]
+
+def _entry(arrays: Mapping[NestedKey, np.ndarray], j: int, key: NestedKey, space: spaces.Space[Any]) -> Any:
+    """Env ``j``'s action entry ``key`` (of ``space``): a python int for a ``Discrete`` one."""
+    return int(arrays[key][j]) if isinstance(space, spaces.Discrete) else arrays[key][j]

@@ -18,10 +18,10 @@ import anyio.to_thread
 from .._core._restart import RestartBudget, RestartPolicy, derive_seed
 from .._envs._rebuild import env_factory
 from .._observe._events import Restarted
-from ._envset import EnvSet, reopen_env, spaces_of, vector_width
+from ._envset import EnvSet, open_env, spaces_of, vector_width
 from ._frames import FrameBatch, PolicyCall
 
-__all__ = ["EnvRestarts", "env_restarts", "restart_arg", "truncate_last_frames"]
+__all__ = ["EnvRestarts", "restart_arg", "truncate_last_frames"]
 
 
 def restart_arg(restart: Any, env_fns: list[Any]) -> RestartPolicy | None:
@@ -60,9 +60,6 @@ class EnvRestarts:
         """The seed of env ``u``'s reset: ``seed`` at first, then one derived from it per restart."""
         return derive_seed(seed, self.budgets[u].count)
 
-    def count(self, u: int) -> int:
-        return self.budgets[u].count
-
     def per_row(self, rows: int) -> list[int]:
         """Per row (env id): its env's restarts (a vector env's on its first row, 0 on the others)."""
         counts = [0] * rows
@@ -88,7 +85,7 @@ class EnvRestarts:
             await anyio.sleep(delay)
             env = None
             try:
-                env = await anyio.to_thread.run_sync(reopen_env, self.env_fns[u], u, self.limiter)
+                env = await anyio.to_thread.run_sync(open_env, self.env_fns[u], u, self.limiter)
                 if spaces_of(env) != expected:
                     raise RuntimeError(
                         f"env_fns[{u}] rebuilt an env with the spaces {spaces_of(env)}, not {expected}: an "
@@ -129,10 +126,3 @@ def truncate_last_frames(batch: FrameBatch, calls: list[PolicyCall], rows: set[i
                 batch.truncated[frame] = True
             if not rows:
                 return
-
-
-def env_restarts(
-    policy: RestartPolicy | None, env_fns: list[Any], limiter: Any, spec: EnvSet, hub: Any
-) -> EnvRestarts | None:
-    """The engine's :class:`EnvRestarts`, or ``None`` without a policy."""
-    return None if policy is None else EnvRestarts(policy, env_fns, limiter, spec, hub)

@@ -7,7 +7,7 @@ its env, appends the frame to the batch being filled (its next observation and t
 action's number, from which the batch finds the call's observation and outputs once it is complete) and
 queues itself again. Completed batches wait, in order, for the consumer; at most ``1 + prefetch`` batches are
 in flight (then the envs wait: backpressure). A vector env's task does the same for its ``N`` rows at once
-(``_vector.py``).
+(its step's values as blocks of rows: ``EnvSet``, ``_envset.py``).
 
 The step path is the hot one (docs/async-envs.md, "Performance"): per step an env task allocates one future
 and no tuple or dict that outlives the step (an episode's end adds one tuple), and it does its bookkeeping
@@ -17,7 +17,6 @@ in one coroutine frame.
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -29,9 +28,9 @@ import torch
 
 from .._envs._contract import contract_error
 from .._envs._spaces import NestedKey
+from .._procenv._doorbell import running_asyncio_loop
 from ._engine import Engine
 from ._restarts import truncate_last_frames
-from ._vector import blocks_of, column, final_obs
 
 __all__ = ["DISPATCH_CHUNK", "END", "LoopSteps"]
 
@@ -127,6 +126,7 @@ class LoopSteps:
         if self._scope is not None:
             self._scope.cancel()
         e.consumer_signal.set()
+        e.policy_signal.set()  # a capture waiting for the envs
         e.idle_signal.set()  # a pause() waiting for the steps in flight
 
     def _freed(self, rows: int) -> None:
@@ -245,7 +245,7 @@ class LoopSteps:
         rows = range(first, stop)
         try:
             obs, _ = await env.reset(seed=e.reset_seed(first, u))
-            blocks = blocks_of(e.spec, obs, width)
+            blocks = e.spec.blocks(obs, width)
             stage = [slot[first:stop] for slot in self.stage]
             is_future = self._new_waiter is not anyio.Event
             ret = np.zeros(width)
@@ -270,7 +270,7 @@ class LoopSteps:
                 if action is END:  # the budget is spent
                     return
                 obs, reward, terminated, truncated, info = await env.step(action)
-                blocks = blocks_of(e.spec, obs, width)
+                blocks = e.spec.blocks(obs, width)
                 self._vector_frames(first, blocks, (reward, terminated, truncated), info, ret, length)
                 if e.idle_signal._event is not None and e.idle:  # a pause() waits for the steps
                     e.idle_signal.set()
@@ -289,11 +289,12 @@ class LoopSteps:
         """Append a vector step's frames (every value checked before the first is written), then free
         its rows' actions."""
         e, width = self.engine, len(ret)
+        column = e.spec.column
         reward = column(step[0], np.float64, width, "reward")
         terminated = column(step[1], np.bool_, width, "terminated")
         truncated = column(step[2], np.bool_, width, "truncated")
         done = terminated | truncated
-        nxt = final_obs(e.spec, blocks, done, info) if np.count_nonzero(done) else blocks
+        nxt = e.spec.final_obs(blocks, done, info) if np.count_nonzero(done) else blocks
         e.append(first, self._action_no[first], nxt, (reward, terminated, truncated), (ret, length))
         # the actions are freed last: a batch completed above may still need their calls
         self._actions[first : first + width] = [None] * width
@@ -318,16 +319,18 @@ class LoopSteps:
             self._fail(exc)
             return
         first, width = e.spec.firsts[u], e.spec.widths[u]
-        stop = first + max(width, 1)
-        stepping = self._actions[first] is not None
-        self._actions[first:stop] = [None] * (stop - first)
+        self._stop_stepping(first, first + max(width, 1))  # other envs' steps make its frames up
         error = e.drop(u, exc)
-        if stepping:  # it failed mid-step: those frames are not collected (other envs' steps make them up)
-            self._freed(stop - first)
         if error is not None:
             self._fail(error)
         e.policy_signal.set()  # fewer envs to wait for
         await e.close_env(u)
+
+    def _stop_stepping(self, first: int, stop: int) -> None:
+        """The rows ``first:stop`` (one env's) failed: a step in flight gives no frame."""
+        if self._actions[first] is not None:  # mid-step: its frames will not come
+            self._actions[first:stop] = [None] * (stop - first)
+            self._freed(stop - first)
 
     def _end_trajectories(self, u: int) -> None:
         """Env ``u`` failed: the action it stepped with gives no frame; the last frame of each of its rows
@@ -336,9 +339,7 @@ class LoopSteps:
         e = self.engine
         first = e.spec.firsts[u]
         rows = set(range(first, self._row_stop[first]))
-        if self._actions[first] is not None:  # mid-step: its frames will not come
-            self._actions[first : first + len(rows)] = [None] * len(rows)
-            self._freed(len(rows))
+        self._stop_stepping(first, first + len(rows))
         for i in rows:
             e.traj_ids[i] = e.next_traj
             e.next_traj += 1
@@ -480,23 +481,7 @@ def _set_event(event: anyio.Event) -> None:
 def _waiters_for_this_loop() -> tuple[Callable[[], Any], Callable[[Any], Any]]:
     """How a ready env waits for its action: a bare future on asyncio (a third of an ``anyio.Event``'s
     cost, paid at every step), else an ``anyio.Event``. Returns ``(new_waiter, wake)``."""
-    if _on_asyncio():
-        return asyncio.get_running_loop().create_future, _wake_future
+    loop = running_asyncio_loop()
+    if loop is not None:
+        return loop.create_future, _wake_future
     return anyio.Event, _set_event
-
-
-def _on_asyncio() -> bool:
-    """Whether the calling task runs on asyncio (uvloop included) rather than trio, without sniffio (not a
-    dependency): a trio task is recognised first, since trio in guest mode runs on top of an asyncio loop."""
-    trio = sys.modules.get("trio")  # trio's tasks can only run if trio was imported
-    if trio is not None:
-        try:
-            trio.lowlevel.current_task()
-            return False
-        except RuntimeError:  # not in a trio task
-            pass
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False
-    return True

@@ -16,32 +16,25 @@ workers). The control channel is read on the loop (fd readiness), never by a blo
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import anyio.abc
 import cloudpickle
-import torch
 from tensordict import TensorDictBase
 
 from .._core._restart import IDS_PER_GENERATION
 from .._observe._events import EventStream, Restarted, WorkerFailed
-from .._policies._weights import flat_weights
 from .._transport._flat import layout_of
 from .._transport._messages import (
     Attach,
     BatchReady,
     Call,
     Close,
-    GetAttr,
-    GetPath,
     GetState,
-    GetWeights,
     LoadState,
     LoadWeights,
-    MapFn,
     Ready,
     Release,
     Reset,
@@ -51,15 +44,14 @@ from .._transport._messages import (
 )
 from .._transport._shm import SharedBlock
 from .._transport._wire import BlockingChannel
-from .._workers._paths import resolve
-from .._workers._worker import control_layout
+from .._workers._answers import READS, MemberIO, read, unversioned
 from ._collector import Hosted
 from ._engine import AllDropped
 from ._envset import EnvSet
 from ._options import AsyncEnvOptions
 from ._worker_frames import VERSION, WorkerFrames
 
-__all__ = ["EnvOffset", "EnvRows", "EnvShare", "run_async_worker"]
+__all__ = ["EnvOffset", "EnvRows", "run_async_worker"]
 
 
 @dataclass(frozen=True)
@@ -76,16 +68,6 @@ class EnvOffset:
     first: int
 
 
-class EnvShare:
-    """One worker's envs: a callable (as a worker's env constructor must be) holding its env fns."""
-
-    def __init__(self, env_fns: Sequence[Callable[[], Any]]) -> None:
-        self.env_fns = list(env_fns)
-
-    def __call__(self) -> list[Callable[[], Any]]:
-        return self.env_fns
-
-
 def generation(options: AsyncEnvOptions, spec: Any) -> int:
     """How many times worker ``spec.index`` was replaced before this process (``restart=``): the pool
     starts replacement ``g`` with trajectory ids ``g`` generations past the first worker's
@@ -94,30 +76,7 @@ def generation(options: AsyncEnvOptions, spec: Any) -> int:
     return (spec.rollout.traj_id_start - first) // (IDS_PER_GENERATION * spec.rollout.traj_id_stride)
 
 
-class SendGate:
-    """Orders a worker's batches against the calls that restart its engine: a batch is taken in and sent
-    under :attr:`lock` (a call waits for it), and after a restart none is sent until :meth:`open`."""
-
-    def __init__(self) -> None:
-        self.lock = anyio.Lock()
-        self._open = anyio.Event()
-
-    @property
-    def is_open(self) -> bool:
-        return self._open.is_set()
-
-    def open(self) -> None:
-        self._open.set()
-
-    def close(self) -> None:
-        if self._open.is_set():
-            self._open = anyio.Event()
-
-    async def wait(self) -> None:
-        await self._open.wait()
-
-
-class _AsyncWorker:
+class _AsyncWorker(MemberIO):
     def __init__(self, options: AsyncEnvOptions, chan: BlockingChannel, spec: Any) -> None:
         self.chan = chan
         self.spec = spec
@@ -138,20 +97,18 @@ class _AsyncWorker:
         )
         #: the episodes that ended in the frames taken in since the last batch sent
         self.episodes: list[tuple[int, float, int]] = []
-        self.weights = spec.weights.open(spec.index) if spec.weights is not None else None
-        self.slots: list[SharedBlock] = []
-        self.free: set[int] = set()
+        super().__init__(spec)  # the control block, the weight receiver, the slots
         self.attached = anyio.Event()
-        #: open once the trainer says ``RunFree`` (again after each call that restarted the engine)
-        self.gate = SendGate()
+        #: a batch is taken in and sent under ``lock`` (a call that restarts the engine waits for it), and
+        #: only once ``sending`` is set: at the trainer's ``RunFree`` (again after each such call)
+        self.lock, self.sending = anyio.Lock(), anyio.Event()
         #: the next batch to send (``None``: none taken yet, or dropped by a restart)
         self.batch: TensorDictBase | None = None
         self.freed = anyio.Event()
         # the version floor the trainer sets, and where this worker counts the frames it drops below it
-        self.control = SharedBlock(control_layout(spec.num_workers), (), name=spec.control_name)
-        self.floor = self.control.td["floor"].numpy()
-        self.discarded = self.control.td["discarded"].numpy()
-        self.progress = self.control.td["progress"].numpy()
+        self.floor, self.discarded, self.progress = (
+            self.array(k) for k in ("floor", "discarded", "progress")
+        )
         self.own_floor = 0  # a replacement's: the version the trainer had it load (see call)
         self.frames.discarded = int(self.discarded[self.index])  # a replacement: its predecessor's count
         env_fns = cloudpickle.loads(spec.payload)()
@@ -185,7 +142,7 @@ class _AsyncWorker:
                 self.free = set(range(len(self.slots)))
                 self.attached.set()
             case RunFree():
-                self.gate.open()
+                self.sending.set()
             case Release():
                 self.free.add(msg.slot)
                 self.freed.set()
@@ -201,22 +158,20 @@ class _AsyncWorker:
         """The reply to a control operation (``Call.op``). Seeds, resets and checkpoints are served by the
         worker's ``AsyncEnvCollector`` (``_checkpoint.py``) plus the worker's own part, its counter of
         fresh trajectory ids; every one but a plain ``GetState`` restarts its engine (:meth:`restart`)."""
-        if isinstance(op, (GetState, LoadState)) and op.versioned:
-            raise ValueError(
-                f"{type(op).__name__}(versioned=True) is for hosted collectors (nodes, actors); a worker's "
-                "state carries the trainer's versions already: send versioned=False"
-            )
+        if isinstance(op, (GetState, LoadState)):
+            unversioned(op)
         if isinstance(op, (SetSeed, Reset, LoadState)) or (isinstance(op, GetState) and op.envs):
-            async with self.gate.lock:  # between two batches taken in
+            async with self.lock:  # between two batches taken in
                 reply = await self.restart(op)
-                self.gate.close()
+                if self.sending.is_set():  # none is sent until the trainer says so again
+                    self.sending = anyio.Event()
                 self.frames.restart(0 if self.batch is None else self.batch.shape[0])
                 self.discarded[self.index] = self.frames.discarded
                 self.batch, self.episodes = None, []
             return reply
-        collector = self.collector
-        module = collector.policy
-        roots = {"env": collector.envs[0] if collector.envs else None, "policy": module}
+        if isinstance(op, READS):
+            envs = self.collector.envs
+            return read(op, envs[0] if envs else None, self.collector.policy)
         match op:
             case GetState():  # at once, between two engine events: it restarts nothing
                 return self.with_ids(await self.hosted.state_now())
@@ -225,16 +180,6 @@ class _AsyncWorker:
                 if self.generation:  # a replacement told to load (PipeWeightSync: now): no frame older
                     self.own_floor = max(self.own_floor, version)
                 return version
-            case GetWeights():
-                if not isinstance(module, torch.nn.Module):
-                    return None
-                return {k: v.detach().cpu().clone() for k, v in flat_weights(module).items()}
-            case GetAttr():
-                return getattr(roots[op.root], op.name)
-            case GetPath():
-                return resolve(roots, op.path)
-            case MapFn():
-                return resolve(roots, op.path)(*op.args, **op.kwargs)
         raise TypeError(f"{type(op).__name__} is not supported by MultiAsyncEnvCollector's workers")
 
     async def restart(self, op: SetSeed | Reset | GetState | LoadState) -> Any:
@@ -344,8 +289,8 @@ class _AsyncWorker:
                     await self.collect()
 
     async def collect(self) -> None:
-        """Send batches until cancelled (``Close``); a batch is taken in and sent under the gate's lock,
-        and sent only while the gate is open (see :meth:`restart`)."""
+        """Send batches until cancelled (``Close``); a batch is taken in and sent under :attr:`lock`, and
+        sent only while :attr:`sending` is set (see :meth:`restart`)."""
         self.batch = batch = await self.next_batch()
         with self.held():
             # the slots' layout is the first batch's
@@ -353,15 +298,14 @@ class _AsyncWorker:
             version = self.collector.policy_version
             self.chan.send(Ready(self.layout, self.batch_size, self.fpb, policy_version=version))
             await self.attached.wait()
-            await self.gate.wait()
+            await self.sending.wait()
         if int(batch.get(VERSION).min()) < self.own_floor:  # a replacement's, before its weights came
             self.frames.discarded += batch.shape[0]
             self.batch = None
-        gate = self.gate
         while True:
-            await gate.wait()
-            async with gate.lock:
-                if not gate.is_open:  # a restart came meanwhile: wait for the trainer again
+            await self.sending.wait()
+            async with self.lock:
+                if not self.sending.is_set():  # a restart came meanwhile: wait for the trainer again
                     continue
                 if self.batch is None:
                     self.batch = await self.next_batch()
@@ -369,17 +313,17 @@ class _AsyncWorker:
                 self.batch = None
                 self.note_unsent()
             with self.held():
-                async with gate.lock:  # not beside a call that stops the engine: both use its policy thread
+                async with self.lock:  # not beside a call that stops the engine: both use its policy thread
                     await self.load_weights()  # between batches, as the rollout workers do
                 await self.wait_for_slot()
-            async with gate.lock:
+            async with self.lock:
                 if self.batch is None:
                     self.batch = await self.next_batch()
                 self.note_unsent()
 
     def note_unsent(self) -> None:
         """The frames taken in and not sent, ``+ 1``, in the control block's "progress" (read once the
-        trainer opened the gate: a replacement's is read before): lost should this process die, they are
+        trainer let it send: a replacement's is read before): lost should this process die, they are
         counted as discarded (as a rollout worker's steps begun)."""
         held = 0 if self.batch is None else self.batch.shape[0]
         self.progress[self.index] = 1 + held + self.frames.pending
@@ -401,13 +345,6 @@ class _AsyncWorker:
                 time_split=self.hosted.time_split(),  # its time split goes with the notice
             )
         )
-
-    def close(self) -> None:
-        for slot in self.slots:
-            slot.close()
-        self.control.close()
-        if self.weights is not None:
-            self.weights.close()
 
 
 async def _main(options: AsyncEnvOptions, chan: BlockingChannel, spec: Any) -> None:

@@ -6,7 +6,7 @@ The parent side: :func:`started` and :func:`reaped` keep the registry of live wo
 ``atexit`` handler kills with their groups if they were never reaped (before ``multiprocessing``'s own
 exit handler would wait for them: ``atexit`` runs last-in, first-out, and ``multiprocessing.util``
 registers its handler on import, before ours); :func:`signal_group` signals a worker and its group.
-The worker side: :func:`lead_group` and :func:`watch_parent`.
+The worker side: :func:`lead_group` and :func:`watch_parent`, both in :func:`become_worker`.
 
 Example:
     >>> import multiprocessing as mp, signal
@@ -23,10 +23,11 @@ import select
 import signal
 import socket
 import threading
+import warnings
 import weakref
 from typing import Any
 
-__all__ = ["lead_group", "reaped", "signal_group", "started", "watch_parent"]
+__all__ = ["become_worker", "lead_group", "reaped", "signal_group", "started", "watch_parent"]
 
 #: worker processes started and not reaped yet (not daemonic: their envs may start processes of their own)
 _LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -102,3 +103,14 @@ def watch_parent(sock: socket.socket, name: str) -> None:
                 _kill_own_group()
 
     threading.Thread(target=watch, name=name, daemon=True).start()
+
+
+def become_worker(sock: socket.socket, name: str, show_warnings: bool) -> None:
+    """A worker process's start: it leads a group of its own, which it kills when the parent at the other
+    end of ``sock`` is gone (watched by a thread ``name``), leaves Ctrl-C to the trainer (which stops it)
+    and, unless ``show_warnings``, silences its warnings."""
+    lead_group()
+    watch_parent(sock, name)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not show_warnings:
+        warnings.simplefilter("ignore")

@@ -11,7 +11,7 @@ import numpy as np
 
 from ._async import ThreadedCalls
 from ._gym import GymEnv
-from ._spaces import NestedKey
+from ._spaces import NestedKey, action_entries, nest_obs
 
 __all__ = ["ThreadedAsyncVectorEnv"]
 
@@ -102,7 +102,7 @@ class ThreadedAsyncVectorEnv(ThreadedCalls):
 
     def _step(self, actions: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         if self._act_dict:  # GymEnv takes a Dict/Tuple action as its entries
-            actions = _action_entries(self.single_action_space, actions, ("action",))
+            actions = action_entries(self.single_action_space, actions)
         step = self._gym._step_arrays(actions)
         terminated, truncated = step.terminated, step.truncated
         done = terminated | truncated
@@ -119,26 +119,4 @@ class ThreadedAsyncVectorEnv(ThreadedCalls):
         at ``index`` (a sub-env, or every one)."""
         if not self._dict:
             return flat["observation"][index]
-        out: dict[str, Any] = {}
-        for key, value in flat.items():
-            path = (key,) if isinstance(key, str) else key
-            node = out
-            for name in path[:-1]:
-                node = node.setdefault(name, {})
-            node[path[-1]] = value[index]
-        return out
-
-
-def _action_entries(space: gym.Space[Any], actions: Any, path: tuple[str, ...]) -> dict[NestedKey, Any]:
-    """A gymnasium batched Dict/Tuple action as GymEnv's action entries ``{("action", ...): array}``."""
-    if isinstance(space, gym.spaces.Dict):
-        out: dict[NestedKey, Any] = {}
-        for name, sub in space.spaces.items():
-            out.update(_action_entries(sub, actions[name], (*path, name)))
-        return out
-    if isinstance(space, gym.spaces.Tuple):
-        out = {}
-        for i, sub in enumerate(space.spaces):
-            out.update(_action_entries(sub, actions[i], (*path, str(i))))
-        return out
-    return {path: actions}
+        return nest_obs({key: value[index] for key, value in flat.items()})

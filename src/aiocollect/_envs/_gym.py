@@ -25,6 +25,7 @@ from ._spaces import (
     action_outside_space,
     action_spec,
     action_specs,
+    assemble_action,
     flatten_obs,
     observation_specs,
 )
@@ -521,16 +522,14 @@ class GymEnv:
                 f"the action space {self._act_space} takes the action entries {list(self.action_specs)}, "
                 f"got {type(action).__name__}"
             )
-        return self._assemble(self._act_space, ("action",), action)
+        return assemble_action(
+            self._act_space, lambda key, _: self._leaf_action(key, self._entry(action, key))
+        )
 
-    def _assemble(self, space: gym.Space[Any], path: tuple[str, ...], entries: Mapping[Any, Any]) -> Any:
-        if isinstance(space, gym.spaces.Dict):
-            return {name: self._assemble(sub, (*path, name), entries) for name, sub in space.spaces.items()}
-        if isinstance(space, gym.spaces.Tuple):
-            return tuple(self._assemble(sub, (*path, str(i)), entries) for i, sub in enumerate(space.spaces))
-        if path not in entries:
-            raise KeyError(f"no action entry {path!r}; the action space needs {list(self.action_specs)}")
-        return self._leaf_action(path, entries[path])
+    def _entry(self, entries: Mapping[Any, Any], key: NestedKey) -> Any:
+        if key not in entries:
+            raise KeyError(f"no action entry {key!r}; the action space needs {list(self.action_specs)}")
+        return entries[key]
 
     def _leaf_action(self, key: NestedKey, action: Any) -> Any:
         space, bounds, scalar_bounds, discrete = self._act_info[key]

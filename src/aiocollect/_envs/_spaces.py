@@ -7,6 +7,7 @@ action spaces map to the single key ``"action"``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,8 @@ __all__ = [
     "LeafSpec",
     "NestedKey",
     "action_bounds",
+    "action_entries",
+    "assemble_action",
     "action_leaf_spaces",
     "action_outside_space",
     "action_spec",
@@ -27,6 +30,7 @@ __all__ = [
     "group_specs",
     "grouped_action_keys",
     "leaf_spec",
+    "nest_obs",
     "observation_specs",
     "sample",
     "sample_leaf",
@@ -222,6 +226,47 @@ def flatten_obs(space: spaces.Space[Any], obs: Any) -> dict[NestedKey, np.ndarra
                 out[name] = np.asarray(obs[name])
         return out
     return {"observation": np.asarray(obs)}
+
+
+def nest_obs(flat: dict[NestedKey, Any]) -> dict[str, Any]:
+    """The inverse of :func:`flatten_obs` for a ``Dict`` space: ``{key: value}`` (tuple keys for nested
+    entries) as the nested dicts gymnasium gives."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        path = (key,) if isinstance(key, str) else key
+        node = out
+        for name in path[:-1]:
+            node = node.setdefault(name, {})
+        node[path[-1]] = value
+    return out
+
+
+def action_entries(
+    space: spaces.Space[Any], actions: Any, path: tuple[str, ...] = ()
+) -> dict[NestedKey, Any]:
+    """A gymnasium (batched) action as its entries ``{"action" or ("action", ...): value}``, the keys of
+    :func:`action_specs` (a ``Dict`` or ``Tuple`` space: one per leaf)."""
+    if isinstance(space, spaces.Dict):
+        parts = [action_entries(sub, actions[name], (*path, name)) for name, sub in space.spaces.items()]
+    elif isinstance(space, spaces.Tuple):
+        parts = [action_entries(sub, actions[i], (*path, str(i))) for i, sub in enumerate(space.spaces)]
+    else:
+        return {("action", *path) if path else "action": actions}
+    return {key: value for part in parts for key, value in part.items()}
+
+
+def assemble_action(
+    space: spaces.Space[Any],
+    leaf: Callable[[NestedKey, spaces.Space[Any]], Any],
+    path: tuple[str, ...] = ("action",),
+) -> Any:
+    """A gymnasium action built from its entries (the inverse of :func:`action_entries`): a ``Dict`` or
+    ``Tuple`` space's of its leaves' ``leaf(key, leaf_space)`` (keys as :func:`action_specs` names them)."""
+    if isinstance(space, spaces.Dict):
+        return {name: assemble_action(sub, leaf, (*path, name)) for name, sub in space.spaces.items()}
+    if isinstance(space, spaces.Tuple):
+        return tuple(assemble_action(sub, leaf, (*path, str(i))) for i, sub in enumerate(space.spaces))
+    return leaf(path if len(path) > 1 else "action", space)
 
 
 def sample(

@@ -18,7 +18,7 @@ from typing import Any
 
 import anyio
 
-__all__ = ["ReplyReader"]
+__all__ = ["ReplyReader", "running_asyncio_loop"]
 
 
 class ReplyReader:
@@ -50,7 +50,7 @@ class ReplyReader:
             return reply
 
     def _registered_here(self) -> bool:
-        loop = _asyncio_loop()
+        loop = running_asyncio_loop()
         if loop is None:
             return False
         if self._loop is not None and self._loop.is_closed():
@@ -89,7 +89,7 @@ class ReplyReader:
             loop.remove_reader(self._fd)
 
 
-def _asyncio_loop() -> asyncio.AbstractEventLoop | None:
+def running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
     """The running asyncio loop, ``None`` in a trio task (trio's guest mode runs on an asyncio loop)."""
     trio: Any = sys.modules.get("trio")
     if trio is not None:

@@ -10,7 +10,6 @@ call (or ``close``) reads them first, as after a cancelled ``step``.
 
 from __future__ import annotations
 
-import select
 from typing import Any
 
 import numpy as np
@@ -18,7 +17,7 @@ import numpy as np
 from ._env import Part, ProcessVectorEnv, Worker
 from ._slots import Block
 
-__all__ = ["Poller", "Unit", "is_process_env", "read_reply", "release"]
+__all__ = ["Unit", "is_process_env", "read_reply", "release"]
 
 
 def is_process_env(env: Any) -> bool:
@@ -95,46 +94,3 @@ def release(units: list[Unit]) -> None:
     for unit in units:
         for worker in unit.workers:
             worker.waiting = False
-
-
-class Poller:
-    """The driving thread's wait on its file descriptors, each with its data: ``epoll`` (a timeout in
-    seconds, the registrations kept in the kernel), else ``poll``."""
-
-    def __init__(self) -> None:
-        self._epoll = select.epoll() if hasattr(select, "epoll") else None
-        self._poll = None if self._epoll is not None else select.poll()
-        self._data: dict[int, Any] = {}
-
-    def add(self, fd: int, data: Any) -> None:
-        if self._epoll is not None:
-            self._epoll.register(fd, select.EPOLLIN)
-        else:
-            assert self._poll is not None
-            self._poll.register(fd, select.POLLIN)
-        self._data[fd] = data
-
-    def remove(self, fd: int) -> None:
-        if fd not in self._data:
-            return
-        del self._data[fd]
-        if self._epoll is not None:
-            self._epoll.unregister(fd)
-        else:
-            assert self._poll is not None
-            self._poll.unregister(fd)
-
-    def wait(self, timeout: float | None) -> list[Any]:
-        """The data of the descriptors that are readable (``timeout``: seconds, ``None`` for ever)."""
-        data = self._data
-        if self._epoll is not None:
-            events = self._epoll.poll(-1 if timeout is None else max(0.0, timeout))
-        else:
-            assert self._poll is not None
-            events = self._poll.poll(None if timeout is None else max(0, int(timeout * 1000) + 1))
-        return [data[fd] for fd, _ in events if fd in data]
-
-    def close(self) -> None:
-        if self._epoll is not None:
-            self._epoll.close()
-        self._data.clear()

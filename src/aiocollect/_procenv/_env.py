@@ -21,7 +21,7 @@ import numpy as np
 from .._core._errors import WorkerDiedError
 from .._core._mistakes import check_main_guard
 from .._core._processes import reaped, signal_group, started
-from .._envs._spaces import NestedKey, action_specs, observation_specs
+from .._envs._spaces import NestedKey, action_entries, action_specs, nest_obs, observation_specs
 from .._transport._messages import Failed
 from .._transport._wire import BlockingChannel, FrameReader
 from .._workers._preload import PRELOAD
@@ -65,23 +65,6 @@ class Worker:
                 return self.died()
             for msg in reader.feed(data):
                 return msg.error if isinstance(msg, Failed) else RuntimeError(f"unexpected reply {msg!r}")
-
-
-def _leaves(space: gym.Space[Any], actions: Any, path: tuple[str, ...] = ()) -> dict[NestedKey, Any]:
-    """A gymnasium batched action as ``{"action" or ("action", ...): array}`` (:func:`action_specs`)."""
-    if isinstance(space, gym.spaces.Dict):
-        return {
-            k: v
-            for name, sub in space.spaces.items()
-            for k, v in _leaves(sub, actions[name], (*path, name)).items()
-        }
-    if isinstance(space, gym.spaces.Tuple):
-        return {
-            k: v
-            for i, sub in enumerate(space.spaces)
-            for k, v in _leaves(sub, actions[i], (*path, str(i))).items()
-        }
-    return {("action", *path) if path else "action": np.asarray(actions)}
 
 
 def _split(env_fns: Sequence[Any], num_workers: int) -> list[list[Any]]:
@@ -298,7 +281,7 @@ class ProcessVectorEnv:
         self._check(block.workers)
         n = block.width
         try:
-            leaves = _leaves(self.single_action_space, actions)
+            leaves = {k: np.asarray(v) for k, v in action_entries(self.single_action_space, actions).items()}
         except (KeyError, IndexError, TypeError) as exc:
             raise ValueError(
                 f"actions must be a batch of {n} actions of {self.single_action_space} "
@@ -332,14 +315,7 @@ class ProcessVectorEnv:
         """``{key: array}`` as gymnasium gives it: the array, or a nested dict for a Dict space."""
         if not isinstance(self.single_observation_space, gym.spaces.Dict):
             return flat["observation"]
-        out: dict[str, Any] = {}
-        for key, value in flat.items():
-            path = (key,) if isinstance(key, str) else key
-            node = out
-            for name in path[:-1]:
-                node = node.setdefault(name, {})
-            node[path[-1]] = value
-        return out
+        return nest_obs(flat)
 
     # -- the doorbells ----------------------------------------------------------------------------
     def _check(self, workers: list[Worker]) -> None:

@@ -9,21 +9,16 @@ slots as one block of rows (a whole env's, or one ``split()`` part's).
 
 from __future__ import annotations
 
-import mmap
-import os
-import secrets
-from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
 
 from .._envs._spaces import LeafSpec, NestedKey
-from .._transport._shm import PREFIX, sweep_orphans
+from .._transport._shm import Segment
 
 __all__ = ["Block", "Slots"]
 
 _ALIGN = 64
-_swept = False
 
 
 def _fields(
@@ -59,26 +54,8 @@ class Slots:
             offsets.append(size)
             nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
             size += -(-max(nbytes, 1) // _ALIGN) * _ALIGN
-        self._shm: shared_memory.SharedMemory | None = None
-        self._mmap: mmap.mmap | None = None
-        if name is None:
-            global _swept
-            if not _swept:
-                _swept = True
-                sweep_orphans()
-            self._shm = shared_memory.SharedMemory(
-                name=f"{PREFIX}{os.getpid()}_{secrets.token_hex(6)}", create=True, size=size
-            )
-            self.name = self._shm.name
-            buf: Any = self._shm.buf
-        else:  # the worker: no resource-tracker registration, the parent owns the segment
-            self.name = name
-            fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
-            try:
-                self._mmap = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
-            buf = self._mmap
+        self._segment = Segment(size, name)  # the parent creates it (name=None), a worker maps it
+        self.name, buf = self._segment.name, self._segment.buf
         self.obs: dict[NestedKey, np.ndarray] = {}
         self.final: dict[NestedKey, np.ndarray] = {}
         self.actions: dict[NestedKey, np.ndarray] = {}
@@ -87,12 +64,8 @@ class Slots:
         for (group, key, shape, dtype), offset in zip(fields, offsets, strict=True):
             count = int(np.prod(shape, dtype=np.int64))
             groups[group][key] = np.frombuffer(buf, dtype, count, offset).reshape(shape)
-        self.reward, self.terminated, self.truncated = (
-            flags["reward"],
-            flags["terminated"],
-            flags["truncated"],
-        )
-        self.ended, self.seed = flags["ended"], flags["seed"]
+        names = ("reward", "terminated", "truncated", "ended", "seed")
+        self.reward, self.terminated, self.truncated, self.ended, self.seed = (flags[k] for k in names)
         self._views = groups
 
     def close(self, unlink: bool = False) -> None:
@@ -100,17 +73,9 @@ class Slots:
         self.obs = self.final = self.actions = {}
         self.reward = self.terminated = self.truncated = self.ended = self.seed = None  # type: ignore[assignment]
         self._views = {}
-        if self._shm is not None and unlink:
-            try:
-                self._shm.unlink()
-            except FileNotFoundError:
-                pass
-        for closable in (self._shm, self._mmap):
-            if closable is not None:
-                try:
-                    closable.close()
-                except (BufferError, ValueError):  # a view still alive: the GC unmaps it later
-                    pass
+        if unlink:
+            self._segment.unlink()
+        self._segment.close()
 
 
 class Block:

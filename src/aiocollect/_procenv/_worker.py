@@ -9,23 +9,21 @@ in the slots) or ``C`` (close); the worker answers ``D`` (done) or ``E`` followe
 from __future__ import annotations
 
 import functools
-import signal
 import socket
-import warnings
 from typing import Any
 
 import cloudpickle
 import gymnasium as gym
 import numpy as np
 
-from .._core._processes import lead_group, watch_parent
+from .._core._processes import become_worker
 from .._envs._async_vector import ThreadedAsyncVectorEnv
-from .._envs._spaces import NestedKey, action_specs, flatten_obs, observation_specs
+from .._envs._spaces import NestedKey, action_specs, assemble_action, flatten_obs, observation_specs
 from .._transport._messages import failure
 from .._transport._wire import BlockingChannel, encode
 from ._slots import Slots
 
-__all__ = ["build_vector_env", "nest_actions", "worker_main"]
+__all__ = ["build_vector_env", "worker_main"]
 
 
 def build_vector_env(fns: list[Any]) -> gym.vector.VectorEnv:
@@ -50,15 +48,6 @@ def _given(env: gym.Env[Any, Any]) -> gym.Env[Any, Any]:
     return env
 
 
-def nest_actions(space: gym.Space[Any], leaves: dict[NestedKey, Any], path: tuple[str, ...] = ()) -> Any:
-    """Action leaves ``{"action" or ("action", ...): array}`` as gymnasium's batched action."""
-    if isinstance(space, gym.spaces.Dict):
-        return {name: nest_actions(sub, leaves, (*path, name)) for name, sub in space.spaces.items()}
-    if isinstance(space, gym.spaces.Tuple):
-        return tuple(nest_actions(sub, leaves, (*path, str(i))) for i, sub in enumerate(space.spaces))
-    return leaves[("action", *path) if path else "action"]
-
-
 class _Stepper:
     """The worker's vector env and its slots."""
 
@@ -78,7 +67,7 @@ class _Stepper:
 
     def step(self) -> None:
         slots = self.slots
-        actions = nest_actions(self.act_space, {k: v.copy() for k, v in slots.actions.items()})
+        actions = assemble_action(self.act_space, lambda key, _: slots.actions[key].copy())
         obs, reward, terminated, truncated, info = self.env._step(actions)
         self._write(slots.obs, obs, slice(None))
         slots.reward[:] = reward
@@ -111,11 +100,7 @@ def _serve(sock: socket.socket, stepper: _Stepper) -> None:
 
 def worker_main(sock: socket.socket, index: int, payload: bytes, show_warnings: bool) -> None:
     """Entry point of a worker process (started through the forkserver)."""
-    lead_group()
-    watch_parent(sock, "aiocollect-envs-parent-watch")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes us
-    if not show_warnings:
-        warnings.simplefilter("ignore")
+    become_worker(sock, "aiocollect-envs-parent-watch", show_warnings)
     chan = BlockingChannel(sock)
     stepper: _Stepper | None = None
     env: Any = None

@@ -22,7 +22,7 @@ from tensordict import TensorDict
 from .._core._pids import pid_alive
 from ._flat import FlatBuffer, FlatLayout
 
-__all__ = ["PREFIX", "SharedBlock", "sweep_orphans"]
+__all__ = ["PREFIX", "Segment", "SharedBlock", "sweep_orphans"]
 
 PREFIX = "aiocollect_"
 
@@ -56,6 +56,51 @@ def sweep_orphans(directory: str = _SHM_DIR) -> list[str]:
     return removed
 
 
+class Segment:
+    """A named ``/dev/shm`` segment of ``size`` bytes (``buf``): created by the parent (``name=None``), which
+    unlinks it, or mapped by name (a worker: no resource-tracker registration, the parent owns it)."""
+
+    def __init__(self, size: int, name: str | None = None) -> None:
+        self._shm: shared_memory.SharedMemory | None = None
+        self._mmap: mmap.mmap | None = None
+        self.buf: Any
+        if name is None:
+            global _swept
+            if not _swept:
+                _swept = True
+                sweep_orphans()
+            self._shm = shared_memory.SharedMemory(
+                name=f"{PREFIX}{os.getpid()}_{secrets.token_hex(6)}", create=True, size=size
+            )
+            self.name, self.buf = self._shm.name, self._shm.buf
+        else:
+            self.name = name
+            fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+            try:
+                self._mmap = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            self.buf = self._mmap
+
+    def unlink(self) -> None:
+        """Remove the segment (parent). Mappings stay valid until dropped."""
+        if self._shm is not None:
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        """Unmap it (once the views on it are dropped)."""
+        self.buf = None
+        for closable in (self._shm, self._mmap):
+            if closable is not None:
+                try:
+                    closable.close()
+                except (BufferError, ValueError):  # a view still alive: the GC unmaps it later
+                    pass
+
+
 class SharedBlock:
     """A TensorDict of ``layout`` in a shared segment the caller creates (parent) or maps (worker).
 
@@ -69,43 +114,16 @@ class SharedBlock:
         self.layout = layout
         self.batch_size = layout.batch_size
         self.nbytes = layout.nbytes
-        self._shm: shared_memory.SharedMemory | None = None
-        self._mmap: mmap.mmap | None = None
-        if name is None:  # create (parent)
-            global _swept
-            if not _swept:
-                _swept = True
-                sweep_orphans()
-            self._shm = shared_memory.SharedMemory(
-                name=f"{PREFIX}{os.getpid()}_{secrets.token_hex(6)}", create=True, size=self.nbytes
-            )
-            self.name = self._shm.name
-            buf: Any = self._shm.buf
-        else:  # map an existing one (worker): no resource-tracker registration, the parent owns it
-            self.name = name
-            fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
-            try:
-                self._mmap = mmap.mmap(fd, self.nbytes)
-            finally:
-                os.close(fd)
-            buf = self._mmap
+        self.segment = Segment(self.nbytes, name)
+        self.name = self.segment.name
         #: the whole block as one ``uint8`` tensor (what a reader copies out in one go)
-        self.data: torch.Tensor = torch.frombuffer(buf, dtype=torch.uint8, count=self.nbytes)
+        self.data: torch.Tensor = torch.frombuffer(self.segment.buf, dtype=torch.uint8, count=self.nbytes)
         self.td: TensorDict = FlatBuffer(layout, data=self.data).views
 
     def unlink(self) -> None:
         """Remove the segment (parent). Mappings stay valid until dropped."""
-        if self._shm is not None:
-            try:
-                self._shm.unlink()
-            except FileNotFoundError:
-                pass
+        self.segment.unlink()
 
     def close(self) -> None:
         self.td = self.data = None  # type: ignore[assignment]  # drop the views: the mapping can close
-        for closable in (self._shm, self._mmap):
-            if closable is not None:
-                try:
-                    closable.close()
-                except (BufferError, ValueError):  # a view still alive: the GC unmaps it later
-                    pass
+        self.segment.close()

@@ -6,10 +6,8 @@ batch on the control socket tells the parent which slot is ready.
 
 from __future__ import annotations
 
-import signal
 import socket
 import threading
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,14 +17,14 @@ import numpy as np
 import torch
 
 from .._core._options import RolloutOptions, WeightSchedule
-from .._core._processes import lead_group, watch_parent
+from .._core._processes import become_worker
 from .._core._resume import load_member, worker_state
 from .._core._rng import RolloutRNG
 from .._core._torch_settings import TorchSettings
 from .._envs._adapter import check_env
 from .._envs._rebuild import env_factory
 from .._observe._events import Restarted
-from .._policies._weights import as_weights, copy_weights, flat_weights, module_weights
+from .._policies._weights import as_weights, copy_weights, module_weights
 from .._rollout._core import build_rollout
 from .._transport._flat import FlatLayout, layout_of
 from .._transport._messages import (
@@ -35,13 +33,9 @@ from .._transport._messages import (
     Call,
     Close,
     Collect,
-    GetAttr,
-    GetPath,
     GetState,
-    GetWeights,
     LoadState,
     LoadWeights,
-    MapFn,
     Operation,
     Ready,
     Release,
@@ -53,7 +47,7 @@ from .._transport._messages import (
 )
 from .._transport._shm import SharedBlock
 from .._transport._wire import BlockingChannel
-from ._paths import resolve
+from ._answers import HALTED, READS, MemberIO, control_layout, read, unversioned
 
 __all__ = [
     "HALTED",
@@ -126,29 +120,6 @@ class _Closing(Exception):
     """The parent asked the worker to stop."""
 
 
-def control_layout(num_workers: int) -> FlatLayout:
-    """Per-worker arrays shared with the parent: stop flags (preemption; in async mode also "start no
-    batch": 1 at shutdown, :data:`HALTED` after ``request_stop()``), published weight versions,
-    version floors (the oldest version a batch may still be delivered with: a rollout that falls below
-    its floor is restarted on the newer weights) and the frames each worker discarded that way."""
-    return FlatLayout.build(
-        [
-            ("stop", (num_workers,), torch.int64),
-            ("published", (num_workers,), torch.int64),
-            ("floor", (num_workers,), torch.int64),
-            ("discarded", (num_workers,), torch.int64),
-            # steps begun in the batch being collected (with a restart policy only): a worker that dies
-            # loses them (statistics().frames_discarded)
-            ("progress", (num_workers,), torch.int64),
-        ]
-    )
-
-
-#: a stop flag's value after ``request_stop()`` (async mode): the batch in flight ends at its next step and
-#: is not sent (its frames are counted as discarded), and no batch starts any more
-HALTED = 2
-
-
 class _StopFlag:
     """``is_set()`` reads this worker's entry of the shared stop array (preemption)."""
 
@@ -193,7 +164,7 @@ class _StopOrStale:
         return bool(self._stop[i]) or int(self._floor[i]) > self._rollout.policy_version
 
 
-class Worker:
+class Worker(MemberIO):
     def __init__(self, spec: WorkerSpec, chan: BlockingChannel) -> None:
         self.spec, self.chan = spec, chan
         create_env_fn = cloudpickle.loads(spec.payload)
@@ -212,22 +183,17 @@ class Worker:
             )
             self.rollout.output_specs()
             self.rng = RolloutRNG()
-            self.control = SharedBlock(control_layout(spec.num_workers), (), name=spec.control_name)
-            self.stop = _StopFlag(self.control.td["stop"].numpy(), spec.index)
+            super().__init__(spec)  # the control block, the weight receiver, the slots
+            self.stop = _StopFlag(self.array("stop"), spec.index)
             self._published, self._floor, self._discarded, self._progress = (
-                self.control.td[k].numpy() for k in ("published", "floor", "discarded", "progress")
+                self.array(k) for k in ("published", "floor", "discarded", "progress")
             )
             #: the policy version of the last batch sent; whether the trajectories in flight took new ids
             #: since (see ``collect``)
             self._sent_version, self._split = 0, False
             #: run_free: the slot of the last batch sent (unread while it is not handed back)
             self._sent_slot: int | None = None
-            self._stop_or_stale = _StopOrStale(
-                self.control.td["stop"].numpy(), self._floor, spec.index, self.rollout
-            )
-            self.weights = spec.weights.open(spec.index) if spec.weights is not None else None
-            self.slots: list[SharedBlock] = []
-            self.free: set[int] = set()
+            self._stop_or_stale = _StopOrStale(self.array("stop"), self._floor, spec.index, self.rollout)
             self.frames = 0
             if self.rollout.restarts is not None:  # each one reported as it happens, batch or not
                 self.rollout.restarts.on_restart = lambda r: chan.send(Restarted.of(spec.index, r))
@@ -377,30 +343,16 @@ class Worker:
         self.rollout.reset()
 
     def get_state(self, op: GetState) -> dict[str, Any]:
-        _unversioned(op)
+        unversioned(op)
         return {**self.rollout.state_dict(), "frames": self.frames, **worker_state(self, op.envs)}
 
     def load_state(self, op: LoadState) -> None:
-        _unversioned(op)
+        unversioned(op)
         state = dict(op.state)
         self.frames, self._sent_version = int(state.get("frames", 0)), int(state.get("sent_version", 0))
         load_member(self.rollout, self.rng, self.random_policy, state, self.frames)
         if state.get("policy") is not None and isinstance(self.policy, torch.nn.Module):  # the newest
             copy_weights(module_weights(self.policy), as_weights(state["policy"]))
-
-    def get_weights(self, op: GetWeights) -> dict[str, torch.Tensor] | None:
-        if not isinstance(self.policy, torch.nn.Module):
-            return None
-        return dict(flat_weights(self.policy).detach().cpu().clone().items())
-
-    def get_attr(self, op: GetAttr) -> Any:
-        return getattr(self.env if op.root == "env" else self.policy, op.name)
-
-    def get_path(self, op: GetPath) -> Any:
-        return resolve({"env": self.env, "policy": self.policy}, op.path)
-
-    def map_fn(self, op: MapFn) -> Any:
-        return resolve({"env": self.env, "policy": self.policy}, op.path)(*op.args, **op.kwargs)
 
     def call(self, msg: Call) -> Result:
         handler = _OPERATIONS.get(type(msg.op))
@@ -449,20 +401,8 @@ class Worker:
             self._sent_slot = slot
 
     def close(self) -> None:
-        for slot in self.slots:
-            slot.close()
-        self.control.close()
-        if self.weights is not None:
-            self.weights.close()
+        super().close()
         self.env.close()
-
-
-def _unversioned(op: GetState | LoadState) -> None:
-    if op.versioned:
-        raise ValueError(
-            f"{type(op).__name__}(versioned=True) is for hosted collectors (nodes, actors); a worker's "
-            "state carries the trainer's versions already: send versioned=False"
-        )
 
 
 #: the worker's method for each control operation
@@ -472,10 +412,7 @@ _OPERATIONS: dict[type[Operation], Callable[[Worker, Any], Any]] = {
     GetState: Worker.get_state,
     LoadState: Worker.load_state,
     LoadWeights: lambda worker, op: worker.load_weights(),
-    GetWeights: Worker.get_weights,
-    GetAttr: Worker.get_attr,
-    GetPath: Worker.get_path,
-    MapFn: Worker.map_fn,
+    **{read_op: lambda worker, op: read(op, worker.env, worker.policy) for read_op in READS},
 }
 
 
@@ -486,11 +423,7 @@ def worker_main(sock: socket.socket, spec: WorkerSpec) -> None:
     failed = False
     try:
         if not spec.in_process:
-            lead_group()
-            watch_parent(sock, "aiocollect-parent-watch")
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which stops us
-            if not spec.show_warnings:
-                warnings.simplefilter("ignore")
+            become_worker(sock, "aiocollect-parent-watch", spec.show_warnings)
             if spec.num_threads is not None:
                 torch.set_num_threads(spec.num_threads)
         elif spec.torch_settings is not None:
