@@ -28,7 +28,7 @@ from .._local._base import CollectorBase
 from .._observe._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
 from .._observe._stats import CollectorStatistics, WorkerStatistics
 from .._policies._weights import as_weights, check_compatible, module_weights
-from .._procenv._driven import is_process_env
+from .._procenv._env import Part, ProcessVectorEnv
 from ._checkpoint import (
     CANNOT_LOAD,
     CANNOT_SAVE,
@@ -709,7 +709,7 @@ def _stepper_kind(given: bool | None, envs: list[Any], wraps: bool) -> Callable[
     collector wraps its policy), else the steps on the loop; ``fused=True`` that cannot: ``ValueError``."""
     if given is False:
         return LoopSteps
-    if not all(is_process_env(env) for env in envs):
+    if not all(isinstance(env, (ProcessVectorEnv, Part)) for env in envs):
         why = "every env must be a ProcessVectorEnv or one of its split() parts"
     elif wraps:
         why = "the collector wraps its policy (init_random_frames)"
