@@ -66,16 +66,11 @@ class Unit:
             try:
                 worker.sock.send(command)
             except OSError:
-                raise self.fail(worker, worker.died()) from None
+                error = worker.failure = worker.died()  # the env raises it from now on
+                raise error from None
             worker.owed += 1
         self.pending = len(self.workers)
         self.stepping = command == b"S"
-
-    def fail(self, worker: Worker, error: BaseException) -> BaseException:
-        """``worker`` failed with ``error``: the env raises it from now on; the unit is dead."""
-        worker.failure = error
-        self.dead = True
-        return error
 
 
 def read_reply(worker: Worker) -> bool | None:
@@ -199,7 +194,8 @@ class Driver:
                 if read_reply(worker) is None:
                     continue
             except Exception as exc:
-                self._unit_failed(unit, unit.fail(worker, exc))
+                worker.failure = exc  # the env raises it from now on
+                self._unit_failed(unit, exc)
                 continue
             if worker.owed:
                 continue
