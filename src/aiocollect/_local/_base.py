@@ -54,15 +54,11 @@ class CollectorBase(abc.ABC):
     total_frames: int
     frames_per_batch: int
     replay_buffer: Any
-    #: the batch lock taken without a yield to the loop when free (``anyio.Lock(fast_acquire=True)``): for a
-    #: collector whose ``__anext__`` always suspends or checkpoints after taking it (its batch's wait), so
-    #: that one loop turn per batch is saved; the others yield there, as a checkpoint
-    _fast_batch_lock = False
 
     def _init_base(self, progress: Any = None) -> None:
         self._progress = Progress(progress, self.total_frames)
         self._stats = StatsTracker(total_frames=self.total_frames)
-        self._lock = anyio.Lock(fast_acquire=self._fast_batch_lock)
+        self._lock = anyio.Lock()
         self._paused = 0
         self._unpaused: anyio.Event | None = None
         self._closed = self._failed = False

@@ -134,8 +134,6 @@ class Collector(CollectorBase):
         torch.Size([64])
     """
 
-    _fast_batch_lock = True  # every batch then waits on its job's doorbell: a checkpoint (Doorbell.wait)
-
     @explicit_keywords(keywords=CollectorKeywords)
     def __init__(self, create_env_fn: Any, policy: Any = None, **kwargs: Unpack[CollectorKeywords]) -> None:
         # -- every argument is checked before the env is built ----------------------------------
