@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -47,7 +46,7 @@ from .._observe._events import (
 from .._observe._stats import CollectorStatistics, WorkerStatistics
 from .._policies._weights import as_weights, check_compatible, copy_weights, module_weights
 from .._rollout._core import RolloutResult, build_rollout, open_env
-from .._rollout._thread import Doorbell, Job, RolloutThread, collect_episodes
+from .._rollout._thread import Doorbell, Flag, Job, RolloutThread, collect_episodes
 from .._weightsync._schemes import weight_sync_arg
 from ._base import CollectorBase
 from ._keywords import CollectorKeywords
@@ -340,7 +339,7 @@ class Collector(CollectorBase):
             policy_version=result.policy_version,
         )
 
-    def _collect_in_thread(self, stop: threading.Event, random: bool) -> _Batch:
+    def _collect_in_thread(self, stop: Flag, random: bool) -> _Batch:
         def collect() -> RolloutResult:
             return self._rng.run(lambda: self._rollout.collect(random=random, stop=stop))
 
@@ -393,7 +392,7 @@ class Collector(CollectorBase):
                 if self._task_group is not None:
                     self._task_group.cancel_scope.cancel()  # and the `async with` body stops
 
-    def _free_run(self, stop: threading.Event, *, frames: int) -> None:
+    def _free_run(self, stop: Flag, *, frames: int) -> None:
         """In the rollout thread: collect into the replay buffer until stopped, paused, the budget is
         reached, or another job waits for the thread."""
         while (
@@ -421,7 +420,7 @@ class Collector(CollectorBase):
                 await self._submit(lambda stop: None).wait()
                 self._count_free_results()  # start()'s batches written by now are counted by now
 
-    def _submit(self, fn: Callable[[threading.Event], T], *, free: bool = False) -> Job[T]:
+    def _submit(self, fn: Callable[[Flag], T], *, free: bool = False) -> Job[T]:
         """Queue ``fn(stop)`` in the rollout thread, started now (with this thread's torch settings) if
         the collector was not entered. Its doorbell is the batch lock holder's, or ``start()``'s."""
         if not self._bells:

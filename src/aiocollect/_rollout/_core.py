@@ -68,7 +68,8 @@ class _Steps:
 
 
 class StopSignal(Protocol):
-    """What ``Rollout.collect`` reads to stop early: a ``threading.Event``, or a worker's shared stop flag."""
+    """What ``Rollout.collect`` reads to stop early: a job's ``Flag`` (``_rollout/_thread.py``), a
+    ``threading.Event``, or a worker's shared stop flag."""
 
     def is_set(self) -> bool: ...
 

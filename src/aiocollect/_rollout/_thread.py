@@ -31,7 +31,7 @@ from .._episodes._assembler import TrajectoryAssembler
 from .._observe._timesplit import SplitClock
 from ._core import RolloutResult
 
-__all__ = ["Doorbell", "Job", "RolloutThread", "collect_episodes", "end_at_exit"]
+__all__ = ["Doorbell", "Flag", "Job", "RolloutThread", "collect_episodes", "end_at_exit"]
 
 T = TypeVar("T")
 
@@ -155,14 +155,31 @@ async def _wait_socket(rx: socket.socket) -> None:
         pass
 
 
+class Flag:
+    """``threading.Event``'s ``set`` and ``is_set`` without its ``Condition`` (no thread ever waits on a
+    job's flags: the loop waits on the job's :class:`Doorbell`, the rollout reads ``stop`` at every step).
+    One attribute under the GIL: a job made per batch costs 1 µs instead of 10 (two Events)."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
 class Job(Generic[T]):
     """A call to run in the rollout thread. ``stop`` asks a stoppable call to return at its next step."""
 
-    def __init__(self, fn: Callable[[threading.Event], T], bell: Doorbell) -> None:
+    def __init__(self, fn: Callable[[Flag], T], bell: Doorbell) -> None:
         self.fn = fn
         self.bell = bell
-        self.stop = threading.Event()
-        self.done = threading.Event()
+        self.stop = Flag()
+        self.done = Flag()
         self.started = False
         self._result: Any = None
         self._error: BaseException | None = None
@@ -291,7 +308,7 @@ class RolloutThread:
         self._thread.start()
         end_at_exit(self)
 
-    def submit(self, fn: Callable[[threading.Event], T], bell: Doorbell) -> Job[T]:
+    def submit(self, fn: Callable[[Flag], T], bell: Doorbell) -> Job[T]:
         """Queue ``fn(stop)``; the thread starts now if it has not yet."""
         self.start()
         job: Job[T] = Job(fn, bell)
@@ -351,7 +368,7 @@ class RolloutThread:
 def collect_episodes(
     assembler: TrajectoryAssembler,
     collect: Callable[[], RolloutResult],
-    stop: threading.Event | None,
+    stop: Flag | None,
     version: int,
 ) -> RolloutResult:
     """In a rollout thread: frame batches from ``collect()`` into ``assembler`` until a batch of whole
