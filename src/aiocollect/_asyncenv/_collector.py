@@ -5,7 +5,7 @@ declared handle through which a ``MultiAsyncEnvCollector`` worker runs one."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Unpack
 
 import anyio
@@ -286,28 +286,17 @@ class AsyncEnvCollector(CollectorBase):
         )
 
     def _is_paused(self) -> bool:
-        return self._paused > 0
+        return bool(self._pauses)
 
     async def _resumed(self) -> None:
         """Until the collector is resumed (no ``pause()``, capture or host's hold open): the engine's policy
         side waits here while paused (no call is in flight)."""
-        while self._paused and self._unpaused is not None:
-            await self._unpaused.wait()
+        await self._pauses.resumed()
 
-    @contextlib.contextmanager
-    def _hold(self) -> Iterator[None]:
+    def _hold(self) -> contextlib.AbstractContextManager[None]:
         """No policy call starts while this is open (counted with ``pause()``'s, without waiting for the
         steps in flight: a hung env does not hold it back)."""
-        self._paused += 1
-        if self._unpaused is None:
-            self._unpaused = anyio.Event()
-        try:
-            yield
-        finally:
-            self._paused -= 1
-            if not self._paused and self._unpaused is not None:
-                self._unpaused.set()
-                self._unpaused = None
+        return self._pauses.hold()
 
     async def aclose(self) -> None:
         """Stop the env tasks and the policy (after the steps and the policy call in flight), close every

@@ -29,6 +29,7 @@ from .._observe._events import (
 )
 from .._observe._progress import Progress
 from .._observe._stats import StatsTracker
+from ._pauses import Pauses
 
 if TYPE_CHECKING:
     from .._episodes._assembler import EpisodeStatistics
@@ -59,8 +60,7 @@ class CollectorBase(abc.ABC):
         self._progress = Progress(progress, self.total_frames)
         self._stats = StatsTracker(total_frames=self.total_frames)
         self._lock = anyio.Lock()
-        self._paused = 0
-        self._unpaused: anyio.Event | None = None
+        self._pauses = Pauses()
         self._closed = self._failed = False
         self._closed_reason = "it was closed"
         self._task_group: anyio.abc.TaskGroup | None = None
@@ -181,10 +181,10 @@ class CollectorBase(abc.ABC):
     async def _acquire_batch_lock(self) -> None:
         """Wait until no ``pause()`` holds the collector, then take the batch lock."""
         while True:
-            if self._unpaused is not None:
-                await self._unpaused.wait()
+            if self._pauses:  # no coroutine per batch when none is open
+                await self._pauses.resumed()
             await self._lock.acquire()
-            if not self._paused:
+            if not self._pauses:
                 return
             self._lock.release()
 
@@ -366,20 +366,11 @@ class CollectorBase(abc.ABC):
             ...     async with collector.pause():
             ...         ...  # e.g. torch.compile the policy while no rollout runs
         """
-        self._paused += 1
-        if self._unpaused is None:
-            self._unpaused = anyio.Event()
-        try:
+        with self._pauses.hold(on_last=lambda: self._hub.publish(Resumed())):
             await self._wait_idle()
-            if self._paused == 1:
+            if self._pauses.count == 1:
                 self._hub.publish(Paused())
             yield
-        finally:
-            self._paused -= 1
-            if not self._paused and self._unpaused is not None:
-                self._unpaused.set()
-                self._unpaused = None
-                self._hub.publish(Resumed())
 
     async def _wait_idle(self) -> None:
         """Wait for the batch in flight (``pause()``)."""
@@ -392,7 +383,7 @@ class CollectorBase(abc.ABC):
 
     @property
     def paused(self) -> bool:
-        return self._paused > 0
+        return bool(self._pauses)
 
 
 class _Fill:

@@ -396,7 +396,7 @@ class Collector(CollectorBase):
         """In the rollout thread: collect into the replay buffer until stopped, paused, the budget is
         reached, or another job waits for the thread."""
         while (
-            not stop.is_set() and not self._paused and not self._thread.pending() and not self._stop_requested
+            not stop.is_set() and not self._pauses and not self._thread.pending() and not self._stop_requested
         ):
             if 0 < self.total_frames <= frames:
                 return
