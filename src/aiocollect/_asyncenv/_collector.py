@@ -28,7 +28,7 @@ from .._local._base import CollectorBase
 from .._observe._events import WeightsLoaded, WeightsPublished, WorkerFailed, WorkerStarted, WorkerStopped
 from .._observe._stats import CollectorStatistics, WorkerStatistics
 from .._policies._weights import as_weights, check_compatible, module_weights
-from .._procenv._driven import is_process_env
+from .._procenv._env import Part, ProcessVectorEnv
 from ._checkpoint import (
     CANNOT_LOAD,
     CANNOT_SAVE,
@@ -40,7 +40,7 @@ from ._checkpoint import (
     state_methods_of,
 )
 from ._engine import Engine, Setup, Stepper
-from ._envset import EnvSet, env_fns_arg, open_envs
+from ._envset import EnvSet, close_once, env_fns_arg, open_envs
 from ._fused import FusedSteps
 from ._keywords import AsyncEnvKeywords
 from ._options import AsyncEnvOptions
@@ -207,13 +207,9 @@ class AsyncEnvCollector(CollectorBase):
             self._check_vector_envs(spec)
             policy, engine_policy = self._policies(spec, await self._placed(spec))
             self._kind = _stepper_kind(self._options.fused, envs, engine_policy is not policy)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                for env in envs:
-                    try:
-                        await env.close()
-                    except Exception:  # best effort: the error that stopped us goes on
-                        pass
+        except BaseException:  # best effort: the error that stopped us goes on
+            for i in range(len(envs)):
+                await close_once(envs, set(), i)
             raise
         policy.rng = self._rng = RolloutRNG(self._seed)  # the seed as _placed left it
         policy.start()  # the thread gets the entering thread's torch settings
@@ -239,7 +235,7 @@ class AsyncEnvCollector(CollectorBase):
         for i in range(spec.rows):
             self._hub.publish(WorkerStarted(i))
         assert self._task_group is not None
-        await self._task_group.start(self._engine.run)
+        await self._task_group.start(self._engine.stepper.run)
 
     def _policies(self, spec: EnvSet, random_seed: int | None) -> tuple[BatchPolicy, Any]:
         """The collector's policy, and what the engine calls: the policy, or (a worker's
@@ -319,7 +315,7 @@ class AsyncEnvCollector(CollectorBase):
         engine = self._engine
         if engine is not None:
             engine.consumer_signal.set()  # a consumer waiting for a batch sees the collector closed
-            await engine.stop()
+            await engine.stepper.stop()
             async with anyio.create_task_group() as tg:
                 for i in range(len(engine.envs)):
                     tg.start_soon(engine.close_env, i)
@@ -501,7 +497,7 @@ class AsyncEnvCollector(CollectorBase):
             raise TypeError("set_seed needs an int")
 
         async def apply(engine: Engine) -> int:
-            await engine.stop()  # first: no policy call draws from the new seed before the restart
+            await engine.stepper.stop()  # first: no policy call draws from the new seed before the restart
             self._seed = seed
             await self._in_policy_thread(lambda: self._rng.seed(seed))
             await self._restart_engine(seed)
@@ -597,7 +593,7 @@ class AsyncEnvCollector(CollectorBase):
             module = None if self._policy is None else self._policy.module
             if "policy" in state and module is not None:
                 check_compatible(module_weights(module), as_weights(state["policy"]))
-            await engine.stop()  # no policy call in flight from here on
+            await engine.stepper.stop()  # no policy call in flight from here on
             try:
                 await self._load_stopped(engine, state, methods)
             except BaseException:  # the collector goes on, from reset
@@ -648,7 +644,7 @@ class AsyncEnvCollector(CollectorBase):
             old = self._engine
             assert old is not None
             assert self._task_group is not None
-            await old.stop()
+            await old.stepper.stop()
             if self._episodes is not None:  # trajectories in assembly went with the frames dropped
                 self._episodes = self._episodes.emptied()
             done = self._stats.frames if frames is None else frames
@@ -659,7 +655,7 @@ class AsyncEnvCollector(CollectorBase):
             run = envs if obs is None else [FromState(env, o) for env, o in zip(envs, obs, strict=True)]
             new = old.successor(run, seed=seed, target=target - done if target > 0 else -1, at=group_round)
             self._engine = new
-            await self._task_group.start(new.run)
+            await self._task_group.start(new.stepper.run)
             new.envs[:] = envs  # the tasks hold the restored ones; the collector's envs are the envs
 
     def _check_restartable(self, what: str, restarts: bool = True) -> Engine:
@@ -698,7 +694,7 @@ def _stepper_kind(given: bool | None, envs: list[Any], wraps: bool) -> Callable[
     collector wraps its policy), else the steps on the loop; ``fused=True`` that cannot: ``ValueError``."""
     if given is False:
         return LoopSteps
-    if not all(is_process_env(env) for env in envs):
+    if not all(isinstance(env, (ProcessVectorEnv, Part)) for env in envs):
         why = "every env must be a ProcessVectorEnv or one of its split() parts"
     elif wraps:
         why = "the collector wraps its policy (init_random_frames)"

@@ -177,12 +177,6 @@ class Engine:
         return new
 
     # -- lifecycle --------------------------------------------------------------------------------
-    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        await self.stepper.run(task_status=task_status)
-
-    async def stop(self) -> None:
-        await self.stepper.stop()
-
     async def close_env(self, i: int) -> None:
         """Close env ``i`` (once), shielded; an error closing it is dropped (it failed, or we are ending)."""
         await close_once(self.envs, self.closed_envs, i)

@@ -13,7 +13,7 @@ hand-offs both ways.
 
 Everything else is the engine's and the collector's, as on the loop: the batch lock, ``pause()`` (no call
 starts while paused; the thread parks until a loop task sees the collector resumed and rings it), weight
-loads and other work "in the policy thread" (queued to the driver and run between two calls),
+loads and other work "in the policy thread" (there, between two of the driver's calls),
 ``update_weights``' version (no call while the loop holds the engine's ``policy_lock``), errors (a
 worker's error with its type and traceback, a dead worker's ``WorkerDiedError``; ``on_env_error="drop"``
 drops its unit), the frame budget, backpressure (``1 + prefetch`` batches ahead),
@@ -35,9 +35,8 @@ import anyio.abc
 import anyio.to_thread
 
 from .._core._torch_settings import TorchSettings
-from .._procenv._driven import Unit, release
 from ._engine import Engine
-from ._fused_driver import Driver, Halted
+from ._fused_driver import Driver, Halted, Unit
 from ._policy_thread import loop_wake
 
 __all__ = ["FusedSteps"]
@@ -80,7 +79,6 @@ class FusedSteps:
                     for worker in unit.workers:
                         poller.register(worker.sock, selectors.EVENT_READ, (unit, worker))
                 self.driver = driver = Driver(e, units, poller, wake_r, self.on_loop, self._request)
-                e.policy.route_calls(self._job)
                 settings = TorchSettings.capture()
                 thread = threading.Thread(
                     target=self._drive, args=(driver, settings), name="aiocollect-fused"
@@ -100,9 +98,10 @@ class FusedSteps:
                     self.wake()
                     await self._driver_done.wait()
                     await anyio.to_thread.run_sync(thread.join)  # it has only to return: no thread left
-                e.policy.route_calls(None)
                 poller.close()
-                release(units)
+                for unit in units:  # the workers back to their envs
+                    for worker in unit.workers:
+                        worker.waiting = False
                 for fd in (wake_r, self._wake_w):
                     if fd >= 0:
                         os.close(fd)
@@ -151,9 +150,6 @@ class FusedSteps:
             if e.error is None:
                 e.error = exc
         finally:
-            with driver.jobs_lock:
-                driver.accepting = False
-            driver.run_jobs()
             e.in_flight = 0  # the steps in flight give no frame any more (their replies stay owed)
             e.acting = False
             self.on_loop(self._driver_ended)
@@ -184,28 +180,3 @@ class FusedSteps:
         if self.driver is not None:
             self.driver.parked = False
         self.wake()
-
-    async def _job(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` in the driver thread between two policy calls (the policy's ``in_thread``); once the
-        driver has ended, in the policy's own thread."""
-        driver, queued = self.driver, False
-        done = anyio.Event()
-        box: list[Any] = []
-        if driver is not None:
-            with driver.jobs_lock:
-                queued = driver.accepting
-                if queued:
-                    driver.jobs.append((fn, box, done))
-        if not queued:
-            return await self.engine.policy.in_own_thread(fn)
-        self.wake()
-        try:
-            await done.wait()
-        except BaseException:
-            with anyio.CancelScope(shield=True):  # fn's inputs are never reused under it
-                await done.wait()
-            raise
-        ok, value = box
-        if not ok:
-            raise value
-        return value

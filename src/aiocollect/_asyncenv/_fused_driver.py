@@ -2,18 +2,17 @@
 wake-up pipe, writes a unit's frames when all its workers have replied (block copies from their slots
 into the batch being filled), and once ``min_batch`` sub-envs wait (or the oldest has waited
 ``max_wait``) gathers their observations, runs the policy, writes the actions into the slots and rings
-the units. Between two calls it runs the jobs the loop queued for "the policy thread" (weight loads,
-random states); it makes no call while the collector is paused or the loop holds the engine's
-``policy_lock``. It reads and writes the engine's state (``_engine.py``: the budget, the batches, the
-calls) and talks to the loop only through the hand-offs it is given: ``on_loop(fn)`` and
-``request(kind, arg)``."""
+the units. It makes no call while the collector is paused or the loop holds the engine's ``policy_lock``
+(work "in the policy thread", weight loads and random states, runs in the policy's own thread, kept from
+the driver's calls by the policy's lock). It reads and writes the engine's state (``_engine.py``: the
+budget, the batches, the calls) and talks to the loop only through the hand-offs it is given:
+``on_loop(fn)`` and ``request(kind, arg)``."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import selectors
-import threading
 from collections import deque
 from collections.abc import Callable
 from time import perf_counter
@@ -22,10 +21,72 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._procenv._driven import Unit, read_reply
+from .._procenv._env import Part, ProcessVectorEnv, Worker
+from .._procenv._slots import Block
 from ._engine import Engine
 
-__all__ = ["Driver", "Halted"]
+__all__ = ["Driver", "Halted", "Unit"]
+
+
+class Unit:
+    """Env ``index`` of the collector (a ``ProcessVectorEnv`` or a part), its rows ``first`` to
+    ``first + width - 1``; the workers it steps together (its :attr:`block`), claimed from the env: its
+    own ``step``/``reset`` refuse (a call in flight) and its loop reader is unwatched until ``_fused.py``
+    hands them back, the replies still owed read first by its next call (or ``close``)."""
+
+    def __init__(self, env: ProcessVectorEnv | Part, index: int, first: int) -> None:
+        whole = env if isinstance(env, ProcessVectorEnv) else env._env
+        if whole._closed:
+            raise RuntimeError(f"{env!r} is closed")
+        self.index, self.first = index, first
+        self.workers: list[Worker] = (
+            list(env._workers) if isinstance(env, ProcessVectorEnv) else [env._worker]
+        )
+        self.block = Block(self.workers)  # its slots, read and written as one block of rows
+        self.width = self.block.width
+        self.pending = 0  # replies the unit awaits for its command in flight
+        self.stepping = False  # its command in flight is a step (not a reset)
+        self.dead = False  # failed (dropped): never stepped again
+        self.action_no = 0  # the number of its first row's action (rows numbered in a row)
+        self.obs_at_call: list[Any] = []  # the observations its actions were computed from (copies)
+        self.staged: list[np.ndarray] = []  # its observations for a policy call of its own (reused)
+        self.ids = np.arange(first, first + self.width)  # its env ids
+        for worker in self.workers:
+            if worker.failure is not None:
+                raise worker.failure
+            if worker.waiting:
+                raise RuntimeError(f"{env!r} is stepped by something else (a call in flight)")
+        for worker in self.workers:  # from the loop's thread: its reader is the loop's business
+            worker.reader.unwatch()
+            worker.waiting = True  # claimed: the env's own calls refuse while we drive it
+
+    def ring(self, command: bytes) -> None:
+        """Send ``command`` (``S`` step, ``R`` reset) to every worker; their replies are then owed."""
+        for worker in self.workers:
+            try:
+                worker.sock.send(command)
+            except OSError:
+                error = worker.failure = worker.died()  # the env raises it from now on
+                raise error from None
+            worker.owed += 1
+        self.pending = len(self.workers)
+        self.stepping = command == b"S"
+
+
+def read_reply(worker: Worker) -> bool | None:
+    """A readable worker's reply: ``True`` done, ``None`` nothing to read after all; raises its error
+    (with the worker's traceback) or :class:`WorkerDiedError`."""
+    try:
+        reply = worker.sock.recv(1)
+    except BlockingIOError:
+        return None
+    except OSError:
+        reply = b""
+    if reply == b"D":
+        worker.owed -= 1
+        return True
+    worker.owed = 0
+    raise worker.read_failure() if reply == b"E" else worker.died()
 
 
 class Halted(Exception):
@@ -51,10 +112,6 @@ class Driver:
         self.first_ready = 0.0
         self.parked = False  # paused: a loop task waits for the collector to resume, then rings
         self.halt = False  # to stop
-        # what the loop queued for "the policy thread": (fn, result box, done event)
-        self.jobs: deque[tuple[Callable[[], Any], list[Any], Any]] = deque()
-        self.jobs_lock = threading.Lock()
-        self.accepting = True  # jobs run here (else in the policy's own thread)
         n = engine.rows
         self.ret, self.len = np.zeros(n), np.zeros(n, np.int64)  # per row: the episode so far
 
@@ -64,17 +121,6 @@ class Driver:
             if unit.stepping and unit.action_no < low:
                 low = unit.action_no
         return low
-
-    def run_jobs(self) -> None:
-        """The jobs queued (in the driver thread)."""
-        while self.jobs:
-            fn, box, done = self.jobs.popleft()
-            try:
-                box[:] = [True, fn()]
-            except BaseException as exc:
-                box[:] = [False, exc]
-            del fn
-            self.on_loop(done.set)
 
     # -- the loop ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -105,9 +151,6 @@ class Driver:
         while True:
             if self.halt:
                 return
-            if self.jobs:
-                self.run_jobs()
-                continue
             if e.collected():
                 return
             room = e.room()
@@ -151,7 +194,8 @@ class Driver:
                 if read_reply(worker) is None:
                     continue
             except Exception as exc:
-                self._unit_failed(unit, unit.fail(worker, exc))
+                worker.failure = exc  # the env raises it from now on
+                self._unit_failed(unit, exc)
                 continue
             if worker.owed:
                 continue

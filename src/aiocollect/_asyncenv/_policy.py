@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -137,7 +138,7 @@ class BatchPolicy:
         #: around each torch call
         self.rng: RolloutRNG | None = None
         self._thread: PolicyThread | None = None
-        self._route: Any = None  # route_calls: in_thread's calls go there instead of to _thread
+        self._calls = threading.Lock()  # held by a call, and by in_thread's work: one at a time
         self._out_keys: list[NestedKey] | None = None
         self.module: torch.nn.Module | None = None
         self.device: torch.device | None = None
@@ -179,34 +180,29 @@ class BatchPolicy:
             await self._thread.stop()
 
     async def in_thread(self, fn: Any) -> Any:
-        """Run ``fn()`` in the policy thread, between policy calls (where :meth:`route_calls` says)."""
-        route = self._route
-        if route is not None:
-            return await route(fn)
-        return await self.in_own_thread(fn)
-
-    async def in_own_thread(self, fn: Any) -> Any:
-        """Run ``fn()`` in this policy's own thread."""
+        """Run ``fn()`` in the policy thread, between two policy calls (a lock keeps it from the calls
+        the fused engine's driver makes in its own thread)."""
         assert self._thread is not None
-        return await self._thread.call(fn)
+        return await self._thread.call(lambda: self._between_calls(fn))
 
-    def route_calls(self, to: Any) -> None:
-        """Send :meth:`in_thread`'s calls to ``to`` (an ``async`` callable taking ``fn``: the thread that
-        runs the policy's calls now, the fused engine's driver); ``None``: this policy's own thread."""
-        self._route = to
+    def _between_calls(self, fn: Any) -> Any:
+        with self._calls:
+            return fn()
 
     # -- calls ------------------------------------------------------------------------------------
     async def __call__(self, obs: dict[NestedKey, torch.Tensor], n: int) -> dict[NestedKey, torch.Tensor]:
         if self.is_async:
             return await self._call_async(obs, n)
-        return await self.in_thread(lambda: self._call_torch(obs, n))
+        assert self._thread is not None
+        return await self._thread.call(lambda: self._call_torch(obs, n))
 
     def _call_torch(self, obs: dict[NestedKey, torch.Tensor], n: int) -> dict[NestedKey, torch.Tensor]:
         """The call, in the thread that runs the policy (the policy thread, or the fused engine's), drawing
         from :attr:`rng` when it is set."""
-        if self.rng is not None:
-            return self.rng.run(lambda: self._call_module(obs, n))
-        return self._call_module(obs, n)
+        with self._calls:
+            if self.rng is not None:
+                return self.rng.run(lambda: self._call_module(obs, n))
+            return self._call_module(obs, n)
 
     def _call_module(self, obs: dict[NestedKey, torch.Tensor], n: int) -> dict[NestedKey, torch.Tensor]:
         if self._resized:

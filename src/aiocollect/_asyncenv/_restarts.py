@@ -18,7 +18,7 @@ import anyio.to_thread
 from .._core._restart import RestartBudget, RestartPolicy, derive_seed
 from .._envs._rebuild import env_factory
 from .._observe._events import Restarted
-from ._envset import EnvSet, open_env, spaces_of, vector_width
+from ._envset import EnvSet, close_once, open_env, spaces_of, vector_width
 from ._frames import FrameBatch, PolicyCall
 
 __all__ = ["EnvRestarts", "restart_arg", "truncate_last_frames"]
@@ -94,12 +94,8 @@ class EnvRestarts:
                 if vector_width(env) != self.spec.widths[u]:
                     raise RuntimeError(f"env_fns[{u}] rebuilt an env of another width: build the same env")
             except Exception as build_exc:
-                if env is not None:
-                    with anyio.CancelScope(shield=True):
-                        try:
-                            await env.close()
-                        except Exception:  # the build's own error is the one that counts
-                            pass
+                if env is not None:  # the build's own error is the one that counts
+                    await close_once([env], set(), 0)
                 delay = budget.admit(build_exc, first, progressed=False)
                 self._publish(budget)
                 continue

@@ -341,7 +341,7 @@ class ProcessVectorEnv:
             try:
                 worker.sock.send(command)
             except OSError:
-                await self._fail(worker, await self._died(worker))
+                await self._fail(worker)
             worker.owed += 1
         for worker in workers:
             await self._reply(worker)
@@ -355,24 +355,23 @@ class ProcessVectorEnv:
         if reply == b"D":
             worker.owed -= 1
             return
-        if reply == b"E":
-            await self._fail(worker, await self._read_failure(worker))
-        await self._fail(worker, await self._died(worker))
+        await self._fail(worker, error_frame=reply == b"E")
 
-    async def _fail(self, worker: Worker, error: BaseException) -> NoReturn:
+    async def _fail(self, worker: Worker, *, error_frame: bool = False) -> NoReturn:
+        """Raise (from now on) ``worker``'s error: the frame that follows its ``E`` reply (``error_frame``),
+        else its death (:class:`WorkerDiedError` with its exit code, once it exits: up to 5 s)."""
+        error: BaseException
+        if error_frame:
+            await anyio.wait_readable(worker.sock)  # the error frame (or the hang-up) follows
+            error = await anyio.to_thread.run_sync(worker.read_failure)
+        else:
+            with anyio.move_on_after(5.0):
+                if worker.process.exitcode is None:
+                    await anyio.wait_readable(worker.process.sentinel)
+            error = WorkerDiedError(worker.index, worker.process.exitcode)
         worker.failure = error
         worker.owed = 0
         raise error
-
-    async def _died(self, worker: Worker) -> WorkerDiedError:
-        with anyio.move_on_after(5.0):
-            if worker.process.exitcode is None:
-                await anyio.wait_readable(worker.process.sentinel)
-        return WorkerDiedError(worker.index, worker.process.exitcode)
-
-    async def _read_failure(self, worker: Worker) -> BaseException:
-        await anyio.wait_readable(worker.sock)  # the error frame (or the hang-up) follows
-        return await anyio.to_thread.run_sync(worker.read_failure)
 
     # -- stop and reap ----------------------------------------------------------------------------
     def _reap(self) -> None:
