@@ -30,6 +30,10 @@ TORCH = "torch==2.13.0"
 PYTHON = "3.11"
 #: the README's test command's option (CI runs it as written): tier 0 of the loop rotation
 README_TIER = "--loop-tier=0"
+#: the README's test command runs the tests in two processes (pytest-xdist): the suite waits about half
+#: its time, so two at once keep 2 cores busy; the suite's other runs (minimum_versions, newest_python,
+#: examples, longrun) take it too
+PARALLEL = ("-n", "2")
 #: the marker expressions of the tiers that .ci/run runs in the README's virtualenv (the sessions below
 #: run the same in their own); a ``timing`` test is never part of a tier's verdict
 EXAMPLES = "examples and not timing"
@@ -64,7 +68,7 @@ def tests(session: nox.Session) -> None:
     """The default suite as the README's test command runs it (``--loop-tier=0``: one loop per async test,
     every loop for the ``all_loops`` ones); plain ``pytest`` with no option runs every loop everywhere."""
     install(session, "test")
-    session.run("python", "-m", "pytest", README_TIER, *session.posargs)
+    session.run("python", "-m", "pytest", README_TIER, *PARALLEL, *session.posargs)
 
 
 @nox.session(python=PYTHON)
@@ -75,7 +79,7 @@ def under_load(session: nox.Session) -> None:
     install(session, "test")
     burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        session.run("python", "-m", "pytest", README_TIER, *session.posargs)
+        session.run("python", "-m", "pytest", README_TIER, *PARALLEL, *session.posargs)
     finally:
         burner.kill()
         burner.wait()
@@ -128,7 +132,7 @@ def examples(session: nox.Session) -> None:
     """Every example end to end in a subprocess (tests/test_examples.py, marked ``examples``; CI runs
     them in the README's virtualenv: ``pytest -m examples``)."""
     install(session, "test")
-    session.run("python", "-m", "pytest", "-m", EXAMPLES, *session.posargs)
+    session.run("python", "-m", "pytest", "-m", EXAMPLES, *PARALLEL, *session.posargs)
 
 
 @nox.session(python=PYTHON)
@@ -137,7 +141,7 @@ def longrun(session: nox.Session) -> None:
     subprocesses, under asyncio, uvloop and trio, and the variants of examples/why_slow.py (the default suite
     runs one case of each; CI runs them in the README's virtualenv: ``pytest -m longrun``)."""
     install(session, "test")
-    session.run("python", "-m", "pytest", "-m", LONGRUN, *session.posargs)
+    session.run("python", "-m", "pytest", "-m", LONGRUN, *PARALLEL, *session.posargs)
 
 
 @nox.session(python=PYTHON)
@@ -306,7 +310,17 @@ def minimum_versions(session: nox.Session) -> None:
     typing = "--deselect=tests/test_typing.py::test_examples_and_a_user_script_pass_mypy_strict"
     # tier 1 of the loop rotation: each async test under the loop the README's run and newest_python do not
     # take for it
-    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", typing, "--loop-tier=1", *session.posargs)
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        typing,
+        "--loop-tier=1",
+        *PARALLEL,
+        *session.posargs,
+    )
 
 
 @nox.session(python=_interpreter(NEWEST_PYTHON))
@@ -314,4 +328,6 @@ def newest_python(session: nox.Session) -> None:
     """The default suite on the newest Python here (torch 2.13.0 for it comes from PyPI: a CUDA build that
     runs on the CPU), tier 2 of the loop rotation (the README's run and minimum_versions take the others)."""
     install(session, "test")
-    session.run("python", "-m", "pytest", "-p", "no:cacheprovider", "--loop-tier=2", *session.posargs)
+    session.run(
+        "python", "-m", "pytest", "-p", "no:cacheprovider", "--loop-tier=2", *PARALLEL, *session.posargs
+    )

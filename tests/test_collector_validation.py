@@ -8,6 +8,14 @@ import torch
 from aiocollect import Collector, GymEnv
 from support import EnvFactory
 
+
+class NotABuffer:
+    """Not a replay buffer (its repr names the test the same in every process: ``pytest -n``)."""
+
+    def __repr__(self) -> str:
+        return "NotABuffer()"
+
+
 BAD_ARGUMENTS = [
     # (keyword arguments, exception type(s), the argument the message names)
     ({"frames_per_batch": 0}, ValueError, "frames_per_batch"),
@@ -23,7 +31,7 @@ BAD_ARGUMENTS = [
     ({"max_frames_per_traj": -1}, ValueError, "max_frames_per_traj"),
     ({"init_random_frames": -1}, ValueError, "init_random_frames"),
     ({"postproc": "double"}, TypeError, "postproc"),
-    ({"replay_buffer": object()}, TypeError, "replay_buffer"),
+    ({"replay_buffer": NotABuffer()}, TypeError, "replay_buffer"),
     ({"device": "not-a-device"}, ValueError, "device"),
     ({"policy_device": "not-a-device"}, ValueError, "policy_device"),
     ({"storing_device": 3.5}, ValueError, "storing_device"),
