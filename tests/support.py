@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import resource
 import sys
 import threading
 import time
@@ -30,6 +31,7 @@ import anyio.lowlevel
 import anyio.to_thread
 import cloudpickle
 import gymnasium as gym
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -126,6 +128,32 @@ def cartpole4() -> GymEnv:
 
 def pendulum() -> GymEnv:
     return GymEnv("Pendulum-v1")
+
+
+class FreedMemory(gym.Env):
+    """Each step allocates and frees three 8 MiB blocks, as a policy's temporaries do, and observes the
+    page faults that took: zero once the process keeps freed memory (a worker process does)."""
+
+    observation_space = gym.spaces.Box(0, np.inf, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return self._faults(), {}
+
+    def step(self, action):
+        return self._faults(), 0.0, False, False, {}
+
+    @staticmethod
+    def _faults() -> np.ndarray:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        blocks = [bytearray(8 << 20) for _ in range(3)]
+        del blocks
+        return np.array([resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before], np.float32)
+
+
+def freed_memory() -> GymEnv:
+    return GymEnv(FreedMemory())
 
 
 def broken_factory() -> GymEnv:

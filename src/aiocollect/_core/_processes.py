@@ -27,6 +27,8 @@ import warnings
 import weakref
 from typing import Any
 
+from ._malloc import keep_freed_memory
+
 __all__ = ["become_worker", "lead_group", "reaped", "signal_group", "started", "watch_parent"]
 
 #: worker processes started and not reaped yet (not daemonic: their envs may start processes of their own)
@@ -107,9 +109,11 @@ def watch_parent(sock: socket.socket, name: str) -> None:
 
 def become_worker(sock: socket.socket, name: str, show_warnings: bool) -> None:
     """A worker process's start: it leads a group of its own, which it kills when the parent at the other
-    end of ``sock`` is gone (watched by a thread ``name``), leaves Ctrl-C to the trainer (which stops it)
+    end of ``sock`` is gone (watched by a thread ``name``), leaves Ctrl-C to the trainer (which stops it),
+    keeps the memory it frees for its next step (:func:`~aiocollect._core._malloc.keep_freed_memory`)
     and, unless ``show_warnings``, silences its warnings."""
     lead_group()
+    keep_freed_memory()
     watch_parent(sock, name)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not show_warnings:
