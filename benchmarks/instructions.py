@@ -39,6 +39,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from ab_matrix import parse_cell
+
 ROOT = Path(__file__).resolve().parents[1]
 _SUMMARY = re.compile(rb"^(?:summary|totals):\s*(\d+)", re.MULTILINE)
 
@@ -57,7 +59,7 @@ def child(cell: str, kind: str, batches: int) -> dict[str, int]:
         pass
 
     _events.LoopLag.run = no_ticks  # type: ignore[method-assign]
-    env_id, num_envs, policy, collector = cell.split(":")
+    env_id, num_envs, policy, collector, _ = parse_cell(cell)
 
     async def run() -> int:
         variants = matrix.build(env_id, int(num_envs), policy, [collector], False, raw="store")
@@ -86,7 +88,9 @@ def counted(cell: str, kind: str, batches: int, folder: Path) -> dict[str, int]:
         "valgrind", "--tool=callgrind", "--trace-children=yes", f"--callgrind-out-file={out}/cg.%p",
         "--log-file=/dev/null", sys.executable, __file__, "--child", cell, kind, str(batches),
     ]  # fmt: skip
-    done = subprocess.run(args, env=env, check=True, capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run(args, env=env, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode:
+        sys.exit(f"{cell} ({kind}, {batches} batches) failed under valgrind:\n{done.stderr[-4000:]}")
     report = json.loads(done.stdout.strip().splitlines()[-1])
     main = other = 0
     for path in out.glob("cg.*"):
@@ -124,6 +128,17 @@ def main(argv: list[str] | None = None) -> None:
     a, b = args.batches
     if not 0 <= a < b:
         parser.error("--batches A B needs 0 <= A < B")
+    from matrix import COLLECTORS
+
+    for cell in args.cells:  # checked before any run starts (ab_matrix's cell format, one collector named)
+        try:
+            collector = parse_cell(cell)[3]
+        except ValueError as e:
+            parser.error(str(e))
+        if cell.count(":") != 3 or collector not in COLLECTORS:
+            parser.error(
+                f"a cell is ENV:N:POLICY:COLLECTOR, COLLECTOR one of {', '.join(COLLECTORS)}; got {cell!r}"
+            )
     print("| cell | raw: instructions/frame | collector: trainer + workers | raw / collector |")
     print("|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(2) as pool:
