@@ -49,10 +49,11 @@ from aiocollect import (
     MultiSyncCollector,
     PipeWeightSync,
     ProcessCollector,
+    Sink,
     WorkerDiedError,
     WorkerTimeoutError,
 )
-from support import Timing, alive, children, gone, segments, wait_until
+from support import SETTLE, Leaks, Timing, alive, children, gone, segments, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -710,6 +711,46 @@ def test_sigint_to_the_trainer(request, timing, tmp_path):
     assert proc.returncode == -signal.SIGINT, (proc.returncode, err)  # an uncaught KeyboardInterrupt
     assert err.rstrip().endswith("KeyboardInterrupt"), err
     assert segments(proc.pid) == []
+
+
+class InterruptingSink(Sink):
+    """Raises ``KeyboardInterrupt`` from its first write: what trio does when SIGINT arrives while one of
+    the collector's own tasks runs (trio raises it in whichever task runs, not only in the trainer's)."""
+
+    def open(self) -> None:
+        pass
+
+    def write(self, statistics: Any, metrics: Any) -> None:
+        raise KeyboardInterrupt("in the sink's task")
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("kind", ["collector", "sync", "async"])
+def test_keyboard_interrupt_in_a_collector_task_leaves_as_itself(warm_forkserver, kind):
+    """A KeyboardInterrupt raised in one of the collector's tasks (here a sink's, under trio) leaves
+    ``async with`` as itself, not in an ExceptionGroup, with the workers reaped: a trainer's
+    ``except KeyboardInterrupt`` catches it. (Found in CI: trio put a Ctrl-C in the loop-lag task.)"""
+    makers = {
+        "collector": lambda: Collector(healthy, frames_per_batch=4),
+        "sync": lambda: MultiSyncCollector([healthy, healthy], frames_per_batch=8),
+        "async": lambda: MultiAsyncCollector([healthy, healthy], frames_per_batch=4),
+    }
+    batches = []
+    leaks = Leaks()
+
+    async def main() -> None:
+        async with makers[kind]() as c:
+            await c.add_sink(InterruptingSink(every=0.01))
+            async for batch in c:
+                batches.append(batch.numel())
+
+    with pytest.raises(KeyboardInterrupt, match="in the sink's task") as info:
+        anyio.run(main, backend="trio")
+    assert type(info.value) is KeyboardInterrupt
+    assert batches  # the interrupt came from the sink's write, after a batch
+    leaks.check(SETTLE)
 
 
 @pytest.mark.slow  # a second trainer subprocess (torch imported twice more): ~10-30 s on two cores

@@ -230,7 +230,11 @@ class CollectorBase(abc.ABC):
     ) -> bool:
         """Close the collector's task group. Our tasks (background collection, readers, the lag monitor)
         never raise; a background failure is kept (raised by ``__aexit__``) and cancels the body. The
-        body's own exception goes on as itself, never wrapped in an ExceptionGroup."""
+        body's own exception goes on as itself, never wrapped in an ExceptionGroup.
+
+        The one exception our tasks do raise is trio's Ctrl-C: trio raises ``KeyboardInterrupt`` in
+        whichever task runs when SIGINT arrives, one of ours as well as the body. It goes on as itself
+        too, as it would have from the body."""
         tg, self._task_group = self._task_group, None
         if tg is None:
             return False
@@ -239,8 +243,13 @@ class CollectorBase(abc.ABC):
             return bool(await tg.__aexit__(exc_type, exc, tb))
         except BaseExceptionGroup as group:  # trio wraps the body's exception: let it go on unwrapped
             cancelled = anyio.get_cancelled_exc_class()
-            if all(e is exc or isinstance(e, cancelled) for e in _leaves(group)):
+            others = [e for e in _leaves(group) if e is not exc and not isinstance(e, cancelled)]
+            if not others:
                 return False
+            if all(isinstance(e, KeyboardInterrupt) for e in others):
+                if isinstance(exc, KeyboardInterrupt):
+                    return False  # the body's own (one Ctrl-C per exception)
+                raise others[0] from None
             raise
 
     @abc.abstractmethod
