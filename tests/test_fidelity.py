@@ -362,11 +362,11 @@ def vector_cartpole() -> GymEnv:
 
 @pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
 async def test_serial_and_process_workers_give_the_same_seeded_batches(sync: bool) -> None:
-    """Each worker's first batches are the same with thread and process workers. Async: which worker
-    delivers a batch is the schedule's choice (one may deliver all of a 4-batch run), so each run goes
-    on until every worker delivered 2, and those 2 are compared."""
+    """Each worker's batches are the same with thread and process workers: all 4 of a sync run. Async:
+    which worker delivers a batch is the schedule's choice (one may deliver all of a 4-batch run), so each
+    run goes on until every worker delivered 2, and those 2 are compared."""
     cls = MultiSyncCollector if sync else MultiAsyncCollector
-    per_worker = 2
+    per_worker = 4 if sync else 2  # sync: 128 frames in 4 batches, each with a row per worker
 
     async def run(backend: str) -> dict[int, list[torch.Tensor]]:
         out: dict[int, list[torch.Tensor]] = {0: [], 1: []}
