@@ -44,6 +44,7 @@ class FirstReady:
     """
 
     sync = False
+    stacked = False  # each batch is one worker's
 
     def __init__(self, *, renames: bool = True, lazy: bool = True) -> None:
         self._renames_after_drops = renames

@@ -18,12 +18,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
 from .._rollout._batch import nested_td
 from .._rollout._storage import StoragePool, tensor_at
-from .._transport._flat import Key
+from .._transport._flat import FlatLayout, Key
 from .._transport._shm import SharedBlock
 
 __all__ = ["BatchCopies"]
@@ -66,11 +67,25 @@ class BatchCopies:
     def one(self, block: SharedBlock) -> TensorDict:
         """A copy of ``block``'s batch (its last dim named ``"time"``): one copy of the whole block, the
         entries views of it."""
-        layout = block.layout
+        return self.copy(block.data, block.layout)
+
+    def copy(self, data: torch.Tensor | np.ndarray, layout: FlatLayout) -> TensorDict:
+        """A copy of the batch of ``layout`` in ``data`` (a flat ``uint8`` buffer): :meth:`one`'s."""
         buffer = self._pool.take_buffer(layout.nbytes)
-        torch.from_numpy(buffer).copy_(block.data)
+        source = torch.from_numpy(data) if isinstance(data, np.ndarray) else data
+        torch.from_numpy(buffer).copy_(source[: layout.nbytes])
         tensors = {
             _td_key(leaf.key): tensor_at(buffer, leaf.offset, leaf.nbytes, leaf.shape, leaf.dtype)[0]
+            for leaf in layout.leaves
+        }
+        return nested_td(tensors, layout.batch_size, _time_last(len(layout.batch_size)))
+
+    @staticmethod
+    def views(root: np.ndarray, layout: FlatLayout) -> TensorDict:
+        """The batch of ``layout`` in ``root`` (a stacked segment lent as it is, ``_transport/_stacked.py``):
+        new views, each holding ``root``, so that the segment counts as held while any is alive."""
+        tensors = {
+            _td_key(leaf.key): tensor_at(root, leaf.offset, leaf.nbytes, leaf.shape, leaf.dtype)[0]
             for leaf in layout.leaves
         }
         return nested_td(tensors, layout.batch_size, _time_last(len(layout.batch_size)))

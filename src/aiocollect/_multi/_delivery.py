@@ -51,6 +51,8 @@ class Delivering(Protocol):
     call."""
 
     sync: bool
+    #: whether the workers write their batches as the rows of one stacked segment (``_transport/_stacked.py``)
+    stacked: bool
 
     def split_frames(self, frames_per_batch: int | Sequence[int], n: int) -> list[int]: ...
     def slots_per_worker(self, w: WorkersView) -> int: ...

@@ -38,7 +38,7 @@ class Episodes:
     ) -> None:
         self.inner = inner
         self.lag = lag_arg(lag)  # an episode's oldest frame: at most this many versions old
-        self.sync = inner.sync
+        self.sync, self.stacked = inner.sync, inner.stacked
         # what the workers' rollouts take (RolloutOptions): seeded episodes in groups, restarted at updates
         self.for_rollouts = {"group_size": group_size, "on_update": on_update}
         self.assembler = TrajectoryAssembler(trajs_per_batch, group_size)

@@ -34,6 +34,10 @@ class Gather:
     def __init__(self, threshold: float | None, cat_results: Literal["stack"] | int) -> None:
         self._threshold = threshold
         self._cat_results = cat_results
+        #: stacked batches are written by the workers as the rows of one segment, then lent as they are
+        #: (``_transport/_stacked.py``) or copied out when no segment could be spared
+        self.stacked = cat_results == "stack"
+        self._slot = 0  # the slot the workers collect into this round
         #: while a batch is gathered: the notices so far, and whether its frames are random
         self._notices: dict[int, Any] | None = None
         self._random = False
@@ -59,7 +63,7 @@ class Gather:
         if notices is None or pool is None:
             return
         notices.pop(index, None)
-        await pool.send(index, Collect(slot=0, random=self._random))
+        await pool.send(index, Collect(slot=self._slot, random=self._random))
         pool.workers[index].expected_since = anyio.current_time()
 
     @staticmethod
@@ -113,9 +117,10 @@ class Gather:
         stop = w.control.td["stop"]
         stop.zero_()
         notices: dict[int, Any] = {}
+        lend = await self._pick(pool)
         self._notices, self._random = notices, random
         for i in range(n):
-            await pool.send(i, Collect(slot=0, random=random))
+            await pool.send(i, Collect(slot=self._slot, random=random))
             pool.workers[i].expected_since = anyio.current_time()
         need = n if self._threshold is None else math.ceil(self._threshold * n)
         try:
@@ -144,7 +149,7 @@ class Gather:
             raise
         finally:
             self._notices = None
-        batch, valid = self._combine(pool, notices)
+        batch, valid = self._combine(pool, notices, lend)
         return Arrival(
             batch,
             valid,
@@ -152,6 +157,25 @@ class Gather:
             None,
             min(notices[i].policy_version for i in range(n)),
         )
+
+    async def _pick(self, pool: WorkerPool) -> bool:
+        """With stacked slots: the segment no batch holds that the workers collect into this round
+        (``_slot``), and whether its batch may be lent: yes, if another segment is free for the next
+        round, or one could be added (every worker then maps it; a replacement starting maps it once it
+        is ready). The first segment is always free: a batch is lent only with another free one left."""
+        stack = pool.stack
+        if stack is None:
+            return False
+        free = stack.free()
+        self._slot = free[0]
+        if len(free) > 1:
+            return True
+        if not stack.grow():
+            return False  # the cap, or no room in /dev/shm: this round is copied out
+        for handle in pool.workers:
+            if handle.attached:
+                await pool.send(handle.index, pool.attach_message(handle))
+        return True
 
     def frames_for_buffer(self, w: WorkersView, batch: TensorDictBase) -> TensorDictBase:
         """The stacked ``[workers, ..., T]`` batch with its worker dim folded into the next one: the entries
@@ -168,13 +192,23 @@ class Gather:
                 flat = flat[mask]
         return flat
 
-    def _combine(self, pool: WorkerPool, notices: dict[int, Any]) -> tuple[TensorDictBase, int]:
+    def _combine(self, pool: WorkerPool, notices: dict[int, Any], lend: bool) -> tuple[TensorDictBase, int]:
+        n, stack = len(pool.workers), pool.stack
+        valid = sum(notices[i].frames for i in range(n))
+        if stack is not None:
+            steps = stack.layout.batch_size[-1]
+            partial = any(notices[i].steps < steps for i in range(n))
+            root, layout = stack.root(self._slot), stack.layout
+            copies = self._copies
+            batch: TensorDictBase = copies.views(root, layout) if lend else copies.copy(root, layout)
+            if partial or self._threshold is not None:
+                batch.set(("collector", "mask"), batch.get(("collector", "traj_ids")) != -1)
+            return batch, valid
         blocks = [w.slots[0] for w in pool.workers]
         slots = [b.td for b in blocks]
-        partial = any(notices[i].steps < slots[i].batch_size[-1] for i in range(len(slots)))
-        valid = sum(notices[i].frames for i in range(len(slots)))
+        partial = any(notices[i].steps < slots[i].batch_size[-1] for i in range(n))
         if self._cat_results == "stack":
-            batch: TensorDictBase = self._copies.stack(blocks)  # the one copy out of shared memory
+            batch = self._copies.stack(blocks)  # the one copy out of shared memory
             if partial or self._threshold is not None:
                 batch.set(("collector", "mask"), batch.get(("collector", "traj_ids")) != -1)
             return batch, valid

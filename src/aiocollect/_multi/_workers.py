@@ -44,8 +44,9 @@ from .._weightsync._schemes import (
     WeightSync,
     weight_sync_arg,
 )
+from .._workers._forkserver import start_forkserver
 from .._workers._paths import parse_path
-from .._workers._pool import WorkerHandle, WorkerPool, start_forkserver
+from .._workers._pool import WorkerHandle, WorkerPool
 from .._workers._replace import Respawner, WorkerRespawn
 from .._workers._worker import WorkerSpec, control_layout
 from ._args import env_fns_arg, pickled_env_fns, show_worker_warnings, start_method_arg
@@ -205,8 +206,7 @@ class Workers:
 
     @property
     def floors(self) -> Sequence[int]:
-        """Per worker, the oldest policy version a delivered batch may have (mirrored in the control
-        block's "floor")."""
+        """Per worker, the oldest policy version a delivered batch may have (the control block's "floor")."""
         return self.fleet.floors
 
     @property
@@ -264,6 +264,7 @@ class Workers:
             backend=plan.backend,
             start_method=plan.start_method,
             slots_per_worker=self.delivery.slots_per_worker(self),
+            stacked=self.delivery.stacked,
             on_event=fleet.publish,
             timeout=self.timeout,
             on_message=plan.on_message or (lambda index, msg: None),
@@ -274,8 +275,7 @@ class Workers:
             await gather(partial(pool.start, tg), self.sender.connect)
         else:
             await pool.start(tg)
-        ready = [w.ready for w in pool.workers]
-        self.delivery.check_layouts(ready)
+        self.delivery.check_layouts(ready := [w.ready for w in pool.workers])
         return [r.frames_per_batch for r in ready if r is not None]
 
     async def run(self) -> None:

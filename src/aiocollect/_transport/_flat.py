@@ -115,6 +115,12 @@ class FlatLayout:
                 names = tuple(td.names)
         return cls.build(((k, tuple(v.shape), v.dtype) for k, v in items), tuple(td.batch_size), names)
 
+    def resized(self, batch_size: Sequence[int]) -> FlatLayout:
+        """This layout with batch size ``batch_size`` (the leaves as they are)."""
+        if tuple(batch_size) == self.batch_size:
+            return self
+        return FlatLayout(self.leaves, self.nbytes, tuple(int(s) for s in batch_size), self.names)
+
     def leaf(self, key: str | Sequence[str]) -> Leaf:
         """The leaf at ``key``."""
         wanted = _as_key(key)

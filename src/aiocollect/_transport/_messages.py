@@ -47,9 +47,11 @@ __all__ = [
 # -- parent -> worker ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Attach:
-    """Shared-memory segments for the batch slots (and their layout)."""
+    """Shared-memory segments for the batch slots; ``layouts``: each one's layout, when it is not the
+    worker's own batch at offset 0 (a row of a stacked segment, ``_stacked.py``)."""
 
     slot_names: tuple[str, ...]
+    layouts: tuple[Any, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from tensordict import TensorDict
 from .._core._pids import pid_alive
 from ._flat import FlatBuffer, FlatLayout
 
-__all__ = ["PREFIX", "Segment", "SharedBlock", "sweep_orphans"]
+__all__ = ["PREFIX", "Segment", "SharedBlock", "new_name", "sweep_orphans"]
 
 PREFIX = "aiocollect_"
 
@@ -56,6 +56,15 @@ def sweep_orphans(directory: str = _SHM_DIR) -> list[str]:
     return removed
 
 
+def new_name() -> str:
+    """A fresh segment name of this process (the first one sweeps the orphans: :func:`sweep_orphans`)."""
+    global _swept
+    if not _swept:
+        _swept = True
+        sweep_orphans()
+    return f"{PREFIX}{os.getpid()}_{secrets.token_hex(6)}"
+
+
 class Segment:
     """A named ``/dev/shm`` segment of ``size`` bytes (``buf``): created by the parent (``name=None``), which
     unlinks it, or mapped by name (a worker: no resource-tracker registration, the parent owns it)."""
@@ -65,13 +74,7 @@ class Segment:
         self._mmap: mmap.mmap | None = None
         self.buf: Any
         if name is None:
-            global _swept
-            if not _swept:
-                _swept = True
-                sweep_orphans()
-            self._shm = shared_memory.SharedMemory(
-                name=f"{PREFIX}{os.getpid()}_{secrets.token_hex(6)}", create=True, size=size
-            )
+            self._shm = shared_memory.SharedMemory(name=new_name(), create=True, size=size)
             self.name, self.buf = self._shm.name, self._shm.buf
         else:
             self.name = name
@@ -109,8 +112,8 @@ class SharedBlock:
     def __init__(
         self, layout: FlatLayout, batch_size: Sequence[int] | None = None, name: str | None = None
     ) -> None:
-        if batch_size is not None and tuple(batch_size) != layout.batch_size:
-            layout = FlatLayout(layout.leaves, layout.nbytes, tuple(batch_size), layout.names)
+        if batch_size is not None:
+            layout = layout.resized(batch_size)
         self.layout = layout
         self.batch_size = layout.batch_size
         self.nbytes = layout.nbytes

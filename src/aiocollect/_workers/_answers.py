@@ -12,7 +12,7 @@ import torch
 
 from .._policies._weights import flat_weights
 from .._transport._flat import FlatLayout
-from .._transport._messages import GetAttr, GetPath, GetState, GetWeights, LoadState, MapFn
+from .._transport._messages import Attach, GetAttr, GetPath, GetState, GetWeights, LoadState, MapFn
 from .._transport._shm import SharedBlock
 from ._paths import resolve
 
@@ -52,6 +52,22 @@ class MemberIO:
         self.weights = spec.weights.open(spec.index) if spec.weights is not None else None
         self.slots: list[SharedBlock] = []
         self.free: set[int] = set()
+
+    def map_slots(self, msg: Attach, layout: FlatLayout, batch_size: tuple[int, ...]) -> None:
+        """Map the slots ``msg`` names, each with its layout or else the worker's own (``layout``,
+        ``batch_size``); the ones mapped already are kept (a stacked segment was added)."""
+        mapped = {slot.name: slot for slot in self.slots}
+        rows = msg.layouts or (None,) * len(msg.slot_names)
+        slots = []
+        for name, row in zip(msg.slot_names, rows, strict=True):
+            slot = mapped.pop(name, None)
+            if slot is None:
+                own = row is None
+                slot = SharedBlock(layout if own else row, batch_size if own else None, name=name)
+            slots.append(slot)
+        for slot in mapped.values():
+            slot.close()
+        self.slots = slots
 
     def array(self, name: str) -> Any:
         """The control block's array ``name`` (every worker's entry), a numpy view."""

@@ -28,7 +28,6 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from .._core._errors import WorkerDiedError, WorkerTimeoutError
 from .._core._gather import gather
-from .._core._mistakes import check_main_guard
 from .._core._processes import reaped, signal_group, started
 from .._observe._events import Event, Restarted, WeightsLoaded, WorkerFailed, WorkerStarted, WorkerStopped
 from .._observe._stats import WorkerState
@@ -47,12 +46,13 @@ from .._transport._messages import (
     WorkerOp,
 )
 from .._transport._shm import SharedBlock
+from .._transport._stacked import StackedSlots
 from .._transport._waiters import WaiterTable
 from .._transport._wire import AsyncChannel
-from ._preload import PRELOAD
+from ._forkserver import context
 from ._worker import WorkerSpec, start_thread_worker, worker_main
 
-__all__ = ["Respawning", "WorkerHandle", "WorkerPool", "signal_group", "start_forkserver"]
+__all__ = ["Respawning", "WorkerHandle", "WorkerPool", "signal_group"]
 
 
 def _check_op(op: object) -> None:
@@ -108,33 +108,6 @@ class WorkerHandle:
         return getattr(self.process, "exitcode", None)
 
 
-def _context(start_method: str) -> Any:
-    ctx = mp.get_context(start_method)
-    if start_method == "forkserver":
-        ctx.set_forkserver_preload(PRELOAD)
-    return ctx
-
-
-def start_forkserver(backend: str, start_method: str, caller: str) -> None:
-    """Start multiprocessing's forkserver now if ``backend`` workers will start through it (it is shared by
-    the whole process and lives as long as it). Called when a collector (``caller``, for messages) is
-    built: the forkserver's imports (most of a first start-up, ~1-2 s) then overlap whatever the trainer
-    does before it enters the collector. Spawning it takes a few milliseconds and waits for nothing; if it
-    fails, the start-up fails the same way later. First, before any process starts, a script that would
-    start collection again in every worker (no main guard) is refused.
-    """
-    if backend != "process":
-        return
-    check_main_guard(caller, start_method)
-    if start_method != "forkserver":
-        return
-    from multiprocessing import forkserver
-
-    _context(start_method)
-    with contextlib.suppress(OSError):
-        forkserver.ensure_running()
-
-
 class Respawning(Protocol):
     """What the pool asks of its replacement of lost workers (``_replace.Respawner``, set as
     :attr:`WorkerPool.respawner` by the transport)."""
@@ -156,6 +129,7 @@ class WorkerPool:
         backend: str,
         start_method: str,
         slots_per_worker: int,
+        stacked: bool = False,
         on_event: Callable[[Event], None] = lambda event: None,
         timeout: float | None = None,
         on_message: Callable[[int, Any], None] = lambda index, msg: None,
@@ -173,6 +147,9 @@ class WorkerPool:
         self.backend = backend
         self.start_method = start_method
         self.slots_per_worker = slots_per_worker
+        #: ``stacked``: each round's batches as the rows of one segment, lent as they are (``_stacked.py``)
+        self.stacked = stacked
+        self.stack: StackedSlots | None = None
         self.workers: list[WorkerHandle] = []
         self.failure: BaseException | None = None
         self.closing = False
@@ -199,14 +176,23 @@ class WorkerPool:
                     await handle.readied.wait()
         if self.failure is not None:
             raise self.failure
+        if self.stacked:
+            self.stack = StackedSlots.over([h.ready for h in self.workers], [s.run for s in self.specs])
         for handle in self.workers:
             assert handle.ready is not None
-            handle.slots = [
-                SharedBlock(handle.ready.layout, handle.ready.batch_size)
-                for _ in range(self.slots_per_worker)
-            ]
-            await handle.channel.send(Attach(tuple(s.name for s in handle.slots)))
+            if self.stack is None:
+                handle.slots = [
+                    SharedBlock(handle.ready.layout, handle.ready.batch_size)
+                    for _ in range(self.slots_per_worker)
+                ]
+            await handle.channel.send(self.attach_message(handle))
         self.tg = tg  # from now on a worker that dies may be replaced (RestartPolicy)
+
+    def attach_message(self, handle: WorkerHandle) -> Attach:
+        """What worker ``handle`` maps: its own slots, or its rows of the stacked segments."""
+        if self.stack is not None:
+            return self.stack.attach(handle.index)
+        return Attach(tuple(s.name for s in handle.slots))
 
     async def spawn(self, spec: WorkerSpec) -> WorkerHandle:
         """Start the worker of ``spec`` (a process, or a thread with the serial backend)."""
@@ -214,7 +200,7 @@ class WorkerPool:
         if self.backend == "process":
             # not daemonic: a worker may start processes (a torchrl ParallelEnv, a gymnasium
             # AsyncVectorEnv); it leads its own process group, which aclose() and _reader reap whole
-            process = _context(self.start_method).Process(
+            process = context(self.start_method).Process(
                 target=worker_main,
                 args=(child_sock, spec),
                 name=f"aiocollect-worker-{spec.index}",
@@ -454,6 +440,8 @@ class WorkerPool:
                 if isinstance(handle.process, mp.process.BaseProcess):
                     with contextlib.suppress(ValueError):
                         handle.process.close()
+            if self.stack is not None:
+                self.stack.close()
             self._deliveries_send.close()
             self.deliveries.close()
 

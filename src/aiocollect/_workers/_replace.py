@@ -21,7 +21,7 @@ import anyio
 
 from .._core._errors import WorkerDiedError
 from .._core._restart import Lost
-from .._transport._messages import Attach, BatchReady, LoadWeights
+from .._transport._messages import BatchReady, LoadWeights
 from .._transport._shm import SharedBlock
 from .._weightsync._schemes import WeightSender
 from ._pool import WorkerHandle, WorkerPool, signal_group
@@ -100,7 +100,7 @@ class Respawner:
             race.start_soon(until, new.readied)
             race.start_soon(until, new.exited)
         if new.ready is not None and not new.exited.is_set():
-            await new.channel.send(Attach(tuple(s.name for s in new.slots)))
+            await new.channel.send(pool.attach_message(new))
             new.attached = True
         return new
 

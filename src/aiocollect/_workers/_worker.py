@@ -45,7 +45,6 @@ from .._transport._messages import (
     SetSeed,
     failure,
 )
-from .._transport._shm import SharedBlock
 from .._transport._wire import BlockingChannel
 from ._answers import HALTED, READS, MemberIO, control_layout, read, unversioned
 
@@ -207,8 +206,7 @@ class Worker(MemberIO):
         return layout_of(batch), tuple(batch.batch_size)
 
     def attach(self, msg: Attach) -> None:
-        layout, batch_size = self.layout()
-        self.slots = [SharedBlock(layout, batch_size, name=name) for name in msg.slot_names]
+        self.map_slots(msg, *self.layout())
 
     def load_weights(self) -> int:
         if self.weights is not None and isinstance(self.policy, torch.nn.Module):
