@@ -90,9 +90,9 @@ def bootstrap_child(conn: Any, deadline: float) -> None:
 
 
 async def bootstrap_variant(seconds: float) -> tuple[float, float]:
-    from aiocollect._workers._pool import _context
+    from aiocollect._workers._forkserver import context
 
-    ctx = _context("forkserver")
+    ctx = context("forkserver")
     t0 = time.time()
     pipes, procs = [], []
     for _ in range(PROCS):

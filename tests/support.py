@@ -485,9 +485,9 @@ def warm_forkserver() -> None:
     their fds and processes exist before a test takes its leak baseline."""
     from multiprocessing import forkserver, resource_tracker
 
-    from aiocollect._workers._pool import _context
+    from aiocollect._workers._forkserver import context
 
-    _context("forkserver")
+    context("forkserver")
     forkserver.ensure_running()
     resource_tracker.ensure_running()
 

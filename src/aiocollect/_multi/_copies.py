@@ -7,8 +7,10 @@ that with one new tensor per entry: for pixels the kernel then maps and zeroes f
 six times the cost of the copy itself (a 26 MB batch of 8 x 16 Atari frames: 136 against 21 CPU-µs per
 frame, measured). Here one worker's batch is one ``memcpy`` into a buffer of a :class:`StoragePool`, whose
 pages stay warm once the consumer has let go of an earlier batch, and the batch's tensors are views of that
-buffer at the slot's own offsets. Stacked or concatenated batches (``MultiSyncCollector``) take one copy per
-entry and worker, into the tensors of one pooled buffer. Either way the batch owns its memory: the slot is
+buffer at the slot's own offsets. Concatenated batches (``MultiSyncCollector``) take one copy per entry and
+worker, into the tensors of one pooled buffer; stacked ones are not copied at all where the workers wrote
+them as the rows of one segment (``_transport/_stacked.py``): :meth:`BatchCopies.views` lends the segment
+as the batch, under that module's ownership rule. A copied batch owns its memory: the slot is
 free for the worker as soon as the copy is made, and the consumer may keep the batch as long as it likes
 (a kept batch only keeps its buffer from being reused).
 """
