@@ -162,7 +162,7 @@ class Gather:
         """With stacked slots: the segment no batch holds that the workers collect into this round
         (``_slot``), and whether its batch may be lent: yes, if another segment is free for the next
         round, or one could be added (every worker then maps it; a replacement starting maps it once it
-        is ready). The first segment is always free: a batch is lent only with another free one left."""
+        is ready). So there is always a free segment: a batch is lent only with another free one left."""
         stack = pool.stack
         if stack is None:
             return False
