@@ -72,20 +72,17 @@ class BatchCopies:
         return self.copy(block.data, block.layout)
 
     def copy(self, data: torch.Tensor | np.ndarray, layout: FlatLayout) -> TensorDict:
-        """A copy of the batch of ``layout`` in ``data`` (a flat ``uint8`` buffer): :meth:`one`'s."""
+        """A copy of the batch of ``layout`` in ``data`` (a flat ``uint8`` buffer): :meth:`one`'s, one copy
+        into a pooled buffer and :meth:`views` of it."""
         buffer = self._pool.take_buffer(layout.nbytes)
-        source = torch.from_numpy(data) if isinstance(data, np.ndarray) else data
-        torch.from_numpy(buffer).copy_(source[: layout.nbytes])
-        tensors = {
-            _td_key(leaf.key): tensor_at(buffer, leaf.offset, leaf.nbytes, leaf.shape, leaf.dtype)[0]
-            for leaf in layout.leaves
-        }
-        return nested_td(tensors, layout.batch_size, _time_last(len(layout.batch_size)))
+        torch.from_numpy(buffer).copy_(torch.as_tensor(data))
+        return self.views(buffer, layout)
 
     @staticmethod
     def views(root: np.ndarray, layout: FlatLayout) -> TensorDict:
-        """The batch of ``layout`` in ``root`` (a stacked segment lent as it is, ``_transport/_stacked.py``):
-        new views, each holding ``root``, so that the segment counts as held while any is alive."""
+        """The batch of ``layout`` in ``root`` (a ``uint8`` array: a pooled copy, or a stacked segment lent as
+        it is, ``_transport/_stacked.py``): new views, each holding ``root``, so that ``root`` counts as in
+        use while any is alive."""
         tensors = {
             _td_key(leaf.key): tensor_at(root, leaf.offset, leaf.nbytes, leaf.shape, leaf.dtype)[0]
             for leaf in layout.leaves

@@ -195,30 +195,26 @@ class Gather:
     def _combine(self, pool: WorkerPool, notices: dict[int, Any], lend: bool) -> tuple[TensorDictBase, int]:
         n, stack = len(pool.workers), pool.stack
         valid = sum(notices[i].frames for i in range(n))
-        if stack is not None:
-            steps = stack.layout.batch_size[-1]
-            partial = any(notices[i].steps < steps for i in range(n))
-            root, layout = stack.root(self._slot), stack.layout
-            copies = self._copies
-            batch: TensorDictBase = copies.views(root, layout) if lend else copies.copy(root, layout)
-            if partial or self._threshold is not None:
-                batch.set(("collector", "mask"), batch.get(("collector", "traj_ids")) != -1)
-            return batch, valid
-        blocks = [w.slots[0] for w in pool.workers]
-        slots = [b.td for b in blocks]
-        partial = any(notices[i].steps < slots[i].batch_size[-1] for i in range(n))
-        if self._cat_results == "stack":
+        blocks = [w.slots[0] for w in pool.workers] if stack is None else []
+        steps = [b.batch_size[-1] for b in blocks] if stack is None else [stack.layout.batch_size[-1]] * n
+        partial = any(notices[i].steps < steps[i] for i in range(n))
+        if self._cat_results != "stack":
+            parts = [b.td[..., : notices[i].steps] if partial else b.td for i, b in enumerate(blocks)]
+            uneven = partial and len({p.batch_size for p in parts}) > 1
+            if self._cat_results == 0 and uneven and parts[0].ndim > 1:
+                raise RuntimeError(
+                    "preempted batches of batched envs cannot be concatenated along dim 0; use cat_results=-1"
+                )
+            return self._copies.cat(parts, 0 if self._cat_results == 0 else -1), valid
+        batch: TensorDictBase
+        if stack is None:
             batch = self._copies.stack(blocks)  # the one copy out of shared memory
-            if partial or self._threshold is not None:
-                batch.set(("collector", "mask"), batch.get(("collector", "traj_ids")) != -1)
-            return batch, valid
-        parts = [s[..., : notices[i].steps] if partial else s for i, s in enumerate(slots)]
-        uneven = partial and len({p.batch_size for p in parts}) > 1
-        if self._cat_results == 0 and uneven and parts[0].ndim > 1:
-            raise RuntimeError(
-                "preempted batches of batched envs cannot be concatenated along dim 0; use cat_results=-1"
-            )
-        return self._copies.cat(parts, 0 if self._cat_results == 0 else -1), valid
+        else:  # the workers wrote the stacked batch: lent as it is, or (no segment to spare) copied out
+            root = stack.root(self._slot)
+            batch = self._copies.views(root, stack.layout) if lend else self._copies.copy(root, stack.layout)
+        if partial or self._threshold is not None:
+            batch.set(("collector", "mask"), batch.get(("collector", "traj_ids")) != -1)
+        return batch, valid
 
 
 class MultiSyncCollector(WorkersMixin, FleetCollector):

@@ -22,15 +22,15 @@ from tensordict import TensorDict
 from .._core._pids import pid_alive
 from ._flat import FlatBuffer, FlatLayout
 
-__all__ = ["PREFIX", "Segment", "SharedBlock", "new_name", "sweep_orphans"]
+__all__ = ["PREFIX", "SHM_DIR", "Segment", "SharedBlock", "new_name", "sweep_orphans"]
 
 PREFIX = "aiocollect_"
 
-_SHM_DIR = "/dev/shm"
+SHM_DIR = "/dev/shm"
 _swept = False
 
 
-def sweep_orphans(directory: str = _SHM_DIR) -> list[str]:
+def sweep_orphans(directory: str = SHM_DIR) -> list[str]:
     """Unlink the ``aiocollect_<pid>_*`` segments of processes that no longer exist (this pid namespace;
     our own files only) and return their names. Run once per process, before its first segment."""
     try:

@@ -44,9 +44,7 @@ import torch
 
 from ._flat import FlatLayout, Leaf
 from ._messages import Attach
-from ._shm import new_name
-
-_SHM_DIR = "/dev/shm"
+from ._shm import SHM_DIR, new_name
 
 __all__ = ["StackedSlots", "row_layout", "stacked_layout"]
 
@@ -70,7 +68,7 @@ def row_layout(stacked: FlatLayout, i: int) -> FlatLayout:
     return FlatLayout(tuple(leaves), stacked.nbytes, stacked.batch_size[1:], names)
 
 
-def _room_for(nbytes: int, directory: str = _SHM_DIR) -> bool:
+def _room_for(nbytes: int, directory: str = SHM_DIR) -> bool:
     """Whether ``directory`` has room for another segment of ``nbytes`` and as much again to spare."""
     try:
         stats = os.statvfs(directory)
@@ -84,16 +82,13 @@ def _mapped(nbytes: int) -> tuple[str, np.ndarray]:
     keeps no file descriptor (torch's file mapping closes it), and it is unmapped when the array and every
     view of it are gone: a batch kept after the collector closed holds memory, nothing else."""
     name = new_name()
-    path = os.path.join(_SHM_DIR, name)
+    path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.ftruncate(fd, nbytes)
-    except BaseException:
-        os.close(fd)
-        os.unlink(path)
-        raise
-    os.close(fd)
-    try:
+        try:
+            os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
         storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
     except BaseException:
         os.unlink(path)
@@ -125,7 +120,7 @@ class StackedSlots:
         same layout and batch size for all, each the rollout worker (no body of its own), and a
         ``/dev/shm`` (Linux) to map the segments from."""
         layouts = {(r.layout, r.batch_size) for r in readies}
-        if len(layouts) != 1 or any(body is not None for body in bodies) or not os.path.isdir(_SHM_DIR):
+        if len(layouts) != 1 or any(body is not None for body in bodies) or not os.path.isdir(SHM_DIR):
             return None
         layout, batch_size = layouts.pop()
         return cls(layout.resized(batch_size), len(readies))
@@ -158,5 +153,5 @@ class StackedSlots:
         self._roots = []
         for name in self.names:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(_SHM_DIR, name))
+                os.unlink(os.path.join(SHM_DIR, name))
         self.names = []
