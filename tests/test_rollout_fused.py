@@ -91,9 +91,9 @@ def count_fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     run_steps = GymEnv._run_steps
 
-    def counted(self: GymEnv, *args: Any) -> Any:
+    def counted(self: GymEnv, *args: Any, **kwargs: Any) -> Any:
         calls.append(1)
-        return run_steps(self, *args)
+        return run_steps(self, *args, **kwargs)
 
     monkeypatch.setattr(GymEnv, "_run_steps", counted)
     return calls

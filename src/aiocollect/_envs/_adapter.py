@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from .._core._options import RolloutOptions
 from ._contract import env_contract
 from ._gym import ArrayStep, GymEnv, fusable_type, overrides_gym_env
 from ._multiagent._base import GroupedEnv
@@ -23,7 +24,7 @@ from ._protocol import EnvProtocol
 from ._spaces import LeafSpec, NestedKey, action_specs, group_specs, grouped_action_keys, observation_specs
 from ._torchrl import TorchRLArrays, is_torchrl_env
 
-__all__ = ["ArrayEnv", "check_env", "env_contract"]
+__all__ = ["ArrayEnv", "check_env", "env_contract", "open_env"]
 
 _FLAGS = ("done", "terminated", "truncated")
 _REQUIRED = ("batch_size", "observation_space", "action_space", "reset", "step", "set_seed", "close")
@@ -39,6 +40,26 @@ def check_env(env: Any, *, argument: str = "create_env_fn") -> None:
             f"{argument} gave {type(env).__name__}, which lacks {', '.join(missing)} of the env protocol "
             "(see aiocollect.EnvProtocol); wrap gymnasium envs with aiocollect.GymEnv"
         )
+
+
+def open_env(create_env_fn: Any, options: RolloutOptions) -> Any:
+    """The env of an in-process collector: an env instance as is, else ``create_env_fn()`` (a function,
+    a class, a partial); checked, and seeded with ``options.seed``. Closed again if a check fails."""
+    is_env = hasattr(create_env_fn, "step") and not isinstance(create_env_fn, type)
+    env = create_env_fn if is_env else create_env_fn()
+    check_env(env)
+    try:
+        if options.set_truncated and not getattr(env, "has_truncated", True):
+            raise ValueError(
+                f"set_truncated=True but {type(env).__name__} has no truncation "
+                "(has_truncated=False); drop set_truncated"
+            )
+        if options.seed is not None:
+            env.set_seed(options.seed)
+    except BaseException:
+        env.close()
+        raise
+    return env
 
 
 def _expand(mask: Any, ndim: int) -> np.ndarray:

@@ -653,6 +653,7 @@ class GymEnv:
         stop: Any,
         clock: Any = None,
         reseed: Any = None,
+        split: Any = None,
     ) -> tuple[int, np.ndarray]:
         """The rollout's hot loop where :attr:`GymEnv._fused_steps` holds: what ``steps`` calls of
         :meth:`GymEnv._step_arrays` give, without a call, a dict and a named tuple per step.
@@ -664,29 +665,27 @@ class GymEnv:
         truncated go to ``slots[1:][t]`` (time-first views of the batch). Stops early where
         ``stop.is_set()``. ``clock``: a ``SplitClock`` that gets the policy calls' time.
         ``reseed(root, done)``: the observations after the ended episodes are reset again, seeded
-        (``group_size``; ``_episodes/_groups.py``).
+        (``group_size``; ``_episodes/_groups.py``). ``slots[0]`` None (one env, ``_rollout/_chain.py``):
+        ``slots[1][t]`` is step ``t + 1``'s observation until an episode ends; ``split`` gives its slot.
         Returns (steps taken, the observation to act on next).
         """
-        env_step = self._env.step
-        reset = self._env.reset
+        env_step, reset = self._env.step, self._env.reset
         leaf = self._policy_action()
-        array = self._array
-        dtype = self._plain_obs_dtype
+        array, dtype = self._array, self._plain_obs_dtype
         assert dtype is not None  # _fused_steps
-        from_numpy = torch.from_numpy
-        count_nonzero = np.count_nonzero
+        from_numpy, count_nonzero = torch.from_numpy, np.count_nonzero
         perf = perf_counter if clock is not None else None
         policy_s = 0.0
         obs_slot, next_slot, reward_slot, terminated_slot, truncated_slot = slots
-        vector = self._vector
+        vector, taken = self._vector, steps
         pending: Any = self._autoreset_pending
-        taken = steps
         try:
             for t in range(steps):
                 if stop is not None and stop.is_set():
                     taken = t
                     break
-                obs_slot[t] = root
+                if obs_slot is not None:  # None: chained, root is next_slot[t - 1] already
+                    obs_slot[t] = root
                 if actions is None:
                     if perf is None:
                         out = act(from_numpy(root))
@@ -724,6 +723,8 @@ class GymEnv:
                         new_obs, _ = reset()
                         root = array(new_obs, dtype) if reseed is None else reseed(None, np.asarray(True))
                         pending = np.asarray(True)
+                        if obs_slot is None and t + 1 < steps:
+                            obs_slot = split(t + 1)
                     else:
                         root = nxt
                         pending = None

@@ -343,8 +343,8 @@ class _FusedSeeded:
     def __init__(self, gym: Any, seeded: SeededEnv) -> None:
         self._gym, self._seeded = gym, seeded
 
-    def _run_steps(self, *args: Any) -> tuple[int, np.ndarray]:
-        return self._gym._run_steps(*args, reseed=self._reseed)
+    def _run_steps(self, *args: Any, **kwargs: Any) -> tuple[int, np.ndarray]:
+        return self._gym._run_steps(*args, reseed=self._reseed, **kwargs)
 
     def _reseed(self, root: np.ndarray | None, done: np.ndarray) -> np.ndarray:
         mask, seeds = self._seeded.next_seeds(done)

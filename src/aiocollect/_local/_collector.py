@@ -32,6 +32,7 @@ from .._core._validation import (
     seed_arg,
     timeout_arg,
 )
+from .._envs._adapter import open_env
 from .._envs._rebuild import env_factory
 from .._episodes._args import chunk_frames, group_size_arg, refuse_cuts, trajs_per_batch_arg
 from .._episodes._assembler import TrajectoryAssembler
@@ -45,7 +46,7 @@ from .._observe._events import (
 )
 from .._observe._stats import CollectorStatistics, WorkerStatistics
 from .._policies._weights import as_weights, check_compatible, copy_weights, module_weights
-from .._rollout._core import RolloutResult, build_rollout, open_env
+from .._rollout._core import RolloutResult, build_rollout
 from .._rollout._thread import Doorbell, Flag, Job, RolloutThread, collect_episodes
 from .._weightsync._schemes import weight_sync_arg
 from ._base import CollectorBase

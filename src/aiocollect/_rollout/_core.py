@@ -19,7 +19,7 @@ from tensordict.nn import set_interaction_type
 
 from .._core._options import RolloutOptions, WeightSchedule
 from .._core._restart import CountedStop
-from .._envs._adapter import ArrayEnv, check_env, env_contract
+from .._envs._adapter import ArrayEnv, env_contract
 from .._envs._rebuild import EnvRebuilder
 from .._envs._spaces import LeafSpec, NestedKey
 from .._episodes._groups import EpisodeSeeds, SeededEnv
@@ -28,9 +28,10 @@ from .._policies._recurrent import Carry, Recurrence, find_recurrence
 from .._policies._runners import Runner, as_policy, compile_policy, make_runner, one_input, random_policy_for
 from ._batch import end_trajectories, episode_stats, nested_td, stack_into, time_first, trajectory_ids
 from ._casts import ActionCaster, lossless_casts
+from ._chain import ObsChain
 from ._storage import StoragePool, batch_specs
 
-__all__ = ["Rollout", "RolloutResult", "StopSignal", "build_rollout", "open_env"]
+__all__ = ["Rollout", "RolloutResult", "StopSignal", "build_rollout"]
 
 _FLAGS = ("done", "terminated", "truncated")
 _ONE_VALUE = frozenset({*_FLAGS, *(("next", f) for f in (*_FLAGS, "reward"))})
@@ -130,6 +131,8 @@ class Rollout:
         self.recurrence = recurrence if recurrence is not None else Recurrence()
         self._carry = Carry(self.recurrence, self.batch_shape) if self.recurrence.specs else None
         self._obs_specs = {**env.obs_specs, **self.recurrence.specs}
+        self._chainable = ObsChain.applies(self.batch_shape, self._obs_specs)
+        self._chain: ObsChain | None = None  # the batch being collected's (_allocate)
         if options.step_count and "step_count" in self._obs_specs:
             raise ValueError(
                 "the env has a 'step_count' entry already (a StepCounter): drop max_frames_per_traj and "
@@ -259,18 +262,22 @@ class Rollout:
         return self._specs
 
     def _allocate(
-        self, into: TensorDictBase | None = None, *, named: bool = True
+        self, into: TensorDictBase | None = None, *, named: bool = True, chain: bool = False
     ) -> tuple[TensorDict, dict[Any, np.ndarray]]:
         """The batch's tensors (from ``into``'s, when given) and numpy views to write them through;
-        ``named``: the last dim is named ``"time"`` (given to the constructor: cheaper than set after)."""
+        ``named``: the last dim is named ``"time"`` (given to the constructor: cheaper than set after);
+        ``chain``: one env's screens stored once per step where they can be (``self._chain``,
+        _rollout/_chain.py)."""
         keys, specs = self._batch_specs()
         bt = (*self.batch_shape, self.steps_per_batch)
+        at = keys.index(("next", "observation")) if chain and self._chainable and into is None else None
         # one buffer for the batch, reused once the consumer has dropped an earlier batch
         # (_rollout/_storage.py)
         if into is not None:
             taken: list[tuple[torch.Tensor, Any]] = [(into.get(key), None) for key in keys]
         else:
-            taken = self._storage.take_arrays(specs)
+            taken = self._storage.take_arrays(specs if at is None else ObsChain.longer(specs, at))
+        self._chain = None if at is None else ObsChain.over(taken, at, keys.index("observation"))
         tensors: dict[Any, torch.Tensor] = {}
         views: dict[Any, np.ndarray] = {}
         for key, (tensor, view) in zip(keys, taken, strict=True):
@@ -312,7 +319,7 @@ class Rollout:
             self.reset()
         elif self.options.on_update == "restart" and self.policy_version != self._episodes_version:
             self.reset(again=True)  # new weights: the episodes in flight start again (their frames discarded)
-        batch, views = self._allocate(into)
+        batch, views = self._allocate(into, chain=True)
         runner = self.random_runner if random else self.policy
         block, block_steps = self._random_block(runner)
         hist = _Steps(step_count=[] if self.options.step_count else None)
@@ -323,6 +330,8 @@ class Rollout:
             else:
                 steps = self._run_restarting(self.restarts, views, runner, block_steps, hist, stop)
         since = self.clock.loop_ended(mark)
+        if self._chain is not None and (chained := self._chain.observation()) is not None:
+            batch.set("observation", chained)  # the chain held: "observation" is a view of it
         if block is not None:  # a random batch: the actions of every step at once, steps first
             nb = len(self.batch_shape)
             hist.out = [{k: v[:steps].movedim(0, nb) for k, v in block.items()}]
@@ -500,15 +509,20 @@ class Rollout:
         reward, terminated, truncated = (
             time_first(views[("next", k)], nb)[start:] for k in ("reward", "terminated", "truncated")
         )
+        chain, root = self._chain, self._root["observation"]
         steps, obs = fused._run_steps(
             self.steps_per_batch - start,
-            self._root["observation"],
+            root,
             one_input(runner, "observation"),
             block_actions if block_actions is None or not start else block_actions[start:],
-            (obs_slots[0][0][1][start:], obs_slots[1][0][1][start:], reward, terminated, truncated),
+            (
+                obs_slots[0][0][1][start:] if chain is None else chain.begin(root, start),
+                *(obs_slots[1][0][1][start:], reward, terminated, truncated),
+            ),
             hist.out,
             stop,
             self.clock if self.clock.measures else None,
+            **({} if chain is None else {"split": chain.split}),
         )
         hist.written, hist.out_stacked = True, getattr(fused, "_pool", False)  # PoolFrames: one entry
         self._root = {"observation": obs}
@@ -666,23 +680,3 @@ def build_rollout(
     if options.restart is not None:
         rollout.restarts = EnvRebuilder(factory, options.restart, seed=options.seed, on_env=on_env)
     return rollout, policy, random_policy
-
-
-def open_env(create_env_fn: Any, options: RolloutOptions) -> Any:
-    """The env of an in-process collector: an env instance as is, else ``create_env_fn()`` (a function,
-    a class, a partial); checked, and seeded with ``options.seed``. Closed again if a check fails."""
-    is_env = hasattr(create_env_fn, "step") and not isinstance(create_env_fn, type)
-    env = create_env_fn if is_env else create_env_fn()
-    check_env(env)
-    try:
-        if options.set_truncated and not getattr(env, "has_truncated", True):
-            raise ValueError(
-                f"set_truncated=True but {type(env).__name__} has no truncation "
-                "(has_truncated=False); drop set_truncated"
-            )
-        if options.seed is not None:
-            env.set_seed(options.seed)
-    except BaseException:
-        env.close()
-        raise
-    return env
