@@ -176,6 +176,17 @@ async def test_small_observations_and_several_envs_are_not_chained(make: Any) ->
         assert_same(batch, reference)
 
 
+async def test_the_per_step_loop_keeps_two_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``max_frames_per_traj`` steps one env per step (not the fused loop): never chained, the same data."""
+    batches = await collect(lambda: GymEnv(Screens(end=0.0)), batches=3, max_frames_per_traj=30)
+    unchained(monkeypatch)
+    plain = await collect(lambda: GymEnv(Screens(end=0.0)), batches=3, max_frames_per_traj=30)
+    for (batch, _, linked, overlap), (_, reference, _, _) in zip(batches, plain, strict=True):
+        assert not linked and not overlap
+        assert_same(batch, reference)
+    assert bool(batches[0][0]["next", "truncated"][29])  # the per-step loop's own truncation ran
+
+
 class FailsOnce:
     """``create_env_fn`` of Screens envs whose step raises at its ``at``-th call (over every env)."""
 
