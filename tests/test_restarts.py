@@ -514,7 +514,9 @@ async def test_async_vector_env_restarts_whole() -> None:
     workers = collector.statistics().workers
     assert len(workers) == 4 and workers[1].restarts == workers[2].restarts == 0  # on the first row
     assert workers[0].restarts == faulty.calls // 40 > 0 and workers[3].restarts == single.calls // 40
-    assert faulty.built == 1 + workers[0].restarts
+    # a restart counts when it is admitted (its Restarted event goes out then): the run may reach its
+    # total_frames while the last admitted rebuild is still waiting, and that one never builds
+    assert faulty.built - 1 <= workers[0].restarts <= faulty.built
 
 
 @one_backend()
