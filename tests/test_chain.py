@@ -162,6 +162,19 @@ async def test_a_chained_batch_is_one_copy_per_screen_and_a_reset_splits_it() ->
     assert not torch.equal(ends_last[1][0]["observation"][0], ends_last[0][0]["next", "observation"][-1])
 
 
+async def test_a_dropped_chained_batch_leaves_its_buffer_to_the_next() -> None:
+    """A consumer that drops each batch before asking for the next gets every batch in one buffer."""
+    addresses = []
+    async with Collector(
+        lambda: GymEnv(Screens(end=0.0)), None, frames_per_batch=STEPS, total_frames=4 * STEPS
+    ) as collector:
+        async for batch in collector:
+            assert shares(batch)
+            addresses.append(batch["next", "observation"].data_ptr())
+            del batch
+    assert len(set(addresses)) == 1
+
+
 @pytest.mark.parametrize(
     "make",
     [

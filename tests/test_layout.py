@@ -43,7 +43,7 @@ LONG_MODULES: dict[str, int] = {
     "aiocollect/_local/_base.py": 415,  # issue 29: request_stop's hook for fleets (_stopping)
     "aiocollect/_remote/_launchers.py": 465,  # issue 28: Launcher.relaunchable
     # issue 28: env restarts within a batch (Rollout._run_restarting); issue 34: a restarted pool per step
-    "aiocollect/_rollout/_core.py": 682,
+    "aiocollect/_rollout/_core.py": 683,
     "aiocollect/_serve/_ws.py": 585,
     # issue 28: each worker's env restarts, events and counts; step 2: worker replacement hooks (spawn,
     # doomed workers, calls raced against a worker's exit), the respawn itself in _replace.py

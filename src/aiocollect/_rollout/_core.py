@@ -330,7 +330,8 @@ class Rollout:
             else:
                 steps = self._run_restarting(self.restarts, views, runner, block_steps, hist, stop)
         since = self.clock.loop_ended(mark)
-        if self._chain is not None and (chained := self._chain.observation()) is not None:
+        chain, self._chain = self._chain, None  # (a batch the consumer drops leaves its buffer free)
+        if chain is not None and (chained := chain.observation()) is not None:
             batch.set("observation", chained)  # the chain held: "observation" is a view of it
         if block is not None:  # a random batch: the actions of every step at once, steps first
             nb = len(self.batch_shape)
