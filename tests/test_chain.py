@@ -21,6 +21,7 @@ from torch import nn
 
 from aiocollect import Collector, GymEnv, RestartPolicy
 from aiocollect._rollout._chain import CHAIN_MIN_BYTES, ObsChain
+from aiocollect._rollout._storage import POOL_MIN_BYTES
 from support import EnvFailure
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("leaks")]
@@ -163,10 +164,13 @@ async def test_a_chained_batch_is_one_copy_per_screen_and_a_reset_splits_it() ->
 
 
 async def test_a_dropped_chained_batch_leaves_its_buffer_to_the_next() -> None:
-    """A consumer that drops each batch before asking for the next gets every batch in one buffer."""
+    """A consumer that drops each batch before asking for the next gets every batch in one buffer (of
+    the pool's: 200 frames of 2 x 4 KiB, past ``POOL_MIN_BYTES``)."""
     addresses = []
+    frames = 200
+    assert 2 * frames * 64 * 64 > POOL_MIN_BYTES
     async with Collector(
-        lambda: GymEnv(Screens(end=0.0)), None, frames_per_batch=STEPS, total_frames=4 * STEPS
+        lambda: GymEnv(Screens(end=0.0)), None, frames_per_batch=frames, total_frames=4 * frames
     ) as collector:
         async for batch in collector:
             assert shares(batch)
