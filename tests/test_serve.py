@@ -292,6 +292,24 @@ async def test_server_killed_error_arrives_within_two_seconds(clean: Any, timing
             await env.close()
 
 
+async def test_a_connection_reset_at_once_is_a_connection_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that dies as it accepts (CI saw it: the server killed, the client reconnecting) resets the
+    connection before anyio wraps the socket, whose ``getpeername`` check then raises ``ValueError``:
+    that is a ``RemoteConnectionError`` naming the url, as a refused connection is."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    async def reset_at_once(sock: socket.socket) -> Any:
+        raise ValueError("the socket must be connected")  # what anyio raises for ENOTCONN
+
+    monkeypatch.setattr(anyio.abc.SocketStream, "from_socket", reset_at_once)
+    try:
+        with pytest.raises(RemoteConnectionError, match=f"cannot connect to ws://127.0.0.1:{port}.*reset"):
+            await connect(f"ws://127.0.0.1:{port}", "/", TOKEN)
+    finally:
+        listener.close()
+
+
 # -- policies -------------------------------------------------------------------------------------------
 class CountingPolicy(TensorDictModule):
     def __init__(self) -> None:

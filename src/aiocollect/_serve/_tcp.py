@@ -38,7 +38,10 @@ async def open_tcp(host: str, port: int) -> anyio.abc.SocketStream:
             code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
         if code:
             raise OSError(code, f"{os.strerror(code)} ({host}:{port})")
-        return await anyio.abc.SocketStream.from_socket(sock)
+        try:
+            return await anyio.abc.SocketStream.from_socket(sock)
+        except ValueError as exc:  # anyio's getpeername check: the peer reset the connection already
+            raise OSError(errno.ENOTCONN, f"the connection was reset at once ({host}:{port})") from exc
     except BaseException:
         sock.close()
         raise
