@@ -8,7 +8,7 @@ per 100 KB Atari frame). In a batch where an episode ends before the last step t
 step on the observations are written to their own slot (``separate``, allocated with the batch), the
 frames before copied there once, and the batch's ``"observation"`` is that slot, as without a chain.
 
-A chained batch's two keys share memory: an in-place write to one shows in the other (docs/batches.md).
+A chained batch's two keys share memory: an in-place write to one shows in the other (docs/conventions.md).
 Only the fused loop (``GymEnv._run_gym_steps``) links a chain; the other loops write ``separate``.
 """
 
@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from ._storage import numpy_dtype
 
 __all__ = ["CHAIN_MIN_BYTES", "ObsChain"]
 
@@ -33,7 +35,7 @@ class ObsChain:
     Example:
         >>> import numpy as np, torch
         >>> specs = [((3, 2048), torch.float32), ((3, 2048), torch.float32)]  # obs, ("next", "obs")
-        >>> taken = [(torch.zeros(shape), None) for shape, _ in ObsChain.longer(specs, 1)]
+        >>> taken = [(t, t.numpy()) for t in (torch.zeros(s) for s, _ in ObsChain.longer(specs, 1))]
         >>> chain = ObsChain.over(taken, 1, 0)
         >>> taken[1][0].shape  # ("next", "observation"): the chain's last 3 frames
         torch.Size([3, 2048])
@@ -43,9 +45,9 @@ class ObsChain:
         True
     """
 
-    def __init__(self, tensor: torch.Tensor, separate: np.ndarray) -> None:
+    def __init__(self, tensor: torch.Tensor, chain: np.ndarray, separate: np.ndarray) -> None:
         self.tensor = tensor  # [T + 1, *frame]
-        self.chain: np.ndarray = tensor.numpy()
+        self.chain = chain  # its numpy array
         self.separate = separate  # [T, *frame]: "observation" once the chain is split
         self.linked = False
 
@@ -56,9 +58,7 @@ class ObsChain:
         spec = obs_specs.get("observation")
         if batch_shape or len(obs_specs) != 1 or spec is None:
             return False
-        try:  # the loops write through numpy (not bfloat16, float8)
-            torch.empty(0, dtype=spec.dtype).numpy()
-        except TypeError:
+        if numpy_dtype(spec.dtype) is None:  # the loops write through numpy (not bfloat16, float8)
             return False
         return prod(spec.shape) * spec.dtype.itemsize >= CHAIN_MIN_BYTES
 
@@ -70,9 +70,10 @@ class ObsChain:
 
     @classmethod
     def over(cls, taken: list[tuple[torch.Tensor, Any]], at: int, obs_at: int) -> ObsChain:
-        """The chain of ``taken[at]``, which becomes its last ``T`` frames (``("next", "observation")``
-        and its numpy view); ``taken[obs_at]`` is ``separate``."""
-        chain = cls(taken[at][0], taken[obs_at][0].numpy())
+        """The chain of ``taken[at]`` (a tensor and its numpy array, as ``StoragePool.take_arrays`` gives
+        them), which becomes its last ``T`` frames (``("next", "observation")``); ``taken[obs_at]``'s
+        array is ``separate``."""
+        chain = cls(*taken[at], taken[obs_at][1])
         taken[at] = (chain.tensor[1:], chain.chain[1:])
         return chain
 

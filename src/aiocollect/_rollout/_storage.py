@@ -21,7 +21,7 @@ import torch
 
 from .._core._validation import batch_memory
 
-__all__ = ["POOL_MIN_BYTES", "StoragePool", "batch_specs", "tensor_at"]
+__all__ = ["POOL_MIN_BYTES", "StoragePool", "batch_specs", "numpy_dtype", "tensor_at"]
 
 _ALIGN = 64
 #: below this a batch is left to the allocator (glibc reuses heap memory under its mmap threshold)
@@ -97,7 +97,7 @@ class StoragePool:
         if nbytes < POOL_MIN_BYTES:
             out: list[tuple[torch.Tensor, np.ndarray | None]] = []
             for shape, dtype in specs:
-                np_dtype = _numpy_dtype(dtype)
+                np_dtype = numpy_dtype(dtype)
                 if np_dtype is None:
                     out.append((torch.empty(shape, dtype=dtype), None))
                 else:
@@ -127,7 +127,7 @@ def tensor_at(
     the numpy array it is made of (``None`` for a dtype numpy lacks, such as bfloat16): either holds a
     reference to ``buffer``, so that a :class:`StoragePool` sees it in use."""
     raw = buffer[offset : offset + nbytes]
-    np_dtype = _numpy_dtype(dtype)
+    np_dtype = numpy_dtype(dtype)
     if np_dtype is None:
         return torch.from_numpy(raw).view(dtype).view(tuple(shape)), None
     array = raw.view(np_dtype).reshape(tuple(shape))
@@ -137,7 +137,7 @@ def tensor_at(
 _NUMPY_DTYPES: dict[torch.dtype, np.dtype[Any] | None] = {}
 
 
-def _numpy_dtype(dtype: torch.dtype) -> np.dtype[Any] | None:
+def numpy_dtype(dtype: torch.dtype) -> np.dtype[Any] | None:
     """The numpy dtype of a torch dtype, or ``None`` where numpy has none (bfloat16, ...)."""
     try:
         return _NUMPY_DTYPES[dtype]
